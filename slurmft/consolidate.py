@@ -1,0 +1,729 @@
+"""Consolidation: a sharded DCP checkpoint becomes a deployable Hugging Face model directory.
+
+Why streaming: loading every key of a sharded checkpoint before saving needs the whole model in
+RAM (~1x its size; ``dcp_to_torch_save`` ~3x plus a temporary copy on disk), which is what kills
+consolidation jobs for large models. The DCP metadata already names every tensor with its shape and
+dtype, so the safetensors headers — and the split into shard files — are planned before any data is
+read; then one tensor (or a group of small ones no larger than the largest tensor) at a time is read
+with ``dcp.load(..., no_dist=True)``, cast to the target dtype and appended to its shard file. Peak
+memory is about the largest tensor (0.13x the model on a 170M-parameter Llama), not the model.
+
+Why verification against a meta-device model: a checkpoint whose keys do not match the architecture
+would otherwise produce a directory that ``from_pretrained`` loads with randomly initialised,
+silently "missing" weights. Every check that can fail runs before the first byte is written; the
+output is written into a hidden sibling directory and renamed into place only once complete, so a
+failure (full disk, bad key, kill) never leaves a half-written ``model/`` behind.
+
+Layout written, exactly as ``save_pretrained`` does it: ``model.safetensors`` when everything fits
+in one ``max_shard_size`` file, else ``model-0000N-of-0000M.safetensors`` shards plus
+``model.safetensors.index.json``; ``config.json`` (``dtype`` = the saved dtype),
+``generation_config.json`` and the tokenizer files.
+
+Run by hand: ``python -m slurmft.consolidate RUN_DIR [--checkpoint DIR] [--out DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import struct
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from slurmft.config import RunConfig, read_yaml, validate
+from slurmft.errors import CheckpointError, RunDirError, SlurmftError
+from slurmft.job.checkpoints import COMPLETE_MARKER, is_complete, latest_complete, list_checkpoints
+from slurmft.rundir import RunPaths
+
+# accelerate's save_fsdp_model (SHARDED_STATE_DICT, FSDP2) writes the model of checkpoint-<step>/ to
+# pytorch_model_fsdp_0/ with dcp.save({"model": get_model_state_dict(model)}): DCP keys are
+# "model." + the Hugging Face parameter name.
+MODEL_DCP_DIR = "pytorch_model_fsdp_0"
+DCP_METADATA = ".metadata"
+DCP_CONTAINER = "model"
+# Module-wrapper segments that can appear inside a name (activation checkpointing, FSDP1,
+# torch.compile); get_model_state_dict normally strips them already.
+WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"})
+
+SAFE_INDEX_NAME = "model.safetensors.index.json"
+SHARD_NAME = "model-{index:05d}-of-{total:05d}.safetensors"
+
+TARGET_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
+
+# Files that make up a tokenizer directory (copied verbatim, so the chat template the trainer used
+# is the one that ships).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "merges.txt", "vocab.txt",
+    "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+TOKENIZER_DIRS = ("additional_chat_templates",)
+TOKENIZER_MARKERS = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*$")
+_SIZE_UNITS = {
+    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+}  # fmt: skip
+# Room left on the filesystem beyond the model itself (config, tokenizer, filesystem slack).
+DISK_MARGIN_BYTES = 64 * 2**20
+
+
+def log(message: str) -> None:
+    """One progress line; the consolidation job's stdout is its log file."""
+    print(f"[slurmft.consolidate] {message}", flush=True)
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5_000_000_000 (decimal units, binary with KiB/MiB/GiB, as transformers does)."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"{text!r} is not a size like 5GB or 500MB")
+    size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+    if size <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return size
+
+
+def human_bytes(n: float) -> str:
+    """Bytes for a log line or an error message (decimal units, like max_shard_size)."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+def peak_rss_bytes() -> int:
+    """High-water mark of this process's resident memory."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+# ------------------------------------------------------------------ which checkpoint
+def describe_checkpoints(root: Path) -> str:
+    """``checkpoint-5 (complete), checkpoint-10 (no COMPLETE marker)`` for error messages."""
+    found = list_checkpoints(root)
+    if not found:
+        return f"no checkpoint-<step> directories in {root}"
+    parts = []
+    for _, path, complete in found:
+        if not complete:
+            parts.append(f"{path.name} (no {COMPLETE_MARKER} marker)")
+        elif not (path / MODEL_DCP_DIR / DCP_METADATA).is_file():
+            parts.append(f"{path.name} (complete, but no {MODEL_DCP_DIR}/{DCP_METADATA})")
+        else:
+            parts.append(f"{path.name} (complete)")
+    return f"checkpoints in {root}: " + ", ".join(parts)
+
+
+def resolve_checkpoint(paths: RunPaths, checkpoint: str | os.PathLike[str] | None = None) -> Path:
+    """The checkpoint to consolidate: the given one, else the newest complete one; refuse torn saves."""
+    root = paths.checkpoints
+    if checkpoint is None:
+        chosen = latest_complete(root)
+        if chosen is None:
+            raise CheckpointError(
+                f"nothing to consolidate: no complete checkpoint (with a {COMPLETE_MARKER} marker) in {root}",
+                [describe_checkpoints(root)],
+            )
+    else:
+        chosen = Path(checkpoint).expanduser()
+        if not chosen.is_absolute() and not chosen.exists():
+            chosen = root / chosen  # "checkpoint-500" names one inside the run
+        if not chosen.is_dir():
+            raise CheckpointError(f"checkpoint {str(chosen)!r} does not exist", [describe_checkpoints(root)])
+        chosen = chosen.resolve()
+    missing = []
+    if not is_complete(chosen):
+        missing.append(
+            f"{chosen / COMPLETE_MARKER} is missing: the save did not finish on every rank (interrupted, "
+            "or training is still writing it)"
+        )
+    if not (chosen / MODEL_DCP_DIR / DCP_METADATA).is_file():
+        missing.append(
+            f"{chosen / MODEL_DCP_DIR / DCP_METADATA} is missing: no sharded (DCP) model in this checkpoint"
+        )
+    if missing:
+        raise CheckpointError(
+            f"refusing to consolidate {chosen}: it is not a complete sharded checkpoint",
+            [*missing, describe_checkpoints(root)],
+        )
+    return chosen
+
+
+# ------------------------------------------------------------------ what to write
+@dataclass(frozen=True)
+class TensorPlan:
+    """One output tensor: where it comes from in the checkpoint and how it is stored."""
+
+    name: str  # Hugging Face name in the output
+    key: str  # DCP key in the checkpoint
+    shape: tuple[int, ...]
+    source_dtype: torch.dtype
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes in the output file."""
+        return _numel(self.shape) * self.dtype.itemsize
+
+    @property
+    def source_nbytes(self) -> int:
+        """Bytes held in memory while it is read."""
+        return _numel(self.shape) * self.source_dtype.itemsize
+
+
+@dataclass
+class ShardPlan:
+    """One safetensors file: its tensors in file order, and the header that describes them."""
+
+    filename: str
+    tensors: list[TensorPlan] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes in this file."""
+        return sum(t.nbytes for t in self.tensors)
+
+    def header(self) -> bytes:
+        """The safetensors header (length prefix included), padded so the data starts 8-aligned."""
+        entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for t in self.tensors:
+            entries[t.name] = {
+                "dtype": SAFETENSORS_DTYPES[t.dtype],
+                "shape": list(t.shape),
+                "data_offsets": [offset, offset + t.nbytes],
+            }
+            offset += t.nbytes
+        body = json.dumps(entries, separators=(",", ":")).encode()
+        body += b" " * (-len(body) % 8)
+        return struct.pack("<Q", len(body)) + body
+
+    @property
+    def file_size(self) -> int:
+        """Size of the finished file."""
+        return len(self.header()) + self.nbytes
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """What ``from_pretrained`` will look for, read off a meta-device model (no memory)."""
+
+    architecture: str
+    expected: dict[str, tuple[int, ...]]  # name -> shape, tied duplicates removed
+    aliases: dict[str, str]  # tied name -> the name it is stored under (lm_head -> embed_tokens)
+
+
+def model_layout(config: Any, trust_remote_code: bool = False) -> ModelLayout:
+    """Expected names and shapes, with ``tie_word_embeddings`` aliases folded out as save_pretrained
+    does (a tied tensor is stored once, under its first name)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, ImportError) as exc:
+        raise CheckpointError(
+            f"cannot build the model from its config to check the checkpoint against it: {exc}",
+            ["if the model needs custom code, set model.trust_remote_code: true"],
+        ) from None
+    expected: dict[str, tuple[int, ...]] = {}
+    aliases: dict[str, str] = {}
+    first_name: dict[int, str] = {}
+    # state_dict lists a tied tensor under every name; save_pretrained keeps the first.
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        canonical = first_name.setdefault(id(tensor), name)
+        if canonical == name:
+            expected[name] = tuple(tensor.shape)
+        else:
+            aliases[name] = canonical
+    return ModelLayout(type(model).__name__, expected, aliases)
+
+
+def hf_name(dcp_key: str) -> str | None:
+    """The Hugging Face name of a model key in the checkpoint, or None for non-model keys."""
+    prefix = DCP_CONTAINER + "."
+    if not dcp_key.startswith(prefix):
+        return None
+    return ".".join(p for p in dcp_key[len(prefix) :].split(".") if p not in WRAPPER_SEGMENTS)
+
+
+def plan_tensors(
+    metadata: Metadata, expected: dict[str, tuple[int, ...]], aliases: dict[str, str], dtype: torch.dtype
+) -> list[TensorPlan]:
+    """Map every checkpoint key onto an expected name; every mismatch is collected into one error."""
+    found: dict[str, tuple[str, TensorStorageMetadata]] = {}  # canonical name -> (dcp key, metadata)
+    unknown, ignored = [], 0
+    for key, md in metadata.state_dict_metadata.items():
+        name = hf_name(key)
+        if name is None or not isinstance(md, TensorStorageMetadata):
+            ignored += 1  # non-tensor entries, anything saved outside the model container
+            continue
+        if name in expected:
+            found[name] = (key, md)
+        elif name in aliases:
+            found.setdefault(aliases[name], (key, md))  # only used if the canonical name is absent
+        else:
+            unknown.append(key)
+    problems = []
+    if unknown:
+        problems.append(
+            f"{len(unknown)} checkpoint key(s) match no parameter of the model: "
+            + ", ".join(sorted(unknown)[:8])
+            + (" ..." if len(unknown) > 8 else "")
+        )
+    missing = [n for n in expected if n not in found]
+    if missing:
+        problems.append(
+            f"{len(missing)} parameter(s) of the model are not in the checkpoint: "
+            + ", ".join(missing[:8])
+            + (" ..." if len(missing) > 8 else "")
+        )
+    plans = []
+    for name, shape in expected.items():
+        if name not in found:
+            continue
+        key, md = found[name]
+        if tuple(md.size) != shape:
+            problems.append(f"{key}: shape {tuple(md.size)} in the checkpoint, {shape} in the model")
+            continue
+        source = md.properties.dtype
+        target = dtype if source.is_floating_point else source  # never cast integer buffers
+        if target not in SAFETENSORS_DTYPES:
+            problems.append(f"{key}: dtype {target} cannot be stored in safetensors")
+            continue
+        plans.append(TensorPlan(name, key, shape, source, target))
+    if problems:
+        raise CheckpointError(
+            "the checkpoint does not match the model's architecture (model.name_or_path config)", problems
+        )
+    if ignored:
+        log(f"ignored {ignored} checkpoint entr{'y' if ignored == 1 else 'ies'} that are not model tensors")
+    return plans
+
+
+def plan_shards(tensors: list[TensorPlan], max_shard_bytes: int) -> list[ShardPlan]:
+    """Split tensors into files of at most ``max_shard_bytes`` (a larger tensor gets its own file), in
+    order, named ``model-0000N-of-0000M.safetensors`` (always with an index, even for one file, so a
+    deployment can rely on one layout)."""
+    groups: list[list[TensorPlan]] = [[]]
+    size = 0
+    for t in tensors:
+        if groups[-1] and size + t.nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    return [ShardPlan(SHARD_NAME.format(index=i, total=len(groups)), g) for i, g in enumerate(groups, 1)]
+
+
+# ------------------------------------------------------------------ reading and writing
+class _CachedMetadataReader(FileSystemReader):
+    """A FileSystemReader that parses ``.metadata`` once instead of on every ``dcp.load``."""
+
+    def __init__(self, path: str | os.PathLike[str], metadata: Metadata) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._metadata
+
+
+def read_dcp_metadata(model_dir: Path) -> Metadata:
+    """Parse a DCP checkpoint's ``.metadata``, as a CheckpointError if it is unreadable."""
+    try:
+        return FileSystemReader(str(model_dir)).read_metadata()
+    except Exception as exc:  # a torn or foreign file: pickle, EOF and attribute errors alike
+        raise CheckpointError(
+            f"cannot read {model_dir / DCP_METADATA}: {exc.__class__.__name__}: {exc}"
+        ) from None
+
+
+def _read_groups(tensors: list[TensorPlan], budget: int) -> Iterator[list[TensorPlan]]:
+    """Consecutive tensors read with one ``dcp.load``, at most ``budget`` bytes together (small norms
+    and biases share a call; a large tensor is read alone)."""
+    group: list[TensorPlan] = []
+    size = 0
+    for t in tensors:
+        if group and size + t.source_nbytes > budget:
+            yield group
+            group, size = [], 0
+        group.append(t)
+        size += t.source_nbytes
+    if group:
+        yield group
+
+
+def write_shard(reader: FileSystemReader, shard: ShardPlan, path: Path, read_budget: int) -> None:
+    """Write one safetensors file: header first, then each tensor as it is read and cast."""
+    with open(path, "wb") as f:
+        f.write(shard.header())
+        for group in _read_groups(shard.tensors, read_budget):
+            buffers = {t.key: torch.empty(t.shape, dtype=t.source_dtype) for t in group}
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(buffers, storage_reader=reader, no_dist=True)
+            for t in group:
+                data = buffers.pop(t.key).to(t.dtype).contiguous().reshape(-1)
+                raw = data.view(torch.uint8).numpy()
+                if raw.nbytes != t.nbytes:  # our bug, not the user's
+                    raise RuntimeError(f"{t.key}: read {raw.nbytes} bytes, planned {t.nbytes}")
+                f.write(raw)
+                del data, raw
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def verify_output(directory: Path, shards: list[ShardPlan], expected: dict[str, tuple[int, ...]]) -> None:
+    """Re-read every written header: each expected tensor present once, with its shape; sizes exact."""
+    from safetensors import safe_open
+
+    seen: dict[str, tuple[int, ...]] = {}
+    problems = []
+    for shard in shards:
+        path = directory / shard.filename
+        if path.stat().st_size != shard.file_size:
+            problems.append(f"{shard.filename}: {path.stat().st_size} bytes, expected {shard.file_size}")
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name in seen:
+                    problems.append(f"{name} is stored twice")
+                seen[name] = tuple(f.get_slice(name).get_shape())
+    for name, shape in expected.items():
+        if name not in seen:
+            problems.append(f"{name} is missing from the written files")
+        elif seen[name] != shape:
+            problems.append(f"{name}: written with shape {seen[name]}, the model expects {shape}")
+    extra = sorted(set(seen) - set(expected))
+    if extra:
+        problems.append(f"unexpected tensors written: {', '.join(extra[:8])}")
+    if problems:
+        raise CheckpointError(f"verification of the consolidated model in {directory} failed", problems)
+
+
+def write_index(directory: Path, shards: list[ShardPlan]) -> None:
+    """``model.safetensors.index.json`` as save_pretrained writes it for sharded models."""
+    weight_map = {t.name: s.filename for s in shards for t in s.tensors}
+    index = {
+        "metadata": {
+            "total_parameters": sum(_numel(t.shape) for s in shards for t in s.tensors),
+            "total_size": sum(s.nbytes for s in shards),
+        },
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    (directory / SAFE_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+# ------------------------------------------------------------------ config and tokenizer
+def _is_local_dir(value: str | None) -> bool:
+    return bool(value) and Path(os.path.expanduser(value)).is_dir()
+
+
+def _has_tokenizer(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in TOKENIZER_MARKERS)
+
+
+def load_model_config(cfg: RunConfig, ckpt: Path) -> tuple[Any, str]:
+    """The model config (the checkpoint's copy if the trainer wrote one) and where it came from."""
+    from transformers import AutoConfig
+
+    source = str(ckpt) if (ckpt / "config.json").is_file() else cfg.model.name_or_path
+    kwargs: dict[str, Any] = {"trust_remote_code": cfg.model.trust_remote_code}
+    if cfg.model.revision and not _is_local_dir(source):
+        kwargs["revision"] = cfg.model.revision
+    try:
+        return AutoConfig.from_pretrained(os.path.expanduser(source), **kwargs), source
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"cannot read the model config from {source!r}: {exc}",
+            ["model.name_or_path must be a local directory with config.json, or a hub id in the local "
+             "Hugging Face cache (compute nodes often have no network)"],
+        ) from None  # fmt: skip
+
+
+def write_model_config(
+    config: Any, directory: Path, dtype_name: str, architecture: str, sources: list[Path | str]
+) -> None:
+    """``config.json`` with the saved dtype, and ``generation_config.json`` (the first source's that
+    has one, else derived from the config, as save_pretrained does)."""
+    config.dtype = dtype_name
+    if not getattr(config, "architectures", None):
+        config.architectures = [architecture]
+    config.save_pretrained(directory)
+    generation_config(config, sources).save_pretrained(directory)
+
+
+def generation_config(config: Any, sources: list[Path | str]) -> Any:
+    """The first source's generation config (local directory or cached hub id), else the config's."""
+    from transformers import GenerationConfig
+
+    for source in sources:
+        local = Path(os.path.expanduser(str(source)))
+        if (local / "generation_config.json").is_file():
+            return GenerationConfig.from_pretrained(local)
+        if not local.exists():
+            try:
+                return GenerationConfig.from_pretrained(str(source))
+            except (OSError, ValueError):
+                continue
+    return GenerationConfig.from_model_config(config)
+
+
+def tokenizer_source(cfg: RunConfig, ckpt: Path) -> str:
+    """Where the tokenizer comes from: the checkpoint if the trainer saved it there, else the config
+    (a local directory there must hold one; a hub id is looked up when it is written)."""
+    if _has_tokenizer(ckpt):
+        return str(ckpt)
+    source = cfg.model.tokenizer or cfg.model.name_or_path
+    local = Path(os.path.expanduser(source))
+    if local.is_dir() and not _has_tokenizer(local):
+        raise CheckpointError(
+            f"no tokenizer in {local} (none of {', '.join(TOKENIZER_MARKERS)}), and none saved in {ckpt}",
+            ["set model.tokenizer to the tokenizer's directory or hub id"],
+        )
+    return source
+
+
+def write_tokenizer(source: str, directory: Path, cfg: RunConfig) -> list[str]:
+    """Copy a local tokenizer's files verbatim, or save a cached hub tokenizer; returns the files."""
+    local = Path(os.path.expanduser(source))
+    if local.is_dir():
+        copied = []
+        for name in TOKENIZER_FILES:
+            if (local / name).is_file():
+                shutil.copy2(local / name, directory / name)
+                copied.append(name)
+        for name in TOKENIZER_DIRS:
+            if (local / name).is_dir():
+                shutil.copytree(local / name, directory / name)
+                copied.append(name + "/")
+        return copied
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, Any] = {"trust_remote_code": cfg.model.trust_remote_code}
+    if cfg.model.revision and source == cfg.model.name_or_path:
+        kwargs["revision"] = cfg.model.revision
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"cannot load the tokenizer {source!r}: {exc}",
+            ["set model.tokenizer to a local directory, or make sure the hub cache on this node has it"],
+        ) from None
+    before = set(os.listdir(directory))
+    tokenizer.save_pretrained(directory)
+    return sorted(set(os.listdir(directory)) - before)
+
+
+# ------------------------------------------------------------------ the output directory
+def _partial_prefix(out: Path) -> str:
+    return f".{out.name}.partial-"
+
+
+def _old_prefix(out: Path) -> str:
+    return f".{out.name}.old-"
+
+
+def _clean_leftovers(out: Path) -> None:
+    """Remove what a killed consolidation left next to ``out`` (it would only fill the disk)."""
+    for child in out.parent.iterdir():
+        if child.name.startswith(_partial_prefix(out)) and child.is_dir():
+            log(f"removing {child}, left by an interrupted consolidation")
+            shutil.rmtree(child, ignore_errors=True)
+        elif child.name.startswith(_old_prefix(out)) and child.is_dir():
+            if out.exists():
+                log(f"removing {child}, the previous model left by an interrupted replace")
+                shutil.rmtree(child, ignore_errors=True)
+            else:  # killed between the two renames: the old model is the only complete one
+                os.rename(child, out)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Put the finished ``tmp`` at ``out``; an existing ``out`` is only removed once ``tmp`` is there."""
+    old = None
+    if out.exists():
+        old = out.parent / f"{_old_prefix(out)}{os.getpid()}"
+        os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.rename(old, out)
+        raise
+    _fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def check_disk_space(parent: Path, needed: int) -> None:
+    """Fail before writing anything if the model cannot fit."""
+    free = shutil.disk_usage(parent).free
+    if needed + DISK_MARGIN_BYTES > free:
+        raise CheckpointError(
+            f"not enough disk space for the consolidated model: needs {human_bytes(needed)}, "
+            f"{human_bytes(free)} free at {parent}",
+            ["free space there, or write elsewhere with --out DIR"],
+        )
+
+
+# ------------------------------------------------------------------ the whole job
+def load_run_config(paths: RunPaths) -> RunConfig:
+    """The resolved config the run was submitted with."""
+    if not paths.config.is_file():
+        raise RunDirError(f"{paths.root} is not a slurmft run directory: {paths.config.name} is missing")
+    return validate(read_yaml(paths.config), source=str(paths.config))
+
+
+def consolidate_run(run_dir: str, checkpoint: str | None = None, out: str | None = None) -> dict[str, Any]:
+    """Consolidate a run's newest complete checkpoint (or ``checkpoint``) into a Hugging Face model
+    directory at ``<run_dir>/model`` (or ``out``); returns a summary of what was written."""
+    started = time.monotonic()
+    paths = RunPaths.of(run_dir)
+    cfg = load_run_config(paths)
+    ckpt = resolve_checkpoint(paths, checkpoint)
+    out_dir = Path(out).expanduser().resolve() if out else paths.model
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"output {out_dir} exists and is not a directory")
+    dtype = TARGET_DTYPES[cfg.consolidate.dtype]
+    max_shard_bytes = parse_size(cfg.consolidate.max_shard_size)
+    log(
+        f"checkpoint {ckpt} -> {out_dir} ({cfg.consolidate.dtype}, shards <= {cfg.consolidate.max_shard_size})"
+    )
+
+    # Every check that can fail, before the first byte is written.
+    model_dir = ckpt / MODEL_DCP_DIR
+    metadata = read_dcp_metadata(model_dir)
+    config, config_source = load_model_config(cfg, ckpt)
+    layout = model_layout(config, cfg.model.trust_remote_code)
+    tensors = plan_tensors(metadata, layout.expected, layout.aliases, dtype)
+    shards = plan_shards(tensors, max_shard_bytes)
+    tok_source = tokenizer_source(cfg, ckpt)
+    total_bytes = sum(s.file_size for s in shards)
+    log(
+        f"{len(tensors)} tensors, {sum(_numel(t.shape) for t in tensors):,} parameters, "
+        f"{human_bytes(total_bytes)} in {len(shards)} file(s); config from {config_source}, "
+        f"tokenizer from {tok_source}"
+    )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _clean_leftovers(out_dir)
+    check_disk_space(out_dir.parent, total_bytes)
+
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=_partial_prefix(out_dir)))
+    try:
+        write_model_config(config, tmp, cfg.consolidate.dtype, layout.architecture, [ckpt, config_source])
+        tokenizer_files = write_tokenizer(tok_source, tmp, cfg)
+        reader = _CachedMetadataReader(model_dir, metadata)
+        read_budget = max(t.source_nbytes for t in tensors)
+        for shard in shards:
+            t0 = time.monotonic()
+            write_shard(reader, shard, tmp / shard.filename, read_budget)
+            log(
+                f"wrote {shard.filename}: {len(shard.tensors)} tensors, {human_bytes(shard.file_size)} "
+                f"in {time.monotonic() - t0:.1f} s"
+            )
+        write_index(tmp, shards)
+        verify_output(tmp, shards, layout.expected)
+        _verify_tokenizer(tmp, cfg, tokenizer_files)
+        _fsync_dir(tmp)
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    summary = {
+        "output": str(out_dir),
+        "checkpoint": str(ckpt),
+        "dtype": cfg.consolidate.dtype,
+        "files": sorted(os.listdir(out_dir)),
+        "shards": [s.filename for s in shards],
+        "total_bytes": total_bytes,
+        "tensors": len(tensors),
+        "parameters": sum(_numel(t.shape) for t in tensors),
+        "seconds": round(time.monotonic() - started, 2),
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
+    log(
+        f"done: {out_dir} ({human_bytes(total_bytes)}, {summary['parameters']:,} parameters) in "
+        f"{summary['seconds']} s, peak RSS {human_bytes(summary['peak_rss_bytes'])}"
+    )
+    return summary
+
+
+def _verify_tokenizer(directory: Path, cfg: RunConfig, files: list[str]) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(str(directory), trust_remote_code=cfg.model.trust_remote_code)
+    except Exception as exc:  # any failure here means the output would not be deployable
+        raise CheckpointError(
+            f"the tokenizer files copied into the output do not load: {exc.__class__.__name__}: {exc}",
+            [f"copied: {', '.join(files) or 'nothing'}"],
+        ) from None
+
+
+# ------------------------------------------------------------------ by hand
+def main(argv: list[str] | None = None) -> int:
+    """``python -m slurmft.consolidate RUN_DIR [--checkpoint DIR] [--out DIR]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m slurmft.consolidate",
+        description="Stream a run's sharded checkpoint into a Hugging Face model directory.",
+    )
+    parser.add_argument("run_dir", help="the run directory (holds config.yaml and checkpoints/)")
+    parser.add_argument(
+        "--checkpoint", help="checkpoint directory or name like checkpoint-500 (default: newest complete)"
+    )
+    parser.add_argument("--out", help="output directory (default: RUN_DIR/model)")
+    args = parser.parse_args(argv)
+    try:
+        summary = consolidate_run(args.run_dir, checkpoint=args.checkpoint, out=args.out)
+    except SlurmftError as exc:
+        print(f"error: {exc.render()}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""Dispatch through submitit: a Slurm executor that renders our templates, and the local executor.
+
+``submit_run`` validates everything first, then writes the run directory, sends the train job,
+chains the consolidation job with ``--dependency=afterok:<train>``, and writes the manifest last.
+A failure before the train job is accepted removes the run directory it created.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slurmft.config import Executor, RunConfig, dump_config
+from slurmft.errors import RunDirError, SubmissionError
+from slurmft.profiles import ClusterProfile
+from slurmft.render import (
+    CONSOLIDATE_TEMPLATE,
+    TRAIN_TEMPLATE,
+    build_consolidate_context,
+    build_train_context,
+    python_for,
+    render,
+    render_scripts,
+    time_minutes,
+)
+from slurmft.rundir import RunPaths, atomic_write, new_manifest, read_manifest, record_job, write_manifest
+
+Say = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def make_slurm_executor(
+    paths: RunPaths, ntasks: int, timeout_min: int, make_text: Callable[[str], str], dependency: str | None,
+    python: str,
+) -> Any:
+    """A submitit SlurmExecutor whose sbatch file is our rendered template."""
+    from submitit import SlurmExecutor
+
+    class TemplatedSlurmExecutor(SlurmExecutor):
+        """submitit keeps pickles, job ids and sacct state; we own the script text."""
+
+        def _make_submission_file_text(self, command: str, uid: str) -> str:
+            return make_text(command)
+
+        def _make_submission_command(self, submission_file_path: Path) -> list[str]:
+            dep = [f"--dependency=afterok:{dependency}"] if dependency else []
+            return ["sbatch", *dep, str(submission_file_path)]
+
+        def _num_tasks(self) -> int:
+            return ntasks
+
+    ex = TemplatedSlurmExecutor(folder=paths.submitit, python=python)
+    ex.parameters["time"] = timeout_min  # submitit's own time-out bookkeeping
+    return ex
+
+
+@dataclass
+class SubmitResult:
+    """What a submit produced."""
+
+    run_dir: Path
+    executor: str
+    jobs: dict[str, str] = field(default_factory=dict)
+    scripts: dict[str, Path] = field(default_factory=dict)
+
+
+def check_run_dir_free(paths: RunPaths) -> None:
+    """Refuse a run directory that already holds a run (live or finished) or foreign files."""
+    if not paths.root.exists():
+        return
+    if not paths.root.is_dir():
+        raise RunDirError(f"output_dir {str(paths.root)!r} exists and is not a directory")
+    if paths.manifest.exists():
+        from slurmft.status import live_jobs
+
+        live = live_jobs(read_manifest(paths))
+        what = f"a live run (jobs {', '.join(live)})" if live else "a finished run"
+        raise RunDirError(
+            f"output_dir {paths.root} already holds {what}; refusing to overwrite it. "
+            "Use another output_dir (e.g. output_dir=runs/NAME-2)"
+            + (" or `slurmft cancel` it first." if live else ".")
+        )
+    if paths.lock.exists():
+        raise RunDirError(f"another `slurmft submit` is writing {paths.root} right now ({paths.lock} exists)")
+    if any(paths.root.iterdir()):
+        raise RunDirError(
+            f"output_dir {paths.root} is not empty and is not a slurmft run directory; choose an empty or new one"
+        )
+
+
+def _prepare_run_dir(paths: RunPaths, cfg: RunConfig, scripts: dict[str, str]) -> bool:
+    """Create the run dir and write config + scripts; returns whether we created the root."""
+    created = not paths.root.exists()
+    paths.root.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(paths.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        raise RunDirError(f"another `slurmft submit` is writing {paths.root} right now") from None
+    os.write(fd, f"{socket.gethostname()} pid={os.getpid()}\n".encode())
+    os.close(fd)
+    for sub in (paths.logs, paths.scripts, paths.submitit, paths.checkpoints, paths.requeue_marker_dir):
+        sub.mkdir(parents=True, exist_ok=True)
+    atomic_write(paths.config, dump_config(cfg))
+    for kind, text in scripts.items():
+        atomic_write(paths.script(kind), text)
+        paths.script(kind).chmod(0o755)
+    return created
+
+
+def _cleanup(paths: RunPaths, created: bool) -> None:
+    if created:
+        shutil.rmtree(paths.root, ignore_errors=True)
+    else:  # the directory was empty before: make it empty again
+        for child in paths.root.iterdir():
+            shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+
+
+def submit_run(
+    cfg: RunConfig, profile: ClusterProfile, config_path: str = "", template_dir: str | None = None,
+    say: Say = _quiet,
+) -> SubmitResult:
+    """Validate, write the run directory, dispatch train (+ consolidation) and write the manifest."""
+    paths = RunPaths.of(cfg.output_dir)
+    executor = cfg.resolved_executor
+    check_run_dir_free(paths)
+    scripts = render_scripts(cfg, profile, paths, config_path, template_dir)  # render errors before any write
+    if executor == Executor.SLURM and not shutil.which("sbatch"):
+        raise SubmissionError("executor is slurm but `sbatch` is not on PATH (set executor: local to run here)")
+    created = _prepare_run_dir(paths, cfg, scripts)
+    manifest = new_manifest(cfg.name, executor.value)
+    result = SubmitResult(paths.root, executor.value, scripts={k: paths.script(k) for k in scripts})
+    try:
+        if executor == Executor.SLURM:
+            _submit_slurm(cfg, profile, paths, config_path, template_dir, manifest, result, say)
+        else:
+            _run_local(cfg, paths, manifest, result, say)
+    except BaseException:
+        if not result.jobs:
+            _cleanup(paths, created)
+        raise
+    finally:
+        paths.lock.unlink(missing_ok=True)
+    return result
+
+
+def _submit_slurm(
+    cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, config_path: str, template_dir: str | None,
+    manifest: dict[str, Any], result: SubmitResult, say: Say,
+) -> None:
+    from submitit.core.utils import FailedJobError
+
+    from slurmft.job.entrypoint import run_consolidate, run_train
+
+    python = python_for(cfg)
+
+    def train_text(command: str) -> str:
+        return render(TRAIN_TEMPLATE, build_train_context(cfg, profile, paths, command, config_path), template_dir)
+
+    def consolidate_text(command: str) -> str:
+        ctx = build_consolidate_context(cfg, profile, paths, command, config_path)
+        return render(CONSOLIDATE_TEMPLATE, ctx, template_dir)
+
+    try:
+        ex = make_slurm_executor(
+            paths, cfg.resources.world_size, time_minutes(cfg.cluster.time), train_text, None, python
+        )
+        train = ex.submit(run_train, str(paths.root), cfg.preemption.signal)
+    except (FailedJobError, OSError, RuntimeError) as exc:
+        raise SubmissionError(f"sbatch refused the train job: {str(exc).strip()}") from None
+    result.jobs["train"] = train.job_id
+    record_job(manifest, "train", train.job_id, script=str(paths.script("train")),
+               log=str(paths.log_file("train", train.job_id)))
+    write_manifest(paths, manifest)
+    say(f"train job {train.job_id} submitted ({cfg.resources.nodes} node(s) x {cfg.resources.ranks_per_node} task(s))")
+    if not cfg.consolidate.enabled:
+        return
+    try:
+        cex = make_slurm_executor(
+            paths, 1, time_minutes(cfg.consolidate.resources.time), consolidate_text, train.job_id, python
+        )
+        cons = cex.submit(run_consolidate, str(paths.root))
+    except (FailedJobError, OSError, RuntimeError) as exc:
+        import subprocess
+
+        subprocess.run(["scancel", train.job_id], capture_output=True)
+        manifest["jobs"][-1]["cancelled_by_submit"] = True
+        write_manifest(paths, manifest)
+        raise SubmissionError(
+            f"sbatch refused the consolidation job ({str(exc).strip()}); cancelled train job {train.job_id}"
+        ) from None
+    result.jobs["consolidate"] = cons.job_id
+    record_job(manifest, "consolidate", cons.job_id, dependency=f"afterok:{train.job_id}",
+               script=str(paths.script("consolidate")), log=str(paths.log_file("consolidate", cons.job_id)))
+    write_manifest(paths, manifest)
+    say(f"consolidation job {cons.job_id} submitted (runs after {train.job_id} succeeds)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run_local(
+    cfg: RunConfig, paths: RunPaths, manifest: dict[str, Any], result: SubmitResult, say: Say
+) -> None:
+    """Run the train job here with submitit's local executor (N processes), then consolidation."""
+    from submitit import LocalExecutor
+
+    from slurmft.job.entrypoint import run_consolidate, run_train
+
+    env_backup = dict(os.environ)
+    os.environ.update(cfg.cluster.env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), SLURMFT_RUN_DIR=str(paths.root))
+    os.environ.setdefault("OMP_NUM_THREADS", str(cfg.resources.cpus_per_task))
+    try:
+        ex = LocalExecutor(folder=paths.submitit, python=python_for(cfg))
+        ex.update_parameters(
+            tasks_per_node=cfg.resources.ranks_per_node, nodes=1, timeout_min=time_minutes(cfg.cluster.time),
+            gpus_per_node=cfg.resources.gpus_per_node,
+        )
+        train = ex.submit(run_train, str(paths.root), cfg.preemption.signal)
+        result.jobs["train"] = train.job_id
+        logs = [str(train.paths.stdout).replace("%t", str(t)) for t in range(cfg.resources.ranks_per_node)]
+        record_job(manifest, "train", train.job_id, pid=int(train.job_id), logs=logs)
+        write_manifest(paths, manifest)
+        say(f"train job {train.job_id} started here ({cfg.resources.ranks_per_node} processes); logs: {logs[0]}")
+        _wait_local(train, "train", paths, manifest, say)
+        if not cfg.consolidate.enabled:
+            return
+        cex = LocalExecutor(folder=paths.submitit, python=python_for(cfg))
+        cex.update_parameters(tasks_per_node=1, nodes=1, timeout_min=time_minutes(cfg.consolidate.resources.time))
+        cons = cex.submit(run_consolidate, str(paths.root))
+        result.jobs["consolidate"] = cons.job_id
+        record_job(manifest, "consolidate", cons.job_id, pid=int(cons.job_id), dependency=f"afterok:{train.job_id}",
+                   logs=[str(cons.paths.stdout).replace("%t", "0")])
+        write_manifest(paths, manifest)
+        say(f"consolidation job {cons.job_id} started here")
+        _wait_local(cons, "consolidate", paths, manifest, say)
+    finally:
+        os.environ.clear()
+        os.environ.update(env_backup)
+
+
+def _wait_local(job: Any, kind: str, paths: RunPaths, manifest: dict[str, Any], say: Say) -> None:
+    """Wait for a local job, showing progress from metrics.jsonl; record its final state."""
+    t0, last = time.time(), ""
+    while not job.done():
+        time.sleep(1.0)
+        line = _last_metrics_line(paths) if kind == "train" else ""
+        if line and line != last:
+            say(f"  {line}")
+            last = line
+    state = "COMPLETED"
+    try:
+        job.results()
+    except Exception as exc:  # noqa: BLE001 - reported to the user below
+        state = "FAILED"
+        manifest["jobs"][-1]["state"] = state
+        write_manifest(paths, manifest)
+        raise SubmissionError(
+            f"{kind} job {job.job_id} failed after {time.time() - t0:.0f}s: {str(exc).strip().splitlines()[-1]}\n"
+            f"    logs: {', '.join(manifest['jobs'][-1].get('logs', []))}"
+        ) from None
+    manifest["jobs"][-1]["state"] = state
+    manifest["jobs"][-1]["elapsed_s"] = round(time.time() - t0, 1)
+    write_manifest(paths, manifest)
+    say(f"{kind} job {job.job_id} {state.lower()} in {time.time() - t0:.0f}s")
+
+
+def _last_metrics_line(paths: RunPaths) -> str:
+    import json
+
+    try:
+        with open(paths.metrics, "rb") as f:
+            f.seek(max(0, os.path.getsize(paths.metrics) - 4096))
+            tail = f.read().decode(errors="replace").strip().splitlines()
+        rec = json.loads(tail[-1])
+    except (OSError, ValueError, IndexError):
+        return ""
+    parts = [f"step {rec.get('step')}"]
+    for key in ("loss", "learning_rate", "grad_norm", "tokens_per_s"):
+        if isinstance(rec.get(key), int | float):
+            parts.append(f"{key}={rec[key]:.4g}")
+    return " ".join(parts)
+
+
+def submitted_scripts(paths: RunPaths) -> dict[str, Path]:
+    """The scripts a run directory holds."""
+    return {p.stem: p for p in sorted(paths.scripts.glob("*.sbatch"))}

@@ -1,0 +1,41 @@
+"""The small error hierarchy: a ``SlurmftError`` is the user's to fix, anything else is our bug."""
+
+from __future__ import annotations
+
+
+class SlurmftError(Exception):
+    """Base class for errors that the CLI prints without a traceback (exit code 2)."""
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems or []
+
+    def render(self) -> str:
+        """All problems, one per line, under the headline."""
+        lines = [str(self)]
+        lines += [f"  - {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+class ConfigError(SlurmftError):
+    """The run config (or an override, or a cluster profile) is invalid."""
+
+
+class RenderError(SlurmftError):
+    """A template could not be rendered (missing template, missing variable)."""
+
+
+class SubmissionError(SlurmftError):
+    """sbatch/submitit refused the job, or the run directory is busy."""
+
+
+class RunDirError(SlurmftError):
+    """The run directory is missing, locked by a live run, or malformed."""
+
+
+class CheckpointError(SlurmftError):
+    """A checkpoint is missing, incomplete or unreadable."""
+
+
+class JobSetupError(SlurmftError):
+    """Inside the allocation: a bad model path, dataset, tokenizer or length, found before any collective."""

@@ -1,0 +1,858 @@
+"""`slurmft estimate`: will this run fit? GPU memory per rank and CPU RAM per node, before submitting.
+
+Everything here is arithmetic on the model's ``config.json`` and the run config: the login node never
+imports torch (``rich`` is imported only to draw the table). The formulas and their assumptions are
+written out in ``docs/estimate.md``; the same assumptions travel in every result under
+``assumptions`` so a reader of the JSON knows what was counted.
+
+Assumptions, in one place (each is repeated where it is used):
+
+* Parameters: a Llama/Mistral/Qwen-style decoder (RMSNorm, SwiGLU MLP, grouped KV heads, optional
+  attention/MLP biases, Qwen3 q/k norms, Mixtral experts); tied embeddings counted once.
+* Training state per parameter (the course-notes sizing rule): fp32 + AdamW = 4 weights + 4 gradients
+  + 8 optimizer (exp_avg, exp_avg_sq) = 16 bytes; bf16/fp16 mixed precision = 2 + 2 + 12 (the
+  optimizer holds the fp32 master weights besides its two states) = 16 bytes. FSDP2 keeps the
+  sharded parameters and gradients in fp32 and casts to bf16 only while gathered: a different split,
+  the same total.
+* FSDP full shard: each tensor is split along dim 0 into ``world_size`` chunks of ``ceil(d0 / ws)``
+  rows (FSDP2's padding), so the largest rank is reported. ``fsdp.enabled=false`` means every GPU holds
+  everything (DDP-like), plus DDP's gradient buckets (one more copy of the gradients).
+* Gathered (unsharded) working set under FSDP2: two decoder layers' parameters (current + prefetched),
+  one layer's unsharded gradients, the root module's parameters (embeddings, final norm, LM head; FSDP2
+  does not reshard the root after forward) and the LM head's gradient, all in the compute dtype.
+* Activations per decoder layer and token (compute dtype ``c`` bytes; HF's RMSNorm upcasts to fp32):
+  two norms of ``(4 + 2c)·h``, q/k/v ``c·(q + 2·kv)``, attention output and o_proj input ``2c·q``,
+  SwiGLU ``4c·I``; flash-attention/SDPA add the log-sum-exp ``4·heads``; eager attention keeps
+  K/V repeated to all heads and adds the ``heads·s`` probability matrix (fp32 softmax + a copy in
+  ``c``). With activation checkpointing only each layer's input ``c·h`` is kept, plus one layer
+  recomputed during backward. Plus the final norm and the logits: ``(c + 8)·V`` per token (logits,
+  the fp32 upcast kept for the loss, the fp32 logits gradient).
+* Allowance: 1 GiB per GPU for the CUDA context, cuBLAS workspaces and NCCL buffers, plus 5 % of
+  everything allocated for caching-allocator fragmentation.
+* GPU capacity: the profile's ``gpu.memory_gb`` (10^9 bytes); for GPUs sold by a nominal size that is
+  really GiB (A100-80GB = 81,920 MiB) the device's real total is used when the profile states the
+  nominal number.
+* CPU RAM at load (node 0, the worst node): every rank loads = each rank materialises the model in
+  fp32 (``from_pretrained``'s default and the master-weight dtype: the seed article's ~2 TB for 70B on
+  8 ranks); rank 0 loads and broadcasts = one fp32 copy on rank 0; slurmft = the safetensors files
+  memory-mapped on rank 0 (page cache counts against a job's cgroup) plus one tensor in fp32 at a
+  time, the other ranks holding only their shard. Each rank adds a runtime allowance (Python, torch,
+  CUDA libraries: 2 GiB per GPU rank, 0.5 GiB per CPU rank).
+* Checkpoint (sharded DCP): fp32 parameters + two AdamW states = 12 bytes/parameter. Consolidated
+  model: parameters × ``consolidate.dtype``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from slurmft.errors import ConfigError
+from slurmft.resources import data_dir
+
+if TYPE_CHECKING:  # the login side needs none of these at run time
+    from rich.console import RenderableType
+
+    from slurmft.config import RunConfig
+    from slurmft.profiles import ClusterProfile
+
+GB = 10**9
+GiB = 2**30
+MiB = 2**20
+
+#: Training-state bytes per parameter (the course-notes sizing rule), by precision.
+BYTES_PER_PARAM: dict[str, dict[str, int]] = {
+    "fp32": {"weights": 4, "gradients": 4, "optimizer": 8},
+    "bf16-mixed": {"weights": 2, "gradients": 2, "optimizer": 12},
+    "fp16-mixed": {"weights": 2, "gradients": 2, "optimizer": 12},
+}
+COMPUTE_BYTES = {"fp32": 4, "bf16-mixed": 2, "fp16-mixed": 2}
+MASTER_BYTES = 4  # parameters are stored (and loaded, and checkpointed) in fp32 in every precision
+ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32
+CUDA_CONTEXT_BYTES = 1 * GiB
+FRAGMENTATION = 0.05
+RUNTIME_BYTES_GPU_RANK = 2 * GiB
+RUNTIME_BYTES_CPU_RANK = GiB // 2
+DTYPE_BYTES = {
+    "float32": 4,
+    "float": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "half": 2,
+    "fp32": 4,
+    "bf16": 2,
+    "fp16": 2,
+}
+
+#: GPUs whose marketing "GB" is really GiB-sized: normalised type -> (nominal GB, nvidia-smi total MiB).
+KNOWN_GPUS: dict[str, tuple[float, int]] = {
+    "A10040GB": (40, 40960),
+    "A10080GB": (80, 81920),
+    "H10080GB": (80, 81559),
+    "H200141GB": (141, 143771),
+}
+
+#: Hub ids (lower case) answered by the configs shipped in configs/models/.
+HUB_ALIASES: dict[str, str] = {
+    "meta-llama/llama-2-7b-hf": "llama-2-7b",
+    "meta-llama/llama-2-7b-chat-hf": "llama-2-7b",
+    "meta-llama/llama-2-7b": "llama-2-7b",
+    "meta-llama/llama-2-13b-hf": "llama-2-13b",
+    "meta-llama/llama-2-13b-chat-hf": "llama-2-13b",
+    "meta-llama/llama-2-13b": "llama-2-13b",
+    "meta-llama/llama-2-70b-hf": "llama-2-70b",
+    "meta-llama/llama-2-70b-chat-hf": "llama-2-70b",
+    "meta-llama/llama-2-70b": "llama-2-70b",
+    "meta-llama/meta-llama-3-8b": "llama-3-8b",
+    "meta-llama/meta-llama-3-8b-instruct": "llama-3-8b",
+}
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+
+
+# ====================================================================== finding config.json
+def shipped_model_names() -> list[str]:
+    """Names of the model configs that ship in configs/models/."""
+    return sorted(p.stem for p in (data_dir("configs") / "models").glob("*.json"))
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache, honouring HF_HUB_CACHE and HF_HOME like huggingface_hub does."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "huggingface" / "hub"
+
+
+def _from_hub_cache(repo_id: str, revision: str | None) -> Path | None:
+    repo_dir = hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+    snapshots = repo_dir / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    ref = revision or "main"
+    candidates: list[Path] = []
+    if re.fullmatch(r"[0-9a-f]{40}", ref):
+        candidates.append(snapshots / ref / "config.json")
+    ref_file = repo_dir / "refs" / ref
+    if ref_file.is_file():
+        candidates.append(snapshots / ref_file.read_text().strip() / "config.json")
+    if revision is None:  # no pinned revision: any snapshot, newest first
+        candidates += sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def _shipped(name: str) -> Path | None:
+    key = name.strip().lower()
+    key = HUB_ALIASES.get(key, key)
+    models = data_dir("configs") / "models"
+    for stem in (key, key.removesuffix(".json"), key.split("/")[-1].removesuffix("-hf")):
+        path = models / f"{stem}.json"
+        if re.fullmatch(r"[a-z0-9._-]+", stem) and path.is_file():
+            return path
+    return None
+
+
+def locate_model_config(name_or_path: str, revision: str | None = None) -> Path:
+    """Where the model's config.json is: a local directory (or .json file), the hub cache, or configs/models/.
+
+    The hub cache comes before the shipped copies because it is the exact model the job will load.
+    """
+    local = Path(name_or_path).expanduser()
+    if local.is_dir():
+        if (local / "config.json").is_file():
+            return local / "config.json"
+        raise ConfigError(
+            f"model.name_or_path: directory {str(local)!r} has no config.json "
+            "(give the directory of a saved Hugging Face model, e.g. one written by save_pretrained)"
+        )
+    if local.is_file() and local.suffix == ".json":
+        return local
+    if local.is_absolute() or name_or_path.startswith(("./", "../", "~")):
+        raise ConfigError(f"model.name_or_path: local path {name_or_path!r} does not exist")
+    if name_or_path.count("/") == 1:
+        cached = _from_hub_cache(name_or_path, revision)
+        if cached:
+            return cached
+    shipped = _shipped(name_or_path)
+    if shipped:
+        return shipped
+    raise ConfigError(
+        f"model.name_or_path: no config.json found for {name_or_path!r} to estimate from",
+        [
+            f"not a local directory, not in the hub cache ({hub_cache_dir()}), not a shipped config",
+            f"fix: download it first (huggingface-cli download {name_or_path} config.json), "
+            "or point model.name_or_path at a local directory with config.json",
+            f"shipped configs: {', '.join(shipped_model_names())}",
+        ],
+    )
+
+
+def load_model_config(name_or_path: str, revision: str | None = None) -> dict[str, Any]:
+    """The model's config.json as a dict (a multimodal wrapper's ``text_config`` is merged in)."""
+    path = locate_model_config(name_or_path, revision)
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.name_or_path: cannot read {path}: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"model.name_or_path: {path} is not a JSON object")
+    if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
+        cfg = {**cfg, **cfg["text_config"]}
+    return cfg
+
+
+# ====================================================================== the model's tensors
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a decoder config that the arithmetic needs."""
+
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    experts: int  # 0 = dense MLP
+    experts_per_token: int
+    file_dtype: str | None
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_tensors(self) -> list[tuple[int, ...]]:
+        """Shapes of one decoder layer's parameters (dim 0 is the one FSDP shards)."""
+        h, q, kv, inter = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        t: list[tuple[int, ...]] = [(q, h), (kv, h), (kv, h), (h, q), (h,), (h,)]
+        if self.qkv_bias:
+            t += [(q,), (kv,), (kv,)]
+        if self.o_bias:
+            t.append((h,))
+        if self.qk_norm:
+            t += [(self.head_dim,), (self.head_dim,)]
+        if self.experts:
+            t += [(self.experts, h), (self.experts, 2 * inter, h), (self.experts, h, inter)]
+        else:
+            t += [(inter, h), (inter, h), (h, inter)]
+            if self.mlp_bias:
+                t += [(inter,), (inter,), (h,)]
+        return t
+
+    def root_tensors(self) -> list[tuple[int, ...]]:
+        """Embeddings, final norm and (untied) LM head: the root FSDP module's own parameters."""
+        t: list[tuple[int, ...]] = [(self.vocab, self.hidden), (self.hidden,)]
+        if not self.tied:
+            t.append((self.vocab, self.hidden))
+        return t
+
+    def all_tensors(self) -> list[tuple[int, ...]]:
+        return self.layer_tensors() * self.layers + self.root_tensors()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _shard_numel(shape: tuple[int, ...], world_size: int) -> int:
+    """Elements on the largest rank when FSDP2 splits dim 0 into ``world_size`` padded chunks."""
+    return math.ceil(shape[0] / world_size) * math.prod(shape[1:])
+
+
+def model_shape(model_cfg: dict[str, Any]) -> ModelShape:
+    """Read the decoder's dimensions out of a config.json dict; a missing key is a ConfigError."""
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    missing = [k for k in required if not isinstance(model_cfg.get(k), int)]
+    if missing:
+        kind = model_cfg.get("model_type", "unknown")
+        raise ConfigError(
+            f"model.name_or_path: config.json (model_type {kind!r}) lacks {', '.join(missing)}; "
+            "slurmft estimate understands Llama/Mistral/Qwen-style decoder configs",
+            [f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"],
+        )
+    mtype = str(model_cfg.get("model_type", "llama"))
+    heads = model_cfg["num_attention_heads"]
+    hidden = model_cfg["hidden_size"]
+    kv_heads = model_cfg.get("num_key_value_heads") or heads
+    head_dim = model_cfg.get("head_dim") or hidden // heads
+    attention_bias = bool(model_cfg.get("attention_bias", False))
+    qkv_bias = True if mtype == "qwen2" else attention_bias
+    o_bias = False if mtype == "qwen2" else attention_bias
+    experts = int(model_cfg.get("num_local_experts") or 0)
+    if mtype not in ("mixtral",) and experts:
+        experts = 0  # other MoE layouts (shared experts, ...) are not modelled; counted dense
+    return ModelShape(
+        model_type=mtype,
+        hidden=hidden,
+        layers=model_cfg["num_hidden_layers"],
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate=model_cfg["intermediate_size"],
+        vocab=model_cfg["vocab_size"],
+        tied=bool(model_cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=bool(model_cfg.get("mlp_bias", False)),
+        qk_norm=mtype == "qwen3",
+        experts=experts,
+        experts_per_token=int(model_cfg.get("num_experts_per_tok") or 2) if experts else 0,
+        file_dtype=model_cfg.get("dtype") or model_cfg.get("torch_dtype"),
+    )
+
+
+def count_parameters(model_cfg: dict[str, Any]) -> int:
+    """Parameter count of a Llama/Mistral/Qwen/Mixtral-style decoder from its config.json dict.
+
+    Embeddings ``V·h``; per layer q ``h·(heads·d)``, k and v ``h·(kv_heads·d)`` each, o ``(heads·d)·h``
+    (+ biases where the architecture has them), two RMSNorm weights ``h`` (+ Qwen3's q/k norms ``d``),
+    SwiGLU ``3·h·I`` (Mixtral: ``E·3·h·I`` + router ``E·h``); final norm ``h``; LM head ``V·h``
+    unless tied to the embeddings.
+    """
+    return sum(_numel(s) for s in model_shape(model_cfg).all_tensors())
+
+
+# ====================================================================== the arithmetic
+def training_state_bytes(n_params: int, precision: str = "fp32") -> dict[str, int]:
+    """Weights, gradients and AdamW optimizer bytes for ``n_params`` unsharded parameters.
+
+    The course-notes rule: 16 bytes/parameter before activations in both fp32 (4 + 4 + 8) and bf16
+    mixed precision (2 + 2 + 12, the 12 being the fp32 master weights and the two AdamW states).
+    """
+    per = BYTES_PER_PARAM[precision]
+    return {k: n_params * v for k, v in per.items()}
+
+
+def activation_bytes(
+    shape: ModelShape,
+    seq_len: int,
+    micro_batch: int,
+    compute_bytes: int,
+    checkpointing: bool,
+    eager: bool,
+) -> dict[str, int]:
+    """Activation memory of one rank for one micro-batch, peak during backward (see docs/estimate.md)."""
+    c = compute_bytes
+    tokens = seq_len * micro_batch
+    h, q, kv, inter = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
+    norm = (4 + 2 * c) * h  # fp32 upcast input + normalised copy in c + output (the next matmul's input)
+    attn_kv = q if eager else kv  # eager repeats K/V to all heads before the matmuls
+    attn = norm + c * (q + 2 * attn_kv) + 2 * c * q
+    if shape.qk_norm:
+        attn += (4 + c) * (q + kv)
+    if eager:
+        attn += shape.heads * seq_len * (4 + (c if c < 4 else 0))  # fp32 softmax + a copy in c
+    else:
+        attn += 4 * shape.heads  # flash/SDPA keep only the log-sum-exp
+    if shape.experts:
+        mlp = norm + 4 * shape.experts + shape.experts_per_token * (4 * c * inter + c * h)
+    else:
+        mlp = norm + 4 * c * inter
+    layer_full = tokens * (attn + mlp)
+    layer_input = tokens * c * h
+    mask = micro_batch * seq_len * seq_len * c if eager else 0
+    # Final norm + the fp32 log-softmax kept for the loss (saved), and at the loss the logits in c plus
+    # the fp32 upcast, or in backward the fp32 logits gradient plus its cast to c (transient).
+    head_saved = tokens * ((4 + 2 * c) * h + 4 * shape.vocab)
+    head_transient = tokens * (c + 4) * shape.vocab
+    head = head_saved + head_transient
+    # checkpointing: every layer's input kept + one layer recomputed at a time in backward
+    layers = shape.layers * layer_input + layer_full if checkpointing else shape.layers * layer_full
+    return {
+        "per_layer_full": layer_full,
+        "per_layer_checkpointed": layer_input,
+        "decoder_layers": layers,
+        "logits_and_loss": head,
+        "logits_saved": head_saved,
+        "attention_mask": mask,
+        "total": layers + head + mask,
+    }
+
+
+@dataclass(frozen=True)
+class _Knobs:
+    nodes: int
+    ranks_per_node: int
+    fsdp: bool
+    cpu_offload: bool
+    checkpointing: bool
+    eager: bool
+    seq_len: int
+    micro_batch: int
+    precision: str
+    on_gpu: bool
+    capacity: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+
+def _per_gpu(shape: ModelShape, k: _Knobs) -> dict[str, Any]:
+    """Memory of the largest rank (a GPU, or a CPU rank's share of RAM) for the given settings."""
+    per = BYTES_PER_PARAM[k.precision]
+    c = COMPUTE_BYTES[k.precision]
+    tensors = shape.all_tensors()
+    ws = k.world_size if k.fsdp else 1
+    local = sum(_shard_numel(s, ws) for s in tensors)
+    state = {name: local * b for name, b in per.items()}
+    if k.fsdp:
+        layer = sum(_numel(s) for s in shape.layer_tensors())
+        root = sum(_numel(s) for s in shape.root_tensors())
+        comm = c * (3 * layer + root + shape.vocab * shape.hidden)
+    else:  # DDP's gradient buckets: one more copy of the gradients
+        comm = state["gradients"]
+    if k.cpu_offload and k.fsdp:
+        offloaded = sum(state.values())
+        state = dict.fromkeys(state, 0)
+    else:
+        offloaded = 0
+    act = activation_bytes(shape, k.seq_len, k.micro_batch, c, k.checkpointing, k.eager)
+    allocated = sum(state.values()) + comm + act["total"]
+    if k.on_gpu:
+        overhead = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * allocated)
+    else:
+        overhead = RUNTIME_BYTES_CPU_RANK + int(FRAGMENTATION * allocated)
+    total = allocated + overhead
+    return {
+        "weights": state["weights"],
+        "gradients": state["gradients"],
+        "optimizer": state["optimizer"],
+        "comm_buffers": comm,
+        "activations": act["total"],
+        "overhead": overhead,
+        "total": total,
+        "capacity": k.capacity,
+        "fits": total <= k.capacity,
+        "headroom": k.capacity - total,
+        "offloaded_to_cpu": offloaded,
+        "sharded_state_elements": local,
+        "_activations_detail": act,
+    }
+
+
+def resolve_precision(cfg: RunConfig, on_gpu: bool) -> str:
+    """``model.dtype`` to a precision: auto = bf16 mixed precision on GPUs, fp32 on CPU."""
+    dtype = cfg.model.dtype
+    if dtype == "auto":
+        return "bf16-mixed" if on_gpu else "fp32"
+    return {"bfloat16": "bf16-mixed", "float16": "fp16-mixed", "float32": "fp32"}[dtype]
+
+
+def runs_on_gpu(cfg: RunConfig, profile: ClusterProfile) -> bool:
+    """GPU ranks unless the allocation has no GPUs or the profile's GPUs are fake (the CPU test cluster)."""
+    gpu_type = profile.gpu.type.lower()
+    fake = "fake" in gpu_type or gpu_type in ("none", "cpu")
+    return cfg.resources.gpus_per_node > 0 and profile.gres_gpu and not fake
+
+
+def gpu_capacity_bytes(profile: ClusterProfile) -> tuple[int, str | None]:
+    """Bytes of one GPU, and a note when the nominal size was replaced by the device's real total."""
+    stated = int(profile.gpu.memory_gb * GB)
+    key = re.sub(r"[^A-Z0-9]", "", profile.gpu.type.upper())
+    known = KNOWN_GPUS.get(key)
+    if known and abs(profile.gpu.memory_gb - known[0]) < 0.5:
+        real = known[1] * MiB
+        if real > stated:
+            return real, (
+                f"{profile.gpu.type}: the profile states {profile.gpu.memory_gb:g} GB, the nominal size; "
+                f"the device reports {known[1]:,} MiB = {real / GB:.1f} GB, which is used as capacity"
+            )
+    return stated, None
+
+
+def _largest_tensor_numel(shape: ModelShape) -> int:
+    return max(_numel(s) for s in shape.layer_tensors() + shape.root_tensors())
+
+
+def estimate(
+    cfg: RunConfig, profile: ClusterProfile, model_cfg: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Memory plan of a run: parameters, per-GPU memory, per-node CPU RAM at load, checkpoint sizes.
+
+    Bytes are integers. ``per_gpu`` is the largest rank; ``cpu_ram_per_node`` is node 0 (it hosts rank
+    0, which reads the weights). ``assumptions`` lists what was counted; ``fit_problems`` turns a
+    result that does not fit into reasons with fixes.
+    """
+    source = None
+    if model_cfg is None:
+        source = str(locate_model_config(cfg.model.name_or_path, cfg.model.revision))
+        model_cfg = load_model_config(cfg.model.name_or_path, cfg.model.revision)
+    shape = model_shape(model_cfg)
+    n_params = count_parameters(model_cfg)
+
+    on_gpu = runs_on_gpu(cfg, profile)
+    precision = resolve_precision(cfg, on_gpu)
+    rpn = cfg.resources.ranks_per_node
+    node_ram = int(profile.node_memory_gb * GB)
+    if on_gpu:
+        capacity, capacity_note = gpu_capacity_bytes(profile)
+    else:
+        capacity, capacity_note = node_ram // rpn, None
+    eager = cfg.model.attn_implementation == "eager"
+    knobs = _Knobs(
+        nodes=cfg.resources.nodes,
+        ranks_per_node=rpn,
+        fsdp=cfg.fsdp.enabled,
+        cpu_offload=cfg.fsdp.cpu_offload,
+        checkpointing=cfg.fsdp.activation_checkpointing,
+        eager=eager,
+        seq_len=cfg.data.max_seq_length,
+        micro_batch=cfg.train.per_device_batch_size,
+        precision=precision,
+        on_gpu=on_gpu,
+        capacity=capacity,
+    )
+    gpu = _per_gpu(shape, knobs)
+    act_detail = gpu.pop("_activations_detail")
+    act_other = activation_bytes(
+        shape, knobs.seq_len, knobs.micro_batch, COMPUTE_BYTES[precision], not knobs.checkpointing, eager
+    )["total"]
+    act_flash = activation_bytes(
+        shape, knobs.seq_len, knobs.micro_batch, COMPUTE_BYTES[precision], knobs.checkpointing, False
+    )["total"]
+    act_eager = activation_bytes(
+        shape, knobs.seq_len, knobs.micro_batch, COMPUTE_BYTES[precision], knobs.checkpointing, True
+    )["total"]
+
+    # ---- CPU RAM per node at load time (node 0 hosts rank 0)
+    runtime = rpn * (RUNTIME_BYTES_GPU_RANK if on_gpu else RUNTIME_BYTES_CPU_RANK)
+    full_fp32 = n_params * MASTER_BYTES
+    file_bytes_per_param = DTYPE_BYTES.get(str(shape.file_dtype).lower(), 2)
+    file_bytes = n_params * file_bytes_per_param
+    # Shards that live in RAM (CPU ranks, or FSDP CPU offload): every rank of the node holds one.
+    if not on_gpu:
+        resident = rpn * (gpu["total"] - gpu["overhead"])
+    elif knobs.cpu_offload:
+        resident = rpn * gpu["offloaded_to_cpu"]
+    else:
+        resident = 0
+    shard_fp32 = gpu["sharded_state_elements"] * MASTER_BYTES
+    load_resident = rpn * shard_fp32 if (not on_gpu or knobs.cpu_offload) else 0
+    every_rank = rpn * full_fp32 + runtime + load_resident
+    rank0 = full_fp32 + runtime + load_resident
+    ours = file_bytes + _largest_tensor_numel(shape) * MASTER_BYTES + runtime + load_resident
+    training_ram = runtime + resident
+    cpu = {
+        "every_rank_loads": every_rank,
+        "rank0_broadcast": rank0,
+        "slurmft": ours,
+        "training": training_ram,
+        "capacity": node_ram,
+        "fits": max(ours, training_ram) <= node_ram,
+        "runtime_allowance": runtime,
+        "safetensors_bytes": file_bytes,
+    }
+
+    checkpoint_bytes = n_params * (MASTER_BYTES + ADAM_STATE_BYTES)
+    consolidated_bytes = n_params * DTYPE_BYTES[cfg.consolidate.dtype]
+
+    # ---- what would make it fit (only computed when it does not)
+    remedies: list[str] = []
+    if not gpu["fits"]:
+        remedies = _remedies(shape, knobs)
+
+    assumptions = _assumptions(shape, knobs, capacity_note)
+    result: dict[str, Any] = {
+        "model": {
+            "name_or_path": cfg.model.name_or_path,
+            "config_source": source,
+            "model_type": shape.model_type,
+            "hidden_size": shape.hidden,
+            "num_hidden_layers": shape.layers,
+            "num_attention_heads": shape.heads,
+            "num_key_value_heads": shape.kv_heads,
+            "head_dim": shape.head_dim,
+            "intermediate_size": shape.intermediate,
+            "vocab_size": shape.vocab,
+            "tie_word_embeddings": shape.tied,
+            "num_local_experts": shape.experts,
+        },
+        "parameters": n_params,
+        "setup": {
+            "nodes": knobs.nodes,
+            "ranks_per_node": rpn,
+            "world_size": knobs.world_size,
+            "device": "gpu" if on_gpu else "cpu",
+            "gpu_type": profile.gpu.type if on_gpu else None,
+            "profile": profile.name,
+            "precision": precision,
+            "fsdp": knobs.fsdp,
+            "shards": knobs.world_size if knobs.fsdp else 1,
+            "cpu_offload": knobs.cpu_offload,
+            "activation_checkpointing": knobs.checkpointing,
+            "attention": "eager" if eager else "flash/sdpa",
+            "seq_len": knobs.seq_len,
+            "micro_batch": knobs.micro_batch,
+        },
+        "per_gpu": gpu,
+        "activations": {
+            **act_detail,
+            "with_checkpointing": act_detail["total"] if knobs.checkpointing else act_other,
+            "without_checkpointing": act_other if knobs.checkpointing else act_detail["total"],
+            "flash_or_sdpa": act_flash,
+            "eager": act_eager,
+        },
+        "cpu_ram_per_node": cpu,
+        "checkpoint_bytes": checkpoint_bytes,
+        "consolidated_bytes": consolidated_bytes,
+        "consolidated_dtype": cfg.consolidate.dtype,
+        "fits": bool(gpu["fits"] and cpu["fits"]),
+        "remedies": remedies,
+        "assumptions": assumptions,
+    }
+    result["problems"] = fit_problems(result)
+    result["verdict"] = _verdict(result)
+    return result
+
+
+def _remedies(shape: ModelShape, k: _Knobs) -> list[str]:
+    """Single changes to the run config that would make the GPU memory fit, each with its estimate."""
+    out: list[str] = []
+
+    def fits(alt: _Knobs) -> int | None:
+        plan = _per_gpu(shape, alt)
+        return plan["total"] if plan["fits"] else None
+
+    if not k.fsdp and (t := fits(replace(k, fsdp=True))):
+        out.append(f"set fsdp.enabled=true (shards over {k.world_size} ranks: {_fmt(t)} per GPU)")
+    if not k.checkpointing and (t := fits(replace(k, checkpointing=True))):
+        out.append(f"set fsdp.activation_checkpointing=true ({_fmt(t)} per GPU)")
+    if k.eager and (t := fits(replace(k, eager=False))):
+        out.append(f"use model.attn_implementation=sdpa or flash_attention_2 ({_fmt(t)} per GPU)")
+    if k.micro_batch > 1 and (t := fits(replace(k, micro_batch=1))):
+        out.append(
+            f"set train.per_device_batch_size=1 and raise train.gradient_accumulation_steps ({_fmt(t)} per GPU)"
+        )
+    if k.on_gpu:
+        base = replace(k, fsdp=True)
+        for nodes in range(k.nodes + 1, 513):
+            if t := fits(replace(base, nodes=nodes)):
+                extra = "" if k.fsdp else " with fsdp.enabled=true"
+                out.append(f"use resources.nodes={nodes}{extra} ({_fmt(t)} per GPU)")
+                break
+        if not k.cpu_offload and (t := fits(replace(k, fsdp=True, cpu_offload=True))):
+            out.append(f"set fsdp.cpu_offload=true (much slower; {_fmt(t)} per GPU)")
+    if not out:  # no single change is enough: name the levers that are not at their best yet
+        levers = [
+            "fsdp.enabled=true" if not k.fsdp else "",
+            "fsdp.activation_checkpointing=true" if not k.checkpointing else "",
+            "model.attn_implementation=sdpa" if k.eager else "",
+            "train.per_device_batch_size=1" if k.micro_batch > 1 else "",
+            "a smaller data.max_seq_length",
+            "more resources.nodes" if k.on_gpu else "more resources.nodes or node RAM",
+        ]
+        out.append("no single change is enough; combine " + ", ".join(x for x in levers if x))
+    return out
+
+
+def _assumptions(shape: ModelShape, k: _Knobs, capacity_note: str | None) -> list[str]:
+    per = BYTES_PER_PARAM[k.precision]
+    lines = []
+    if shape.model_type not in SUPPORTED_MODEL_TYPES:
+        lines.append(f"model_type {shape.model_type!r} is counted as a Llama-style decoder")
+    lines.append(
+        f"training state ({k.precision}, AdamW): {per['weights']} weights + {per['gradients']} gradients + "
+        f"{per['optimizer']} optimizer = {sum(per.values())} bytes/parameter"
+        + (" (optimizer = fp32 master weights + exp_avg + exp_avg_sq)" if k.precision != "fp32" else "")
+    )
+    if k.fsdp:
+        lines.append(
+            f"FSDP full shard over {k.world_size} ranks: each tensor split on dim 0 (padded); the largest rank is shown"
+        )
+        lines.append(
+            "FSDP working set: 2 layers' parameters (current + prefetched) + 1 layer's gradients unsharded, "
+            "root parameters (embeddings, final norm, LM head) + LM-head gradient unsharded, in the compute dtype"
+        )
+    else:
+        lines.append(
+            "fsdp.enabled=false: every GPU holds all weights, gradients and optimizer states (DDP-like), "
+            "plus DDP gradient buckets (one more gradient copy)"
+        )
+    if k.cpu_offload and k.fsdp:
+        lines.append("fsdp.cpu_offload: sharded weights, gradients and optimizer states live in CPU RAM")
+    attn = (
+        "eager attention: K/V repeated to all heads, fp32 softmax of heads x seq x seq per layer"
+        if k.eager
+        else "flash-attention/SDPA: no seq x seq matrix, only the log-sum-exp is kept"
+    )
+    ckpt = (
+        "activation checkpointing: each layer's input kept, one layer recomputed in backward"
+        if k.checkpointing
+        else "no activation checkpointing: every layer's activations kept until backward"
+    )
+    lines += [
+        f"activations: seq {k.seq_len} x micro-batch {k.micro_batch}; {ckpt}; {attn}; "
+        "logits, their fp32 upcast and fp32 gradient counted",
+        (
+            f"allowance: {CUDA_CONTEXT_BYTES // MiB} MiB CUDA context/workspaces/NCCL + "
+            f"{FRAGMENTATION:.0%} allocator fragmentation"
+        )
+        if k.on_gpu
+        else (
+            f"CPU run: each rank's share is node RAM / {k.ranks_per_node} ranks; allowance "
+            f"{RUNTIME_BYTES_CPU_RANK // MiB} MiB runtime + {FRAGMENTATION:.0%} fragmentation"
+        ),
+        "CPU RAM at load: fp32 full copies for every-rank / rank-0 loading; slurmft = safetensors "
+        "memory-mapped on rank 0 + one fp32 tensor at a time; "
+        f"+ {(RUNTIME_BYTES_GPU_RANK if k.on_gpu else RUNTIME_BYTES_CPU_RANK) // MiB} MiB runtime per rank",
+        "checkpoint = fp32 parameters + 2 AdamW states (12 bytes/parameter); consolidated = parameters x "
+        "consolidate.dtype",
+    ]
+    if capacity_note:
+        lines.append(capacity_note)
+    return lines
+
+
+# ====================================================================== verdicts
+def _fmt(n: int | float) -> str:
+    n = float(n)
+    if abs(n) >= 10**12:
+        return f"{n / 10**12:,.2f} TB"
+    if abs(n) >= GB:
+        return f"{n / GB:,.1f} GB"
+    return f"{n / 10**6:,.0f} MB"
+
+
+def fit_problems(result: dict[str, Any]) -> list[str]:
+    """Why the run does not fit, one human line per resource (empty when it fits)."""
+    problems = []
+    g = result["per_gpu"]
+    setup = result.get("setup", {})
+    on_gpu = setup.get("device", "gpu") == "gpu"
+    if not g["fits"]:
+        unit = f"per GPU ({setup.get('gpu_type')})" if on_gpu else "per CPU rank"
+        parts = ", ".join(
+            f"{k} {_fmt(g[k])}"
+            for k in ("weights", "gradients", "optimizer", "comm_buffers", "activations", "overhead")
+            if g.get(k)
+        )
+        msg = f"GPU memory: needs {_fmt(g['total'])} {unit} but has {_fmt(g['capacity'])} ({parts})"
+        if not on_gpu:
+            msg = msg.replace("GPU memory", "CPU memory per rank")
+        if not setup.get("fsdp", True):
+            msg += "; fsdp.enabled=false keeps a full copy of weights, gradients and optimizer on every GPU"
+        remedies = result.get("remedies") or []
+        if remedies:
+            msg += "; to fix: " + "; or ".join(remedies)
+        problems.append(msg)
+    c = result["cpu_ram_per_node"]
+    if not c["fits"]:
+        need = max(c["slurmft"], c.get("training", 0))
+        problems.append(
+            f"CPU RAM: node 0 needs {_fmt(need)} (loading {_fmt(c['slurmft'])}, training {_fmt(c.get('training', 0))}) "
+            f"but a node has {_fmt(c['capacity'])}; use more nodes or a profile with more node_memory_gb"
+        )
+    return problems
+
+
+def _verdict(result: dict[str, Any]) -> str:
+    g = result["per_gpu"]
+    pct = 100 * g["total"] / g["capacity"] if g["capacity"] else float("inf")
+    if result["fits"]:
+        tight = (
+            " - tight: under 5% headroom, little room for a longer sequence or a larger micro-batch"
+            if pct > 95
+            else ""
+        )
+        return f"fits: {_fmt(g['total'])} of {_fmt(g['capacity'])} per rank ({pct:.0f}%){tight}"
+    return "does not fit: " + " | ".join(result["problems"])
+
+
+def to_json(result: dict[str, Any]) -> str:
+    """The result as indented JSON (bytes stay integers)."""
+    return json.dumps(result, indent=2, sort_keys=False)
+
+
+# ====================================================================== the table
+def render_table(result: dict[str, Any]) -> RenderableType:
+    """A rich renderable for humans: model, per-GPU memory, CPU RAM at load, disk, verdict."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    s, g, c, m = result["setup"], result["per_gpu"], result["cpu_ram_per_node"], result["model"]
+    head = Text.assemble(
+        (f"{m['name_or_path']}", "bold"),
+        f"  {result['parameters'] / 1e9:.2f}B parameters ({result['parameters']:,})  "
+        f"{m['num_hidden_layers']} layers, hidden {m['hidden_size']}, heads {m['num_attention_heads']}"
+        f"/{m['num_key_value_heads']} kv, vocab {m['vocab_size']}\n",
+        f"{s['nodes']} node(s) x {s['ranks_per_node']} ranks on {s['gpu_type'] or 'CPU'} "
+        f"({s['profile']}), {s['precision']}, "
+        + (f"FSDP full shard over {s['shards']}" if s["fsdp"] else "no FSDP (full copy per rank)")
+        + (", CPU offload" if s["cpu_offload"] else "")
+        + f", activation checkpointing {'on' if s['activation_checkpointing'] else 'off'}, "
+        f"{s['attention']} attention, seq {s['seq_len']} x micro-batch {s['micro_batch']}",
+    )
+
+    t = Table(title="Per GPU" if s["device"] == "gpu" else "Per rank (CPU)", title_justify="left")
+    t.add_column("component")
+    t.add_column("bytes", justify="right")
+    t.add_column("note", style="dim")
+    rows = [
+        ("weights", g["weights"], "sharded" if s["fsdp"] else "full copy"),
+        ("gradients", g["gradients"], ""),
+        (
+            "optimizer (AdamW)",
+            g["optimizer"],
+            "2 states" + (" + fp32 master" if s["precision"] != "fp32" else ""),
+        ),
+        ("gathered / comm buffers", g["comm_buffers"], "FSDP all-gather" if s["fsdp"] else "DDP buckets"),
+        (
+            "activations",
+            g["activations"],
+            f"without ckpt {_fmt(result['activations']['without_checkpointing'])}"
+            if s["activation_checkpointing"]
+            else f"with ckpt {_fmt(result['activations']['with_checkpointing'])}",
+        ),
+        ("overhead allowance", g["overhead"], "context + fragmentation"),
+    ]
+    for name, val, note in rows:
+        t.add_row(name, _fmt(val), note)
+    style = "green" if g["fits"] else "red"
+    t.add_row(
+        Text("total", style="bold"),
+        Text(_fmt(g["total"]), style=f"bold {style}"),
+        f"capacity {_fmt(g['capacity'])}",
+    )
+
+    r = Table(title="CPU RAM per node at load (node 0)", title_justify="left")
+    r.add_column("strategy")
+    r.add_column("bytes", justify="right")
+    r.add_column("vs node RAM", justify="right")
+    for name, key in (
+        ("every rank loads", "every_rank_loads"),
+        ("rank 0 loads + broadcast", "rank0_broadcast"),
+        ("slurmft (mmap + shard broadcast)", "slurmft"),
+    ):
+        ok = c[key] <= c["capacity"]
+        r.add_row(name, _fmt(c[key]), Text("ok" if ok else "too much", style="green" if ok else "red"))
+    r.add_row("node capacity", _fmt(c["capacity"]), "")
+
+    d = Table(title="Disk", title_justify="left")
+    d.add_column("what")
+    d.add_column("bytes", justify="right")
+    d.add_row("sharded checkpoint (model + optimizer), each", _fmt(result["checkpoint_bytes"]))
+    d.add_row(f"consolidated model ({result['consolidated_dtype']})", _fmt(result["consolidated_bytes"]))
+
+    verdict = Text(result["verdict"], style="bold green" if result["fits"] else "bold red")
+    notes = Text("\n".join(f"- {a}" for a in result["assumptions"]), style="dim")
+    return Group(head, t, r, d, verdict, Text("assumptions:", style="dim"), notes)

@@ -1,0 +1,207 @@
+"""The process group of one train job: device, a rendezvous that fails fast, and agreement on errors.
+
+Why our own rendezvous store: with ``env://`` a wrong MASTER_ADDR or a rank that never starts does
+not fail, it waits for the collective time-out (30 min by default, DESIGN.md §3). Rank 0 therefore
+opens the TCP store itself and waits at most ``SLURMFT_RENDEZVOUS_TIMEOUT`` seconds (default 180)
+for every rank; the others give up after the same time, each with an error that names the address.
+Collectives afterwards get the long ``SLURMFT_COLLECTIVE_TIMEOUT`` (default 1800 s: a save of a
+large model or a first-time dataset preparation on rank 0 can take that long). Under torchrun the
+agent already ran the rendezvous and owns the store, so we use it.
+
+Why :func:`agree`: a setup error on one rank while the others walk into a collective is a hang. Every
+setup phase ends with an all-gather of "my error or None"; if any rank failed, all raise the same
+:class:`~slurmft.errors.JobSetupError` and exit non-zero together.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from slurmft.errors import JobSetupError
+from slurmft.job.rendezvous import JobEnv
+
+log = logging.getLogger("slurmft.job")
+
+T = TypeVar("T")
+
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 180
+DEFAULT_COLLECTIVE_TIMEOUT_S = 1800
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This rank's place in the initialised process group."""
+
+    env: JobEnv
+    device: torch.device
+    backend: str
+    collective_timeout_s: int
+
+    @property
+    def rank(self) -> int:
+        """Global rank."""
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: the one that reads weights and writes shared files."""
+        return self.env.rank == 0
+
+    @property
+    def on_gpu(self) -> bool:
+        """True when this rank trains on a CUDA device."""
+        return self.device.type == "cuda"
+
+
+def _timeout_from_env(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        return max(1, int(float(raw)))
+    except ValueError:
+        raise JobSetupError(f"{name}={raw!r} is not a number of seconds") from None
+
+
+def _rendezvous_store(env: JobEnv, timeout_s: int) -> dist.Store | None:
+    """Our own TCP store with a short time-out (None under torchrun, whose agent owns one)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return None
+    try:
+        store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.world_size,
+            is_master=env.rank == 0,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=True,
+        )
+    except Exception as exc:  # DistStoreError, RuntimeError (address in use), socket errors
+        who = "rank 0 waited for the other ranks" if env.rank == 0 else f"rank {env.rank} tried to reach rank 0"
+        raise JobSetupError(
+            f"rendezvous failed: {who} at {env.master_addr}:{env.master_port} for up to {timeout_s}s "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). Check that MASTER_ADDR is "
+            "the first node's address reachable from every node (set cluster.master_addr to override), that the "
+            "port is free, and that every rank started (see the other ranks' logs)."
+        ) from None
+    # The store outlives the rendezvous: later key waits (gloo connection set-up, barriers) may be long.
+    store.set_timeout(timedelta(seconds=_timeout_from_env("SLURMFT_COLLECTIVE_TIMEOUT", DEFAULT_COLLECTIVE_TIMEOUT_S)))
+    return store
+
+
+def _cpu_threads(env: JobEnv) -> int:
+    for var in ("SLURM_CPUS_PER_TASK", "OMP_NUM_THREADS"):
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return max(1, (os.cpu_count() or 1) // max(1, env.local_world_size))
+
+
+def init(env: JobEnv) -> DistContext:
+    """Join the process group: cuda:LOCAL_RANK + NCCL (with gloo for CPU tensors) when CUDA exists, else gloo."""
+    env.export()
+    rdzv_s = _timeout_from_env("SLURMFT_RENDEZVOUS_TIMEOUT", DEFAULT_RENDEZVOUS_TIMEOUT_S)
+    coll_s = _timeout_from_env("SLURMFT_COLLECTIVE_TIMEOUT", DEFAULT_COLLECTIVE_TIMEOUT_S)
+    if torch.cuda.is_available():
+        if env.local_rank >= torch.cuda.device_count():
+            raise JobSetupError(
+                f"rank {env.rank} has LOCAL_RANK {env.local_rank} but only {torch.cuda.device_count()} visible GPU(s); "
+                "run one task per GPU (resources.tasks_per_node = resources.gpus_per_node)"
+            )
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+        backend = "cuda:nccl,cpu:gloo"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        threads = _cpu_threads(env)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # accelerate would otherwise pick its own
+        torch.set_num_threads(threads)
+    if not dist.is_initialized():
+        store = _rendezvous_store(env, rdzv_s)
+        kwargs = {"store": store} if store is not None else {}
+        try:
+            dist.init_process_group(
+                backend=backend,
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timedelta(seconds=coll_s),
+                **kwargs,
+            )
+        except JobSetupError:
+            raise
+        except Exception as exc:
+            raise JobSetupError(
+                f"rendezvous failed on rank {env.rank} ({env.master_addr}:{env.master_port}, {backend}): {exc}"
+            ) from None
+    return DistContext(env=env, device=device, backend=backend, collective_timeout_s=coll_s)
+
+
+def agree(ctx: DistContext, error: str | None, phase: str) -> None:
+    """All ranks learn whether any rank failed ``phase``; if one did, every rank raises JobSetupError."""
+    errors: list[str | None] = [None] * ctx.world_size
+    dist.all_gather_object(errors, error)
+    failed = [(rank, msg) for rank, msg in enumerate(errors) if msg]
+    if not failed:
+        return
+    messages = list(dict.fromkeys(msg for _, msg in failed))  # same problem on several ranks: say it once
+    ranks = ", ".join(str(rank) for rank, _ in failed)
+    if len(messages) == 1:
+        raise JobSetupError(messages[0] if len(failed) == ctx.world_size else f"{messages[0]} (rank {ranks})")
+    raise JobSetupError(f"{phase} failed on rank(s) {ranks}", problems=messages)
+
+
+def guarded(ctx: DistContext, phase: str, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on every rank, then :func:`agree`; a JobSetupError anywhere stops every rank."""
+    result: T | None = None
+    error: str | None = None
+    try:
+        result = fn()
+    except JobSetupError as exc:
+        error = exc.render()
+    agree(ctx, error, phase)
+    return result  # type: ignore[return-value]
+
+
+def main_first(ctx: DistContext, phase: str, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0 first (downloads, dataset caches), then on the other ranks; agree after each."""
+    result: T | None = None
+    error: str | None = None
+    if ctx.is_main:
+        try:
+            result = fn()
+        except JobSetupError as exc:
+            error = exc.render()
+    agree(ctx, error, phase)
+    if not ctx.is_main:
+        try:
+            result = fn()
+        except JobSetupError as exc:
+            error = exc.render()
+    agree(ctx, error, phase)
+    return result  # type: ignore[return-value]
+
+
+def barrier() -> None:
+    """Barrier over the default group (no-op when not distributed)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown() -> None:
+    """Leave the process group, if joined."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

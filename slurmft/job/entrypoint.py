@@ -1,0 +1,62 @@
+"""In-job entry points that submitit pickles: ``run_train`` (every rank) and ``run_consolidate``.
+
+Importable on the login side (dispatch pickles these functions by reference): nothing heavy is
+imported at module level.
+
+Run by hand on each rank, e.g. two CPU ranks on this machine::
+
+    python -m torch.distributed.run --nproc_per_node 2 -m slurmft.job.entrypoint train RUN_DIR
+
+Exit status: 0 when training finished or stopped for preemption (the requeue marker tells the
+batch script which), 2 on a bad input (:class:`~slurmft.errors.JobSetupError`, same message on every
+rank), anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from slurmft.job import preemption
+
+
+def run_train(run_dir: str, signal_name: str = "USR2") -> dict[str, object]:
+    """Train job body, run by every rank: FSDP2 supervised fine-tune of the run directory's config."""
+    preemption.install(signal_name)  # first, before heavy imports: a warning signal must not kill start-up
+    from slurmft.job.train import train
+
+    return train(run_dir)
+
+
+def run_consolidate(run_dir: str) -> dict[str, object]:
+    """Consolidation job body (single process)."""
+    from slurmft.consolidate import consolidate_run
+
+    return consolidate_run(run_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m slurmft.job.entrypoint train RUN_DIR [--signal USR2]``."""
+    ap = argparse.ArgumentParser(prog="python -m slurmft.job.entrypoint")
+    ap.add_argument("command", choices=["train"])
+    ap.add_argument("run_dir")
+    ap.add_argument("--signal", default="USR2", help="warning signal Slurm sends before the end (default USR2)")
+    args = ap.parse_args(argv)
+    preemption.install(args.signal)
+    from slurmft.errors import SlurmftError
+
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    try:
+        result = run_train(args.run_dir, args.signal)
+    except SlurmftError as exc:
+        sys.stderr.write(f"slurmft rank {rank}: setup error: {exc.render()}\n")
+        sys.stderr.flush()
+        return 2
+    sys.stdout.write(f"slurmft rank {rank}: {result.get('status')} at step {result.get('global_step')}\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

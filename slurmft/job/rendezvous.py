@@ -1,0 +1,131 @@
+"""Who am I in the job: rank, world size and rendezvous address from Slurm, submitit-local or torchrun.
+
+Light on purpose (no torch): the batch script calls ``python -m slurmft.job.rendezvous exports``
+once to compute MASTER_ADDR/MASTER_PORT, and every rank calls :func:`JobEnv.from_environ`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+
+PORT_BASE = 20000
+PORT_SPAN = 20000
+
+
+def port_for_job(job_id: str) -> int:
+    """A rendezvous port derived from the job id, so two jobs sharing a node do not collide."""
+    digits = re.sub(r"\D", "", job_id) or "0"
+    return PORT_BASE + int(digits) % PORT_SPAN
+
+
+def first_host(nodelist: str) -> str:
+    """First host name of a Slurm node list (``scontrol show hostnames``)."""
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True, timeout=60
+    )
+    return out.stdout.split()[0]
+
+
+def node_addr(node: str) -> str:
+    """The NodeAddr Slurm itself uses to reach ``node`` (node names need not resolve)."""
+    out = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True, timeout=60)
+    match = re.search(r"\bNodeAddr=(\S+)", out.stdout)
+    return match.group(1) if out.returncode == 0 and match else node
+
+
+def master_address(environ: dict[str, str] | None = None) -> tuple[str, int]:
+    """MASTER_ADDR/MASTER_PORT for this allocation: override, else the first node's NodeAddr."""
+    env = os.environ if environ is None else environ
+    job_id = env.get("SLURM_JOB_ID") or env.get("SUBMITIT_LOCAL_JOB_ID") or str(os.getpid())
+    port = int(env.get("SLURMFT_MASTER_PORT") or port_for_job(job_id))
+    if env.get("SLURMFT_MASTER_ADDR"):
+        return env["SLURMFT_MASTER_ADDR"], port
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        return "127.0.0.1", port
+    return node_addr(first_host(nodelist)), port
+
+
+@dataclass(frozen=True)
+class JobEnv:
+    """This process's place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    job_id: str
+    restart_count: int
+    master_addr: str
+    master_port: int
+    launcher: str
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> JobEnv:
+        """Read Slurm (srun), submitit's local executor, or torchrun variables, in that order."""
+        env = dict(os.environ if environ is None else environ)
+        if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+            ntasks = int(env["SLURM_NTASKS"])
+            nnodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+            local_ws = int(env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or max(1, ntasks // nnodes))
+            job = env.get("SLURM_JOB_ID", "0")
+            addr = env.get("MASTER_ADDR")
+            port = int(env.get("MASTER_PORT") or port_for_job(job))
+            if not addr:
+                addr, port = master_address(env)
+            return cls(
+                rank=int(env["SLURM_PROCID"]), world_size=ntasks, local_rank=int(env.get("SLURM_LOCALID", 0)),
+                local_world_size=local_ws, node_rank=int(env.get("SLURM_NODEID", 0)), num_nodes=nnodes,
+                job_id=job, restart_count=int(env.get("SLURM_RESTART_COUNT") or 0),
+                master_addr=addr, master_port=port, launcher="slurm",
+            )
+        if "SUBMITIT_LOCAL_GLOBALID" in env:
+            n = int(env["SUBMITIT_LOCAL_NTASKS"])
+            job = env.get("SUBMITIT_LOCAL_JOB_ID", "0")
+            return cls(
+                rank=int(env["SUBMITIT_LOCAL_GLOBALID"]), world_size=n,
+                local_rank=int(env.get("SUBMITIT_LOCAL_LOCALID", 0)), local_world_size=n, node_rank=0,
+                num_nodes=1, job_id=job, restart_count=0, master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                master_port=int(env.get("MASTER_PORT") or port_for_job(job)), launcher="local",
+            )
+        ws = int(env.get("WORLD_SIZE", 1))
+        return cls(
+            rank=int(env.get("RANK", 0)), world_size=ws, local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", ws)), node_rank=int(env.get("GROUP_RANK", 0)),
+            num_nodes=max(1, ws // int(env.get("LOCAL_WORLD_SIZE", ws) or 1)), job_id=env.get("TORCHELASTIC_RUN_ID", "0"),
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", 29500)),
+            launcher="torchrun" if "TORCHELASTIC_RUN_ID" in env else "single",
+        )
+
+    def export(self) -> None:
+        """Set the variables torch.distributed and accelerate read (env:// rendezvous)."""
+        os.environ.update(
+            RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
+            LOCAL_WORLD_SIZE=str(self.local_world_size), NODE_RANK=str(self.node_rank),
+            MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port),
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        """Plain dict, for logs."""
+        return asdict(self)
+
+
+def _main(argv: list[str]) -> int:
+    if argv[:1] != ["exports"]:
+        print("usage: python -m slurmft.job.rendezvous exports", file=sys.stderr)
+        return 2
+    addr, port = master_address()
+    print(f"export MASTER_ADDR={shlex.quote(addr)} MASTER_PORT={port}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

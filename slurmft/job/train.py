@@ -1,0 +1,288 @@
+"""The train job, per rank, top to bottom: setup -> sharded model -> data -> trainer -> resume -> train -> exit.
+
+Every step that can fail because of the user's input (config, model files, tokenizer, data, SFT
+options) runs inside :func:`slurmft.job.distributed.guarded` / ``main_first``, so a problem found on
+any rank stops every rank with the same :class:`JobSetupError` before a collective can hang.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from slurmft.config import RunConfig
+from slurmft.errors import JobSetupError
+from slurmft.job import checkpoints, cpu_fsdp, data, distributed, loading
+from slurmft.job.callbacks import CompleteCheckpoints, FsdpReport, MetricsLog, PreemptionStop
+from slurmft.job.distributed import DistContext
+from slurmft.job.rendezvous import JobEnv
+from slurmft.rundir import RunPaths, atomic_write
+
+log = logging.getLogger("slurmft.job")
+
+FSDP_REPORT_DIR = "fsdp_report"
+
+# SFTConfig keys slurmft sets itself: the run.yaml field to use instead (or why it is fixed).
+OWNED_SFT_KEYS = {
+    "output_dir": "the run directory's checkpoints/ (RunPaths.checkpoints)",
+    "overwrite_output_dir": "the run directory's checkpoints/",
+    "save_strategy": "checkpoint.every_steps",
+    "save_steps": "checkpoint.every_steps",
+    "save_total_limit": "checkpoint.keep_last",
+    "save_only_model": "full checkpoints are needed to resume",
+    "resume_from_checkpoint": "automatic: the newest COMPLETE checkpoint",
+    "fsdp": "the fsdp: section",
+    "fsdp_config": "the fsdp: section",
+    "gradient_checkpointing": "fsdp.activation_checkpointing",
+    "activation_checkpointing": "fsdp.activation_checkpointing",
+    "max_steps": "train.max_steps",
+    "per_device_train_batch_size": "train.per_device_batch_size",
+    "gradient_accumulation_steps": "train.gradient_accumulation_steps",
+    "learning_rate": "train.learning_rate",
+    "lr_scheduler_type": "train.lr_scheduler",
+    "warmup_ratio": "train.warmup_ratio",
+    "weight_decay": "train.weight_decay",
+    "max_grad_norm": "train.max_grad_norm",
+    "seed": "train.seed",
+    "logging_steps": "train.logging_steps",
+    "report_to": "train.report_to",
+    "max_length": "data.max_seq_length",
+    "max_seq_length": "data.max_seq_length",
+    "packing": "data.packing",
+    "assistant_only_loss": "data.assistant_only_loss",
+    "dataset_num_proc": "data.num_proc",
+    "bf16": "model.dtype and the device (bf16 compute on GPU)",
+    "fp16": "model.dtype and the device (bf16 compute on GPU)",
+    "use_cpu": "the device (CPU only when there is no GPU)",
+    "ddp_backend": "the device (NCCL on GPU, gloo on CPU)",
+}
+REPORTERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "none": ()}
+
+
+def _setup_logging(rank: int) -> None:
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format=f"[slurmft rank{rank} %(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    log.setLevel(level)
+
+
+def read_config(paths: RunPaths) -> RunConfig:
+    """The run config the login side resolved into the run directory."""
+    from pydantic import ValidationError
+
+    if not paths.config.is_file():
+        raise JobSetupError(f"{paths.config} does not exist: is {paths.root} a slurmft run directory?")
+    try:
+        return RunConfig.model_validate(yaml.safe_load(paths.config.read_text()))
+    except (ValidationError, yaml.YAMLError) as exc:
+        raise JobSetupError(f"{paths.config} is not a valid run config: {exc}") from None
+
+
+@dataclass
+class Inputs:
+    """What setup resolved on this rank."""
+
+    model_dir: Path
+    config: Any
+    tokenizer: Any
+
+
+def _check_sft_keys(cfg: RunConfig) -> None:
+    from trl import SFTConfig
+
+    problems = [f"train.sft.{key}: set by slurmft; use {OWNED_SFT_KEYS[key]}" for key in cfg.train.sft
+                if key in OWNED_SFT_KEYS]
+    valid = set(SFTConfig.__dataclass_fields__)
+    problems += [f"train.sft.{key}: not an SFTConfig option" for key in cfg.train.sft if key not in valid]
+    for name in cfg.train.report_to:
+        if name not in REPORTERS:
+            problems.append(f"train.report_to: {name!r} is not supported here; use tensorboard or wandb")
+        elif REPORTERS[name] and not any(_importable(m) for m in REPORTERS[name]):
+            problems.append(f"train.report_to: {name} is enabled but the {REPORTERS[name][0]} package is not installed")
+    if problems:
+        raise JobSetupError("invalid training options", problems=problems)
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _prepare_inputs(cfg: RunConfig, ctx: DistContext) -> Inputs:
+    """Model files (weights only where they are read), config, tokenizer: all checked."""
+    _check_sft_keys(cfg)
+    model_dir = loading.resolve_model_dir(cfg.model, with_weights=ctx.is_main)
+    if ctx.is_main:
+        loading.weight_files(model_dir)  # fail on missing weights before anything else waits
+    config = loading.load_model_config(model_dir, cfg.model, cfg.data.max_seq_length)
+    tokenizer = loading.load_tokenizer(loading.resolve_tokenizer_dir(cfg.model, model_dir), cfg)
+    return Inputs(model_dir=model_dir, config=config, tokenizer=tokenizer)
+
+
+def _resume_point(paths: RunPaths, ctx: DistContext) -> Path | None:
+    """Rank 0 picks the newest COMPLETE checkpoint and removes torn saves; every rank learns the choice."""
+    import torch.distributed as dist
+
+    choice: list[str | None] = [None]
+    if ctx.is_main:
+        latest = checkpoints.latest_complete(paths.checkpoints)
+        newest = checkpoints.step_of(latest) if latest else -1
+        for step, path, ok in checkpoints.list_checkpoints(paths.checkpoints):
+            if not ok and step > (newest or -1):
+                log.warning("removing incomplete checkpoint %s (a save that did not finish)", path.name)
+                import shutil
+
+                shutil.rmtree(path, ignore_errors=True)
+        choice = [str(latest) if latest else None]
+    dist.broadcast_object_list(choice, src=0)
+    return Path(choice[0]) if choice[0] else None
+
+
+def sft_config(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> Any:
+    """TRL's SFTConfig from the run config; ``train.sft`` keys pass through."""
+    from trl import SFTConfig
+
+    t = cfg.train
+    kwargs: dict[str, Any] = {
+        "output_dir": str(paths.checkpoints),
+        "run_name": cfg.name,
+        "max_steps": t.max_steps,
+        "per_device_train_batch_size": t.per_device_batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "learning_rate": t.learning_rate,
+        "lr_scheduler_type": t.lr_scheduler,
+        "warmup_steps": float(t.warmup_ratio),  # a float < 1 is a ratio of max_steps
+        "weight_decay": t.weight_decay,
+        "max_grad_norm": t.max_grad_norm,
+        "seed": t.seed,
+        "logging_steps": t.logging_steps,
+        "report_to": list(t.report_to) or "none",
+        "save_strategy": "steps",
+        "save_steps": cfg.checkpoint.every_steps,
+        "save_total_limit": None,  # rotated after COMPLETE by CompleteCheckpoints
+        "save_only_model": False,
+        "max_length": cfg.data.max_seq_length,
+        "packing": cfg.data.packing,
+        "assistant_only_loss": cfg.data.assistant_only_loss,
+        "dataset_num_proc": cfg.data.num_proc,
+        "activation_checkpointing": False,  # FSDP-level activation checkpointing is applied at load
+        "bf16": ctx.on_gpu,
+        "use_cpu": not ctx.on_gpu,
+        "ddp_timeout": ctx.collective_timeout_s,
+        "include_num_input_tokens_seen": "non_padding",
+        "disable_tqdm": True,
+        "log_level": "info",
+        "log_level_replica": "error",
+        "fsdp": True,
+        "fsdp_config": {
+            "version": 2,
+            "state_dict_type": "SHARDED_STATE_DICT",
+            "reshard_after_forward": cfg.fsdp.reshard_after_forward,
+            "cpu_offload": cfg.fsdp.cpu_offload,
+            # The model arrives already wrapped per decoder layer, checkpointed and loaded
+            # (slurmft/job/loading.py): accelerate must not wrap or load it a second time.
+            "auto_wrap_policy": "NO_WRAP",
+            "activation_checkpointing": False,
+            "cpu_ram_efficient_loading": False,
+        },
+    }
+    if "tensorboard" in t.report_to:
+        os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(paths.root / "tensorboard"))
+    kwargs.update(t.sft)
+    try:
+        return SFTConfig(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise JobSetupError(f"train.sft: TRL rejected the training options: {exc}") from None
+
+
+def _write_requeue_marker(paths: RunPaths, env: JobEnv, step: int) -> Path:
+    marker = paths.requeue_marker_dir / f"{env.job_id}-{env.restart_count}"
+    atomic_write(marker, json.dumps({"step": step, "job_id": env.job_id, "restart": env.restart_count,
+                                     "t": time.time()}) + "\n")
+    return marker
+
+
+def train(run_dir: str) -> dict[str, Any]:
+    """The train job body on one rank. Returns a summary; raises JobSetupError on bad input."""
+    paths = RunPaths.of(run_dir)
+    env = JobEnv.from_environ()
+    _setup_logging(env.rank)
+    cfg = read_config(paths)
+    t_start = time.time()
+
+    # --- finished already (e.g. the job was requeued after its last save)?
+    latest = checkpoints.latest_complete(paths.checkpoints)
+    if latest is not None and (checkpoints.step_of(latest) or 0) >= cfg.train.max_steps:
+        log.info("%s is at max_steps (%d): nothing to do", latest.name, cfg.train.max_steps)
+        return {"status": "completed", "global_step": checkpoints.step_of(latest), "checkpoint": str(latest)}
+
+    ctx = distributed.init(env)
+    try:
+        if ctx.is_main:
+            log.info("rank 0 of %d, device %s, backend %s, job %s (restart %d, launcher %s)", ctx.world_size,
+                     ctx.device, ctx.backend, env.job_id, env.restart_count, env.launcher)
+        _quiet_libraries(ctx)
+        if not ctx.on_gpu:
+            cpu_fsdp.enable()
+        inputs: Inputs = distributed.main_first(ctx, "preparing the model files and tokenizer",
+                                                lambda: _prepare_inputs(cfg, ctx))
+        dataset = distributed.main_first(ctx, "loading the data", lambda: data.load_mixture(cfg.data, cfg.train.seed))
+        args = distributed.guarded(ctx, "building the training options", lambda: sft_config(cfg, paths, ctx))
+
+        t_load = time.time()
+        sharded = loading.build_sharded_model(cfg, inputs.config, inputs.model_dir if ctx.is_main else None, ctx)
+        if ctx.is_main:
+            log.info("model: %.1fM parameters, %s, sharded over %d ranks in %.1fs", sharded.num_params / 1e6,
+                     str(sharded.dtype).removeprefix("torch."), ctx.world_size, time.time() - t_load)
+
+        info = {"job_id": env.job_id, "restart": env.restart_count}
+        preempt = PreemptionStop(ctx)
+        saver = CompleteCheckpoints(ctx, sharded.model.config, getattr(sharded.model, "generation_config", None),
+                                    inputs.tokenizer, cfg.checkpoint.keep_last, info)
+        report_info = {"dtype": str(sharded.dtype).removeprefix("torch."), "attn_implementation":
+                       sharded.attn_implementation, "wrap_class": sharded.wrap_class, "num_params": sharded.num_params}
+        callbacks = [preempt, saver, MetricsLog(ctx, paths.metrics, info),
+                     FsdpReport(ctx, paths.root / FSDP_REPORT_DIR, report_info)]
+
+        from trl import SFTTrainer
+
+        trainer = SFTTrainer(model=sharded.model, args=args, train_dataset=dataset,
+                             processing_class=inputs.tokenizer, callbacks=callbacks)
+        resume = _resume_point(paths, ctx)
+        if ctx.is_main:
+            log.info("resuming from %s" if resume else "starting from step 0%s", resume.name if resume else "")
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        step = trainer.state.global_step
+
+        if preempt.stopped_at is not None and step < cfg.train.max_steps:
+            distributed.barrier()
+            marker = _write_requeue_marker(paths, env, step) if ctx.is_main else None
+            if ctx.is_main:
+                log.warning("stopped for preemption at step %d; requeue marker %s", step, marker)
+            return {"status": "preempted", "global_step": step, "seconds": round(time.time() - t_start, 1)}
+        final = checkpoints.latest_complete(paths.checkpoints)
+        if ctx.is_main:
+            log.info("training complete at step %d; final checkpoint %s", step, final)
+        return {"status": "completed", "global_step": step, "checkpoint": str(final) if final else None,
+                "seconds": round(time.time() - t_start, 1)}
+    finally:
+        distributed.shutdown()
+
+
+def _quiet_libraries(ctx: DistContext) -> None:
+    """Progress bars and per-rank chatter make Slurm logs unreadable; rank 0 keeps info logs."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    if not ctx.is_main:
+        transformers.utils.logging.set_verbosity_error()
+        datasets.logging.set_verbosity_error()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,78 @@
+"""Cluster profiles: NCCL/EFA/IB presets and hardware facts, kept as data in configs/clusters/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from slurmft.config import ENV_KEY_RE, SECRET_KEY_RE, format_validation_error, read_yaml
+from slurmft.errors import ConfigError
+from slurmft.resources import data_dir
+
+
+class EnvVar(BaseModel):
+    """One environment variable and why it is set."""
+
+    model_config = ConfigDict(extra="forbid")
+    value: str = Field(..., description="Value (always quoted in the script).")
+    reason: str = Field(..., min_length=3, description="One line: why this variable is set.")
+
+    @field_validator("value", mode="before")
+    @classmethod
+    def _str(cls, v: object) -> str:
+        return str(v)
+
+
+class GPUSpec(BaseModel):
+    """The GPU model of the profile (for `slurmft estimate`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: str = Field(..., description="GPU model, e.g. A100-80GB.")
+    memory_gb: float = Field(..., gt=0, description="Memory per GPU in GB (10^9 bytes).")
+    bf16_tflops: float | None = Field(None, gt=0, description="Dense bf16 peak, for MFU.")
+
+
+class ClusterProfile(BaseModel):
+    """A cluster profile file."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    description: str = Field(..., description="What stack this profile is for.")
+    gpu: GPUSpec
+    node_memory_gb: float = Field(..., gt=0, description="CPU RAM per node in GB.")
+    gres_gpu: bool = Field(True, description="Request GPUs with --gpus-per-node (false: not at all).")
+    env: dict[str, EnvVar] = Field(default_factory=dict)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, EnvVar]) -> dict[str, EnvVar]:
+        for key in v:
+            if not ENV_KEY_RE.match(key):
+                raise ValueError(f"{key!r} is not a valid environment variable name")
+            if SECRET_KEY_RE.search(key):
+                raise ValueError(f"{key} looks like a secret; profiles must not carry secrets")
+        return v
+
+
+def profile_names() -> list[str]:
+    """Names of the profiles that ship with slurmft."""
+    return sorted(p.stem for p in (data_dir("configs") / "clusters").glob("*.yaml"))
+
+
+def load_profile(name_or_path: str) -> ClusterProfile:
+    """Load a shipped profile by name, or the user's own profile file by path."""
+    path = Path(name_or_path).expanduser()
+    if not (path.suffix in (".yaml", ".yml") or "/" in name_or_path):
+        path = data_dir("configs") / "clusters" / f"{name_or_path}.yaml"
+        if not path.is_file():
+            raise ConfigError(
+                f"cluster.profile: unknown profile {name_or_path!r}; "
+                f"use one of {', '.join(profile_names())} or a path to your own profile .yaml"
+            )
+    elif not path.is_file():
+        raise ConfigError(f"cluster.profile: profile file {str(path)!r} does not exist")
+    try:
+        return ClusterProfile.model_validate(read_yaml(path))
+    except ValidationError as err:
+        raise ConfigError(f"cluster.profile: {path} is not a valid profile", format_validation_error(err)) from None

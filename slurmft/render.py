@@ -1,0 +1,219 @@
+"""Pure rendering: ``build_*_context(config) -> dict`` and ``render(name, context) -> str``.
+
+Every value is validated in :mod:`slurmft.config` and quoted here with :func:`shlex.quote`, so a
+template only places strings. Jinja runs with ``StrictUndefined``: a missing variable is an error,
+never an empty string.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from slurmft import __version__
+from slurmft.config import RunConfig
+from slurmft.errors import RenderError
+from slurmft.profiles import ClusterProfile
+from slurmft.resources import data_dir
+from slurmft.rundir import RunPaths
+
+TRAIN_TEMPLATE = "train.sbatch.j2"
+CONSOLIDATE_TEMPLATE = "consolidate.sbatch.j2"
+
+# Always set, whatever the cluster: (name, value, reason)
+BASE_ENV = (
+    ("PYTHONUNBUFFERED", "1", "ranks' output reaches the log as it happens"),
+    ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1", "a failed collective aborts the job instead of hanging it"),
+    ("NCCL_DEBUG", "WARN", "NCCL problems are logged, without INFO noise"),
+    ("HF_HUB_DISABLE_PROGRESS_BARS", "1", "no progress bars in job logs"),
+)
+
+
+def q(value: object) -> str:
+    """Shell-quote one value."""
+    return shlex.quote(str(value))
+
+
+def submitit_command(python: str, folder: Path) -> str:
+    """The command submitit runs per task (it unpickles our callable from ``folder``)."""
+    return f"{python} -u -m submitit.core._submit {q(folder)}"
+
+
+def python_for(cfg: RunConfig) -> str:
+    """The interpreter on the compute nodes, quoted."""
+    return q(cfg.cluster.python or sys.executable)
+
+
+def time_minutes(slurm_time: str) -> int:
+    """Minutes in a Slurm time limit (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S), rounded up."""
+    days, _, rest = slurm_time.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:
+        h, m, s = (parts + [0, 0])[:3]
+    elif len(parts) == 3:
+        h, m, s = parts
+    else:
+        h, (m, s) = 0, (parts + [0])[:2]
+    return int(days or 0) * 1440 + h * 60 + m + (1 if s else 0)
+
+
+def _flag(name: str, value: object = True) -> str:
+    return f"--{name}" if value is True else f"--{name}={q(value)}"
+
+
+def _env_list(cfg: RunConfig, profile: ClusterProfile, extra: dict[str, str]) -> list[dict[str, str]]:
+    merged: dict[str, tuple[str, str]] = {k: (v, r) for k, v, r in BASE_ENV}
+    merged["OMP_NUM_THREADS"] = (str(cfg.resources.cpus_per_task), "one OpenMP thread per reserved core")
+    for key, var in profile.env.items():
+        merged[key] = (var.value, f"{var.reason} [profile {profile.name}]")
+    for key, value in cfg.cluster.env.items():
+        merged[key] = (value, "cluster.env")
+    for key, value in extra.items():
+        merged[key] = (value, "slurmft")
+    return [{"key": k, "value": q(v), "reason": r.replace("\n", " ")} for k, (v, r) in merged.items()]
+
+
+def _common(cfg: RunConfig, paths: RunPaths, job_kind: str, config_path: str) -> dict[str, Any]:
+    return {
+        "version": __version__,
+        "run_name": cfg.name,
+        "job_kind": job_kind,
+        "config_path": config_path.replace("\n", " "),
+        "sbatch_hint": q(paths.script(job_kind)),
+        "python": python_for(cfg),
+        "run_dir": q(paths.root),
+        "setup": list(cfg.cluster.setup),
+    }
+
+
+def build_train_context(
+    cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, command: str, config_path: str = ""
+) -> dict[str, Any]:
+    """Everything the train template places, already quoted."""
+    res = cfg.resources
+    directives = [
+        _flag("job-name", f"{cfg.name}-train"),
+        _flag("nodes", res.nodes),
+        _flag("ntasks-per-node", res.ranks_per_node),
+    ]
+    if res.gpus_per_node and profile.gres_gpu:
+        directives.append(_flag("gpus-per-node", res.gpus_per_node))
+    directives.append(_flag("cpus-per-task", res.cpus_per_task))
+    if res.mem is not None:
+        directives.append(_flag("mem", res.mem))
+    directives.append(_flag("time", cfg.cluster.time))
+    for name in ("partition", "account", "qos", "constraint"):
+        value = getattr(cfg.cluster, name)
+        if value:
+            directives.append(_flag(name, value))
+    if res.exclusive:
+        directives.append(_flag("exclusive"))
+    directives += [
+        _flag("requeue"),
+        _flag("signal", f"{cfg.preemption.signal}@{cfg.preemption.lead_time_s}"),
+        _flag("open-mode", "append"),
+        _flag("output", paths.log_pattern("train")),
+        _flag("error", paths.log_pattern("train")),
+    ]
+    extra = {"SUBMITIT_EXECUTOR": "slurm", "SLURMFT_RUN_DIR": str(paths.root)}
+    if cfg.cluster.master_addr:
+        extra["SLURMFT_MASTER_ADDR"] = cfg.cluster.master_addr
+    srun = ["--kill-on-bad-exit=1", "--unbuffered", "--label", f"--ntasks-per-node={res.ranks_per_node}"]
+    return {
+        **_common(cfg, paths, "train", config_path),
+        "directives": directives,
+        "env": _env_list(cfg, profile, extra),
+        "srun_args": " ".join(q(a) for a in srun),
+        "command": command,
+    }
+
+
+def build_consolidate_context(
+    cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, command: str, config_path: str = ""
+) -> dict[str, Any]:
+    """Everything the consolidation template places, already quoted. One CPU task."""
+    cres = cfg.consolidate.resources
+    directives = [
+        _flag("job-name", f"{cfg.name}-consolidate"),
+        _flag("nodes", 1),
+        _flag("ntasks-per-node", 1),
+        _flag("cpus-per-task", cres.cpus_per_task),
+    ]
+    if cres.mem is not None:
+        directives.append(_flag("mem", cres.mem))
+    directives.append(_flag("time", cres.time))
+    partition = cres.partition or cfg.cluster.partition
+    if partition:
+        directives.append(_flag("partition", partition))
+    if cfg.cluster.account:
+        directives.append(_flag("account", cfg.cluster.account))
+    if cfg.cluster.qos:
+        directives.append(_flag("qos", cfg.cluster.qos))
+    directives += [
+        _flag("open-mode", "append"),
+        _flag("output", paths.log_pattern("consolidate")),
+        _flag("error", paths.log_pattern("consolidate")),
+    ]
+    extra = {"SUBMITIT_EXECUTOR": "slurm", "SLURMFT_RUN_DIR": str(paths.root)}
+    env = _env_list(cfg, profile, extra)
+    env = [e for e in env if not e["key"].startswith(("NCCL_", "FI_", "TORCH_NCCL"))]  # no collectives here
+    for e in env:
+        if e["key"] == "OMP_NUM_THREADS":
+            e["value"] = q(cres.cpus_per_task)
+    return {
+        **_common(cfg, paths, "consolidate", config_path),
+        "directives": directives,
+        "env": env,
+        "srun_args": " ".join(q(a) for a in ["--unbuffered", "--ntasks=1"]),
+        "command": command,
+    }
+
+
+def template_env(template_dir: str | Path | None = None) -> Any:
+    """A Jinja environment over the user's template dir (if any) first, then the shipped templates."""
+    import jinja2
+
+    search = [str(template_dir)] if template_dir else []
+    search.append(str(data_dir("templates")))
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(search),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def render(template: str, context: dict[str, Any], template_dir: str | Path | None = None) -> str:
+    """Render one template; a missing template or variable is a RenderError."""
+    import jinja2
+
+    try:
+        text = template_env(template_dir).get_template(template).render(**context)
+    except jinja2.TemplateNotFound as exc:
+        raise RenderError(f"template {exc.name!r} not found (looked in {template_dir or 'shipped templates'})") from None
+    except jinja2.UndefinedError as exc:
+        raise RenderError(f"template {template!r} uses an undefined variable: {exc.message}") from None
+    except jinja2.TemplateSyntaxError as exc:
+        raise RenderError(f"template {exc.filename or template}:{exc.lineno}: {exc.message}") from None
+    if "{{" in text or "{%" in text:
+        raise RenderError(f"template {template!r} left unrendered Jinja markers in its output")
+    return text
+
+
+def render_scripts(
+    cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, config_path: str = "",
+    template_dir: str | Path | None = None,
+) -> dict[str, str]:
+    """Render both job scripts exactly as ``submit`` will write them."""
+    command = submitit_command(python_for(cfg), paths.submitit)
+    scripts = {
+        "train": render(TRAIN_TEMPLATE, build_train_context(cfg, profile, paths, command, config_path), template_dir)
+    }
+    if cfg.consolidate.enabled:
+        ctx = build_consolidate_context(cfg, profile, paths, command, config_path)
+        scripts["consolidate"] = render(CONSOLIDATE_TEMPLATE, ctx, template_dir)
+    return scripts

@@ -1,0 +1,188 @@
+"""Shared pytest fixtures.
+
+``slurm_cluster`` is the real two-node Slurm cluster of ``tests/slurm/cluster.sh`` (n1 and n2 on this
+machine, 8 fake GPUs each, slurmdbd so ``sacct`` works). It is started once per test session and
+stopped at its end, unless ``SLURMFT_KEEP_CLUSTER=1`` (handy while iterating: the next session then
+finds it healthy and starts in well under a second). Tests that use it are marked
+``@pytest.mark.slurm``.
+
+There is no skip: if Slurm cannot be installed or started, every test that needs it fails with the
+daemon logs, because CI requires the real cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CLUSTER_SH = REPO_ROOT / "tests" / "slurm" / "cluster.sh"
+
+# A job in one of these states will not change again by itself.
+TERMINAL_STATES = frozenset(
+    {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT"}
+)
+
+
+def _run(args: list[str], timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+@dataclass
+class SlurmCluster:
+    """Handle on the running test cluster; ``SLURM_CONF`` is already in ``os.environ``."""
+
+    conf: Path
+    dir: Path
+
+    def slurm(self, *args: str, timeout: float = 30) -> str:
+        """Run a Slurm command; return its stdout, raise with its stderr when it fails."""
+        proc = _run(list(args), timeout=timeout)
+        if proc.returncode != 0:
+            raise AssertionError(f"{shlex.join(args)} exited {proc.returncode}: {proc.stderr.strip()}")
+        return proc.stdout
+
+    def sbatch(self, *args: str) -> str:
+        """``sbatch --parsable ARGS``; return the job id."""
+        return self.slurm("sbatch", "--parsable", *args).strip().split(";")[0]
+
+    def squeue_state(self, job_id: str) -> str | None:
+        """State as slurmctld has it (it keeps finished jobs for MinJobAge=300 s); None if unknown."""
+        proc = _run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"])
+        if proc.returncode != 0:
+            return None
+        return proc.stdout.strip() or None
+
+    def squeue_reason(self, job_id: str) -> str | None:
+        """Why a job is pending (``Dependency``, ``DependencyNeverSatisfied``, ``None``...)."""
+        proc = _run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%r"])
+        if proc.returncode != 0:
+            return None
+        return proc.stdout.strip() or None
+
+    def sacct_state(self, job_id: str) -> str | None:
+        """State as accounting has it (lags slurmctld by up to a second or so); None if not there yet.
+
+        Only the first word: ``CANCELLED by 0`` gives ``CANCELLED``.
+        """
+        proc = _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"])
+        lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+        if proc.returncode != 0 or not lines:
+            return None
+        return lines[-1].split()[0]
+
+    def wait_state(
+        self, job_id: str, states: str | Iterable[str], timeout: float = 60, *, via: str = "squeue"
+    ) -> str:
+        """Poll until the job is in one of ``states``; return that state.
+
+        ``via="squeue"`` asks slurmctld (falling back to sacct once it has forgotten the job);
+        ``via="sacct"`` asks accounting only, e.g. to check what ``sacct`` reports. Fails at once if
+        the job ends in another state, else after ``timeout`` seconds, with the job's details.
+        """
+        wanted = {states} if isinstance(states, str) else set(states)
+        if via not in ("squeue", "sacct"):
+            raise ValueError(f"via must be 'squeue' or 'sacct', not {via!r}")
+        deadline = time.monotonic() + timeout
+        state = None
+        while True:
+            if via == "squeue":
+                state = self.squeue_state(job_id) or self.sacct_state(job_id)
+            else:
+                state = self.sacct_state(job_id)
+            if state in wanted:
+                return state
+            if state in TERMINAL_STATES and via == "squeue":
+                raise AssertionError(
+                    f"job {job_id} ended {state}, expected {sorted(wanted)}\n{self.describe(job_id)}"
+                )
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"job {job_id} still {state} after {timeout:.0f}s, expected {sorted(wanted)}\n"
+                    f"{self.describe(job_id)}"
+                )
+            time.sleep(0.2)
+
+    def describe(self, job_id: str) -> str:
+        """What to print when a job misbehaves: scontrol, sacct and the end of slurmctld's log."""
+        parts = []
+        for args in (
+            ["scontrol", "show", "job", job_id],
+            ["sacct", "-j", job_id, "-o", "JobID,State,ExitCode,Reason,NodeList,Start,End"],
+        ):
+            proc = _run(args)
+            parts.append(f"$ {shlex.join(args)}\n{proc.stdout}{proc.stderr}")
+        log = self.dir / "log" / "slurmctld.log"
+        if log.exists():
+            parts.append(f"--- {log} (tail) ---\n" + "\n".join(log.read_text().splitlines()[-20:]))
+        return "\n".join(parts)
+
+
+def _cluster_env() -> dict[str, str]:
+    proc = _run(["bash", str(CLUSTER_SH), "env"])
+    env = {}
+    for line in proc.stdout.splitlines():
+        words = shlex.split(line)
+        if len(words) == 2 and words[0] == "export" and "=" in words[1]:
+            key, value = words[1].split("=", 1)
+            env[key] = value
+    return env
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    """The real local two-node Slurm cluster, up for the whole session."""
+    try:
+        # A fresh machine installs the Debian packages first: allow for apt.
+        up = _run(["bash", str(CLUSTER_SH), "up"], timeout=1200)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(
+            f"{CLUSTER_SH} up timed out after {exc.timeout}s\n{exc.stdout}\n{exc.stderr}", pytrace=False
+        )
+    if up.returncode != 0:
+        pytest.fail(
+            f"the local Slurm cluster did not start ({CLUSTER_SH} up exited {up.returncode}):\n"
+            f"{up.stdout}\n{up.stderr}",
+            pytrace=False,
+        )
+    print(up.stdout, end="")
+
+    env = _cluster_env()
+    if "SLURM_CONF" not in env or "SLURMFT_CLUSTER_DIR" not in env:
+        pytest.fail(f"{CLUSTER_SH} env printed no SLURM_CONF/SLURMFT_CLUSTER_DIR: {env}", pytrace=False)
+    cluster = SlurmCluster(conf=Path(env["SLURM_CONF"]), dir=Path(env["SLURMFT_CLUSTER_DIR"]))
+    previous = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(cluster.conf)
+    try:
+        yield cluster
+    finally:
+        if previous is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = previous
+        if os.environ.get("SLURMFT_KEEP_CLUSTER") != "1":
+            down = _run(["bash", str(CLUSTER_SH), "down"], timeout=120)
+            if down.returncode != 0:
+                warnings.warn(f"{CLUSTER_SH} down exited {down.returncode}: {down.stderr}", stacklevel=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama + locally trained tokenizer (slurmft.tiny), built once per session."""
+    from slurmft.tiny import build
+
+    return build(tmp_path_factory.mktemp("tiny-assets") / "model", "tiny", "float32")
+
+
+@pytest.fixture(scope="session")
+def chat_data() -> Path:
+    """A small LIMA-style chat dataset shipped with the tiny example."""
+    return REPO_ROOT / "examples" / "tiny" / "data" / "lima.jsonl"

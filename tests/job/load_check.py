@@ -1,0 +1,83 @@
+"""Run under torchrun by test_loading.py: load models with slurmft's sharded loader and verify them.
+
+For each model directory: every gathered parameter must equal the safetensors tensor bit for bit,
+rotary ``inv_freq`` must be the freshly computed one (not ``to_empty`` garbage), and the sharded
+model's logits must equal a plain ``from_pretrained`` model's. Rank 0 writes ``OUT/<name>.json``.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/job/load_check.py OUT DIR [DIR ...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from slurmft.config import RunConfig
+from slurmft.job import distributed, loading
+from slurmft.job.rendezvous import JobEnv
+
+
+def run_config(model_dir: Path, activation_checkpointing: bool) -> RunConfig:
+    return RunConfig.model_validate({
+        "name": "load-check", "output_dir": "/tmp/unused",
+        "model": {"name_or_path": str(model_dir), "dtype": "float32"},
+        "data": {"datasets": [{"path": "unused.jsonl"}], "max_seq_length": 64},
+        "train": {"max_steps": 1}, "checkpoint": {"every_steps": 1},
+        "fsdp": {"activation_checkpointing": activation_checkpointing},
+    })
+
+
+def check(model_dir: Path, ctx: distributed.DistContext, activation_checkpointing: bool) -> dict:
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    cfg = run_config(model_dir, activation_checkpointing)
+    config = loading.load_model_config(model_dir, cfg.model, 64)
+    sharded = loading.build_sharded_model(cfg, config, model_dir if ctx.is_main else None, ctx)
+    model = sharded.model
+    mismatched, checked, local, full = [], 0, 0, 0
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        for name, param in loading.iter_param_shards(model):
+            assert isinstance(param, DTensor), name
+            local += param.to_local().numel()
+            full += param.numel()
+            gathered = param.full_tensor()  # collective: every rank
+            if ctx.is_main and name in keys:
+                checked += 1
+                if not torch.equal(gathered, f.get_tensor(name)):
+                    mismatched.append(name)
+    bad_rotary = []
+    for name, module in model.named_modules():
+        if hasattr(module, "inv_freq") and hasattr(module, "compute_default_rope_parameters"):
+            expected, _ = module.compute_default_rope_parameters(module.config)
+            if not torch.equal(module.inv_freq.cpu(), expected):
+                bad_rotary.append(name)
+    ids = torch.arange(3, 40).unsqueeze(0) % config.vocab_size
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    result = {"rank": ctx.rank, "checked": checked, "mismatched": mismatched, "bad_rotary": bad_rotary,
+              "local_fraction": local / full, "tied": bool(config.tie_word_embeddings)}
+    if ctx.is_main:
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+        with torch.no_grad():
+            ref_logits = ref(input_ids=ids).logits
+        result["max_abs_logit_diff"] = float((logits - ref_logits).abs().max())
+    return result
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    ctx = distributed.init(JobEnv.from_environ())
+    for i, model_dir in enumerate(map(Path, sys.argv[2:])):
+        result = check(model_dir, ctx, activation_checkpointing=i % 2 == 0)
+        (out / f"{model_dir.name}.rank{ctx.rank}.json").write_text(json.dumps(result))
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

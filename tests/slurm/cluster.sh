@@ -1,0 +1,465 @@
+#!/usr/bin/env bash
+# A self-contained two-node Slurm 22.05 cluster on this one machine, for slurmft's tests.
+#
+#   bash tests/slurm/cluster.sh up      install the Debian packages if missing, start everything,
+#                                       wait until n1 and n2 are idle (a no-op when already healthy)
+#   bash tests/slurm/cluster.sh down    cancel jobs, stop the daemons (by pid file only), kill our
+#                                       stray slurmstepd; logs and state stay for a post-mortem
+#   bash tests/slurm/cluster.sh env     print `export ...` lines:  eval "$(bash tests/slurm/cluster.sh env)"
+#   bash tests/slurm/cluster.sh status  daemons and nodes; exit 0 only when the cluster is healthy
+#
+# Daemons: munged (private socket), mariadbd + slurmdbd (so sacct works), slurmctld, and two slurmd
+# (n1, n2; NodeHostname=localhost NodeAddr=127.0.0.1), each node with 32 CPUs, 128000 MB and 8 fake
+# GPUs (gres File= symlinks to /dev/null). Nothing is written outside $SLURMFT_CLUSTER_DIR: clients
+# find the cluster through SLURM_CONF, never /etc/slurm/slurm.conf.
+#
+# Knobs (environment):
+#   SLURMFT_CLUSTER_DIR      everything lives here                    (/tmp/slurmft-cluster)
+#   SLURMFT_CLUSTER_PORT     slurmctld port; n1, n2, slurmdbd, mariadb use +1..+4   (16817)
+#   SLURMFT_CLUSTER_TIMEOUT  seconds to wait for each daemon and for the idle nodes (60)
+#
+# No systemd: every daemon is started here, in the foreground of its own session, and its pid is
+# recorded under run/; `down` kills only those pids (after checking the process name).
+set -euo pipefail
+
+DIR=${SLURMFT_CLUSTER_DIR:-/tmp/slurmft-cluster}
+case $DIR in /*) ;; *) DIR=$PWD/$DIR ;; esac
+PORT=${SLURMFT_CLUSTER_PORT:-16817}
+TIMEOUT=${SLURMFT_CLUSTER_TIMEOUT:-60}
+
+CLUSTER_NAME=slurmft
+NODES=(n1 n2)
+NODE_CPUS=32
+NODE_MEM_MB=128000
+NODE_GPUS=8
+PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server)
+
+CTLD_PORT=$PORT
+N1_PORT=$((PORT + 1))
+N2_PORT=$((PORT + 2))
+DBD_PORT=$((PORT + 3))
+DB_PORT=$((PORT + 4))
+
+ETC=$DIR/etc
+RUN=$DIR/run
+LOG=$DIR/log
+STATE=$DIR/state
+MUNGE_DIR=$DIR/munge
+DB_DIR=$DIR/db
+DEV_DIR=$DIR/fakedev
+CONF=$ETC/slurm.conf
+MUNGE_SOCKET=$MUNGE_DIR/munge.socket
+DB_SOCKET=$DB_DIR/mysql.sock
+DB_PASSWORD=slurmft-test-only
+
+# Every daemon: name (also the pid file run/NAME.pid and the log prefix) and process name.
+# Stopped in this order (compute side first), started in the reverse one.
+DAEMONS=(slurmd-n1:slurmd slurmd-n2:slurmd slurmctld:slurmctld slurmdbd:slurmdbd mariadb:mariadbd munged:munged)
+
+export SLURM_CONF=$CONF
+
+START_US=${EPOCHREALTIME/./}
+log() {
+  local us=$((${EPOCHREALTIME/./} - START_US))
+  printf '[cluster +%d.%03ds] %s\n' $((us / 1000000)) $((us / 1000 % 1000)) "$*"
+}
+warn() { log "$*" >&2; }
+
+show_logs() {  # print the end of every non-empty log; false if there was none
+  local f shown=1
+  for f in "$LOG"/*; do
+    [ -s "$f" ] || continue
+    printf '\n----- %s (last 25 lines) -----\n' "$f"
+    tail -n 25 "$f"
+    shown=0
+  done
+  return "$shown"
+}
+
+die() {  # print the error and every daemon log, stop what was started (logs stay), fail
+  warn "ERROR: $*"
+  if show_logs >&2; then warn "ERROR: $* (logs above, all of them under $LOG)"; fi
+  stop_cluster quiet >&2 || true
+  exit 1
+}
+
+# ------------------------------------------------------------------------------ processes
+running() {  # running PID: true unless gone or a zombie
+  local stat
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  stat=${stat##*) }
+  [ "${stat%% *}" != Z ]
+}
+
+daemon_pid() {  # daemon_pid NAME COMM: print the pid from run/NAME.pid if that process runs as COMM
+  local f=$RUN/$1.pid pid
+  [ -s "$f" ] || return 1
+  pid=$(tr -dc 0-9 <"$f")
+  [ -n "$pid" ] && running "$pid" && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ] || return 1
+  echo "$pid"
+}
+
+spawn() {  # spawn NAME CMD...: run a foreground daemon in its own session, record its pid
+  local name=$1
+  shift
+  # stdio to a file (never the caller's pipes, or `subprocess.run(capture_output=True)` hangs);
+  # fd 9 is our lock and must not be inherited.
+  setsid "$@" </dev/null >>"$LOG/$name.out" 2>&1 9>&- &
+  echo $! >"$RUN/$name.pid"
+}
+
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+wait_for() {  # wait_for WHAT NAME CHECK...: poll CHECK; fail if daemon NAME dies or on timeout
+  local what=$1 name=$2 deadline=$((SECONDS + TIMEOUT))
+  shift 2
+  until "$@"; do
+    # only the pid here: just after spawn, the process may still be named setsid
+    running "$(tr -dc 0-9 <"$RUN/$name.pid")" || die "$name died while waiting for $what"
+    [ "$SECONDS" -lt "$deadline" ] || die "timed out after ${TIMEOUT}s waiting for $what"
+    sleep 0.1
+  done
+}
+
+descendants() {  # descendants PID...: print all descendants of the given pids
+  local -A children=()
+  local p stat ppid queue=("$@") cur
+  for p in /proc/[0-9]*; do
+    stat=$(cat "$p/stat" 2>/dev/null) || continue
+    stat=${stat##*) }
+    read -r _ ppid _ <<<"$stat"
+    children[$ppid]+="${p#/proc/} "
+  done
+  while [ ${#queue[@]} -gt 0 ]; do
+    cur=${queue[0]}
+    queue=("${queue[@]:1}")
+    for p in ${children[$cur]:-}; do
+      echo "$p"
+      queue+=("$p")
+    done
+  done
+}
+
+# ------------------------------------------------------------------------------ packages
+ensure_packages() {
+  local missing=() p
+  for p in "${PACKAGES[@]}"; do
+    # shellcheck disable=SC2016  # ${Status} is dpkg-query's, not ours
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  [ "$(id -u)" -eq 0 ] || die "missing Debian packages (${missing[*]}) and not root to install them"
+  log "installing Debian packages: ${missing[*]}"
+  mkdir -p "$DIR"
+  local apt_log=$DIR/apt-install.log
+  if ! { DEBIAN_FRONTEND=noninteractive apt-get update -q \
+         && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"; } \
+       >"$apt_log" 2>&1; then
+    tail -n 40 "$apt_log" >&2
+    die "apt-get failed installing ${missing[*]} (full log: $apt_log)"
+  fi
+  log "installed ${missing[*]}"
+}
+
+# ------------------------------------------------------------------------------ configuration
+render_slurm_conf() {
+  local node port
+  cat <<EOF
+# Generated by tests/slurm/cluster.sh; rewritten by every fresh 'up'.
+ClusterName=$CLUSTER_NAME
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort=$CTLD_PORT
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# cred_expire=10: a requeued job restarts after ~12 s instead of ~2.5 min
+AuthInfo=socket=$MUNGE_SOCKET,cred_expire=10
+MailProg=/bin/true
+StateSaveLocation=$STATE/ctld
+SlurmdSpoolDir=$STATE/%n
+SlurmctldPidFile=$RUN/slurmctld.pid
+SlurmdPidFile=$RUN/slurmd-%n.pid
+SlurmctldLogFile=$LOG/slurmctld.log
+SlurmdLogFile=$LOG/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SwitchType=switch/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=2,sched_interval=2
+# Lets each slurmd claim the CPUs, memory and GPUs below, whatever this machine has.
+SlurmdParameters=config_overrides
+ReturnToService=2
+GresTypes=gpu
+MinJobAge=300
+KillWait=5
+InactiveLimit=0
+Waittime=0
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort=$DBD_PORT
+# With auth/munge this names the munge socket that slurmctld uses to reach slurmdbd.
+AccountingStoragePass=$MUNGE_SOCKET
+JobAcctGatherType=jobacct_gather/linux
+JobCompType=jobcomp/none
+EOF
+  for node in "${NODES[@]}"; do
+    case $node in n1) port=$N1_PORT ;; n2) port=$N2_PORT ;; esac
+    echo "NodeName=$node NodeHostname=localhost NodeAddr=127.0.0.1 Port=$port" \
+      "CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB Gres=gpu:$NODE_GPUS State=UNKNOWN"
+  done
+  echo "PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP"
+}
+
+render_gres_conf() {
+  # slurmd drops GPUs without File=, and a count-only gres drains the node: point File= at
+  # symlinks to /dev/null (a character device).
+  echo "AutoDetect=off"
+  echo "NodeName=n[1-2] Name=gpu File=$DEV_DIR/nvidia[0-$((NODE_GPUS - 1))]"
+}
+
+render_slurmdbd_conf() {
+  cat <<EOF
+AuthType=auth/munge
+AuthInfo=socket=$MUNGE_SOCKET
+DbdHost=localhost
+DbdAddr=127.0.0.1
+DbdPort=$DBD_PORT
+SlurmUser=root
+DebugLevel=info
+LogFile=$LOG/slurmdbd.log
+PidFile=$RUN/slurmdbd.pid
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$DB_PORT
+StorageUser=slurm
+StoragePass=$DB_PASSWORD
+StorageLoc=slurm_acct_db
+EOF
+}
+
+config_current() {  # the files on disk are what this script would write now
+  cmp -s "$CONF" <(render_slurm_conf) \
+    && cmp -s "$ETC/gres.conf" <(render_gres_conf) \
+    && cmp -s "$ETC/slurmdbd.conf" <(render_slurmdbd_conf)
+}
+
+# ------------------------------------------------------------------------------ health
+node_states() { timeout 10 sinfo -h -N -o '%N %T' 2>/dev/null | sort -u; }
+
+nodes_idle() {
+  [ "$(node_states)" = "$(printf 'n1 idle\nn2 idle')" ]
+}
+
+nodes_usable() {  # both nodes up and responding (running jobs allowed)
+  local states
+  states=$(node_states)
+  [ "$(grep -cE '^n[12] (idle|mixed|allocated|completing)$' <<<"$states")" = 2 ]
+}
+
+healthy() {
+  local d
+  [ -f "$CONF" ] && config_current || return 1
+  for d in "${DAEMONS[@]}"; do daemon_pid "${d%%:*}" "${d#*:}" >/dev/null || return 1; done
+  timeout 10 scontrol ping 2>/dev/null | grep -q 'is UP' || return 1
+  nodes_usable
+}
+
+# Readiness checks for wait_for.
+munge_ok() { munge -S "$MUNGE_SOCKET" -n 2>/dev/null | unmunge -S "$MUNGE_SOCKET" >/dev/null 2>&1; }
+db_ok() { mariadb --no-defaults -S "$DB_SOCKET" -e 'SELECT 1' >/dev/null 2>&1; }
+ctld_ok() { port_open "$CTLD_PORT" && timeout 5 scontrol ping 2>/dev/null | grep -q 'is UP'; }
+registered() { timeout 10 sacctmgr -n -P list cluster format=Cluster 2>/dev/null | grep -qx "$CLUSTER_NAME"; }
+both_idle() {  # n2 is watched by wait_for, n1 here
+  running "$(tr -dc 0-9 <"$RUN/slurmd-n1.pid")" || die "slurmd-n1 died"
+  nodes_idle
+}
+
+# ------------------------------------------------------------------------------ down
+stop_daemon() {  # stop_daemon NAME COMM [quiet]
+  local pid i
+  if ! pid=$(daemon_pid "$1" "$2"); then
+    rm -f "$RUN/$1.pid"
+    return 0
+  fi
+  kill -TERM "$pid" 2>/dev/null || true
+  for ((i = 0; i < 150; i++)); do running "$pid" || break; sleep 0.1; done
+  if running "$pid"; then
+    warn "$1 (pid $pid) ignored SIGTERM for 15 s; sending SIGKILL"
+    kill -KILL "$pid" 2>/dev/null || true
+  fi
+  [ "${3:-}" = quiet ] || log "stopped $1 (pid $pid)"
+  rm -f "$RUN/$1.pid"
+}
+
+stop_cluster() {  # stop_cluster [quiet]
+  local quiet=${1:-} ids i d p pids=() strays=()
+  [ -d "$RUN" ] || return 0
+  # 1. cancel jobs while slurmctld still runs, so their processes end the normal way
+  if daemon_pid slurmctld slurmctld >/dev/null && [ -f "$CONF" ]; then
+    ids=$(timeout 10 squeue -h -o %A 2>/dev/null | tr '\n' ' ' || true)
+    if [ -n "${ids// /}" ]; then
+      [ "$quiet" = quiet ] || log "cancelling jobs: $ids"
+      # shellcheck disable=SC2086  # one word per job id
+      timeout 10 scancel $ids 2>/dev/null || true
+      for ((i = 0; i < 100; i++)); do
+        [ -z "$(timeout 10 squeue -h -o %A 2>/dev/null || true)" ] && break
+        sleep 0.2
+      done
+    fi
+  fi
+  # 2. daemons, compute side first
+  for d in "${DAEMONS[@]}"; do stop_daemon "${d%%:*}" "${d#*:}" "$quiet"; done
+  # 3. slurmstepd left over from this cluster (they inherit our SLURM_CONF from slurmd), and
+  #    whatever runs under them
+  for p in /proc/[0-9]*; do
+    [ "$(cat "$p/comm" 2>/dev/null)" = slurmstepd ] || continue
+    if tr '\0' '\n' 2>/dev/null <"$p/environ" | grep -qxF "SLURM_CONF=$CONF"; then
+      strays+=("${p#/proc/}")
+    fi
+  done
+  if [ ${#strays[@]} -gt 0 ]; then
+    mapfile -t pids < <(descendants "${strays[@]}")
+    warn "killing stray slurmstepd ${strays[*]} and their ${#pids[@]} descendants"
+    kill -KILL "${strays[@]}" "${pids[@]}" 2>/dev/null || true
+  fi
+}
+
+# ------------------------------------------------------------------------------ up
+start_cluster() {
+  local node i d port
+  # clean slate: stop leftovers of an earlier run (by pid file), wipe state, config and logs
+  stop_cluster quiet
+  rm -rf "$ETC" "$RUN" "$LOG" "$STATE" "$MUNGE_DIR" "$DB_DIR" "$DEV_DIR"
+  mkdir -p "$ETC" "$RUN" "$LOG" "$STATE/ctld" "$MUNGE_DIR" "$DB_DIR" "$DEV_DIR"
+  for node in "${NODES[@]}"; do mkdir -p "$STATE/$node"; done
+  chmod 755 "$DIR" "$MUNGE_DIR"  # munged wants a socket directory nobody else may write to
+  for port in "$CTLD_PORT" "$N1_PORT" "$N2_PORT" "$DBD_PORT" "$DB_PORT"; do
+    port_open "$port" && die "port $port on 127.0.0.1 is already in use (another cluster? set SLURMFT_CLUSTER_PORT)"
+  done
+
+  # config
+  render_slurm_conf >"$CONF"
+  render_gres_conf >"$ETC/gres.conf"
+  render_slurmdbd_conf >"$ETC/slurmdbd.conf"
+  chmod 600 "$ETC/slurmdbd.conf"  # slurmdbd refuses a readable one
+  for ((i = 0; i < NODE_GPUS; i++)); do ln -s /dev/null "$DEV_DIR/nvidia$i"; done
+
+  # munged, on a private socket with a fresh key
+  head -c 1024 /dev/urandom >"$MUNGE_DIR/munge.key"
+  chmod 400 "$MUNGE_DIR/munge.key"
+  spawn munged munged --foreground --socket="$MUNGE_SOCKET" --key-file="$MUNGE_DIR/munge.key" \
+    --log-file="$LOG/munged.log" --seed-file="$MUNGE_DIR/munged.seed" --pid-file="$RUN/munged.daemon.pid"
+  wait_for "munged" munged munge_ok
+  log "munged up"
+
+  # MariaDB (only slurmdbd uses it) on 127.0.0.1:$DB_PORT; --no-defaults ignores /etc/mysql
+  mariadb-install-db --no-defaults --user=root --datadir="$DB_DIR/data" --skip-test-db --force \
+    --auth-root-authentication-method=socket >"$LOG/mariadb-install.log" 2>&1 \
+    || die "mariadb-install-db failed"
+  spawn mariadb mariadbd --no-defaults --user=root --datadir="$DB_DIR/data" --socket="$DB_SOCKET" \
+    --pid-file="$RUN/mariadb.daemon.pid" --bind-address=127.0.0.1 --port="$DB_PORT" \
+    --log-error="$LOG/mariadb.err" --skip-name-resolve --innodb-buffer-pool-size=64M \
+    --innodb-lock-wait-timeout=900 --innodb-flush-log-at-trx-commit=0 --skip-innodb-doublewrite
+  wait_for "mariadbd" mariadb db_ok
+  mariadb --no-defaults -S "$DB_SOCKET" -e "
+    CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$DB_PASSWORD';
+    GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';
+    FLUSH PRIVILEGES;" || die "could not create the slurm database user"
+  log "mariadbd up (127.0.0.1:$DB_PORT)"
+
+  # slurmdbd reads slurmdbd.conf from the directory of $SLURM_CONF
+  spawn slurmdbd slurmdbd -D
+  wait_for "slurmdbd on port $DBD_PORT" slurmdbd port_open "$DBD_PORT"
+  log "slurmdbd up (127.0.0.1:$DBD_PORT)"
+
+  spawn slurmctld slurmctld -D -f "$CONF"
+  wait_for "slurmctld on port $CTLD_PORT" slurmctld ctld_ok
+  log "slurmctld up (127.0.0.1:$CTLD_PORT)"
+
+  for node in "${NODES[@]}"; do spawn "slurmd-$node" slurmd -D -f "$CONF" -N "$node"; done
+  wait_for "n1 and n2 to be idle" slurmd-n2 both_idle
+  log "slurmd n1 (:$N1_PORT) and n2 (:$N2_PORT) idle"
+
+  # sacct answers only once slurmctld has registered the cluster with slurmdbd
+  wait_for "the cluster to register with slurmdbd" slurmctld registered
+  log "accounting ready"
+}
+
+cmd_up() {
+  log "cluster dir $DIR, ports $CTLD_PORT-$DB_PORT"
+  if healthy; then
+    log "already up and healthy; nothing to do"
+    cmd_env_hint
+    return 0
+  fi
+  ensure_packages
+  start_cluster
+  log "cluster ready: $(timeout 10 sinfo -h -N -o '%N:%T:%c cpus:%m MB:%G' | tr '\n' ' ')"
+  cmd_env_hint
+}
+
+cmd_env_hint() { log "use it with:  eval \"\$(bash ${BASH_SOURCE[0]} env)\""; }
+
+cmd_down() {
+  if [ ! -d "$RUN" ]; then
+    log "nothing to stop under $DIR"
+    return 0
+  fi
+  stop_cluster
+  log "down (logs kept under $LOG)"
+}
+
+cmd_env() {
+  printf 'export SLURM_CONF=%q\n' "$CONF"
+  printf 'export SLURMFT_CLUSTER_DIR=%q\n' "$DIR"
+  printf 'export SLURMFT_CLUSTER_PORT=%q\n' "$PORT"
+}
+
+cmd_status() {
+  local d pid
+  echo "cluster dir: $DIR   SLURM_CONF=$CONF   ports: $CTLD_PORT-$DB_PORT"
+  for d in "${DAEMONS[@]}"; do
+    if pid=$(daemon_pid "${d%%:*}" "${d#*:}"); then
+      printf '  %-10s running (pid %s)\n' "${d%%:*}" "$pid"
+    else
+      printf '  %-10s stopped\n' "${d%%:*}"
+    fi
+  done
+  if daemon_pid slurmctld slurmctld >/dev/null; then
+    timeout 10 sinfo -N -o '%N %T %c %m %G' 2>&1 | sed 's/^/  /' || true
+  fi
+  if healthy; then
+    echo "healthy"
+  else
+    echo "not healthy"
+    return 1
+  fi
+}
+
+usage() {
+  echo "usage: bash $0 up|down|env|status" >&2
+  exit 2
+}
+
+main() {
+  [ $# -eq 1 ] || usage
+  case $1 in
+    up | down)
+      mkdir -p "$DIR"
+      exec 9>"$DIR/.lock"
+      flock -w 600 9 || { warn "another 'up' or 'down' holds $DIR/.lock"; exit 1; }
+      "cmd_$1"
+      ;;
+    env) cmd_env ;;
+    status) cmd_status ;;
+    *) usage ;;
+  esac
+}
+
+main "$@"

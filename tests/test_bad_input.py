@@ -1,0 +1,142 @@
+"""Bad input: each malformed config exits non-zero with one readable message naming the field,
+prints no traceback, submits nothing and leaves no run directory."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from slurmft.cli import main
+
+DATA = Path(__file__).parent / "data"
+
+
+def good(tmp_path: Path) -> dict:
+    return {
+        "name": "bad-input",
+        "output_dir": str(tmp_path / "run"),
+        "executor": "slurm",
+        "cluster": {"profile": "local-test"},
+        "resources": {"nodes": 2, "gpus_per_node": 1},
+        "model": {"name_or_path": "org/model"},
+        "data": {"datasets": [{"path": str(DATA / "chat.jsonl")}]},
+        "train": {"max_steps": 10},
+        "checkpoint": {"every_steps": 5},
+    }
+
+
+def setp(d: dict, dotted: str, value: object) -> dict:
+    node = d
+    keys = dotted.split(".")
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+    node[keys[-1]] = value
+    return d
+
+
+SHELL = "x; rm -rf ~ `id` $(id) | & > <"
+
+# (case id, dotted field to set, value, text the message must contain)
+CASES = [
+    ("nodes-zero", "resources.nodes", 0, "resources.nodes"),
+    ("nodes-string", "resources.nodes", "two", "resources.nodes"),
+    ("gpus-negative", "resources.gpus_per_node", -1, "resources.gpus_per_node"),
+    ("steps-negative", "train.max_steps", -3, "train.max_steps"),
+    ("lr-string", "train.learning_rate", "fast", "train.learning_rate"),
+    ("batch-float", "train.per_device_batch_size", 1.5, "train.per_device_batch_size"),
+    ("unknown-top-key", "trian", {"max_steps": 3}, "trian"),
+    ("unknown-nested-key", "train.max_step", 3, "train.max_step"),
+    ("unknown-profile", "cluster.profile", "no-such-cluster", "cluster.profile"),
+    ("profile-file-missing", "cluster.profile", "/nonexistent/profile.yaml", "cluster.profile"),
+    ("bad-time", "cluster.time", "forever", "cluster.time"),
+    ("bad-mem", "resources.mem", "lots", "resources.mem"),
+    ("bad-signal", "preemption.signal", "KILL", "preemption.signal"),
+    ("lead-time-too-short", "preemption.lead_time_s", 1, "preemption.lead_time_s"),
+    ("dtype-unknown", "model.dtype", "float8", "model.dtype"),
+    ("attn-unknown", "model.attn_implementation", "magic", "model.attn_implementation"),
+    ("datasets-empty", "data.datasets", [], "data.datasets"),
+    ("weight-zero", "data.datasets", [{"path": "org/x", "weight": 0}], "data.datasets[0].weight"),
+    ("dataset-file-missing", "data.datasets", [{"path": "/nonexistent/data.jsonl"}], "data.datasets[0].path"),
+    ("model-path-missing", "model.name_or_path", "/nonexistent/model", "model.name_or_path"),
+    ("model-dir-not-a-model", "model.name_or_path", str(DATA), "model.name_or_path"),
+    ("secret-in-env", "cluster.env", {"HF_TOKEN": "hf_x"}, "cluster.env"),
+    ("env-bad-key", "cluster.env", {"BAD KEY": "x"}, "cluster.env"),
+    ("ckpt-after-end", "checkpoint.every_steps", 100, "checkpoint.every_steps"),
+    ("shard-size", "consolidate.max_shard_size", "huge", "consolidate.max_shard_size"),
+    ("executor-unknown", "executor", "kubernetes", "executor"),
+    ("setup-newline", "cluster.setup", ["echo a\necho b"], "cluster.setup"),
+    ("local-two-nodes", "executor", "local", "resources.nodes"),
+]
+SHELL_FIELDS = ["name", "output_dir", "cluster.partition", "cluster.account", "cluster.qos", "cluster.constraint",
+                "cluster.time", "cluster.python", "cluster.master_addr", "resources.mem", "train.lr_scheduler",
+                "consolidate.resources.partition", "consolidate.resources.mem", "consolidate.resources.time"]
+CASES += [(f"shell-{f}", f, SHELL, f) for f in SHELL_FIELDS]
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    return int(info.value.code or 0), capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("case", "field", "value", "expect"), CASES, ids=[c[0] for c in CASES])
+def test_bad_config_is_refused(case: str, field: str, value: object, expect: str, tmp_path: Path,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = setp(good(tmp_path), field, value)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    code, err = run_cli(["submit", str(path)], capsys)
+    assert code == 2, err
+    assert expect in err, err
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert not (tmp_path / "run").exists() and not Path(str(SHELL)).exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "expect"),
+    [
+        ("name: [unclosed\n", "not valid YAML at line"),
+        ("- just\n- a list\n", "top level must be a mapping"),
+        ("", "name: required field is missing"),
+    ],
+)
+def test_unparseable_yaml(text: str, expect: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    code, err = run_cli(["render", str(path)], capsys)
+    assert code == 2 and expect in err and "Traceback" not in err
+
+
+def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run_cli(["submit", str(tmp_path / "nope.yaml")], capsys)
+    assert code == 2 and "does not exist" in err
+
+
+def test_bad_override(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(good(tmp_path)))
+    code, err = run_cli(["submit", str(path), "resources.nodes"], capsys)
+    assert code == 2 and "key=value" in err
+
+
+def test_real_process_exit_code_and_no_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(setp(good(tmp_path), "resources.nodes", 0)))
+    out = subprocess.run([sys.executable, "-m", "slurmft.cli", "submit", str(path)], capture_output=True, text=True)
+    assert out.returncode == 2 and "resources.nodes" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_existing_run_dir_is_never_clobbered(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "precious.txt").write_text("keep me")
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(good(tmp_path)))
+    code, err = run_cli(["submit", str(path)], capsys)
+    assert code == 2 and "not empty" in err
+    assert (run / "precious.txt").read_text() == "keep me" and sorted(p.name for p in run.iterdir()) == ["precious.txt"]

@@ -1,0 +1,102 @@
+"""Config schema: defaults, overrides, validation messages."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from slurmft.config import RunConfig, apply_overrides, load_config, parse_override, validate
+from slurmft.errors import ConfigError
+
+DATA = Path(__file__).parent / "data"
+
+
+def minimal(**extra: object) -> dict:
+    base = {
+        "name": "t",
+        "output_dir": "/tmp/slurmft-test-run",
+        "model": {"name_or_path": "org/model"},
+        "data": {"datasets": [{"path": "org/data"}]},
+    }
+    base.update(extra)
+    return base
+
+
+def test_defaults_are_the_reference_allocation() -> None:
+    cfg = validate(minimal())
+    assert (cfg.resources.nodes, cfg.resources.gpus_per_node, cfg.resources.ranks_per_node) == (2, 8, 8)
+    assert cfg.resources.world_size == 16
+    assert cfg.preemption.signal == "USR2" and cfg.consolidate.enabled
+    assert cfg.fsdp.enabled and cfg.fsdp.activation_checkpointing
+
+
+def test_overrides_use_dotted_paths_and_yaml_values() -> None:
+    data = apply_overrides(minimal(), ["resources.nodes=4", "train.max_steps=10", "cluster.env.FOO=bar",
+                                      "checkpoint.every_steps=5"])
+    cfg = validate(data)
+    assert cfg.resources.nodes == 4 and cfg.train.max_steps == 10 and cfg.cluster.env == {"FOO": "bar"}
+    assert parse_override("a.b=[1, 2]") == (["a", "b"], [1, 2])
+
+
+@pytest.mark.parametrize("bad", ["novalue", "a..b=1", "=3", "a b=1"])
+def test_malformed_override_is_a_config_error(bad: str) -> None:
+    with pytest.raises(ConfigError):
+        apply_overrides(minimal(), [bad])
+
+
+def test_every_problem_is_collected_with_its_dotted_field() -> None:
+    data = minimal(resources={"nodes": 0, "gpus_per_node": -1}, train={"max_steps": -5, "bogus": 1})
+    with pytest.raises(ConfigError) as info:
+        validate(data)
+    text = info.value.render()
+    for field in ("resources.nodes", "resources.gpus_per_node", "train.max_steps", "train.bogus"):
+        assert field in text
+    assert "valid keys here" in text  # unknown key lists what is allowed
+
+
+def test_secret_in_env_is_refused_with_the_fix() -> None:
+    with pytest.raises(ConfigError) as info:
+        validate(minimal(cluster={"env": {"HF_TOKEN": "hf_abc"}}))
+    assert re.search(r"cluster.env: HF_TOKEN looks like a secret.*Export HF_TOKEN", info.value.render())
+    # a variable that merely contains the word is fine
+    assert validate(minimal(cluster={"env": {"TOKENIZERS_PARALLELISM": "false"}}))
+
+
+def test_local_paths_are_resolved_against_the_config_file(tmp_path: Path) -> None:
+    (tmp_path / "d.jsonl").write_text((DATA / "chat.jsonl").read_text())
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "run.yaml").write_text(
+        "name: r\noutput_dir: out\nmodel: {name_or_path: ./m}\ndata: {datasets: [{path: d.jsonl}]}\n"
+    )
+    cfg = load_config(tmp_path / "run.yaml", ["executor=local", "resources.nodes=1"])
+    assert cfg.model.name_or_path == str(tmp_path / "m")
+    assert cfg.data.datasets[0].path == str(tmp_path / "d.jsonl")
+    assert Path(cfg.output_dir).is_absolute()
+
+
+def test_local_executor_needs_one_node() -> None:
+    with pytest.raises(ConfigError) as info:
+        validate(minimal(executor="local"))
+    assert "resources.nodes" in info.value.render()
+
+
+def test_schema_has_a_description_on_every_field() -> None:
+    def walk(model: type) -> None:
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and hasattr(ann, "model_fields"):
+                walk(ann)
+            else:
+                assert field.description, f"{model.__name__}.{name} has no description"
+
+    walk(RunConfig)
+
+
+def test_config_reference_doc_is_current() -> None:
+    from slurmft.configdoc import reference
+
+    doc = Path(__file__).parent.parent / "docs" / "config.md"
+    assert doc.read_text() == reference(), "regenerate: python -m slurmft.configdoc > docs/config.md"

@@ -1,0 +1,594 @@
+"""slurmft.estimate: parameter counts, the course-notes sizing rule, the seed article's 70B setting,
+config.json discovery, and the estimate checked against real FSDP2 shards and saved activations on CPU.
+
+Run as a script (``python tests/test_estimate.py fsdp-worker OUT``) this file is also the worker of the
+two-process gloo measurement; the tests start it themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slurmft import estimate as E
+from slurmft.config import RunConfig, validate
+from slurmft.errors import ConfigError
+from slurmft.profiles import ClusterProfile
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Published parameter counts (model cards / papers).
+PUBLISHED = {
+    "llama-2-7b": 6.74e9,
+    "llama-2-13b": 13.0e9,
+    "llama-2-70b": 68.98e9,
+    "llama-3-8b": 8.03e9,
+}
+
+TINY = dict(
+    model_type="llama",
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=8000,
+    tie_word_embeddings=False,
+    max_position_embeddings=512,
+)
+ODD = dict(TINY, vocab_size=7999, intermediate_size=689, num_key_value_heads=2)  # uneven shards: padding
+MID = dict(  # ~170M, the DESIGN.md memory-measurement model
+    model_type="llama",
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=12,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    vocab_size=8000,
+    tie_word_embeddings=False,
+    max_position_embeddings=512,
+)
+
+
+def profile(
+    gpu_type: str = "A100-80GB", memory_gb: float = 80, node_memory_gb: float = 1152
+) -> ClusterProfile:
+    return ClusterProfile(
+        name="test",
+        description="test profile",
+        gpu={"type": gpu_type, "memory_gb": memory_gb},
+        node_memory_gb=node_memory_gb,
+    )
+
+
+def run_config(model: str, **dotted: Any) -> RunConfig:
+    """A minimal valid run config; ``dotted`` keys use __ for dots (fsdp__enabled=False)."""
+    data: dict[str, Any] = {
+        "name": "t",
+        "output_dir": "/tmp/slurmft-test",
+        "model": {"name_or_path": model},
+        "data": {"datasets": [{"path": "GAIR/lima"}]},
+    }
+    for key, value in dotted.items():
+        node = data
+        *parents, leaf = key.split("__")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return validate(data)
+
+
+def seed_config(**dotted: Any) -> RunConfig:
+    """The seed article: Llama-2-70B, 2 nodes x 8 A100-80GB, bf16, FSDP full shard, checkpointing, 2048 x 1."""
+    base = dict(
+        resources__nodes=2,
+        resources__gpus_per_node=8,
+        model__dtype="bfloat16",
+        fsdp__enabled=True,
+        fsdp__activation_checkpointing=True,
+        data__max_seq_length=2048,
+        train__per_device_batch_size=1,
+    )
+    return run_config("meta-llama/Llama-2-70b-hf", **{**base, **dotted})
+
+
+# ====================================================================== the sizing rule
+def test_course_notes_numbers_reproduce_exactly():
+    fp32 = E.training_state_bytes(7_000_000_000, "fp32")
+    assert fp32 == {"weights": 28 * E.GB, "gradients": 28 * E.GB, "optimizer": 56 * E.GB}
+    assert sum(fp32.values()) == 112 * E.GB == 16 * 7_000_000_000
+    bf16 = E.training_state_bytes(7_000_000_000, "bf16-mixed")
+    assert bf16["weights"] == 14 * E.GB  # weights only, bf16
+    assert sum(bf16.values()) == 112 * E.GB  # mixed precision: 2 + 2 + 12 is still 16 bytes/param
+
+
+def test_estimate_applies_the_rule_to_a_real_config():
+    n = E.count_parameters(E.load_model_config("llama-2-7b"))
+    one_gpu = dict(resources__nodes=1, resources__gpus_per_node=1, fsdp__enabled=False)
+    fp32 = E.estimate(run_config("llama-2-7b", model__dtype="float32", **one_gpu), profile())
+    g = fp32["per_gpu"]
+    assert (g["weights"], g["gradients"], g["optimizer"]) == (4 * n, 4 * n, 8 * n)
+    bf16 = E.estimate(run_config("llama-2-7b", **one_gpu), profile())  # dtype auto -> bf16 on GPUs
+    assert bf16["setup"]["precision"] == "bf16-mixed"
+    assert bf16["per_gpu"]["weights"] == 2 * n
+    assert bf16["consolidated_bytes"] == 2 * n  # ~13.5 GB: the "14 GB in bf16"
+    assert bf16["checkpoint_bytes"] == 12 * n
+
+
+# ====================================================================== parameter counts
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_parameter_counts_match_published(name):
+    n = E.count_parameters(E.load_model_config(name))
+    assert abs(n - PUBLISHED[name]) / PUBLISHED[name] < 0.005, n
+
+
+def test_exact_llama_2_7b_count():
+    assert E.count_parameters(E.load_model_config("llama-2-7b")) == 6_738_415_616
+
+
+OTHER_ARCHS = {
+    "mistral": dict(
+        model_type="mistral",
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=3,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=96,
+        vocab_size=5000,
+        sliding_window=4096,
+        tie_word_embeddings=False,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=3,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=15000,
+        tie_word_embeddings=True,
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=3,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=15000,
+        tie_word_embeddings=True,
+    ),
+    "mixtral": dict(
+        model_type="mixtral",
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=3000,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
+    "llama-bias": dict(
+        model_type="llama",
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=3000,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def _meta_numel(cfg: dict[str, Any]) -> int:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    classes = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    }
+    conf_cls, model_cls = (getattr(transformers, n) for n in classes[cfg.get("model_type", "llama")])
+    kwargs = {
+        k: v for k, v in cfg.items() if not k.startswith("_") and k not in ("model_type", "architectures")
+    }
+    with torch.device("meta"):
+        model = model_cls(conf_cls(**kwargs))
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_count_equals_meta_device_model_shipped(name):
+    cfg = E.load_model_config(name)
+    assert E.count_parameters(cfg) == _meta_numel(cfg)
+
+
+@pytest.mark.parametrize("arch", sorted(OTHER_ARCHS))
+def test_count_equals_meta_device_model_other_architectures(arch):
+    cfg = OTHER_ARCHS[arch]
+    assert E.count_parameters(cfg) == _meta_numel(cfg)
+
+
+def test_config_without_decoder_dimensions_is_a_config_error():
+    with pytest.raises(ConfigError, match="model.name_or_path.*hidden_size"):
+        E.count_parameters({"model_type": "bert", "vocab_size": 10})
+
+
+# ====================================================================== the seed article's setting
+def test_seed_setting_fits():
+    r = E.estimate(seed_config(), profile())
+    g = r["per_gpu"]
+    assert r["parameters"] == 68_976_648_192
+    assert r["setup"]["world_size"] == 16 and r["setup"]["precision"] == "bf16-mixed"
+    # 16 bytes/param over 16 shards, before the working set and activations
+    assert g["weights"] + g["gradients"] + g["optimizer"] == pytest.approx(r["parameters"], rel=1e-3)
+    assert g["total"] == sum(
+        g[k] for k in ("weights", "gradients", "optimizer", "comm_buffers", "activations", "overhead")
+    )
+    assert g["fits"] and r["fits"] and g["total"] <= g["capacity"]
+    assert g["capacity"] == 81920 * 2**20  # the A100-80GB's real 80 GiB
+    assert E.fit_problems(r) == []
+    assert r["verdict"].startswith("fits")
+
+
+def test_seed_setting_without_fsdp_does_not_fit_with_reason():
+    r = E.estimate(seed_config(fsdp__enabled=False), profile())
+    assert not r["per_gpu"]["fits"] and not r["fits"]
+    assert r["per_gpu"]["weights"] == 2 * r["parameters"]  # one GPU holds everything
+    problems = E.fit_problems(r)
+    assert len(problems) == 1
+    assert "GPU memory" in problems[0] and "fsdp.enabled=false" in problems[0]
+    assert "set fsdp.enabled=true" in problems[0]  # the fix, with its estimate
+    assert r["verdict"].startswith("does not fit")
+
+
+def test_seed_setting_without_checkpointing_does_not_fit_and_says_so():
+    r = E.estimate(seed_config(fsdp__activation_checkpointing=False), profile())
+    assert not r["fits"]
+    assert r["activations"]["without_checkpointing"] > 10 * r["activations"]["with_checkpointing"]
+    assert any("activation_checkpointing=true" in p for p in E.fit_problems(r))
+
+
+def test_eager_attention_adds_the_quadratic_term():
+    flash = E.estimate(seed_config(), profile())["activations"]
+    eager = E.estimate(seed_config(model__attn_implementation="eager"), profile())["activations"]
+    assert eager["total"] > flash["total"]
+    assert flash["eager"] == eager["total"] and eager["flash_or_sdpa"] == flash["total"]
+
+
+def test_one_node_suggests_how_many_nodes():
+    r = E.estimate(seed_config(resources__nodes=1), profile())
+    assert not r["fits"]
+    assert any("resources.nodes=" in x for x in r["remedies"])
+
+
+def test_cpu_ram_at_load_three_strategies():
+    c = E.estimate(seed_config(), profile())["cpu_ram_per_node"]
+    # the seed article's "~2 TB of CPU RAM" for 70B loaded by every one of 8 ranks (fp32)
+    assert 2.0e12 < c["every_rank_loads"] < 2.4e12
+    assert c["every_rank_loads"] > c["capacity"] > c["rank0_broadcast"] > c["slurmft"]
+    assert c["slurmft"] < 0.6 * c["rank0_broadcast"]  # bf16 file mmapped vs an fp32 copy
+    assert c["fits"]
+
+
+def test_checkpoint_and_consolidated_sizes():
+    r = E.estimate(seed_config(consolidate__dtype="float32"), profile())
+    assert r["checkpoint_bytes"] == 12 * r["parameters"]
+    assert r["consolidated_bytes"] == 4 * r["parameters"]
+
+
+def test_json_contract():
+    r = E.estimate(seed_config(), profile())
+    back = json.loads(E.to_json(r))
+    assert isinstance(back["parameters"], int)
+    for key in ("weights", "gradients", "optimizer", "activations", "overhead", "total", "capacity"):
+        assert isinstance(back["per_gpu"][key], int), key
+    assert isinstance(back["per_gpu"]["fits"], bool)
+    for key in ("every_rank_loads", "rank0_broadcast", "slurmft", "capacity"):
+        assert isinstance(back["cpu_ram_per_node"][key], int), key
+    assert isinstance(back["checkpoint_bytes"], int) and isinstance(back["consolidated_bytes"], int)
+    assert back["assumptions"] and all(isinstance(a, str) for a in back["assumptions"])
+
+
+def test_gpu_capacity_from_profile():
+    assert E.gpu_capacity_bytes(profile("A100-80GB", 80))[0] == 81920 * 2**20
+    assert E.gpu_capacity_bytes(profile("H200-141GB", 141))[0] == 143771 * 2**20
+    assert E.gpu_capacity_bytes(profile("A100-80GB", 75))[0] == 75 * E.GB  # the profile's own number wins
+    assert E.gpu_capacity_bytes(profile("L4", 24)) == (24 * E.GB, None)
+
+
+def test_llama_3_8b_on_one_h100_node():
+    node = dict(resources__nodes=1, resources__gpus_per_node=8, data__max_seq_length=8192)
+    assert E.estimate(run_config("meta-llama/Meta-Llama-3-8B", **node), profile("H100-80GB", 80))["fits"]
+    one_gpu = dict(resources__nodes=1, resources__gpus_per_node=1, fsdp__enabled=False)
+    r = E.estimate(run_config("meta-llama/Meta-Llama-3-8B", **one_gpu), profile("H200-141GB", 141))
+    assert not r["fits"]  # 8.03B x 16 bytes = 128 GB of state alone, plus DDP buckets and activations
+
+
+def test_cpu_run_uses_fp32_and_node_ram_per_rank():
+    cfg = run_config(
+        "llama-2-7b", resources__nodes=1, resources__gpus_per_node=0, resources__tasks_per_node=2
+    )
+    r = E.estimate(cfg, profile("fake-gpu", 80, node_memory_gb=24))
+    assert r["setup"]["device"] == "cpu" and r["setup"]["precision"] == "fp32"
+    assert r["per_gpu"]["capacity"] == 12 * E.GB
+    assert not r["fits"] and "CPU memory per rank" in E.fit_problems(r)[0]
+
+
+def test_render_table_and_speed():
+    from rich.console import Console
+
+    t0 = time.perf_counter()
+    r = E.estimate(seed_config(resources__nodes=1), profile())
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 0.25, elapsed
+    console = Console(record=True, width=140)
+    console.print(E.render_table(r))
+    text = console.export_text()
+    assert "Per GPU" in text and "every rank loads" in text and "does not fit" in text
+
+
+def test_import_pulls_no_torch():
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import slurmft.estimate"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    )
+    modules = {line.split("|")[-1].strip().split(".")[0] for line in out.stderr.splitlines() if "|" in line}
+    assert "slurmft" in modules
+    assert not modules & {"torch", "transformers", "numpy", "safetensors", "rich"}, modules & {
+        "torch",
+        "rich",
+    }
+
+
+# ====================================================================== finding config.json
+def test_load_model_config_local_dir_and_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    assert E.load_model_config(str(tmp_path))["hidden_size"] == 256
+    assert E.load_model_config(str(tmp_path / "config.json"))["hidden_size"] == 256
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="model.name_or_path.*no config.json"):
+        E.load_model_config(str(empty))
+
+
+@pytest.mark.parametrize(
+    ("name", "hidden"),
+    [
+        ("llama-2-70b", 8192),
+        ("meta-llama/Llama-2-70b-hf", 8192),
+        ("meta-llama/Llama-2-13b-chat-hf", 5120),
+        ("meta-llama/Meta-Llama-3-8B", 4096),
+        ("Llama-2-7b-hf", 4096),
+    ],
+)
+def test_load_model_config_shipped_names_and_hub_ids(name, hidden, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    cfg = E.load_model_config(name)
+    assert cfg["hidden_size"] == hidden
+    assert set(E.shipped_model_names()) >= {"llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b"}
+
+
+def _fake_hub_cache(root: Path, repo_id: str, cfg: dict[str, Any], commit: str = "a" * 40) -> None:
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "config.json").write_text(json.dumps(cfg))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+
+
+def test_load_model_config_from_hub_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    _fake_hub_cache(tmp_path / "hf" / "hub", "someorg/tiny", TINY)
+    assert E.load_model_config("someorg/tiny")["hidden_size"] == 256
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "other"))
+    _fake_hub_cache(tmp_path / "other", "someorg/tiny", {**TINY, "hidden_size": 512}, commit="b" * 40)
+    assert E.load_model_config("someorg/tiny")["hidden_size"] == 512
+    assert E.load_model_config("someorg/tiny", revision="b" * 40)["hidden_size"] == 512
+
+
+def test_load_model_config_not_found_names_the_field_and_the_fix(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ConfigError) as exc:
+        E.load_model_config("nobody/nothing")
+    text = exc.value.render()
+    assert "model.name_or_path" in text and "huggingface-cli download nobody/nothing" in text
+    assert "llama-2-70b" in text
+    with pytest.raises(ConfigError, match="model.name_or_path"):
+        E.load_model_config("/no/such/dir")
+
+
+def test_estimate_reads_config_via_run_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    cfg = run_config(str(tmp_path), resources__nodes=1, resources__gpus_per_node=1)
+    r = E.estimate(cfg, profile())
+    assert r["model"]["config_source"] == str(tmp_path / "config.json")
+    assert r["parameters"] == E.count_parameters(TINY)
+
+
+# ====================================================================== activations vs saved tensors
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_activation_formula_matches_saved_tensors(attn, dtype):
+    """Per-layer activations = bytes autograd saves for backward (measured with saved_tensors_hooks)."""
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    base = dict(TINY, num_key_value_heads=2)
+    seq, mb = 128, 2
+
+    def saved_bytes(layers: int) -> int:
+        torch.manual_seed(0)
+        kwargs = {k: v for k, v in base.items() if k != "model_type"}
+        kwargs["num_hidden_layers"] = layers
+        model = LlamaForCausalLM(LlamaConfig(**kwargs, attn_implementation=attn))
+        model = model.to(getattr(torch, dtype)).train()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        ids = torch.randint(0, base["vocab_size"], (mb, seq))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=ids)
+        return sum(n for ptr, n in seen.items() if ptr not in params)
+
+    two, four = saved_bytes(2), saved_bytes(4)
+    per_layer = (four - two) / 2
+    head = two - 2 * per_layer
+    est = E.activation_bytes(
+        E.model_shape(base), seq, mb, 4 if dtype == "float32" else 2, False, attn == "eager"
+    )
+    assert est["per_layer_full"] == pytest.approx(per_layer, rel=0.10)
+    assert est["logits_saved"] == pytest.approx(head, rel=0.10)
+
+
+# ====================================================================== estimate vs real FSDP2 shards
+MEASURED = {"tiny": TINY, "odd": ODD, "mid": MID}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fsdp_worker(out_dir: str) -> None:
+    """One rank: FSDP2-shard TINY and MID on a CPU mesh, one AdamW step in fp32, report local bytes."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    report: dict[str, Any] = {}
+    for name, cfg in MEASURED.items():
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"}))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().normal_(0.0, 0.02)
+            rot = model.model.rotary_emb
+            inv_freq, _ = rot.compute_default_rope_parameters(rot.config)
+            rot.inv_freq.copy_(inv_freq)
+            rot.original_inv_freq.copy_(inv_freq)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ids = torch.randint(0, cfg["vocab_size"], (1, 16))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+        def nbytes(t) -> int:
+            local = t.to_local() if isinstance(t, DTensor) else t
+            return local.numel() * local.element_size()
+
+        params = list(model.parameters())
+        report[name] = {
+            "all_dtensor": all(isinstance(p, DTensor) and isinstance(p.grad, DTensor) for p in params),
+            "dtypes": sorted({str(p.dtype) for p in params}),
+            "weights": sum(nbytes(p) for p in params),
+            "gradients": sum(nbytes(p.grad) for p in params),
+            "optimizer": sum(nbytes(opt.state[p][k]) for p in params for k in ("exp_avg", "exp_avg_sq")),
+        }
+        del model, opt
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+@pytest.mark.train
+def test_estimate_matches_measured_fsdp2_shards(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "fsdp-worker", str(tmp_path)],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+
+    for name, cfg in MEASURED.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        run = run_config(
+            str(tmp_path / name),
+            executor="local",
+            resources__nodes=1,
+            resources__gpus_per_node=0,
+            resources__tasks_per_node=2,
+            model__dtype="float32",
+        )
+        r = E.estimate(run, profile("fake-gpu", 80, node_memory_gb=24))
+        assert r["setup"]["precision"] == "fp32" and r["setup"]["shards"] == 2
+        g = r["per_gpu"]
+        expected = g["weights"] + g["gradients"] + g["optimizer"]
+        for rank in range(2):
+            m = json.loads((tmp_path / f"rank{rank}.json").read_text())[name]
+            assert m["all_dtensor"] and m["dtypes"] == ["torch.float32"]
+            measured = m["weights"] + m["gradients"] + m["optimizer"]
+            assert abs(measured - expected) / measured < 0.05, (name, rank, measured, expected)
+            assert m["weights"] == pytest.approx(g["weights"], rel=0.05)
+            assert m["optimizer"] == pytest.approx(g["optimizer"], rel=0.05)
+            print(f"{name} rank{rank}: measured {measured:,} B, estimated {expected:,} B")
+        # the estimate is the largest rank, exactly (FSDP2 gives rank 0 the ceil(d0 / ws) rows)
+        ranks = [json.loads((tmp_path / f"rank{i}.json").read_text())[name] for i in range(2)]
+        assert max(m["weights"] + m["gradients"] + m["optimizer"] for m in ranks) == expected
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "fsdp-worker":
+        sys.path.insert(0, str(REPO))
+        _fsdp_worker(sys.argv[2])
+    else:
+        sys.exit("usage: python tests/test_estimate.py fsdp-worker OUT_DIR")

@@ -1,0 +1,100 @@
+"""Rendering: golden scripts, bash -n, directives, quoting, secrets, user templates."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from slurmft.config import load_config
+from slurmft.errors import RenderError
+from slurmft.profiles import load_profile
+from slurmft.render import render, render_scripts
+from slurmft.rundir import RunPaths
+
+HERE = Path(__file__).parent
+GOLDEN_CFG = HERE / "data" / "golden-2x8-aws-efa.yaml"
+GOLDEN = HERE / "golden"
+
+
+def scripts_for(path: Path, *overrides: str, template_dir: str | None = None) -> dict[str, str]:
+    cfg = load_config(path, list(overrides))
+    return render_scripts(cfg, load_profile(cfg.cluster.profile), RunPaths.of(cfg.output_dir),
+                          "golden-2x8-aws-efa.yaml", template_dir)
+
+
+@pytest.mark.parametrize("kind", ["train", "consolidate"])
+def test_matches_golden(kind: str) -> None:
+    text = scripts_for(GOLDEN_CFG)[kind]
+    golden = GOLDEN / f"{kind}-2x8-aws-efa.sbatch"
+    if os.environ.get("SLURMFT_UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text(), f"rendered {kind} differs from {golden} (SLURMFT_UPDATE_GOLDEN=1 to refresh)"
+
+
+@pytest.mark.parametrize("kind", ["train", "consolidate"])
+def test_bash_syntax_and_no_jinja_left(kind: str, tmp_path: Path) -> None:
+    text = scripts_for(GOLDEN_CFG)[kind]
+    script = tmp_path / "s.sh"
+    script.write_text(text)
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    assert "{{" not in text and "{%" not in text
+
+
+def test_train_script_has_every_directive_and_the_profile_env() -> None:
+    text = scripts_for(GOLDEN_CFG)["train"]
+    for directive in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--cpus-per-task=12", "--mem=0",
+                      "--time=12:00:00", "--partition=p4d", "--account=ml-team", "--qos=high",
+                      "--constraint='a100&efa'", "--exclusive", "--requeue", "--signal=USR2@180",
+                      "--open-mode=append", "--output=/shared/runs/golden-2x8/logs/train-%j.out",
+                      "--error=/shared/runs/golden-2x8/logs/train-%j.out"):
+        assert f"#SBATCH {directive}\n" in text, directive
+    profile = load_profile("aws-efa")
+    for key, var in profile.env.items():
+        assert f"export {key}=" in text and var.reason in text
+    assert "srun --kill-on-bad-exit=1" in text
+    assert "-m slurmft.job.rendezvous exports" in text  # MASTER_ADDR/PORT from the allocation
+    assert "export WANDB_PROJECT='llama 70b'" in text  # values with spaces are quoted
+
+
+def test_consolidate_script_is_one_cpu_task_without_network_tuning() -> None:
+    text = scripts_for(GOLDEN_CFG)["consolidate"]
+    assert "#SBATCH --nodes=1\n" in text and "--gpus-per-node" not in text
+    assert "NCCL_" not in text and "FI_EFA" not in text
+    assert "--dependency" not in text  # added on the sbatch command line at submit time
+
+
+def test_disabled_consolidation_renders_only_train() -> None:
+    assert set(scripts_for(GOLDEN_CFG, "consolidate.enabled=false")) == {"train"}
+
+
+def test_secrets_from_the_environment_never_reach_a_script(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_SECRETSECRET123")
+    monkeypatch.setenv("WANDB_API_KEY", "wandb_SECRET456")
+    for text in scripts_for(GOLDEN_CFG).values():
+        assert "SECRET" not in text and "HF_TOKEN" not in text and "WANDB_API_KEY" not in text
+
+
+def test_user_template_dir_takes_precedence(tmp_path: Path) -> None:
+    (tmp_path / "train.sbatch.j2").write_text("#!/bin/bash\n# mine {{ run_name }}\n{{ command }}\n")
+    text = scripts_for(GOLDEN_CFG, template_dir=str(tmp_path))["train"]
+    assert text.startswith("#!/bin/bash\n# mine golden-2x8\n")
+    assert "#SBATCH" in scripts_for(GOLDEN_CFG, template_dir=str(tmp_path))["consolidate"]  # falls back
+
+
+def test_undefined_variable_is_an_error_not_an_empty_string(tmp_path: Path) -> None:
+    (tmp_path / "x.j2").write_text("echo {{ no_such_value }}\n")
+    with pytest.raises(RenderError, match="no_such_value"):
+        render("x.j2", {}, tmp_path)
+
+
+@pytest.mark.skipif(not shutil.which("shellcheck"), reason="shellcheck not installed")
+def test_shellcheck_clean(tmp_path: Path) -> None:
+    for kind, text in scripts_for(GOLDEN_CFG).items():
+        script = tmp_path / f"{kind}.sh"
+        script.write_text(text)
+        out = subprocess.run(["shellcheck", "-S", "warning", str(script)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout
