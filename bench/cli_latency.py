@@ -48,14 +48,14 @@ def main() -> int:
             "slurmft render": [sys.executable, "-m", "slurmft.cli", "render", str(CONFIG), "--out", out],
         }
         times: dict[str, list[float]] = {k: [] for k in cmds}
-        for name, cmd in cmds.items():  # warm the page cache
+        for cmd in cmds.values():  # warm the page cache
             wall(cmd)
         for _ in range(args.repeat):
             for name, cmd in cmds.items():
                 times[name].append(wall(cmd))
         heavy = heavy_imports(["-m", "slurmft.cli", "render", str(CONFIG), "--out", out])
     base = statistics.median(times["python -c pass"])
-    print(f"| command | median wall (ms) | ratio to `python -c pass` |\n|---|---|---|")
+    print("| command | median wall (ms) | ratio to `python -c pass` |\n|---|---|---|")
     for name, ts in times.items():
         med = statistics.median(ts)
         print(f"| `{name}` | {med * 1000:.0f} | {med / base:.1f}x |")

@@ -15,7 +15,7 @@ from slurmft.status import live_jobs
 def cancel_run(run_dir: Path) -> list[str]:
     """scancel (or, for local runs, SIGTERM) every live job; returns the ids cancelled."""
     manifest = read_manifest(RunPaths.of(run_dir))
-    live = live_jobs(manifest)
+    live = live_jobs(manifest, include_completing=False)  # a completing job is already ending
     if not live:
         return []
     if manifest.get("executor") == "local":

@@ -167,7 +167,9 @@ class ModelConfig(_Section):
     name_or_path: str = Field(..., description="Hugging Face hub id or local directory with config.json.")
     tokenizer: str | None = Field(None, description="Tokenizer id or path (default: name_or_path).")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="Training dtype: auto = bfloat16 on GPU, float32 on CPU."
+        "auto",
+        description="Compute dtype: auto = bfloat16 on GPU, float32 on CPU. Master weights and optimizer state "
+        "stay float32 (mixed precision).",
     )
     attn_implementation: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
         "auto", description="auto = flash_attention_2 when flash-attn imports, else sdpa."

@@ -143,9 +143,10 @@ def describe(state: str, reason: str) -> str:
     }.get(state, state.lower())
 
 
-def live_jobs(manifest: dict[str, Any]) -> list[str]:
-    """Job ids of the run that are still queued or running."""
-    return [r["job_id"] for r in job_rows(manifest) if r["state"] in {s.value for s in LIVE}]
+def live_jobs(manifest: dict[str, Any], include_completing: bool = True) -> list[str]:
+    """Job ids of the run that are still queued or running (or, optionally, still completing)."""
+    states = {s.value for s in LIVE} - (set() if include_completing else {State.COMPLETING.value})
+    return [r["job_id"] for r in job_rows(manifest) if r["state"] in states]
 
 
 def newest_rows(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:

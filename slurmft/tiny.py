@@ -145,6 +145,7 @@ def build(out_dir: str | os.PathLike[str], size: str = "tiny", dtype: str = "flo
     )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.config.dtype = getattr(torch, dtype)  # config.json says what the file holds
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

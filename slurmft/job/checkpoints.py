@@ -3,6 +3,25 @@
 Layout: ``<run>/checkpoints/checkpoint-<step>/`` as the HF Trainer writes it (with accelerate's
 sharded FSDP model in ``pytorch_model_fsdp_0/``). A checkpoint counts only once rank 0 wrote the
 ``COMPLETE`` marker after every rank finished saving; anything else is a torn save and is ignored.
+
+What one checkpoint holds (accelerate 1.15 ``save_fsdp_model``/``save_fsdp_optimizer`` with FSDP2
+and ``SHARDED_STATE_DICT``, checked by tests/job/test_train_cpu.py)::
+
+    checkpoint-<step>/
+      pytorch_model_fsdp_0/   DCP: .metadata + __<rank>_0.distcp, one file per rank
+      optimizer_0/            DCP: the AdamW state, same layout
+      scheduler.pt  rng_state_<rank>.pth  trainer_state.json
+      config.json  generation_config.json          (written by rank 0 before COMPLETE; use_cache true)
+      tokenizer.json  tokenizer_config.json  chat_template.jinja  ...   (the tokenizer trained with)
+      COMPLETE                                      (JSON: step, world_size, job_id, restart, time)
+
+DCP keys of ``pytorch_model_fsdp_0/``: ``"model." + <Hugging Face parameter name>``, e.g.
+``model.model.embed_tokens.weight``, ``model.model.layers.0.self_attn.q_proj.weight``,
+``model.lm_head.weight`` (accelerate saves ``{"model": get_model_state_dict(model)}``; wrapper
+segments such as ``_checkpoint_wrapped_module`` never appear). Tensors are stored in the training
+parameter dtype. Keys of ``optimizer_0/``: ``optimizer.state.<hf name>.{step,exp_avg,exp_avg_sq}``
+and ``optimizer.param_groups.*``. Consolidation reads the newest complete checkpoint's
+``pytorch_model_fsdp_0/`` plus the config and tokenizer files next to it.
 """
 
 from __future__ import annotations

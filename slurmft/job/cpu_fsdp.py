@@ -47,5 +47,6 @@ def enable() -> bool:
 
     AcceleratorState.__init__ = init_honouring_fsdp_on_cpu
     _applied = True
-    log.info("no CUDA device: FSDP2 on CPU with gloo (accelerate's MULTI_CPU fallback overridden, see slurmft/job/cpu_fsdp.py)")
+    log.info("no CUDA device: FSDP2 on CPU with gloo (accelerate's MULTI_CPU fallback overridden, "
+             "see slurmft/job/cpu_fsdp.py)")
     return True

@@ -56,15 +56,36 @@ def guanaco_to_messages(text: str) -> list[dict[str, str]]:
     return messages
 
 
-def _is_usable(messages: list[dict[str, str]]) -> bool:
-    """At least one assistant turn, and a conversation that does not open with the assistant."""
-    return bool(messages) and messages[0]["role"] != "assistant" and any(m["role"] == "assistant" for m in messages)
+def normalize(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Merge consecutive turns of one role, drop empty turns and trailing turns after the last reply.
+
+    Strict templates (Llama-2's) raise on roles that do not alternate; a turn nobody answers trains nothing.
+    """
+    out: list[dict[str, str]] = []
+    for m in messages:
+        content = (m.get("content") or "").strip()
+        if not content:
+            continue
+        if out and out[-1]["role"] == m["role"]:
+            out[-1] = {"role": m["role"], "content": out[-1]["content"] + "\n\n" + content}
+        else:
+            out.append({"role": m["role"], "content": content})
+    while out and out[-1]["role"] != "assistant":
+        out.pop()
+    return out
+
+
+def _is_usable(example: dict[str, Any]) -> bool:
+    """A conversation that opens with a user (or system) turn and has a reply."""
+    messages = example[MESSAGES]
+    return bool(messages) and messages[0]["role"] != "assistant" and messages[-1]["role"] == "assistant"
 
 
 def detect_format(source: DatasetSource, columns: list[str], first: dict[str, Any], where: str) -> tuple[str, str]:
     """(format, column) of a source, or a JobSetupError naming the columns found."""
     if source.format != "auto":
-        column = source.text_field or {"messages": "messages", "lima": "conversations", "guanaco": "text"}[source.format]
+        default = {"messages": "messages", "lima": "conversations", "guanaco": "text"}[source.format]
+        column = source.text_field or default
         if column not in columns:
             raise JobSetupError(
                 f"{where}: format {source.format!r} needs a column {column!r}, but the columns are {columns} "
@@ -125,7 +146,7 @@ def _convert(batch: dict[str, list[Any]], fmt: str, column: str) -> dict[str, li
             out.append(maybe_convert_to_chatml({"conversations": value or []})["messages"])
         else:
             out.append([{"role": m["role"], "content": m["content"]} for m in value or []])
-    return {MESSAGES: out}
+    return {MESSAGES: [normalize(m) for m in out]}
 
 
 def load_source(source: DatasetSource, index: int, num_proc: int | None):
@@ -145,7 +166,7 @@ def load_source(source: DatasetSource, index: int, num_proc: int | None):
         desc=f"{Path(source.path).name}: {fmt} -> messages",
     )
     before = len(ds)
-    ds = ds.filter(lambda ex: _is_usable(ex[MESSAGES]), num_proc=num_proc)
+    ds = ds.filter(_is_usable, num_proc=num_proc)
     if len(ds) == 0:
         raise JobSetupError(f"{where}: no usable conversation (each needs a user turn followed by an assistant turn)")
     if len(ds) < before:
@@ -154,11 +175,26 @@ def load_source(source: DatasetSource, index: int, num_proc: int | None):
     return ds
 
 
-def load_mixture(data: DataConfig, seed: int):
-    """All sources, mixed by weight into one ``messages`` dataset."""
+def check_template(ds, tokenizer, where: str, n: int = 16) -> None:
+    """Render the first conversations with the chat template now, not deep inside TRL's preprocessing."""
+    for i in range(min(n, len(ds))):
+        try:
+            tokenizer.apply_chat_template(ds[i][MESSAGES], tokenize=False)
+        except Exception as exc:
+            raise JobSetupError(
+                f"{where}: the chat template cannot render conversation {i} ({type(exc).__name__}: {exc}); "
+                "use a tokenizer/template that accepts these roles (train.sft.chat_template_path)"
+            ) from None
+
+
+def load_mixture(data: DataConfig, seed: int, tokenizer: Any = None):
+    """All sources, mixed by weight into one ``messages`` dataset (checked against ``tokenizer``'s template)."""
     from datasets import interleave_datasets
 
     parts = [load_source(src, i, data.num_proc) for i, src in enumerate(data.datasets)]
+    if tokenizer is not None:
+        for i, (src, part) in enumerate(zip(data.datasets, parts, strict=True)):
+            check_template(part, tokenizer, f"data.datasets[{i}] ({src.path})")
     if len(parts) == 1:
         return parts[0]
     total = sum(src.weight for src in data.datasets)

@@ -24,14 +24,14 @@ Peak anonymous memory is therefore about one shard plus one tensor on every rank
 page cache of the file it reads). accelerate's ``_prepare_fsdp2`` sees an ``FSDPModule`` and leaves
 the sharding alone; its optimizer, checkpointing and state-dict code work on it unchanged.
 
-Model dtype: ``model.dtype`` is the dtype of the sharded parameters and of the optimizer state
-(``auto``: bfloat16 on GPU, float32 on CPU). On GPU the FSDP2 mixed-precision policy computes in
-bfloat16 and reduces gradients in float32, so ``float32`` on GPU means classic fp32 master weights.
+Model dtype: ``model.dtype`` is the *compute* dtype (``auto``: bfloat16 on GPU, float32 on CPU).
+The sharded parameters and the optimizer state are always float32 (master weights); with a 16-bit
+compute dtype the FSDP2 mixed-precision policy gathers parameters in that dtype and reduces
+gradients in float32 (16 bytes/parameter of training state, as ``slurmft estimate`` assumes).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import json
@@ -134,7 +134,7 @@ def weight_files(model_dir: Path) -> dict[str, str]:
 
 # ----------------------------------------------------------------------------- choices
 def choose_dtype(model: ModelConfig, on_gpu: bool) -> torch.dtype:
-    """Parameter dtype: ``auto`` is bfloat16 on GPU, float32 on CPU."""
+    """Compute dtype: ``auto`` is bfloat16 on GPU, float32 on CPU."""
     if model.dtype == "auto":
         return torch.bfloat16 if on_gpu else torch.float32
     if model.dtype != "float32" and not on_gpu:
@@ -236,7 +236,8 @@ class ShardedModel:
     """The FSDP2 model and what was decided while building it."""
 
     model: torch.nn.Module
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the sharded (master) parameters: float32
+    compute_dtype: torch.dtype
     attn_implementation: str
     wrap_class: str
     num_params: int
@@ -250,6 +251,7 @@ def _build_meta(config: Any, cfg: RunConfig, dtype: torch.dtype, attn: str) -> t
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code
         )
+    model.tie_weights()  # not done under init_empty_weights; a no-op unless the config ties embeddings
     model.config.use_cache = False
     return model
 
@@ -305,14 +307,14 @@ def _check_weights(model: torch.nn.Module, model_dir: Path) -> list[tuple[str, s
     return plan
 
 
-def _shard(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext, wrap: set[str]) -> None:
+def _shard(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext, wrap: set[str], compute: torch.dtype) -> None:
     """Activation checkpointing, then FSDP2 units: each decoder layer, embeddings, head, root."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if ctx.on_gpu else None
+    mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != torch.float32 else None
     kwargs: dict[str, Any] = {
         "mesh": mesh,
         "reshard_after_forward": cfg.fsdp.reshard_after_forward,
@@ -329,7 +331,8 @@ def _shard(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext, wrap: set[s
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = embed is not None and head is not None and embed.weight is head.weight
-    norm = next((m for n, m in getattr(model, model.base_model_prefix, model).named_children() if "Norm" in type(m).__name__), None)
+    base = getattr(model, model.base_model_prefix, model)
+    norm = next((m for _, m in base.named_children() if "Norm" in type(m).__name__), None)  # the final norm
     if embed is not None and not tied:
         fully_shard(embed, **kwargs)
     tail = [m for m in ((norm, embed, head) if tied else (norm, head)) if m is not None]
@@ -368,17 +371,18 @@ def _scatter_weights(model: torch.nn.Module, plan: list[tuple[str, str, str]], m
     order: list[tuple[str, str, str]] = names[0]  # type: ignore[assignment]
     targets = _named_targets(model)
     world, rank, comm = ctx.world_size, ctx.rank, ctx.device
-    with contextlib.ExitStack() as stack:
-        handles: dict[str, Any] = {}
+    last_use = {file: i for i, (_, file, _) in enumerate(order)}
+    handles: dict[str, Any] = {}  # open safetensors files (rank 0), closed once their last tensor is sent
 
-        def read(file: str, key: str) -> torch.Tensor:
-            from safetensors import safe_open
+    def read(file: str, key: str) -> torch.Tensor:
+        from safetensors import safe_open
 
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(model_dir / file), framework="pt"))
-            return handles[file].get_tensor(key)
+        if file not in handles:
+            handles[file] = safe_open(str(model_dir / file), framework="pt").__enter__()
+        return handles[file].get_tensor(key)
 
-        for name, file, key in order:
+    try:
+        for i, (name, file, key) in enumerate(order):
             target = targets[name]
             if isinstance(target, DTensor):
                 if tuple(target.placements) != (Shard(0),):
@@ -406,22 +410,29 @@ def _scatter_weights(model: torch.nn.Module, plan: list[tuple[str, str, str]], m
                     buf.copy_(read(file, key))
                 dist.broadcast(buf, src=0)
                 target.copy_(buf)
+            if last_use[file] == i and file in handles:  # unmap what is no longer needed
+                handles.pop(file).__exit__(None, None, None)
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
 
 
 def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx: DistContext) -> ShardedModel:
     """Meta model on every rank -> checked against the files on rank 0 -> FSDP2 shards -> weights scattered."""
-    dtype = choose_dtype(cfg.model, ctx.on_gpu)
+    compute = choose_dtype(cfg.model, ctx.on_gpu)
+    dtype = torch.float32  # master weights; compute happens in `compute` through the FSDP2 policy
     attn, why = choose_attention(cfg.model.attn_implementation, ctx.on_gpu)
     if ctx.is_main:
-        log.info("attention: %s (%s)", attn, why)
+        log.info("attention: %s (%s); compute dtype %s, fp32 master weights", attn, why,
+                 str(compute).removeprefix("torch."))
     model = guarded(ctx, "building the model", lambda: _build_meta_checked(config, cfg, dtype, attn))
     wrap = _wrap_class_names(model, cfg)
     plan = guarded(ctx, "checking the checkpoint", lambda: _check_weights(model, model_dir) if ctx.is_main else [])
     num_params = sum(p.numel() for p in model.parameters())
-    _shard(model, cfg, ctx, wrap)
+    _shard(model, cfg, ctx, wrap, compute)
     _materialize(model, ctx, cfg.fsdp.cpu_offload)
     _scatter_weights(model, plan, model_dir, ctx)
-    return ShardedModel(model=model, dtype=dtype, attn_implementation=attn, wrap_class=sorted(wrap)[0],
+    return ShardedModel(model=model, dtype=dtype, compute_dtype=compute, attn_implementation=attn, wrap_class=sorted(wrap)[0],
                         num_params=num_params)
 
 

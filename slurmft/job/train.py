@@ -7,6 +7,7 @@ any rank stops every rank with the same :class:`JobSetupError` before a collecti
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from slurmft.config import RunConfig
@@ -58,8 +60,8 @@ OWNED_SFT_KEYS = {
     "packing": "data.packing",
     "assistant_only_loss": "data.assistant_only_loss",
     "dataset_num_proc": "data.num_proc",
-    "bf16": "model.dtype and the device (bf16 compute on GPU)",
-    "fp16": "model.dtype and the device (bf16 compute on GPU)",
+    "bf16": "model.dtype (the compute dtype; auto = bf16 on GPU)",
+    "fp16": "model.dtype (the compute dtype; auto = bf16 on GPU)",
     "use_cpu": "the device (CPU only when there is no GPU)",
     "ddp_backend": "the device (NCCL on GPU, gloo on CPU)",
 }
@@ -173,7 +175,8 @@ def sft_config(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> Any:
         "assistant_only_loss": cfg.data.assistant_only_loss,
         "dataset_num_proc": cfg.data.num_proc,
         "activation_checkpointing": False,  # FSDP-level activation checkpointing is applied at load
-        "bf16": ctx.on_gpu,
+        "bf16": loading.choose_dtype(cfg.model, ctx.on_gpu) == torch.bfloat16,
+        "fp16": loading.choose_dtype(cfg.model, ctx.on_gpu) == torch.float16,
         "use_cpu": not ctx.on_gpu,
         "ddp_timeout": ctx.collective_timeout_s,
         "include_num_input_tokens_seen": "non_padding",
@@ -225,55 +228,65 @@ def train(run_dir: str) -> dict[str, Any]:
 
     ctx = distributed.init(env)
     try:
-        if ctx.is_main:
-            log.info("rank 0 of %d, device %s, backend %s, job %s (restart %d, launcher %s)", ctx.world_size,
-                     ctx.device, ctx.backend, env.job_id, env.restart_count, env.launcher)
-        _quiet_libraries(ctx)
-        if not ctx.on_gpu:
-            cpu_fsdp.enable()
-        inputs: Inputs = distributed.main_first(ctx, "preparing the model files and tokenizer",
-                                                lambda: _prepare_inputs(cfg, ctx))
-        dataset = distributed.main_first(ctx, "loading the data", lambda: data.load_mixture(cfg.data, cfg.train.seed))
-        args = distributed.guarded(ctx, "building the training options", lambda: sft_config(cfg, paths, ctx))
-
-        t_load = time.time()
-        sharded = loading.build_sharded_model(cfg, inputs.config, inputs.model_dir if ctx.is_main else None, ctx)
-        if ctx.is_main:
-            log.info("model: %.1fM parameters, %s, sharded over %d ranks in %.1fs", sharded.num_params / 1e6,
-                     str(sharded.dtype).removeprefix("torch."), ctx.world_size, time.time() - t_load)
-
-        info = {"job_id": env.job_id, "restart": env.restart_count}
-        preempt = PreemptionStop(ctx)
-        saver = CompleteCheckpoints(ctx, sharded.model.config, getattr(sharded.model, "generation_config", None),
-                                    inputs.tokenizer, cfg.checkpoint.keep_last, info)
-        report_info = {"dtype": str(sharded.dtype).removeprefix("torch."), "attn_implementation":
-                       sharded.attn_implementation, "wrap_class": sharded.wrap_class, "num_params": sharded.num_params}
-        callbacks = [preempt, saver, MetricsLog(ctx, paths.metrics, info),
-                     FsdpReport(ctx, paths.root / FSDP_REPORT_DIR, report_info)]
-
-        from trl import SFTTrainer
-
-        trainer = SFTTrainer(model=sharded.model, args=args, train_dataset=dataset,
-                             processing_class=inputs.tokenizer, callbacks=callbacks)
-        resume = _resume_point(paths, ctx)
-        if ctx.is_main:
-            log.info("resuming from %s" if resume else "starting from step 0%s", resume.name if resume else "")
-        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-        step = trainer.state.global_step
-
-        if preempt.stopped_at is not None and step < cfg.train.max_steps:
-            distributed.barrier()
-            marker = _write_requeue_marker(paths, env, step) if ctx.is_main else None
-            if ctx.is_main:
-                log.warning("stopped for preemption at step %d; requeue marker %s", step, marker)
-            return {"status": "preempted", "global_step": step, "seconds": round(time.time() - t_start, 1)}
-        final = checkpoints.latest_complete(paths.checkpoints)
-        if ctx.is_main:
-            log.info("training complete at step %d; final checkpoint %s", step, final)
-        return {"status": "completed", "global_step": step, "checkpoint": str(final) if final else None,
-                "seconds": round(time.time() - t_start, 1)}
+        return _run(cfg, paths, env, ctx, t_start)
     finally:
+        # FSDP state holds the process group: free the trainer and model (``_run``'s frame, plus any
+        # reference cycles) before destroying it, not during interpreter shutdown.
+        gc.collect()
         distributed.shutdown()
+
+
+def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start: float) -> dict[str, Any]:
+    """Everything between joining and leaving the process group."""
+    if ctx.is_main:
+        log.info("rank 0 of %d, device %s, backend %s, job %s (restart %d, launcher %s)", ctx.world_size,
+                 ctx.device, ctx.backend, env.job_id, env.restart_count, env.launcher)
+    _quiet_libraries(ctx)
+    if not ctx.on_gpu:
+        cpu_fsdp.enable()
+    inputs: Inputs = distributed.main_first(ctx, "preparing the model files and tokenizer",
+                                            lambda: _prepare_inputs(cfg, ctx))
+    dataset = distributed.main_first(ctx, "loading the data",
+                                     lambda: data.load_mixture(cfg.data, cfg.train.seed, inputs.tokenizer))
+    args = distributed.guarded(ctx, "building the training options", lambda: sft_config(cfg, paths, ctx))
+
+    t_load = time.time()
+    sharded = loading.build_sharded_model(cfg, inputs.config, inputs.model_dir if ctx.is_main else None, ctx)
+    if ctx.is_main:
+        log.info("model: %.1fM parameters, %s, sharded over %d ranks in %.1fs", sharded.num_params / 1e6,
+                 str(sharded.dtype).removeprefix("torch."), ctx.world_size, time.time() - t_load)
+
+    info = {"job_id": env.job_id, "restart": env.restart_count}
+    preempt = PreemptionStop(ctx)
+    saver = CompleteCheckpoints(ctx, sharded.model.config, getattr(sharded.model, "generation_config", None),
+                                inputs.tokenizer, cfg.checkpoint.keep_last, info)
+    report_info = {"dtype": str(sharded.dtype).removeprefix("torch."),
+                   "compute_dtype": str(sharded.compute_dtype).removeprefix("torch."), "attn_implementation":
+                   sharded.attn_implementation, "wrap_class": sharded.wrap_class, "num_params": sharded.num_params}
+    callbacks = [preempt, saver, MetricsLog(ctx, paths.metrics, info),
+                 FsdpReport(ctx, paths.root / FSDP_REPORT_DIR, report_info)]
+
+    from trl import SFTTrainer
+
+    trainer = SFTTrainer(model=sharded.model, args=args, train_dataset=dataset,
+                         processing_class=inputs.tokenizer, callbacks=callbacks)
+    resume = _resume_point(paths, ctx)
+    if ctx.is_main:
+        log.info("resuming from %s" if resume else "starting from step 0%s", resume.name if resume else "")
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    step = trainer.state.global_step
+
+    if preempt.stopped_at is not None and step < cfg.train.max_steps:
+        distributed.barrier()
+        marker = _write_requeue_marker(paths, env, step) if ctx.is_main else None
+        if ctx.is_main:
+            log.warning("stopped for preemption at step %d; requeue marker %s", step, marker)
+        return {"status": "preempted", "global_step": step, "seconds": round(time.time() - t_start, 1)}
+    final = checkpoints.latest_complete(paths.checkpoints)
+    if ctx.is_main:
+        log.info("training complete at step %d; final checkpoint %s", step, final)
+    return {"status": "completed", "global_step": step, "checkpoint": str(final) if final else None,
+            "seconds": round(time.time() - t_start, 1)}
 
 
 def _quiet_libraries(ctx: DistContext) -> None:

@@ -29,6 +29,7 @@ def job_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         HF_DATASETS_OFFLINE="1",
         HF_DATASETS_CACHE=str(tmp_path_factory.mktemp("hf_datasets")),
         PYTHONUNBUFFERED="1",
+        PYTHONFAULTHANDLER="1",  # a crash in a rank prints every thread's stack
         TOKENIZERS_PARALLELISM="false",
         OMP_NUM_THREADS="1",
         SLURMFT_RENDEZVOUS_TIMEOUT="60",

@@ -7,9 +7,11 @@ and collective time-outs (see ``job_env``) so a hang fails the test instead of s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -41,20 +43,27 @@ def write_run(run_dir: Path, model: Path, overrides: list[str] | None = None,
 
 @dataclass
 class Launch:
-    """A two-rank CPU job started in the background."""
+    """A multi-rank CPU job started in the background (torchrun, or one process per rank like srun)."""
 
-    proc: subprocess.Popen[str]
+    procs: list[subprocess.Popen[str]]
     run_dir: Path
     log_path: Path
+    torchrun: bool
 
     def ranks(self) -> list[int]:
-        """PIDs of the rank processes (the launcher's children)."""
+        """PIDs of the rank processes."""
+        if not self.torchrun:
+            return [p.pid for p in self.procs if p.poll() is None]
         import psutil
 
         try:
-            return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=False)]
+            return [c.pid for c in psutil.Process(self.procs[0].pid).children(recursive=False)]
         except psutil.NoSuchProcess:
             return []
+
+    def running(self) -> bool:
+        """True while any process of the job is alive."""
+        return any(p.poll() is None for p in self.procs)
 
     def signal_ranks(self, sig: int = signal.SIGUSR2) -> list[int]:
         """Send ``sig`` to every rank, as Slurm does with --signal."""
@@ -64,14 +73,26 @@ class Launch:
         return pids
 
     def wait(self, timeout: float) -> tuple[int, str]:
-        """Exit code and combined output; kills the whole job on time-out (and fails)."""
+        """First non-zero exit code (else 0) and combined output; kills the job on time-out (and fails)."""
+        deadline = time.time() + timeout
         try:
-            self.proc.wait(timeout=timeout)
+            for p in self.procs:
+                p.wait(timeout=max(0.1, deadline - time.time()))
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            for p in self.procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
             pytest.fail(f"job did not finish within {timeout}s (hang?); log:\n{self.log_path.read_text()[-4000:]}")
-        return self.proc.returncode, self.log_path.read_text()
+        codes = [p.returncode for p in self.procs]
+        return next((c for c in codes if c != 0), 0), self.log_path.read_text()
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def launch(run_dir: Path, env: dict[str, str], nproc: int = 2, target: list[str] | None = None) -> Launch:
@@ -85,7 +106,29 @@ def launch(run_dir: Path, env: dict[str, str], nproc: int = 2, target: list[str]
     with open(log_path, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, text=True, cwd=str(run_dir.parent),
                                 start_new_session=True)
-    return Launch(proc=proc, run_dir=run_dir, log_path=log_path)
+    return Launch(procs=[proc], run_dir=run_dir, log_path=log_path, torchrun=True)
+
+
+def launch_like_srun(run_dir: Path, env: dict[str, str], ntasks: int = 2, job_id: str = "4242", restart: int = 0,
+                     ranks: list[int] | None = None, port: int | None = None) -> Launch:
+    """One ``python -m slurmft.job.entrypoint train RUN_DIR`` per rank with the variables srun sets.
+
+    This is the path a real Slurm job takes (our own rendezvous store, no torchrun agent).
+    ``ranks`` starts only some of them (to test a rank that never shows up).
+    """
+    log_path = run_dir.parent / f"{run_dir.name}.{int(time.time() * 1000)}.log"
+    port = port or free_port()
+    procs = []
+    with open(log_path, "w") as out:
+        for rank in ranks if ranks is not None else range(ntasks):
+            rank_env = {**env, "SLURM_PROCID": str(rank), "SLURM_NTASKS": str(ntasks), "SLURM_LOCALID": str(rank),
+                        "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS_PER_NODE": str(ntasks),
+                        "SLURM_JOB_ID": job_id, "SLURM_RESTART_COUNT": str(restart),
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            cmd = [sys.executable, "-m", "slurmft.job.entrypoint", "train", str(run_dir)]
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=rank_env, text=True,
+                                          cwd=str(run_dir.parent), start_new_session=True))
+    return Launch(procs=procs, run_dir=run_dir, log_path=log_path, torchrun=False)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

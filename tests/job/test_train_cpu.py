@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import launch, read_metrics, write_run
+from .helpers import launch, launch_like_srun, read_metrics, write_run
 
 pytestmark = pytest.mark.train
 
@@ -87,15 +87,16 @@ def test_metrics_have_the_fields(reference_run: Path) -> None:
 
 @pytest.fixture(scope="module")
 def preempted_run(tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
+    """Launched as srun would (job 4242, restart 0), signalled like --signal=USR2 mid-run."""
     run = write_run(tmp_path_factory.mktemp("pre") / "run", tiny_model)
-    job = launch(run, job_env)
+    job = launch_like_srun(run, job_env, job_id="4242", restart=0)
     deadline = time.time() + 240
-    while time.time() < deadline and job.proc.poll() is None:
+    while time.time() < deadline and job.running():
         steps = [m["step"] for m in read_metrics(run)]
         if steps and steps[-1] >= EVERY + 2:
             break
         time.sleep(0.1)
-    assert job.proc.poll() is None, job.log_path.read_text()[-4000:]
+    assert job.running(), job.log_path.read_text()[-4000:]
     assert len(job.signal_ranks()) == 2
     rc, out = job.wait(timeout=180)
     return run, rc, out
@@ -114,7 +115,7 @@ def test_preemption_stops_every_rank_at_one_step(preempted_run) -> None:
     assert (root / f"checkpoint-{step}" / "COMPLETE").is_file()
     assert (root / f"checkpoint-{step}" / "pytorch_model_fsdp_0" / ".metadata").is_file()
     markers = list((run / "requeue").iterdir())
-    assert len(markers) == 1 and markers[0].name.endswith("-0")
+    assert [m.name for m in markers] == ["4242-0"]  # <job id>-<SLURM_RESTART_COUNT>, for the batch script
     assert json.loads(markers[0].read_text())["step"] == step
     assert max(m["step"] for m in read_metrics(run)) == step
 
@@ -124,14 +125,27 @@ def test_resume_continues_bitwise_like_an_uninterrupted_run(preempted_run, refer
     run, rc, _ = preempted_run
     assert rc == 0
     stopped = max(m["step"] for m in read_metrics(run))
-    rc, out = launch(run, job_env).wait(timeout=240)
+    rc, out = launch_like_srun(run, job_env, job_id="4242", restart=1).wait(timeout=240)  # the requeued job
     assert rc == 0, out[-6000:]
     assert f"resuming from checkpoint-{stopped}" in out
     assert len(re.findall(r"slurmft rank \d: completed at step 36", out)) == 2
     resumed = [m for m in read_metrics(run) if m["step"] > stopped]
     assert [m["step"] for m in resumed] == list(range(stopped + 1, MAX_STEPS + 1))
+    assert {m["restart"] for m in resumed} == {1}
     reference = {m["step"]: m for m in read_metrics(reference_run)}
     for m in resumed:
         ref = reference[m["step"]]
         assert (m["loss"], m["grad_norm"], m["learning_rate"]) == (ref["loss"], ref["grad_norm"], ref["learning_rate"])
     assert (run / "checkpoints" / "checkpoint-36" / "COMPLETE").is_file()
+
+
+def test_rendezvous_fails_fast_when_a_rank_is_missing(tiny_model: Path, job_env: dict[str, str],
+                                                      tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", tiny_model)
+    env = {**job_env, "SLURMFT_RENDEZVOUS_TIMEOUT": "5"}
+    t0 = time.time()
+    rc, out = launch_like_srun(run, env, ranks=[1]).wait(timeout=90)  # rank 0 never starts
+    assert rc == 2, out[-3000:]
+    assert time.time() - t0 < 60
+    assert re.search(r"slurmft rank 1: setup error: rendezvous failed: rank 1 tried to reach rank 0 at "
+                     r"127\.0\.0\.1:\d+ for up to 5s", out), out[-3000:]

@@ -1,0 +1,25 @@
+"""The benchmark scripts' CPU-testable parts: bench/gpu_smoke.sh --dry-run runs the whole pipeline on CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .helpers import REPO
+
+pytestmark = pytest.mark.train
+
+
+def test_gpu_smoke_dry_run(job_env: dict[str, str], tmp_path: Path) -> None:
+    out = tmp_path / "summary.json"
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_smoke.sh"), "--dry-run", "--workdir", str(tmp_path),
+                           "--json", str(out)], env={**job_env, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    summary = json.loads(out.read_text())
+    assert summary["steps"] == 3 and summary["final_checkpoint_complete"]
+    assert summary["tokens_per_s"] > 0 and summary["mfu"] is None  # no GPU peak to divide by
+    assert summary["params"] == 5_261_568  # the FLOP formula's parameter count matches the tiny model

@@ -1,0 +1,108 @@
+"""Data formats, mixing and the job's input checks (single process, no training)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from slurmft.config import DataConfig, DatasetSource, ModelConfig
+from slurmft.errors import JobSetupError
+from slurmft.job import data, loading
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_lima_and_guanaco_map_to_messages() -> None:
+    assert data.lima_to_messages(["q", "a", "q2", "a2"]) == [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"},
+    ]
+    text = "### Human: Hi there.### Assistant: Hello!### Human: Bye.### Assistant: Bye!"
+    assert data.guanaco_to_messages(text) == [
+        {"role": "user", "content": "Hi there."}, {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Bye."}, {"role": "assistant", "content": "Bye!"},
+    ]
+
+
+def test_normalize_merges_repeated_roles_and_drops_unanswered_turns() -> None:
+    msgs = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": " "},
+            {"role": "assistant", "content": "c"}, {"role": "user", "content": "left hanging"}]
+    assert data.normalize(msgs) == [{"role": "user", "content": "a\n\nb"}, {"role": "assistant", "content": "c"}]
+
+
+@pytest.mark.parametrize(("row", "expected"), [
+    ({"messages": [{"role": "user", "content": "q"}]}, "messages"),
+    ({"conversations": ["q", "a"]}, "lima"),
+    ({"conversations": [{"from": "human", "value": "q"}]}, "sharegpt"),
+    ({"text": "### Human: q### Assistant: a"}, "guanaco"),
+])
+def test_format_detection(row: dict, expected: str) -> None:
+    fmt, _ = data.detect_format(DatasetSource(path="x.jsonl"), list(row), row, "src")
+    assert fmt == expected
+
+
+def test_wrong_columns_name_the_columns() -> None:
+    with pytest.raises(JobSetupError, match=r"columns \['question', 'answer'\]"):
+        data.detect_format(DatasetSource(path="x.jsonl"), ["question", "answer"], {"question": "q", "answer": "a"}, "s")
+    with pytest.raises(JobSetupError, match="needs a column 'conversations'"):
+        data.detect_format(DatasetSource(path="x.jsonl", format="lima"), ["text"], {"text": "x"}, "s")
+
+
+def test_mixture_is_seeded_and_weighted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    lima = _jsonl(tmp_path / "lima.jsonl", [{"conversations": [f"q{i}", f"a{i}"]} for i in range(50)])
+    guan = _jsonl(tmp_path / "g.jsonl", [{"text": f"### Human: h{i}### Assistant: r{i}"} for i in range(200)])
+    cfg = DataConfig(datasets=[DatasetSource(path=str(lima), weight=3), DatasetSource(path=str(guan), weight=1)])
+    mixed = data.load_mixture(cfg, seed=7)
+    assert mixed.column_names == ["messages"]
+    firsts = [m[0]["content"] for m in mixed["messages"]]
+    assert {f"h{i}" for i in range(200)} <= set(firsts)  # all_exhausted: nothing dropped
+    share = sum(f.startswith("q") for f in firsts) / len(firsts)
+    assert 0.6 < share < 0.9  # weight 3:1, the smaller source repeated
+    assert firsts == [m[0]["content"] for m in data.load_mixture(cfg, seed=7)["messages"]]
+
+
+def test_template_that_cannot_render_is_caught_early(tmp_path: Path, tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.chat_template = "{{ raise_exception('roles must alternate') }}"
+    ds = data.load_source(DatasetSource(path=str(_jsonl(tmp_path / "l.jsonl", [{"conversations": ["q", "a"]}]))),
+                          0, None)
+    with pytest.raises(JobSetupError, match="cannot render conversation 0"):
+        data.check_template(ds, tok, "src")
+
+
+def test_attention_choice_without_gpu() -> None:
+    assert loading.choose_attention("auto", on_gpu=False)[0] == "sdpa"
+    assert loading.choose_attention("eager", on_gpu=False)[0] == "eager"
+    with pytest.raises(JobSetupError, match="flash_attention_2 but no CUDA device"):
+        loading.choose_attention("flash_attention_2", on_gpu=False)
+
+
+def test_model_files_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(JobSetupError, match="does not exist"):
+        loading.resolve_model_dir(ModelConfig(name_or_path=str(tmp_path / "nope")), with_weights=True)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(JobSetupError, match="only safetensors weights are read"):
+        loading.weight_files(tmp_path / "bin")
+
+
+def test_tiny_assets_are_deterministic(tmp_path: Path) -> None:
+    from slurmft.tiny import build
+
+    def digest(d: Path) -> dict[str, str]:
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+    a, b = build(tmp_path / "a"), build(tmp_path / "b")
+    assert digest(a) == digest(b)
+    config = json.loads((a / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["tie_word_embeddings"]) == (256, 4, False)
+    assert "{% generation %}" in (a / "chat_template.jinja").read_text()
