@@ -164,33 +164,27 @@ def agree(ctx: DistContext, error: str | None, phase: str) -> None:
     raise JobSetupError(f"{phase} failed on rank(s) {ranks}", problems=messages)
 
 
+def _attempt(fn: Callable[[], T]) -> tuple[T | None, str | None]:
+    """(result, None), or (None, the rendered JobSetupError)."""
+    try:
+        return fn(), None
+    except JobSetupError as exc:
+        return None, exc.render()
+
+
 def guarded(ctx: DistContext, phase: str, fn: Callable[[], T]) -> T:
     """Run ``fn`` on every rank, then :func:`agree`; a JobSetupError anywhere stops every rank."""
-    result: T | None = None
-    error: str | None = None
-    try:
-        result = fn()
-    except JobSetupError as exc:
-        error = exc.render()
+    result, error = _attempt(fn)
     agree(ctx, error, phase)
     return result  # type: ignore[return-value]
 
 
 def main_first(ctx: DistContext, phase: str, fn: Callable[[], T]) -> T:
     """Run ``fn`` on rank 0 first (downloads, dataset caches), then on the other ranks; agree after each."""
-    result: T | None = None
-    error: str | None = None
-    if ctx.is_main:
-        try:
-            result = fn()
-        except JobSetupError as exc:
-            error = exc.render()
+    result, error = _attempt(fn) if ctx.is_main else (None, None)
     agree(ctx, error, phase)
     if not ctx.is_main:
-        try:
-            result = fn()
-        except JobSetupError as exc:
-            error = exc.render()
+        result, error = _attempt(fn)
     agree(ctx, error, phase)
     return result  # type: ignore[return-value]
 

@@ -1,21 +1,12 @@
-"""Fixtures for the in-job tests: the tiny model and the environment of a launched job."""
+"""Fixtures for the in-job tests: the environment of a launched job (tiny_model is in tests/conftest.py)."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
 from .helpers import REPO
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama + tokenizer, built once per session (a few seconds, no network)."""
-    from slurmft.tiny import build
-
-    return build(tmp_path_factory.mktemp("tiny") / "model", "tiny")
 
 
 @pytest.fixture(scope="session")

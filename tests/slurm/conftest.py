@@ -1,0 +1,64 @@
+"""Helpers for the tests that drive `slurmft` against the real cluster (see tests/conftest.py for it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from slurmft.cli import main
+
+
+class SlurmftDriver:
+    """Writes run configs for the test cluster and runs the CLI in-process."""
+
+    def __init__(self, capsys: pytest.CaptureFixture[str]) -> None:
+        self.capsys = capsys
+
+    def write_config(self, tmp_path: Path, model: Path, data: Path, **sections: dict) -> Path:
+        cfg = {
+            "name": "it",
+            "output_dir": str(tmp_path / "run"),
+            "executor": "slurm",
+            "cluster": {"profile": "local-test", "time": "00:15:00"},
+            "resources": {"nodes": 2, "gpus_per_node": 1, "cpus_per_task": 1, "exclusive": False},
+            "model": {"name_or_path": str(model), "dtype": "float32", "attn_implementation": "sdpa"},
+            "data": {"datasets": [{"path": str(data)}], "max_seq_length": 128},
+            "train": {"max_steps": 4, "per_device_batch_size": 2, "learning_rate": 1e-3, "warmup_ratio": 0.0},
+            "checkpoint": {"every_steps": 2, "keep_last": 2},
+            "consolidate": {"dtype": "float32", "resources": {"cpus_per_task": 1, "mem": "2G", "time": "00:10:00"}},
+        }
+        for key, value in sections.items():
+            cfg.setdefault(key, {}).update(value)
+        path = tmp_path / "run.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        return path
+
+    def cli(self, args: list[str]) -> tuple[int, str, str]:
+        try:
+            main(args)
+            code = 0
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        out = self.capsys.readouterr()
+        return code, out.out, out.err
+
+    def submit(self, path: Path, *overrides: str) -> dict[str, str]:
+        code, out, err = self.cli(["submit", str(path), *overrides])
+        assert code == 0, err
+        jobs = dict(line.split(" job: ") for line in out.splitlines() if " job: " in line)
+        assert set(jobs) == {"train", "consolidate"}, out
+        return jobs
+
+    def status_json(self, run: Path) -> dict[str, dict]:
+        code, out, err = self.cli(["status", str(run), "--json"])
+        assert code == 0, err
+        return {row["kind"]: row for row in json.loads(out)["jobs"]}
+
+
+@pytest.fixture
+def slurmft(capsys: pytest.CaptureFixture[str]) -> SlurmftDriver:
+    """The CLI driver for one test."""
+    return SlurmftDriver(capsys)
