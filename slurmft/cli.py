@@ -95,6 +95,8 @@ def submit(config: Path, overrides: tuple[str, ...], force: bool, template_dir: 
         click.echo(f"{kind} job: {job_id}")
     if result.executor == "slurm":
         click.echo(f"follow with: slurmft status {result.run_dir}   |   slurmft logs {result.run_dir} -f")
+    elif "consolidate" in result.jobs:
+        click.echo(f"model: {result.run_dir / 'model'}  (AutoModelForCausalLM.from_pretrained loads it)")
 
 
 def _fit_problems(cfg, profile) -> list[str]:  # noqa: ANN001

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -90,3 +91,20 @@ def test_cancel_cancels_both_and_refuses_a_second_submit(slurm_cluster, tiny_mod
     slurm_cluster.wait_state(jobs["consolidate"], "CANCELLED", timeout=60)
     code, out, _ = slurmft.cli(["cancel", str(tmp_path / "run")])
     assert code == 0 and "no live jobs" in out
+
+
+def test_two_nodes_by_two_tasks_shard_over_four_ranks(slurm_cluster, tiny_model: Path, chat_data: Path,
+                                                      tmp_path: Path, slurmft) -> None:
+    path = slurmft.write_config(tmp_path, tiny_model, chat_data, resources={"tasks_per_node": 2},
+                                train={"max_steps": 2}, consolidate={"enabled": False})
+    code, out, err = slurmft.cli(["submit", str(path)])
+    assert code == 0, err
+    job = out.split("train job: ")[1].split()[0]
+    slurm_cluster.wait_state(job, "COMPLETED", timeout=300)
+    reports = [json.loads(p.read_text()) for p in sorted((tmp_path / "run" / "fsdp_report").glob("rank*.json"))]
+    assert [r["rank"] for r in reports] == [0, 1, 2, 3] and {r["world_size"] for r in reports} == {4}
+    for r in reports:  # real FSDP2 over 4 ranks on 2 nodes: every parameter a DTensor, ~1/4 of the bytes each
+        assert r["param_types"] == ["DTensor"] and r["distributed_type"].endswith("FSDP")
+        assert 0.2 < r["local_fraction"] < 0.3
+    log = (tmp_path / "run" / "logs" / f"train-{job}.out").read_text()
+    assert "nodes=n[1-2]" in log
