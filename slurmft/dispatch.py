@@ -215,6 +215,7 @@ def _run_local(
 ) -> None:
     """Run the train job here with submitit's local executor (N processes), then consolidation."""
     from submitit import LocalExecutor
+    from submitit.core.utils import JobPaths
 
     from slurmft.job.entrypoint import run_consolidate, run_train
 
@@ -230,7 +231,7 @@ def _run_local(
         )
         train = ex.submit(run_train, str(paths.root), cfg.preemption.signal)
         result.jobs["train"] = train.job_id
-        logs = [str(train.paths.stdout).replace("%t", str(t)) for t in range(cfg.resources.ranks_per_node)]
+        logs = [str(JobPaths(paths.submitit, train.job_id, t).stdout) for t in range(cfg.resources.ranks_per_node)]
         record_job(manifest, "train", train.job_id, pid=int(train.job_id), logs=logs)
         write_manifest(paths, manifest)
         say(f"train job {train.job_id} started here ({cfg.resources.ranks_per_node} processes); logs: {logs[0]}")
@@ -242,7 +243,7 @@ def _run_local(
         cons = cex.submit(run_consolidate, str(paths.root))
         result.jobs["consolidate"] = cons.job_id
         record_job(manifest, "consolidate", cons.job_id, pid=int(cons.job_id), dependency=f"afterok:{train.job_id}",
-                   logs=[str(cons.paths.stdout).replace("%t", "0")])
+                   logs=[str(JobPaths(paths.submitit, cons.job_id, 0).stdout)])
         write_manifest(paths, manifest)
         say(f"consolidation job {cons.job_id} started here")
         _wait_local(cons, "consolidate", paths, manifest, say)
@@ -263,18 +264,30 @@ def _wait_local(job: Any, kind: str, paths: RunPaths, manifest: dict[str, Any], 
     state = "COMPLETED"
     try:
         job.results()
-    except Exception as exc:  # noqa: BLE001 - reported to the user below
+    except Exception:  # noqa: BLE001 - the job's own log says why; show its end
         state = "FAILED"
         manifest["jobs"][-1]["state"] = state
         write_manifest(paths, manifest)
+        logs = manifest["jobs"][-1].get("logs", [])
         raise SubmissionError(
-            f"{kind} job {job.job_id} failed after {time.time() - t0:.0f}s: {str(exc).strip().splitlines()[-1]}\n"
-            f"    logs: {', '.join(manifest['jobs'][-1].get('logs', []))}"
+            f"{kind} job {job.job_id} failed after {time.time() - t0:.0f}s; the end of its log:",
+            _log_tail(logs) + [f"logs: {', '.join(logs)}"],
         ) from None
     manifest["jobs"][-1]["state"] = state
     manifest["jobs"][-1]["elapsed_s"] = round(time.time() - t0, 1)
     write_manifest(paths, manifest)
     say(f"{kind} job {job.job_id} {state.lower()} in {time.time() - t0:.0f}s")
+
+
+def _log_tail(logs: list[str], lines: int = 8) -> list[str]:
+    """Last lines of the first rank's stderr (submitit keeps .err next to .out), else its stdout."""
+    for log in logs:
+        for path in (Path(log).with_suffix(".err"), Path(log)):
+            if path.is_file():
+                text = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+                if text:
+                    return text[-lines:]
+    return []
 
 
 def _last_metrics_line(paths: RunPaths) -> str:

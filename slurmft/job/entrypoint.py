@@ -20,13 +20,26 @@ import sys
 
 from slurmft.job import preemption
 
+EXIT_SETUP_ERROR = 2
+
 
 def run_train(run_dir: str, signal_name: str = "USR2") -> dict[str, object]:
-    """Train job body, run by every rank: FSDP2 supervised fine-tune of the run directory's config."""
+    """Train job body, run by every rank: FSDP2 supervised fine-tune of the run directory's config.
+
+    Bad input (a :class:`~slurmft.errors.SlurmftError`, agreed on by every rank) is printed without a
+    traceback and ends the process with exit status 2; anything else keeps its traceback (our bug).
+    """
     preemption.install(signal_name)  # first, before heavy imports: a warning signal must not kill start-up
+    from slurmft.errors import SlurmftError
     from slurmft.job.train import train
 
-    return train(run_dir)
+    try:
+        return train(run_dir)
+    except SlurmftError as exc:
+        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+        sys.stderr.write(f"slurmft rank {rank}: setup error: {exc.render()}\n")
+        sys.stderr.flush()
+        raise SystemExit(EXIT_SETUP_ERROR) from None
 
 
 def run_consolidate(run_dir: str) -> dict[str, object]:
@@ -43,16 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("run_dir")
     ap.add_argument("--signal", default="USR2", help="warning signal Slurm sends before the end (default USR2)")
     args = ap.parse_args(argv)
-    preemption.install(args.signal)
-    from slurmft.errors import SlurmftError
-
+    result = run_train(args.run_dir, args.signal)
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-    try:
-        result = run_train(args.run_dir, args.signal)
-    except SlurmftError as exc:
-        sys.stderr.write(f"slurmft rank {rank}: setup error: {exc.render()}\n")
-        sys.stderr.flush()
-        return 2
     sys.stdout.write(f"slurmft rank {rank}: {result.get('status')} at step {result.get('global_step')}\n")
     sys.stdout.flush()
     return 0

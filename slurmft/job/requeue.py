@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     if action == "exit":
         if code == EXIT_REQUEUE_REFUSED:
             print(f"[slurmft] ranks saved after a warning signal, but the job was already requeued {restart} "
-                  "time(s) (preemption.max_requeues); stopping. Continue with a new submit of this config.",
+                  "time(s) (preemption.max_requeues); the job fails so the consolidation job does not run on "
+                  f"a half-trained model. The newest complete checkpoint is kept in {args.run_dir}/checkpoints.",
                   flush=True)
         return code
     print(f"[slurmft] {time.strftime('%H:%M:%S')} requeueing job {job_id} (restart {restart} -> {restart + 1})",

@@ -68,6 +68,8 @@ def test_failed_train_leaves_consolidation_never_satisfied(slurm_cluster, tiny_m
     assert slurm_cluster.squeue_reason(jobs["consolidate"]) == "DependencyNeverSatisfied"
     rows = slurmft.status_json(tmp_path / "run")
     assert rows["train"]["state"] == "FAILED"
+    log = (tmp_path / "run" / "logs" / f"train-{jobs['train']}.out").read_text()
+    assert "setup error: data.datasets[0]" in log and "Traceback" not in log  # the user's error, said plainly
     assert "will never start" in rows["consolidate"]["words"]
     code, out, _ = slurmft.cli(["status", str(tmp_path / "run")])  # the table says so in words too
     assert code == 0 and "will never start" in out
@@ -108,3 +110,11 @@ def test_two_nodes_by_two_tasks_shard_over_four_ranks(slurm_cluster, tiny_model:
         assert 0.2 < r["local_fraction"] < 0.3
     log = (tmp_path / "run" / "logs" / f"train-{job}.out").read_text()
     assert "nodes=n[1-2]" in log
+
+
+def test_sbatch_refusal_is_reported_and_leaves_no_run_dir(slurm_cluster, tiny_model: Path, chat_data: Path,
+                                                          tmp_path: Path, slurmft) -> None:
+    path = slurmft.write_config(tmp_path, tiny_model, chat_data, cluster={"partition": "nosuchpartition"})
+    code, _, err = slurmft.cli(["submit", str(path)])
+    assert code == 2 and "sbatch refused the train job" in err and "partition" in err.lower(), err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
