@@ -5,13 +5,17 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
+_PACKAGE = Path(__file__).resolve().parent
+
 
 @cache
 def data_dir(kind: str) -> Path:
-    """Directory of ``templates`` or ``configs``: next to the package in a checkout, else the wheel's copy."""
-    repo = Path(__file__).resolve().parent.parent / kind
-    if repo.is_dir():
-        return repo
-    import importlib.resources
+    """Directory of ``templates`` or ``configs``: at the top of a checkout, else the wheel's copy.
 
-    return Path(str(importlib.resources.files(f"slurmft.{kind}")))
+    The wheel maps the top-level folders into the package (``slurmft/templates``, ``slurmft/configs``;
+    see pyproject.toml), so an installed slurmft finds them next to its modules.
+    """
+    for candidate in (_PACKAGE.parent / kind, _PACKAGE / kind):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"slurmft's {kind}/ directory is missing (looked in {_PACKAGE.parent} and {_PACKAGE})")
