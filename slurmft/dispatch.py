@@ -97,23 +97,29 @@ def check_run_dir_free(paths: RunPaths) -> None:
         )
 
 
-def _prepare_run_dir(paths: RunPaths, cfg: RunConfig, scripts: dict[str, str]) -> bool:
-    """Create the run dir and write config + scripts; returns whether we created the root."""
+def _lock_run_dir(paths: RunPaths) -> bool:
+    """Create the run dir and take the submit lock; returns whether we created the root."""
     created = not paths.root.exists()
     paths.root.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(paths.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
+        if created:
+            paths.root.rmdir()
         raise RunDirError(f"another `slurmft submit` is writing {paths.root} right now") from None
     os.write(fd, f"{socket.gethostname()} pid={os.getpid()}\n".encode())
     os.close(fd)
+    return created
+
+
+def _write_run_dir(paths: RunPaths, cfg: RunConfig, scripts: dict[str, str]) -> None:
+    """The run dir's layout, the resolved config and the rendered scripts."""
     for sub in (paths.logs, paths.scripts, paths.submitit, paths.checkpoints, paths.requeue_marker_dir):
         sub.mkdir(parents=True, exist_ok=True)
     atomic_write(paths.config, dump_config(cfg))
     for kind, text in scripts.items():
         atomic_write(paths.script(kind), text)
         paths.script(kind).chmod(0o755)
-    return created
 
 
 def _cleanup(paths: RunPaths, created: bool) -> None:
@@ -135,10 +141,11 @@ def submit_run(
     scripts = render_scripts(cfg, profile, paths, config_path, template_dir)  # render errors before any write
     if executor == Executor.SLURM and not shutil.which("sbatch"):
         raise SubmissionError("executor is slurm but `sbatch` is not on PATH (set executor: local to run here)")
-    created = _prepare_run_dir(paths, cfg, scripts)
+    created = _lock_run_dir(paths)
     manifest = new_manifest(cfg.name, executor.value)
     result = SubmitResult(paths.root, executor.value, scripts={k: paths.script(k) for k in scripts})
     try:
+        _write_run_dir(paths, cfg, scripts)
         if executor == Executor.SLURM:
             _submit_slurm(cfg, profile, paths, config_path, template_dir, manifest, result, say)
         else:
@@ -255,12 +262,19 @@ def _run_local(
 def _wait_local(job: Any, kind: str, paths: RunPaths, manifest: dict[str, Any], say: Say) -> None:
     """Wait for a local job, showing progress from metrics.jsonl; record its final state."""
     t0, last = time.time(), ""
-    while not job.done():
-        time.sleep(1.0)
-        line = _last_metrics_line(paths) if kind == "train" else ""
-        if line and line != last:
-            say(f"  {line}")
-            last = line
+    try:
+        while not job.done():
+            time.sleep(1.0)
+            line = _last_metrics_line(paths) if kind == "train" else ""
+            if line and line != last:
+                say(f"  {line}")
+                last = line
+    except KeyboardInterrupt:  # the local job would outlive us: stop it, and say where it stood
+        job.cancel(check=False)
+        manifest["jobs"][-1]["state"] = "CANCELLED"
+        write_manifest(paths, manifest)
+        say(f"{kind} job {job.job_id} cancelled (Ctrl-C); complete checkpoints stay in {paths.checkpoints}")
+        raise
     state = "COMPLETED"
     try:
         job.results()
