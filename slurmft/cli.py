@@ -80,10 +80,11 @@ def validate(config: Path, overrides: tuple[str, ...]) -> None:
 @click.option("--template-dir", type=click.Path(file_okay=False, exists=True), help="Your own templates first.")
 def submit(config: Path, overrides: tuple[str, ...], force: bool, template_dir: str | None) -> None:
     """Validate RUN.yaml, write the run directory, submit the train job and the consolidation job."""
-    from slurmft.dispatch import submit_run
+    from slurmft.dispatch import check_submittable, submit_run
     from slurmft.errors import ConfigError
 
     cfg, profile = _load(config, overrides)
+    check_submittable(cfg)
     problems = _fit_problems(cfg, profile)
     if problems and not force:
         raise ConfigError("the run will not fit (see `slurmft estimate`); pass --force to submit anyway", problems)

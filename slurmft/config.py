@@ -228,7 +228,11 @@ class TrainConfig(_Section):
 class FSDPConfig(_Section):
     """FSDP2 sharding."""
 
-    enabled: bool = Field(True, description="Shard with FSDP2 (full shard).")
+    enabled: bool = Field(
+        True,
+        description="Shard with FSDP2 (full shard). false only models an unsharded run in `slurmft estimate`; "
+        "`slurmft submit` refuses it (the trainer always shards).",
+    )
     reshard_after_forward: bool = Field(True, description="Free gathered parameters after forward (ZeRO-3).")
     activation_checkpointing: bool = Field(True, description="Recompute activations in backward.")
     cpu_offload: bool = Field(False, description="Offload parameters to CPU.")

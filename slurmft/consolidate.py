@@ -14,9 +14,9 @@ silently "missing" weights. Every check that can fail runs before the first byte
 output is written into a hidden sibling directory and renamed into place only once complete, so a
 failure (full disk, bad key, kill) never leaves a half-written ``model/`` behind.
 
-Layout written, exactly as ``save_pretrained`` does it: ``model.safetensors`` when everything fits
-in one ``max_shard_size`` file, else ``model-0000N-of-0000M.safetensors`` shards plus
-``model.safetensors.index.json``; ``config.json`` (``dtype`` = the saved dtype),
+Layout written, as ``save_pretrained`` writes a sharded model: ``model-0000N-of-0000M.safetensors``
+shards split at ``max_shard_size`` plus ``model.safetensors.index.json`` (always, even for one
+shard, so deployments can rely on one layout); ``config.json (``dtype`` = the saved dtype),
 ``generation_config.json`` and the tokenizer files.
 
 Run by hand: ``python -m slurmft.consolidate RUN_DIR [--checkpoint DIR] [--out DIR]``.
@@ -651,6 +651,9 @@ def consolidate_run(run_dir: str, checkpoint: str | None = None, out: str | None
     check_disk_space(out_dir.parent, total_bytes)
 
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=_partial_prefix(out_dir)))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the model is for the team and the serving account
     try:
         write_model_config(config, tmp, cfg.consolidate.dtype, layout.architecture, [ckpt, config_source])
         tokenizer_files = write_tokenizer(tok_source, tmp, cfg)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from slurmft.config import Executor, RunConfig, dump_config
-from slurmft.errors import RunDirError, SubmissionError
+from slurmft.errors import ConfigError, RunDirError, SubmissionError
 from slurmft.profiles import ClusterProfile
 from slurmft.render import (
     CONSOLIDATE_TEMPLATE,
@@ -71,6 +71,15 @@ class SubmitResult:
     executor: str
     jobs: dict[str, str] = field(default_factory=dict)
     scripts: dict[str, Path] = field(default_factory=dict)
+
+
+def check_submittable(cfg: RunConfig) -> None:
+    """Settings that a config may hold (for `estimate`) but a submitted run may not."""
+    if not cfg.fsdp.enabled:
+        raise ConfigError(
+            "fsdp.enabled: false is only for `slurmft estimate` comparisons; the trainer always shards with "
+            "FSDP2 (set fsdp.enabled=true)"
+        )
 
 
 def check_run_dir_free(paths: RunPaths) -> None:
@@ -137,6 +146,7 @@ def submit_run(
     """Validate, write the run directory, dispatch train (+ consolidation) and write the manifest."""
     paths = RunPaths.of(cfg.output_dir)
     executor = cfg.resolved_executor
+    check_submittable(cfg)
     check_run_dir_free(paths)
     scripts = render_scripts(cfg, profile, paths, config_path, template_dir)  # render errors before any write
     if executor == Executor.SLURM and not shutil.which("sbatch"):
@@ -198,12 +208,15 @@ def _submit_slurm(
     except (FailedJobError, OSError, RuntimeError) as exc:
         import subprocess
 
-        subprocess.run(["scancel", train.job_id], capture_output=True)
-        manifest["jobs"][-1]["cancelled_by_submit"] = True
+        try:
+            cancelled = subprocess.run(["scancel", train.job_id], capture_output=True, timeout=60).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            cancelled = False
+        manifest["jobs"][-1]["cancelled_by_submit"] = cancelled
         write_manifest(paths, manifest)
-        raise SubmissionError(
-            f"sbatch refused the consolidation job ({str(exc).strip()}); cancelled train job {train.job_id}"
-        ) from None
+        what = f"cancelled train job {train.job_id}" if cancelled else (
+            f"could NOT cancel train job {train.job_id}: run `scancel {train.job_id}`")
+        raise SubmissionError(f"sbatch refused the consolidation job ({str(exc).strip()}); {what}") from None
     result.jobs["consolidate"] = cons.job_id
     record_job(manifest, "consolidate", cons.job_id, dependency=f"afterok:{train.job_id}",
                script=str(paths.script("consolidate")), log=str(paths.log_file("consolidate", cons.job_id)))
@@ -319,8 +332,3 @@ def _last_metrics_line(paths: RunPaths) -> str:
         if isinstance(rec.get(key), int | float):
             parts.append(f"{key}={rec[key]:.4g}")
     return " ".join(parts)
-
-
-def submitted_scripts(paths: RunPaths) -> dict[str, Path]:
-    """The scripts a run directory holds."""
-    return {p.stem: p for p in sorted(paths.scripts.glob("*.sbatch"))}

@@ -8,8 +8,6 @@ import subprocess
 from enum import Enum
 from typing import Any
 
-from slurmft.rundir import latest_jobs
-
 
 class State(str, Enum):
     """The job states slurmft reasons about (Slurm's names)."""
@@ -44,9 +42,13 @@ REASON_WORDS = {
 
 
 def _run(cmd: list[str]) -> str:
+    """stdout of a Slurm query, or "" when it is missing, fails or hangs (a busy controller)."""
     if not shutil.which(cmd[0]):
         return ""
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (subprocess.TimeoutExpired, OSError):
+        return ""
     return out.stdout if out.returncode == 0 else ""
 
 
@@ -90,8 +92,11 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except (ProcessLookupError, PermissionError):
         return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:  # exited in between
+        return False
 
 
 def job_rows(manifest: dict[str, Any]) -> list[dict[str, Any]]:
@@ -147,9 +152,3 @@ def live_jobs(manifest: dict[str, Any], include_completing: bool = True) -> list
     """Job ids of the run that are still queued or running (or, optionally, still completing)."""
     states = {s.value for s in LIVE} - (set() if include_completing else {State.COMPLETING.value})
     return [r["job_id"] for r in job_rows(manifest) if r["state"] in states]
-
-
-def newest_rows(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """State rows of the newest job of each kind."""
-    newest = {j["job_id"] for j in latest_jobs(manifest).values()}
-    return {r["kind"]: r for r in job_rows(manifest) if r["job_id"] in newest}

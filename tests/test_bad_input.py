@@ -68,6 +68,7 @@ CASES = [
     ("ckpt-after-end", "checkpoint.every_steps", 100, "checkpoint.every_steps"),
     ("shard-size", "consolidate.max_shard_size", "huge", "consolidate.max_shard_size"),
     ("executor-unknown", "executor", "kubernetes", "executor"),
+    ("fsdp-disabled", "fsdp.enabled", False, "fsdp.enabled"),
     ("setup-newline", "cluster.setup", ["echo a\necho b"], "cluster.setup"),
     ("local-two-nodes", "executor", "local", "resources.nodes"),
 ]

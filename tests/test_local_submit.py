@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,9 @@ def test_tiny_example_trains_and_consolidates_locally(tiny_model: Path, tmp_path
     model = AutoModelForCausalLM.from_pretrained(run / "model")
     tok = AutoTokenizer.from_pretrained(run / "model")
     assert tok.chat_template and model.config.vocab_size == len(tok)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (run / "model").stat().st_mode & 0o777 == 0o777 & ~umask  # readable by the team, not 0700
     index = json.loads((run / "model" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) >= {n for n, _ in model.named_parameters()}
 

@@ -44,7 +44,6 @@ class CompleteCheckpoints(TrainerCallback):
         self.tokenizer = tokenizer
         self.keep_last = keep_last
         self.info = info
-        self.saved: list[int] = []
 
     def on_save(self, args, state, control, **kwargs):
         ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
@@ -59,7 +58,6 @@ class CompleteCheckpoints(TrainerCallback):
             mark_complete(ckpt, step=state.global_step, world_size=self.ctx.world_size, **self.info)
             self._rotate(Path(args.output_dir))
             log.info("checkpoint-%d complete", state.global_step)
-        self.saved.append(state.global_step)
         barrier()
 
     def _rotate(self, root: Path) -> None:

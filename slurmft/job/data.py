@@ -5,14 +5,18 @@ Formats (``data.datasets[].format``; ``auto`` detects from the columns and the f
 - ``messages``: a list of ``{"role", "content"}`` dicts (TRL's conversational format) — kept as is;
 - ``lima``: ``conversations``, a list of strings alternating user / assistant (GAIR/lima);
 - ShareGPT ``conversations`` with ``{"from", "value"}`` dicts — converted by TRL's
-  ``maybe_convert_to_chatml``;
+  ``maybe_convert_to_chatml``, then ShareGPT's roles (``human``, ``gpt``) renamed to chat roles;
 - ``guanaco``: ``text`` holding ``### Human: ... ### Assistant: ...`` turns
   (timdettmers/openassistant-guanaco).
 
 Everything after that is TRL's: ``SFTTrainer`` applies the tokenizer's chat template, builds the
 assistant-token mask (``assistant_only_loss``), and packs to ``max_seq_length``. Sources are mixed
 with ``datasets.interleave_datasets`` (probabilities = normalised weights, seeded,
-``all_exhausted``: no example is dropped, smaller sources are repeated as their weight demands).
+``all_exhausted``: nothing is dropped, smaller sources repeat as their weight demands). A large
+source with a tiny weight would make the others repeat until it is exhausted (10k rows at 0.01 +
+100 rows at 0.99 gave a million rows, all tokenized on rank 0), so the mixture is cut at
+``MAX_MIX_BLOWUP`` times the sources' total, with a warning; the cut keeps the start of the
+interleaved order, so the proportions stay the weights.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from slurmft.errors import JobSetupError
 
 log = logging.getLogger("slurmft.job")
 
+MAX_MIX_BLOWUP = 4  # a weighted mixture holds at most this many times the sources' total rows
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 GUANACO_TURN = re.compile(r"###\s*(Human|Assistant)\s*:", re.IGNORECASE)
 GUANACO_ROLES = {"human": "user", "assistant": "assistant"}
@@ -133,6 +138,10 @@ def _load_source(source: DatasetSource, where: str):
         raise JobSetupError(f"{where}: cannot load {source.path!r} ({type(exc).__name__}: {first})") from None
 
 
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
+
+
 def _convert(batch: dict[str, list[Any]], fmt: str, column: str) -> dict[str, list[Any]]:
     from trl.data_utils import maybe_convert_to_chatml
 
@@ -143,7 +152,9 @@ def _convert(batch: dict[str, list[Any]], fmt: str, column: str) -> dict[str, li
         elif fmt == "guanaco":
             out.append(guanaco_to_messages(value or ""))
         elif fmt == "sharegpt":
-            out.append(maybe_convert_to_chatml({"conversations": value or []})["messages"])
+            chat = maybe_convert_to_chatml({"conversations": value or []})["messages"]
+            out.append([{"role": SHAREGPT_ROLES.get(str(m["role"]).lower(), m["role"]), "content": m["content"]}
+                        for m in chat])
         else:
             out.append([{"role": m["role"], "content": m["content"]} for m in value or []])
     return {MESSAGES: [normalize(m) for m in out]}
@@ -200,6 +211,11 @@ def load_mixture(data: DataConfig, seed: int, tokenizer: Any = None):
     total = sum(src.weight for src in data.datasets)
     probabilities = [src.weight / total for src in data.datasets]
     mixed = interleave_datasets(parts, probabilities=probabilities, seed=seed, stopping_strategy="all_exhausted")
+    cap = MAX_MIX_BLOWUP * sum(len(part) for part in parts)
+    if len(mixed) > cap:
+        log.warning("the weights would repeat the sources to %d conversations; cut to %d (%dx their total) — a "
+                    "source with a small weight and many rows is only partly used", len(mixed), cap, MAX_MIX_BLOWUP)
+        mixed = mixed.select(range(cap))
     log.info("mixed %d sources with probabilities %s: %d conversations", len(parts),
              [round(p, 3) for p in probabilities], len(mixed))
     return mixed

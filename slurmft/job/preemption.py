@@ -24,8 +24,3 @@ def install(signal_name: str = "USR2") -> None:
 def requested() -> bool:
     """True once the warning signal arrived on this rank."""
     return bool(_state["flag"])
-
-
-def received_at() -> float:
-    """Wall time the signal arrived (0 if it did not)."""
-    return float(_state["at"])

@@ -106,3 +106,24 @@ def test_tiny_assets_are_deterministic(tmp_path: Path) -> None:
     config = json.loads((a / "config.json").read_text())
     assert (config["hidden_size"], config["num_hidden_layers"], config["tie_word_embeddings"]) == (256, 4, False)
     assert "{% generation %}" in (a / "chat_template.jinja").read_text()
+
+
+def test_sharegpt_roles_become_chat_roles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    rows = [{"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": f"q{i}"},
+                               {"from": "gpt", "value": f"a{i}"}]} for i in range(4)]
+    ds = data.load_mixture(DataConfig(datasets=[DatasetSource(path=str(_jsonl(tmp_path / "s.jsonl", rows)))]), 0)
+    assert len(ds) == 4 and ds[1]["messages"] == [{"role": "system", "content": "be brief"},
+                                                  {"role": "user", "content": "q1"},
+                                                  {"role": "assistant", "content": "a1"}]
+
+
+def test_a_lopsided_mixture_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    big = _jsonl(tmp_path / "big.jsonl", [{"conversations": [f"q{i}", f"a{i}"]} for i in range(1000)])
+    small = _jsonl(tmp_path / "small.jsonl", [{"conversations": [f"x{i}", f"y{i}"]} for i in range(10)])
+    cfg = DataConfig(datasets=[DatasetSource(path=str(big), weight=0.01), DatasetSource(path=str(small), weight=0.99)])
+    mixed = data.load_mixture(cfg, seed=0)
+    assert len(mixed) == data.MAX_MIX_BLOWUP * 1010  # not the ~100k rows all_exhausted would produce
+    share = sum(m[0]["content"].startswith("x") for m in mixed["messages"]) / len(mixed)
+    assert share > 0.95  # still the weights
