@@ -47,7 +47,14 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from slurmft.config import RunConfig, read_yaml, validate
 from slurmft.errors import CheckpointError, RunDirError, SlurmftError
-from slurmft.job.checkpoints import COMPLETE_MARKER, is_complete, latest_complete, list_checkpoints
+from slurmft.job.checkpoints import (
+    COMPLETE_MARKER,
+    is_complete,
+    latest_complete,
+    list_checkpoints,
+    strip_wrappers,
+)
+from slurmft.job.loading import DTYPES
 from slurmft.rundir import RunPaths
 
 # accelerate's save_fsdp_model (SHARDED_STATE_DICT, FSDP2) writes the model of checkpoint-<step>/ to
@@ -56,14 +63,10 @@ from slurmft.rundir import RunPaths
 MODEL_DCP_DIR = "pytorch_model_fsdp_0"
 DCP_METADATA = ".metadata"
 DCP_CONTAINER = "model"
-# Module-wrapper segments that can appear inside a name (activation checkpointing, FSDP1,
-# torch.compile); get_model_state_dict normally strips them already.
-WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"})
 
 SAFE_INDEX_NAME = "model.safetensors.index.json"
 SHARD_NAME = "model-{index:05d}-of-{total:05d}.safetensors"
 
-TARGET_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -279,7 +282,7 @@ def hf_name(dcp_key: str) -> str | None:
     prefix = DCP_CONTAINER + "."
     if not dcp_key.startswith(prefix):
         return None
-    return ".".join(p for p in dcp_key[len(prefix) :].split(".") if p not in WRAPPER_SEGMENTS)
+    return strip_wrappers(dcp_key[len(prefix) :])
 
 
 def plan_tensors(
@@ -626,7 +629,7 @@ def consolidate_run(run_dir: str, checkpoint: str | None = None, out: str | None
     out_dir = Path(out).expanduser().resolve() if out else paths.model
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"output {out_dir} exists and is not a directory")
-    dtype = TARGET_DTYPES[cfg.consolidate.dtype]
+    dtype = DTYPES[cfg.consolidate.dtype]
     max_shard_bytes = parse_size(cfg.consolidate.max_shard_size)
     log(
         f"checkpoint {ckpt} -> {out_dir} ({cfg.consolidate.dtype}, shards <= {cfg.consolidate.max_shard_size})"

@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 
 COMPLETE_MARKER = "COMPLETE"
+# Module-wrapper segments that appear in parameter names (activation checkpointing, FSDP1,
+# torch.compile) but never in a Hugging Face checkpoint.
+WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"})
 _STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -73,3 +76,8 @@ def mark_complete(path: Path, **info: object) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path / COMPLETE_MARKER)
+
+
+def strip_wrappers(name: str) -> str:
+    """A parameter name without module-wrapper segments: the Hugging Face name."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from slurmft.config import ModelConfig, RunConfig
 from slurmft.errors import JobSetupError
+from slurmft.job.checkpoints import strip_wrappers
 from slurmft.job.distributed import DistContext, guarded
 
 log = logging.getLogger("slurmft.job")
@@ -55,8 +56,6 @@ SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 CONFIG_FILES = ["*.json", "*.jinja", "tokenizer*", "*.model", "*.txt", "*.tiktoken"]
 WEIGHT_FILES = ["*.safetensors", "*.safetensors.index.json"]
-# Wrapper segments that appear in parameter names but never in checkpoints.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -226,9 +225,7 @@ def load_tokenizer(tokenizer_dir: Path, cfg: RunConfig) -> Any:
 # ----------------------------------------------------------------------------- the sharded model
 def hf_name(name: str) -> str:
     """Checkpoint name of a (possibly wrapped) module parameter name."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+    return strip_wrappers(name)
 
 
 @dataclass
