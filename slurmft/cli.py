@@ -147,12 +147,14 @@ def status(run_dir: Path, as_json: bool) -> None:
     from rich.table import Table
 
     table = Table(title=f"run {manifest['name']} ({manifest['executor']})")
-    for col in ("job", "id", "attempt", "state", "reason", "restarts", "elapsed", "what it means"):
+    for col in ("job", "id", "attempt", "state", "reason", "restarts", "elapsed"):
         table.add_column(col)
     for r in rows:
         table.add_row(r["kind"], r["job_id"], str(r["attempt"]), r["state"], r["reason"], str(r["restarts"]),
-                      r["elapsed"], r["words"])
-    Console(width=max(100, Console().width)).print(table)
+                      r["elapsed"])
+    Console().print(table)
+    for r in rows:  # what each state means, one unwrapped line per job
+        click.echo(f"{r['kind']} {r['job_id']}: {r['words']}")
 
 
 @cli.command()

@@ -119,7 +119,7 @@ def job_rows(manifest: dict[str, Any]) -> list[dict[str, Any]]:
         elif a:
             state, reason, elapsed = a["state"], "", a["elapsed"]
         else:
-            state, reason, elapsed = State.UNKNOWN.value, "not in squeue or sacct (accounting off?)", ""
+            state, reason, elapsed = State.UNKNOWN.value, "", ""
         rows.append({**_base(job), "state": state, "reason": reason, "elapsed": elapsed,
                      "exit_code": (a or {}).get("exit_code", ""), "restarts": restart_count(jid) or 0,
                      "words": describe(state, reason)})
@@ -145,6 +145,8 @@ def describe(state: str, reason: str) -> str:
         "NODE_FAIL": "a node failed",
         "OUT_OF_MEMORY": "ran out of memory",
         "REQUEUED": "requeued; will start again under the same job id",
+        "UNKNOWN": "Slurm does not know this job (neither squeue nor sacct: another cluster or SLURM_CONF? "
+        "accounting off and the job older than MinJobAge?)",
     }.get(state, state.lower())
 
 
