@@ -25,6 +25,8 @@ Run by hand: ``python -m slurmft.consolidate RUN_DIR [--checkpoint DIR] [--out D
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -561,6 +563,23 @@ def _old_prefix(out: Path) -> str:
     return f".{out.name}.old-"
 
 
+@contextlib.contextmanager
+def _exclusive(out: Path) -> Iterator[None]:
+    """Hold an exclusive lock for ``out`` (the automatic consolidation job vs a manual run)."""
+    lock_path = out.parent / f".{out.name}.consolidate.lock"
+    fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CheckpointError(
+                f"another consolidation is writing {out} right now ({lock_path} is locked); wait for it"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
+
+
 def _clean_leftovers(out: Path) -> None:
     """Remove what a killed consolidation left next to ``out`` (it would only fill the disk)."""
     for child in out.parent.iterdir():
@@ -650,33 +669,34 @@ def consolidate_run(run_dir: str, checkpoint: str | None = None, out: str | None
         f"tokenizer from {tok_source}"
     )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    _clean_leftovers(out_dir)
-    check_disk_space(out_dir.parent, total_bytes)
+    with _exclusive(out_dir):  # one consolidation per output at a time
+        _clean_leftovers(out_dir)
+        check_disk_space(out_dir.parent, total_bytes)
 
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=_partial_prefix(out_dir)))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the model is for the team and the serving account
-    try:
-        write_model_config(config, tmp, cfg.consolidate.dtype, layout.architecture, [ckpt, config_source])
-        tokenizer_files = write_tokenizer(tok_source, tmp, cfg)
-        reader = _CachedMetadataReader(model_dir, metadata)
-        read_budget = max(t.source_nbytes for t in tensors)
-        for shard in shards:
-            t0 = time.monotonic()
-            write_shard(reader, shard, tmp / shard.filename, read_budget)
-            log(
-                f"wrote {shard.filename}: {len(shard.tensors)} tensors, {human_bytes(shard.file_size)} "
-                f"in {time.monotonic() - t0:.1f} s"
-            )
-        write_index(tmp, shards)
-        verify_output(tmp, shards, layout.expected)
-        _verify_tokenizer(tmp, cfg, tokenizer_files)
-        _fsync_dir(tmp)
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=_partial_prefix(out_dir)))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the model is for the team and the serving account
+        try:
+            write_model_config(config, tmp, cfg.consolidate.dtype, layout.architecture, [ckpt, config_source])
+            tokenizer_files = write_tokenizer(tok_source, tmp, cfg)
+            reader = _CachedMetadataReader(model_dir, metadata)
+            read_budget = max(t.source_nbytes for t in tensors)
+            for shard in shards:
+                t0 = time.monotonic()
+                write_shard(reader, shard, tmp / shard.filename, read_budget)
+                log(
+                    f"wrote {shard.filename}: {len(shard.tensors)} tensors, {human_bytes(shard.file_size)} "
+                    f"in {time.monotonic() - t0:.1f} s"
+                )
+            write_index(tmp, shards)
+            verify_output(tmp, shards, layout.expected)
+            _verify_tokenizer(tmp, cfg, tokenizer_files)
+            _fsync_dir(tmp)
+            replace_dir(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     summary = {
         "output": str(out_dir),

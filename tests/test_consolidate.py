@@ -448,6 +448,22 @@ def test_leftovers_of_a_killed_consolidation_are_removed(env: dict[str, Path], t
     _no_leftovers(run)
 
 
+def test_a_second_concurrent_consolidation_is_refused(env: dict[str, Path], tmp_path: Path) -> None:
+    import fcntl
+
+    from slurmft.consolidate import consolidate_run
+    from slurmft.errors import CheckpointError
+
+    run = _run_sharing(tmp_path / "run", env["run_untied"], env["untied"], env["data"])
+    with open(run / ".model.consolidate.lock", "w") as held:  # as a running consolidation holds it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(CheckpointError, match="another consolidation is writing"):
+            consolidate_run(str(run))
+        assert not (run / "model").exists()
+    consolidate_run(str(run))  # released: runs
+    assert (run / "model" / "model.safetensors.index.json").is_file()
+
+
 def test_cli(env: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from slurmft.consolidate import main
 

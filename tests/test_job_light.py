@@ -74,3 +74,16 @@ def test_only_complete_checkpoints_count(tmp_path: Path) -> None:
     assert checkpoints.latest_complete(tmp_path) == tmp_path / "checkpoint-10"  # 15 is a torn save
     assert [(s, ok) for s, _, ok in checkpoints.list_checkpoints(tmp_path)] == [(5, True), (10, True), (15, False)]
     assert checkpoints.latest_complete(tmp_path / "missing") is None
+
+
+def test_prune_keeps_the_newest_complete_and_hides_before_deleting(tmp_path: Path) -> None:
+    for step in (2, 4, 6, 8):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "shard").write_text("x")
+    for step in (2, 4, 6):
+        checkpoints.mark_complete(tmp_path / f"checkpoint-{step}")
+    (tmp_path / ".deleting-checkpoint-0").mkdir()  # left over by a rank 0 killed mid-delete
+    removed = checkpoints.prune(tmp_path, keep_last=2)
+    assert sorted(p.name for p in removed) == ["checkpoint-2", "checkpoint-8"]  # too old; torn
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-6"]
+    assert checkpoints.prune(tmp_path) == []  # without keep_last every complete checkpoint stays

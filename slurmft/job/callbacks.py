@@ -11,7 +11,6 @@ import copy
 import json
 import logging
 import resource
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from slurmft.job import preemption
-from slurmft.job.checkpoints import list_checkpoints, mark_complete
+from slurmft.job.checkpoints import mark_complete, prune
 from slurmft.job.distributed import DistContext, barrier
 
 log = logging.getLogger("slurmft.job")
@@ -56,18 +55,9 @@ class CompleteCheckpoints(TrainerCallback):
                 self.generation_config.save_pretrained(ckpt)
             self.tokenizer.save_pretrained(ckpt)
             mark_complete(ckpt, step=state.global_step, world_size=self.ctx.world_size, **self.info)
-            self._rotate(Path(args.output_dir))
+            prune(Path(args.output_dir), self.keep_last)
             log.info("checkpoint-%d complete", state.global_step)
         barrier()
-
-    def _rotate(self, root: Path) -> None:
-        found = list_checkpoints(root)
-        complete = [step for step, _, ok in found if ok]
-        keep = set(complete[-self.keep_last:])
-        newest = complete[-1] if complete else -1
-        for step, path, ok in found:
-            if (ok and step not in keep) or (not ok and step < newest):
-                shutil.rmtree(path, ignore_errors=True)
 
 
 class PreemptionStop(TrainerCallback):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -81,3 +82,27 @@ def mark_complete(path: Path, **info: object) -> None:
 def strip_wrappers(name: str) -> str:
     """A parameter name without module-wrapper segments: the Hugging Face name."""
     return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+
+
+DELETING_PREFIX = ".deleting-"
+
+
+def prune(root: Path, keep_last: int | None = None) -> list[Path]:
+    """Delete torn saves (no marker) and, with ``keep_last``, all but the newest complete checkpoints.
+
+    Rank 0 only, while no save is in flight. Each victim is first renamed to a hidden
+    ``.deleting-*`` name (atomic), so a kill mid-delete never leaves a ``checkpoint-N`` with its
+    marker but without all its shards; leftovers of such a kill are removed on the next call.
+    """
+    found = list_checkpoints(root)
+    complete = [step for step, _, ok in found if ok]
+    keep = set(complete if keep_last is None else complete[-keep_last:])
+    victims = [path for step, path, ok in found if not ok or step not in keep]
+    removed = []
+    for path in victims:
+        hidden = path.with_name(DELETING_PREFIX + path.name)
+        os.replace(path, hidden)
+        removed.append(path)
+    for leftover in root.glob(DELETING_PREFIX + "*") if root.is_dir() else []:
+        shutil.rmtree(leftover, ignore_errors=True)
+    return removed

@@ -134,14 +134,9 @@ def _resume_point(paths: RunPaths, ctx: DistContext) -> Path | None:
 
     choice: list[str | None] = [None]
     if ctx.is_main:
+        for path in checkpoints.prune(paths.checkpoints):  # torn saves only; every complete one stays
+            log.warning("removed incomplete checkpoint %s (a save that did not finish)", path.name)
         latest = checkpoints.latest_complete(paths.checkpoints)
-        newest = checkpoints.step_of(latest) if latest else -1
-        for step, path, ok in checkpoints.list_checkpoints(paths.checkpoints):
-            if not ok and step > (newest or -1):
-                log.warning("removing incomplete checkpoint %s (a save that did not finish)", path.name)
-                import shutil
-
-                shutil.rmtree(path, ignore_errors=True)
         choice = [str(latest) if latest else None]
     dist.broadcast_object_list(choice, src=0)
     return Path(choice[0]) if choice[0] else None
