@@ -16,7 +16,7 @@ failure (full disk, bad key, kill) never leaves a half-written ``model/`` behind
 
 Layout written, as ``save_pretrained`` writes a sharded model: ``model-0000N-of-0000M.safetensors``
 shards split at ``max_shard_size`` plus ``model.safetensors.index.json`` (always, even for one
-shard, so deployments can rely on one layout); ``config.json (``dtype`` = the saved dtype),
+shard, so deployments can rely on one layout); ``config.json`` (``dtype`` = the saved dtype),
 ``generation_config.json`` and the tokenizer files.
 
 Run by hand: ``python -m slurmft.consolidate RUN_DIR [--checkpoint DIR] [--out DIR]``.

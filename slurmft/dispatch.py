@@ -291,14 +291,15 @@ def _wait_local(job: Any, kind: str, paths: RunPaths, manifest: dict[str, Any], 
     state = "COMPLETED"
     try:
         job.results()
-    except Exception:  # noqa: BLE001 - the job's own log says why; show its end
+    except Exception as exc:  # noqa: BLE001 - the job's own log says why; show its end
         state = "FAILED"
         manifest["jobs"][-1]["state"] = state
         write_manifest(paths, manifest)
         logs = manifest["jobs"][-1].get("logs", [])
+        tail = _log_tail(logs) or str(exc).strip().splitlines()[-1:]  # no log: what submitit reported
         raise SubmissionError(
             f"{kind} job {job.job_id} failed after {time.time() - t0:.0f}s; the end of its log:",
-            _log_tail(logs) + [f"logs: {', '.join(logs)}"],
+            tail + [f"logs: {', '.join(logs)}"],
         ) from None
     manifest["jobs"][-1]["state"] = state
     manifest["jobs"][-1]["elapsed_s"] = round(time.time() - t0, 1)
