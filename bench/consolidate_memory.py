@@ -86,7 +86,7 @@ def _worker(model_dir: str, ckpt_dir: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from slurmft.job.checkpoints import mark_complete
+    from slurmft.checkpoints import mark_complete
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     rank = dist.get_rank()
@@ -194,7 +194,7 @@ def measure(method: str, work: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: F401
 
-    import slurmft.consolidate as consolidate
+    import slurmft.job.consolidate as consolidate
 
     ckpt = work / "run-fp32" / "checkpoints" / "checkpoint-5" / "pytorch_model_fsdp_0"
     out = work / f"out-{method}"

@@ -29,7 +29,16 @@ from slurmft.render import (
     render_scripts,
     time_minutes,
 )
-from slurmft.rundir import RunPaths, atomic_write, new_manifest, read_manifest, record_job, write_manifest
+from slurmft.rundir import (
+    RunPaths,
+    acquire_lock,
+    atomic_write,
+    new_manifest,
+    record_job,
+    release_lock,
+    start_attempt,
+    write_manifest,
+)
 
 Say = Callable[[str], None]
 
@@ -89,14 +98,18 @@ def check_run_dir_free(paths: RunPaths) -> None:
     if not paths.root.is_dir():
         raise RunDirError(f"output_dir {str(paths.root)!r} exists and is not a directory")
     if paths.manifest.exists():
-        from slurmft.status import live_jobs
+        from slurmft.status import run_state
 
-        live = live_jobs(read_manifest(paths))
-        what = f"a live run (jobs {', '.join(live)})" if live else "a finished run"
+        live = run_state(paths).live()
+        if live:
+            raise RunDirError(
+                f"output_dir {paths.root} already holds a live run (jobs {', '.join(live)}); refusing to overwrite "
+                "it. Use another output_dir (e.g. output_dir=runs/NAME-2) or `slurmft cancel` it first."
+            )
         raise RunDirError(
-            f"output_dir {paths.root} already holds {what}; refusing to overwrite it. "
-            "Use another output_dir (e.g. output_dir=runs/NAME-2)"
-            + (" or `slurmft cancel` it first." if live else ".")
+            f"output_dir {paths.root} already holds a finished run; refusing to overwrite it. "
+            f"To continue it from its newest complete checkpoint: slurmft resume {paths.root} ; "
+            "for a new run use another output_dir (e.g. output_dir=runs/NAME-2)."
         )
     if paths.lock.exists():
         raise RunDirError(f"another `slurmft submit` is writing {paths.root} right now ({paths.lock} exists)")
@@ -106,18 +119,16 @@ def check_run_dir_free(paths: RunPaths) -> None:
         )
 
 
-def _lock_run_dir(paths: RunPaths) -> bool:
-    """Create the run dir and take the submit lock; returns whether we created the root."""
+def _lock_new_run_dir(paths: RunPaths, say: Say) -> bool:
+    """Create the run dir and take the lock; returns whether we created the root."""
     created = not paths.root.exists()
     paths.root.mkdir(parents=True, exist_ok=True)
     try:
-        fd = os.open(paths.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
+        acquire_lock(paths, "submit", say)
+    except RunDirError:
         if created:
             paths.root.rmdir()
-        raise RunDirError(f"another `slurmft submit` is writing {paths.root} right now") from None
-    os.write(fd, f"{socket.gethostname()} pid={os.getpid()}\n".encode())
-    os.close(fd)
+        raise
     return created
 
 
@@ -149,35 +160,42 @@ def submit_run(
     check_submittable(cfg)
     check_run_dir_free(paths)
     scripts = render_scripts(cfg, profile, paths, config_path, template_dir)  # render errors before any write
-    if executor == Executor.SLURM and not shutil.which("sbatch"):
-        raise SubmissionError("executor is slurm but `sbatch` is not on PATH (set executor: local to run here)")
-    created = _lock_run_dir(paths)
-    manifest = new_manifest(cfg.name, executor.value)
+    check_executor(executor)
+    created = _lock_new_run_dir(paths, say)
+    manifest = new_manifest(cfg.name, executor.value, paths.run_id)
     result = SubmitResult(paths.root, executor.value, scripts={k: paths.script(k) for k in scripts})
     try:
         _write_run_dir(paths, cfg, scripts)
-        if executor == Executor.SLURM:
-            _submit_slurm(cfg, profile, paths, config_path, template_dir, manifest, result, say)
-        else:
-            _run_local(cfg, paths, manifest, result, say)
+        attempt = start_attempt(manifest, "submit")
+        dispatch_attempt(cfg, profile, paths, config_path, template_dir, manifest, attempt, result, say)
     except BaseException:
         if not result.jobs:
             _cleanup(paths, created)
         raise
     finally:
-        paths.lock.unlink(missing_ok=True)
+        release_lock(paths)
     return result
 
 
-def _submit_slurm(
+def check_executor(executor: Executor) -> None:
+    """Slurm needs sbatch here."""
+    if executor == Executor.SLURM and not shutil.which("sbatch"):
+        raise SubmissionError("executor is slurm but `sbatch` is not on PATH (set executor: local to run here)")
+
+
+def dispatch_attempt(
     cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, config_path: str, template_dir: str | None,
-    manifest: dict[str, Any], result: SubmitResult, say: Say,
+    manifest: dict[str, Any], attempt: dict[str, Any], result: SubmitResult, say: Say,
 ) -> None:
-    from submitit.core.utils import FailedJobError
+    """Send one attempt's train job and its consolidation (Slurm), or run both here (local)."""
+    if cfg.resolved_executor == Executor.SLURM:
+        _submit_slurm(cfg, profile, paths, config_path, template_dir, manifest, attempt, result, say)
+    else:
+        _run_local(cfg, paths, manifest, attempt, result, say)
 
-    from slurmft.job.entrypoint import run_consolidate, run_train
 
-    python = python_for(cfg)
+def _texts(cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, config_path: str, template_dir: str | None):  # noqa: ANN202
+    """The script renderers submitit calls with its command line (train, consolidate)."""
 
     def train_text(command: str) -> str:
         return render(TRAIN_TEMPLATE, build_train_context(cfg, profile, paths, command, config_path), template_dir)
@@ -186,26 +204,37 @@ def _submit_slurm(
         ctx = build_consolidate_context(cfg, profile, paths, command, config_path)
         return render(CONSOLIDATE_TEMPLATE, ctx, template_dir)
 
+    return train_text, consolidate_text
+
+
+def _submit_slurm(
+    cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, config_path: str, template_dir: str | None,
+    manifest: dict[str, Any], attempt: dict[str, Any], result: SubmitResult, say: Say,
+) -> None:
+    from submitit.core.utils import FailedJobError
+
+    from slurmft.job.entrypoint import run_train
+
+    train_text, _ = _texts(cfg, profile, paths, config_path, template_dir)
     try:
         ex = make_slurm_executor(
-            paths, cfg.resources.world_size, time_minutes(cfg.cluster.time), train_text, None, python
+            paths, cfg.resources.world_size, time_minutes(cfg.cluster.time), train_text, None, python_for(cfg)
         )
         train = ex.submit(run_train, str(paths.root), cfg.preemption.signal)
     except (FailedJobError, OSError, RuntimeError) as exc:
         raise SubmissionError(f"sbatch refused the train job: {str(exc).strip()}") from None
     result.jobs["train"] = train.job_id
-    record_job(manifest, "train", train.job_id, script=str(paths.script("train")),
+    attempt["train_job"] = train.job_id
+    record_job(manifest, "train", train.job_id, run_attempt=attempt["attempt"], script=str(paths.script("train")),
                log=str(paths.log_file("train", train.job_id)))
     write_manifest(paths, manifest)
     say(f"train job {train.job_id} submitted ({cfg.resources.nodes} node(s) x {cfg.resources.ranks_per_node} task(s))")
     if not cfg.consolidate.enabled:
         return
     try:
-        cex = make_slurm_executor(
-            paths, 1, time_minutes(cfg.consolidate.resources.time), consolidate_text, train.job_id, python
-        )
-        cons = cex.submit(run_consolidate, str(paths.root))
-    except (FailedJobError, OSError, RuntimeError) as exc:
+        cons = submit_consolidation(cfg, profile, paths, manifest, config_path, template_dir,
+                                    dependency=train.job_id, run_attempt=attempt["attempt"])
+    except SubmissionError as exc:
         import subprocess
 
         try:
@@ -216,12 +245,40 @@ def _submit_slurm(
         write_manifest(paths, manifest)
         what = f"cancelled train job {train.job_id}" if cancelled else (
             f"could NOT cancel train job {train.job_id}: run `scancel {train.job_id}`")
-        raise SubmissionError(f"sbatch refused the consolidation job ({str(exc).strip()}); {what}") from None
-    result.jobs["consolidate"] = cons.job_id
-    record_job(manifest, "consolidate", cons.job_id, dependency=f"afterok:{train.job_id}",
-               script=str(paths.script("consolidate")), log=str(paths.log_file("consolidate", cons.job_id)))
+        raise SubmissionError(f"{exc}; {what}") from None
+    result.jobs["consolidate"] = cons
+    attempt["consolidate_job"] = cons
     write_manifest(paths, manifest)
-    say(f"consolidation job {cons.job_id} submitted (runs after {train.job_id} succeeds)")
+    say(f"consolidation job {cons} submitted (runs after {train.job_id} succeeds)")
+
+
+def submit_consolidation(
+    cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, manifest: dict[str, Any], config_path: str = "",
+    template_dir: str | None = None, *, dependency: str | None = None, checkpoint: str | None = None,
+    out: str | None = None, run_attempt: int | None = None,
+) -> str:
+    """sbatch one consolidation job (after ``dependency`` succeeds, if given); record it; return its id."""
+    from submitit.core.utils import FailedJobError
+
+    from slurmft.job.entrypoint import run_consolidate
+
+    _, consolidate_text = _texts(cfg, profile, paths, config_path, template_dir)
+    try:
+        cex = make_slurm_executor(
+            paths, 1, time_minutes(cfg.consolidate.resources.time), consolidate_text, dependency, python_for(cfg)
+        )
+        cons = cex.submit(run_consolidate, str(paths.root), checkpoint, out)
+    except (FailedJobError, OSError, RuntimeError) as exc:
+        raise SubmissionError(f"sbatch refused the consolidation job ({str(exc).strip()})") from None
+    extra: dict[str, Any] = {"dependency": f"afterok:{dependency}"} if dependency else {}
+    if run_attempt is not None:
+        extra["run_attempt"] = run_attempt
+    if checkpoint or out:
+        extra.update(checkpoint=checkpoint, out=out)
+    record_job(manifest, "consolidate", cons.job_id, **extra, script=str(paths.script("consolidate")),
+               log=str(paths.log_file("consolidate", cons.job_id)))
+    write_manifest(paths, manifest)
+    return str(cons.job_id)
 
 
 def _free_port() -> int:
@@ -231,13 +288,14 @@ def _free_port() -> int:
 
 
 def _run_local(
-    cfg: RunConfig, paths: RunPaths, manifest: dict[str, Any], result: SubmitResult, say: Say
+    cfg: RunConfig, paths: RunPaths, manifest: dict[str, Any], attempt: dict[str, Any], result: SubmitResult,
+    say: Say,
 ) -> None:
     """Run the train job here with submitit's local executor (N processes), then consolidation."""
     from submitit import LocalExecutor
     from submitit.core.utils import JobPaths
 
-    from slurmft.job.entrypoint import run_consolidate, run_train
+    from slurmft.job.entrypoint import run_train
 
     env_backup = dict(os.environ)
     os.environ.update(cfg.cluster.env)
@@ -251,25 +309,48 @@ def _run_local(
         )
         train = ex.submit(run_train, str(paths.root), cfg.preemption.signal)
         result.jobs["train"] = train.job_id
+        attempt["train_job"] = train.job_id
         logs = [str(JobPaths(paths.submitit, train.job_id, t).stdout) for t in range(cfg.resources.ranks_per_node)]
-        record_job(manifest, "train", train.job_id, pid=int(train.job_id), logs=logs)
+        record_job(manifest, "train", train.job_id, run_attempt=attempt["attempt"], pid=int(train.job_id), logs=logs)
         write_manifest(paths, manifest)
         say(f"train job {train.job_id} started here ({cfg.resources.ranks_per_node} processes); logs: {logs[0]}")
         _wait_local(train, "train", paths, manifest, say)
         if not cfg.consolidate.enabled:
             return
-        cex = LocalExecutor(folder=paths.submitit, python=python_for(cfg))
-        cex.update_parameters(tasks_per_node=1, nodes=1, timeout_min=time_minutes(cfg.consolidate.resources.time))
-        cons = cex.submit(run_consolidate, str(paths.root))
-        result.jobs["consolidate"] = cons.job_id
-        record_job(manifest, "consolidate", cons.job_id, pid=int(cons.job_id), dependency=f"afterok:{train.job_id}",
-                   logs=[str(JobPaths(paths.submitit, cons.job_id, 0).stdout)])
+        cons = run_local_consolidation(cfg, paths, manifest, say, dependency=train.job_id,
+                                       run_attempt=attempt["attempt"])
+        result.jobs["consolidate"] = cons
+        attempt["consolidate_job"] = cons
         write_manifest(paths, manifest)
-        say(f"consolidation job {cons.job_id} started here")
-        _wait_local(cons, "consolidate", paths, manifest, say)
     finally:
         os.environ.clear()
         os.environ.update(env_backup)
+
+
+def run_local_consolidation(
+    cfg: RunConfig, paths: RunPaths, manifest: dict[str, Any], say: Say, *, dependency: str | None = None,
+    checkpoint: str | None = None, out: str | None = None, run_attempt: int | None = None,
+) -> str:
+    """Run one consolidation here (a local process through submitit), recorded; returns its id."""
+    from submitit import LocalExecutor
+    from submitit.core.utils import JobPaths
+
+    from slurmft.job.entrypoint import run_consolidate
+
+    cex = LocalExecutor(folder=paths.submitit, python=python_for(cfg))
+    cex.update_parameters(tasks_per_node=1, nodes=1, timeout_min=time_minutes(cfg.consolidate.resources.time))
+    cons = cex.submit(run_consolidate, str(paths.root), checkpoint, out)
+    extra: dict[str, Any] = {"dependency": f"afterok:{dependency}"} if dependency else {}
+    if run_attempt is not None:
+        extra["run_attempt"] = run_attempt
+    if checkpoint or out:
+        extra.update(checkpoint=checkpoint, out=out)
+    record_job(manifest, "consolidate", cons.job_id, pid=int(cons.job_id), **extra,
+               logs=[str(JobPaths(paths.submitit, cons.job_id, 0).stdout)])
+    write_manifest(paths, manifest)
+    say(f"consolidation job {cons.job_id} started here")
+    _wait_local(cons, "consolidate", paths, manifest, say)
+    return str(cons.job_id)
 
 
 def _wait_local(job: Any, kind: str, paths: RunPaths, manifest: dict[str, Any], say: Say) -> None:

@@ -81,7 +81,8 @@ def _common(cfg: RunConfig, paths: RunPaths, job_kind: str, config_path: str) ->
         "run_name": cfg.name,
         "job_kind": job_kind,
         "config_path": config_path.replace("\n", " "),
-        "sbatch_hint": q(paths.script(job_kind)),
+        "resume_hint": f"slurmft resume {q(paths.root)}",
+        "consolidate_hint": f"slurmft consolidate {q(paths.root)}",
         "python": python_for(cfg),
         "run_dir": q(paths.root),
         "setup": list(cfg.cluster.setup),
@@ -95,6 +96,7 @@ def build_train_context(
     res = cfg.resources
     directives = [
         _flag("job-name", f"{cfg.name}-train"),
+        _flag("comment", paths.job_tag),
         _flag("nodes", res.nodes),
         _flag("ntasks-per-node", res.ranks_per_node),
     ]
@@ -137,6 +139,7 @@ def build_consolidate_context(
     cres = cfg.consolidate.resources
     directives = [
         _flag("job-name", f"{cfg.name}-consolidate"),
+        _flag("comment", paths.job_tag),
         _flag("nodes", 1),
         _flag("ntasks-per-node", 1),
         _flag("cpus-per-task", cres.cpus_per_task),

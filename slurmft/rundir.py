@@ -6,17 +6,23 @@ the rendered scripts, a manifest of every job id and attempt, logs, checkpoints,
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from slurmft.errors import RunDirError
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+# Every job slurmft submits carries ``--comment=slurmft:<run id>``, so a job that a killed submit
+# never wrote into the manifest can still be found (and adopted) with one squeue query.
+JOB_TAG_PREFIX = "slurmft:"
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,16 @@ class RunPaths:
     def config(self) -> Path:
         """The resolved run config the job reads."""
         return self.root / "config.yaml"
+
+    @property
+    def run_id(self) -> str:
+        """Stable id of this run directory (a hash of its absolute path): tags every job of the run."""
+        return hashlib.sha256(str(self.root).encode()).hexdigest()[:12]
+
+    @property
+    def job_tag(self) -> str:
+        """The ``--comment`` every job of this run carries."""
+        return JOB_TAG_PREFIX + self.run_id
 
     @property
     def manifest(self) -> Path:
@@ -108,9 +124,15 @@ def atomic_write(path: Path, text: str) -> None:
         raise
 
 
-def new_manifest(name: str, executor: str) -> dict[str, Any]:
-    """An empty manifest for a new run."""
-    return {"version": MANIFEST_VERSION, "name": name, "executor": executor, "created": time.time(), "jobs": []}
+def new_manifest(name: str, executor: str, run_id: str = "") -> dict[str, Any]:
+    """An empty manifest for a new run.
+
+    ``jobs`` lists every job ever submitted for the run (kind, job id, per-kind attempt number);
+    ``attempts`` lists how the run was started and continued: one entry per ``submit`` or ``resume``
+    with its job ids, the checkpoint it resumed from and why the previous attempt ended.
+    """
+    return {"version": MANIFEST_VERSION, "name": name, "executor": executor, "run_id": run_id,
+            "created": time.time(), "jobs": [], "attempts": []}
 
 
 def read_manifest(paths: RunPaths) -> dict[str, Any]:
@@ -132,6 +154,15 @@ def write_manifest(paths: RunPaths, manifest: dict[str, Any]) -> None:
     atomic_write(paths.manifest, json.dumps(manifest, indent=2, sort_keys=False) + "\n")
 
 
+def start_attempt(manifest: dict[str, Any], how: str, **extra: Any) -> dict[str, Any]:
+    """Append a run attempt (``submit``, ``resume``) to the manifest and return it (filled in by dispatch)."""
+    attempts = manifest.setdefault("attempts", [])
+    entry = {"attempt": len(attempts) + 1, "how": how, "time": time.time(), "train_job": None,
+             "consolidate_job": None, **extra}
+    attempts.append(entry)
+    return entry
+
+
 def record_job(manifest: dict[str, Any], kind: str, job_id: str, **extra: Any) -> dict[str, Any]:
     """Append one job (train or consolidate) to the manifest and return its entry."""
     attempt = 1 + sum(1 for j in manifest["jobs"] if j["kind"] == kind)
@@ -146,3 +177,66 @@ def latest_jobs(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for job in manifest.get("jobs", []):
         out[job["kind"]] = job
     return out
+
+
+def pid_alive(pid: int) -> bool:
+    """True when process ``pid`` exists on this host and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:  # exited in between
+        return False
+
+
+def _lock_owner(paths: RunPaths) -> tuple[str, int | None, str]:
+    """(host, pid, raw text) of the process that holds the submit lock."""
+    try:
+        text = paths.lock.read_text().strip()
+    except OSError:
+        return "", None, ""
+    host, _, rest = text.partition(" ")
+    pid = None
+    for word in rest.split():
+        if word.startswith("pid=") and word[4:].isdigit():
+            pid = int(word[4:])
+    return host, pid, text
+
+
+def acquire_lock(paths: RunPaths, what: str, say: Callable[[str], None] | None = None) -> None:
+    """Take ``.submit.lock`` (one writer of the run directory at a time).
+
+    A lock left by a dead process on this host is cleared with a message; one held by a live process,
+    or by another host (whose processes we cannot see), is refused with its owner and how to clear it.
+    """
+    for _ in range(2):
+        try:
+            fd = os.open(paths.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            host, pid, text = _lock_owner(paths)
+            if host == socket.gethostname() and pid is not None and not pid_alive(pid):
+                paths.lock.unlink(missing_ok=True)
+                if say:
+                    say(f"cleared a stale lock {paths.lock} left by pid {pid} on this host (no longer running)")
+                continue
+            owner = f"pid {pid} on host {host}" if host and pid is not None else f"an unknown process ({text!r})"
+            fix = ("wait for it, or stop it, then retry" if host == socket.gethostname() else
+                   f"if no slurmft command runs there any more, remove {paths.lock} and retry")
+            raise RunDirError(f"{paths.root} is locked by {owner} (another slurmft command is writing it); "
+                              f"cannot {what} now: {fix}") from None
+        os.write(fd, f"{socket.gethostname()} pid={os.getpid()} t={int(time.time())} {what}\n".encode())
+        os.close(fd)
+        return
+    raise RunDirError(f"could not take the lock {paths.lock}: it keeps reappearing")
+
+
+def release_lock(paths: RunPaths) -> None:
+    """Drop the lock taken by :func:`acquire_lock` in this process."""
+    host, pid, _ = _lock_owner(paths)
+    if pid == os.getpid() and host == socket.gethostname():
+        paths.lock.unlink(missing_ok=True)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import os
+import getpass
 import shutil
 import subprocess
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
+
+from slurmft.rundir import JOB_TAG_PREFIX, RunPaths, pid_alive, read_manifest, write_manifest
 
 
 class State(str, Enum):
@@ -23,6 +26,7 @@ class State(str, Enum):
     PREEMPTED = "PREEMPTED"
     NODE_FAIL = "NODE_FAIL"
     OUT_OF_MEMORY = "OUT_OF_MEMORY"
+    KILLED = "KILLED"  # a local job whose process is gone without a recorded state
     UNKNOWN = "UNKNOWN"
 
 
@@ -31,7 +35,8 @@ LIVE = {State.PENDING, State.RUNNING, State.REQUEUED, State.COMPLETING}
 REASON_WORDS = {
     "Dependency": "waiting for the train job to finish successfully",
     "DependencyNeverSatisfied": "will never start: the train job did not succeed "
-    "(cancel it with `slurmft cancel RUN_DIR`, fix the cause, submit again)",
+    "(`slurmft resume {run}` cancels this job, continues training from the newest complete checkpoint "
+    "and chains a new consolidation)",
     "BeginTime": "requeued; waiting for its earliest start time",
     "Priority": "waiting in the queue (priority)",
     "Resources": "waiting for free nodes",
@@ -39,102 +44,140 @@ REASON_WORDS = {
     "JobHeldUser": "held (scontrol release to continue)",
     "None": "",
 }
+# Train-job endings that `slurmft resume` continues from the newest complete checkpoint.
+RESUMABLE_ENDINGS = {"FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                     "DEADLINE", "UNKNOWN", "KILLED"}
+SQUEUE_FIELDS = ("JobID", "State", "Reason", "TimeUsed", "RestartCnt", "Name", "Comment")
 
 
-def _run(cmd: list[str]) -> str:
-    """stdout of a Slurm query, or "" when it is missing, fails or hangs (a busy controller)."""
+def _run(cmd: list[str]) -> str | None:
+    """stdout of a Slurm query; None when it is missing, fails or hangs (a busy controller)."""
     if not shutil.which(cmd[0]):
-        return ""
+        return None
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     except (subprocess.TimeoutExpired, OSError):
-        return ""
-    return out.stdout if out.returncode == 0 else ""
+        return None
+    return out.stdout if out.returncode == 0 else None
 
 
-def squeue_info(job_ids: list[str]) -> dict[str, dict[str, str]]:
-    """State and reason of queued/running jobs."""
-    if not job_ids:
-        return {}
-    text = _run(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%T|%r|%M"])
+@dataclass
+class SlurmView:
+    """What one ``squeue`` and one ``sacct`` call say about a run's jobs."""
+
+    queued: dict[str, dict[str, str]] = field(default_factory=dict)
+    acct: dict[str, dict[str, str]] = field(default_factory=dict)
+    tagged: dict[str, dict[str, str]] = field(default_factory=dict)  # jobs carrying the run's tag
+    problems: list[str] = field(default_factory=list)
+
+
+def squeue_info(user: str | None = None) -> dict[str, dict[str, str]] | None:
+    """Every job slurmctld still knows of ``user`` (queued, running, recently finished): one call."""
+    fmt = ",".join(f"{f}:|" for f in SQUEUE_FIELDS)
+    text = _run(["squeue", "-h", "-t", "all", f"--user={user or getpass.getuser()}", "-O", fmt])
+    if text is None:
+        return None
     info = {}
     for line in text.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) == 4:
-            info[parts[0]] = {"state": parts[1], "reason": parts[2], "elapsed": parts[3]}
+        parts = [p.strip() for p in line.rstrip().removesuffix("|").split("|", len(SQUEUE_FIELDS) - 1)]
+        if len(parts) == len(SQUEUE_FIELDS):
+            row = dict(zip(("job_id", "state", "reason", "elapsed", "restarts", "name", "comment"), parts,
+                           strict=True))
+            info[row["job_id"]] = row
     return info
 
 
-def sacct_info(job_ids: list[str]) -> dict[str, dict[str, str]]:
-    """Final state, elapsed time and exit code from accounting (allocation lines only)."""
+def sacct_info(job_ids: list[str]) -> dict[str, dict[str, str]] | None:
+    """Final state, exit code, start and end from accounting (allocation lines only): one call."""
     if not job_ids:
         return {}
-    text = _run(["sacct", "-n", "-X", "-P", "-j", ",".join(job_ids), "-o", "JobID,State,Elapsed,ExitCode"])
+    text = _run(["sacct", "-n", "-X", "-P", "-j", ",".join(job_ids), "-o",
+                 "JobID,State,Elapsed,ExitCode,Start,End"])
+    if text is None:
+        return None
     info = {}
     for line in text.splitlines():
         parts = line.strip().split("|")
-        if len(parts) == 4:
-            info[parts[0]] = {"state": parts[1].split()[0], "elapsed": parts[2], "exit_code": parts[3]}
+        if len(parts) == 6:
+            info[parts[0]] = {"state": parts[1].split()[0], "elapsed": parts[2], "exit_code": parts[3],
+                              "start": parts[4], "end": parts[5]}
     return info
 
 
-def restart_count(job_id: str) -> int | None:
-    """Slurm's restart count of a job still known to the controller."""
-    text = _run(["scontrol", "show", "job", job_id])
-    for token in text.split():
-        if token.startswith("Restarts="):
-            return int(token.split("=", 1)[1])
-    return None
+def slurm_view(manifest: dict[str, Any], job_tags: set[str] | frozenset[str] = frozenset()) -> SlurmView:
+    """One squeue (every job of the user, so tagged jobs the manifest missed show up) and one sacct."""
+    view = SlurmView()
+    known = {j["job_id"] for j in manifest.get("jobs", [])}
+    queued = squeue_info()
+    if queued is None:
+        view.problems.append("squeue did not answer (is SLURM_CONF right? is slurmctld up?)")
+        queued = {}
+    ours = {jid for jid, row in queued.items() if row["comment"] in job_tags}
+    view.queued = {jid: row for jid, row in queued.items() if jid in known or jid in ours}
+    view.tagged = {jid: view.queued[jid] for jid in ours - known}
+    acct = sacct_info(sorted(known | set(view.tagged)))
+    if acct is None:
+        view.problems.append("sacct did not answer (accounting off or slurmdbd down): states of finished jobs "
+                             "are unknown")
+        acct = {}
+    view.acct = acct
+    return view
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:  # exited in between
-        return False
+def adopt_tagged(manifest: dict[str, Any], view: SlurmView) -> list[dict[str, Any]]:
+    """Add to the manifest the jobs that carry this run's tag but that no submit recorded (a submit killed
+    between sbatch and the manifest write); returns the adopted entries (the caller writes the manifest)."""
+    from slurmft.rundir import record_job
+
+    adopted = []
+    for jid, row in sorted(view.tagged.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):
+        kind = "consolidate" if row["name"].endswith("-consolidate") else "train"
+        adopted.append(record_job(manifest, kind, jid, adopted=True, job_name=row["name"]))
+    return adopted
 
 
-def job_rows(manifest: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per job of the run (newest attempt of each kind last), with state and words."""
+def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView | None = None) -> list[dict[str, Any]]:
+    """One row per job of the run (oldest first), with state and what it means in words."""
     jobs = manifest.get("jobs", [])
     rows: list[dict[str, Any]] = []
+    newest_train = next((j["job_id"] for j in reversed(jobs) if j["kind"] == "train"), None)
     if manifest.get("executor") == "local":
         for job in jobs:
-            state = job.get("state") or (State.RUNNING.value if _pid_alive(int(job["pid"])) else State.UNKNOWN.value)
+            state = job.get("state") or (State.RUNNING.value if pid_alive(int(job["pid"])) else State.KILLED.value)
             rows.append({**_base(job), "state": state, "reason": "", "elapsed": str(job.get("elapsed_s", "")),
-                         "restarts": 0, "words": describe(state, "")})
+                         "exit_code": "", "restarts": 0, "start": "", "end": "",
+                         "words": describe(state, "", run_dir, job["kind"], job["job_id"] == newest_train)})
         return rows
-    ids = [j["job_id"] for j in jobs]
-    queued, acct = squeue_info(ids), sacct_info(ids)
+    view = view or slurm_view(manifest)
     for job in jobs:
         jid = job["job_id"]
-        q, a = queued.get(jid), acct.get(jid)
-        if q:
+        q, a = view.queued.get(jid), view.acct.get(jid)
+        if q:  # slurmctld is current; accounting may lag by a second
             state, reason, elapsed = q["state"], q["reason"], q["elapsed"]
         elif a:
             state, reason, elapsed = a["state"], "", a["elapsed"]
         else:
             state, reason, elapsed = State.UNKNOWN.value, "", ""
+        restarts = q["restarts"] if q and q["restarts"].isdigit() else "0"
         rows.append({**_base(job), "state": state, "reason": reason, "elapsed": elapsed,
-                     "exit_code": (a or {}).get("exit_code", ""), "restarts": restart_count(jid) or 0,
-                     "words": describe(state, reason)})
+                     "exit_code": (a or {}).get("exit_code", ""), "restarts": int(restarts),
+                     "start": (a or {}).get("start", ""), "end": (a or {}).get("end", ""),
+                     "words": describe(state, reason, run_dir, job["kind"], jid == newest_train)})
     return rows
 
 
 def _base(job: dict[str, Any]) -> dict[str, Any]:
-    return {"kind": job["kind"], "job_id": job["job_id"], "attempt": job.get("attempt", 1)}
+    base = {"kind": job["kind"], "job_id": job["job_id"], "attempt": job.get("attempt", 1)}
+    if job.get("adopted"):
+        base["adopted"] = True
+    return base
 
 
-def describe(state: str, reason: str) -> str:
+def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", newest_train: bool = False) -> str:
     """The state in words a user can act on."""
     if reason in REASON_WORDS and REASON_WORDS[reason]:
-        return REASON_WORDS[reason]
-    return {
+        return REASON_WORDS[reason].format(run=run_dir)
+    words = {
         "PENDING": "waiting in the queue",
         "RUNNING": "running",
         "COMPLETED": "finished successfully",
@@ -145,12 +188,53 @@ def describe(state: str, reason: str) -> str:
         "NODE_FAIL": "a node failed",
         "OUT_OF_MEMORY": "ran out of memory",
         "REQUEUED": "requeued; will start again under the same job id",
+        "KILLED": "ended without recording a state (killed, or the machine went down)",
         "UNKNOWN": "Slurm does not know this job (neither squeue nor sacct: another cluster or SLURM_CONF? "
         "accounting off and the job older than MinJobAge?)",
     }.get(state, state.lower())
+    if kind == "train" and newest_train and state in RESUMABLE_ENDINGS:
+        words += f"; continue from the newest complete checkpoint with `slurmft resume {run_dir}`"
+    elif kind == "consolidate" and state in RESUMABLE_ENDINGS - {"UNKNOWN"}:
+        words += f"; redo it with `slurmft consolidate {run_dir}`"
+    return words
 
 
-def live_jobs(manifest: dict[str, Any], include_completing: bool = True) -> list[str]:
+@dataclass
+class RunState:
+    """A run directory as the login side sees it: manifest, one row per job, and what could not be asked."""
+
+    paths: RunPaths
+    manifest: dict[str, Any]
+    rows: list[dict[str, Any]]
+    adopted: list[dict[str, Any]]
+    problems: list[str]
+
+    def live(self, include_completing: bool = True) -> list[str]:
+        """Job ids still queued or running (or, optionally, completing)."""
+        states = {s.value for s in LIVE} - (set() if include_completing else {State.COMPLETING.value})
+        return [r["job_id"] for r in self.rows if r["state"] in states]
+
+
+def run_state(paths: RunPaths, adopt: bool = True) -> RunState:
+    """Read the manifest and ask Slurm once; jobs tagged with the run but missing from the manifest are
+    adopted into it (written back unless another command holds the run's lock)."""
+    manifest = read_manifest(paths)
+    adopted: list[dict[str, Any]] = []
+    problems: list[str] = []
+    view = None
+    if manifest.get("executor") != "local":
+        tags = {paths.job_tag} | ({JOB_TAG_PREFIX + manifest["run_id"]} if manifest.get("run_id") else set())
+        view = slurm_view(manifest, tags)
+        problems = view.problems
+        if adopt and view.tagged:
+            adopted = adopt_tagged(manifest, view)
+            if not paths.lock.exists():
+                write_manifest(paths, manifest)
+    rows = job_rows(manifest, str(paths.root), view)
+    return RunState(paths, manifest, rows, adopted, problems)
+
+
+def live_jobs(manifest: dict[str, Any], include_completing: bool = True, view: SlurmView | None = None) -> list[str]:
     """Job ids of the run that are still queued or running (or, optionally, still completing)."""
     states = {s.value for s in LIVE} - (set() if include_completing else {State.COMPLETING.value})
-    return [r["job_id"] for r in job_rows(manifest) if r["state"] in states]
+    return [r["job_id"] for r in job_rows(manifest, view=view) if r["state"] in states]

@@ -47,7 +47,7 @@ def _worker(spec_path: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from slurmft.job.checkpoints import mark_complete
+    from slurmft.checkpoints import mark_complete
 
     spec = json.loads(Path(spec_path).read_text())
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -209,7 +209,7 @@ def _no_leftovers(parent: Path) -> None:
 def test_float32_is_bitwise_and_uses_newest_complete_checkpoint(env: dict[str, Path]) -> None:
     from transformers import AutoTokenizer
 
-    from slurmft.consolidate import consolidate_run
+    from slurmft.job.consolidate import consolidate_run
 
     run = env["run_untied"]
     summary = consolidate_run(str(run))
@@ -244,7 +244,7 @@ def test_float32_is_bitwise_and_uses_newest_complete_checkpoint(env: dict[str, P
 def test_bfloat16_multi_shard(env: dict[str, Path], tmp_path: Path) -> None:
     from safetensors import safe_open
 
-    from slurmft.consolidate import consolidate_run
+    from slurmft.job.consolidate import consolidate_run
 
     run = _run_sharing(
         tmp_path / "run",
@@ -296,7 +296,7 @@ def test_tied_embeddings_and_tokenizer_from_checkpoint(env: dict[str, Path]) -> 
     from safetensors import safe_open
     from transformers import AutoTokenizer
 
-    from slurmft.consolidate import consolidate_run
+    from slurmft.job.consolidate import consolidate_run
 
     run = env["run_tied"]
     summary = consolidate_run(str(run))
@@ -319,8 +319,8 @@ def test_tied_embeddings_and_tokenizer_from_checkpoint(env: dict[str, Path]) -> 
 
 # ------------------------------------------------------------------ refusals
 def test_incomplete_checkpoint_is_refused(env: dict[str, Path], tmp_path: Path) -> None:
-    from slurmft.consolidate import consolidate_run
     from slurmft.errors import CheckpointError
+    from slurmft.job.consolidate import consolidate_run
 
     with pytest.raises(CheckpointError) as exc:
         consolidate_run(str(env["run_untied"]), checkpoint="checkpoint-10", out=str(tmp_path / "m"))
@@ -331,8 +331,8 @@ def test_incomplete_checkpoint_is_refused(env: dict[str, Path], tmp_path: Path) 
 
 
 def test_missing_checkpoints_are_refused(env: dict[str, Path], tmp_path: Path) -> None:
-    from slurmft.consolidate import consolidate_run
     from slurmft.errors import CheckpointError
+    from slurmft.job.consolidate import consolidate_run
 
     with pytest.raises(CheckpointError, match="does not exist"):
         consolidate_run(str(env["run_untied"]), checkpoint="checkpoint-99", out=str(tmp_path / "m"))
@@ -364,8 +364,8 @@ def test_architecture_mismatch_is_refused_before_writing(
 ) -> None:
     from transformers import LlamaConfig
 
-    from slurmft.consolidate import consolidate_run
     from slurmft.errors import CheckpointError
+    from slurmft.job.consolidate import consolidate_run
 
     other = tmp_path / "other-model"
     LlamaConfig(**{**TINY, "num_hidden_layers": layers}, tie_word_embeddings=False).save_pretrained(other)
@@ -380,8 +380,8 @@ def test_architecture_mismatch_is_refused_before_writing(
 def test_missing_tokenizer_is_refused_before_writing(env: dict[str, Path], tmp_path: Path) -> None:
     from transformers import LlamaConfig
 
-    from slurmft.consolidate import consolidate_run
     from slurmft.errors import CheckpointError
+    from slurmft.job.consolidate import consolidate_run
 
     bare = tmp_path / "config-only"
     LlamaConfig(**TINY, tie_word_embeddings=False).save_pretrained(bare)
@@ -396,7 +396,7 @@ def test_missing_tokenizer_is_refused_before_writing(env: dict[str, Path], tmp_p
 def test_failure_midway_keeps_the_old_model(
     env: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import slurmft.consolidate as consolidate
+    import slurmft.job.consolidate as consolidate
 
     run = _run_sharing(
         tmp_path / "run", env["run_untied"], env["untied"], env["data"], max_shard_size="200KB"
@@ -424,7 +424,7 @@ def test_failure_midway_keeps_the_old_model(
 def test_full_disk_is_refused_up_front(
     env: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import slurmft.consolidate as consolidate
+    import slurmft.job.consolidate as consolidate
     from slurmft.errors import CheckpointError
 
     run = _run_sharing(tmp_path / "run", env["run_untied"], env["untied"], env["data"])
@@ -438,7 +438,7 @@ def test_full_disk_is_refused_up_front(
 
 
 def test_leftovers_of_a_killed_consolidation_are_removed(env: dict[str, Path], tmp_path: Path) -> None:
-    from slurmft.consolidate import consolidate_run
+    from slurmft.job.consolidate import consolidate_run
 
     run = _run_sharing(tmp_path / "run", env["run_untied"], env["untied"], env["data"])
     (run / ".model.partial-dead").mkdir()
@@ -451,8 +451,8 @@ def test_leftovers_of_a_killed_consolidation_are_removed(env: dict[str, Path], t
 def test_a_second_concurrent_consolidation_is_refused(env: dict[str, Path], tmp_path: Path) -> None:
     import fcntl
 
-    from slurmft.consolidate import consolidate_run
     from slurmft.errors import CheckpointError
+    from slurmft.job.consolidate import consolidate_run
 
     run = _run_sharing(tmp_path / "run", env["run_untied"], env["untied"], env["data"])
     with open(run / ".model.consolidate.lock", "w") as held:  # as a running consolidation holds it
@@ -465,7 +465,7 @@ def test_a_second_concurrent_consolidation_is_refused(env: dict[str, Path], tmp_
 
 
 def test_cli(env: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from slurmft.consolidate import main
+    from slurmft.job.consolidate import main
 
     out = tmp_path / "cli-model"
     assert main([str(env["run_untied"]), "--checkpoint", str(env["run_untied"] / "checkpoints/checkpoint-5"),
@@ -479,7 +479,7 @@ def test_cli(env: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
 
 # ------------------------------------------------------------------ pure helpers
 def test_parse_size_and_shard_plan() -> None:
-    from slurmft.consolidate import TensorPlan, parse_size, plan_shards
+    from slurmft.job.consolidate import TensorPlan, parse_size, plan_shards
 
     assert parse_size("5GB") == 5 * 10**9 and parse_size("500MB") == 5 * 10**8 and parse_size("2GiB") == 2**31
     with pytest.raises(ValueError):
@@ -493,7 +493,7 @@ def test_parse_size_and_shard_plan() -> None:
 
 
 def test_dcp_key_mapping() -> None:
-    from slurmft.consolidate import hf_name
+    from slurmft.job.consolidate import hf_name
 
     assert hf_name("model.model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj.weight"
     assert hf_name("model.lm_head.weight") == "lm_head.weight"

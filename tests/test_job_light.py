@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slurmft.job import checkpoints
+from slurmft import checkpoints
 from slurmft.job.rendezvous import JobEnv, master_address, port_for_job
 from slurmft.job.requeue import EXIT_REQUEUE_REFUSED, decide
 

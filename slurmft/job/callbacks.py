@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from slurmft.checkpoints import mark_complete, prune
 from slurmft.job import preemption
-from slurmft.job.checkpoints import mark_complete, prune
 from slurmft.job.distributed import DistContext, barrier
 
 log = logging.getLogger("slurmft.job")

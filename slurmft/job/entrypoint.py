@@ -42,11 +42,12 @@ def run_train(run_dir: str, signal_name: str = "USR2") -> dict[str, object]:
         raise SystemExit(EXIT_SETUP_ERROR) from None
 
 
-def run_consolidate(run_dir: str) -> dict[str, object]:
-    """Consolidation job body (single process)."""
-    from slurmft.consolidate import consolidate_run
+def run_consolidate(run_dir: str, checkpoint: str | None = None, out: str | None = None) -> dict[str, object]:
+    """Consolidation job body (single process): the newest complete checkpoint (or ``checkpoint``) into
+    ``RUN_DIR/model`` (or ``out``)."""
+    from slurmft.job.consolidate import consolidate_run
 
-    return consolidate_run(run_dir)
+    return consolidate_run(run_dir, checkpoint, out)
 
 
 def main(argv: list[str] | None = None) -> int:

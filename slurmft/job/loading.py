@@ -45,9 +45,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slurmft.checkpoints import strip_wrappers
 from slurmft.config import ModelConfig, RunConfig
 from slurmft.errors import JobSetupError
-from slurmft.job.checkpoints import strip_wrappers
 from slurmft.job.distributed import DistContext, guarded
 
 log = logging.getLogger("slurmft.job")

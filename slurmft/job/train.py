@@ -19,9 +19,10 @@ from typing import Any
 import torch
 import yaml
 
+from slurmft import checkpoints
 from slurmft.config import RunConfig
 from slurmft.errors import JobSetupError
-from slurmft.job import checkpoints, cpu_fsdp, data, distributed, loading
+from slurmft.job import cpu_fsdp, data, distributed, loading
 from slurmft.job.callbacks import CompleteCheckpoints, FsdpReport, MetricsLog, PreemptionStop
 from slurmft.job.distributed import DistContext
 from slurmft.job.rendezvous import JobEnv

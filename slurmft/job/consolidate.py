@@ -19,7 +19,7 @@ shards split at ``max_shard_size`` plus ``model.safetensors.index.json`` (always
 shard, so deployments can rely on one layout); ``config.json`` (``dtype`` = the saved dtype),
 ``generation_config.json`` and the tokenizer files.
 
-Run by hand: ``python -m slurmft.consolidate RUN_DIR [--checkpoint DIR] [--out DIR]``.
+Run by hand: ``python -m slurmft.job.consolidate RUN_DIR [--checkpoint DIR] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,15 +47,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from slurmft.config import RunConfig, read_yaml, validate
-from slurmft.errors import CheckpointError, RunDirError, SlurmftError
-from slurmft.job.checkpoints import (
+from slurmft.checkpoints import (
     COMPLETE_MARKER,
     is_complete,
     latest_complete,
     list_checkpoints,
     strip_wrappers,
 )
+from slurmft.config import RunConfig, read_yaml, validate
+from slurmft.errors import CheckpointError, RunDirError, SlurmftError
 from slurmft.job.loading import DTYPES
 from slurmft.rundir import RunPaths
 
@@ -96,7 +96,7 @@ DISK_MARGIN_BYTES = 64 * 2**20
 
 def log(message: str) -> None:
     """One progress line; the consolidation job's stdout is its log file."""
-    print(f"[slurmft.consolidate] {message}", flush=True)
+    print(f"[slurmft.job.consolidate] {message}", flush=True)
 
 
 def parse_size(text: str) -> int:
@@ -393,8 +393,14 @@ def _read_groups(tensors: list[TensorPlan], budget: int) -> Iterator[list[Tensor
         yield group
 
 
-def write_shard(reader: FileSystemReader, shard: ShardPlan, path: Path, read_budget: int) -> None:
-    """Write one safetensors file: header first, then each tensor as it is read and cast."""
+def write_shard(
+    reader: FileSystemReader, shard: ShardPlan, path: Path, read_budget: int,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Write one safetensors file: header first, then each tensor as it is read and cast.
+
+    ``progress`` is called with the bytes written after each group of tensors.
+    """
     with open(path, "wb") as f:
         f.write(shard.header())
         for group in _read_groups(shard.tensors, read_budget):
@@ -408,6 +414,8 @@ def write_shard(reader: FileSystemReader, shard: ShardPlan, path: Path, read_bud
                 if raw.nbytes != t.nbytes:  # our bug, not the user's
                     raise RuntimeError(f"{t.key}: read {raw.nbytes} bytes, planned {t.nbytes}")
                 f.write(raw)
+                if progress is not None:
+                    progress(raw.nbytes)
                 del data, raw
         f.flush()
         os.fsync(f.fileno())
@@ -638,9 +646,15 @@ def load_run_config(paths: RunPaths) -> RunConfig:
     return validate(read_yaml(paths.config), source=str(paths.config))
 
 
-def consolidate_run(run_dir: str, checkpoint: str | None = None, out: str | None = None) -> dict[str, Any]:
+def consolidate_run(
+    run_dir: str, checkpoint: str | None = None, out: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
     """Consolidate a run's newest complete checkpoint (or ``checkpoint``) into a Hugging Face model
-    directory at ``<run_dir>/model`` (or ``out``); returns a summary of what was written."""
+    directory at ``<run_dir>/model`` (or ``out``); returns a summary of what was written.
+
+    ``progress(done_bytes, total_bytes)`` is called as tensors are written (a progress bar in a terminal).
+    """
     started = time.monotonic()
     paths = RunPaths.of(run_dir)
     cfg = load_run_config(paths)
@@ -682,9 +696,16 @@ def consolidate_run(run_dir: str, checkpoint: str | None = None, out: str | None
             tokenizer_files = write_tokenizer(tok_source, tmp, cfg)
             reader = _CachedMetadataReader(model_dir, metadata)
             read_budget = max(t.source_nbytes for t in tensors)
+            done = [0]
+
+            def advance(nbytes: int) -> None:
+                done[0] += nbytes
+                if progress is not None:
+                    progress(done[0], total_bytes)
+
             for shard in shards:
                 t0 = time.monotonic()
-                write_shard(reader, shard, tmp / shard.filename, read_budget)
+                write_shard(reader, shard, tmp / shard.filename, read_budget, advance)
                 log(
                     f"wrote {shard.filename}: {len(shard.tensors)} tensors, {human_bytes(shard.file_size)} "
                     f"in {time.monotonic() - t0:.1f} s"
@@ -731,9 +752,9 @@ def _verify_tokenizer(directory: Path, cfg: RunConfig, files: list[str]) -> None
 
 # ------------------------------------------------------------------ by hand
 def main(argv: list[str] | None = None) -> int:
-    """``python -m slurmft.consolidate RUN_DIR [--checkpoint DIR] [--out DIR]``."""
+    """``python -m slurmft.job.consolidate RUN_DIR [--checkpoint DIR] [--out DIR]``."""
     parser = argparse.ArgumentParser(
-        prog="python -m slurmft.consolidate",
+        prog="python -m slurmft.job.consolidate",
         description="Stream a run's sharded checkpoint into a Hugging Face model directory.",
     )
     parser.add_argument("run_dir", help="the run directory (holds config.yaml and checkpoints/)")

@@ -1,4 +1,5 @@
-"""Checkpoint discovery shared by the trainer, resume and consolidation (no torch import).
+"""Checkpoint discovery shared by the login side (status, resume) and the job side (trainer,
+consolidation); no torch import.
 
 Layout: ``<run>/checkpoints/checkpoint-<step>/`` as the HF Trainer writes it (with accelerate's
 sharded FSDP model in ``pytorch_model_fsdp_0/``). A checkpoint counts only once rank 0 wrote the
