@@ -8,21 +8,24 @@ import subprocess
 from pathlib import Path
 
 from slurmft.errors import SubmissionError
-from slurmft.rundir import RunPaths, read_manifest
-from slurmft.status import live_jobs
+from slurmft.rundir import RunPaths
+from slurmft.status import run_state
 
 
 def cancel_run(run_dir: Path) -> list[str]:
-    """scancel (or, for local runs, SIGTERM) every live job; returns the ids cancelled."""
-    manifest = read_manifest(RunPaths.of(run_dir))
-    live = live_jobs(manifest, include_completing=False)  # a completing job is already ending
+    """scancel (or, for processes here, SIGTERM) every live job, tagged jobs the manifest missed included;
+    returns the ids cancelled."""
+    state = run_state(RunPaths.of(run_dir))
+    live = state.live(include_completing=False)  # a completing job is already ending
     if not live:
         return []
-    if manifest.get("executor") == "local":
-        for job_id in live:
-            os.kill(int(job_id), signal.SIGTERM)
+    pids = {j["job_id"]: int(j["pid"]) for j in state.manifest["jobs"] if "pid" in j}
+    for job_id in [j for j in live if j in pids]:
+        os.kill(pids[job_id], signal.SIGTERM)
+    live_slurm = [j for j in live if j not in pids]
+    if not live_slurm:
         return live
-    out = subprocess.run(["scancel", *live], capture_output=True, text=True)
+    out = subprocess.run(["scancel", *live_slurm], capture_output=True, text=True)
     if out.returncode != 0:
-        raise SubmissionError(f"scancel {' '.join(live)} failed: {out.stderr.strip()}")
+        raise SubmissionError(f"scancel {' '.join(live_slurm)} failed: {out.stderr.strip()}")
     return live

@@ -37,6 +37,8 @@ def cli() -> None:
     slurmft render run.yaml            write and print the sbatch scripts, submit nothing
     slurmft submit run.yaml            validate, submit train + consolidation jobs
     slurmft status RUN_DIR             state of every job of a run
+    slurmft resume RUN_DIR             continue a run that died, from its newest checkpoint
+    slurmft consolidate RUN_DIR        (re)export a checkpoint as a Hugging Face model
     slurmft estimate run.yaml          will it fit? GPU and CPU memory per rank
 
     Overrides use dotted keys: slurmft submit run.yaml resources.nodes=4 train.max_steps=10
@@ -134,14 +136,15 @@ def estimate(config: Path, overrides: tuple[str, ...], as_json: bool) -> None:
 @RUN_DIR
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(run_dir: Path, as_json: bool) -> None:
-    """State of every job of a run: kind, job id, attempt, state, reason, elapsed."""
-    from slurmft.rundir import RunPaths, read_manifest
-    from slurmft.status import job_rows
+    """State of every job of a run: kind, job id, attempt, state, reason, elapsed, and what to do next."""
+    from slurmft.rundir import RunPaths
+    from slurmft.status import run_state
 
-    manifest = read_manifest(RunPaths.of(run_dir))
-    rows = job_rows(manifest)
+    state = run_state(RunPaths.of(run_dir))
+    manifest, rows = state.manifest, state.rows
     if as_json:
-        click.echo(json.dumps({"run": manifest["name"], "executor": manifest["executor"], "jobs": rows}, indent=2))
+        click.echo(json.dumps({"run": manifest["name"], "executor": manifest["executor"], "jobs": rows,
+                               "attempts": manifest.get("attempts", []), "problems": state.problems}, indent=2))
         return
     from rich.console import Console
     from rich.table import Table
@@ -150,11 +153,21 @@ def status(run_dir: Path, as_json: bool) -> None:
     for col in ("job", "id", "attempt", "state", "reason", "restarts", "elapsed"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["kind"], r["job_id"], str(r["attempt"]), r["state"], r["reason"], str(r["restarts"]),
-                      r["elapsed"])
+        table.add_row(r["kind"], r["job_id"] + (" (adopted)" if r.get("adopted") else ""), str(r["attempt"]),
+                      r["state"], r["reason"], str(r["restarts"]), r["elapsed"])
     Console().print(table)
     for r in rows:  # what each state means, one unwrapped line per job
         click.echo(f"{r['kind']} {r['job_id']}: {r['words']}")
+    for a in manifest.get("attempts", [])[1:]:
+        prev = a.get("previous") or {}
+        start = f"from step {a['resumed_from_step']}" if a.get("resumed_from_step") is not None else "from step 0"
+        click.echo(f"attempt {a['attempt']} ({a['how']}, train job {a.get('train_job')}) {start}; "
+                   f"the previous one (job {prev.get('job_id', '?')}) {prev.get('ended', 'ended')}")
+    for job in state.adopted:
+        click.echo(f"note: {job['kind']} job {job['job_id']} carries this run's tag but was missing from the "
+                   "manifest (a submit interrupted after sbatch?); it is now recorded")
+    for p in state.problems:
+        click.echo(f"note: {p}")
 
 
 @cli.command()
@@ -173,11 +186,61 @@ def logs(run_dir: Path, kind: str, follow: bool, lines: int) -> None:
 @cli.command()
 @RUN_DIR
 def cancel(run_dir: Path) -> None:
-    """Cancel every live job of a run (train and consolidation)."""
+    """Cancel every live job of a run (train and consolidation, and tagged jobs the manifest missed)."""
     from slurmft.cancel import cancel_run
 
     cancelled = cancel_run(run_dir)
     click.echo(f"cancelled: {', '.join(cancelled)}" if cancelled else "no live jobs to cancel")
+
+
+@cli.command()
+@RUN_DIR
+@OVERRIDES
+@click.option("--template-dir", type=click.Path(file_okay=False, exists=True), help="Your own templates first.")
+def resume(run_dir: Path, overrides: tuple[str, ...], template_dir: str | None) -> None:
+    """Continue a run that died (failed, cancelled, time limit, node failure, requeue budget used up)
+    from its newest complete checkpoint, and chain a new consolidation job.
+
+    Overrides may change only where and how it runs: cluster.*, preemption.*, consolidate.*,
+    checkpoint.keep_last, resources.cpus_per_task, resources.mem, resources.exclusive.
+    """
+    from slurmft.resume import Phase, resume_run
+
+    result = resume_run(run_dir, list(overrides), template_dir, say=_err)
+    if result.phase == Phase.FINISHED:
+        click.echo(f"{result.run_dir} is finished: trained to step {result.step} and consolidated; nothing to resume")
+        click.echo(f"model: {result.run_dir / 'model'}")
+        return
+    click.echo(f"run dir: {result.run_dir}")
+    for kind, job_id in result.jobs.items():
+        click.echo(f"{kind} job: {job_id}")
+    if result.executor == "slurm":
+        click.echo(f"follow with: slurmft status {result.run_dir}   |   slurmft logs {result.run_dir} -f")
+    elif "consolidate" in result.jobs:
+        click.echo(f"model: {result.run_dir / 'model'}  (AutoModelForCausalLM.from_pretrained loads it)")
+
+
+@cli.command()
+@RUN_DIR
+@click.option("--checkpoint", help="A checkpoint directory, or a name like checkpoint-500 (default: newest complete).")
+@click.option("--out", help="Output directory (default: RUN_DIR/model).")
+@click.option("--here", is_flag=True, help="Run it in this process (needs the training stack), not as a job.")
+@click.option("--template-dir", type=click.Path(file_okay=False, exists=True), help="Your own templates first.")
+def consolidate(run_dir: Path, checkpoint: str | None, out: str | None, here: bool, template_dir: str | None) -> None:
+    """Export a run's checkpoint as a Hugging Face model: rerun a failed consolidation, or export an
+    intermediate checkpoint. Submits a consolidation job unless --here."""
+    from slurmft import consolidation
+    from slurmft.rundir import RunPaths
+
+    paths = RunPaths.of(run_dir)
+    request = consolidation.check_request(paths, checkpoint, out)
+    if here:
+        summary = consolidation.consolidate_here(paths, request, _err, bar=sys.stderr.isatty())
+        click.echo(f"model: {summary['output']}  ({summary['parameters']:,} parameters from "
+                   f"{Path(summary['checkpoint']).name}, {summary['seconds']} s)")
+        return
+    job_id = consolidation.submit(paths, request, template_dir, _err)
+    click.echo(f"consolidate job: {job_id}  ({request.checkpoint.name} -> {request.out})")
 
 
 @cli.command()

@@ -107,7 +107,7 @@ def sacct_info(job_ids: list[str]) -> dict[str, dict[str, str]] | None:
 def slurm_view(manifest: dict[str, Any], job_tags: set[str] | frozenset[str] = frozenset()) -> SlurmView:
     """One squeue (every job of the user, so tagged jobs the manifest missed show up) and one sacct."""
     view = SlurmView()
-    known = {j["job_id"] for j in manifest.get("jobs", [])}
+    known = {j["job_id"] for j in manifest.get("jobs", []) if "pid" not in j}  # not the processes run here
     queued = squeue_info()
     if queued is None:
         view.problems.append("squeue did not answer (is SLURM_CONF right? is slurmctld up?)")
@@ -141,16 +141,16 @@ def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView
     jobs = manifest.get("jobs", [])
     rows: list[dict[str, Any]] = []
     newest_train = next((j["job_id"] for j in reversed(jobs) if j["kind"] == "train"), None)
-    if manifest.get("executor") == "local":
-        for job in jobs:
+    if view is None:
+        view = SlurmView() if manifest.get("executor") == "local" else slurm_view(manifest)
+    for job in jobs:
+        jid = job["job_id"]
+        if "pid" in job:  # a process here: a local run, or `slurmft consolidate --here`
             state = job.get("state") or (State.RUNNING.value if pid_alive(int(job["pid"])) else State.KILLED.value)
             rows.append({**_base(job), "state": state, "reason": "", "elapsed": str(job.get("elapsed_s", "")),
                          "exit_code": "", "restarts": 0, "start": "", "end": "",
-                         "words": describe(state, "", run_dir, job["kind"], job["job_id"] == newest_train)})
-        return rows
-    view = view or slurm_view(manifest)
-    for job in jobs:
-        jid = job["job_id"]
+                         "words": describe(state, "", run_dir, job["kind"], jid == newest_train)})
+            continue
         q, a = view.queued.get(jid), view.acct.get(jid)
         if q:  # slurmctld is current; accounting may lag by a second
             state, reason, elapsed = q["state"], q["reason"], q["elapsed"]
@@ -175,7 +175,7 @@ def _base(job: dict[str, Any]) -> dict[str, Any]:
 
 def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", newest_train: bool = False) -> str:
     """The state in words a user can act on."""
-    if reason in REASON_WORDS and REASON_WORDS[reason]:
+    if state == "PENDING" and REASON_WORDS.get(reason):
         return REASON_WORDS[reason].format(run=run_dir)
     words = {
         "PENDING": "waiting in the queue",
@@ -192,8 +192,9 @@ def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", 
         "UNKNOWN": "Slurm does not know this job (neither squeue nor sacct: another cluster or SLURM_CONF? "
         "accounting off and the job older than MinJobAge?)",
     }.get(state, state.lower())
-    if kind == "train" and newest_train and state in RESUMABLE_ENDINGS:
-        words += f"; continue from the newest complete checkpoint with `slurmft resume {run_dir}`"
+    if kind == "train" and state in RESUMABLE_ENDINGS:
+        words += (f"; continue from the newest complete checkpoint with `slurmft resume {run_dir}`" if newest_train
+                  else "; a later `slurmft resume` continued the run")
     elif kind == "consolidate" and state in RESUMABLE_ENDINGS - {"UNKNOWN"}:
         words += f"; redo it with `slurmft consolidate {run_dir}`"
     return words
@@ -232,9 +233,3 @@ def run_state(paths: RunPaths, adopt: bool = True) -> RunState:
                 write_manifest(paths, manifest)
     rows = job_rows(manifest, str(paths.root), view)
     return RunState(paths, manifest, rows, adopted, problems)
-
-
-def live_jobs(manifest: dict[str, Any], include_completing: bool = True, view: SlurmView | None = None) -> list[str]:
-    """Job ids of the run that are still queued or running (or, optionally, still completing)."""
-    states = {s.value for s in LIVE} - (set() if include_completing else {State.COMPLETING.value})
-    return [r["job_id"] for r in job_rows(manifest, view=view) if r["state"] in states]

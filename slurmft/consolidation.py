@@ -1,0 +1,122 @@
+"""``slurmft consolidate``: (re)export a run's checkpoint as a Hugging Face model, as a job or here.
+
+The automatic consolidation job runs once, after the train job succeeds. This is how a failed one is
+rerun (full disk, wrong partition, an unwritable output) and how an intermediate checkpoint is
+exported. The checks that need no torch (which checkpoint, is it complete, where to write) run here
+before anything is submitted; the job itself (:mod:`slurmft.job.consolidate`) checks the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slurmft.checkpoints import COMPLETE_MARKER, is_complete, latest_complete, list_checkpoints
+from slurmft.errors import CheckpointError
+from slurmft.rundir import RunPaths, acquire_lock, read_manifest, record_job, release_lock, write_manifest
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class ConsolidationRequest:
+    """A checked request: which checkpoint, where to write."""
+
+    checkpoint: Path
+    out: Path
+
+
+def check_request(paths: RunPaths, checkpoint: str | None, out: str | None) -> ConsolidationRequest:
+    """The checkpoint to export (given, or the newest complete one) and the output; refuse what cannot work."""
+    read_manifest(paths)  # a run directory at all?
+    found = ", ".join(f"{p.name}{'' if ok else ' (incomplete)'}" for _, p, ok in list_checkpoints(paths.checkpoints))
+    if checkpoint is None:
+        chosen = latest_complete(paths.checkpoints)
+        if chosen is None:
+            raise CheckpointError(f"nothing to consolidate: no complete checkpoint in {paths.checkpoints}",
+                                  [f"found: {found or 'none'}"])
+    else:
+        chosen = Path(checkpoint).expanduser()
+        if not chosen.is_absolute() and not chosen.exists():
+            chosen = paths.checkpoints / chosen  # "checkpoint-500" names one inside the run
+        if not chosen.is_dir():
+            raise CheckpointError(f"--checkpoint {checkpoint}: no such checkpoint", [f"found: {found or 'none'}"])
+        if not is_complete(chosen):
+            raise CheckpointError(f"--checkpoint {checkpoint}: {chosen} has no {COMPLETE_MARKER} marker (a save "
+                                  "that did not finish)", [f"found: {found or 'none'}"])
+    target = Path(out).expanduser().resolve() if out else paths.model
+    if target.exists() and not target.is_dir():
+        raise CheckpointError(f"output {target} exists and is not a directory: remove it, or write elsewhere "
+                              "with --out DIR")
+    return ConsolidationRequest(chosen.resolve(), target)
+
+
+def consolidate_here(paths: RunPaths, request: ConsolidationRequest, say: Say, bar: bool) -> dict[str, Any]:
+    """Run the consolidation in this process (a progress bar when ``bar``), recorded in the manifest."""
+    from slurmft.job.consolidate import consolidate_run
+
+    acquire_lock(paths, "consolidate", say)
+    try:
+        manifest = read_manifest(paths)
+        entry = record_job(manifest, "consolidate", f"here-{os.getpid()}-{int(time.time())}", here=True, pid=os.getpid(),
+                           checkpoint=str(request.checkpoint), out=str(request.out))
+        write_manifest(paths, manifest)
+    finally:
+        release_lock(paths)
+    t0 = time.time()
+    try:
+        if bar:
+            from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+            with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                          TimeRemainingColumn()) as progress:
+                task = progress.add_task(f"{request.checkpoint.name} -> {request.out}", total=None)
+
+                def advance(done: int, total: int) -> None:
+                    progress.update(task, completed=done, total=total)
+
+                summary = consolidate_run(str(paths.root), str(request.checkpoint), str(request.out), advance)
+        else:
+            summary = consolidate_run(str(paths.root), str(request.checkpoint), str(request.out))
+        entry["state"] = "COMPLETED"
+    except BaseException:
+        entry["state"] = "FAILED"
+        raise
+    finally:
+        entry["elapsed_s"] = round(time.time() - t0, 1)
+        _update_entry(paths, entry)
+    return summary
+
+
+def _update_entry(paths: RunPaths, entry: dict[str, Any]) -> None:
+    manifest = read_manifest(paths)
+    for job in manifest["jobs"]:
+        if job["job_id"] == entry["job_id"]:
+            job.update(entry)
+    write_manifest(paths, manifest)
+
+
+def submit(paths: RunPaths, request: ConsolidationRequest, template_dir: str | None, say: Say) -> str:
+    """Submit a consolidation job for ``request`` (no dependency); returns its job id."""
+    from slurmft.dispatch import check_executor, run_local_consolidation, submit_consolidation
+    from slurmft.profiles import load_profile
+    from slurmft.resume import resume_config
+
+    manifest = read_manifest(paths)
+    cfg, _ = resume_config(paths, [], manifest.get("executor", "slurm"))
+    check_executor(cfg.resolved_executor)
+    profile = load_profile(cfg.cluster.profile)
+    acquire_lock(paths, "consolidate", say)
+    try:
+        manifest = read_manifest(paths)
+        if manifest.get("executor") == "local":
+            return run_local_consolidation(cfg, paths, manifest, say, checkpoint=str(request.checkpoint),
+                                           out=str(request.out))
+        return submit_consolidation(cfg, profile, paths, manifest, str(paths.config), template_dir,
+                                    checkpoint=str(request.checkpoint), out=str(request.out))
+    finally:
+        release_lock(paths)

@@ -1,0 +1,248 @@
+"""``slurmft resume``: continue a run that died, from its newest complete checkpoint.
+
+Slurm's own requeue (the warning signal, ``scontrol requeue``) keeps the job id, so the ``afterok``
+consolidation job stays valid. Every other ending leaves the train job FAILED, CANCELLED, TIMEOUT,
+NODE_FAIL or OUT_OF_MEMORY, and its consolidation job in ``DependencyNeverSatisfied`` forever: a new
+job id is needed, and a new consolidation chained to it. A resume is a submit of an existing run
+directory: the resolved ``config.yaml`` (overrides only where they cannot change the training math),
+the same templates, a new submitit pickle, and the trainer's automatic resume from the newest
+``COMPLETE`` checkpoint. What happened is kept as a new *attempt* in the manifest.
+
+The decisions are pure functions (:func:`classify`, :func:`ended_how`, :func:`check_overrides`), the
+effects live in :func:`resume_run`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, step_of
+from slurmft.config import (
+    Executor,
+    RunConfig,
+    apply_overrides,
+    dump_config,
+    parse_override,
+    read_yaml,
+    validate,
+)
+from slurmft.errors import ConfigError, RunDirError, SubmissionError
+from slurmft.rundir import RunPaths, acquire_lock, atomic_write, release_lock, start_attempt, write_manifest
+from slurmft.status import LIVE, RunState, run_state
+
+# Keys a resume may change: where and how the job runs, never what it computes.
+ALLOWED_PREFIXES = ("cluster.", "preemption.", "consolidate.")
+ALLOWED_KEYS = ("checkpoint.keep_last", "resources.cpus_per_task", "resources.mem", "resources.exclusive")
+EXIT_REQUEUE_REFUSED = "3"  # slurmft.job.requeue.EXIT_REQUEUE_REFUSED, as sacct's ExitCode shows it
+MODEL_INDEX = "model.safetensors.index.json"
+
+
+class Phase(str, Enum):
+    """Where a run stands, as far as resuming goes."""
+
+    LIVE = "live"  # a train job is queued or running
+    FINISHED = "finished"  # trained to max_steps and consolidated
+    TRAINED = "trained"  # trained to max_steps, no consolidated model
+    RESUMABLE = "resumable"  # training stopped short of max_steps
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Refuse overrides that could change the training math (every refused key named)."""
+    refused = []
+    for text in overrides:
+        key = ".".join(parse_override(text)[0])
+        if not (key.startswith(ALLOWED_PREFIXES) or key in ALLOWED_KEYS):
+            refused.append(key)
+    if refused:
+        allowed = ", ".join([p + "*" for p in ALLOWED_PREFIXES] + list(ALLOWED_KEYS))
+        raise ConfigError(
+            f"resume cannot change {', '.join(refused)}: it would change what the resumed training computes",
+            [f"allowed on resume: {allowed}",
+             "to train differently, submit a new run (a new output_dir) instead"],
+        )
+
+
+def classify(live_train: list[str], trained_step: int | None, max_steps: int, model_ready: bool) -> Phase:
+    """The run's phase from its live train jobs, the newest complete checkpoint's step and the model."""
+    if live_train:
+        return Phase.LIVE
+    if trained_step is not None and trained_step >= max_steps:
+        return Phase.FINISHED if model_ready else Phase.TRAINED
+    return Phase.RESUMABLE
+
+
+def ended_how(state: str, exit_code: str = "") -> str:
+    """Why a train job ended, in words, from its Slurm state and exit code (``N:S``)."""
+    code, _, sig = (exit_code or "").partition(":")
+    if state == "FAILED" and code == EXIT_REQUEUE_REFUSED:
+        return ("saved after a warning signal, but the requeue budget (preemption.max_requeues) was used up "
+                "(exit 3)")
+    words = {
+        "CANCELLED": "cancelled (scancel)",
+        "TIMEOUT": "hit its time limit",
+        "NODE_FAIL": "a node failed",
+        "OUT_OF_MEMORY": "ran out of memory",
+        "PREEMPTED": "preempted (not requeued)",
+        "BOOT_FAIL": "a node failed to boot",
+        "DEADLINE": "reached its deadline",
+        "KILLED": "killed (the local run's processes are gone without a recorded state)",
+        "UNKNOWN": "unknown (Slurm no longer knows the job)",
+        "COMPLETED": "completed before max_steps",
+    }
+    if state == "FAILED":
+        detail = f"exit code {code}" if code and code != "0" else (f"signal {sig}" if sig and sig != "0" else "")
+        return f"failed ({detail})" if detail else "failed"
+    return words.get(state, state.lower())
+
+
+def model_ready(paths: RunPaths, final_checkpoint: Path | None) -> bool:
+    """A consolidated model exists and is not older than the final checkpoint."""
+    index = paths.model / MODEL_INDEX
+    if not index.is_file() or final_checkpoint is None:
+        return False
+    return index.stat().st_mtime >= (final_checkpoint / COMPLETE_MARKER).stat().st_mtime
+
+
+def checkpoint_world_size(ckpt: Path) -> int | None:
+    """World size recorded in a checkpoint's COMPLETE marker (None for old markers)."""
+    try:
+        value = json.loads((ckpt / COMPLETE_MARKER).read_text()).get("world_size")
+    except (OSError, ValueError):
+        return None
+    return int(value) if isinstance(value, int) else None
+
+
+def resume_config(paths: RunPaths, overrides: list[str], executor: str) -> tuple[RunConfig, bool]:
+    """The run's resolved config with the allowed overrides; returns (config, changed)."""
+    check_overrides(overrides)
+    if not paths.config.is_file():
+        raise RunDirError(f"{paths.root} has a manifest but no {paths.config.name}: it cannot be resumed")
+    data = read_yaml(paths.config)
+    cfg = validate(apply_overrides(data, overrides), source=str(paths.config))
+    cfg.executor = Executor(executor)  # where the run was started is where it continues
+    return cfg, bool(overrides)
+
+
+@dataclass
+class ResumeResult:
+    """What ``resume`` did (or why it had nothing to do)."""
+
+    phase: Phase
+    run_dir: Path
+    executor: str
+    jobs: dict[str, str] = field(default_factory=dict)
+    resumed_from: Path | None = None
+    step: int | None = None
+    cancelled: list[str] = field(default_factory=list)
+    previous: dict[str, Any] | None = None
+
+
+def _previous_end(state: RunState) -> dict[str, Any] | None:
+    rows = [r for r in state.rows if r["kind"] == "train"]
+    if not rows:
+        return None
+    last = rows[-1]
+    return {"job_id": last["job_id"], "state": last["state"], "exit_code": last.get("exit_code", ""),
+            "ended": ended_how(last["state"], last.get("exit_code", ""))}
+
+
+def _stale_consolidations(state: RunState) -> list[str]:
+    """Queued consolidation jobs chained (afterok) to a train job that will never succeed; a consolidation
+    submitted by hand without a dependency is left alone. Adopted jobs count as chained."""
+    chained = {j["job_id"] for j in state.manifest.get("jobs", [])
+               if j["kind"] == "consolidate" and (j.get("dependency") or j.get("adopted"))}
+    return [r["job_id"] for r in state.rows
+            if r["job_id"] in chained and r["state"] in ("PENDING", "REQUEUED")]
+
+
+def _cancel(job_ids: list[str]) -> None:
+    try:
+        out = subprocess.run(["scancel", *job_ids], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SubmissionError(f"could not cancel the stale consolidation job(s) {', '.join(job_ids)}: {exc}") from None
+    if out.returncode != 0:
+        raise SubmissionError(f"scancel {' '.join(job_ids)} failed: {out.stderr.strip()}; nothing was submitted")
+
+
+def resume_run(
+    run_dir: str | Path, overrides: list[str] | None = None, template_dir: str | None = None,
+    say: Any = lambda _: None,
+) -> ResumeResult:
+    """Continue a run that is not live and not trained to ``max_steps``: cancel its stale consolidation,
+    submit a new train job (it resumes from the newest complete checkpoint) and a consolidation chained
+    to it, and record the attempt. A finished run is reported, not resubmitted."""
+    from slurmft.dispatch import SubmitResult, check_executor, check_submittable, dispatch_attempt
+    from slurmft.profiles import load_profile
+    from slurmft.render import render_scripts
+
+    paths = RunPaths.of(run_dir)
+    overrides = list(overrides or [])
+    check_overrides(overrides)
+    state = run_state(paths)
+    executor = state.manifest.get("executor", "slurm")
+    for job in state.adopted:
+        say(f"found {job['kind']} job {job['job_id']} tagged with this run but missing from the manifest; adopted it")
+    cfg, changed = resume_config(paths, overrides, executor)
+    live_train = [r["job_id"] for r in state.rows if r["kind"] == "train" and r["state"] in {s.value for s in LIVE}]
+    latest = latest_complete(paths.checkpoints)
+    step = step_of(latest) if latest else None
+    phase = classify(live_train, step, cfg.train.max_steps, model_ready(paths, latest))
+    result = ResumeResult(phase, paths.root, executor, resumed_from=latest, step=step)
+    if phase == Phase.LIVE:
+        raise RunDirError(f"{paths.root} is live: train job(s) {', '.join(live_train)} still queued or running; "
+                          "nothing to resume (follow it with `slurmft status`, or `slurmft cancel` it first)")
+    if phase == Phase.FINISHED:
+        return result
+    if phase == Phase.TRAINED:
+        raise RunDirError(f"training already reached train.max_steps ({cfg.train.max_steps}, {latest}) but there is "
+                          f"no consolidated model: run `slurmft consolidate {paths.root}`")
+    running_cons = [r["job_id"] for r in state.rows if r["kind"] == "consolidate" and r["state"] == "RUNNING"]
+    if running_cons:
+        raise RunDirError(f"consolidation job(s) {', '.join(running_cons)} of {paths.root} are running; wait for them")
+    if latest is not None:
+        saved = checkpoint_world_size(latest)
+        if saved is not None and saved != cfg.resources.world_size:
+            raise ConfigError(
+                f"{latest.name} was saved by {saved} ranks, but the run config asks for {cfg.resources.world_size} "
+                f"(resources.nodes x ranks per node): a sharded checkpoint resumes only at the world size it was "
+                "saved with", ["restore resources in the run's config.yaml, or submit a new run"])
+    check_submittable(cfg)
+    profile = load_profile(cfg.cluster.profile)
+    config_path = str(paths.config)
+    scripts = render_scripts(cfg, profile, paths, config_path, template_dir)
+    check_executor(cfg.resolved_executor)
+
+    acquire_lock(paths, "resume", say)
+    try:
+        stale = _stale_consolidations(run_state(paths, adopt=False)) if executor != "local" else []
+        if stale:
+            _cancel(stale)
+            result.cancelled = stale
+            say(f"cancelled stale consolidation job(s) {', '.join(stale)} (they waited on a train job that "
+                "will never succeed)")
+        manifest = state.manifest
+        if changed:
+            atomic_write(paths.config, dump_config(cfg))
+        for kind, text in scripts.items():
+            atomic_write(paths.script(kind), text)
+        result.previous = _previous_end(state)
+        attempt = start_attempt(
+            manifest, "resume", resumed_from=str(latest) if latest else None, resumed_from_step=step,
+            previous=result.previous, overrides=overrides, cancelled=stale)
+        write_manifest(paths, manifest)
+        say(f"resuming {paths.root} from {latest.name} (step {step})" if latest
+            else f"resuming {paths.root}: no complete checkpoint, training starts again at step 0")
+        submitted = SubmitResult(paths.root, executor)
+        try:
+            dispatch_attempt(cfg, profile, paths, config_path, template_dir, manifest, attempt, submitted, say)
+        finally:
+            result.jobs = dict(submitted.jobs)
+            write_manifest(paths, manifest)
+    finally:
+        release_lock(paths)
+    return result

@@ -1,0 +1,215 @@
+"""`slurmft resume` / `slurmft consolidate` without a cluster: the pure decisions, the manifest, the lock,
+and the refusals that must leave everything untouched. The real endings are in tests/slurm/test_resume.py
+and tests/test_local_resume.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slurmft.checkpoints import mark_complete
+from slurmft.cli import main
+from slurmft.errors import ConfigError, RunDirError
+from slurmft.resume import Phase, check_overrides, checkpoint_world_size, classify, ended_how, model_ready
+from slurmft.rundir import RunPaths, acquire_lock, new_manifest, release_lock, write_manifest
+from slurmft.status import describe
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny" / "run.yaml"
+
+
+def cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        main(args)
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ------------------------------------------------------------------ pure decisions
+@pytest.mark.parametrize(
+    ("live", "step", "ready", "phase"),
+    [
+        (["7"], 10, False, Phase.LIVE),
+        (["7"], 40, True, Phase.LIVE),  # a live train job wins, whatever the disk says
+        ([], 40, True, Phase.FINISHED),
+        ([], 50, True, Phase.FINISHED),
+        ([], 40, False, Phase.TRAINED),
+        ([], 39, True, Phase.RESUMABLE),
+        ([], None, False, Phase.RESUMABLE),  # no checkpoint: starts again at step 0
+    ],
+)
+def test_classify(live: list[str], step: int | None, ready: bool, phase: Phase) -> None:
+    assert classify(live, step, 40, ready) == phase
+
+
+@pytest.mark.parametrize(
+    ("state", "code", "words"),
+    [
+        ("FAILED", "3:0", "requeue budget (preemption.max_requeues) was used up"),
+        ("FAILED", "1:0", "failed (exit code 1)"),
+        ("FAILED", "0:9", "failed (signal 9)"),
+        ("CANCELLED", "0:15", "cancelled (scancel)"),
+        ("TIMEOUT", "0:0", "hit its time limit"),
+        ("NODE_FAIL", "0:0", "a node failed"),
+        ("OUT_OF_MEMORY", "0:125", "ran out of memory"),
+        ("KILLED", "", "killed"),
+    ],
+)
+def test_ended_how(state: str, code: str, words: str) -> None:
+    assert words in ended_how(state, code)
+
+
+@pytest.mark.parametrize("key", ["cluster.time=01:00:00", "cluster.partition=gpu", "preemption.max_requeues=5",
+                                 "consolidate.dtype=bfloat16", "checkpoint.keep_last=3",
+                                 "resources.cpus_per_task=4", "resources.mem=100G", "resources.exclusive=false"])
+def test_allowed_overrides(key: str) -> None:
+    check_overrides([key])
+
+
+def test_forbidden_overrides_are_all_named_with_the_allowed_list() -> None:
+    with pytest.raises(ConfigError) as info:
+        check_overrides(["cluster.time=01:00:00", "train.learning_rate=1", "resources.nodes=4", "seed=1"])
+    text = info.value.render()
+    assert "train.learning_rate, resources.nodes, seed" in text
+    assert "cluster.*" in text and "checkpoint.keep_last" in text and "resources.exclusive" in text
+    assert "cluster.time" not in str(info.value)  # the allowed one is not blamed
+
+
+def test_model_ready_needs_a_model_newer_than_the_final_checkpoint(tmp_path: Path) -> None:
+    paths = RunPaths.of(tmp_path)
+    ckpt = paths.checkpoints / "checkpoint-40"
+    ckpt.mkdir(parents=True)
+    mark_complete(ckpt, step=40, world_size=2)
+    assert not model_ready(paths, ckpt)
+    paths.model.mkdir()
+    index = paths.model / "model.safetensors.index.json"
+    index.write_text("{}")
+    os.utime(index, (1, 1))  # a model older than the checkpoint was exported from an earlier one
+    assert not model_ready(paths, ckpt)
+    os.utime(index, None)
+    assert model_ready(paths, ckpt)
+    assert checkpoint_world_size(ckpt) == 2
+
+
+def test_words_point_to_resume_and_consolidate() -> None:
+    never = describe("PENDING", "DependencyNeverSatisfied", "/runs/x", "consolidate")
+    assert "slurmft resume /runs/x" in never and "submit again" not in never
+    assert "slurmft resume /runs/x" in describe("CANCELLED", "", "/runs/x", "train", newest_train=True)
+    assert "later `slurmft resume`" in describe("FAILED", "", "/runs/x", "train", newest_train=False)
+    assert "slurmft consolidate /runs/x" in describe("FAILED", "", "/runs/x", "consolidate")
+    assert "resume" not in describe("COMPLETED", "", "/runs/x", "train", newest_train=True)
+    # a reason only explains a pending job: a cancelled one that slurmctld still lists keeps its state
+    assert describe("CANCELLED", "DependencyNeverSatisfied", "/runs/x", "consolidate").startswith("cancelled")
+
+
+# ------------------------------------------------------------------ the lock
+def test_stale_lock_of_a_dead_process_here_is_cleared(tmp_path: Path) -> None:
+    paths = RunPaths.of(tmp_path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    paths.lock.write_text(f"{socket.gethostname()} pid={dead.stdout.strip()} t=0 submit\n")
+    said: list[str] = []
+    acquire_lock(paths, "resume", said.append)
+    assert said and "stale lock" in said[0] and dead.stdout.strip() in said[0]
+    assert f"pid={os.getpid()}" in paths.lock.read_text()
+    release_lock(paths)
+    assert not paths.lock.exists()
+
+
+def test_lock_of_a_live_process_or_another_host_is_refused_with_the_owner(tmp_path: Path) -> None:
+    paths = RunPaths.of(tmp_path)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        paths.lock.write_text(f"{socket.gethostname()} pid={live.pid} t=0 submit\n")
+        with pytest.raises(RunDirError, match=f"pid {live.pid} on host {socket.gethostname()}"):
+            acquire_lock(paths, "resume")
+    finally:
+        live.kill()
+        live.wait()
+    paths.lock.write_text("login-node-7 pid=4242 t=0 submit\n")
+    with pytest.raises(RunDirError) as info:
+        acquire_lock(paths, "resume")
+    assert "pid 4242 on host login-node-7" in str(info.value) and f"remove {paths.lock}" in str(info.value)
+    assert paths.lock.read_text().startswith("login-node-7")  # never taken from another host
+
+
+# ------------------------------------------------------------------ refusals through the CLI
+def test_resume_of_a_directory_that_is_not_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = cli(["resume", str(tmp_path)], capsys)
+    assert code == 2 and "not a slurmft run directory" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+    code, _, err = cli(["resume", str(tmp_path / "nope")], capsys)
+    assert code == 2 and "does not exist" in err
+
+
+def _finished_local_run(tmp_path: Path, step: int, model: bool) -> RunPaths:
+    """A local run directory as submit leaves it, trained to ``step``, with or without a model."""
+    from slurmft.config import dump_config, load_config
+
+    paths = RunPaths.of(tmp_path / "run")
+    cfg = load_config(EXAMPLE, [f"output_dir={paths.root}", "train.max_steps=12", "checkpoint.every_steps=6"])
+    paths.root.mkdir()
+    paths.config.write_text(dump_config(cfg))
+    manifest = new_manifest("tiny", "local", paths.run_id)
+    manifest["jobs"].append({"kind": "train", "job_id": "1", "attempt": 1, "pid": 1, "state": "COMPLETED"})
+    write_manifest(paths, manifest)
+    ckpt = paths.checkpoints / f"checkpoint-{step}"
+    ckpt.mkdir(parents=True)
+    mark_complete(ckpt, step=step, world_size=2)
+    if model:
+        paths.model.mkdir()
+        (paths.model / "model.safetensors.index.json").write_text("{}")
+    return paths
+
+
+def test_resume_of_a_finished_run_says_where_the_model_is(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    paths = _finished_local_run(tmp_path, 12, model=True)
+    before = paths.manifest.read_text()
+    code, out, _ = cli(["resume", str(paths.root)], capsys)
+    assert code == 0 and "is finished" in out and f"model: {paths.model}" in out
+    assert paths.manifest.read_text() == before  # nothing recorded, nothing submitted
+
+
+def test_resume_of_a_trained_but_unconsolidated_run_points_to_consolidate(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    paths = _finished_local_run(tmp_path, 12, model=False)
+    code, _, err = cli(["resume", str(paths.root)], capsys)
+    assert code == 2 and f"slurmft consolidate {paths.root}" in err
+
+
+def test_forbidden_override_submits_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    paths = _finished_local_run(tmp_path, 6, model=False)
+    before = paths.manifest.read_text(), paths.config.read_text()
+    code, _, err = cli(["resume", str(paths.root), "train.max_steps=100"], capsys)
+    assert code == 2 and err.splitlines()[0].startswith("error: resume cannot change train.max_steps")
+    assert (paths.manifest.read_text(), paths.config.read_text()) == before
+
+
+def test_world_size_change_is_refused_in_words(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    paths = _finished_local_run(tmp_path, 6, model=False)
+    marker = paths.checkpoints / "checkpoint-6" / "COMPLETE"
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "world_size": 4}))
+    before = paths.manifest.read_text()
+    code, _, err = cli(["resume", str(paths.root)], capsys)
+    assert code == 2 and "saved by 4 ranks" in err and "asks for 2" in err
+    assert paths.manifest.read_text() == before
+
+
+def test_consolidate_refuses_a_torn_or_missing_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    paths = _finished_local_run(tmp_path, 6, model=False)
+    (paths.checkpoints / "checkpoint-9").mkdir()  # a save that never finished
+    code, _, err = cli(["consolidate", str(paths.root), "--checkpoint", "checkpoint-9"], capsys)
+    assert code == 2 and "no COMPLETE marker" in err and "checkpoint-6" in err
+    code, _, err = cli(["consolidate", str(paths.root), "--checkpoint", "checkpoint-99"], capsys)
+    assert code == 2 and "no such checkpoint" in err
+    paths.model.write_text("not a directory")
+    code, _, err = cli(["consolidate", str(paths.root)], capsys)
+    assert code == 2 and "is not a directory" in err
