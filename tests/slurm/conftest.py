@@ -14,7 +14,7 @@ from slurmft.cli import main
 class SlurmftDriver:
     """Writes run configs for the test cluster and runs the CLI in-process."""
 
-    def __init__(self, capsys: pytest.CaptureFixture[str]) -> None:
+    def __init__(self, capsys: pytest.CaptureFixture[str] | None) -> None:
         self.capsys = capsys
 
     def write_config(self, tmp_path: Path, model: Path, data: Path, **sections: dict) -> Path:
@@ -62,3 +62,9 @@ class SlurmftDriver:
 def slurmft(capsys: pytest.CaptureFixture[str]) -> SlurmftDriver:
     """The CLI driver for one test."""
     return SlurmftDriver(capsys)
+
+
+@pytest.fixture(scope="session")
+def config_writer() -> SlurmftDriver:
+    """A driver for fixtures wider than one test: ``write_config`` only (it captures no output)."""
+    return SlurmftDriver(None)
