@@ -37,6 +37,7 @@ def cli() -> None:
     slurmft render run.yaml            write and print the sbatch scripts, submit nothing
     slurmft submit run.yaml            validate, submit train + consolidation jobs
     slurmft status RUN_DIR             state of every job of a run
+    slurmft runs [DIR]                 every run under DIR: state, step, loss, age
     slurmft estimate run.yaml          will it fit? GPU and CPU memory per rank
 
     Overrides use dotted keys: slurmft submit run.yaml resources.nodes=4 train.max_steps=10
@@ -162,12 +163,69 @@ def status(run_dir: Path, as_json: bool) -> None:
 @click.option("--job", "kind", type=click.Choice(["train", "consolidate"]), default="train", show_default=True)
 @click.option("-f", "--follow", is_flag=True, help="Keep printing as the log grows (Ctrl-C to stop).")
 @click.option("-n", "--lines", default=50, show_default=True, help="Lines of the end to show.")
-def logs(run_dir: Path, kind: str, follow: bool, lines: int) -> None:
+@click.option("--rank", type=click.IntRange(min=0), help="Only this global rank's lines.")
+@click.option("--attempt", type=click.IntRange(min=1),
+              help="Only the K-th attempt (1 = first; requeues and resumes each count), all of it.")
+def logs(run_dir: Path, kind: str, follow: bool, lines: int, rank: int | None, attempt: int | None) -> None:
     """Show the log of the newest train (or consolidation) job of a run."""
     from slurmft.logs import log_files, tail
 
+    if rank is not None or attempt is not None:
+        _filtered_logs(run_dir, kind, follow, lines, rank, attempt)
+        return
     files = log_files(run_dir, kind)
     tail(files, lines, follow, click.echo)
+
+
+def _filtered_logs(run_dir: Path, kind: str, follow: bool, lines: int, rank: int | None, attempt: int | None) -> None:
+    """``logs --rank/--attempt``: one attempt whole, or the last ``lines`` of one rank's lines."""
+    from slurmft.logs import select_lines
+
+    if follow:
+        raise click.UsageError("-f cannot be combined with --rank or --attempt (they show a snapshot)")
+    out = select_lines(run_dir, kind, rank=rank, attempt=attempt)
+    for line in out if attempt is not None else out[-lines:]:
+        click.echo(line)
+
+
+@cli.command()
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path), default=".", metavar="[DIR]")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def runs(directory: Path, as_json: bool) -> None:
+    """Every run directory under DIR (default: here, 3 levels deep): state, step, last loss, age."""
+    from slurmft.runs import MAX_DEPTH, format_rows, run_lines
+
+    rows = run_lines(directory)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo(f"no run directories (with a manifest.json) under {directory}, {MAX_DEPTH} levels deep")
+        return
+    for line in format_rows(rows, directory):
+        click.echo(line)
+    for r in rows:
+        if r["problem"]:
+            click.echo(f"{r['path']}: {r['problem']}")
+
+
+@cli.command()
+@RUN_DIR
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="PNG to write (default RUN_DIR/loss.png).")
+def plot(run_dir: Path, out: Path | None) -> None:
+    """Loss and learning rate by step, each restart or resume marked (needs the `plot` extra: matplotlib)."""
+    from slurmft.plot import plot_run
+
+    click.echo(f"wrote {plot_run(run_dir, out)}")
+
+
+@cli.command()
+@RUN_DIR
+def report(run_dir: Path) -> None:
+    """(Re)write RUN_DIR/report.md and loss.png: config, allocation, attempts, time lost, loss, memory, model."""
+    from slurmft.report import write_report
+
+    click.echo(f"wrote {write_report(run_dir)}")
 
 
 @cli.command()
