@@ -94,9 +94,10 @@ def draw(records: list[dict[str, Any]], target: Path, title: str) -> None:
     fig = Figure(figsize=SIZE_INCHES, dpi=DPI)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    ax.plot(steps, loss, color="tab:blue", alpha=0.35, linewidth=1, label="loss")
+    ax.plot(steps, loss, color="tab:blue", alpha=0.4, linewidth=1, marker=".", markersize=3, label="loss")
     if len(loss) > 2:
-        ax.plot(steps, smooth(loss), color="tab:blue", linewidth=2, label="loss (smoothed)")
+        weight = min(0.9, max(0.5, 1 - 10 / len(loss)))  # light: ~a tenth of the run, at most ~10 points
+        ax.plot(steps, smooth(loss, weight), color="tab:blue", linewidth=2, label="loss (smoothed)")
     ax.set_xlabel("step")
     ax.set_ylabel("loss", color="tab:blue")
     ax.grid(True, alpha=0.3)
@@ -112,9 +113,10 @@ def draw(records: list[dict[str, Any]], target: Path, title: str) -> None:
         ax.axvline(m.step, color="tab:red", linestyle="--", linewidth=1.2)
         ax.annotate(f"{m.label}\nstep {m.step}", xy=(m.step, 1.0), xycoords=("data", "axes fraction"),
                     xytext=(3, -3), textcoords="offset points", va="top", fontsize=8, color="tab:red")
-    ax.legend(handles, labels, loc="upper right", fontsize=8)
     ax.set_title(f"{title}: loss and learning rate by step")
-    fig.tight_layout()
+    # Below the axes: inside, it would cover a marker's label or the curves' ends.
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp")
     fig.savefig(tmp, format="png")

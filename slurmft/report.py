@@ -227,7 +227,7 @@ def render(s: dict[str, Any], plot_name: str | None) -> str:
     ck = s["checkpoint"]
     L += ["## Model", "",
           f"Consolidated model: `{s['model']}` (`AutoModelForCausalLM.from_pretrained` loads it)." if s["model"]
-          else "No consolidated model yet (`model/model.safetensors.index.json` is missing).",
+          else "No consolidated model yet (`model/model.safetensors.index.json` is missing).", "",
           f"Newest complete checkpoint: `{ck['path']}` (step {ck['step']}, {fmt_bytes(ck['bytes'])})." if ck
           else "No complete checkpoint.", ""]
     if plot_name:
