@@ -24,6 +24,7 @@ def test_find_runs_searches_a_few_levels_and_skips_run_internals(tmp_path: Path)
     a = preempted_run(tmp_path / "proj" / "exp1", "a")
     b = local_run(tmp_path / "proj", "b")
     local_run(a / "checkpoints", "hidden")  # never searched inside a run
+    local_run(a / "evals", "nested")
     local_run(tmp_path / "x" / "y" / "z", "too-deep")  # depth 4
     (tmp_path / "proj" / ".cache").mkdir()
     local_run(tmp_path / "proj" / ".cache", "dot")
@@ -74,7 +75,7 @@ def test_runs_asks_slurm_once_for_all_runs(tmp_path: Path, monkeypatch: pytest.M
     out = capsys.readouterr().out.splitlines()
     lines = calls.read_text().splitlines()
     assert [line.split()[0] for line in lines] == ["squeue", "sacct"], lines  # one each, for all runs
-    assert "100,101,300,301" in lines[0] and "100,101" in lines[1]
+    assert "-j 100,101,300,301 " in lines[0] and "-j 100,101 " in lines[1]  # sacct: only what squeue forgot
     rows = {line.split()[0]: line.split() for line in out[1:] if not line.startswith("/")}
     assert rows["a"][1:4] == ["trained", "36/36", "1.2000"]
     assert rows["b"][1] == "training"
