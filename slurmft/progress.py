@@ -364,3 +364,70 @@ def lost_to_preemption(rows: list[dict[str, Any]]) -> dict[str, Any]:
                              "recomputed_s": round(cost, 1), "gap_s": round(gap, 1)})
     return {"recomputed_steps": recomputed_steps, "recomputed_s": round(recomputed_s, 1),
             "gap_s": round(gap_s, 1), "total_s": round(recomputed_s + gap_s, 1), "boundaries": per_boundary}
+
+
+def overview(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dict[str, Any]],
+             max_steps: int | None = None) -> dict[str, Any]:
+    """What ``slurmft status --json`` adds beside ``jobs``: ``{progress, checkpoint, attempts, model, lost}``.
+
+    ``slurm_rows`` are :func:`slurmft.status.job_rows` of ``manifest`` (no Slurm call here);
+    ``max_steps`` defaults to the run config's ``train.max_steps``.
+    """
+    max_steps = max_steps_of(paths) if max_steps is None else max_steps
+    metrics = read_metrics(paths.metrics)
+    rows = attempts(manifest, metrics.records, slurm_rows, markers=requeue_markers(paths), max_steps=max_steps)
+    return {"progress": progress_of(metrics, max_steps), "checkpoint": checkpoint_info(paths), "attempts": rows,
+            "model": model_info(paths), "lost": lost_to_preemption(rows)}
+
+
+def fmt_duration(seconds: float | None) -> str:
+    """``1h02m``, ``3m05s``, ``12s``; ``-`` for None."""
+    if seconds is None:
+        return "-"
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Human bytes (binary units)."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def overview_lines(ov: dict[str, Any]) -> list[str]:
+    """:func:`overview` in words, for ``slurmft status`` without ``--json``."""
+    p, ck = ov["progress"], ov["checkpoint"]
+    if p["step"] is None:
+        lines = [f"progress: {p['problem'] or 'no step logged yet'}"]
+    else:
+        loss = f"{p['loss']:.4f}" if p["loss"] is not None else "-"
+        tps = f", {p['tokens_per_s']:.0f} tokens/s" if p["tokens_per_s"] is not None else ""
+        eta = f", ETA {fmt_duration(p['eta_s'])}" if p["eta_s"] else (", done" if p["eta_s"] == 0 else "")
+        lines = [f"progress: step {p['step']}/{p['max_steps'] or '?'}, loss {loss}{tps}{eta}"]
+        if p["problem"]:
+            lines.append(f"  note: {p['problem']}")
+    lines.append(f"checkpoint: step {ck['step']}, {fmt_duration(ck['age_s'])} old, {fmt_bytes(ck['bytes'])} "
+                 f"({ck['path']})" if ck else "checkpoint: none complete yet")
+    lines.append("attempts:")
+    for k, a in enumerate(ov["attempts"], start=1):
+        steps = f"steps {a['first_step']}-{a['last_step']}" if a["first_step"] is not None else "no step"
+        start = time.strftime("%m-%d %H:%M:%S", time.localtime(a["start"])) if a["start"] else "-"
+        end = time.strftime("%m-%d %H:%M:%S", time.localtime(a["end"])) if a["end"] else "-"
+        lines.append(f"  {k}. job {a['job_id']} restart {a['restart']} ({a['how']}, from step "
+                     f"{a['resumed_from_step'] if a['resumed_from_step'] is not None else '-'}): {steps}, "
+                     f"{start} .. {end}: {a['reason']}")
+    lost = ov.get("lost") or {}
+    if lost.get("boundaries"):
+        lines.append(f"lost to restarts: {lost['recomputed_steps']} step(s) again, "
+                     f"{fmt_duration(lost['gap_s'])} between attempts")
+    lines.append(f"model: {ov['model']}" if ov["model"] else "model: not consolidated yet")
+    return lines

@@ -23,6 +23,8 @@ from slurmft.errors import RunDirError
 from slurmft.progress import (
     attempts,
     checkpoint_info,
+    fmt_bytes,
+    fmt_duration,
     lost_to_preemption,
     max_steps_of,
     model_info,
@@ -34,29 +36,6 @@ from slurmft.rundir import RunPaths, atomic_write, read_manifest
 
 REPORT_NAME = "report.md"
 FSDP_REPORT_DIR = "fsdp_report"  # slurmft/job/train.py writes rank<r>.json there
-
-
-def fmt_duration(seconds: float | None) -> str:
-    """``1h02m``, ``3m05s``, ``12s``; ``-`` for None."""
-    if seconds is None:
-        return "-"
-    s = int(round(seconds))
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    if s >= 60:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s}s"
-
-
-def fmt_bytes(n: float | None) -> str:
-    """Human bytes (binary units)."""
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def fmt_time(t: float | None) -> str:

@@ -154,3 +154,31 @@ def test_attempts_of_a_local_run(tmp_path: Path) -> None:
     assert [(r["job_id"], r["restart"], r["state"], r["reason"], r["last_step"]) for r in rows] == [
         ("4242", 0, "COMPLETED", "completed", 12)]
     assert lost_to_preemption(rows)["boundaries"] == []
+
+
+def test_overview_has_the_status_json_keys(tmp_path: Path) -> None:
+    from slurmft.progress import overview
+
+    paths = RunPaths.of(preempted_run(tmp_path))
+    out = overview(paths, json.loads(paths.manifest.read_text()), slurm_rows())
+    assert set(out["progress"]) >= {"step", "max_steps", "loss", "tokens_per_s", "eta_s"}
+    assert set(out["checkpoint"]) == {"step", "path", "age_s", "bytes"}
+    assert all(set(a) >= {"job_id", "restart", "state", "reason", "start", "end", "first_step", "last_step"}
+               for a in out["attempts"])
+    assert out["progress"]["max_steps"] == 36 and len(out["attempts"]) == 3 and out["model"] is None
+    json.dumps(out)  # --json can print it as is
+
+
+def test_overview_lines_say_it_in_words(tmp_path: Path) -> None:
+    from slurmft.progress import overview, overview_lines
+
+    paths = RunPaths.of(preempted_run(tmp_path))
+    text = "\n".join(overview_lines(overview(paths, json.loads(paths.manifest.read_text()), slurm_rows())))
+    assert "progress: step 36/36, loss 1.2000, 1028 tokens/s, done" in text
+    assert "checkpoint: step 36," in text and "3.9 KiB" in text
+    assert "1. job 100 restart 0 (submit, from step 0): steps 1-12" in text
+    assert "3. job 100 restart 2 (requeue, from step 20): steps 21-36" in text and text.count("job 100") == 3
+    assert "lost to restarts: 5 step(s) again, 1m00s between attempts" in text
+    assert "model: not consolidated yet" in text
+    (paths.metrics).unlink()
+    assert "progress: no metrics.jsonl yet" in "\n".join(overview_lines(overview(paths, {"jobs": []}, [])))
