@@ -37,6 +37,7 @@ def cli() -> None:
     slurmft render run.yaml            write and print the sbatch scripts, submit nothing
     slurmft submit run.yaml            validate, submit train + consolidation jobs
     slurmft status RUN_DIR             state of every job of a run
+    slurmft runs [DIR]                 every run under DIR: state, step, loss, age
     slurmft resume RUN_DIR             continue a run that died, from its newest checkpoint
     slurmft consolidate RUN_DIR        (re)export a checkpoint as a Hugging Face model
     slurmft estimate run.yaml          will it fit? GPU and CPU memory per rank
@@ -137,14 +138,18 @@ def estimate(config: Path, overrides: tuple[str, ...], as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(run_dir: Path, as_json: bool) -> None:
     """State of every job of a run: kind, job id, attempt, state, reason, elapsed, and what to do next."""
+    from slurmft.progress import overview, overview_lines
     from slurmft.rundir import RunPaths
     from slurmft.status import run_state
 
-    state = run_state(RunPaths.of(run_dir))
+    paths = RunPaths.of(run_dir)
+    state = run_state(paths)
     manifest, rows = state.manifest, state.rows
+    ov = overview(paths, manifest, rows)
     if as_json:
-        click.echo(json.dumps({"run": manifest["name"], "executor": manifest["executor"], "jobs": rows,
-                               "attempts": manifest.get("attempts", []), "problems": state.problems}, indent=2))
+        click.echo(json.dumps({"run": manifest["name"], "executor": manifest["executor"], "jobs": rows, **ov,
+                               "run_attempts": manifest.get("attempts", []), "problems": state.problems},
+                              indent=2))
         return
     from rich.console import Console
     from rich.table import Table
@@ -158,11 +163,8 @@ def status(run_dir: Path, as_json: bool) -> None:
     Console().print(table)
     for r in rows:  # what each state means, one unwrapped line per job
         click.echo(f"{r['kind']} {r['job_id']}: {r['words']}")
-    for a in manifest.get("attempts", [])[1:]:
-        prev = a.get("previous") or {}
-        start = f"from step {a['resumed_from_step']}" if a.get("resumed_from_step") is not None else "from step 0"
-        click.echo(f"attempt {a['attempt']} ({a['how']}, train job {a.get('train_job')}) {start}; "
-                   f"the previous one (job {prev.get('job_id', '?')}) {prev.get('ended', 'ended')}")
+    for line in overview_lines(ov):
+        click.echo(line)
     for job in state.adopted:
         click.echo(f"note: {job['kind']} job {job['job_id']} carries this run's tag but was missing from the "
                    "manifest (a submit interrupted after sbatch?); it is now recorded")
@@ -175,12 +177,69 @@ def status(run_dir: Path, as_json: bool) -> None:
 @click.option("--job", "kind", type=click.Choice(["train", "consolidate"]), default="train", show_default=True)
 @click.option("-f", "--follow", is_flag=True, help="Keep printing as the log grows (Ctrl-C to stop).")
 @click.option("-n", "--lines", default=50, show_default=True, help="Lines of the end to show.")
-def logs(run_dir: Path, kind: str, follow: bool, lines: int) -> None:
+@click.option("--rank", type=click.IntRange(min=0), help="Only this global rank's lines.")
+@click.option("--attempt", type=click.IntRange(min=1),
+              help="Only the K-th attempt (1 = first; requeues and resumes each count), all of it.")
+def logs(run_dir: Path, kind: str, follow: bool, lines: int, rank: int | None, attempt: int | None) -> None:
     """Show the log of the newest train (or consolidation) job of a run."""
     from slurmft.logs import log_files, tail
 
+    if rank is not None or attempt is not None:
+        _filtered_logs(run_dir, kind, follow, lines, rank, attempt)
+        return
     files = log_files(run_dir, kind)
     tail(files, lines, follow, click.echo)
+
+
+def _filtered_logs(run_dir: Path, kind: str, follow: bool, lines: int, rank: int | None, attempt: int | None) -> None:
+    """``logs --rank/--attempt``: one attempt whole, or the last ``lines`` of one rank's lines."""
+    from slurmft.logs import select_lines
+
+    if follow:
+        raise click.UsageError("-f cannot be combined with --rank or --attempt (they show a snapshot)")
+    out = select_lines(run_dir, kind, rank=rank, attempt=attempt)
+    for line in out if attempt is not None else out[-lines:]:
+        click.echo(line)
+
+
+@cli.command()
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path), default=".", metavar="[DIR]")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def runs(directory: Path, as_json: bool) -> None:
+    """Every run directory under DIR (default: here, 3 levels deep): state, step, last loss, age."""
+    from slurmft.runs import MAX_DEPTH, format_rows, run_lines
+
+    rows = run_lines(directory)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo(f"no run directories (with a manifest.json) under {directory}, {MAX_DEPTH} levels deep")
+        return
+    for line in format_rows(rows, directory):
+        click.echo(line)
+    for r in rows:
+        if r["problem"]:
+            click.echo(f"{r['path']}: {r['problem']}")
+
+
+@cli.command()
+@RUN_DIR
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="PNG to write (default RUN_DIR/loss.png).")
+def plot(run_dir: Path, out: Path | None) -> None:
+    """Loss and learning rate by step, each restart or resume marked (needs the `plot` extra: matplotlib)."""
+    from slurmft.plot import plot_run
+
+    click.echo(f"wrote {plot_run(run_dir, out)}")
+
+
+@cli.command()
+@RUN_DIR
+def report(run_dir: Path) -> None:
+    """(Re)write RUN_DIR/report.md and loss.png: config, allocation, attempts, time lost, loss, memory, model."""
+    from slurmft.report import write_report
+
+    click.echo(f"wrote {write_report(run_dir)}")
 
 
 @cli.command()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from slurmft.errors import RunDirError
@@ -47,3 +49,115 @@ def tail(files: list[Path], lines: int, follow: bool, echo: Callable[[str], None
                 offsets[f] = size
                 for line in chunk.decode(errors="replace").splitlines():
                     echo(line)
+
+
+# --- one rank, one attempt -------------------------------------------------------------------------
+# The batch script prints this line at every start of the train job (templates/partials/rendezvous.j2);
+# a requeued job appends to the same log file, so these lines are where one attempt ends and the next begins.
+ATTEMPT_HEADER = re.compile(r"^\[slurmft\] job=(?P<job>\S+) restart=(?P<restart>\d+)(?: nodes=(?P<nodes>\S+))?")
+# srun --label prefixes each task's line with its global rank, right-aligned: " 0: ", "12: ".
+RANK_LABEL = re.compile(r"^\s*(?P<rank>\d+): ")
+
+
+@dataclass
+class LogAttempt:
+    """The lines of one attempt of one job: a run's K-th attempt is the K-th of these, in order."""
+
+    job_id: str
+    restart: int | None
+    files: list[Path]
+    lines: list[str] = field(default_factory=list)
+    nodes: str | None = None
+    per_rank_files: bool = False  # local runs: file i holds rank i (no labels)
+
+
+def split_attempts(lines: list[str], job_id: str) -> list[LogAttempt]:
+    """Cut one job's log where the batch script announced a (re)start; lines before the first header
+    (if any) go with the first attempt."""
+    out: list[LogAttempt] = []
+    for line in lines:
+        m = ATTEMPT_HEADER.match(line)
+        if m:
+            out.append(LogAttempt(m["job"], int(m["restart"]), [], [line], m["nodes"]))
+        elif out:
+            out[-1].lines.append(line)
+        else:
+            out.append(LogAttempt(job_id, None, [], [line]))
+    if len(out) > 1 and out[0].restart is None and not any(s.strip() for s in out[0].lines):
+        out.pop(0)
+    return out or [LogAttempt(job_id, 0, [])]
+
+
+def rank_lines(lines: list[str], rank: int) -> list[str]:
+    """The lines srun labelled with ``rank``, plus the batch script's attempt headers (for orientation)."""
+    out = []
+    for line in lines:
+        m = RANK_LABEL.match(line)
+        if (m and int(m["rank"]) == rank) or ATTEMPT_HEADER.match(line):
+            out.append(line)
+    return out
+
+
+def _read_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+
+
+def log_attempts(run_dir: Path, kind: str = "train") -> list[LogAttempt]:
+    """Every attempt of every ``kind`` job of the run, oldest first (what ``--attempt K`` counts).
+
+    Slurm runs: one log per job id, cut at the batch script's ``[slurmft] job=... restart=...`` lines.
+    Local runs: one attempt per job, one file per rank (stdout; stderr beside it as ``.err``).
+    """
+    paths = RunPaths.of(run_dir)
+    manifest = read_manifest(paths)
+    out: list[LogAttempt] = []
+    for job in manifest.get("jobs", []):
+        if job.get("kind") != kind:
+            continue
+        jid = str(job["job_id"])
+        if job.get("logs"):  # local: per-rank files
+            files = [Path(p) for p in job["logs"]]
+            out.append(LogAttempt(jid, 0, files, per_rank_files=True))
+            continue
+        log = Path(job.get("log") or paths.log_file(kind, jid))
+        for attempt in split_attempts(_read_lines(log), jid):
+            attempt.files = [log]
+            out.append(attempt)
+    if not out:
+        raise RunDirError(f"run {paths.root} has no {kind} job (was consolidation disabled?)")
+    return out
+
+
+def select_lines(run_dir: Path, kind: str = "train", rank: int | None = None,
+                 attempt: int | None = None) -> list[str]:
+    """The log lines of one attempt (1 = the first; default: all) and/or one rank (default: all)."""
+    found = log_attempts(run_dir, kind)
+    if attempt is not None:
+        if not 1 <= attempt <= len(found):
+            raise RunDirError(f"--attempt {attempt}: the run has {len(found)} {kind} attempt(s) in its logs "
+                              f"(1..{len(found)})")
+        found = [found[attempt - 1]]
+    out: list[str] = []
+    for k, att in enumerate(found, start=1):
+        if len(found) > 1 or attempt is not None:
+            restart = "" if att.restart is None else f" restart {att.restart}"
+            out.append(f"==> attempt {attempt or k}: job {att.job_id}{restart} <==")
+        if att.per_rank_files:
+            ranks = range(len(att.files)) if rank is None else [rank]
+            for r in ranks:
+                if r >= len(att.files):
+                    raise RunDirError(f"--rank {r}: job {att.job_id} ran {len(att.files)} rank(s) "
+                                      f"(0..{len(att.files) - 1})")
+                for f in (att.files[r], att.files[r].with_suffix(".err")):
+                    if f.exists():
+                        if rank is None or f.suffix == ".err":
+                            out.append(f"--- rank {r}: {f} ---")
+                        out.extend(_read_lines(f))
+            continue
+        if not att.files[0].exists():
+            out.append(f"(no log yet: {att.files[0]} — the job may still be pending)")
+        out.extend(att.lines if rank is None else rank_lines(att.lines, rank))
+    return out

@@ -32,14 +32,21 @@ from slurmft.config import (
     validate,
 )
 from slurmft.errors import ConfigError, RunDirError, SubmissionError
-from slurmft.rundir import RunPaths, acquire_lock, atomic_write, release_lock, start_attempt, write_manifest
+from slurmft.rundir import (
+    MODEL_INDEX,
+    RunPaths,
+    acquire_lock,
+    atomic_write,
+    release_lock,
+    start_attempt,
+    write_manifest,
+)
 from slurmft.status import LIVE, RunState, run_state
 
 # Keys a resume may change: where and how the job runs, never what it computes.
 ALLOWED_PREFIXES = ("cluster.", "preemption.", "consolidate.")
 ALLOWED_KEYS = ("checkpoint.keep_last", "resources.cpus_per_task", "resources.mem", "resources.exclusive")
 EXIT_REQUEUE_REFUSED = "3"  # slurmft.job.requeue.EXIT_REQUEUE_REFUSED, as sacct's ExitCode shows it
-MODEL_INDEX = "model.safetensors.index.json"
 
 
 class Phase(str, Enum):

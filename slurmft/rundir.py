@@ -23,6 +23,8 @@ MANIFEST_VERSION = 2
 # Every job slurmft submits carries ``--comment=slurmft:<run id>``, so a job that a killed submit
 # never wrote into the manifest can still be found (and adopted) with one squeue query.
 JOB_TAG_PREFIX = "slurmft:"
+# What consolidation writes last into the model directory: its presence means a complete export.
+MODEL_INDEX = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,3 +34,17 @@ def test_login_commands_import_no_training_stack(args: list[str]) -> None:
     out = subprocess.run([sys.executable, "-c", PROBE.format(heavy=HEAVY), *args], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "HEAVY []" in out.stdout, out.stdout[-500:]
+
+
+def test_watching_commands_import_no_training_stack(tmp_path: Path) -> None:
+    """runs, plot (with matplotlib installed), report and logs --rank read the run directory only."""
+    from runfixture import preempted_run
+
+    run = preempted_run(tmp_path)
+    for args in (["runs", str(tmp_path)], ["plot", str(run)], ["report", str(run)],
+                 ["logs", str(run), "--rank", "0"]):
+        out = subprocess.run([sys.executable, "-c", PROBE.format(heavy=HEAVY), *args], capture_output=True,
+                             text=True, env={**os.environ, "PATH": "/nonexistent"})  # no Slurm to ask
+        assert out.returncode == 0, (args, out.stderr)
+        assert "HEAVY []" in out.stdout, (args, out.stdout[-500:])
+    assert (run / "loss.png").stat().st_size > 0 and (run / "report.md").is_file()

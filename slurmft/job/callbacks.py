@@ -128,6 +128,36 @@ class MetricsLog(TrainerCallback):
             f.write(json.dumps(record) + "\n")
 
 
+def step_line(logs: dict[str, Any], step: int, max_steps: int) -> str:
+    """One readable line for a Trainer log dict: ``step 12/36  loss 2.3456  lr 8.00e-04  grad_norm 1.23``."""
+    if "loss" in logs:
+        parts = [f"step {step}/{max_steps}", f"loss {logs['loss']:.4f}"]
+        if logs.get("learning_rate") is not None:
+            parts.append(f"lr {logs['learning_rate']:.2e}")
+        if logs.get("grad_norm") is not None:
+            parts.append(f"grad_norm {float(logs['grad_norm']):.3f}")
+        if logs.get("epoch") is not None:
+            parts.append(f"epoch {logs['epoch']:.2f}")
+        return "  ".join(parts)
+    words = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in logs.items()]
+    return f"step {step}/{max_steps}  " + " ".join(words)
+
+
+class StepLog(TrainerCallback):
+    """Global rank 0 logs each Trainer log dict as one line; every other rank stays quiet.
+
+    Replaces transformers' PrinterCallback, which prints the raw dict on every node's *local*
+    rank 0, so a two-node log held each step twice (DESIGN.md §3).
+    """
+
+    def __init__(self, ctx: DistContext) -> None:
+        self.ctx = ctx
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.ctx.is_main and logs:
+            log.info("%s", step_line(logs, state.global_step, state.max_steps))
+
+
 class FsdpReport(TrainerCallback):
     """Each rank writes ``<run>/fsdp_report/rank<r>.json``: what it really holds once training starts."""
 

@@ -57,7 +57,7 @@ from slurmft.checkpoints import (
 from slurmft.config import RunConfig, read_yaml, validate
 from slurmft.errors import CheckpointError, RunDirError, SlurmftError
 from slurmft.job.loading import DTYPES
-from slurmft.rundir import RunPaths
+from slurmft.rundir import MODEL_INDEX, RunPaths
 
 # accelerate's save_fsdp_model (SHARDED_STATE_DICT, FSDP2) writes the model of checkpoint-<step>/ to
 # pytorch_model_fsdp_0/ with dcp.save({"model": get_model_state_dict(model)}): DCP keys are
@@ -66,7 +66,7 @@ MODEL_DCP_DIR = "pytorch_model_fsdp_0"
 DCP_METADATA = ".metadata"
 DCP_CONTAINER = "model"
 
-SAFE_INDEX_NAME = "model.safetensors.index.json"
+SAFE_INDEX_NAME = MODEL_INDEX
 SHARD_NAME = "model-{index:05d}-of-{total:05d}.safetensors"
 
 SAFETENSORS_DTYPES = {

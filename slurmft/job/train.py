@@ -23,7 +23,7 @@ from slurmft import checkpoints
 from slurmft.config import RunConfig
 from slurmft.errors import JobSetupError
 from slurmft.job import cpu_fsdp, data, distributed, loading
-from slurmft.job.callbacks import CompleteCheckpoints, FsdpReport, MetricsLog, PreemptionStop
+from slurmft.job.callbacks import CompleteCheckpoints, FsdpReport, MetricsLog, PreemptionStop, StepLog
 from slurmft.job.distributed import DistContext
 from slurmft.job.rendezvous import JobEnv
 from slurmft.rundir import RunPaths, atomic_write
@@ -266,6 +266,7 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
 
     trainer = SFTTrainer(model=sharded.model, args=args, train_dataset=dataset,
                          processing_class=inputs.tokenizer, callbacks=callbacks)
+    _one_log_line(trainer, ctx)
     resume = _resume_point(paths, ctx)
     if ctx.is_main:
         log.info("resuming from %s" if resume else "starting from step 0%s", resume.name if resume else "")
@@ -283,6 +284,15 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
         log.info("training complete at step %d; final checkpoint %s", step, final)
     return {"status": "completed", "global_step": step, "checkpoint": str(final) if final else None,
             "seconds": round(time.time() - t_start, 1)}
+
+
+def _one_log_line(trainer: Any, ctx: DistContext) -> None:
+    """Per-step logs: one readable line from global rank 0 only (StepLog), not a dict per node."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(StepLog(ctx))
 
 
 def _quiet_libraries(ctx: DistContext) -> None:

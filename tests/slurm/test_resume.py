@@ -143,8 +143,12 @@ def test_killed_rank_then_resume(slurm_cluster, reference: Path, tiny_model: Pat
     assert attempt["cancelled"] == [jobs["consolidate"]]
     code, out, _ = slurmft.cli(["status", str(run)])
     assert code == 0
-    assert f"attempt 2 (resume, train job {new['train']}) from step 10" in out
-    assert f"the previous one (job {jobs['train']}) failed" in out
+    attempts = [line for line in out.splitlines() if line.startswith(("  1. job", "  2. job"))]
+    assert attempts[0].startswith(f"  1. job {jobs['train']} restart 0 (submit") and "failed, resumed by hand" in attempts[0]
+    assert attempts[1].startswith(f"  2. job {new['train']} restart 0 (resume, from step 10): steps 11-40")
+    assert attempts[1].endswith("completed")
+    assert f"model: {run / 'model'}" in out
+    assert (run / "report.md").is_file() and (run / "loss.png").is_file()  # written by the consolidation job
     rows = slurmft.status_json(run)
     assert rows["train"]["job_id"] == new["train"] and rows["train"]["state"] == "COMPLETED"
     # finished now: resume says so, with the model, and submits nothing

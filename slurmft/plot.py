@@ -1,0 +1,123 @@
+"""The loss picture of a run: loss against step, a smoothing line, the learning rate, and the restarts.
+
+A run that was preempted and requeued logs its steps in several attempts; where one attempt
+stopped and the next began is exactly what a user looks for when a loss curve jumps, so each
+restart (same Slurm job id, new ``restart``) and each ``slurmft resume`` (new job id) is a labelled
+vertical line at the step the earlier attempt reached. Steps computed twice (after a hard kill,
+from the last periodic checkpoint) are drawn once, with the newest attempt's value.
+
+Headless on purpose: matplotlib's ``Figure`` with the Agg canvas, no pyplot (no display, no global
+state), imported only when a picture is made. matplotlib is the optional ``plot`` extra; the data
+side (:func:`series`, :func:`marker_steps`, :func:`smooth`) needs nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+from slurmft.errors import SlurmftError
+from slurmft.progress import read_metrics, segments
+from slurmft.rundir import RunPaths
+
+PLOT_NAME = "loss.png"
+SIZE_INCHES = (9.0, 4.8)
+DPI = 100
+
+
+@dataclass(frozen=True)
+class Marker:
+    """A vertical line: the step where one attempt stopped and the next took over."""
+
+    step: int
+    label: str
+
+
+def smooth(values: list[float], weight: float = 0.8) -> list[float]:
+    """Exponential moving average, debiased at the start (TensorBoard's smoothing), light by default."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values, start=1):
+        avg = weight * avg + (1 - weight) * v
+        out.append(avg / (1 - weight**i))
+    return out
+
+
+def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of ``key``, one point per step (the newest attempt's value wins), step order."""
+    by_step: dict[int, float] = {}
+    for rec in records:
+        v = rec.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            by_step[rec["step"]] = float(v)
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def marker_steps(records: list[dict[str, Any]]) -> list[Marker]:
+    """One marker per attempt after the first: at the last step the previous attempt logged."""
+    segs = segments(records)
+    out = []
+    for prev, cur in pairwise(segs):
+        if cur.job_id == prev.job_id:
+            label = f"requeued (restart {cur.restart})"
+        else:
+            label = f"resumed (job {cur.job_id})"
+        out.append(Marker(prev.last_step, label))
+    return out
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw ``RUN/loss.png`` (or ``out``) from ``metrics.jsonl``; return the path written."""
+    paths = RunPaths.of(run_dir)
+    metrics = read_metrics(paths.metrics)
+    if not metrics.records:
+        raise SlurmftError(f"nothing to plot for {paths.root}", metrics.problems or ["metrics.jsonl has no step"])
+    target = Path(out) if out else paths.root / PLOT_NAME
+    draw(metrics.records, target, title=paths.root.name)
+    return target
+
+
+def draw(records: list[dict[str, Any]], target: Path, title: str) -> None:
+    """Render the figure into ``target`` (PNG), written atomically."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise SlurmftError("plotting needs matplotlib", ["pip install 'slurmft[plot]' (or pip install matplotlib)"]
+                           ) from None
+
+    steps, loss = series(records, "loss")
+    lr_steps, lr = series(records, "learning_rate")
+    fig = Figure(figsize=SIZE_INCHES, dpi=DPI)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot(steps, loss, color="tab:blue", alpha=0.4, linewidth=1, marker=".", markersize=3, label="loss")
+    if len(loss) > 2:
+        weight = min(0.9, max(0.5, 1 - 10 / len(loss)))  # light: ~a tenth of the run, at most ~10 points
+        ax.plot(steps, smooth(loss, weight), color="tab:blue", linewidth=2, label="loss (smoothed)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss", color="tab:blue")
+    ax.grid(True, alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if lr:
+        ax2 = ax.twinx()
+        ax2.plot(lr_steps, lr, color="tab:orange", linewidth=1.2, label="learning rate")
+        ax2.set_ylabel("learning rate", color="tab:orange")
+        ax2.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        h2, l2 = ax2.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    for m in marker_steps(records):
+        ax.axvline(m.step, color="tab:red", linestyle="--", linewidth=1.2)
+        ax.annotate(f"{m.label}\nstep {m.step}", xy=(m.step, 1.0), xycoords=("data", "axes fraction"),
+                    xytext=(3, -3), textcoords="offset points", va="top", fontsize=8, color="tab:red")
+    ax.set_title(f"{title}: loss and learning rate by step")
+    # Below the axes: inside, it would cover a marker's label or the curves' ends.
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    fig.savefig(tmp, format="png")
+    tmp.replace(target)

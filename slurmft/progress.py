@@ -1,0 +1,434 @@
+"""Where a run stands, read from its run directory alone: progress, checkpoint, attempts, model.
+
+``metrics.jsonl`` (one JSON line per logged step, written by rank 0's ``MetricsLog``), the
+checkpoint directories, the requeue markers and the manifest already hold everything a user asks
+("which step, what loss, when will it end, what would it resume from, how often was it preempted"),
+so these are pure functions of those files plus, for the attempts, the job rows
+``slurmft.status.job_rows`` made from one ``squeue`` and one ``sacct`` call. Nothing here calls
+Slurm or imports torch: ``status``, ``runs``, ``plot`` and the report share it on a login node.
+
+A file being written while we read it is normal (the job appends as we look), so a partial last
+line or a garbage line is skipped and said in words, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, step_of
+from slurmft.rundir import MODEL_INDEX as SAFE_INDEX_NAME  # what consolidation writes last
+from slurmft.rundir import RunPaths
+
+# How many of the newest records the rate (steps/s, tokens/s) is measured over.
+RECENT = 20
+
+LIVE_STATES = frozenset({"PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING", "SUSPENDED"})
+
+# How an attempt ended, in words (the ``reason`` of an attempt row).
+PREEMPTED_REQUEUED = "preempted (warning signal), requeued"
+REQUEUED_BY_SLURM = "requeued by Slurm (preempted or node failure; resumed from the last periodic checkpoint)"
+REQUEUE_REFUSED = "preempted (warning signal), not requeued: preemption.max_requeues reached"
+RESUMED_BY_HAND = "resumed by hand"
+ENDED_WORDS = {
+    "COMPLETED": "completed",
+    "TIMEOUT": "time limit",
+    "FAILED": "failed",
+    "NODE_FAIL": "failed (a node failed)",
+    "OUT_OF_MEMORY": "failed (out of memory)",
+    "BOOT_FAIL": "failed (a node did not boot)",
+    "CANCELLED": "cancelled",
+    "PREEMPTED": "preempted",
+    "DEADLINE": "time limit (deadline)",
+    "RUNNING": "running",
+    "COMPLETING": "running (finishing)",
+    "PENDING": "waiting in the queue",
+    "REQUEUED": "requeued, waiting to start again",
+}
+
+
+@dataclass
+class Metrics:
+    """The readable records of ``metrics.jsonl`` (file order) and what was wrong with the rest."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def read_metrics(path: Path) -> Metrics:
+    """Records with an integer ``step``; a missing file, a partial last line or a garbage line is a problem."""
+    out = Metrics()
+    try:
+        text = path.read_bytes().decode(errors="replace")
+    except FileNotFoundError:
+        out.problems.append(f"no {path.name} yet (no step logged: the job has not reached its first step)")
+        return out
+    except OSError as exc:
+        out.problems.append(f"cannot read {path}: {exc.strerror}")
+        return out
+    lines = text.split("\n")
+    partial = lines.pop() if lines else ""  # after the last newline: a line still being written
+    bad = 0
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            out.records.append(rec)
+        else:
+            bad += 1
+    if partial.strip():
+        try:
+            rec = json.loads(partial)
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                out.records.append(rec)
+        except ValueError:
+            out.problems.append(f"{path.name}: the last line is incomplete (being written), skipped")
+    if bad:
+        out.problems.append(f"{path.name}: {bad} unreadable line(s) skipped")
+    return out
+
+
+def max_steps_of(paths: RunPaths) -> int | None:
+    """``train.max_steps`` of the run's resolved config, or None when it cannot be read."""
+    try:
+        value = (yaml.safe_load(paths.config.read_text()) or {}).get("train", {}).get("max_steps")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _segment_key(rec: dict[str, Any]) -> tuple[str, int]:
+    return str(rec.get("job_id", "")), int(rec.get("restart") or 0)
+
+
+def rate(records: list[dict[str, Any]], recent: int = RECENT) -> tuple[float | None, float | None]:
+    """(steps/s, tokens/s) over the newest ``recent`` records of the newest attempt.
+
+    Only records of the attempt that logged last count: the gap between two attempts is queue
+    time, not training speed, and the ETA is about the attempt that is running.
+    """
+    if not records:
+        return None, None
+    key = _segment_key(records[-1])
+    tail: list[dict[str, Any]] = []
+    for rec in reversed(records):
+        if _segment_key(rec) != key or len(tail) >= recent:
+            break
+        tail.append(rec)
+    tail.reverse()
+    tokens = [v for v in (_num(r.get("tokens_per_s")) for r in tail) if v is not None]
+    tokens_per_s = sum(tokens) / len(tokens) if tokens else None
+    t0, t1 = _num(tail[0].get("time")), _num(tail[-1].get("time"))
+    steps = tail[-1]["step"] - tail[0]["step"]
+    if t0 is None or t1 is None or t1 <= t0 or steps <= 0:
+        return None, tokens_per_s
+    return steps / (t1 - t0), tokens_per_s
+
+
+def progress(paths: RunPaths, cfg_max_steps: int | None) -> dict[str, Any]:
+    """``{step, max_steps, loss, tokens_per_s, eta_s, problem}`` from ``metrics.jsonl``.
+
+    ``eta_s`` is at the recent rate (see :func:`rate`); ``problem`` says in words why a field is
+    None (no metrics yet, unreadable lines), else it is None.
+    """
+    return progress_of(read_metrics(paths.metrics), cfg_max_steps)
+
+
+def progress_of(metrics: Metrics, max_steps: int | None) -> dict[str, Any]:
+    """:func:`progress` over already-read metrics."""
+    out: dict[str, Any] = {"step": None, "max_steps": max_steps, "loss": None, "tokens_per_s": None,
+                           "eta_s": None, "problem": "; ".join(metrics.problems) or None}
+    if not metrics.records:
+        return out
+    last = metrics.records[-1]
+    steps_per_s, tokens_per_s = rate(metrics.records)
+    out.update(step=last["step"], loss=_num(last.get("loss")),
+               tokens_per_s=round(tokens_per_s, 2) if tokens_per_s is not None else None)
+    if max_steps is not None and last["step"] >= max_steps:
+        out["eta_s"] = 0.0
+    elif max_steps is not None and steps_per_s:
+        out["eta_s"] = round((max_steps - last["step"]) / steps_per_s, 1)
+    return out
+
+
+def dir_bytes(path: Path) -> int:
+    """Bytes of every regular file under ``path`` (``st_size``; symlinks not followed)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:  # pruned while we walk
+                continue
+            total += st.st_size
+    return total
+
+
+def checkpoint_info(paths: RunPaths, now: float | None = None) -> dict[str, Any] | None:
+    """``{step, path, age_s, bytes}`` of the newest complete checkpoint (what a resume starts from), or None."""
+    ckpt = latest_complete(paths.checkpoints)
+    if ckpt is None:
+        return None
+    try:
+        saved = (ckpt / COMPLETE_MARKER).stat().st_mtime
+    except OSError:  # pruned between the listing and now
+        return None
+    now = time.time() if now is None else now
+    return {"step": step_of(ckpt), "path": str(ckpt), "age_s": round(max(0.0, now - saved), 1),
+            "bytes": dir_bytes(ckpt)}
+
+
+def model_info(paths: RunPaths) -> str | None:
+    """Path of the consolidated model once consolidation finished (its index is written last), else None."""
+    return str(paths.model) if (paths.model / SAFE_INDEX_NAME).is_file() else None
+
+
+def requeue_markers(paths: RunPaths) -> dict[tuple[str, int], dict[str, Any]]:
+    """Requeue markers ``requeue/<job>-<restart>`` as {(job id, restart): their JSON (step, t)}."""
+    out: dict[tuple[str, int], dict[str, Any]] = {}
+    if not paths.requeue_marker_dir.is_dir():
+        return out
+    for marker in paths.requeue_marker_dir.iterdir():
+        job, sep, restart = marker.name.rpartition("-")
+        if not sep or not restart.isdigit() or marker.name.startswith("."):
+            continue
+        try:
+            info = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            info = {}
+        out[(job, int(restart))] = info if isinstance(info, dict) else {}
+    return out
+
+
+@dataclass
+class Segment:
+    """Consecutive metrics records of one (job id, restart)."""
+
+    job_id: str
+    restart: int
+    records: list[dict[str, Any]]
+
+    @property
+    def first_step(self) -> int:
+        return self.records[0]["step"]
+
+    @property
+    def last_step(self) -> int:
+        return max(r["step"] for r in self.records)
+
+
+def segments(records: Iterable[dict[str, Any]]) -> list[Segment]:
+    """Split records (file order) where the (job id, restart) changes: one segment per attempt that logged."""
+    out: list[Segment] = []
+    for rec in records:
+        job, restart = _segment_key(rec)
+        if out and (out[-1].job_id, out[-1].restart) == (job, restart):
+            out[-1].records.append(rec)
+        else:
+            out.append(Segment(job, restart, [rec]))
+    return out
+
+
+def attempts(manifest: dict[str, Any], metrics_records: list[dict[str, Any]], slurm_rows: list[dict[str, Any]],
+             markers: dict[tuple[str, int], dict[str, Any]] | None = None,
+             max_steps: int | None = None) -> list[dict[str, Any]]:
+    """One row per (train job id, Slurm restart), oldest first, saying how each attempt ended.
+
+    Rows: ``{job_id, restart, how, state, reason, start, end, first_step, last_step, resumed_from_step}``.
+    ``how`` is where the attempt came from: ``submit``, ``requeue`` (Slurm restarted the same job id)
+    or ``resume`` (``slurmft resume``). ``start``/``end`` are the times (unix) of its first and last
+    logged step (the requeue marker's time when later); None when it logged nothing.
+    ``resumed_from_step`` is the checkpoint step it started from: the requeue marker's step or the
+    manifest's ``resumed_from_step`` when known, else the step before its first logged step.
+    ``markers`` are :func:`requeue_markers` (a marker means "saved after a warning signal"); with
+    ``max_steps``, an attempt whose Slurm state is unknown but that logged the last step is completed.
+    """
+    markers = markers or {}
+    rows_by_id = {r["job_id"]: r for r in slurm_rows if r.get("kind") == "train"}
+    train_jobs = [j for j in manifest.get("jobs", []) if j.get("kind") == "train"]
+    by_job_attempt = {str(a.get("train_job")): a for a in manifest.get("attempts", []) or []
+                      if isinstance(a, dict)}
+    segs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for rec in metrics_records:
+        segs.setdefault(_segment_key(rec), []).append(rec)
+
+    out: list[dict[str, Any]] = []
+    for index, job in enumerate(train_jobs):
+        jid = str(job["job_id"])
+        row = rows_by_id.get(jid, {})
+        restarts = {0} | {r for j, r in segs if j == jid} | {r for j, r in markers if j == jid}
+        restarts |= set(range(int(row.get("restarts") or 0) + 1))
+        last_restart = max(restarts)
+        later_job = index + 1 < len(train_jobs)
+        record = by_job_attempt.get(jid, {})
+        for restart in sorted(restarts):
+            recs = segs.get((jid, restart), [])
+            marker = markers.get((jid, restart))
+            first = recs[0]["step"] if recs else None
+            last = max(r["step"] for r in recs) if recs else None
+            times = [t for t in (_num(r.get("time")) for r in recs) if t is not None]
+            end = max(times) if times else None
+            if marker and _num(marker.get("t")) is not None:
+                end = max(end or 0.0, float(marker["t"]))
+            resumed = record.get("how") == "resume" or (index > 0 and not record)  # old manifests: no attempts
+            how = "requeue" if restart > 0 else ("resume" if resumed else "submit")
+            resumed_from = _resumed_from(jid, restart, how, record, markers, first)
+            live = False
+            if restart < last_restart:
+                state = "REQUEUED"
+                reason = PREEMPTED_REQUEUED if marker is not None else REQUEUED_BY_SLURM
+            else:
+                state = _final_state(job, row, manifest, jid, later_job)
+                if state in ("", "UNKNOWN") and max_steps is not None and last is not None and last >= max_steps:
+                    state = "COMPLETED"
+                reason = _ended_words(state, marker is not None)
+                live = state in LIVE_STATES
+                if later_job:
+                    reason = f"{reason}, {RESUMED_BY_HAND}" if reason else RESUMED_BY_HAND
+            out.append({"job_id": jid, "restart": restart, "how": how, "state": state or "UNKNOWN",
+                        "reason": reason, "start": min(times) if times else None,
+                        "end": None if live else end,
+                        "first_step": first, "last_step": last, "resumed_from_step": resumed_from})
+    return out
+
+
+def _resumed_from(jid: str, restart: int, how: str, record: dict[str, Any],
+                  markers: dict[tuple[str, int], dict[str, Any]], first: int | None) -> int | None:
+    if restart > 0 and isinstance(markers.get((jid, restart - 1), {}).get("step"), int):
+        return markers[(jid, restart - 1)]["step"]
+    if how == "resume" and isinstance(record.get("resumed_from_step"), int):
+        return record["resumed_from_step"]
+    if first is not None:
+        return first - 1
+    return None
+
+
+def _final_state(job: dict[str, Any], row: dict[str, Any], manifest: dict[str, Any], jid: str,
+                 later_job: bool) -> str:
+    """The state a job ended in (or is in): Slurm's row, else what a later resume recorded, else the manifest."""
+    state = str(row.get("state") or "")
+    if state and state != "UNKNOWN":
+        return state
+    if later_job:
+        for attempt in manifest.get("attempts", []) or []:
+            prev = attempt.get("previous") if isinstance(attempt, dict) else None
+            if isinstance(prev, dict) and str(prev.get("job_id")) == jid and prev.get("state"):
+                return str(prev["state"]).split()[0]
+    return str(job.get("state") or state or "UNKNOWN")
+
+
+def _ended_words(state: str, saved_for_requeue: bool) -> str:
+    if saved_for_requeue and state in ("FAILED", "COMPLETED"):
+        return REQUEUE_REFUSED if state == "FAILED" else ENDED_WORDS["COMPLETED"]
+    return ENDED_WORDS.get(state, "unknown (Slurm no longer knows this job)" if state == "UNKNOWN" else state.lower())
+
+
+def lost_to_preemption(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the restarts cost: steps computed twice and the time between attempts.
+
+    For each attempt after the first: recomputed steps = the previous attempt's last step minus the
+    step this attempt resumed from (0 after a warning-signal save, the steps since the last periodic
+    checkpoint after a hard kill), costed at the previous attempt's own seconds per step; the gap =
+    this attempt's first step time minus the previous attempt's end (queue wait plus start-up).
+    """
+    recomputed_steps, recomputed_s, gap_s = 0, 0.0, 0.0
+    per_boundary = []
+    logged = [r for r in rows if r["first_step"] is not None]
+    for prev, cur in pairwise(logged):
+        steps = max(0, prev["last_step"] - (cur["resumed_from_step"] if cur["resumed_from_step"] is not None
+                                            else cur["first_step"] - 1))
+        span = prev["last_step"] - prev["first_step"]
+        sec_per_step = (prev["end"] - prev["start"]) / span if span > 0 and prev["end"] and prev["start"] else None
+        cost = steps * sec_per_step if sec_per_step else 0.0
+        gap = max(0.0, cur["start"] - prev["end"]) if cur["start"] and prev["end"] else 0.0
+        recomputed_steps += steps
+        recomputed_s += cost
+        gap_s += gap
+        per_boundary.append({"job_id": cur["job_id"], "restart": cur["restart"], "recomputed_steps": steps,
+                             "recomputed_s": round(cost, 1), "gap_s": round(gap, 1)})
+    return {"recomputed_steps": recomputed_steps, "recomputed_s": round(recomputed_s, 1),
+            "gap_s": round(gap_s, 1), "total_s": round(recomputed_s + gap_s, 1), "boundaries": per_boundary}
+
+
+def overview(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dict[str, Any]],
+             max_steps: int | None = None) -> dict[str, Any]:
+    """What ``slurmft status --json`` adds beside ``jobs``: ``{progress, checkpoint, attempts, model, lost}``.
+
+    ``slurm_rows`` are :func:`slurmft.status.job_rows` of ``manifest`` (no Slurm call here);
+    ``max_steps`` defaults to the run config's ``train.max_steps``.
+    """
+    max_steps = max_steps_of(paths) if max_steps is None else max_steps
+    metrics = read_metrics(paths.metrics)
+    rows = attempts(manifest, metrics.records, slurm_rows, markers=requeue_markers(paths), max_steps=max_steps)
+    return {"progress": progress_of(metrics, max_steps), "checkpoint": checkpoint_info(paths), "attempts": rows,
+            "model": model_info(paths), "lost": lost_to_preemption(rows)}
+
+
+def fmt_duration(seconds: float | None) -> str:
+    """``1h02m``, ``3m05s``, ``12s``; ``-`` for None."""
+    if seconds is None:
+        return "-"
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Human bytes (binary units)."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def overview_lines(ov: dict[str, Any]) -> list[str]:
+    """:func:`overview` in words, for ``slurmft status`` without ``--json``."""
+    p, ck = ov["progress"], ov["checkpoint"]
+    if p["step"] is None:
+        lines = [f"progress: {p['problem'] or 'no step logged yet'}"]
+    else:
+        loss = f"{p['loss']:.4f}" if p["loss"] is not None else "-"
+        tps = f", {p['tokens_per_s']:.0f} tokens/s" if p["tokens_per_s"] is not None else ""
+        eta = f", ETA {fmt_duration(p['eta_s'])}" if p["eta_s"] else (", done" if p["eta_s"] == 0 else "")
+        lines = [f"progress: step {p['step']}/{p['max_steps'] or '?'}, loss {loss}{tps}{eta}"]
+        if p["problem"]:
+            lines.append(f"  note: {p['problem']}")
+    lines.append(f"checkpoint: step {ck['step']}, {fmt_duration(ck['age_s'])} old, {fmt_bytes(ck['bytes'])} "
+                 f"({ck['path']})" if ck else "checkpoint: none complete yet")
+    lines.append("attempts:")
+    for k, a in enumerate(ov["attempts"], start=1):
+        steps = f"steps {a['first_step']}-{a['last_step']}" if a["first_step"] is not None else "no step"
+        start = time.strftime("%m-%d %H:%M:%S", time.localtime(a["start"])) if a["start"] else "-"
+        end = time.strftime("%m-%d %H:%M:%S", time.localtime(a["end"])) if a["end"] else "-"
+        lines.append(f"  {k}. job {a['job_id']} restart {a['restart']} ({a['how']}, from step "
+                     f"{a['resumed_from_step'] if a['resumed_from_step'] is not None else '-'}): {steps}, "
+                     f"{start} .. {end}: {a['reason']}")
+    lost = ov.get("lost") or {}
+    if lost.get("boundaries"):
+        lines.append(f"lost to restarts: {lost['recomputed_steps']} step(s) again, "
+                     f"{fmt_duration(lost['gap_s'])} between attempts")
+    lines.append(f"model: {ov['model']}" if ov["model"] else "model: not consolidated yet")
+    return lines

@@ -1,0 +1,260 @@
+"""The run report: ``RUN/report.md`` and ``RUN/loss.png``, what a user reads once the run is over.
+
+Everything in it is recomputed from the run directory (config, manifest, ``metrics.jsonl``, requeue
+markers, ``fsdp_report/``, ``model/``) plus the job rows Slurm gives, so ``slurmft report RUN_DIR``
+can regenerate it at any time and its numbers always match ``metrics.jsonl``. The consolidation job
+writes it at its end through :func:`write_report_safely`: a report is a courtesy, so no failure in
+it (a missing matplotlib, an unreachable ``sacct``, a torn metrics line) may fail the consolidation.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from slurmft import __version__
+from slurmft.errors import RunDirError
+from slurmft.progress import (
+    attempts,
+    checkpoint_info,
+    fmt_bytes,
+    fmt_duration,
+    lost_to_preemption,
+    max_steps_of,
+    model_info,
+    progress_of,
+    read_metrics,
+    requeue_markers,
+)
+from slurmft.rundir import RunPaths, atomic_write, read_manifest
+
+REPORT_NAME = "report.md"
+FSDP_REPORT_DIR = "fsdp_report"  # slurmft/job/train.py writes rank<r>.json there
+
+
+def fmt_time(t: float | None) -> str:
+    """Local wall-clock time of a unix timestamp."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def _config(paths: RunPaths) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(paths.config.read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _get(d: dict[str, Any], dotted: str, default: Any = "-") -> Any:
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return default
+        d = d[part]
+    return d
+
+
+def rank_memory(paths: RunPaths) -> list[dict[str, Any]]:
+    """Per-rank memory from ``fsdp_report/rank*.json`` (written at the start of the newest attempt)."""
+    out = []
+    folder = paths.root / FSDP_REPORT_DIR
+    for f in sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else 0):
+        try:
+            rep = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        out.append({"rank": rep.get("rank"), "peak_rss_mib": rep.get("peak_rss_mib"),
+                    "local_bytes": rep.get("local_bytes"), "device": rep.get("device")})
+    return out
+
+
+def summary(paths: RunPaths, slurm_rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Every number the report prints, as data (``slurm_rows``: :func:`slurmft.status.job_rows`; None asks Slurm)."""
+    try:
+        manifest = read_manifest(paths)
+    except Exception as exc:  # noqa: BLE001 - a corrupt manifest still leaves the metrics to report
+        manifest, manifest_problem = {"jobs": []}, str(exc)
+    else:
+        manifest_problem = None
+    if slurm_rows is None:
+        slurm_rows = _rows(manifest)
+    metrics = read_metrics(paths.metrics)
+    records = metrics.records
+    max_steps = max_steps_of(paths)
+    rows = attempts(manifest, records, slurm_rows, markers=requeue_markers(paths), max_steps=max_steps)
+    losses = [r["loss"] for r in records if isinstance(r.get("loss"), (int, float))]
+    tokens = [r["tokens_per_s"] for r in records if isinstance(r.get("tokens_per_s"), (int, float))]
+    rss = [r["peak_rss_mib"] for r in records if isinstance(r.get("peak_rss_mib"), (int, float))]
+    gpu = [r["peak_gpu_mem_mib"] for r in records if isinstance(r.get("peak_gpu_mem_mib"), (int, float))]
+    last = records[-1] if records else {}
+    return {
+        "name": manifest.get("name") or paths.root.name,
+        "executor": manifest.get("executor", "-"),
+        "manifest_problem": manifest_problem,
+        "config": _config(paths),
+        "progress": progress_of(metrics, max_steps),
+        "attempts": rows,
+        "lost": lost_to_preemption(rows),
+        "final_loss": last.get("loss"),
+        "final_step": last.get("step"),
+        "mean_loss_last10": round(sum(losses[-10:]) / len(losses[-10:]), 4) if losses else None,
+        "tokens_per_s_mean": round(sum(tokens) / len(tokens), 2) if tokens else None,
+        "tokens_seen": last.get("num_input_tokens_seen"),
+        "logged_steps": len(records),
+        "peak_rss_mib_worst_rank": max(rss) if rss else None,
+        "peak_gpu_mem_mib_worst_rank": max(gpu) if gpu else None,
+        "ranks": rank_memory(paths),
+        "checkpoint": checkpoint_info(paths),
+        "model": model_info(paths),
+        "nodes": _nodes_by_attempt(paths),
+    }
+
+
+def _rows(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """Slurm's view of the jobs; on any failure (no Slurm here, a busy controller) none."""
+    try:
+        from slurmft.status import job_rows
+
+        return job_rows(manifest)
+    except Exception:  # noqa: BLE001 - the report falls back to the run directory alone
+        return []
+
+
+def _nodes_by_attempt(paths: RunPaths) -> dict[tuple[str, int], str]:
+    """Node list of each (job id, restart), from the batch script's ``[slurmft] job=...`` lines."""
+    try:
+        from slurmft.logs import log_attempts
+
+        return {(a.job_id, a.restart): a.nodes for a in log_attempts(paths.root, "train")
+                if a.nodes and a.restart is not None}
+    except Exception:  # noqa: BLE001 - no logs, no node list
+        return {}
+
+
+def render(s: dict[str, Any], plot_name: str | None) -> str:
+    """The Markdown text of the report."""
+    cfg = s["config"]
+    res = cfg.get("resources", {}) if isinstance(cfg.get("resources"), dict) else {}
+    nodes, gpus = res.get("nodes", "-"), res.get("gpus_per_node", "-")
+    ranks = res.get("tasks_per_node") or gpus or "-"
+    datasets = ", ".join(f"{d.get('path')} (weight {d.get('weight', 1)})" for d in _get(cfg, "data.datasets", [])
+                         if isinstance(d, dict)) or "-"
+    L: list[str] = [f"# Run report: {s['name']}", "",
+                    f"Written {fmt_time(time.time())} by slurmft {__version__} from the run directory "
+                    "(`slurmft report RUN_DIR` writes it again).", ""]
+    if s["manifest_problem"]:
+        L += [f"> manifest: {s['manifest_problem']}", ""]
+    L += ["## Config", "", "| field | value |", "|---|---|",
+          f"| model | `{_get(cfg, 'model.name_or_path')}` ({_get(cfg, 'model.dtype')}) |",
+          f"| data | {datasets}; max_seq_length {_get(cfg, 'data.max_seq_length')}, "
+          f"packing {_get(cfg, 'data.packing')} |",
+          f"| steps | {_get(cfg, 'train.max_steps')} × per-device batch {_get(cfg, 'train.per_device_batch_size')} "
+          f"× gradient accumulation {_get(cfg, 'train.gradient_accumulation_steps')} |",
+          f"| optimizer | lr {_get(cfg, 'train.learning_rate')}, {_get(cfg, 'train.lr_scheduler')} schedule, "
+          f"warm-up {_get(cfg, 'train.warmup_ratio')} |",
+          f"| checkpoints | every {_get(cfg, 'checkpoint.every_steps')} steps, keep {_get(cfg, 'checkpoint.keep_last')} |",
+          f"| preemption | signal {_get(cfg, 'preemption.signal')} {_get(cfg, 'preemption.lead_time_s')} s before the end, "
+          f"max {_get(cfg, 'preemption.max_requeues')} requeues |", ""]
+    L += ["## Allocation", "",
+          f"{s['executor']} executor, profile `{_get(cfg, 'cluster.profile')}`, partition "
+          f"`{_get(cfg, 'cluster.partition')}`, time limit {_get(cfg, 'cluster.time')}: "
+          f"{nodes} node(s) × {ranks} rank(s), {gpus} GPU(s) per node.", ""]
+    if s["nodes"]:
+        L += ["Nodes per attempt: " + "; ".join(f"job {j} restart {r}: `{n}`"
+                                                 for (j, r), n in s["nodes"].items()), ""]
+    L += ["## Attempts", "", "| # | job | restart | how | first step at | last step at | steps | resumed from | "
+          "how it ended |", "|---|---|---|---|---|---|---|---|---|"]
+    for k, a in enumerate(s["attempts"], start=1):
+        steps = f"{a['first_step']}–{a['last_step']}" if a["first_step"] is not None else "none logged"
+        L.append(f"| {k} | {a['job_id']} | {a['restart']} | {a['how']} | {fmt_time(a['start'])} | "
+                 f"{fmt_time(a['end'])} | {steps} | {_dash(a['resumed_from_step'])} | {a['reason']} |")
+    lost = s["lost"]
+    L += ["", "## Time lost to preemption", ""]
+    if lost["boundaries"]:
+        L += [f"{lost['recomputed_steps']} step(s) computed again (≈ {fmt_duration(lost['recomputed_s'])}) and "
+              f"{fmt_duration(lost['gap_s'])} between attempts (queue wait plus start-up): "
+              f"{fmt_duration(lost['total_s'])} in all.", ""]
+        for b in lost["boundaries"]:
+            L.append(f"- before job {b['job_id']} restart {b['restart']}: {b['recomputed_steps']} step(s) again "
+                     f"(≈ {fmt_duration(b['recomputed_s'])}), {fmt_duration(b['gap_s'])} between attempts")
+        L.append("")
+    else:
+        L += ["None: the run trained in one attempt.", ""]
+    p = s["progress"]
+    L += ["## Results", "", "| | |", "|---|---|",
+          f"| steps | {_dash(p['step'])} / {_dash(p['max_steps'])} ({s['logged_steps']} logged) |",
+          f"| final loss | {_dash(s['final_loss'])} (step {_dash(s['final_step'])}); "
+          f"mean of the last 10 logged: {_dash(s['mean_loss_last10'])} |",
+          f"| tokens/s | {_dash(s['tokens_per_s_mean'])} (mean over logged steps); "
+          f"{_dash(s['tokens_seen'])} tokens seen |", ""]
+    if p["problem"]:
+        L += [f"> metrics: {p['problem']}", ""]
+    L += ["## Memory", "",
+          f"Peak over the run, worst rank (from metrics.jsonl): RSS {_mib(s['peak_rss_mib_worst_rank'])}, "
+          f"GPU {_mib(s['peak_gpu_mem_mib_worst_rank'])}.", ""]
+    if s["ranks"]:
+        L += ["Per rank, at the start of training of the newest attempt (fsdp_report/):", "",
+              "| rank | device | peak RSS | parameters held |", "|---|---|---|---|"]
+        L += [f"| {r['rank']} | {r['device'] or '-'} | {_mib(r['peak_rss_mib'])} | {fmt_bytes(r['local_bytes'])} |"
+              for r in s["ranks"]]
+        L.append("")
+    ck = s["checkpoint"]
+    L += ["## Model", "",
+          f"Consolidated model: `{s['model']}` (`AutoModelForCausalLM.from_pretrained` loads it)." if s["model"]
+          else "No consolidated model yet (`model/model.safetensors.index.json` is missing).", "",
+          f"Newest complete checkpoint: `{ck['path']}` (step {ck['step']}, {fmt_bytes(ck['bytes'])})." if ck
+          else "No complete checkpoint.", ""]
+    if plot_name:
+        L += [f"![loss and learning rate]({plot_name})", ""]
+    return "\n".join(L)
+
+
+def _dash(v: Any) -> str:
+    return "-" if v is None else str(v)
+
+
+def _mib(v: float | None) -> str:
+    return "-" if v is None else fmt_bytes(v * 2**20)
+
+
+def write_report(run_dir: str | Path, slurm_rows: list[dict[str, Any]] | None = None) -> Path:
+    """Write ``RUN/report.md`` and the plot ``RUN/loss.png`` beside it; return the report's path.
+
+    A plot that cannot be drawn (no matplotlib, no metrics) is said in the report, not raised.
+    """
+    paths = RunPaths.of(run_dir)
+    if not paths.root.is_dir():
+        raise RunDirError(f"run directory {str(paths.root)!r} does not exist")
+    s = summary(paths, slurm_rows)
+    plot_name: str | None = None
+    problem = None
+    if s["logged_steps"]:
+        try:
+            from slurmft.plot import PLOT_NAME, plot_run
+
+            plot_run(paths.root, paths.root / PLOT_NAME)
+            plot_name = PLOT_NAME
+        except Exception as exc:  # noqa: BLE001 - the text report stands without its picture
+            problem = f"no plot: {exc}"
+    text = render(s, plot_name)
+    if problem:
+        text += f"\n> {problem}\n"
+    target = paths.root / REPORT_NAME
+    atomic_write(target, text)
+    return target
+
+
+def write_report_safely(run_dir: str | Path) -> Path | None:
+    """:func:`write_report` for the consolidation job: any failure is printed, never raised."""
+    try:
+        return write_report(run_dir)
+    except Exception:  # noqa: BLE001 - a report must never fail a consolidation that succeeded
+        sys.stderr.write("[slurmft] warning: the run report could not be written (the model is fine):\n"
+                         + traceback.format_exc())
+        sys.stderr.flush()
+        return None

@@ -1,0 +1,151 @@
+"""``slurmft runs [DIR]``: every run directory under DIR, one line each.
+
+A user with twenty runs wants "which are still going, which died, how far is each" at a glance.
+Each run's own files say step, loss and age; the state of Slurm runs takes one ``squeue`` call
+for the job ids of all runs together (and at most one ``sacct`` for those squeue no longer
+knows), never one call per run: on a busy controller N calls are N slow answers.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from slurmft.progress import LIVE_STATES, max_steps_of, model_info, read_metrics
+from slurmft.rundir import RunPaths, read_manifest
+
+MAX_DEPTH = 3
+# Folders inside a run directory that never hold another run (and can be large).
+SKIP = frozenset({"checkpoints", "model", "submitit", "logs", "scripts", "requeue", "fsdp_report", "tensorboard",
+                  "__pycache__", "node_modules"})
+
+
+def find_runs(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
+    """Directories under ``root`` (itself included) that hold a ``manifest.json``, sorted by path."""
+    found: list[Path] = []
+
+    def walk(d: Path, depth: int) -> None:
+        if (d / "manifest.json").is_file():
+            found.append(d)
+            return  # a run directory's own folders are not searched
+        if depth >= max_depth:
+            return
+        try:
+            children = sorted(c for c in d.iterdir() if c.is_dir() and not c.is_symlink())
+        except OSError:
+            return
+        for c in children:
+            if c.name not in SKIP and not c.name.startswith("."):
+                walk(c, depth + 1)
+
+    walk(root, 0)
+    return found
+
+
+def run_state(jobs: list[dict[str, Any]], has_model: bool) -> str:
+    """The run's state in one word from its jobs' ``{kind, state, reason}`` (newest last).
+
+    A live train job says where training is; a live consolidation job says the run is being
+    consolidated (or stuck behind a failed train job); otherwise the model's presence or the newest
+    train job's end.
+    """
+    train = [j for j in jobs if j["kind"] == "train"]
+    cons = [j for j in jobs if j["kind"] == "consolidate"]
+    t = train[-1] if train else None
+    if t and t["state"] in LIVE_STATES:
+        return {"PENDING": "queued", "REQUEUED": "requeued"}.get(t["state"], "training")
+    if cons and cons[-1]["state"] in LIVE_STATES:
+        if cons[-1].get("reason") == "DependencyNeverSatisfied":
+            return "stuck"
+        return "consolidating" if cons[-1]["state"] == "RUNNING" else "consolidation queued"
+    if has_model:
+        return "done"
+    if t is None:
+        return "unknown"
+    return {"COMPLETED": "trained", "UNKNOWN": "unknown"}.get(t["state"], t["state"].lower())
+
+
+def run_lines(root: Path, now: float | None = None,
+              query: Callable[[list[str]], dict[str, dict[str, str]]] | None = None) -> list[dict[str, Any]]:
+    """One row per run under ``root``: {path, name, state, step, max_steps, loss, age_s, problem}.
+
+    ``query`` maps Slurm job ids to {state, reason} (default: one squeue call, then one sacct call
+    for the ids squeue no longer knows).
+    """
+    now = time.time() if now is None else now
+    runs = []
+    for d in find_runs(root):
+        paths = RunPaths.of(d)
+        try:
+            manifest = read_manifest(paths)
+        except Exception as exc:  # noqa: BLE001 - one broken run must not hide the others
+            runs.append((paths, None, str(exc)))
+            continue
+        runs.append((paths, manifest, None))
+    slurm_ids = [str(j["job_id"]) for _, m, _ in runs if m and m.get("executor") != "local"
+                 for j in m.get("jobs", [])]
+    states = (query or slurm_states)(slurm_ids) if slurm_ids else {}
+    rows = []
+    for paths, manifest, problem in runs:
+        metrics = read_metrics(paths.metrics)
+        last = metrics.records[-1] if metrics.records else {}
+        if manifest and manifest.get("executor") == "local":  # the manifest (and pids) alone, no Slurm
+            from slurmft.status import job_rows
+
+            jobs = [{"kind": r["kind"], "state": r["state"], "reason": ""} for r in job_rows(manifest)]
+        else:
+            jobs = [{"kind": j["kind"], **states.get(str(j["job_id"]), {"state": "UNKNOWN", "reason": ""})}
+                    for j in (manifest or {}).get("jobs", [])]
+        t_last = last.get("time") if isinstance(last.get("time"), (int, float)) else None
+        if t_last is None:
+            try:
+                t_last = os.stat(paths.metrics if paths.metrics.exists() else paths.manifest).st_mtime
+            except OSError:
+                t_last = None
+        rows.append({"path": str(paths.root), "name": (manifest or {}).get("name", paths.root.name),
+                     "state": "broken" if manifest is None else run_state(jobs, model_info(paths) is not None),
+                     "step": last.get("step"), "max_steps": max_steps_of(paths), "loss": last.get("loss"),
+                     "age_s": round(now - t_last, 1) if t_last else None, "problem": problem})
+    return rows
+
+
+def slurm_states(job_ids: list[str]) -> dict[str, dict[str, str]]:
+    """{job id: {state, reason}}: one squeue call (the user's jobs), one sacct call for the ones squeue has
+    forgotten."""
+    from slurmft.status import sacct_info, squeue_info
+
+    queued = squeue_info() or {}
+    out = {jid: {"state": queued[jid]["state"], "reason": queued[jid]["reason"]} for jid in job_ids if jid in queued}
+    missing = [j for j in job_ids if j not in out]
+    if missing:
+        out.update({jid: {"state": i["state"], "reason": ""} for jid, i in (sacct_info(missing) or {}).items()})
+    return out
+
+
+def fmt_age(seconds: float | None) -> str:
+    """``42s``, ``5m``, ``3h``, ``2d`` ago."""
+    if seconds is None:
+        return "-"
+    s = max(0, int(seconds))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s // size}{unit}"
+    return f"{s}s"
+
+
+def format_rows(rows: list[dict[str, Any]], root: Path) -> list[str]:
+    """Aligned text lines: name, state, step/max, last loss, age, path relative to ``root``."""
+    table = [("run", "state", "step", "loss", "age", "dir")]
+    for r in rows:
+        step = f"{'-' if r['step'] is None else r['step']}/{'?' if r['max_steps'] is None else r['max_steps']}"
+        loss = f"{r['loss']:.4f}" if isinstance(r["loss"], (int, float)) else "-"
+        try:
+            rel = os.path.relpath(r["path"], root)
+        except ValueError:
+            rel = r["path"]
+        table.append((r["name"], r["state"], step, loss, fmt_age(r["age_s"]), rel))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+    return ["  ".join(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1] for row in table]

@@ -1,0 +1,50 @@
+"""Clean logs on a real two-rank CPU run laid out like two nodes (each rank is its node's local rank 0).
+
+transformers' PrinterCallback prints the per-step dict on every node's *local* rank 0, so on two
+nodes each step appeared twice; slurmft replaces it with one readable line from global rank 0.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .helpers import free_port, read_metrics, write_run
+
+pytestmark = pytest.mark.train
+STEPS = 4
+
+
+def test_only_global_rank_0_logs_the_steps_one_line_each(tiny_model: Path, job_env: dict[str, str],
+                                                        tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", tiny_model, [f"train.max_steps={STEPS}", f"checkpoint.every_steps={STEPS}"])
+    port = free_port()
+    procs, logs = [], []
+    for rank in (0, 1):  # as srun starts them on two nodes, one task per node
+        env = {**job_env, "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+               "SLURM_NODEID": str(rank), "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "1",
+               "SLURM_JOB_ID": "5151", "SLURM_RESTART_COUNT": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        logs.append(tmp_path / f"rank{rank}.log")
+        with open(logs[-1], "w") as out:
+            procs.append(subprocess.Popen([sys.executable, "-m", "slurmft.job.entrypoint", "train", str(run)],
+                                          stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(tmp_path)))
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    rank0, rank1 = (f.read_text() for f in logs)
+    assert codes == [0, 0], rank0[-3000:] + rank1[-3000:]
+    assert [m["step"] for m in read_metrics(run)] == list(range(1, STEPS + 1))
+
+    step_lines = re.findall(rf"^\[slurmft rank0 [\d:]+\] step (\d+)/{STEPS}  loss \d+\.\d{{4}}  lr ", rank0, re.M)
+    assert step_lines == [str(s) for s in range(1, STEPS + 1)], rank0[-3000:]  # once per step, one line each
+    assert "{'loss'" not in rank0  # not the Trainer's raw dict as well
+    assert "loss" not in rank1, rank1[-3000:]  # the other node's local rank 0 prints no step
+    assert "slurmft rank 1: completed at step 4" in rank1

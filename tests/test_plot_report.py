@@ -1,0 +1,103 @@
+"""The loss plot and the run report, drawn from realistic run directories (tests/runfixture.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from runfixture import local_run, preempted_run, slurm_rows
+
+from slurmft.cli import main
+from slurmft.errors import SlurmftError
+from slurmft.plot import DPI, SIZE_INCHES, Marker, marker_steps, plot_run, series, smooth
+from slurmft.progress import read_metrics
+from slurmft.report import write_report, write_report_safely
+
+Image = pytest.importorskip("PIL.Image")  # matplotlib brings Pillow
+np = pytest.importorskip("numpy")
+
+
+
+def _red_columns(png: Path) -> set[int]:
+    """x pixel columns holding many marker-red pixels (tab:red, a dashed vertical line: > 1/4 of the height)."""
+    rgb = np.asarray(Image.open(png).convert("RGB")).astype(int)
+    red = (rgb[..., 0] > 150) & (rgb[..., 1] < 120) & (rgb[..., 2] < 120)
+    return {int(x) for x in np.nonzero(red.sum(axis=0) > rgb.shape[0] // 4)[0]}
+
+
+def test_marker_steps_are_where_each_attempt_stopped(tmp_path: Path) -> None:
+    records = read_metrics(preempted_run(tmp_path).joinpath("metrics.jsonl")).records
+    assert marker_steps(records) == [Marker(12, "requeued (restart 1)"), Marker(25, "requeued (restart 2)")]
+    resumed = records + [{**r, "job_id": "200", "restart": 0, "step": r["step"] + 10} for r in records[-3:]]
+    assert marker_steps(resumed)[-1] == Marker(36, "resumed (job 200)")
+    assert marker_steps(records[:12]) == []
+
+
+def test_series_keeps_one_point_per_step_the_newest_attempt_wins() -> None:
+    records = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 2, "loss": 1.5},
+               {"step": 3, "loss": float("nan")}, {"step": 4}]
+    assert series(records, "loss") == ([1, 2], [3.0, 1.5])
+    assert smooth([2.0, 2.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])  # debiased: no ramp from zero
+    s = smooth([4.0, 0.0, 4.0, 0.0])
+    assert s[0] == 4.0 and min(s) > 0.0 and max(s[1:]) < 4.0
+
+
+def test_plot_is_a_real_picture_with_a_marker_per_restart(tmp_path: Path) -> None:
+    run = preempted_run(tmp_path)
+    png = plot_run(run)
+    assert png == run / "loss.png"
+    img = Image.open(png)
+    assert img.format == "PNG" and img.size == (int(SIZE_INCHES[0] * DPI), int(SIZE_INCHES[1] * DPI))
+    pixels = np.asarray(img.convert("L")).astype(float)
+    assert pixels.std() > 10  # not blank
+    cols = _red_columns(png)
+    groups = [c for c in sorted(cols) if c - 1 not in cols]  # one group of columns per vertical line
+    assert len(groups) == 2, sorted(cols)
+
+    single = local_run(tmp_path)
+    assert _red_columns(plot_run(single, tmp_path / "single.png")) == set()  # no restart, no marker
+
+
+def test_plot_without_metrics_says_why(tmp_path: Path) -> None:
+    run = preempted_run(tmp_path)
+    (run / "metrics.jsonl").unlink()
+    with pytest.raises(SlurmftError) as info:
+        plot_run(run)
+    assert "no metrics.jsonl yet" in info.value.render()
+
+
+def test_report_numbers_match_the_metrics(tmp_path: Path) -> None:
+    run = preempted_run(tmp_path)
+    (run / "model").mkdir()
+    (run / "model" / "model.safetensors.index.json").write_text("{}")
+    report = write_report(run, slurm_rows=slurm_rows())
+    text = report.read_text()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    final = records[-1]
+    tokens = sum(r["tokens_per_s"] for r in records) / len(records)
+    assert f"| final loss | {final['loss']} (step 36)" in text
+    assert f"| tokens/s | {round(tokens, 2)} (mean over logged steps)" in text
+    assert f"| steps | 36 / 36 ({len(records)} logged) |" in text
+    assert "5 step(s) computed again (≈ 5s) and 1m00s between attempts" in text  # 29.5 s + 30 s
+    assert text.count("| 100 |") == 3  # three attempts
+    assert "preempted (warning signal), requeued" in text and "requeued by Slurm" in text
+    assert "| 0 | cpu | 812.5 MiB |" in text and "| 1 | cpu | 640.2 MiB |" in text  # per rank, fsdp_report
+    assert f"RSS {max(r['peak_rss_mib'] for r in records):.1f} MiB" in text  # worst rank over the run
+    assert f"`{run / 'model'}`" in text
+    assert "2 node(s) × 1 rank(s)" in text and "job 100 restart 2: `n1,n2`" in text
+    assert "![loss and learning rate](loss.png)" in text and (run / "loss.png").stat().st_size > 10_000
+
+
+def test_report_cli_and_a_report_failure_never_raises(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = local_run(tmp_path)
+    main(["report", str(run)])
+    assert "wrote" in capsys.readouterr().out
+    text = (run / "report.md").read_text()
+    assert "None: the run trained in one attempt." in text and "No consolidated model yet" in text
+
+    assert write_report_safely(tmp_path / "gone") is None
+    assert "could not be written (the model is fine)" in capsys.readouterr().err
+    (run / "manifest.json").write_text("{torn")  # a corrupt manifest: still a report from the metrics
+    assert write_report_safely(run) == run / "report.md"
+    assert "manifest:" in (run / "report.md").read_text()

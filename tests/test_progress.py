@@ -1,0 +1,184 @@
+"""Progress, checkpoint, attempts and time lost, from realistic run directories (tests/runfixture.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from runfixture import T0, attempt_records, local_run, preempted_run, record, slurm_rows, write_metrics
+
+from slurmft.progress import (
+    PREEMPTED_REQUEUED,
+    REQUEUED_BY_SLURM,
+    attempts,
+    checkpoint_info,
+    lost_to_preemption,
+    max_steps_of,
+    model_info,
+    progress,
+    rate,
+    read_metrics,
+    requeue_markers,
+)
+from slurmft.rundir import RunPaths
+
+
+def test_progress_of_a_finished_run(tmp_path: Path) -> None:
+    paths = RunPaths.of(preempted_run(tmp_path))
+    assert max_steps_of(paths) == 36
+    p = progress(paths, 36)
+    assert p["step"] == 36 and p["max_steps"] == 36
+    assert p["loss"] == 3.0 - 36 * 0.05
+    # tokens/s: the newest attempt's 16 records (steps 21..36), not the earlier attempts
+    assert p["tokens_per_s"] == sum(1000.0 + s for s in range(21, 37)) / 16
+    assert p["eta_s"] == 0.0 and p["problem"] is None
+
+
+def test_eta_is_at_the_recent_rate_of_the_running_attempt(tmp_path: Path) -> None:
+    paths = RunPaths.of(tmp_path)
+    slow = [record(s, T0 + 10 * s, "7", 0) for s in range(1, 11)]          # 10 s/step, long ago
+    fast = [record(s, T0 + 500 + 0.5 * i, "7", 1) for i, s in enumerate(range(11, 41))]  # 2 steps/s now
+    write_metrics(tmp_path, slow + fast)
+    p = progress(paths, 100)
+    assert p["step"] == 40
+    assert p["eta_s"] == 30.0  # 60 steps at 2 steps/s; the slow attempt and the queue gap do not count
+    assert rate(fast[:1]) == (None, 1011.0)  # one record: no rate, but its tokens/s
+
+
+def test_missing_partial_and_garbage_metrics_are_said_in_words(tmp_path: Path) -> None:
+    paths = RunPaths.of(tmp_path)
+    p = progress(paths, 36)
+    assert p["step"] is None and p["eta_s"] is None and p["max_steps"] == 36
+    assert "no metrics.jsonl yet" in p["problem"]
+
+    write_metrics(tmp_path, [record(1, T0, "1", 0), record(2, T0 + 1, "1", 0)],
+                  tail='not json\n["a list"]\n{"no_step": 1}\n{"step": 3, "time": 17000')
+    m = read_metrics(paths.metrics)
+    assert [r["step"] for r in m.records] == [1, 2]
+    assert any("last line is incomplete" in s for s in m.problems)
+    assert any("3 unreadable line(s)" in s for s in m.problems)
+    p = progress(paths, 36)
+    assert p["step"] == 2 and p["eta_s"] == 34.0 and "incomplete" in p["problem"]
+
+    paths.metrics.write_bytes(b"\xff\xfe\x00garbage\n")  # not even text
+    assert progress(paths, None)["step"] is None
+
+
+def test_checkpoint_info_is_the_newest_complete_one(tmp_path: Path) -> None:
+    paths = RunPaths.of(preempted_run(tmp_path))
+    marker = paths.checkpoints / "checkpoint-36" / "COMPLETE"
+    info = checkpoint_info(paths, now=marker.stat().st_mtime + 1000)
+    assert info["step"] == 36  # checkpoint-40 has no COMPLETE marker: a torn save
+    assert info["path"] == str(paths.checkpoints / "checkpoint-36")
+    assert info["bytes"] == 2 * 2000 + marker.stat().st_size
+    assert info["age_s"] == 1000.0
+    for ckpt in paths.checkpoints.iterdir():
+        (ckpt / "COMPLETE").unlink(missing_ok=True)
+    assert checkpoint_info(paths) is None
+    assert checkpoint_info(RunPaths.of(tmp_path / "nothing")) is None
+
+
+def test_model_info_once_the_index_exists(tmp_path: Path) -> None:
+    paths = RunPaths.of(preempted_run(tmp_path))
+    assert model_info(paths) is None
+    paths.model.mkdir()
+    (paths.model / "model-00001-of-00001.safetensors").write_bytes(b"")
+    assert model_info(paths) is None  # half-written: the index comes last
+    (paths.model / "model.safetensors.index.json").write_text("{}")
+    assert model_info(paths) == str(paths.model)
+
+
+def test_attempts_of_a_run_preempted_twice(tmp_path: Path) -> None:
+    paths = RunPaths.of(preempted_run(tmp_path))
+    manifest = json.loads(paths.manifest.read_text())
+    records = read_metrics(paths.metrics).records
+    rows = attempts(manifest, records, slurm_rows(), markers=requeue_markers(paths))
+    assert [(r["job_id"], r["restart"], r["how"], r["state"]) for r in rows] == [
+        ("100", 0, "submit", "REQUEUED"), ("100", 1, "requeue", "REQUEUED"), ("100", 2, "requeue", "COMPLETED")]
+    assert [r["reason"] for r in rows] == [PREEMPTED_REQUEUED, REQUEUED_BY_SLURM, "completed"]
+    assert [(r["first_step"], r["last_step"], r["resumed_from_step"]) for r in rows] == [
+        (1, 12, 0), (13, 25, 12), (21, 36, 20)]
+    assert rows[0]["start"] == T0 and rows[0]["end"] == T0 + 11.5  # the marker was written after the last step
+    assert (rows[2]["start"], rows[2]["end"]) == (T0 + 83, T0 + 98)
+
+    lost = lost_to_preemption(rows)
+    assert lost["recomputed_steps"] == 5  # steps 21..25 ran twice; the warning-signal save lost nothing
+    assert lost["recomputed_s"] == 5.0
+    assert lost["gap_s"] == (41 - 11.5) + (83 - 53)
+    assert [b["recomputed_steps"] for b in lost["boundaries"]] == [0, 5]
+
+
+def test_attempts_while_running_and_without_slurm(tmp_path: Path) -> None:
+    paths = RunPaths.of(preempted_run(tmp_path))
+    manifest = json.loads(paths.manifest.read_text())
+    records = read_metrics(paths.metrics).records
+    running = attempts(manifest, records, slurm_rows(state="RUNNING"), markers=requeue_markers(paths))
+    assert (running[-1]["state"], running[-1]["reason"], running[-1]["end"]) == ("RUNNING", "running", None)
+    # Slurm unreachable: the restarts still come from the metrics and the markers
+    blind = attempts(manifest, records, [], markers=requeue_markers(paths))
+    assert [r["restart"] for r in blind] == [0, 1, 2]
+    assert blind[-1]["state"] == "UNKNOWN" and "unknown" in blind[-1]["reason"]
+    assert attempts(manifest, records, [], markers=requeue_markers(paths), max_steps=36)[-1]["state"] == "COMPLETED"
+    # requeued but not started again: a row with no steps, waiting in the queue
+    pending = attempts(manifest, [r for r in records if r["restart"] < 2], slurm_rows(state="PENDING"),
+                       markers=requeue_markers(paths))
+    assert (pending[-1]["restart"], pending[-1]["first_step"], pending[-1]["reason"]) == (2, None, "waiting in the queue")
+
+
+def test_attempts_across_a_resume_by_hand(tmp_path: Path) -> None:
+    paths = RunPaths.of(preempted_run(tmp_path))
+    manifest = json.loads(paths.manifest.read_text())
+    manifest["jobs"].append({"kind": "train", "job_id": "200", "attempt": 2, "submitted": T0 + 200})
+    manifest["attempts"].append({"attempt": 2, "how": "resume", "time": T0 + 200, "train_job": "200",
+                                 "consolidate_job": None, "resumed_from": "checkpoints/checkpoint-30",
+                                 "resumed_from_step": 30,
+                                 "previous": {"job_id": "100", "state": "CANCELLED", "exit_code": "0:15",
+                                              "ended": "cancelled by the user"}})
+    records = [r for r in read_metrics(paths.metrics).records if r["step"] <= 33]  # job 100 cancelled at 33
+    records += attempt_records("200", 0, range(31, 37), T0 + 300)
+    rows = attempts(manifest, records, [], markers=requeue_markers(paths))  # sacct forgot job 100
+    assert [(r["job_id"], r["restart"], r["how"]) for r in rows][-2:] == [("100", 2, "requeue"), ("200", 0, "resume")]
+    assert rows[-2]["state"] == "CANCELLED" and rows[-2]["reason"] == "cancelled, resumed by hand"
+    assert rows[-1]["resumed_from_step"] == 30  # from the manifest, not guessed from the first step
+    assert lost_to_preemption(rows)["boundaries"][-1]["recomputed_steps"] == 3  # 31..33 again
+
+    old = {k: v for k, v in manifest.items() if k != "attempts"}  # a version-1 manifest
+    rows = attempts(old, records, [], markers=requeue_markers(paths))
+    assert rows[-1]["how"] == "resume" and rows[-2]["reason"] == "unknown (Slurm no longer knows this job), resumed by hand"
+
+
+def test_attempts_of_a_local_run(tmp_path: Path) -> None:
+    paths = RunPaths.of(local_run(tmp_path))
+    manifest = json.loads(paths.manifest.read_text())
+    rows = attempts(manifest, read_metrics(paths.metrics).records, [])
+    assert [(r["job_id"], r["restart"], r["state"], r["reason"], r["last_step"]) for r in rows] == [
+        ("4242", 0, "COMPLETED", "completed", 12)]
+    assert lost_to_preemption(rows)["boundaries"] == []
+
+
+def test_overview_has_the_status_json_keys(tmp_path: Path) -> None:
+    from slurmft.progress import overview
+
+    paths = RunPaths.of(preempted_run(tmp_path))
+    out = overview(paths, json.loads(paths.manifest.read_text()), slurm_rows())
+    assert set(out["progress"]) >= {"step", "max_steps", "loss", "tokens_per_s", "eta_s"}
+    assert set(out["checkpoint"]) == {"step", "path", "age_s", "bytes"}
+    assert all(set(a) >= {"job_id", "restart", "state", "reason", "start", "end", "first_step", "last_step"}
+               for a in out["attempts"])
+    assert out["progress"]["max_steps"] == 36 and len(out["attempts"]) == 3 and out["model"] is None
+    json.dumps(out)  # --json can print it as is
+
+
+def test_overview_lines_say_it_in_words(tmp_path: Path) -> None:
+    from slurmft.progress import overview, overview_lines
+
+    paths = RunPaths.of(preempted_run(tmp_path))
+    text = "\n".join(overview_lines(overview(paths, json.loads(paths.manifest.read_text()), slurm_rows())))
+    assert "progress: step 36/36, loss 1.2000, 1028 tokens/s, done" in text
+    assert "checkpoint: step 36," in text and "3.9 KiB" in text
+    assert "1. job 100 restart 0 (submit, from step 0): steps 1-12" in text
+    assert "3. job 100 restart 2 (requeue, from step 20): steps 21-36" in text and text.count("job 100") == 3
+    assert "lost to restarts: 5 step(s) again, 1m00s between attempts" in text
+    assert "model: not consolidated yet" in text
+    (paths.metrics).unlink()
+    assert "progress: no metrics.jsonl yet" in "\n".join(overview_lines(overview(paths, {"jobs": []}, [])))

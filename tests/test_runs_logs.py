@@ -1,0 +1,142 @@
+"""`slurmft runs` and `slurmft logs --rank/--attempt` on realistic run directories (tests/runfixture.py).
+
+The Slurm calls are counted with stand-in ``squeue``/``sacct`` executables first on PATH: a run
+listing must ask Slurm once for all runs, not once per run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from runfixture import local_run, preempted_run
+
+from slurmft.cli import main
+from slurmft.errors import RunDirError
+from slurmft.logs import log_attempts, rank_lines, select_lines, split_attempts
+from slurmft.runs import find_runs, run_lines, run_state
+
+
+def test_find_runs_searches_a_few_levels_and_skips_run_internals(tmp_path: Path) -> None:
+    a = preempted_run(tmp_path / "proj" / "exp1", "a")
+    b = local_run(tmp_path / "proj", "b")
+    local_run(a / "checkpoints", "hidden")  # never searched inside a run
+    local_run(a / "evals", "nested")
+    local_run(tmp_path / "x" / "y" / "z", "too-deep")  # depth 4
+    (tmp_path / "proj" / ".cache").mkdir()
+    local_run(tmp_path / "proj" / ".cache", "dot")
+    assert find_runs(tmp_path) == [b, a]  # sorted by path: proj/b before proj/exp1/a
+    assert find_runs(a) == [a]
+
+
+def test_run_state_in_one_word() -> None:
+    def jobs(train: str, cons: str | None = None, reason: str = "") -> list[dict[str, str]]:
+        out = [{"kind": "train", "state": train, "reason": ""}]
+        return out + ([{"kind": "consolidate", "state": cons, "reason": reason}] if cons else [])
+
+    assert run_state(jobs("RUNNING", "PENDING", "Dependency"), False) == "training"
+    assert run_state(jobs("PENDING", "PENDING"), False) == "queued"
+    assert run_state(jobs("REQUEUED"), False) == "requeued"
+    assert run_state(jobs("COMPLETED", "RUNNING"), False) == "consolidating"
+    assert run_state(jobs("FAILED", "PENDING", "DependencyNeverSatisfied"), False) == "stuck"
+    assert run_state(jobs("COMPLETED", "COMPLETED"), True) == "done"
+    assert run_state(jobs("CANCELLED", "CANCELLED"), False) == "cancelled"
+    assert run_state(jobs("UNKNOWN", "UNKNOWN"), True) == "done"  # Slurm forgot, the model is there
+
+
+def _fake_slurm(bin_dir: Path, calls: Path, squeue_out: str, sacct_out: str) -> None:
+    bin_dir.mkdir()
+    for name, out in (("squeue", squeue_out), ("sacct", sacct_out), ("scontrol", "")):
+        exe = bin_dir / name
+        exe.write_text(f"#!/bin/sh\necho {name} \"$@\" >> {calls}\nprintf '%s' '{out}'\n")
+        exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+
+
+def test_runs_asks_slurm_once_for_all_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "runs"
+    preempted_run(root, "a")
+    b = preempted_run(root, "b")
+    manifest = json.loads((b / "manifest.json").read_text())
+    for job, jid in zip(manifest["jobs"], ("300", "301"), strict=True):
+        job["job_id"] = jid
+    (b / "manifest.json").write_text(json.dumps(manifest))
+    local_run(root, "c")
+    (root / "d").mkdir()
+    (root / "d" / "manifest.json").write_text("{torn")
+    calls = tmp_path / "calls.txt"
+    _fake_slurm(tmp_path / "bin", calls, "300|RUNNING|None|1:00\n301|PENDING|Dependency|0:00\n",
+                "100|COMPLETED|00:05:00|0:0\n101|CANCELLED|00:00:00|0:0\n")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    main(["runs", str(root)])
+    out = capsys.readouterr().out.splitlines()
+    lines = calls.read_text().splitlines()
+    assert [line.split()[0] for line in lines] == ["squeue", "sacct"], lines  # one each, for all runs
+    assert "-j 100,101,300,301 " in lines[0] and "-j 100,101 " in lines[1]  # sacct: only what squeue forgot
+    rows = {line.split()[0]: line.split() for line in out[1:] if not line.startswith("/")}
+    assert rows["a"][1:4] == ["trained", "36/36", "1.2000"]
+    assert rows["b"][1] == "training"
+    assert rows["c"][1:4] == ["trained", "12/12", "2.4000"]  # local: from the manifest, no Slurm call
+    assert rows["d"][1] == "broken" and any("manifest.json is corrupt" in line for line in out)
+
+    data = run_lines(root, query=lambda ids: {})  # Slurm unreachable: still a line per run
+    assert [r["state"] for r in data] == ["unknown", "unknown", "trained", "broken"]
+
+
+def test_runs_on_an_empty_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    main(["runs", str(tmp_path)])
+    assert "no run directories" in capsys.readouterr().out
+
+
+LABELLED = """\
+[slurmft] job=100 restart=0 nodes=n[1-2] master=10.0.0.1:20100
+0: [slurmft rank0 12:00:00] step 1/36  loss 2.9500
+ 1: rank one warns
+0: [slurmft rank0 12:00:01] step 2/36  loss 2.9000
+[slurmft] 12:00:02 requeueing job 100 (restart 0 -> 1)
+[slurmft] job=100 restart=1 nodes=n[1-2] master=10.0.0.1:20100
+0: [slurmft rank0 12:01:00] resuming from checkpoint-2
+1: rank one again
+"""
+
+
+def test_split_attempts_and_rank_lines() -> None:
+    parts = split_attempts(LABELLED.splitlines(), "100")
+    assert [(p.job_id, p.restart, p.nodes, len(p.lines)) for p in parts] == [("100", 0, "n[1-2]", 5),
+                                                                          ("100", 1, "n[1-2]", 3)]
+    assert rank_lines(parts[0].lines, 1) == [parts[0].lines[0], " 1: rank one warns"]
+    assert all("loss" not in line for line in rank_lines(LABELLED.splitlines(), 1))
+    assert split_attempts(["no header here"], "7")[0].restart is None  # an old log: one attempt
+
+
+def test_logs_rank_and_attempt(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = preempted_run(tmp_path)
+    (run / "logs" / "train-100.out").write_text(LABELLED)
+    assert [(a.job_id, a.restart) for a in log_attempts(run)] == [("100", 0), ("100", 1)]
+    main(["logs", str(run), "--attempt", "2"])
+    out = capsys.readouterr().out
+    assert "==> attempt 2: job 100 restart 1 <==" in out and "resuming from checkpoint-2" in out
+    assert "step 1/36" not in out
+    main(["logs", str(run), "--rank", "1"])
+    out = capsys.readouterr().out
+    assert "rank one warns" in out and "rank one again" in out and "loss" not in out
+    main(["logs", str(run), "--rank", "0", "--attempt", "1"])
+    out = capsys.readouterr().out
+    assert "step 2/36" in out and "rank one" not in out and "resuming" not in out
+    with pytest.raises(RunDirError, match="the run has 2 train attempt"):
+        select_lines(run, attempt=3)
+    with pytest.raises(SystemExit):
+        main(["logs", str(run), "--rank", "0", "-f"])
+    assert "-f cannot be combined" in capsys.readouterr().err
+
+
+def test_logs_rank_of_a_local_run_reads_that_rank_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = local_run(tmp_path)
+    main(["logs", str(run), "--rank", "1"])
+    out = capsys.readouterr().out
+    assert "slurmft rank 1: completed" in out and "rank 1 stderr" in out and "rank 0" not in out
+    with pytest.raises(RunDirError, match="ran 2 rank"):
+        select_lines(run, rank=2)
