@@ -1,0 +1,78 @@
+"""`slurmft resume` of a local run (executor: local, 2 CPU processes with real FSDP2): the whole process
+group of `slurmft submit` is killed mid-run, then `slurmft resume` continues here from the newest complete
+checkpoint and ends with a model bitwise equal to an uninterrupted local run of the same config."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slurmft.cli import main
+from slurmft.rundir import RunPaths, read_manifest
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny" / "run.yaml"
+
+pytestmark = pytest.mark.train
+
+
+def _model_bytes(model_dir: Path) -> dict[str, bytes]:
+    import torch
+    from safetensors.torch import load_file
+
+    out = {}
+    for shard in sorted(model_dir.glob("model-*.safetensors")):
+        for name, tensor in load_file(shard).items():
+            out[name] = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    assert out
+    return out
+
+
+def test_killed_local_run_resumes_to_the_same_model(tiny_model: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    args = [f"model.name_or_path={tiny_model}", "train.max_steps=18", "checkpoint.every_steps=6"]
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "slurmft.cli", "submit", str(EXAMPLE), f"output_dir={killed}",
+                             *args], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while not (killed / "checkpoints" / "checkpoint-6" / "COMPLETE").is_file():
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline, "no complete checkpoint-6 in 240 s"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # submit, the local job controller and both ranks: no goodbye
+        proc.wait()
+    assert (killed / ".submit.lock").exists()  # the dead submit still "holds" the run directory
+    assert not (killed / "checkpoints" / "checkpoint-18" / "COMPLETE").exists()
+
+    main(["status", str(killed), "--json"])
+    rows = json.loads(capsys.readouterr().out)["jobs"]
+    assert rows[-1]["state"] == "KILLED" and "slurmft resume" in rows[-1]["words"]
+
+    main(["resume", str(killed)])
+    captured = capsys.readouterr()
+    assert "cleared a stale lock" in captured.err
+    assert "resuming" in captured.err and "consolidate job" in captured.out
+    manifest = read_manifest(RunPaths.of(killed))
+    resumed = manifest["attempts"][1]
+    assert resumed["how"] == "resume" and resumed["resumed_from_step"] >= 6
+    assert resumed["previous"]["state"] == "KILLED"
+    assert [(j["kind"], j.get("state")) for j in manifest["jobs"]] == [
+        ("train", None), ("train", "COMPLETED"), ("consolidate", "COMPLETED")]
+    steps = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    second = [m["step"] for m in steps if m["job_id"] == resumed["train_job"]]
+    assert min(second) == resumed["resumed_from_step"] + 1 and max(second) == 18
+
+    reference = tmp_path / "reference"
+    main(["submit", str(EXAMPLE), f"output_dir={reference}", *args])
+    capsys.readouterr()
+    want, got = _model_bytes(reference / "model"), _model_bytes(killed / "model")
+    assert sorted(got) == sorted(want)
+    assert [n for n in want if want[n] != got[n]] == []
