@@ -267,7 +267,8 @@ class TrainConfig(_Section):
         gt=0,
         le=1000,
         description="Passes over the data instead of max_steps: the job computes the steps from the packed "
-        "dataset at start and records them in the run directory (plan.json).",
+        "dataset at start and records them in the run directory (plan.json). train.max_steps=N on the command "
+        "line replaces it (a smoke test).",
     )
     per_device_batch_size: int = Field(1, ge=1, description="Micro-batch per rank.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
@@ -554,6 +555,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], base: Path | Non
                     child = [] if isinstance(path[depth + 1], int) else {}
                     node[part] = child
                 node = child
+        if path in (["train", "max_steps"], ["train", "epochs"]) and value is not None:
+            # the command line picks the length: train.max_steps=10 on a file with epochs is a smoke test
+            out["train"].pop("epochs" if path[1] == "max_steps" else "max_steps", None)
         if base is not None:
             _absolutize(out, base, only=_format_loc(tuple(path)))
     return out

@@ -329,7 +329,9 @@ def test_epochs_instead_of_max_steps(tmp_path: Path, model_dir: Path, capsys: py
     assert "batch: 2 rank(s) x 1 x 1 accumulation = 2 packed sequences of 256 tokens = 512 tokens per optimizer step" \
         in out
     assert "optimizer steps per epoch" in out and "train.epochs 2 -> ~" in out
-    code, _, err = cli(["validate", str(path), "train.max_steps=10"], capsys)
+    assert load_config(path, ["train.max_steps=10"]).train.epochs is None  # the command line's smoke test wins
+    both = write_run(tmp_path, model_dir, tmp_path / "c.jsonl", train={"max_steps": 10, "epochs": 2})
+    code, _, err = cli(["validate", str(both)], capsys)
     assert code == 2 and "train.epochs (2.0) and train.max_steps (10) are both set" in err
 
 
