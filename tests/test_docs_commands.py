@@ -116,3 +116,25 @@ def test_first_run_profile_example_is_a_valid_profile(tmp_path: Path) -> None:
     profile = load_profile(str(path))
     documented = set(re.findall(r"^\s*(\w+):", block, flags=re.M)) - set(profile.env)
     assert documented >= set(ClusterProfile.model_fields) | set(profile.gpu.model_fields)  # every field shown
+
+
+# tests/test_estimate.py is rewritten on another branch (estimate pinning); its one comment that cites
+# the removed design document (line 48) is to point at docs/design-notes.md there. Drop this at the merge.
+PENDING_ELSEWHERE = {"tests/test_estimate.py"}
+
+
+def test_the_repository_cites_only_files_it_contains() -> None:
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    names = {Path(p).name for p in tracked} | set(tracked)
+    missing = []
+    for rel in tracked:
+        if rel in PENDING_ELSEWHERE or not rel.endswith((".py", ".md", ".yaml", ".txt", ".j2", ".sh", ".toml")):
+            continue
+        text = (REPO / rel).read_text(errors="replace")
+        for cited in set(re.findall(r"[A-Za-z0-9_./-]*[A-Za-z0-9_-]+\.md\b", text)):
+            local = (REPO / rel).parent / cited
+            if cited not in names and cited.lstrip("./") not in names and not local.exists():
+                missing.append(f"{rel} cites {cited}")
+    assert not missing, missing
