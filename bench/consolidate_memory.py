@@ -8,7 +8,7 @@ weights broadcast from rank 0, ``dcp.save({"model": ...})`` into ``checkpoint-5/
 plus the COMPLETE marker), then consolidates it several ways, each in a fresh process so every
 method starts from the same baseline. Peak = the process's VmHWM, reset (``/proc/self/clear_refs``)
 after the imports, cross-checked by a 5 ms VmRSS sampler; the table reports peak minus the RSS at
-that point, as a multiple of the fp32 model size. DESIGN.md §3 target: streaming <= ~0.15x, the
+that point, as a multiple of the fp32 model size. docs/design-notes.md target: streaming <= ~0.15x, the
 baseline ~1x.
 """
 

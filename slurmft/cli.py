@@ -25,7 +25,23 @@ def _load(config: Path, overrides: tuple[str, ...]):  # noqa: ANN202 - returns (
     from slurmft.profiles import load_profile
 
     cfg = load_config(config, list(overrides))
-    return cfg, load_profile(cfg.cluster.profile)
+    profile = load_profile(cfg.cluster.profile)
+    if "profile" not in cfg.cluster.model_fields_set:
+        _err(f"note: no cluster.profile given; assuming {profile.name!r}: {profile.gpu.type} GPUs "
+             f"({profile.gpu.memory_gb:g} GB), {profile.node_memory_gb:g} GB RAM per node (set cluster.profile to "
+             f"yours: `slurmft profiles`, or a path to your own profile .yaml)")
+    return cfg, profile
+
+
+def _checks(cfg, config: Path):  # noqa: ANN001, ANN202 - returns slurmft.checks.Report
+    """Every login-side check (slurmft.checks); all problems in one error; what was skipped, one line each."""
+    from slurmft.checks import run_checks
+
+    report = run_checks(cfg)
+    report.raise_if_problems(str(config))
+    for line in report.skipped:
+        _err(f"not checked: {line}")
+    return report
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -72,8 +88,11 @@ def render(config: Path, overrides: tuple[str, ...], out: Path | None, template_
 def validate(config: Path, overrides: tuple[str, ...]) -> None:
     """Check RUN.yaml (and its cluster profile) without writing or submitting anything."""
     cfg, profile = _load(config, overrides)
+    report = _checks(cfg, config)
     click.echo(f"{config}: ok (run {cfg.name}, executor {cfg.resolved_executor.value}, profile {profile.name}, "
                f"{cfg.resources.nodes} node(s) x {cfg.resources.ranks_per_node} rank(s))")
+    for line in report.notes:
+        click.echo(f"  {line}")
 
 
 @cli.command()
@@ -88,6 +107,7 @@ def submit(config: Path, overrides: tuple[str, ...], force: bool, template_dir: 
 
     cfg, profile = _load(config, overrides)
     check_submittable(cfg)
+    _checks(cfg, config)
     problems = _fit_problems(cfg, profile)
     if problems and not force:
         raise ConfigError("the run will not fit (see `slurmft estimate`); pass --force to submit anyway", problems)

@@ -31,6 +31,36 @@ SECRET_KEY_RE = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_K
 SIGNALS = ("USR1", "USR2", "TERM", "INT", "URG")
 
 
+class YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 numbers.
+
+    PyYAML follows YAML 1.1: ``16:00:00`` is a base-60 integer (57600) and ``1e-8`` (no dot) is a
+    string. Neither is what anyone writing a run.yaml means: here ``16:00:00`` stays the string it
+    looks like, and ``1e-8`` is a float, in the file and in ``key=value`` overrides alike.
+    """
+
+
+YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)"
+               r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."),
+)
+
+
+def load_yaml_text(text: str) -> Any:
+    """Parse YAML text with :class:`YamlLoader` (YAML 1.2 numbers)."""
+    return yaml.load(text, Loader=YamlLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _check(pattern: re.Pattern[str], value: str, what: str) -> str:
     if not pattern.match(value):
         raise ValueError(f"{value!r} is not a valid {what}")
@@ -52,7 +82,8 @@ class Executor(str, Enum):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # A number where a string is wanted (``mem: 0``, ``cluster.env.X: 1``, ``time: 240``) means its digits.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
 
 
 class ClusterConfig(_Section):
@@ -178,19 +209,38 @@ class ModelConfig(_Section):
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
 
 
+FORMATS = ("auto", "messages", "sharegpt", "lima", "guanaco", "alpaca", "prompt_completion")
+
+
 class DatasetSource(_Section):
     """One data source; several are mixed by weight."""
 
-    path: str = Field(..., description="Hub id or local .json/.jsonl/.parquet file.")
+    path: str = Field(..., description="Hub id or local .json/.jsonl/.csv/.parquet file.")
     split: str = Field("train", description="Split to read.")
     weight: float = Field(1.0, gt=0, description="Mixing weight (relative sampling probability).")
-    format: Literal["auto", "messages", "lima", "guanaco"] = Field(
+    format: Literal["auto", "messages", "sharegpt", "lima", "guanaco", "alpaca", "prompt_completion"] = Field(
         "auto",
-        description="Record layout: messages (role/content list), lima (conversations: [str]), "
-        "guanaco (text with '### Human:' / '### Assistant:'), or auto-detect.",
+        description="Record layout: messages (role/content list), sharegpt (conversations: from/value list), lima "
+        "(conversations: [str]), guanaco (text with '### Human:' / '### Assistant:'), alpaca (instruction, "
+        "input, output), prompt_completion (prompt, completion), or auto-detect.",
     )
     name: str | None = Field(None, description="Hub dataset config name (subset).")
     text_field: str | None = Field(None, description="Column holding the text/conversation if not the default.")
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="Your column names for the format's fields, e.g. {prompt: question, completion: answer} or "
+        "{instruction: task, output: response}; keys: messages, conversations, text, instruction, input, output, "
+        "prompt, completion.",
+    )
+
+    @field_validator("columns")
+    @classmethod
+    def _columns(cls, v: dict[str, str]) -> dict[str, str]:
+        known = ("messages", "conversations", "text", "instruction", "input", "output", "prompt", "completion")
+        for key in v:
+            if key not in known:
+                raise ValueError(f"unknown field {key!r}; map any of {', '.join(known)} to your column names")
+        return v
 
 
 class DataConfig(_Section):
@@ -203,10 +253,23 @@ class DataConfig(_Section):
     num_proc: int | None = Field(None, ge=1, description="Processes for dataset preprocessing.")
 
 
+DEFAULT_MAX_STEPS = 500
+
+
 class TrainConfig(_Section):
     """Optimisation settings; anything TRL's SFTConfig accepts can go under ``sft``."""
 
-    max_steps: int = Field(500, ge=1, description="Optimizer steps.")
+    max_steps: int | None = Field(
+        None, ge=1, description="Optimizer steps (500 when neither max_steps nor epochs is set)."
+    )
+    epochs: float | None = Field(
+        None,
+        gt=0,
+        le=1000,
+        description="Passes over the data instead of max_steps: the job computes the steps from the packed "
+        "dataset at start and records them in the run directory (plan.json). train.max_steps=N on the command "
+        "line replaces it (a smoke test).",
+    )
     per_device_batch_size: int = Field(1, ge=1, description="Micro-batch per rank.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     learning_rate: float = Field(5e-5, gt=0, lt=1, description="Peak learning rate.")
@@ -223,6 +286,17 @@ class TrainConfig(_Section):
     @classmethod
     def _sched(cls, v: str) -> str:
         return _check(NAME_RE, v, "scheduler name")
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> TrainConfig:
+        if self.epochs is not None and self.max_steps is not None:
+            raise ValueError(
+                f"train.epochs ({self.epochs}) and train.max_steps ({self.max_steps}) are both set; keep one "
+                "(epochs: steps are computed from the packed data; max_steps: a fixed count)"
+            )
+        if self.epochs is None and self.max_steps is None:
+            self.__dict__["max_steps"] = DEFAULT_MAX_STEPS  # not an assignment: that would re-run this check
+        return self
 
 
 class FSDPConfig(_Section):
@@ -242,7 +316,7 @@ class FSDPConfig(_Section):
 class CheckpointConfig(_Section):
     """Sharded (torch.distributed.checkpoint) checkpoints."""
 
-    every_steps: int = Field(100, ge=1, description="Save a sharded checkpoint every N steps.")
+    every_steps: int = Field(100, ge=1, description="Save a sharded checkpoint every N steps; the last step is always saved.")
     keep_last: int = Field(2, ge=1, description="Keep the N newest complete checkpoints.")
 
 
@@ -333,11 +407,6 @@ class RunConfig(_Section):
                 "resources.nodes: the local executor runs on this machine only; set resources.nodes=1 "
                 "(or executor=slurm)"
             )
-        if self.checkpoint.every_steps > self.train.max_steps:
-            raise ValueError(
-                f"checkpoint.every_steps ({self.checkpoint.every_steps}) exceeds train.max_steps "
-                f"({self.train.max_steps}): no checkpoint would ever be written; lower checkpoint.every_steps"
-            )
         return self
 
     @property
@@ -366,8 +435,10 @@ def format_validation_error(err: ValidationError) -> list[str]:
         loc = _format_loc(tuple(p for p in e["loc"] if p not in ("function-after",)))
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            parent = ".".join(str(p) for p in e["loc"][:-1])
-            msg = f"unknown key; valid keys here: {', '.join(_valid_keys(parent))}"
+            msg = _unknown_key_message(e["loc"])
+        elif e["type"] == "string_type" and isinstance(e.get("input"), bool):
+            msg = f"expected a string, got {e['input']!r}: YAML reads yes/no/true/false as booleans; quote it " \
+                  f"(\"{str(e['input']).lower()}\")"
         elif e["type"] == "missing":
             msg = "required field is missing"
         elif "input" in e and not isinstance(e["input"], dict | list) and repr(e["input"]) not in msg:
@@ -377,6 +448,34 @@ def format_validation_error(err: ValidationError) -> list[str]:
             continue
         problems.append(f"{loc}: {msg}")
     return problems
+
+
+def _unknown_key_message(loc: tuple[Any, ...]) -> str:
+    """Unknown key: a did-you-mean (our field for a foreign spelling), the valid keys, the sft passthrough."""
+    from slurmft.names import suggest
+
+    parent = ".".join(str(p) for p in loc[:-1])
+    valid = _valid_keys(parent)
+    hint = suggest(str(loc[-1]), _format_loc(loc[:-1]) if loc[:-1] else "", valid, all_fields())
+    msg = f"unknown key; {hint + '; ' if hint else ''}valid keys here: {', '.join(valid)}"
+    if parent == "train" and not hint:
+        msg += f"; an option of TRL's SFTConfig goes under train.sft: (train.sft.{loc[-1]}=...)"
+    return msg
+
+
+def all_fields(model: Any = None, prefix: str = "") -> list[str]:
+    """Every field of the schema as a dotted path (list sections as ``name[]``)."""
+    out = []
+    for name, field in (model or RunConfig).model_fields.items():
+        ann = field.annotation
+        inner = getattr(ann, "__args__", None) or ()
+        sub = next((a for a in (ann, *inner) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        path = f"{prefix}{name}"
+        if sub is not None:
+            out += all_fields(sub, path + ("[]." if sub is not ann else "."))
+        else:
+            out.append(path)
+    return out
 
 
 def _valid_keys(dotted_parent: str) -> list[str]:
@@ -397,37 +496,70 @@ def _valid_keys(dotted_parent: str) -> list[str]:
     return sorted(model.model_fields)
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """Parse ``a.b.c=value`` (value read as YAML) into (path, value)."""
+KEY_PART_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)((?:\[\d+\])*)$")
+
+
+def parse_override(text: str) -> tuple[list[str | int], Any]:
+    """Parse ``a.b.c=value`` or ``a.b[0].c=value`` (value read as YAML) into (path, value)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key=value with a dotted key, e.g. train.max_steps=10")
     key, raw = text.split("=", 1)
-    path = key.strip().split(".")
-    if not all(re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", p) for p in path):
-        raise ConfigError(f"override {text!r}: {key!r} is not a dotted key like resources.nodes")
+    path: list[str | int] = []
+    for part in key.strip().split("."):
+        m = KEY_PART_RE.match(part)
+        if part.isdigit() and path:
+            path.append(int(part))
+        elif m:
+            path.append(m.group(1))
+            path += [int(i) for i in re.findall(r"\[(\d+)\]", m.group(2))]
+        else:
+            raise ConfigError(
+                f"override {text!r}: {key!r} is not a dotted key like resources.nodes or data.datasets[0].weight"
+            )
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml_text(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {text!r}: value is not valid YAML ({exc.__class__.__name__})") from None
     return path, value
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Return a copy of ``data`` with dotted ``key=value`` overrides applied."""
+def apply_overrides(data: dict[str, Any], overrides: list[str], base: Path | None = None) -> dict[str, Any]:
+    """Return a copy of ``data`` with dotted ``key=value`` overrides applied.
+
+    With ``base``, a relative path given on the command line is made absolute against it (the current
+    directory: see :func:`absolutize_paths`).
+    """
     import copy
 
     out = copy.deepcopy(data)
     for text in overrides:
         path, value = parse_override(text)
-        node = out
-        for part in path[:-1]:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {text!r}: {part} is not a section")
-            node = child
-        node[path[-1]] = value
+        node: Any = out
+        for depth, part in enumerate(path):
+            last = depth == len(path) - 1
+            where = _format_loc(tuple(path[: depth + 1]))
+            if isinstance(part, int):
+                if not isinstance(node, list):
+                    raise ConfigError(f"override {text!r}: {_format_loc(tuple(path[:depth]))} is not a list")
+                if part > len(node):
+                    raise ConfigError(f"override {text!r}: {where} does not exist (the list has {len(node)} items)")
+                if part == len(node):  # one past the end appends
+                    node.append({} if not last else None)
+            elif not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: {_format_loc(tuple(path[:depth]))} is not a section")
+            if last:
+                node[part] = value
+            else:
+                child = node[part] if isinstance(part, int) else node.get(part)
+                if child is None:
+                    child = [] if isinstance(path[depth + 1], int) else {}
+                    node[part] = child
+                node = child
+        if path in (["train", "max_steps"], ["train", "epochs"]) and value is not None:
+            # the command line picks the length: train.max_steps=10 on a file with epochs is a smoke test
+            out["train"].pop("epochs" if path[1] == "max_steps" else "max_steps", None)
+        if base is not None:
+            _absolutize(out, base, only=_format_loc(tuple(path)))
     return out
 
 
@@ -437,7 +569,7 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist (give the path to your run.yaml)")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = load_yaml_text(p.read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -459,50 +591,82 @@ def validate(data: dict[str, Any], source: str = "config") -> RunConfig:
 
 
 def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> RunConfig:
-    """Read run.yaml, apply overrides and validate. Relative local paths are resolved against the file."""
-    data = apply_overrides(read_yaml(path), overrides or [])
-    cfg = validate(data, source=str(path))
-    return resolve_paths(cfg, Path(path).resolve().parent)
+    """Read run.yaml, apply overrides and validate; every relative path becomes absolute.
+
+    One rule for every path (output_dir, model, tokenizer, data files, a profile file, the job's
+    Python, a chat template): a relative path is relative to where it was written — the run.yaml's
+    folder for a value in the file, the current directory for a ``key=value`` on the command line.
+    Whether the files exist is checked by :mod:`slurmft.checks`, which reports every problem at once.
+    """
+    data = read_yaml(path)
+    _absolutize(data, Path(path).resolve().parent)
+    data = apply_overrides(data, overrides or [], base=Path.cwd())
+    return validate(data, source=str(path))
 
 
-def _looks_local(value: str, base: Path) -> Path | None:
-    p = Path(os.path.expanduser(value))
-    if not p.is_absolute():
-        p = base / p
-    return p if p.exists() else None
+DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 
 
-def resolve_paths(cfg: RunConfig, base: Path) -> RunConfig:
-    """Make output_dir and existing local model/data paths absolute (jobs run in another cwd)."""
-    out = Path(os.path.expanduser(cfg.output_dir))
-    cfg.output_dir = str(out if out.is_absolute() else (Path.cwd() / out).resolve())
-    local = _looks_local(cfg.model.name_or_path, base) or _looks_local(cfg.model.name_or_path, Path.cwd())
-    if local:
-        cfg.model.name_or_path = str(local.resolve())
-        if local.is_dir() and not (local / "config.json").is_file():
-            raise ConfigError(
-                f"model.name_or_path: {cfg.model.name_or_path} has no config.json (give a Hugging Face model "
-                "directory as written by save_pretrained, or a hub id)"
-            )
-    elif cfg.model.name_or_path.startswith(("/", "./", "../", "~")):
-        raise ConfigError(
-            f"model.name_or_path: local path {cfg.model.name_or_path!r} does not exist "
-            "(give an existing directory with config.json, or a hub id like meta-llama/Llama-2-7b-hf)"
-        )
-    if cfg.model.tokenizer:
-        tok = _looks_local(cfg.model.tokenizer, base)
-        if tok:
-            cfg.model.tokenizer = str(tok.resolve())
-    for i, ds in enumerate(cfg.data.datasets):
-        local = _looks_local(ds.path, base) or _looks_local(ds.path, Path.cwd())
-        if local:
-            ds.path = str(local.resolve())
-        elif ds.path.startswith(("/", "./", "../", "~")) or ds.path.endswith((".json", ".jsonl", ".parquet")):
-            raise ConfigError(
-                f"data.datasets[{i}].path: file {ds.path!r} does not exist (give a local .json/.jsonl/.parquet "
-                "file or a hub dataset id like GAIR/lima)"
-            )
-    return cfg
+def _path_kind(loc: str) -> str:
+    """How a path field is told apart from a name: always a path, a path when it looks like one, ..."""
+    if loc in ("output_dir", "train.sft.chat_template_path"):
+        return "path"
+    if loc == "cluster.profile":
+        return "profile"
+    if loc == "cluster.python":
+        return "program"
+    return "path-or-hub-id"  # model.name_or_path, model.tokenizer, data.datasets[i].path
+
+
+def looks_like_path(value: str) -> bool:
+    """A value written as a local path (not a hub id like org/name)."""
+    return value.startswith(("/", "./", "../", "~")) or value in (".", "..")
+
+
+def _resolve_one(value: str, kind: str, base: Path) -> str:
+    expanded = Path(os.path.expanduser(value))
+    if expanded.is_absolute():
+        return str(expanded)
+    local = str((base / expanded).resolve())
+    if kind == "path":
+        return local
+    if kind == "profile":
+        return local if ("/" in value or value.endswith((".yaml", ".yml"))) else value
+    if kind == "program":
+        return local if "/" in value else value  # a bare name is looked up on the job's PATH
+    if looks_like_path(value) or value.endswith(DATA_SUFFIXES) or (base / expanded).exists():
+        return local
+    return value  # a hub id
+
+
+def _path_fields(data: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
+    """(dotted location, the mapping holding it, key) for every path-valued field present in raw data."""
+    found: list[tuple[str, dict[str, Any], str]] = []
+
+    def take(loc: str, holder: Any, key: str) -> None:
+        if isinstance(holder, dict) and isinstance(holder.get(key), str) and holder[key]:
+            found.append((loc, holder, key))
+
+    take("output_dir", data, "output_dir")
+    cluster, model, dat, train = (data.get(k) if isinstance(data.get(k), dict) else {} for k in
+                                  ("cluster", "model", "data", "train"))
+    take("cluster.profile", cluster, "profile")
+    take("cluster.python", cluster, "python")
+    take("model.name_or_path", model, "name_or_path")
+    take("model.tokenizer", model, "tokenizer")
+    if isinstance(train.get("sft"), dict):
+        take("train.sft.chat_template_path", train["sft"], "chat_template_path")
+    datasets = dat.get("datasets")
+    for i, ds in enumerate(datasets if isinstance(datasets, list) else []):
+        take(f"data.datasets[{i}].path", ds, "path")
+    return found
+
+
+def _absolutize(data: dict[str, Any], base: Path, only: str | None = None) -> None:
+    """Make the relative paths in raw config ``data`` absolute against ``base`` (only those under ``only``)."""
+    for loc, holder, key in _path_fields(data):
+        if only is None or loc == only or loc.startswith((only + ".", only + "[")):
+            holder[key] = _resolve_one(holder[key], _path_kind(loc), base)
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -66,6 +66,18 @@ def reference() -> str:
             desc = (field.description or "").replace("|", "\\|")
             lines.append(f"| `{name}` | {typ.replace('|', ' or ')} | {_default(field)} | {desc} |")
         lines.append("")
+    from slurmft.names import alias_table
+
+    lines += [
+        "## Names from other tools",
+        "",
+        "An unknown key that another tool spells this way gets a did-you-mean naming our field. Any other",
+        "option of TRL's `SFTConfig` goes under `train.sft:` as-is (keys and types are checked by",
+        "`slurmft validate` when TRL is installed, and always in the job).",
+        "",
+        *alias_table(),
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -188,8 +188,8 @@ def locate_model_config(name_or_path: str, revision: str | None = None) -> Path:
         f"model.name_or_path: no config.json found for {name_or_path!r} to estimate from",
         [
             f"not a local directory, not in the hub cache ({hub_cache_dir()}), not a shipped config",
-            f"fix: download it first (huggingface-cli download {name_or_path} config.json), "
-            "or point model.name_or_path at a local directory with config.json",
+            f"fix: download it first (hf download {name_or_path} config.json; huggingface_hub < 1.0 spells it "
+            f"huggingface-cli download {name_or_path} config.json), or point model.name_or_path at a local directory with config.json",
             f"shipped configs: {', '.join(shipped_model_names())}",
         ],
     )
@@ -496,6 +496,11 @@ def estimate(
     if model_cfg is None:
         source = str(locate_model_config(cfg.model.name_or_path, cfg.model.revision))
         model_cfg = load_model_config(cfg.model.name_or_path, cfg.model.revision)
+    from slurmft.checks import seq_length_problem
+
+    too_long = seq_length_problem(cfg.data.max_seq_length, model_cfg.get("max_position_embeddings"))
+    if too_long:  # the job refuses it, so no plan for it either
+        raise ConfigError(too_long)
     shape = model_shape(model_cfg)
     n_params = count_parameters(model_cfg)
 

@@ -19,7 +19,19 @@ def log_files(run_dir: Path, kind: str) -> list[Path]:
     if job is None:
         raise RunDirError(f"run {paths.root} has no {kind} job (was consolidation disabled?)")
     files = [Path(p) for p in job.get("logs", [])] or [Path(job["log"])]
-    return files
+    return [f for out in files for f in (out, *_stderr_of(out))]
+
+
+def _stderr_of(out: Path) -> list[Path]:
+    """The stderr file written next to a stdout log (submitit's local executor: ``*_log.out`` + ``*_log.err``).
+
+    Every ``[slurmft rank0 ...]`` line and every traceback of a local run is in the ``.err`` file;
+    Slurm jobs write both streams into one file, so there is nothing to add for them.
+    """
+    if out.suffix != ".out":
+        return []
+    err = out.with_suffix(".err")
+    return [err] if out.name.endswith("_log.out") or err.exists() else []
 
 
 def tail(files: list[Path], lines: int, follow: bool, echo: Callable[[str], None]) -> None:

@@ -26,7 +26,7 @@ import yaml
 
 from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, step_of
 from slurmft.rundir import MODEL_INDEX as SAFE_INDEX_NAME  # what consolidation writes last
-from slurmft.rundir import RunPaths
+from slurmft.rundir import RunPaths, planned_max_steps
 
 # How many of the newest records the rate (steps/s, tokens/s) is measured over.
 RECENT = 20
@@ -102,11 +102,13 @@ def read_metrics(path: Path) -> Metrics:
 
 
 def max_steps_of(paths: RunPaths) -> int | None:
-    """``train.max_steps`` of the run's resolved config, or None when it cannot be read."""
+    """``train.max_steps`` of the run's resolved config (or the steps planned for ``train.epochs``), or None
+    when it cannot be read."""
     try:
-        value = (yaml.safe_load(paths.config.read_text()) or {}).get("train", {}).get("max_steps")
+        train = (yaml.safe_load(paths.config.read_text()) or {}).get("train", {})
     except (OSError, yaml.YAMLError, AttributeError):
         return None
+    value = planned_max_steps(paths, train.get("max_steps"), train.get("epochs"))
     return value if isinstance(value, int) else None
 
 

@@ -37,6 +37,7 @@ from slurmft.rundir import (
     RunPaths,
     acquire_lock,
     atomic_write,
+    planned_max_steps,
     release_lock,
     start_attempt,
     write_manifest,
@@ -74,11 +75,12 @@ def check_overrides(overrides: list[str]) -> None:
         )
 
 
-def classify(live_train: list[str], trained_step: int | None, max_steps: int, model_ready: bool) -> Phase:
-    """The run's phase from its live train jobs, the newest complete checkpoint's step and the model."""
+def classify(live_train: list[str], trained_step: int | None, max_steps: int | None, model_ready: bool) -> Phase:
+    """The run's phase from its live train jobs, the newest complete checkpoint's step and the model
+    (``max_steps`` None: ``train.epochs`` not counted yet, so not finished)."""
     if live_train:
         return Phase.LIVE
-    if trained_step is not None and trained_step >= max_steps:
+    if trained_step is not None and max_steps is not None and trained_step >= max_steps:
         return Phase.FINISHED if model_ready else Phase.TRAINED
     return Phase.RESUMABLE
 
@@ -198,7 +200,8 @@ def resume_run(
     live_train = [r["job_id"] for r in state.rows if r["kind"] == "train" and r["state"] in {s.value for s in LIVE}]
     latest = latest_complete(paths.checkpoints)
     step = step_of(latest) if latest else None
-    phase = classify(live_train, step, cfg.train.max_steps, model_ready(paths, latest))
+    max_steps = planned_max_steps(paths, cfg.train.max_steps, cfg.train.epochs)
+    phase = classify(live_train, step, max_steps, model_ready(paths, latest))
     result = ResumeResult(phase, paths.root, executor, resumed_from=latest, step=step)
     if phase == Phase.LIVE:
         raise RunDirError(f"{paths.root} is live: train job(s) {', '.join(live_train)} still queued or running; "
@@ -206,7 +209,7 @@ def resume_run(
     if phase == Phase.FINISHED:
         return result
     if phase == Phase.TRAINED:
-        raise RunDirError(f"training already reached train.max_steps ({cfg.train.max_steps}, {latest}) but there is "
+        raise RunDirError(f"training already reached train.max_steps ({max_steps}, {latest}) but there is "
                           f"no consolidated model: run `slurmft consolidate {paths.root}`")
     running_cons = [r["job_id"] for r in state.rows if r["kind"] == "consolidate" and r["state"] == "RUNNING"]
     if running_cons:

@@ -106,6 +106,11 @@ class RunPaths:
         return self.root / "model"
 
     @property
+    def plan(self) -> Path:
+        """``train.epochs``: the steps computed from the packed data at the first start (kept across restarts)."""
+        return self.root / "plan.json"
+
+    @property
     def requeue_marker_dir(self) -> Path:
         """Markers left by the ranks to ask the batch script for a requeue."""
         return self.root / "requeue"
@@ -124,6 +129,16 @@ def atomic_write(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def planned_max_steps(paths: RunPaths, max_steps: int | None, epochs: float | None) -> int | None:
+    """``train.max_steps``, or for ``train.epochs`` the steps the job recorded at its first start (None before)."""
+    if epochs is None:
+        return max_steps
+    try:
+        return int(json.loads(paths.plan.read_text())["max_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def new_manifest(name: str, executor: str, run_id: str = "") -> dict[str, Any]:

@@ -57,7 +57,7 @@ class Size:
 SIZES = {
     # ~5.3M parameters (20 MiB fp32): fast enough for multi-process CPU tests.
     "tiny": Size(4096, 256, 688, 4, 4, 4, 512),
-    # ~170M parameters (~650 MiB in fp32): the memory benchmark's model (DESIGN.md §3).
+    # ~170M parameters (~650 MiB in fp32): the memory benchmark's model (docs/design-notes.md).
     "150m": Size(8192, 1024, 2816, 12, 16, 16, 2048),
     # ~1.1B parameters (TinyLlama-like shape): the GPU smoke test's model.
     "1b": Size(8192, 2048, 5632, 22, 32, 4, 4096),

@@ -65,7 +65,7 @@ CASES = [
     ("model-dir-not-a-model", "model.name_or_path", str(DATA), "model.name_or_path"),
     ("secret-in-env", "cluster.env", {"HF_TOKEN": "hf_x"}, "cluster.env"),
     ("env-bad-key", "cluster.env", {"BAD KEY": "x"}, "cluster.env"),
-    ("ckpt-after-end", "checkpoint.every_steps", 100, "checkpoint.every_steps"),
+    ("epochs-and-max-steps", "train.epochs", 2, "train.epochs"),
     ("shard-size", "consolidate.max_shard_size", "huge", "consolidate.max_shard_size"),
     ("executor-unknown", "executor", "kubernetes", "executor"),
     ("fsdp-disabled", "fsdp.enabled", False, "fsdp.enabled"),

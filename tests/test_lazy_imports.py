@@ -27,8 +27,8 @@ print("HEAVY", heavy)
 @pytest.mark.parametrize(
     "args",
     [["--help"], ["render", str(CONFIG)], ["validate", str(CONFIG)], ["estimate", str(CONFIG), "--json"],
-     ["profiles"]],
-    ids=["help", "render", "validate", "estimate", "profiles"],
+     ["profiles"], ["validate", str(CONFIG), "train.sft.adam_beta2=0.95"]],
+    ids=["help", "render", "validate", "estimate", "profiles", "validate-sft-keys-via-child-process"],
 )
 def test_login_commands_import_no_training_stack(args: list[str]) -> None:
     out = subprocess.run([sys.executable, "-c", PROBE.format(heavy=HEAVY), *args], capture_output=True, text=True)

@@ -3,7 +3,7 @@
 Why it exists: accelerate decides the distributed type before it looks at the FSDP plugin. On a
 machine without an accelerator it picks ``MULTI_CPU`` and silently drops the plugin, so the Trainer
 runs DDP (or, single process, every rank trains alone and they race on one checkpoint folder).
-DESIGN.md §3 measured that switching the type to ``FSDP`` on both ``AcceleratorState`` and the
+docs/design-notes.md records that switching the type to ``FSDP`` on both ``AcceleratorState`` and the
 ``PartialState`` shared state makes accelerate, the Trainer and ``SFTTrainer`` run FSDP2 with gloo,
 write sharded DCP checkpoints and resume bitwise identically.
 

@@ -1,7 +1,7 @@
 """The process group of one train job: device, a rendezvous that fails fast, and agreement on errors.
 
 Why our own rendezvous store: with ``env://`` a wrong MASTER_ADDR or a rank that never starts does
-not fail, it waits for the collective time-out (30 min by default, DESIGN.md §3). Rank 0 therefore
+not fail, it waits for the collective time-out (30 min by default, docs/design-notes.md). Rank 0 therefore
 opens the TCP store itself and waits at most ``SLURMFT_RENDEZVOUS_TIMEOUT`` seconds (default 180)
 for every rank; the others give up after the same time, each with an error that names the address.
 Collectives afterwards get the long ``SLURMFT_COLLECTIVE_TIMEOUT`` (default 1800 s: a save of a

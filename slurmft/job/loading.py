@@ -172,12 +172,11 @@ def load_model_config(model_dir: Path, model: ModelConfig, max_seq_length: int) 
     except Exception as exc:
         raise JobSetupError(f"model.name_or_path: cannot read {model_dir / 'config.json'}: {exc}") from None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    limit = getattr(text, "max_position_embeddings", None)
-    if isinstance(limit, int) and max_seq_length > limit:
-        raise JobSetupError(
-            f"data.max_seq_length ({max_seq_length}) is larger than the model's max_position_embeddings ({limit}); "
-            f"set data.max_seq_length to at most {limit}"
-        )
+    from slurmft.checks import seq_length_problem
+
+    problem = seq_length_problem(max_seq_length, getattr(text, "max_position_embeddings", None))
+    if problem:
+        raise JobSetupError(problem)
     return config
 
 

@@ -1,6 +1,6 @@
 """Preemption, last step: run by the batch script after ``srun`` returned (never by the ranks).
 
-Requeuing from inside Python while the step is still exiting cancels it (DESIGN.md §3), so the
+Requeuing from inside Python while the step is still exiting cancels it (docs/design-notes.md), so the
 ranks only leave a marker (``<run>/requeue/<job>-<restart>``) and this module, in the batch shell,
 calls ``scontrol requeue`` — same job id, so the ``afterok`` consolidation job stays valid.
 Its exit status becomes the job's: the srun status, or 3 when the run stopped for a requeue that

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -26,47 +27,12 @@ from slurmft.job import cpu_fsdp, data, distributed, loading
 from slurmft.job.callbacks import CompleteCheckpoints, FsdpReport, MetricsLog, PreemptionStop, StepLog
 from slurmft.job.distributed import DistContext
 from slurmft.job.rendezvous import JobEnv
-from slurmft.rundir import RunPaths, atomic_write
+from slurmft.rundir import RunPaths, atomic_write, planned_max_steps
 
 log = logging.getLogger("slurmft.job")
 
 FSDP_REPORT_DIR = "fsdp_report"
 
-# SFTConfig keys slurmft sets itself: the run.yaml field to use instead (or why it is fixed).
-OWNED_SFT_KEYS = {
-    "output_dir": "the run directory's checkpoints/ (RunPaths.checkpoints)",
-    "overwrite_output_dir": "the run directory's checkpoints/",
-    "save_strategy": "checkpoint.every_steps",
-    "save_steps": "checkpoint.every_steps",
-    "save_total_limit": "checkpoint.keep_last",
-    "save_only_model": "full checkpoints are needed to resume",
-    "resume_from_checkpoint": "automatic: the newest COMPLETE checkpoint",
-    "fsdp": "the fsdp: section",
-    "fsdp_config": "the fsdp: section",
-    "gradient_checkpointing": "fsdp.activation_checkpointing",
-    "activation_checkpointing": "fsdp.activation_checkpointing",
-    "max_steps": "train.max_steps",
-    "per_device_train_batch_size": "train.per_device_batch_size",
-    "gradient_accumulation_steps": "train.gradient_accumulation_steps",
-    "learning_rate": "train.learning_rate",
-    "lr_scheduler_type": "train.lr_scheduler",
-    "warmup_ratio": "train.warmup_ratio",
-    "weight_decay": "train.weight_decay",
-    "max_grad_norm": "train.max_grad_norm",
-    "seed": "train.seed",
-    "logging_steps": "train.logging_steps",
-    "report_to": "train.report_to",
-    "max_length": "data.max_seq_length",
-    "max_seq_length": "data.max_seq_length",
-    "packing": "data.packing",
-    "assistant_only_loss": "data.assistant_only_loss",
-    "dataset_num_proc": "data.num_proc",
-    "bf16": "model.dtype (the compute dtype; auto = bf16 on GPU)",
-    "fp16": "model.dtype (the compute dtype; auto = bf16 on GPU)",
-    "use_cpu": "the device (CPU only when there is no GPU)",
-    "ddp_backend": "the device (NCCL on GPU, gloo on CPU)",
-}
-REPORTERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "none": ()}
 
 
 def _setup_logging(rank: int) -> None:
@@ -97,12 +63,11 @@ class Inputs:
 
 
 def _check_sft_keys(cfg: RunConfig) -> None:
-    from trl import SFTConfig
+    """The login side's train.sft and report_to checks (slurmft.checks), here with TRL imported; values coerced."""
+    from slurmft.checks import REPORTERS, sft_field_kinds, sft_problems
 
-    problems = [f"train.sft.{key}: set by slurmft; use {OWNED_SFT_KEYS[key]}" for key in cfg.train.sft
-                if key in OWNED_SFT_KEYS]
-    valid = set(SFTConfig.__dataclass_fields__)
-    problems += [f"train.sft.{key}: not an SFTConfig option" for key in cfg.train.sft if key not in valid]
+    kinds, trl_version = sft_field_kinds()
+    problems, coerced = sft_problems(cfg.train.sft, kinds, trl_version)
     for name in cfg.train.report_to:
         if name not in REPORTERS:
             problems.append(f"train.report_to: {name!r} is not supported here; use tensorboard or wandb")
@@ -110,6 +75,7 @@ def _check_sft_keys(cfg: RunConfig) -> None:
             problems.append(f"train.report_to: {name} is enabled but the {REPORTERS[name][0]} package is not installed")
     if problems:
         raise JobSetupError("invalid training options", problems=problems)
+    cfg.train.sft = coerced
 
 
 def _importable(module: str) -> bool:
@@ -151,7 +117,7 @@ def sft_config(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> Any:
     kwargs: dict[str, Any] = {
         "output_dir": str(paths.checkpoints),
         "run_name": cfg.name,
-        "max_steps": t.max_steps,
+        "max_steps": t.max_steps or 1,  # train.epochs: replaced once the packed data is counted (plan_steps)
         "per_device_train_batch_size": t.per_device_batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
         "learning_rate": t.learning_rate,
@@ -201,6 +167,22 @@ def sft_config(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> Any:
         raise JobSetupError(f"train.sft: TRL rejected the training options: {exc}") from None
 
 
+def plan_steps(cfg: RunConfig, sequences: int, world_size: int) -> dict[str, Any]:
+    """train.epochs as optimizer steps, counted the way the Trainer batches the packed dataset.
+
+    Each rank gets ``ceil(sequences / world_size)`` sequences per epoch (the sampler pads the last
+    round), in micro-batches of ``per_device_batch_size``; ``gradient_accumulation_steps`` of those
+    make an optimizer step.
+    """
+    t = cfg.train
+    assert t.epochs is not None
+    micro_batches = math.ceil(math.ceil(sequences / world_size) / t.per_device_batch_size)
+    per_epoch = max(1, micro_batches // t.gradient_accumulation_steps)
+    return {"epochs": t.epochs, "sequences": sequences, "world_size": world_size,
+            "sequences_per_step": world_size * t.per_device_batch_size * t.gradient_accumulation_steps,
+            "steps_per_epoch": per_epoch, "max_steps": max(1, math.ceil(t.epochs * per_epoch))}
+
+
 def _write_requeue_marker(paths: RunPaths, env: JobEnv, step: int) -> Path:
     marker = paths.requeue_marker_dir / f"{env.job_id}-{env.restart_count}"
     atomic_write(marker, json.dumps({"step": step, "job_id": env.job_id, "restart": env.restart_count,
@@ -217,9 +199,10 @@ def train(run_dir: str) -> dict[str, Any]:
     t_start = time.time()
 
     # --- finished already (e.g. the job was requeued after its last save)?
+    max_steps = planned_max_steps(paths, cfg.train.max_steps, cfg.train.epochs)
     latest = checkpoints.latest_complete(paths.checkpoints)
-    if latest is not None and (checkpoints.step_of(latest) or 0) >= cfg.train.max_steps:
-        log.info("%s is at max_steps (%d): nothing to do", latest.name, cfg.train.max_steps)
+    if latest is not None and max_steps is not None and (checkpoints.step_of(latest) or 0) >= max_steps:
+        log.info("%s is at max_steps (%d): nothing to do", latest.name, max_steps)
         return {"status": "completed", "global_step": checkpoints.step_of(latest), "checkpoint": str(latest)}
 
     ctx = distributed.init(env)
@@ -267,13 +250,23 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
     trainer = SFTTrainer(model=sharded.model, args=args, train_dataset=dataset,
                          processing_class=inputs.tokenizer, callbacks=callbacks)
     _one_log_line(trainer, ctx)
+    max_steps = planned_max_steps(paths, cfg.train.max_steps, cfg.train.epochs)
+    if max_steps is None:  # train.epochs, first start: count the packed data
+        plan = plan_steps(cfg, len(trainer.train_dataset), ctx.world_size)
+        max_steps = plan["max_steps"]
+        if ctx.is_main:
+            atomic_write(paths.plan, json.dumps(plan, indent=2) + "\n")
+            log.info("train.epochs %g: %d sequences, %d per step -> %d steps per epoch, max_steps %d (%s)",
+                     plan["epochs"], plan["sequences"], plan["sequences_per_step"], plan["steps_per_epoch"],
+                     plan["max_steps"], paths.plan)
+    trainer.args.max_steps = max_steps
     resume = _resume_point(paths, ctx)
     if ctx.is_main:
         log.info("resuming from %s" if resume else "starting from step 0%s", resume.name if resume else "")
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     step = trainer.state.global_step
 
-    if preempt.stopped_at is not None and step < cfg.train.max_steps:
+    if preempt.stopped_at is not None and step < max_steps:
         distributed.barrier()
         marker = _write_requeue_marker(paths, env, step) if ctx.is_main else None
         if ctx.is_main:

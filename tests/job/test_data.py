@@ -50,7 +50,7 @@ def test_format_detection(row: dict, expected: str) -> None:
 def test_wrong_columns_name_the_columns() -> None:
     with pytest.raises(JobSetupError, match=r"columns \['question', 'answer'\]"):
         data.detect_format(DatasetSource(path="x.jsonl"), ["question", "answer"], {"question": "q", "answer": "a"}, "s")
-    with pytest.raises(JobSetupError, match="needs a column 'conversations'"):
+    with pytest.raises(JobSetupError, match=r"needs the column\(s\) \[.conversations.\]"):
         data.detect_format(DatasetSource(path="x.jsonl", format="lima"), ["text"], {"text": "x"}, "s")
 
 

@@ -1,4 +1,4 @@
-"""The local two-node Slurm cluster does what slurmft's tests rely on (DESIGN.md section 3)."""
+"""The local two-node Slurm cluster does what slurmft's tests rely on (docs/design-notes.md)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,711 @@
+"""Every check that needs no GPU and no allocation, run by ``validate``, ``submit`` and (in part) the job.
+
+The schema (:mod:`slurmft.config`) catches a wrong type; it cannot know that a data file has Alpaca
+columns, that a 512-position model is asked for 4096 tokens, that ``train.sft.save_steps`` fights
+``checkpoint.every_steps``, or that the login venv's Python cannot import torch. Found inside the
+allocation, each of those costs a queue wait. Found here they cost seconds, all in one report.
+
+What runs here, on the login node, without importing torch or transformers:
+
+- paths: model, tokenizer, data files and a chat template file exist (every missing one listed);
+- data: each local file's first rows are read (``.jsonl``/``.json``/``.csv``; ``.parquet`` when
+  pyarrow is installed) and converted with the job's own code (:mod:`slurmft.formats`);
+- ``data.max_seq_length`` against the model's ``max_position_embeddings`` (``config.json`` found
+  the way ``slurmft estimate`` finds it: local, hub cache, shipped copy);
+- ``train.sft``: keys slurmft owns, and — when TRL is installed — unknown keys and value types
+  against ``SFTConfig``. Importing TRL imports torch, so its field list comes from a child process
+  and is cached per TRL/transformers version (:func:`sft_field_kinds`); values are coerced to the
+  declared types (``'1e-8'`` -> ``1e-08``) in the config the job reads;
+- ``train.report_to`` names;
+- the chat template (when the tokenizer is local or in the hub cache): present, with
+  ``{% generation %}`` markers (or one TRL knows how to patch) when ``assistant_only_loss`` is on,
+  and able to render the first conversations (jinja2 directly, as transformers does);
+- the job's Python: it exists and can import the training stack (and the reporters' packages);
+- the effective batch, and steps per epoch when the data is local (``tokenizers`` counts tokens).
+
+Hub-only inputs are checked by the job, which calls the same functions on what it downloads.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slurmft import formats
+from slurmft.config import DATA_SUFFIXES, RunConfig, looks_like_path
+from slurmft.errors import ConfigError
+
+SAMPLE_ROWS = 8  # rows read from each data file for the column and template checks
+COUNT_LIMIT_BYTES = 64 * 2**20  # local data up to this size is read in full to count tokens (steps per epoch)
+
+# SFTConfig keys slurmft sets itself: the run.yaml field to use instead (or why it is fixed).
+OWNED_SFT_KEYS = {
+    "output_dir": "the run directory's checkpoints/ (output_dir)",
+    "overwrite_output_dir": "the run directory's checkpoints/",
+    "save_strategy": "checkpoint.every_steps",
+    "save_steps": "checkpoint.every_steps",
+    "save_total_limit": "checkpoint.keep_last",
+    "save_only_model": "full checkpoints are needed to resume",
+    "resume_from_checkpoint": "automatic: the newest COMPLETE checkpoint",
+    "fsdp": "the fsdp: section",
+    "fsdp_config": "the fsdp: section",
+    "gradient_checkpointing": "fsdp.activation_checkpointing",
+    "activation_checkpointing": "fsdp.activation_checkpointing",
+    "max_steps": "train.max_steps",
+    "num_train_epochs": "train.epochs",
+    "per_device_train_batch_size": "train.per_device_batch_size",
+    "gradient_accumulation_steps": "train.gradient_accumulation_steps",
+    "learning_rate": "train.learning_rate",
+    "lr_scheduler_type": "train.lr_scheduler",
+    "warmup_ratio": "train.warmup_ratio",
+    "weight_decay": "train.weight_decay",
+    "max_grad_norm": "train.max_grad_norm",
+    "seed": "train.seed",
+    "logging_steps": "train.logging_steps",
+    "report_to": "train.report_to",
+    "max_length": "data.max_seq_length",
+    "max_seq_length": "data.max_seq_length",
+    "packing": "data.packing",
+    "assistant_only_loss": "data.assistant_only_loss",
+    "dataset_num_proc": "data.num_proc",
+    "bf16": "model.dtype (the compute dtype; auto = bf16 on GPU)",
+    "fp16": "model.dtype (the compute dtype; auto = bf16 on GPU)",
+    "use_cpu": "the device (CPU only when there is no GPU)",
+    "ddp_backend": "the device (NCCL on GPU, gloo on CPU)",
+}
+#: train.report_to name -> packages that provide it (any one)
+REPORTERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "none": ()}
+TRAINING_STACK = ("slurmft", "submitit", "torch", "transformers", "accelerate", "trl", "datasets", "safetensors")
+GENERATION_TAG = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
+
+
+@dataclass
+class Report:
+    """What the checks found: problems (refuse), notes (facts worth printing), skipped (not checked, and why)."""
+
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def raise_if_problems(self, source: str) -> None:
+        """One ConfigError with every problem."""
+        if self.problems:
+            raise ConfigError(f"{source}: {len(self.problems)} problem(s) found before submitting", self.problems)
+
+
+# ====================================================================== entry point
+def run_checks(cfg: RunConfig, job_python: bool = True) -> Report:
+    """All login-side checks of a validated config; ``cfg.train.sft`` values are coerced in place."""
+    report = Report()
+    check_paths(cfg, report)
+    samples = check_data(cfg, report)
+    check_seq_length(cfg, report)
+    check_sft(cfg, report)
+    check_reporters(cfg, report)
+    template = check_chat_template(cfg, report, samples)
+    if job_python:
+        check_job_python(cfg, report)
+    report.notes += batch_notes(cfg, samples, template)
+    return report
+
+
+# ====================================================================== paths
+def _is_local(value: str) -> bool:
+    return looks_like_path(value) or Path(value).exists()
+
+
+def check_paths(cfg: RunConfig, report: Report) -> None:
+    """Model, tokenizer and chat template files: every missing one, each with its fix."""
+    model = cfg.model.name_or_path
+    if _is_local(model):
+        p = Path(model)
+        if not p.exists():
+            report.problems.append(
+                f"model.name_or_path: local path {model!r} does not exist (give an existing directory with "
+                "config.json, or a hub id like meta-llama/Meta-Llama-3-8B)"
+            )
+        elif p.is_dir() and not (p / "config.json").is_file():
+            report.problems.append(
+                f"model.name_or_path: {model} has no config.json (give a Hugging Face model directory as written "
+                "by save_pretrained, or a hub id)"
+            )
+    tok = cfg.model.tokenizer
+    if tok and _is_local(tok) and not Path(tok).is_dir():
+        report.problems.append(f"model.tokenizer: local directory {tok!r} does not exist (or give a hub id)")
+    template = cfg.train.sft.get("chat_template_path")
+    if template:
+        path = Path(str(template))
+        if path.suffix not in (".jinja", ".j2"):
+            report.problems.append(
+                "train.sft.chat_template_path: only a .jinja/.j2 template file is supported (cloning a template "
+                "from another tokenizer adds tokens, which needs an embedding resize the sharded model cannot do)"
+            )
+        elif not path.is_file():
+            report.problems.append(f"train.sft.chat_template_path: {str(path)!r} does not exist")
+
+
+# ====================================================================== data
+@dataclass
+class Sample:
+    """What was read from one local data source."""
+
+    index: int
+    fmt: str
+    conversations: list[list[dict[str, str]]]  # the first rows, converted
+    path: Path | None = None
+    complete: bool = False  # conversations holds every row of the file
+
+
+def _read_rows(path: Path, limit: int | None) -> list[dict[str, Any]]:
+    """The first ``limit`` rows (all with None) of a local data file, the way ``datasets`` reads it."""
+    suffix = path.suffix.lower()
+    rows: list[dict[str, Any]] = []
+    if suffix == ".json":  # a JSON array (or {"key": [...]}) like datasets reads; else JSON lines
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            data = None
+        if isinstance(data, dict):  # {"data": [...]}-style: the one list-valued key
+            lists = [v for v in data.values() if isinstance(v, list)]
+            data = lists[0] if len(lists) == 1 else [data]
+        if isinstance(data, list):
+            return [r for r in data if isinstance(r, dict)][:limit]
+    if suffix in (".jsonl", ".json"):
+        with path.open(encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if line.strip():
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise ValueError(f"line {n} is not valid JSON ({exc.msg})") from None
+                    if not isinstance(row, dict):
+                        raise ValueError(f"line {n} is not a JSON object")
+                    rows.append(row)
+                    if limit and len(rows) >= limit:
+                        break
+        return rows
+    if suffix == ".csv":
+        with path.open(encoding="utf-8", newline="") as fh:
+            for row in csv.DictReader(fh):
+                rows.append(dict(row))
+                if limit and len(rows) >= limit:
+                    break
+        return rows
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq  # only called when importable
+
+        table = pq.ParquetFile(path)
+        for batch in table.iter_batches(batch_size=limit or 1024):
+            rows += batch.to_pylist()
+            if limit and len(rows) >= limit:
+                break
+        return rows[:limit] if limit else rows
+    raise ValueError(f"{suffix or 'no suffix'} is not a data file slurmft reads")
+
+
+def check_data(cfg: RunConfig, report: Report) -> list[Sample]:
+    """Each local data file: exists, is a supported type, has a conversation the job can read."""
+    samples: list[Sample] = []
+    for i, src in enumerate(cfg.data.datasets):
+        where = f"data.datasets[{i}].path"
+        path = Path(src.path)
+        local = _is_local(src.path) or src.path.endswith(DATA_SUFFIXES)
+        if not local:
+            report.skipped.append(f"data.datasets[{i}]: hub dataset {src.path!r}: its columns are checked in the job")
+            continue
+        if not path.is_file():
+            report.problems.append(
+                f"{where}: file {src.path!r} does not exist (give a local .jsonl/.json/.csv/.parquet file, or a hub "
+                "dataset id like GAIR/lima)"
+            )
+            continue
+        if path.suffix.lower() not in DATA_SUFFIXES:
+            report.problems.append(f"{where}: {path.name} is not a .jsonl, .json, .csv or .parquet file")
+            continue
+        if path.suffix.lower() == ".parquet" and importlib.util.find_spec("pyarrow") is None:
+            report.skipped.append(f"data.datasets[{i}]: {path.name} not read (pyarrow is not installed here)")
+            continue
+        small = path.stat().st_size <= COUNT_LIMIT_BYTES
+        try:
+            rows = _read_rows(path, None if small else SAMPLE_ROWS)
+        except (OSError, ValueError, UnicodeDecodeError, csv.Error) as exc:
+            report.problems.append(f"{where}: cannot read {path.name}: {exc}")
+            continue
+        if not rows:
+            report.problems.append(f"{where}: {path.name} has no rows")
+            continue
+        rows = [formats.rename(r, src.columns) for r in rows]
+        label = f"data.datasets[{i}] ({path.name})"
+        try:
+            fmt, column = formats.detect_format(src, list(rows[0]), rows[0], label)
+        except ConfigError as exc:
+            report.problems.append(str(exc))
+            continue
+        converted = [formats.to_messages(r, fmt, column) for r in rows]
+        usable = [m for m in converted if formats.is_usable(m)]
+        if not any(formats.is_usable(m) for m in converted[:SAMPLE_ROWS]):
+            report.problems.append(
+                f"{label}: read as {fmt}, but none of the first {min(len(rows), SAMPLE_ROWS)} rows is a usable "
+                "conversation (a user turn followed by a non-empty assistant turn); check format and columns"
+            )
+            continue
+        samples.append(Sample(i, fmt, usable, path, complete=small))
+    return samples
+
+
+# ====================================================================== model length
+def check_seq_length(cfg: RunConfig, report: Report) -> None:
+    """data.max_seq_length within the model's positions (from its config.json, if one is at hand)."""
+    from slurmft.estimate import load_model_config
+
+    try:
+        model_cfg = load_model_config(cfg.model.name_or_path, cfg.model.revision)
+    except ConfigError:
+        report.skipped.append("data.max_seq_length: not compared with the model's positions (no config.json "
+                              "at hand; `hf download MODEL config.json` makes it available)")
+        return
+    problem = seq_length_problem(cfg.data.max_seq_length, model_cfg.get("max_position_embeddings"))
+    if problem:
+        report.problems.append(problem)
+
+
+def seq_length_problem(max_seq_length: int, limit: Any) -> str | None:
+    """The message for a sequence longer than the model's positions (shared with the job and estimate)."""
+    if isinstance(limit, int) and max_seq_length > limit:
+        return (f"data.max_seq_length ({max_seq_length}) is larger than the model's max_position_embeddings "
+                f"({limit}); set data.max_seq_length to at most {limit}")
+    return None
+
+
+# ====================================================================== train.sft
+def _kinds(tp: Any) -> list[str]:
+    """A declared type as simple kinds: bool, int, float, str, list, dict, none, any."""
+    import enum
+    import types
+
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return sorted({k for arg in typing.get_args(tp) for k in _kinds(arg)})
+    if origin is typing.Literal:
+        return sorted({type(a).__name__ if a is not None else "none" for a in typing.get_args(tp)})
+    if tp is type(None):
+        return ["none"]
+    if origin in (list, tuple, set) or tp in (list, tuple, set):
+        return ["list"]
+    if origin is dict or tp is dict:
+        return ["dict"]
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return ["str"]
+    if tp in (bool, int, float, str):
+        return [tp.__name__]
+    return ["any"]
+
+
+def field_kinds_of(config_cls: Any) -> dict[str, list[str]]:
+    """Init fields of a dataclass (SFTConfig) -> the kinds of value each accepts."""
+    import dataclasses
+
+    try:
+        hints = typing.get_type_hints(config_cls)
+    except Exception:  # noqa: BLE001 - an unresolvable annotation: accept anything there
+        hints = {}
+    return {f.name: _kinds(hints.get(f.name, Any)) for f in dataclasses.fields(config_cls) if f.init}
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "slurmft"
+
+
+def sft_field_kinds() -> tuple[dict[str, list[str]] | None, str]:
+    """SFTConfig's fields and kinds, and TRL's version; (None, why) when TRL is not installed here.
+
+    In a process that already imported TRL (the job) they come from it directly; elsewhere from a
+    child process (importing TRL imports torch, which the login side never does), cached per
+    TRL and transformers version so that only the first ``validate`` pays the ~5 s.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    if "trl" in sys.modules:
+        from trl import SFTConfig
+
+        return field_kinds_of(SFTConfig), version("trl")
+    try:
+        trl_v, tf_v = version("trl"), version("transformers")
+    except PackageNotFoundError:
+        return None, "trl is not installed here"
+    if importlib.util.find_spec("trl") is None:
+        return None, "trl is not installed here"
+    cache = _cache_dir() / f"sftconfig-trl{trl_v}-transformers{tf_v}.json"
+    if cache.is_file():
+        try:
+            return json.loads(cache.read_text()), trl_v
+        except ValueError:
+            pass
+    code = ("import json; from trl import SFTConfig; from slurmft.checks import field_kinds_of; "
+            "print(json.dumps(field_kinds_of(SFTConfig)))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return None, f"importing trl failed here ({last})"
+    kinds = json.loads(proc.stdout)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(kinds))
+        tmp.replace(cache)
+    except OSError:
+        pass  # no cache: the next validate asks again
+    return kinds, trl_v
+
+
+def coerce(value: Any, kinds: list[str]) -> tuple[bool, Any]:
+    """(ok, value converted to a declared kind): YAML strings like '1e-8' become the number SFTConfig wants."""
+    if "any" in kinds or value is None:
+        return True, value
+    if isinstance(value, bool):
+        return ("bool" in kinds), value
+    if isinstance(value, int) and not isinstance(value, bool):
+        if "int" in kinds:
+            return True, value
+        if "float" in kinds:
+            return True, float(value)
+        return ("str" in kinds), (str(value) if "str" in kinds else value)
+    if isinstance(value, float):
+        if "float" in kinds:
+            return True, value
+        if "int" in kinds and value.is_integer():
+            return True, int(value)
+        return ("str" in kinds), (str(value) if "str" in kinds else value)
+    if isinstance(value, str):
+        if "str" in kinds:
+            return True, value
+        text = value.strip()
+        if "int" in kinds and re.fullmatch(r"[-+]?\d+", text):
+            return True, int(text)
+        if "float" in kinds:
+            try:
+                return True, float(text)
+            except ValueError:
+                pass
+        if "bool" in kinds and text.lower() in ("true", "false"):
+            return True, text.lower() == "true"
+        return False, value
+    if isinstance(value, list):
+        return ("list" in kinds), value
+    if isinstance(value, dict):
+        return ("dict" in kinds), value
+    return True, value
+
+
+def sft_problems(sft: dict[str, Any], kinds: dict[str, list[str]] | None, trl_version: str = "") -> tuple[
+        list[str], dict[str, Any]]:
+    """Problems with ``train.sft`` and the values coerced to SFTConfig's types (shared with the job)."""
+    import difflib
+
+    problems, out = [], dict(sft)
+    for key, value in sft.items():
+        if key in OWNED_SFT_KEYS:
+            problems.append(f"train.sft.{key}: set by slurmft; use {OWNED_SFT_KEYS[key]}")
+            continue
+        if kinds is None:
+            continue
+        if key not in kinds:
+            close = difflib.get_close_matches(key, list(kinds), n=1, cutoff=0.75)
+            hint = f"; did you mean train.sft.{close[0]}?" if close else ""
+            problems.append(f"train.sft.{key}: not an option of TRL {trl_version} SFTConfig{hint}")
+            continue
+        ok, coerced = coerce(value, kinds[key])
+        if not ok:
+            want = " or ".join(k for k in kinds[key] if k != "none") or "null"
+            problems.append(f"train.sft.{key}: expects {want}, got {value!r} ({type(value).__name__})")
+            continue
+        out[key] = coerced
+    return problems, out
+
+
+def check_sft(cfg: RunConfig, report: Report) -> None:
+    """Owned keys always; unknown keys and types when TRL is installed here; values coerced in place."""
+    if not cfg.train.sft:
+        return
+    kinds, why = sft_field_kinds()
+    problems, coerced = sft_problems(cfg.train.sft, kinds, why)
+    report.problems += problems
+    if kinds is None:
+        report.skipped.append(f"train.sft: keys and value types not checked ({why}; the job checks them)")
+    elif not problems:
+        cfg.train.sft = coerced
+
+
+def check_reporters(cfg: RunConfig, report: Report) -> None:
+    """Names in train.report_to (their packages are looked for in the job's Python)."""
+    for name in cfg.train.report_to:
+        if name not in REPORTERS:
+            report.problems.append(
+                f"train.report_to: {name!r} is not supported; use {' or '.join(k for k in REPORTERS if k != 'none')}"
+            )
+
+
+# ====================================================================== chat template
+@dataclass
+class Template:
+    """A tokenizer found on this machine: its chat template and special tokens, and tokenizer.json."""
+
+    source: str
+    text: str | None
+    bos: str
+    eos: str
+    tokenizer_json: Path | None
+
+
+def _token(value: Any) -> str:
+    return str(value.get("content", "")) if isinstance(value, dict) else str(value or "")
+
+
+def find_tokenizer(cfg: RunConfig) -> tuple[Path | None, str]:
+    """The local directory of the tokenizer the job will use (local path or hub cache), and its name."""
+    from slurmft.estimate import hub_cache_dir
+
+    name = cfg.model.tokenizer or cfg.model.name_or_path
+    path = Path(name)
+    if path.is_dir():
+        return path, name
+    if _is_local(name) or name.count("/") != 1:
+        return None, name
+    snapshots = hub_cache_dir() / ("models--" + name.replace("/", "--")) / "snapshots"
+    revision = None if cfg.model.tokenizer else cfg.model.revision
+    ref = snapshots.parent / "refs" / (revision or "main")
+    candidates = [snapshots / ref.read_text().strip()] if ref.is_file() else []
+    if revision and re.fullmatch(r"[0-9a-f]{40}", revision):
+        candidates.append(snapshots / revision)
+    if revision is None and snapshots.is_dir():
+        candidates += sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+    found = next((c for c in candidates if (c / "tokenizer_config.json").is_file()), None)
+    return found, name
+
+
+def read_template(cfg: RunConfig, directory: Path, name: str) -> Template:
+    """The chat template the job will use (train.sft.chat_template_path wins) and the special tokens."""
+    conf: dict[str, Any] = {}
+    if (directory / "tokenizer_config.json").is_file():
+        try:
+            conf = json.loads((directory / "tokenizer_config.json").read_text())
+        except ValueError:
+            conf = {}
+    text = conf.get("chat_template")
+    if isinstance(text, list):  # named variants: the default one
+        text = next((t.get("template") for t in text if t.get("name") == "default"), None)
+    if (directory / "chat_template.jinja").is_file():
+        text = (directory / "chat_template.jinja").read_text()
+    override = cfg.train.sft.get("chat_template_path")
+    if override and Path(str(override)).is_file():
+        text = Path(str(override)).read_text()
+    tok_json = directory / "tokenizer.json"
+    return Template(name, text or None, _token(conf.get("bos_token")), _token(conf.get("eos_token")),
+                    tok_json if tok_json.is_file() else None)
+
+
+def trl_can_patch(template: str) -> bool:
+    """Whether TRL ships a training version (with markers) of this exact template (read from its package data)."""
+    spec = importlib.util.find_spec("trl")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    folder = Path(next(iter(spec.submodule_search_locations))) / "chat_templates"
+    for path in folder.glob("*.jinja"):
+        trainable = not path.stem.endswith("_training") and (folder / f"{path.stem}_training.jinja").is_file()
+        if trainable and path.read_text(encoding="utf-8") == template:
+            return True
+    return False
+
+
+def render_conversation(template: Template, messages: list[dict[str, str]]) -> str:
+    """Render one conversation with the chat template as transformers does (sandboxed jinja2), markers removed."""
+    return _compiled(template.text or "").render(messages=messages, bos_token=template.bos, eos_token=template.eos,
+                                                 add_generation_prompt=False)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(text: str) -> Any:
+    from datetime import datetime
+
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(GENERATION_TAG.sub("", text))
+
+
+def check_chat_template(cfg: RunConfig, report: Report, samples: list[Sample]) -> Template | None:
+    """The tokenizer's chat template, when the tokenizer is on this machine."""
+    directory, name = find_tokenizer(cfg)
+    if directory is None:
+        report.skipped.append(f"chat template: tokenizer {name!r} is not local (nor in the hub cache); the job "
+                              "checks it (`hf download` it first to check here)")
+        return None
+    template = read_template(cfg, directory, name)
+    field_name = "model.tokenizer" if cfg.model.tokenizer else "model.name_or_path"
+    if not template.text:
+        report.problems.append(
+            f"{field_name}: the tokenizer at {directory} has no chat template, so conversations cannot be "
+            "formatted. Use a tokenizer that has one (model.tokenizer, e.g. the model's -chat/-instruct sibling with "
+            "the same vocabulary), or set train.sft.chat_template_path to a .jinja file (with {% generation %} "
+            "markers around assistant replies for data.assistant_only_loss)"
+        )
+        return None
+    if cfg.data.assistant_only_loss and not GENERATION_TAG.search(template.text):
+        if trl_can_patch(template.text):
+            report.notes.append("chat template: no {% generation %} markers, but TRL ships a training version of it")
+        elif importlib.util.find_spec("trl") is None:
+            report.skipped.append("chat template: has no {% generation %} markers; whether TRL can add them is not "
+                                  "known here (trl is not installed); the job checks it")
+        else:
+            report.problems.append(
+                f"data.assistant_only_loss needs {{% generation %}} markers around assistant replies in the chat "
+                f"template, and the template of {name} has none (nor does TRL know how to add them). Set "
+                "data.assistant_only_loss: false (loss on every token) or point train.sft.chat_template_path at a "
+                "template with the markers"
+            )
+    for sample in samples:
+        src = cfg.data.datasets[sample.index]
+        for j, conversation in enumerate(sample.conversations[:SAMPLE_ROWS]):
+            try:
+                render_conversation(template, conversation)
+            except Exception as exc:  # noqa: BLE001 - TemplateError, or whatever the template's code raises
+                report.problems.append(
+                    f"data.datasets[{sample.index}] ({Path(src.path).name}): the chat template cannot render "
+                    f"conversation {j} ({type(exc).__name__}: {exc}); use a tokenizer/template that accepts these "
+                    "roles (model.tokenizer, train.sft.chat_template_path)"
+                )
+                break
+    return template
+
+
+# ====================================================================== the job's Python
+def job_python(cfg: RunConfig) -> str:
+    """The interpreter the job will run (``cluster.python``, else the one running slurmft)."""
+    return cfg.cluster.python or sys.executable
+
+
+def check_job_python(cfg: RunConfig, report: Report) -> None:
+    """The job's Python exists and imports the training stack (and the reporters' packages)."""
+    python = job_python(cfg)
+    given = "cluster.python" if cfg.cluster.python else "cluster.python (not set: the Python running slurmft)"
+    fix = ("set cluster.python to the interpreter of an environment with `pip install 'slurmft[train]'` on the "
+           "shared filesystem (e.g. /shared/venvs/sft/bin/python), or add cluster.setup lines that provide one "
+           "(module load ..., source .../activate) and set cluster.python: python")
+    if "/" not in python:
+        if cfg.cluster.setup:
+            report.skipped.append(f"cluster.python: {python!r} comes from cluster.setup on the compute nodes; "
+                                  "not checked here")
+            return
+        import shutil
+
+        found = shutil.which(python)
+        if found is None:
+            report.problems.append(f"{given}: {python!r} is not on PATH here; {fix}")
+            return
+        python = found
+    if not Path(python).is_file():
+        if cfg.cluster.setup:
+            report.skipped.append(f"cluster.python: {python} does not exist here; assuming cluster.setup provides "
+                                  "it on the compute nodes")
+        else:
+            report.problems.append(f"{given}: {python} does not exist on this machine; the compute nodes need it "
+                                   f"at the same path (a shared filesystem); {fix}")
+        return
+    reporters = [m for name in cfg.train.report_to for m in REPORTERS.get(name, ())]
+    code = ("import importlib.util as u, json, sys; "
+            "print(json.dumps({m: u.find_spec(m) is not None for m in sys.argv[1:]}))")
+    try:
+        proc = subprocess.run([python, "-c", code, *TRAINING_STACK, *reporters], capture_output=True, text=True,
+                              timeout=60, check=False, cwd="/")
+        found_mods = json.loads(proc.stdout) if proc.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        found_mods = None
+    if found_mods is None:
+        report.problems.append(f"{given}: {python} does not run (or is not a Python); {fix}")
+        return
+    missing = [m for m in TRAINING_STACK if not found_mods.get(m)]
+    if missing:
+        report.problems.append(f"{given}: {python} cannot import {', '.join(missing)}: the job would die at start; "
+                               f"{fix}")
+    for name in cfg.train.report_to:
+        mods = REPORTERS.get(name, ())
+        if mods and not any(found_mods.get(m) for m in mods):
+            report.problems.append(f"train.report_to: {name} is enabled but {python} cannot import {mods[0]} "
+                                   f"(pip install {mods[0]} there, or remove {name})")
+
+
+# ====================================================================== the effective batch
+def batch_notes(cfg: RunConfig, samples: list[Sample], template: Template | None) -> list[str]:
+    """Sequences and tokens per optimizer step; steps per epoch when every source is a local file."""
+    r, t = cfg.resources, cfg.train
+    per_step = r.world_size * t.per_device_batch_size * t.gradient_accumulation_steps
+    unit = "packed sequences" if cfg.data.packing else "sequences (up to"
+    tokens = f"{per_step * cfg.data.max_seq_length:,} tokens" + ("" if cfg.data.packing else " at most")
+    lines = [f"batch: {r.world_size} rank(s) x {t.per_device_batch_size} x {t.gradient_accumulation_steps} "
+             f"accumulation = {per_step} {unit} of {cfg.data.max_seq_length} tokens{')' if not cfg.data.packing else ''}"
+             f" = {tokens} per optimizer step"]
+    per_epoch = sequences_per_epoch(cfg, samples, template)
+    if isinstance(per_epoch, str):
+        lines.append(f"steps per epoch: not computed ({per_epoch})")
+        if t.epochs is not None:
+            lines.append(f"train.epochs {t.epochs:g}: the job computes the steps from the packed data at start")
+        return lines
+    steps = max(1, math.ceil(per_epoch / per_step))
+    lines.append(f"data: ~{per_epoch:,} {'packed ' if cfg.data.packing else ''}sequences per epoch -> ~{steps} "
+                 "optimizer steps per epoch")
+    if t.epochs is not None:
+        lines.append(f"train.epochs {t.epochs:g} -> ~{math.ceil(t.epochs * steps)} steps (exact count computed in "
+                     "the job and recorded in plan.json)")
+    elif t.max_steps:
+        lines.append(f"train.max_steps {t.max_steps} = ~{t.max_steps / steps:.2f} epoch(s)")
+    return lines
+
+
+def sequences_per_epoch(cfg: RunConfig, samples: list[Sample], template: Template | None) -> int | str:
+    """Packed sequences (or rows) in one pass over the mixture; a reason string when it cannot be counted."""
+    if len(samples) != len(cfg.data.datasets) or not all(s.complete for s in samples):
+        return "some data is on the hub or larger than 64 MiB; the job counts it"
+    rows = [len(s.conversations) for s in samples]
+    weights = [cfg.data.datasets[s.index].weight for s in samples]
+    total_w = sum(weights)
+    probs = [w / total_w for w in weights]
+    # interleave_datasets(all_exhausted) runs until every source was seen once: the rarest decides
+    mixed = rows[0] if len(rows) == 1 else min(4 * sum(rows), math.ceil(max(n / p for n, p in zip(rows, probs, strict=True))))
+    if not cfg.data.packing:
+        return mixed
+    if template is None or template.text is None or template.tokenizer_json is None:
+        return "tokenizer.json and a chat template are needed to count tokens"
+    if importlib.util.find_spec("tokenizers") is None:
+        return "the tokenizers package is not installed here"
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(template.tokenizer_json))
+    tokens = 0.0
+    for sample, p in zip(samples, probs, strict=True):
+        try:
+            texts = [render_conversation(template, c) for c in sample.conversations]
+        except Exception:  # noqa: BLE001 - reported by check_chat_template
+            return "the chat template does not render this data"
+        counts = [len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)]
+        tokens += mixed * p * (sum(min(c, cfg.data.max_seq_length) for c in counts) / max(1, len(counts)))
+    return max(1, math.ceil(tokens / cfg.data.max_seq_length))

@@ -1,0 +1,409 @@
+"""The first hour of a new user (issue 12): what `validate` catches before the queue wait, names users
+bring from other tools, YAML traps, paths, the job's Python, logs, epochs and data formats.
+
+Every test here runs the real CLI (``slurmft.cli.main``) or the real shared code on real files: a
+model directory holding the tiny model's config and tokenizer files (no weights are needed on the
+login side), real data files in each format, a real venv without the training stack.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from slurmft.cli import main
+from slurmft.config import load_config
+from slurmft.errors import ConfigError
+
+CHAT = {"messages": [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "4."}]}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's config and tokenizer (chat template with generation markers), 512 positions, no weights."""
+    out = tmp_path_factory.mktemp("login-model") / "model"
+    out.mkdir()
+    for f in tiny_model.iterdir():
+        if f.suffix in (".json", ".jinja"):
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["max_position_embeddings"] = 512
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_run(tmp_path: Path, model_path: Path, data_path: Path | str, text: str = "", **sections: Any) -> Path:
+    """A run.yaml in tmp_path: local model, one data file, a two-rank CPU allocation; ``sections`` merged in
+    (None removes a section)."""
+    cfg: dict[str, Any] = {
+        "name": "first-hour", "output_dir": str(tmp_path / "run"), "executor": "slurm",
+        "cluster": {"profile": "local-test"},
+        "resources": {"nodes": 1, "gpus_per_node": 0, "tasks_per_node": 2, "cpus_per_task": 1},
+        "model": {"name_or_path": str(model_path)},
+        "data": {"datasets": [{"path": str(data_path)}], "max_seq_length": 256},
+        "train": {"max_steps": 20},
+    }
+    for key, value in sections.items():
+        if value is None:
+            cfg.pop(key, None)
+        elif isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            cfg[key] = {**cfg[key], **value}
+        else:
+            cfg[key] = value
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False) + text)
+    return path
+
+
+def cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of one CLI call."""
+    try:
+        main(args)
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ====================================================================== 1. validate catches it now
+def test_validate_reports_every_in_job_failure_at_once(tmp_path: Path, model_dir: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's list, in one config: each used to pass validate and fail after the queue wait."""
+    odd = jsonl(tmp_path / "odd.jsonl", [{"question": "q", "answer": "a"}])
+    bare = tmp_path / "bare-tokenizer"
+    bare.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / f, bare / f)
+    conf = json.loads((bare / "tokenizer_config.json").read_text())
+    conf.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(conf))
+    path = write_run(tmp_path, model_dir, odd, model={"tokenizer": str(bare)},
+                     data={"datasets": [{"path": str(odd)}, {"path": str(tmp_path / "missing.jsonl")}],
+                           "max_seq_length": 4096},
+                     train={"max_steps": 20, "report_to": ["mlflow"],
+                            "sft": {"gradient_checkpointing": True, "save_steps": 5, "not_a_real_option": 3}})
+    code, _, err = cli(["validate", str(path)], capsys)
+    assert code == 2 and "Traceback" not in err
+    for expected in [
+        "data.datasets[0] (odd.jsonl): cannot find a conversation in the columns ['question', 'answer']",
+        "data.datasets[1].path: file",  # a second problem of the same kind: not only the first
+        "data.max_seq_length (4096) is larger than the model's max_position_embeddings (512)",
+        "train.sft.gradient_checkpointing: set by slurmft; use fsdp.activation_checkpointing",
+        "train.sft.save_steps: set by slurmft; use checkpoint.every_steps",
+        "train.sft.not_a_real_option: not an option of TRL",
+        "train.report_to: 'mlflow' is not supported",
+        "has no chat template",
+    ]:
+        assert expected in err, f"{expected!r} not in:\n{err}"
+    assert "8 problem(s)" in err
+
+
+def test_sequence_length_is_refused_by_estimate_too(tmp_path: Path, model_dir: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_run(tmp_path, model_dir, jsonl(tmp_path / "c.jsonl", [CHAT]), data={"max_seq_length": 4096})
+    code, _, err = cli(["estimate", str(path)], capsys)
+    assert code == 2 and "set data.max_seq_length to at most 512" in err
+
+
+def test_template_without_generation_markers_is_refused_with_assistant_only_loss(
+        tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plain = tmp_path / "plain.jinja"
+    plain.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    data = jsonl(tmp_path / "c.jsonl", [CHAT])
+    path = write_run(tmp_path, model_dir, data, train={"sft": {"chat_template_path": str(plain)}})
+    code, _, err = cli(["validate", str(path)], capsys)
+    assert code == 2 and "data.assistant_only_loss needs {% generation %} markers" in err
+    code, out, err = cli(["validate", str(path), "data.assistant_only_loss=false"], capsys)
+    assert code == 0, err
+
+
+def test_template_that_cannot_render_the_data_is_refused(tmp_path: Path, model_dir: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    strict = tmp_path / "strict.jinja"
+    strict.write_text("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+                      "{% endif %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}")
+    data = jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "system", "content": "be brief"}, *CHAT["messages"]]}])
+    path = write_run(tmp_path, model_dir, data, train={"sft": {"chat_template_path": str(strict)}})
+    code, _, err = cli(["validate", str(path)], capsys)
+    assert code == 2 and "cannot render conversation 0 (TemplateError: no system role)" in err
+
+
+def test_a_good_config_validates_and_says_what_was_not_checked(tmp_path: Path, model_dir: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_run(tmp_path, model_dir, jsonl(tmp_path / "c.jsonl", [CHAT] * 3),
+                     data={"datasets": [{"path": str(tmp_path / "c.jsonl")}, {"path": "GAIR/lima"}]})
+    code, out, err = cli(["validate", str(path)], capsys)
+    assert code == 0, err
+    assert "ok (run first-hour" in out
+    assert "not checked: data.datasets[1]: hub dataset 'GAIR/lima'" in err
+
+
+# ====================================================================== 2. the README's override line
+def test_readme_override_line_validates_and_the_last_step_is_saved(tmp_path: Path, model_dir: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_run(tmp_path, model_dir, jsonl(tmp_path / "c.jsonl", [CHAT]),
+                     cluster={"profile": "local-test"}, train={"max_steps": 500}, checkpoint={"every_steps": 100})
+    code, out, err = cli(["validate", str(path), "resources.nodes=4", "train.max_steps=10",
+                          "cluster.partition=gpu"], capsys)
+    assert code == 0, err
+    assert "4 node(s)" in out
+    # why that is right: the Trainer saves at max_steps whatever save_steps is
+    from types import SimpleNamespace
+
+    from transformers.trainer_callback import DefaultFlowCallback, TrainerControl
+    from transformers.trainer_utils import IntervalStrategy, SaveStrategy
+
+    args = SimpleNamespace(logging_first_step=False, logging_strategy=IntervalStrategy.NO, eval_strategy="no",
+                           save_strategy=SaveStrategy.STEPS, eval_delay=0)
+    state = SimpleNamespace(global_step=10, max_steps=10, save_steps=100, logging_steps=1, eval_steps=None)
+    control = DefaultFlowCallback().on_step_end(args, state, TrainerControl())
+    assert control.should_save and control.should_training_stop
+
+
+# ====================================================================== 3. YAML traps
+def test_yaml_numbers_mean_what_they_look_like(tmp_path: Path, model_dir: Path) -> None:
+    data = jsonl(tmp_path / "c.jsonl", [CHAT])
+    text = ("cluster:\n  profile: local-test\n  time: 16:00:00\n  env: {NCCL_NSOCKS_PERTHREAD: 4}\n"
+            "resources: {nodes: 1, gpus_per_node: 0, tasks_per_node: 2, mem: 0}\n")
+    path = write_run(tmp_path, model_dir, data)
+    raw = yaml.safe_load(path.read_text())
+    del raw["cluster"], raw["resources"]
+    path.write_text(yaml.safe_dump(raw) + text + "consolidate: {resources: {time: 2:00:00}}\n")
+    cfg = load_config(path, ["train.sft.adam_epsilon=1e-8"])
+    assert cfg.cluster.time == "16:00:00" and cfg.consolidate.resources.time == "2:00:00"
+    assert cfg.resources.mem == "0" and cfg.cluster.env == {"NCCL_NSOCKS_PERTHREAD": "4"}
+    assert cfg.train.sft["adam_epsilon"] == 1e-8 and isinstance(cfg.train.sft["adam_epsilon"], float)
+    from slurmft.config import load_yaml_text
+
+    assert load_yaml_text("a: 1e-8\nb: 010\nc: 12:30")["a"] == 1e-8
+
+
+def test_sft_values_are_coerced_to_sftconfig_types(tmp_path: Path, model_dir: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A quoted '1e-8' (or any string a YAML 1.1 tool wrote) reaches SFTConfig as the float it declares."""
+    from slurmft.checks import run_checks
+
+    path = write_run(tmp_path, model_dir, jsonl(tmp_path / "c.jsonl", [CHAT]),
+                     train={"max_steps": 20, "sft": {"adam_epsilon": "1e-8", "warmup_steps": "5",
+                                                     "adam_beta2": "fast"}})
+    cfg = load_config(path)
+    report = run_checks(cfg, job_python=False)
+    assert report.problems == ["train.sft.adam_beta2: expects float, got 'fast' (str)"]
+    cfg.train.sft.pop("adam_beta2")
+    assert run_checks(cfg, job_python=False).problems == []
+    assert cfg.train.sft["adam_epsilon"] == 1e-8 and cfg.train.sft["warmup_steps"] in (5, 5.0)
+    from slurmft.config import dump_config
+
+    assert yaml.safe_load(dump_config(cfg))["train"]["sft"]["adam_epsilon"] == 1e-8  # what the job reads
+
+
+def test_a_boolean_where_a_string_is_wanted_says_quote_it(tmp_path: Path, model_dir: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_run(tmp_path, model_dir, jsonl(tmp_path / "c.jsonl", [CHAT]),
+                     cluster={"profile": "local-test", "env": {"WANDB_DISABLED": True}})
+    code, _, err = cli(["validate", str(path)], capsys)
+    assert code == 2 and 'cluster.env.WANDB_DISABLED: expected a string, got True' in err and 'quote it ("true")' in err
+
+
+# ====================================================================== 4. familiar names
+@pytest.mark.parametrize(("key", "ours"), [
+    ("per_device_train_batch_size", "train.per_device_batch_size"),
+    ("bf16", "model.dtype"),
+    ("gradient_checkpointing", "fsdp.activation_checkpointing"),
+    ("lr_scheduler_type", "train.lr_scheduler"),
+    ("num_train_epochs", "train.epochs"),
+    ("warmup_steps", "train.warmup_ratio"),
+    ("micro_batch_size", "train.per_device_batch_size"),
+    ("sequence_len", "data.max_seq_length"),
+])
+def test_familiar_names_get_a_did_you_mean(key: str, ours: str, tmp_path: Path, model_dir: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_run(tmp_path, model_dir, jsonl(tmp_path / "c.jsonl", [CHAT]))
+    code, _, err = cli(["validate", str(path), f"train.{key}=1"], capsys)
+    assert code == 2 and f"train.{key}: unknown key; did you mean {ours}?" in err, err
+
+
+def test_an_unknown_train_key_points_at_the_sft_passthrough(tmp_path: Path, model_dir: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_run(tmp_path, model_dir, jsonl(tmp_path / "c.jsonl", [CHAT]))
+    code, _, err = cli(["validate", str(path), "train.adam_beta2=0.95"], capsys)
+    assert code == 2 and "goes under train.sft: (train.sft.adam_beta2=...)" in err
+    code, _, err = cli(["validate", str(path), "train.sft.adam_beta2=0.95"], capsys)
+    assert code == 0, err
+
+
+def test_list_items_can_be_overridden(tmp_path: Path, model_dir: Path) -> None:
+    data = jsonl(tmp_path / "c.jsonl", [CHAT])
+    path = write_run(tmp_path, model_dir, data, data={"datasets": [{"path": str(data)}, {"path": "GAIR/lima"}]})
+    cfg = load_config(path, ["data.datasets[0].weight=2", "data.datasets.1.format=lima"])
+    assert cfg.data.datasets[0].weight == 2 and cfg.data.datasets[1].format == "lima"
+    with pytest.raises(ConfigError, match=r"data.datasets\[5\] does not exist"):
+        load_config(path, ["data.datasets[5].weight=2"])
+
+
+# ====================================================================== 5. one rule for paths
+def test_relative_paths_are_relative_to_where_they_were_written(tmp_path: Path, model_dir: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    jsonl(project / "data" / "c.jsonl", [CHAT])
+    shutil.copy(Path(__file__).parent.parent / "configs" / "clusters" / "ethernet.yaml", project / "mycluster.yaml")
+    (project / "run.yaml").write_text(
+        f"name: r\noutput_dir: runs/r\ncluster: {{profile: ./mycluster.yaml}}\nmodel: {{name_or_path: {model_dir}}}\n"
+        "data: {datasets: [{path: data/c.jsonl}]}\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(project / "run.yaml")
+    assert cfg.output_dir == str(project / "runs" / "r")
+    assert cfg.cluster.profile == str(project / "mycluster.yaml")
+    assert cfg.data.datasets[0].path == str(project / "data" / "c.jsonl")
+    cfg = load_config(project / "run.yaml", ["output_dir=runs/r2"])  # the command line: the current directory
+    assert cfg.output_dir == str(elsewhere / "runs" / "r2")
+
+
+# ====================================================================== 6. the job's Python
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real venv without the training stack (what a login node often has)."""
+    venv = tmp_path_factory.mktemp("bare-venv") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    return venv / "bin" / "python"
+
+
+def test_submit_refuses_a_job_python_without_the_training_stack(tmp_path: Path, model_dir: Path, bare_python: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_run(tmp_path, model_dir, jsonl(tmp_path / "c.jsonl", [CHAT]),
+                     cluster={"profile": "local-test", "python": str(bare_python)})
+    code, _, err = cli(["submit", str(path)], capsys)
+    assert code == 2 and f"cluster.python: {bare_python} cannot import" in err and "torch" in err
+    assert "set cluster.python to the interpreter of an environment" in err and "cluster.setup" in err
+    assert not (tmp_path / "run").exists()
+    code, _, err = cli(["submit", str(path), "cluster.python=/nonexistent/venv/bin/python"], capsys)
+    assert code == 2 and "/nonexistent/venv/bin/python does not exist on this machine" in err
+    # a Python that cluster.setup provides on the compute nodes cannot be checked here: one line says so
+    code, out, err = cli(["validate", str(path), "cluster.python=python", "cluster.setup=[module load sft]"], capsys)
+    assert code == 0 and "not checked: cluster.python: 'python' comes from cluster.setup" in err
+
+
+# ====================================================================== 7. logs of a local run
+def test_logs_of_a_local_run_show_stderr_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from slurmft.rundir import RunPaths, new_manifest, record_job, write_manifest
+
+    paths = RunPaths.of(tmp_path / "run")
+    paths.root.mkdir()
+    logs = [tmp_path / "run" / "submitit" / f"123_{r}_log.out" for r in range(2)]
+    logs[0].parent.mkdir()
+    for r, out in enumerate(logs):
+        out.write_text(f"rank {r} stdout: {{'loss': 1.0}}\n")
+        out.with_suffix(".err").write_text(f"[slurmft rank{r} 12:00:00] JobSetupError: data.datasets[0]: bad\n")
+    manifest = new_manifest("r", "local")
+    record_job(manifest, "train", "123", logs=[str(p) for p in logs])
+    write_manifest(paths, manifest)
+    code, out, _ = cli(["logs", str(paths.root)], capsys)
+    assert code == 0
+    assert "rank 0 stdout" in out and "[slurmft rank0 12:00:00] JobSetupError" in out
+    assert "[slurmft rank1 12:00:00]" in out and "123_0_log.err <==" in out
+
+
+# ====================================================================== 8. what users expect
+def test_epochs_instead_of_max_steps(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [{"messages": [{"role": "user", "content": f"question {i} " * 20},
+                          {"role": "assistant", "content": f"answer {i} " * 20}]} for i in range(200)]
+    path = write_run(tmp_path, model_dir, jsonl(tmp_path / "c.jsonl", rows), train={"max_steps": None, "epochs": 2})
+    code, out, err = cli(["validate", str(path)], capsys)
+    assert code == 0, err
+    assert "batch: 2 rank(s) x 1 x 1 accumulation = 2 packed sequences of 256 tokens = 512 tokens per optimizer step" \
+        in out
+    assert "optimizer steps per epoch" in out and "train.epochs 2 -> ~" in out
+    assert load_config(path, ["train.max_steps=10"]).train.epochs is None  # the command line's smoke test wins
+    both = write_run(tmp_path, model_dir, tmp_path / "c.jsonl", train={"max_steps": 10, "epochs": 2})
+    code, _, err = cli(["validate", str(both)], capsys)
+    assert code == 2 and "train.epochs (2.0) and train.max_steps (10) are both set" in err
+
+
+def test_epochs_become_steps_from_the_packed_count() -> None:
+    from slurmft.config import TrainConfig
+    from slurmft.job.train import plan_steps
+
+    cfg = type("C", (), {"train": TrainConfig(epochs=2.5, per_device_batch_size=2, gradient_accumulation_steps=2)})
+    plan = plan_steps(cfg, sequences=101, world_size=4)  # 26 per rank -> 13 micro-batches -> 6 steps per epoch
+    assert (plan["steps_per_epoch"], plan["max_steps"], plan["sequences_per_step"]) == (6, 15, 16)
+
+
+@pytest.mark.parametrize(("name", "rows", "extra", "expected"), [
+    ("alpaca.jsonl", [{"instruction": "Add.", "input": "2 and 2", "output": "4"}], {},
+     [{"role": "user", "content": "Add.\n\n2 and 2"}, {"role": "assistant", "content": "4"}]),
+    ("pc.jsonl", [{"prompt": "Capital of France?", "completion": "Paris."}], {},
+     [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."}]),
+    ("sharegpt.jsonl", [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}],
+     {"format": "sharegpt"}, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]),
+    ("mine.jsonl", [{"question": "why?", "answer": "because."}],
+     {"format": "prompt_completion", "columns": {"prompt": "question", "completion": "answer"}},
+     [{"role": "user", "content": "why?"}, {"role": "assistant", "content": "because."}]),
+    ("mine.csv", None, {"columns": {"instruction": "task", "output": "reply"}},
+     [{"role": "user", "content": "sum 1 2"}, {"role": "assistant", "content": "3"}]),
+])
+def test_data_formats_validate_and_convert(name: str, rows: list[dict] | None, extra: dict, expected: list[dict],
+                                           tmp_path: Path, model_dir: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from slurmft import formats
+    from slurmft.checks import _read_rows
+    from slurmft.config import DatasetSource
+
+    path = tmp_path / name
+    if rows is None:
+        path.write_text("task,reply\nsum 1 2,3\n")
+    else:
+        jsonl(path, rows)
+    run = write_run(tmp_path, model_dir, path, data={"datasets": [{"path": str(path), **extra}]})
+    code, out, err = cli(["validate", str(run)], capsys)
+    assert code == 0, err
+    src = DatasetSource(path=str(path), **extra)
+    row = formats.rename(_read_rows(path, 1)[0], src.columns)
+    fmt, column = formats.detect_format(src, list(row), row, "src")
+    assert formats.to_messages(row, fmt, column) == expected
+
+
+def test_the_job_reads_those_formats_the_same_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job's loader (datasets) on an Alpaca jsonl and a mapped csv: the conversations validate saw."""
+    from slurmft.config import DataConfig, DatasetSource
+    from slurmft.job import data
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    alpaca = jsonl(tmp_path / "a.jsonl", [{"instruction": "Add.", "input": "", "output": "4"}] * 3)
+    mine = tmp_path / "m.csv"
+    mine.write_text("task,reply\nsum 1 2,3\nsum 2 2,4\n")
+    ds = data.load_mixture(DataConfig(datasets=[
+        DatasetSource(path=str(alpaca)), DatasetSource(path=str(mine), columns={"instruction": "task",
+                                                                               "output": "reply"})]), 0)
+    seen = {tuple((m["role"], m["content"]) for m in row) for row in ds["messages"]}
+    assert (("user", "Add."), ("assistant", "4")) in seen and (("user", "sum 1 2"), ("assistant", "3")) in seen
+
+
+def test_sharegpt_format_is_accepted_by_the_config() -> None:
+    from slurmft.config import DatasetSource
+
+    assert DatasetSource(path="x.jsonl", format="sharegpt").format == "sharegpt"
+
+
+def test_validate_and_estimate_say_which_profile_they_assumed(tmp_path: Path, model_dir: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_run(tmp_path, model_dir, jsonl(tmp_path / "c.jsonl", [CHAT]), cluster=None)
+    for command in ("validate", "estimate"):
+        code, _, err = cli([command, str(path)], capsys)
+        assert code == 0, err
+        assert "note: no cluster.profile given; assuming 'ethernet': A100-80GB GPUs (80 GB)" in err
