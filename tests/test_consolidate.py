@@ -406,12 +406,12 @@ def test_failure_midway_keeps_the_old_model(
 
     real, calls = consolidate.write_shard, []
 
-    def fail_on_third(reader: Any, shard: Any, path: Path, budget: int) -> None:
+    def fail_on_third(reader: Any, shard: Any, path: Path, budget: int, progress: Any = None) -> None:
         calls.append(path)
         if len(calls) == 3:
             path.write_bytes(b"half a shard")
             raise OSError(28, "No space left on device")
-        real(reader, shard, path, budget)
+        real(reader, shard, path, budget, progress)
 
     monkeypatch.setattr(consolidate, "write_shard", fail_on_third)
     with pytest.raises(OSError, match="No space left"):

@@ -45,7 +45,7 @@ TINY = dict(
     max_position_embeddings=512,
 )
 ODD = dict(TINY, vocab_size=7999, intermediate_size=689, num_key_value_heads=2)  # uneven shards: padding
-MID = dict(  # ~170M, the DESIGN.md memory-measurement model
+MID = dict(  # ~170M, the model of the load and consolidation memory measurements (docs/design-notes.md)
     model_type="llama",
     hidden_size=1024,
     intermediate_size=2816,
@@ -420,7 +420,7 @@ def test_load_model_config_not_found_names_the_field_and_the_fix(monkeypatch, tm
 
 def test_estimate_reads_config_via_run_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY))
-    cfg = run_config(str(tmp_path), resources__nodes=1, resources__gpus_per_node=1)
+    cfg = run_config(str(tmp_path), resources__nodes=1, resources__gpus_per_node=1, data__max_seq_length=512)
     r = E.estimate(cfg, profile())
     assert r["model"]["config_source"] == str(tmp_path / "config.json")
     assert r["parameters"] == E.count_parameters(TINY)
@@ -568,6 +568,7 @@ def test_estimate_matches_measured_fsdp2_shards(tmp_path):
             resources__gpus_per_node=0,
             resources__tasks_per_node=2,
             model__dtype="float32",
+            data__max_seq_length=512,
         )
         r = E.estimate(run, profile("fake-gpu", 80, node_memory_gb=24))
         assert r["setup"]["precision"] == "fp32" and r["setup"]["shards"] == 2

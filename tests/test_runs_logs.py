@@ -1,14 +1,10 @@
 """`slurmft runs` and `slurmft logs --rank/--attempt` on realistic run directories (tests/runfixture.py).
 
-The Slurm calls are counted with stand-in ``squeue``/``sacct`` executables first on PATH: a run
-listing must ask Slurm once for all runs, not once per run.
+How many times `runs` and `status` ask the real Slurm is counted in tests/slurm/test_watching.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import stat
 from pathlib import Path
 
 import pytest
@@ -47,41 +43,13 @@ def test_run_state_in_one_word() -> None:
     assert run_state(jobs("UNKNOWN", "UNKNOWN"), True) == "done"  # Slurm forgot, the model is there
 
 
-def _fake_slurm(bin_dir: Path, calls: Path, squeue_out: str, sacct_out: str) -> None:
-    bin_dir.mkdir()
-    for name, out in (("squeue", squeue_out), ("sacct", sacct_out), ("scontrol", "")):
-        exe = bin_dir / name
-        exe.write_text(f"#!/bin/sh\necho {name} \"$@\" >> {calls}\nprintf '%s' '{out}'\n")
-        exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
-
-
-def test_runs_asks_slurm_once_for_all_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_runs_without_an_answer_from_slurm_still_lists_every_run(tmp_path: Path) -> None:
     root = tmp_path / "runs"
     preempted_run(root, "a")
-    b = preempted_run(root, "b")
-    manifest = json.loads((b / "manifest.json").read_text())
-    for job, jid in zip(manifest["jobs"], ("300", "301"), strict=True):
-        job["job_id"] = jid
-    (b / "manifest.json").write_text(json.dumps(manifest))
+    preempted_run(root, "b")
     local_run(root, "c")
     (root / "d").mkdir()
     (root / "d" / "manifest.json").write_text("{torn")
-    calls = tmp_path / "calls.txt"
-    _fake_slurm(tmp_path / "bin", calls, "300|RUNNING|None|1:00\n301|PENDING|Dependency|0:00\n",
-                "100|COMPLETED|00:05:00|0:0\n101|CANCELLED|00:00:00|0:0\n")
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    main(["runs", str(root)])
-    out = capsys.readouterr().out.splitlines()
-    lines = calls.read_text().splitlines()
-    assert [line.split()[0] for line in lines] == ["squeue", "sacct"], lines  # one each, for all runs
-    assert "-j 100,101,300,301 " in lines[0] and "-j 100,101 " in lines[1]  # sacct: only what squeue forgot
-    rows = {line.split()[0]: line.split() for line in out[1:] if not line.startswith("/")}
-    assert rows["a"][1:4] == ["trained", "36/36", "1.2000"]
-    assert rows["b"][1] == "training"
-    assert rows["c"][1:4] == ["trained", "12/12", "2.4000"]  # local: from the manifest, no Slurm call
-    assert rows["d"][1] == "broken" and any("manifest.json is corrupt" in line for line in out)
-
     data = run_lines(root, query=lambda ids: {})  # Slurm unreachable: still a line per run
     assert [r["state"] for r in data] == ["unknown", "unknown", "trained", "broken"]
 

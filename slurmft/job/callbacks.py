@@ -147,7 +147,7 @@ class StepLog(TrainerCallback):
     """Global rank 0 logs each Trainer log dict as one line; every other rank stays quiet.
 
     Replaces transformers' PrinterCallback, which prints the raw dict on every node's *local*
-    rank 0, so a two-node log held each step twice (DESIGN.md §3).
+    rank 0, so a two-node log held each step twice (docs/design-notes.md).
     """
 
     def __init__(self, ctx: DistContext) -> None:

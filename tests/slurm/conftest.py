@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,22 @@ def slurmft(capsys: pytest.CaptureFixture[str]) -> SlurmftDriver:
 def config_writer() -> SlurmftDriver:
     """A driver for fixtures wider than one test: ``write_config`` only (it captures no output)."""
     return SlurmftDriver(None)
+
+
+@pytest.fixture
+def slurm_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``squeue``/``sacct``/``scontrol`` first on PATH log each call to the returned file, then exec the real
+    command: the answers are the real cluster's, the calls are counted."""
+    import shutil
+
+    bin_dir, calls = tmp_path / "counting-bin", tmp_path / "slurm-calls.txt"
+    bin_dir.mkdir()
+    calls.touch()
+    for name in ("squeue", "sacct", "scontrol"):
+        real = shutil.which(name)
+        assert real, f"{name} not on PATH"
+        exe = bin_dir / name
+        exe.write_text(f'#!/bin/sh\necho "{name} $*" >> "{calls}"\nexec "{real}" "$@"\n')
+        exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return calls

@@ -1,0 +1,132 @@
+"""Watching a run on the real two-node cluster: a run preempted twice (the warning signal) shows three
+attempts in `status`, two markers in `slurmft plot`, a report that matches metrics.jsonl, one loss line per
+step in the log; `status` and `runs` ask squeue and sacct at most once each (the calls are counted by
+shims that exec the real commands)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from runfixture import local_run
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def metrics(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _wait(what: str, predicate, timeout: float = 240):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _calls(path: Path) -> list[str]:
+    return [line.split()[0] for line in path.read_text().splitlines()]
+
+
+def test_preempted_twice_status_plot_report_logs(slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path: Path,
+                                                 slurmft, slurm_calls: Path) -> None:
+    path = slurmft.write_config(tmp_path, tiny_model, chat_data, train={"max_steps": 40},
+                                checkpoint={"every_steps": 20}, preemption={"lead_time_s": 30, "max_requeues": 3})
+    jobs = slurmft.submit(path)
+    run, job = tmp_path / "run", jobs["train"]
+    for restart in (0, 1):  # the warning signal twice, a few steps into restart 0 and restart 1
+        _wait(f"restart {restart} under way", lambda r=restart: sum(m["restart"] == r for m in metrics(run)) >= 4)
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)
+        _wait(f"requeue marker {job}-{restart}", lambda r=restart: (run / "requeue" / f"{job}-{r}").exists(), 120)
+    slurm_cluster.wait_state(job, "COMPLETED", timeout=300)
+    slurm_cluster.wait_state(jobs["consolidate"], "COMPLETED", timeout=240)
+    stops = [json.loads((run / "requeue" / f"{job}-{r}").read_text())["step"] for r in (0, 1)]
+
+    slurm_calls.write_text("")
+    code, out, err = slurmft.cli(["status", str(run), "--json"])
+    assert code == 0, err
+    assert _calls(slurm_calls) == ["squeue", "sacct"]  # one each, however many jobs and restarts
+    status = json.loads(out)
+    attempts = status["attempts"]
+    assert [(a["job_id"], a["restart"]) for a in attempts] == [(job, 0), (job, 1), (job, 2)]
+    assert [a["reason"] for a in attempts[:2]] == ["preempted (warning signal), requeued"] * 2
+    assert attempts[2]["reason"] == "completed" and attempts[2]["last_step"] == 40
+    assert [a["last_step"] for a in attempts[:2]] == stops
+    assert [a["resumed_from_step"] for a in attempts[1:]] == stops
+    assert status["progress"]["step"] == 40 and status["progress"]["max_steps"] == 40
+    assert status["checkpoint"]["step"] == 40 and status["model"] == str(run / "model")
+
+    # the plot: a real picture with a marker at each preemption step
+    from slurmft.plot import marker_steps
+
+    assert [m.step for m in marker_steps(metrics(run))] == stops
+    png = tmp_path / "loss.png"
+    code, _, err = slurmft.cli(["plot", str(run), "--out", str(png)])
+    assert code == 0, err
+    import numpy as np
+    from PIL import Image
+
+    img = Image.open(png)
+    assert img.format == "PNG" and img.size[0] >= 600 and img.size[1] >= 300
+    assert np.asarray(img.convert("L")).astype(float).std() > 10  # not blank
+    if os.environ.get("SLURMFT_DOCS_PLOT"):  # how docs/ got its picture of a real run
+        shutil.copy(png, os.environ["SLURMFT_DOCS_PLOT"])
+
+    # the report the consolidation job wrote matches metrics.jsonl
+    report = (run / "report.md").read_text()
+    rows = metrics(run)
+    assert f"{rows[-1]['loss']:.4f}" in report
+    assert "preempted (warning signal), requeued" in report and str(run / "model") in report
+    assert (run / "loss.png").is_file()
+
+    # the log: each step's loss line once (only global rank 0 prints them), three starts of the same job
+    log = (run / "logs" / f"train-{job}.out").read_text()
+    for step in range(1, 41):
+        lines = re.findall(rf"\bstep {step}/40 +loss", log)
+        assert len(lines) >= 1, f"step {step} has no loss line"
+    ones = [s for s in range(1, 41) if len(re.findall(rf"^1: .*\bstep {s}/40 +loss", log, re.M))]
+    assert ones == []  # rank 1 (node n2) never prints the per-step line
+    assert len(re.findall(r"^\[slurmft\] job=\d+ restart=", log, re.M)) == 3
+
+
+def test_runs_lists_every_run_with_one_squeue_and_one_sacct(slurm_cluster, tiny_model: Path, chat_data: Path,
+                                                              tmp_path: Path, slurmft, slurm_calls: Path) -> None:
+    root = tmp_path / "runs"
+    submitted = []
+    for name in ("a", "b"):
+        path = slurmft.write_config(tmp_path / name, tiny_model, chat_data, train={"max_steps": 400},
+                                    checkpoint={"every_steps": 200})
+        cfg = path.read_text().replace(str(tmp_path / name / "run"), str(root / name))
+        path.write_text(cfg)
+        submitted.append(slurmft.submit(path))
+    local_run(root, "c")
+    (root / "d").mkdir()
+    (root / "d" / "manifest.json").write_text("{torn")
+    try:
+        slurm_calls.write_text("")
+        code, out, err = slurmft.cli(["runs", str(root)])
+        assert code == 0, err
+        assert _calls(slurm_calls) in (["squeue"], ["squeue", "sacct"]), slurm_calls.read_text()
+        lines = {line.split()[0]: line.split() for line in out.splitlines()[1:] if not line.startswith(("/", " "))}
+        assert lines["a"][1] in ("queued", "training") and lines["b"][1] in ("queued", "training")
+        assert lines["c"][1:4] == ["trained", "12/12", "2.4000"]
+        assert lines["d"][1] == "broken"
+
+        slurm_calls.write_text("")
+        code, _, err = slurmft.cli(["status", str(root / "a")])
+        assert code == 0, err
+        assert _calls(slurm_calls) == ["squeue", "sacct"]  # no per-job scontrol any more
+    finally:
+        for jobs in submitted:
+            subprocess.run(["scancel", *jobs.values()], check=False)
