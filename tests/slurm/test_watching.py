@@ -105,6 +105,7 @@ def test_runs_lists_every_run_with_one_squeue_and_one_sacct(slurm_cluster, tiny_
     root = tmp_path / "runs"
     submitted = []
     for name in ("a", "b"):
+        (tmp_path / name).mkdir()
         path = slurmft.write_config(tmp_path / name, tiny_model, chat_data, train={"max_steps": 400},
                                     checkpoint={"every_steps": 200})
         cfg = path.read_text().replace(str(tmp_path / name / "run"), str(root / name))
@@ -118,7 +119,8 @@ def test_runs_lists_every_run_with_one_squeue_and_one_sacct(slurm_cluster, tiny_
         code, out, err = slurmft.cli(["runs", str(root)])
         assert code == 0, err
         assert _calls(slurm_calls) in (["squeue"], ["squeue", "sacct"]), slurm_calls.read_text()
-        lines = {line.split()[0]: line.split() for line in out.splitlines()[1:] if not line.startswith(("/", " "))}
+        lines = {line.split()[-1]: line.split() for line in out.splitlines()[1:] if not line.startswith(("/", " "))}
+        assert set(lines) >= {"a", "b", "c", "d"}, out
         assert lines["a"][1] in ("queued", "training") and lines["b"][1] in ("queued", "training")
         assert lines["c"][1:4] == ["trained", "12/12", "2.4000"]
         assert lines["d"][1] == "broken"
