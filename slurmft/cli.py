@@ -114,13 +114,18 @@ def submit(config: Path, overrides: tuple[str, ...], force: bool, template_dir: 
     for p in problems:
         _err(f"warning (--force): {p}")
     result = submit_run(cfg, profile, str(config.resolve()), template_dir, say=_err)
-    click.echo(f"run dir: {result.run_dir}")
-    for kind, job_id in result.jobs.items():
+    _echo_jobs(result.run_dir, result.executor, result.jobs)
+
+
+def _echo_jobs(run_dir: Path, executor: str, jobs: dict[str, str]) -> None:
+    """What a submit or resume started, and how to follow it."""
+    click.echo(f"run dir: {run_dir}")
+    for kind, job_id in jobs.items():
         click.echo(f"{kind} job: {job_id}")
-    if result.executor == "slurm":
-        click.echo(f"follow with: slurmft status {result.run_dir}   |   slurmft logs {result.run_dir} -f")
-    elif "consolidate" in result.jobs:
-        click.echo(f"model: {result.run_dir / 'model'}  (AutoModelForCausalLM.from_pretrained loads it)")
+    if executor == "slurm":
+        click.echo(f"follow with: slurmft status {run_dir}   |   slurmft logs {run_dir} -f")
+    elif "consolidate" in jobs:
+        click.echo(f"model: {run_dir / 'model'}  (AutoModelForCausalLM.from_pretrained loads it)")
 
 
 def _fit_problems(cfg, profile) -> list[str]:  # noqa: ANN001
@@ -290,13 +295,7 @@ def resume(run_dir: Path, overrides: tuple[str, ...], template_dir: str | None) 
         click.echo(f"{result.run_dir} is finished: trained to step {result.step} and consolidated; nothing to resume")
         click.echo(f"model: {result.run_dir / 'model'}")
         return
-    click.echo(f"run dir: {result.run_dir}")
-    for kind, job_id in result.jobs.items():
-        click.echo(f"{kind} job: {job_id}")
-    if result.executor == "slurm":
-        click.echo(f"follow with: slurmft status {result.run_dir}   |   slurmft logs {result.run_dir} -f")
-    elif "consolidate" in result.jobs:
-        click.echo(f"model: {result.run_dir / 'model'}  (AutoModelForCausalLM.from_pretrained loads it)")
+    _echo_jobs(result.run_dir, result.executor, result.jobs)
 
 
 @cli.command()

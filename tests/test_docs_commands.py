@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from slurmft.cli import main
+from cli_runner import cli
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", REPO / "docs" / "first-run.md"]
@@ -45,13 +44,8 @@ def doc_commands() -> list[tuple[str, str]]:
 
 
 def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    captured = capsys.readouterr()
-    return code, captured.out + captured.err
+    code, out, err = cli(args, capsys)
+    return code, out + err
 
 
 def with_tiny_model(path: Path, tiny_model: Path) -> list[str]:

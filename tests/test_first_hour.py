@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import yaml
+from cli_runner import cli
 
-from slurmft.cli import main
 from slurmft.config import load_config
 from slurmft.errors import ConfigError
 
@@ -67,15 +67,6 @@ def write_run(tmp_path: Path, model_path: Path, data_path: Path | str, text: str
     return path
 
 
-def cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of one CLI call."""
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 # ====================================================================== 1. validate catches it now

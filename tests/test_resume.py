@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import cli
 
 from slurmft.checkpoints import mark_complete
-from slurmft.cli import main
 from slurmft.errors import ConfigError, RunDirError
 from slurmft.resume import Phase, check_overrides, checkpoint_world_size, classify, ended_how, model_ready
 from slurmft.rundir import RunPaths, acquire_lock, new_manifest, release_lock, write_manifest
@@ -23,14 +23,6 @@ from slurmft.status import describe
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny" / "run.yaml"
 
 
-def cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 # ------------------------------------------------------------------ pure decisions
