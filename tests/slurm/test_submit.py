@@ -57,10 +57,11 @@ def test_submit_runs_train_then_consolidation(slurm_cluster, tiny_model: Path, c
 
 def test_failed_train_leaves_consolidation_never_satisfied(slurm_cluster, tiny_model: Path, chat_data: Path,
                                                            tmp_path: Path, slurmft) -> None:
-    wrong = tmp_path / "wrong-columns.jsonl"  # exists (passes submit-time checks); the job rejects it
-    wrong.write_text('{"question": "2+2?", "answer": "4"}\n' * 8)
+    wrong = tmp_path / "wrong-columns.jsonl"
+    wrong.write_text(chat_data.read_text())  # valid when `submit` checks it...
     path = slurmft.write_config(tmp_path, tiny_model, wrong)
     jobs = slurmft.submit(path)
+    wrong.write_text('{"question": "2+2?", "answer": "4"}\n' * 8)  # ...replaced before the job reads it
     slurm_cluster.wait_state(jobs["train"], "FAILED", timeout=240)
     deadline = time.time() + 60
     while slurm_cluster.squeue_reason(jobs["consolidate"]) != "DependencyNeverSatisfied" and time.time() < deadline:
@@ -72,10 +73,18 @@ def test_failed_train_leaves_consolidation_never_satisfied(slurm_cluster, tiny_m
     assert "setup error: data.datasets[0]" in log and "Traceback" not in log  # the user's error, said plainly
     assert "will never start" in rows["consolidate"]["words"]
     code, out, _ = slurmft.cli(["status", str(tmp_path / "run")])  # the table says so in words too
-    assert code == 0 and "will never start" in out
-    code, out, _ = slurmft.cli(["cancel", str(tmp_path / "run")])
-    assert code == 0 and jobs["consolidate"] in out
+    assert code == 0 and "will never start" in out and f"slurmft resume {tmp_path / 'run'}" in out
+    # resume with no complete checkpoint: says it starts at step 0, replaces the stranded consolidation
+    code, out, err = slurmft.cli(["resume", str(tmp_path / "run")])
+    assert code == 0, err
+    assert "no complete checkpoint, training starts again at step 0" in err
+    assert f"cancelled stale consolidation job(s) {jobs['consolidate']}" in err
     slurm_cluster.wait_state(jobs["consolidate"], "CANCELLED", timeout=30)
+    again = dict(line.split(" job: ") for line in out.splitlines() if " job: " in line)
+    slurm_cluster.wait_state(again["train"], "FAILED", timeout=240)  # the data is still wrong
+    code, out, _ = slurmft.cli(["cancel", str(tmp_path / "run")])
+    assert code == 0 and again["consolidate"] in out
+    slurm_cluster.wait_state(again["consolidate"], "CANCELLED", timeout=30)
 
 
 def test_cancel_cancels_both_and_refuses_a_second_submit(slurm_cluster, tiny_model: Path, chat_data: Path,

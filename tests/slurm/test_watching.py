@@ -129,6 +129,18 @@ def test_runs_lists_every_run_with_one_squeue_and_one_sacct(slurm_cluster, tiny_
         code, _, err = slurmft.cli(["status", str(root / "a")])
         assert code == 0, err
         assert _calls(slurm_calls) == ["squeue", "sacct"]  # no per-job scontrol any more
+
+        # accounting unreachable: status still answers, and says what it could not ask
+        (slurm_calls.parent / "counting-bin" / "sacct").write_text("#!/bin/sh\necho 'slurmdbd down' >&2\nexit 1\n")
+        code, out, err = slurmft.cli(["status", str(root / "a")])
+        assert code == 0, err
+        assert "note: sacct did not answer" in out and "states of finished jobs are unknown" in out
+        (root / "a" / "metrics.jsonl").unlink(missing_ok=True)
+        code, out, err = slurmft.cli(["status", str(root / "a")])
+        assert code == 0 and "progress: " in out and "Traceback" not in out + err
+        (root / "a" / "manifest.json").write_text("{torn")
+        code, out, err = slurmft.cli(["status", str(root / "a")])
+        assert code == 2 and "manifest.json is corrupt" in err and "Traceback" not in err
     finally:
         for jobs in submitted:
             subprocess.run(["scancel", *jobs.values()], check=False)
