@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -331,13 +330,11 @@ def test_cpu_run_uses_fp32_and_node_ram_per_rank():
     assert not r["fits"] and "CPU memory per rank" in E.fit_problems(r)[0]
 
 
-def test_render_table_and_speed():
+def test_render_table():
+    """The table's text (the command's speed is bench/cli_latency.py's, run by tests/test_bench_quick.py)."""
     from rich.console import Console
 
-    t0 = time.perf_counter()
     r = E.estimate(seed_config(resources__nodes=1), profile())
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 0.25, elapsed
     console = Console(record=True, width=140)
     console.print(E.render_table(r))
     text = console.export_text()
