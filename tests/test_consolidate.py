@@ -357,6 +357,42 @@ def test_tied_embeddings_and_tokenizer_from_checkpoint(env: dict[str, Path]) -> 
     assert AutoTokenizer.from_pretrained(out).chat_template.startswith("CHECKPOINT")
 
 
+def test_no_read_exceeds_the_largest_tensor(
+    env: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bounded memory, measured on the real reads: every ``dcp.load`` consolidation makes asks the
+    checkpoint for at most the largest tensor's bytes (the read budget), and each tensor is read once."""
+    import math
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    import slurmft.consolidate as consolidate
+
+    reads: list[int] = []  # tensor bytes requested by each read_data call (= one dcp.load)
+
+    class MeasuredReader(consolidate._CachedMetadataReader):
+        """The real reader; it also adds up what each load asks for (shape x dtype of every chunk)."""
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            md = self.read_metadata().state_dict_metadata
+            reads.append(sum(math.prod(item.lengths) * md[item.dest_index.fqn].properties.dtype.itemsize
+                             for item in plan.items))
+            return super().read_data(plan, planner)
+
+    monkeypatch.setattr(consolidate, "_CachedMetadataReader", MeasuredReader)
+    run = _run_sharing(tmp_path / "run", env["run_untied"], env["untied"], env["data"], max_shard_size="5GB")
+    consolidate.consolidate_run(str(run))
+
+    md = FileSystemReader(str(run / "checkpoints/checkpoint-5/pytorch_model_fsdp_0")).read_metadata()
+    sizes = [v.size.numel() * v.properties.dtype.itemsize for k, v in md.state_dict_metadata.items()
+             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)]
+    assert sum(reads) == sum(sizes)  # every model tensor read, once
+    assert max(reads) <= max(sizes), (max(reads), max(sizes))  # never more than the largest tensor at once
+    assert len(reads) < len(sizes)  # small tensors (norms) share a read: the budget is used, not one per tensor
+    assert sum(sizes) > 4 * max(sizes)  # the bound means something: the model is much larger than one read
+
+
 # ------------------------------------------------------------------ refusals
 def test_incomplete_checkpoint_is_refused(env: dict[str, Path], tmp_path: Path) -> None:
     from slurmft.consolidate import consolidate_run
