@@ -1,6 +1,6 @@
 """Consolidation memory: slurmft's streaming consolidation against "load every model key, then save".
 
-Run: python bench/consolidate_memory.py [--workdir DIR] [--keep] [--no-torch-save]
+Run: python bench/consolidate_memory.py [--workdir DIR] [--keep] [--no-torch-save] [--quick]
 
 Builds a ~150M-parameter fp32 Llama (hidden 1024, 12 layers, 16 heads, intermediate 2816, vocab
 8000, untied), writes a real 2-rank sharded checkpoint the way the trainer does (FSDP2 over gloo,
@@ -10,6 +10,13 @@ method starts from the same baseline. Peak = the process's VmHWM, reset (``/proc
 after the imports, cross-checked by a 5 ms VmRSS sampler; the table reports peak minus the RSS at
 that point, as a multiple of the fp32 model size. docs/design-notes.md target: streaming <= ~0.15x, the
 baseline ~1x.
+
+Pass/fail (exit 1 when missed): each streaming method peaks at most ``STREAM_MAX_LARGEST`` x the
+largest fp32 tensor (what "bounded by the largest tensor" promises: the read buffer, its cast and the
+bytes on their way to the file) and, on the full model, at most ``STREAM_MAX_MODEL`` x the model (the
+README's figure). ``--quick`` (what the test suite runs) uses 2 decoder layers instead of 12, and only
+the fp32 streaming and the load-all-keys baseline; the largest tensor is then a larger share of the
+model, so only the first target applies.
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ MODEL = {
     "hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 16,
     "intermediate_size": 2816, "vocab_size": 8000, "tie_word_embeddings": False, "max_position_embeddings": 2048,
 }  # fmt: skip
+QUICK_LAYERS = 2
+STREAM_MAX_LARGEST = 3.0  # streaming peak / largest fp32 tensor
+STREAM_MAX_MODEL = 0.15  # streaming peak / fp32 model, full model only
 METHODS = {
     "stream-fp32": "slurmft streaming, float32 out",
     "stream-bf16": "slurmft streaming, bfloat16 out",
@@ -120,14 +130,15 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path}
 
 
-def make_run(work: Path) -> tuple[Path, Path, int]:
-    """Model dir (config + tokenizer), a run with a complete 2-rank checkpoint-5; returns model bytes."""
+def make_run(work: Path, model: dict[str, Any] = MODEL) -> tuple[Path, Path, int, int]:
+    """Model dir (config + tokenizer), a run with a complete 2-rank checkpoint-5; returns model bytes and
+    the largest tensor's bytes."""
     import yaml
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
     model_dir, run = work / "base", work / "run-fp32"
-    LlamaConfig(**MODEL).save_pretrained(model_dir)
+    LlamaConfig(**model).save_pretrained(model_dir)
     tok = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(
@@ -173,15 +184,16 @@ def make_run(work: Path) -> tuple[Path, Path, int]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     md = FileSystemReader(str(ckpt / "pytorch_model_fsdp_0")).read_metadata()
-    model_bytes = sum(
+    sizes = [
         v.size.numel() * v.properties.dtype.itemsize
         for v in md.state_dict_metadata.values()
         if isinstance(v, TensorStorageMetadata)
-    )
+    ]
+    model_bytes = sum(sizes)
     print(
         f"wrote 2-rank checkpoint {ckpt} ({model_bytes / 2**20:.0f} MiB fp32) in {time.monotonic() - t0:.0f} s"
     )
-    return model_dir, run, model_bytes
+    return model_dir, run, model_bytes, max(sizes)
 
 
 # ------------------------------------------------------------------ one measured method (own process)
@@ -247,6 +259,8 @@ def main() -> int:
     ap.add_argument("--workdir", help="where to build the checkpoint (default: a temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--no-torch-save", action="store_true", help="skip the dcp_to_torch_save baseline")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"{QUICK_LAYERS} layers; fp32 streaming and load-all-keys only (the test suite's mode)")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--measure", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -260,8 +274,11 @@ def main() -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="slurmft-bench-consolidate-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        _, _, model_bytes = make_run(work)
+        model = {**MODEL, "num_hidden_layers": QUICK_LAYERS} if args.quick else MODEL
+        _, _, model_bytes, largest = make_run(work, model)
         methods = [m for m in METHODS if not (args.no_torch_save and m == "dcp-to-torch-save")]
+        if args.quick:
+            methods = ["stream-fp32", "load-all-keys"]
         results = []
         for method in methods:
             proc = subprocess.run(
@@ -282,7 +299,8 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
 
     mib = 2**20
-    print(f"\nmodel: Llama {MODEL}; fp32 size {model_bytes / mib:.0f} MiB; 2-rank DCP\n")
+    print(f"\nmodel: Llama {model}; fp32 size {model_bytes / mib:.0f} MiB, largest tensor "
+          f"{largest / mib:.1f} MiB; 2-rank DCP\n")
     print("| method | written (MiB) | seconds | RSS before (MiB) | peak above it (MiB) | x model size |")
     print("|---|---|---|---|---|---|")
     for r in results:
@@ -291,7 +309,19 @@ def main() -> int:
             f"| {METHODS[r['method']]} | {r['written'] / mib:.0f} | {r['seconds']:.1f} | {r['baseline'] / mib:.0f} "
             f"| {above / mib:.0f} | {above / model_bytes:.2f}x |"
         )
-    return 0
+    missed = []
+    for r in results:
+        if not r["method"].startswith("stream"):
+            continue
+        above = r["peak"] - r["baseline"]
+        if above > STREAM_MAX_LARGEST * largest:
+            missed.append(f"{r['method']} {above / largest:.2f}x the largest tensor")
+        if not args.quick and above > STREAM_MAX_MODEL * model_bytes:
+            missed.append(f"{r['method']} {above / model_bytes:.2f}x the model")
+    limits = f"streaming <= {STREAM_MAX_LARGEST:g}x the largest tensor" + (
+        "" if args.quick else f" and <= {STREAM_MAX_MODEL:g}x the model")
+    print(f"\ntargets ({limits}): {'met' if not missed else 'MISSED: ' + '; '.join(missed)}")
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":

@@ -10,10 +10,10 @@ Assumptions, in one place (each is repeated where it is used):
 * Parameters: a Llama/Mistral/Qwen-style decoder (RMSNorm, SwiGLU MLP, grouped KV heads, optional
   attention/MLP biases, Qwen3 q/k norms, Mixtral experts); tied embeddings counted once.
 * Training state per parameter (the course-notes sizing rule): fp32 + AdamW = 4 weights + 4 gradients
-  + 8 optimizer (exp_avg, exp_avg_sq) = 16 bytes; bf16/fp16 mixed precision = 2 + 2 + 12 (the
-  optimizer holds the fp32 master weights besides its two states) = 16 bytes. FSDP2 keeps the
-  sharded parameters and gradients in fp32 and casts to bf16 only while gathered: a different split,
-  the same total.
+  + 8 optimizer (exp_avg, exp_avg_sq) = 16 bytes. bf16/fp16 mixed precision is split the way FSDP2
+  holds it (measured in tests/test_estimate.py): sharded parameters and gradients stay fp32 (4 + 4;
+  cast to bf16 only while gathered), AdamW's two fp32 states 8. The course notes' 2 + 2 + 12 (bf16
+  weights and gradients, fp32 master weights in the optimizer) is the same 16 bytes, split differently.
 * FSDP full shard: each tensor is split along dim 0 into ``world_size`` chunks of ``ceil(d0 / ws)``
   rows (FSDP2's padding), so the largest rank is reported. ``fsdp.enabled=false`` means every GPU holds
   everything (DDP-like), plus DDP's gradient buckets (one more copy of the gradients).
@@ -68,8 +68,9 @@ MiB = 2**20
 #: Training-state bytes per parameter (the course-notes sizing rule), by precision.
 BYTES_PER_PARAM: dict[str, dict[str, int]] = {
     "fp32": {"weights": 4, "gradients": 4, "optimizer": 8},
-    "bf16-mixed": {"weights": 2, "gradients": 2, "optimizer": 12},
-    "fp16-mixed": {"weights": 2, "gradients": 2, "optimizer": 12},
+    # FSDP2 mixed precision: fp32 sharded parameters and gradients, bf16/fp16 only while gathered.
+    "bf16-mixed": {"weights": 4, "gradients": 4, "optimizer": 8},
+    "fp16-mixed": {"weights": 4, "gradients": 4, "optimizer": 8},
 }
 COMPUTE_BYTES = {"fp32": 4, "bf16-mixed": 2, "fp16-mixed": 2}
 MASTER_BYTES = 4  # parameters are stored (and loaded, and checkpointed) in fp32 in every precision
@@ -334,8 +335,9 @@ def count_parameters(model_cfg: dict[str, Any]) -> int:
 def training_state_bytes(n_params: int, precision: str = "fp32") -> dict[str, int]:
     """Weights, gradients and AdamW optimizer bytes for ``n_params`` unsharded parameters.
 
-    The course-notes rule: 16 bytes/parameter before activations in both fp32 (4 + 4 + 8) and bf16
-    mixed precision (2 + 2 + 12, the 12 being the fp32 master weights and the two AdamW states).
+    The course-notes rule: 16 bytes/parameter before activations in fp32 (4 + 4 + 8) and in bf16 mixed
+    precision, where FSDP2 keeps the fp32 sharded parameters and gradients (4 + 4) and AdamW its two
+    fp32 states (8); the compute-dtype copies exist only while gathered (``comm_buffers``).
     """
     per = BYTES_PER_PARAM[precision]
     return {k: n_params * v for k, v in per.items()}
@@ -677,7 +679,8 @@ def _assumptions(shape: ModelShape, k: _Knobs, capacity_note: str | None) -> lis
     lines.append(
         f"training state ({k.precision}, AdamW): {per['weights']} weights + {per['gradients']} gradients + "
         f"{per['optimizer']} optimizer = {sum(per.values())} bytes/parameter"
-        + (" (optimizer = fp32 master weights + exp_avg + exp_avg_sq)" if k.precision != "fp32" else "")
+        + (" (FSDP2 keeps fp32 sharded weights and gradients; the compute dtype only while gathered)"
+           if k.precision != "fp32" else "")
     )
     if k.fsdp:
         lines.append(
@@ -813,13 +816,9 @@ def render_table(result: dict[str, Any]) -> RenderableType:
     t.add_column("bytes", justify="right")
     t.add_column("note", style="dim")
     rows = [
-        ("weights", g["weights"], "sharded" if s["fsdp"] else "full copy"),
-        ("gradients", g["gradients"], ""),
-        (
-            "optimizer (AdamW)",
-            g["optimizer"],
-            "2 states" + (" + fp32 master" if s["precision"] != "fp32" else ""),
-        ),
+        ("weights", g["weights"], ("sharded" if s["fsdp"] else "full copy") + ", fp32"),
+        ("gradients", g["gradients"], "fp32"),
+        ("optimizer (AdamW)", g["optimizer"], "2 fp32 states"),
         ("gathered / comm buffers", g["comm_buffers"], "FSDP all-gather" if s["fsdp"] else "DDP buckets"),
         (
             "activations",

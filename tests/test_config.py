@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,16 +85,27 @@ def test_local_executor_needs_one_node() -> None:
     assert "resources.nodes" in info.value.render()
 
 
+def _sections(annotation: Any) -> list[type]:
+    """The pydantic models an annotation holds: ``X``, ``list[X]``, ``X | None``, ``dict[str, X]``..."""
+    if isinstance(annotation, type) and hasattr(annotation, "model_fields"):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _sections(arg)]
+
+
 def test_schema_has_a_description_on_every_field() -> None:
+    seen: list[str] = []
+
     def walk(model: type) -> None:
+        seen.append(model.__name__)
         for name, field in model.model_fields.items():
             ann = field.annotation
-            if isinstance(ann, type) and hasattr(ann, "model_fields"):
-                walk(ann)
-            else:
+            if not (isinstance(ann, type) and hasattr(ann, "model_fields")):  # a section documents itself
                 assert field.description, f"{model.__name__}.{name} has no description"
+            for section in _sections(ann):
+                walk(section)
 
     walk(RunConfig)
+    assert "DatasetSource" in seen  # reached through data.datasets: list[DatasetSource]
 
 
 def test_config_reference_doc_is_current() -> None:

@@ -28,6 +28,9 @@ TINY = {
     "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 128,
 }  # fmt: skip
+# What each complete checkpoint adds to every parameter (in place, in fp32, in this order), so the
+# newest differs from both the base model and the older complete checkpoint.
+OLDER, NEWER = 0.5, 0.25
 WORDS = ["the", "a", "an", "user", "assistant", "hello", "world", "model", "data", "train", "run", "step"]
 
 
@@ -156,11 +159,12 @@ def _run_sharing(tmp: Path, source: Path, model_dir: Path, data: Path, **consoli
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Two runs with real 2-rank sharded checkpoints.
+    """Two runs with real 2-rank sharded checkpoints, each "trained" away from its base model.
 
-    ``untied``: checkpoint-5 complete (the base weights), checkpoint-10 torn (weights + 1, no marker).
-    ``tied``: checkpoint-5 complete with a tokenizer the trainer saved into the checkpoint and a
-    non-model entry next to the model.
+    ``untied``: checkpoint-3 complete (every parameter + OLDER), checkpoint-5 complete and the newest
+    (+ OLDER + NEWER), checkpoint-10 torn (+ 1 more, no marker).
+    ``tied``: checkpoint-2 complete (+ OLDER), checkpoint-5 complete (+ OLDER + NEWER) with a tokenizer
+    the trainer saved into the checkpoint and a non-model entry next to the model.
     """
     tmp = tmp_path_factory.mktemp("consolidate")
     data = tmp / "data.jsonl"
@@ -171,11 +175,13 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     run_t = _write_run(tmp / "run-tied", tied, data, dtype="float32")
     spec = [
         {"model": str(untied), "checkpoints": [
-            {"dir": str(run_u / "checkpoints/checkpoint-5"), "complete": True, "add": 0.0},
+            {"dir": str(run_u / "checkpoints/checkpoint-3"), "complete": True, "add": OLDER},
+            {"dir": str(run_u / "checkpoints/checkpoint-5"), "complete": True, "add": NEWER},
             {"dir": str(run_u / "checkpoints/checkpoint-10"), "complete": False, "add": 1.0},
         ]},
         {"model": str(tied), "checkpoints": [
-            {"dir": str(run_t / "checkpoints/checkpoint-5"), "complete": True, "add": 0.0,
+            {"dir": str(run_t / "checkpoints/checkpoint-2"), "complete": True, "add": OLDER},
+            {"dir": str(run_t / "checkpoints/checkpoint-5"), "complete": True, "add": NEWER,
              "extra": {"trainer_state": {"step": 5, "note": "not a tensor"}}},
         ]},
     ]  # fmt: skip
@@ -201,6 +207,37 @@ def _logits(model: Any) -> torch.Tensor:
         return model(torch.tensor([[1, 5, 9, 42, 999, 3]])).logits
 
 
+def _trained(base: dict[str, torch.Tensor], *adds: float) -> dict[str, torch.Tensor]:
+    """The weights the worker saved: ``base`` plus each of ``adds`` in turn (same fp32 operations)."""
+    out = {}
+    for name, tensor in base.items():
+        for add in adds:
+            tensor = tensor + add
+        out[name] = tensor
+    return out
+
+
+def _assert_newest(got: dict[str, torch.Tensor], base: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """``got`` holds the newest checkpoint (base + OLDER + NEWER) in ``dtype``; every tensor differs from
+    the base and from the older complete checkpoint (base + OLDER)."""
+    newest, older = _trained(base, OLDER, NEWER), _trained(base, OLDER)
+    assert got.keys() == newest.keys()
+    for name, tensor in newest.items():
+        assert got[name].dtype == dtype, name
+        assert torch.equal(got[name], tensor.to(dtype)), name
+        assert not torch.equal(got[name], base[name].to(dtype)), f"{name} is the base model's"
+        assert not torch.equal(got[name], older[name].to(dtype)), f"{name} is the older checkpoint's"
+
+
+def _model_with(directory: Path, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Any:
+    """The base model architecture holding ``state`` (a reference for logits)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    return model.eval()
+
+
 def _no_leftovers(parent: Path) -> None:
     assert not [p.name for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name]
 
@@ -210,11 +247,13 @@ def test_float32_is_bitwise_and_uses_newest_complete_checkpoint(env: dict[str, P
     from transformers import AutoTokenizer
 
     from slurmft.job.consolidate import consolidate_run
+    from tests.export_check import assert_export_matches_checkpoint
 
     run = env["run_untied"]
     summary = consolidate_run(str(run))
     out = run / "model"
-    assert summary["checkpoint"].endswith("checkpoint-5")  # checkpoint-10 has no COMPLETE marker
+    # checkpoint-3 is older; checkpoint-10 has no COMPLETE marker
+    assert summary["checkpoint"].endswith("checkpoint-5")
     assert summary["shards"] == ["model-00001-of-00001.safetensors"]  # always the sharded layout + index
     assert (Path(summary["output"]) / "model.safetensors.index.json").is_file()
     assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= set(
@@ -226,12 +265,11 @@ def test_float32_is_bitwise_and_uses_newest_complete_checkpoint(env: dict[str, P
     model, info = _load(out)
     _assert_clean_load(info)
     base, _ = _load(env["untied"])
-    got, want = model.state_dict(), base.state_dict()
-    assert got.keys() == want.keys()
-    for name, tensor in want.items():
-        assert got[name].dtype == torch.float32
-        assert torch.equal(got[name], tensor), name
-    assert torch.equal(_logits(model), _logits(base))
+    _assert_newest(model.state_dict(), base.state_dict(), torch.float32)
+    reference = _model_with(env["untied"], _trained(base.state_dict(), OLDER, NEWER), torch.float32)
+    assert torch.equal(_logits(model), _logits(reference))
+    report = assert_export_matches_checkpoint(run, env["untied"])  # the shared end-to-end check agrees
+    assert report["checkpoint"].name == "checkpoint-5" and report["differ_from_base"] == report["tensors"]
 
     tok = AutoTokenizer.from_pretrained(out)
     assert (
@@ -276,14 +314,12 @@ def test_bfloat16_multi_shard(env: dict[str, Path], tmp_path: Path) -> None:
     model, info = _load(out)
     _assert_clean_load(info)
     base, _ = _load(env["untied"])
-    assert set(model.state_dict()) == set(base.state_dict())
-    for name, tensor in base.state_dict().items():
-        assert model.state_dict()[name].dtype == torch.bfloat16
-        assert torch.equal(model.state_dict()[name], tensor.to(torch.bfloat16)), name
-    from transformers import AutoModelForCausalLM
+    _assert_newest(model.state_dict(), base.state_dict(), torch.bfloat16)
+    reference = _model_with(env["untied"], _trained(base.state_dict(), OLDER, NEWER), torch.bfloat16)
+    assert torch.equal(_logits(model), _logits(reference))
+    from tests.export_check import assert_export_matches_checkpoint
 
-    base_bf16 = AutoModelForCausalLM.from_pretrained(env["untied"], dtype=torch.bfloat16).eval()
-    assert torch.equal(_logits(model), _logits(base_bf16))
+    assert_export_matches_checkpoint(run, env["untied"], export_dir=out)  # cast rule: consolidate.dtype
     _no_leftovers(tmp_path)
 
 
@@ -310,11 +346,51 @@ def test_tied_embeddings_and_tokenizer_from_checkpoint(env: dict[str, Path]) -> 
     _assert_clean_load(info)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     base, _ = _load(env["tied"])
-    for name, tensor in base.state_dict().items():
-        assert torch.equal(model.state_dict()[name], tensor), name
-    assert torch.equal(_logits(model), _logits(base))
+    assert summary["checkpoint"].endswith("checkpoint-5")  # not the older checkpoint-2
+    _assert_newest(model.state_dict(), base.state_dict(), torch.float32)
+    reference = _model_with(env["tied"], _trained(base.state_dict(), OLDER, NEWER), torch.float32)
+    assert torch.equal(_logits(model), _logits(reference))
+    from tests.export_check import assert_export_matches_checkpoint
+
+    assert_export_matches_checkpoint(run, env["tied"])
     # The trainer saved a tokenizer into the checkpoint: that one ships, not the base model's.
     assert AutoTokenizer.from_pretrained(out).chat_template.startswith("CHECKPOINT")
+
+
+def test_no_read_exceeds_the_largest_tensor(
+    env: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bounded memory, measured on the real reads: every ``dcp.load`` consolidation makes asks the
+    checkpoint for at most the largest tensor's bytes (the read budget), and each tensor is read once."""
+    import math
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    import slurmft.job.consolidate as consolidate
+
+    reads: list[int] = []  # tensor bytes requested by each read_data call (= one dcp.load)
+
+    class MeasuredReader(consolidate._CachedMetadataReader):
+        """The real reader; it also adds up what each load asks for (shape x dtype of every chunk)."""
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            md = self.read_metadata().state_dict_metadata
+            reads.append(sum(math.prod(item.lengths) * md[item.dest_index.fqn].properties.dtype.itemsize
+                             for item in plan.items))
+            return super().read_data(plan, planner)
+
+    monkeypatch.setattr(consolidate, "_CachedMetadataReader", MeasuredReader)
+    run = _run_sharing(tmp_path / "run", env["run_untied"], env["untied"], env["data"], max_shard_size="5GB")
+    consolidate.consolidate_run(str(run))
+
+    md = FileSystemReader(str(run / "checkpoints/checkpoint-5/pytorch_model_fsdp_0")).read_metadata()
+    sizes = [v.size.numel() * v.properties.dtype.itemsize for k, v in md.state_dict_metadata.items()
+             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)]
+    assert sum(reads) == sum(sizes)  # every model tensor read, once
+    assert max(reads) <= max(sizes), (max(reads), max(sizes))  # never more than the largest tensor at once
+    assert len(reads) < len(sizes)  # small tensors (norms) share a read: the budget is used, not one per tensor
+    assert sum(sizes) > 4 * max(sizes)  # the bound means something: the model is much larger than one read
 
 
 # ------------------------------------------------------------------ refusals
@@ -326,7 +402,7 @@ def test_incomplete_checkpoint_is_refused(env: dict[str, Path], tmp_path: Path) 
         consolidate_run(str(env["run_untied"]), checkpoint="checkpoint-10", out=str(tmp_path / "m"))
     text = exc.value.render()
     assert "COMPLETE is missing" in text
-    assert "checkpoint-5 (complete)" in text and "checkpoint-10 (no COMPLETE marker)" in text
+    assert "checkpoint-3 (complete), checkpoint-5 (complete), checkpoint-10 (no COMPLETE marker)" in text
     assert not (tmp_path / "m").exists()
 
 

@@ -3,6 +3,9 @@ checkpoint discovery."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,8 @@ import yaml
 from slurmft import checkpoints
 from slurmft.job.rendezvous import JobEnv, master_address, port_for_job
 from slurmft.job.requeue import EXIT_REQUEUE_REFUSED, decide
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_slurm_environment_gives_rank_and_world() -> None:
@@ -33,12 +38,37 @@ def test_submitit_local_environment() -> None:
 
 
 def test_port_is_derived_from_the_job_id_and_in_range() -> None:
-    assert port_for_job("12345") == port_for_job("12345") != port_for_job("12346")
-    assert all(20000 <= port_for_job(str(j)) < 40000 for j in (0, 1, 19999, 20000, 10**9))
+    # Jobs that share a node get different ports: a run of consecutive job ids never collides.
+    ports = [port_for_job(str(j)) for j in range(1_000_000, 1_005_000)]
+    assert len(set(ports)) == len(ports)
+    assert all(20000 <= p < 40000 for p in [*ports, *(port_for_job(str(j)) for j in (0, 1, 19999, 20000, 10**9))])
+    assert port_for_job("12345_7") != port_for_job("12345_8")  # array tasks are jobs of their own
+
+
+def test_port_is_the_same_in_every_process() -> None:
+    """The batch script (rendezvous exports) and each rank compute the port apart: it must not depend
+    on the process (e.g. on Python's per-process string hashing)."""
+    code = "from slurmft.job.rendezvous import port_for_job; print(port_for_job('4242'))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    seen = {subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONHASHSEED": seed}, capture_output=True,
+                           text=True, check=True).stdout.strip() for seed in ("1", "2", "3")}
+    assert len(seen) == 1
+
+
+def test_ranks_and_batch_script_agree_on_the_port() -> None:
+    """A rank without MASTER_PORT (an srun that did not get the export) derives what the batch script did."""
+    batch_addr, batch_port = master_address({"SLURM_JOB_ID": "31337"})
+    rank = JobEnv.from_environ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "31337",
+                                "MASTER_ADDR": "10.1.2.3"})
+    assert rank.master_port == batch_port and batch_addr == "127.0.0.1"  # no node list: one machine
 
 
 def test_master_address_override_wins() -> None:
-    assert master_address({"SLURMFT_MASTER_ADDR": "ib0-node1", "SLURM_JOB_ID": "5"}) == ("ib0-node1", 20005)
+    addr, port = master_address({"SLURMFT_MASTER_ADDR": "ib0-node1", "SLURM_JOB_ID": "5"})
+    assert addr == "ib0-node1"
+    assert port == master_address({"SLURM_JOB_ID": "5"})[1]  # the address override leaves the job's port
+    assert master_address({"SLURMFT_MASTER_ADDR": "ib0-node1", "SLURMFT_MASTER_PORT": "31000",
+                           "SLURM_JOB_ID": "5"}) == ("ib0-node1", 31000)
 
 
 def _run_dir(tmp_path: Path, max_requeues: int) -> Path:

@@ -11,6 +11,7 @@ import pytest
 
 from slurmft.cli import main
 from slurmft.rundir import RunPaths, read_manifest
+from tests.export_check import assert_export_matches_checkpoint
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny" / "run.yaml"
 
@@ -44,6 +45,9 @@ def test_tiny_example_trains_and_consolidates_locally(tiny_model: Path, tmp_path
     assert (run / "model").stat().st_mode & 0o777 == 0o777 & ~umask  # readable by the team, not 0700
     index = json.loads((run / "model" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) >= {n for n, _ in model.named_parameters()}
+    # the trained weights, not the base model's, are what shipped: equal to the final DCP checkpoint
+    report = assert_export_matches_checkpoint(run, tiny_model)
+    assert report["checkpoint"].name == "checkpoint-12"
 
     # the run directory refuses a second submit and `status` reads the local manifest
     with pytest.raises(SystemExit) as info:

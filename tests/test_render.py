@@ -31,7 +31,11 @@ def test_matches_golden(kind: str) -> None:
     text = scripts_for(GOLDEN_CFG)[kind]
     golden = GOLDEN / f"{kind}-2x8-aws-efa.sbatch"
     if os.environ.get("SLURMFT_UPDATE_GOLDEN"):
+        changed = not golden.exists() or golden.read_text() != text
         golden.write_text(text)
+        # A run that rewrites the golden file proves nothing about it: fail, so it cannot pass CI.
+        pytest.fail(f"SLURMFT_UPDATE_GOLDEN is set: wrote {golden} ({'changed' if changed else 'unchanged'}); "
+                    "review the diff, then run again without it")
     assert text == golden.read_text(), f"rendered {kind} differs from {golden} (SLURMFT_UPDATE_GOLDEN=1 to refresh)"
 
 
@@ -91,8 +95,11 @@ def test_undefined_variable_is_an_error_not_an_empty_string(tmp_path: Path) -> N
         render("x.j2", {}, tmp_path)
 
 
-@pytest.mark.skipif(not shutil.which("shellcheck"), reason="shellcheck not installed")
 def test_shellcheck_clean(tmp_path: Path) -> None:
+    if not shutil.which("shellcheck"):
+        if os.environ.get("CI"):  # .ci/run installs it: a missing shellcheck there is a broken CI, not a skip
+            pytest.fail("shellcheck is not installed but CI is set (.ci/run installs it: apt-get install shellcheck)")
+        pytest.skip("shellcheck not installed (apt-get install shellcheck)")
     for kind, text in scripts_for(GOLDEN_CFG).items():
         script = tmp_path / f"{kind}.sh"
         script.write_text(text)

@@ -1,6 +1,8 @@
 """Run under torchrun by test_loading.py: load models with slurmft's sharded loader and verify them.
 
-For each model directory: every gathered parameter must equal the safetensors tensor bit for bit,
+For each model directory: every parameter must come from a tensor of the file and every tensor of the
+file must reach a parameter (a tied head counts once), each gathered parameter must equal the
+safetensors tensor bit for bit,
 rotary ``inv_freq`` must be the freshly computed one (not ``to_empty`` garbage), and the sharded
 model's logits must equal a plain ``from_pretrained`` model's. Rank 0 writes ``OUT/<name>.json``.
 
@@ -39,7 +41,7 @@ def check(model_dir: Path, ctx: distributed.DistContext, activation_checkpointin
     config = loading.load_model_config(model_dir, cfg.model, 64)
     sharded = loading.build_sharded_model(cfg, config, model_dir if ctx.is_main else None, ctx)
     model = sharded.model
-    mismatched, checked, local, full = [], 0, 0, 0
+    mismatched, checked, not_in_file, local, full = [], [], [], 0, 0
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
         for name, param in loading.iter_param_shards(model):
@@ -47,10 +49,19 @@ def check(model_dir: Path, ctx: distributed.DistContext, activation_checkpointin
             local += param.to_local().numel()
             full += param.numel()
             gathered = param.full_tensor()  # collective: every rank
-            if ctx.is_main and name in keys:
-                checked += 1
+            if name not in keys:
+                not_in_file.append(name)
+            elif ctx.is_main:
+                checked.append(name)
                 if not torch.equal(gathered, f.get_tensor(name)):
                     mismatched.append(name)
+    # Every tensor of the file must have reached a parameter, and every parameter must come from the
+    # file. A tied head is one parameter (named_parameters lists it once, as the embeddings), whether
+    # or not the file also stores lm_head.weight.
+    tied = bool(config.tie_word_embeddings)
+    unchecked = sorted(keys - set(checked)) if ctx.is_main else []
+    if tied:
+        unchecked = [k for k in unchecked if k != "lm_head.weight"]
     bad_rotary = []
     for name, module in model.named_modules():
         if hasattr(module, "inv_freq") and hasattr(module, "compute_default_rope_parameters"):
@@ -60,8 +71,9 @@ def check(model_dir: Path, ctx: distributed.DistContext, activation_checkpointin
     ids = torch.arange(3, 40).unsqueeze(0) % config.vocab_size
     with torch.no_grad():
         logits = model(input_ids=ids).logits
-    result = {"rank": ctx.rank, "checked": checked, "mismatched": mismatched, "bad_rotary": bad_rotary,
-              "local_fraction": local / full, "tied": bool(config.tie_word_embeddings)}
+    result = {"rank": ctx.rank, "checked": len(checked), "file_keys": len(keys), "unchecked_keys": unchecked,
+              "params_not_in_file": not_in_file, "mismatched": mismatched, "bad_rotary": bad_rotary,
+              "local_fraction": local / full, "tied": tied}
     if ctx.is_main:
         ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
         with torch.no_grad():

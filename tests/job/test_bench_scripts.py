@@ -1,9 +1,12 @@
-"""The benchmark scripts' CPU-testable parts: bench/gpu_smoke.sh --dry-run runs the whole pipeline on CPU."""
+"""The benchmark scripts, so a bench that silently breaks turns CI red: bench/gpu_smoke.sh --dry-run runs
+the whole pipeline on CPU, and every bench behind a number in the README's "Measured" section runs in
+its ``--quick`` mode and must meet its own targets (each exits 1 when one is missed)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,3 +26,15 @@ def test_gpu_smoke_dry_run(job_env: dict[str, str], tmp_path: Path) -> None:
     assert summary["steps"] == 3 and summary["final_checkpoint_complete"]
     assert summary["tokens_per_s"] > 0 and summary["mfu"] is None  # no GPU peak to divide by
     assert summary["params"] == 5_261_568  # the FLOP formula's parameter count matches the tiny model
+
+
+@pytest.mark.parametrize("script", ["cli_latency.py", "load_memory.py", "consolidate_memory.py"])
+def test_readme_bench_quick_mode_meets_its_targets(script: str, job_env: dict[str, str], tmp_path: Path) -> None:
+    env = {**job_env, "TMPDIR": str(tmp_path)}  # the benches cache their models under $TMPDIR
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / script), "--quick"], env=env, cwd=str(REPO),
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "targets" in out and ": met" in out and "MISSED" not in out, out[-2000:]
+    assert "| " in proc.stdout  # the table the README quotes

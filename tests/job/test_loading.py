@@ -35,7 +35,9 @@ def test_loaded_shards_equal_the_checkpoint(tiny_model: Path, job_env: dict[str,
     for name in (tiny_model.name, odd.name):
         results = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in (0, 1)]
         main = results[0]
-        assert main["checked"] > 0 and main["mismatched"] == [], main
+        assert main["unchecked_keys"] == [] and main["params_not_in_file"] == [], main  # every key, both ways
+        assert main["checked"] in (main["file_keys"], main["file_keys"] - main["tied"]), main
+        assert main["mismatched"] == [], main
         assert main["max_abs_logit_diff"] < 1e-4, main
         for res in results:
             assert res["bad_rotary"] == []
