@@ -116,3 +116,25 @@ def assert_export_matches_checkpoint(run_dir: str | Path, base_model_dir: str | 
     changed = [n for n, t in got.items() if n not in base or not torch.equal(t, cast(base[n]))]
     assert changed, f"every exported tensor equals the base model {base_model_dir}: no trained weight reached the export"
     return {"checkpoint": checkpoint, "tensors": len(got), "differ_from_base": len(changed)}
+
+
+def model_bytes(model_dir: Path) -> dict[str, bytes]:
+    """Every tensor of a consolidated model directory as raw bytes (for bitwise comparisons)."""
+    import torch
+    from safetensors.torch import load_file
+
+    out: dict[str, bytes] = {}
+    for shard in sorted(Path(model_dir).glob("model-*.safetensors")):
+        for name, tensor in load_file(shard).items():
+            out[name] = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    assert out, f"no model-*.safetensors in {model_dir}"
+    return out
+
+
+def assert_same_model(got: Path, want: Path) -> None:
+    """Two consolidated models hold the same tensor names with the same bytes (e.g. a resumed run and an
+    uninterrupted one)."""
+    a, b = model_bytes(got), model_bytes(want)
+    assert sorted(a) == sorted(b)
+    differ = [name for name in a if a[name] != b[name]]
+    assert not differ, f"{len(differ)} tensors differ from the uninterrupted run, e.g. {differ[:3]}"

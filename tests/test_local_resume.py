@@ -16,22 +16,11 @@ import pytest
 
 from slurmft.cli import main
 from slurmft.rundir import RunPaths, read_manifest
+from tests.export_check import assert_same_model
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny" / "run.yaml"
 
 pytestmark = pytest.mark.train
-
-
-def _model_bytes(model_dir: Path) -> dict[str, bytes]:
-    import torch
-    from safetensors.torch import load_file
-
-    out = {}
-    for shard in sorted(model_dir.glob("model-*.safetensors")):
-        for name, tensor in load_file(shard).items():
-            out[name] = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-    assert out
-    return out
 
 
 def test_killed_local_run_resumes_to_the_same_model(tiny_model: Path, tmp_path: Path,
@@ -73,6 +62,4 @@ def test_killed_local_run_resumes_to_the_same_model(tiny_model: Path, tmp_path: 
     reference = tmp_path / "reference"
     main(["submit", str(EXAMPLE), f"output_dir={reference}", *args])
     capsys.readouterr()
-    want, got = _model_bytes(reference / "model"), _model_bytes(killed / "model")
-    assert sorted(got) == sorted(want)
-    assert [n for n in want if want[n] != got[n]] == []
+    assert_same_model(killed / "model", reference / "model")

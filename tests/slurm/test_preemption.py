@@ -5,20 +5,17 @@ checkpoint -> the afterok consolidation job runs once, after the final success."
 from __future__ import annotations
 
 import json
-import subprocess
+import os
+import signal
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.export_check import assert_export_matches_checkpoint
+from tests.slurm.jobs import metrics, rank_pid, wait_for
+
 pytestmark = pytest.mark.slurm
-
-
-def metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def test_signal_save_requeue_resume_then_consolidate(slurm_cluster, tiny_model: Path, chat_data: Path,
@@ -32,8 +29,9 @@ def test_signal_save_requeue_resume_then_consolidate(slurm_cluster, tiny_model: 
         assert time.time() < deadline, (run / "logs").iterdir()
         assert slurm_cluster.squeue_state(jobs["train"]) in ("PENDING", "RUNNING"), slurm_cluster.describe(jobs["train"])
         time.sleep(0.3)
-    # what Slurm does at `--signal=USR2@lead` (no B:): signal the job's steps, i.e. every rank
-    subprocess.run(["scancel", "--signal=USR2", jobs["train"]], check=True)
+    # Only rank 1 (on n2) gets the warning: the ranks must still agree (all-reduce of the flag) and stop
+    # at one step boundary, or rank 0 trains on into a collective rank 1 never joins.
+    os.kill(wait_for("rank 1's process", lambda: rank_pid(jobs["train"], 1), timeout=30), signal.SIGUSR2)
 
     slurm_cluster.wait_state(jobs["train"], "COMPLETED", timeout=300)
     slurm_cluster.wait_state(jobs["consolidate"], "COMPLETED", timeout=240)
@@ -54,5 +52,6 @@ def test_signal_save_requeue_resume_then_consolidate(slurm_cluster, tiny_model: 
     cons_logs = list((run / "logs").glob("consolidate-*.out"))
     assert [p.name for p in cons_logs] == [f"consolidate-{jobs['consolidate']}.out"]
     assert (run / "model" / "model.safetensors.index.json").is_file()
+    assert assert_export_matches_checkpoint(run, tiny_model)["checkpoint"].name == "checkpoint-40"
     rows = slurmft.status_json(run)
     assert rows["train"]["state"] == "COMPLETED" and rows["train"]["restarts"] >= 1

@@ -9,72 +9,19 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from slurmft.rundir import RunPaths, read_manifest, write_manifest
+from tests.export_check import assert_export_matches_checkpoint, assert_same_model
+from tests.slurm.jobs import complete, metrics, rank_pid, wait_for
 
 pytestmark = pytest.mark.slurm
 
 TRAIN = {"max_steps": 40}
 CHECKPOINT = {"every_steps": 10, "keep_last": 2}
-
-
-def model_tensors(model_dir: Path) -> dict[str, bytes]:
-    """Every tensor of a consolidated model, as raw bytes (bitwise comparison)."""
-    from safetensors.torch import load_file
-
-    out: dict[str, bytes] = {}
-    for shard in sorted(model_dir.glob("model-*.safetensors")):
-        for name, tensor in load_file(shard).items():
-            out[name] = tensor.contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes()
-    assert out, f"no safetensors in {model_dir}"
-    return out
-
-
-def assert_same_model(got: Path, want: Path) -> None:
-    a, b = model_tensors(got), model_tensors(want)
-    assert sorted(a) == sorted(b)
-    differ = [name for name in a if a[name] != b[name]]
-    assert not differ, f"{len(differ)} tensors differ from the uninterrupted run, e.g. {differ[:3]}"
-
-
-def metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def wait_for(what: str, predicate, timeout: float = 240, poll: float = 0.2):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def complete(run: Path, step: int) -> bool:
-    return (run / "checkpoints" / f"checkpoint-{step}" / "COMPLETE").is_file()
-
-
-def rank_pid(job_id: str, rank: int) -> int | None:
-    """PID of one rank's Python process of a Slurm job running on this machine (both test nodes are here)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            environ = dict(item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0") if b"=" in item)
-        except OSError:
-            continue
-        if (b"submitit.core._submit" in cmdline and environ.get(b"SLURM_JOB_ID") == job_id.encode()
-                and environ.get(b"SLURM_PROCID") == str(rank).encode() and environ.get(b"SLURM_STEP_ID") == b"0"):
-            return int(entry.name)
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +78,7 @@ def test_killed_rank_then_resume(slurm_cluster, reference: Path, tiny_model: Pat
     slurm_cluster.wait_state(new["train"], "COMPLETED", timeout=300)
     slurm_cluster.wait_state(new["consolidate"], "COMPLETED", timeout=240)
     assert_same_model(run / "model", reference)
+    assert assert_export_matches_checkpoint(run, tiny_model)["checkpoint"].name == "checkpoint-40"
 
     steps = [m["step"] for m in metrics(run) if m["job_id"] == new["train"]]
     assert min(steps) == 11 and max(steps) == TRAIN["max_steps"]  # resumed from checkpoint-10

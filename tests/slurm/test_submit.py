@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
 import pytest
 
 from slurmft.rundir import RunPaths, read_manifest
+from tests.export_check import assert_export_matches_checkpoint
 
 pytestmark = pytest.mark.slurm
 
@@ -41,11 +43,14 @@ def test_submit_runs_train_then_consolidation(slurm_cluster, tiny_model: Path, c
     # ranks ran on both nodes and met through MASTER_ADDR from the allocation
     code, out, _ = slurmft.cli(["logs", str(run)])
     assert code == 0
-    assert "0: " in out and "1: " in out  # srun --label: lines of rank 0 and rank 1
+    assert re.search(r"^0: ", out, re.M) and re.search(r"^1: ", out, re.M)  # srun --label: rank 0 and rank 1
     log = (run / "logs" / f"train-{jobs['train']}.out").read_text()
-    assert "master=127.0.0.1:" in log
+    # n1 (rank 0) answers on 127.0.0.2: the address came from its NodeAddr, not a 127.0.0.1 fallback
+    assert "master=127.0.0.2:" in log
     # the deployable model exists
     assert (run / "model" / "config.json").is_file()
+    # the trained weights (the newest checkpoint's, not the base model's) reached the export
+    assert assert_export_matches_checkpoint(run, tiny_model)["checkpoint"].name == "checkpoint-4"
     assert list((run / "model").glob("model-*.safetensors"))
     # no secret reached any file of the run: scripts, config, manifest, logs, checkpoints, model
     for file in run.rglob("*"):

@@ -16,14 +16,11 @@ from pathlib import Path
 import pytest
 from runfixture import local_run
 
+from tests.slurm.jobs import metrics
+
 pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def _wait(what: str, predicate, timeout: float = 240):  # noqa: ANN001, ANN201

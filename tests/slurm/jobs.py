@@ -1,0 +1,46 @@
+"""Helpers for tests that watch real Slurm jobs of this machine's two-node cluster: their metrics, their
+checkpoints and their rank processes."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+
+def metrics(run: Path) -> list[dict]:
+    """Every record of a run's metrics.jsonl (none yet: [])."""
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def wait_for(what: str, predicate, timeout: float = 240, poll: float = 0.2):  # noqa: ANN001, ANN201
+    """Poll ``predicate`` until it returns something true (returned), or fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def complete(run: Path, step: int) -> bool:
+    """checkpoint-<step> of the run has its COMPLETE marker."""
+    return (run / "checkpoints" / f"checkpoint-{step}" / "COMPLETE").is_file()
+
+
+def rank_pid(job_id: str, rank: int) -> int | None:
+    """PID of one rank's Python process of a Slurm job running on this machine (both test nodes are here)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = dict(item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        if (b"submitit.core._submit" in cmdline and environ.get(b"SLURM_JOB_ID") == job_id.encode()
+                and environ.get(b"SLURM_PROCID") == str(rank).encode() and environ.get(b"SLURM_STEP_ID") == b"0"):
+            return int(entry.name)
+    return None
