@@ -297,8 +297,8 @@ def test_comm_buffers_from_the_module_tree(arch, fsdp_on):
     root = sum(p.numel() for p in model.parameters()) - len(model.model.layers) * layer  # dedups a tied head
     head = model.lm_head.weight.numel()
     n = sum(p.numel() for p in model.parameters())
-    r = E.estimate(run_config("unused", resources__nodes=1, resources__gpus_per_node=8,
-                              fsdp__enabled=fsdp_on), profile(), model_cfg=cfg)
+    r = E.estimate(run_config("unused", resources__nodes=1, resources__gpus_per_node=8, fsdp__enabled=fsdp_on,
+                              data__max_seq_length=512), profile(), model_cfg=cfg)
     if fsdp_on:
         assert r["per_gpu"]["comm_buffers"] == 2 * (3 * layer + root + head)  # bf16 on a GPU
     else:
