@@ -201,6 +201,31 @@ def test_70b_example_in_bf16_mixed_counts_the_fp32_reduce_scatter_and_says_what_
     assert E._fmt(article["per_gpu"]["total"]) in text  # the comment quotes what the estimator says
 
 
+# ====================================================================== the fit table in docs/estimate.md
+def test_fit_table_in_docs_is_current() -> None:
+    from slurmft import fittable
+
+    doc = (REPO / "docs" / "estimate.md").read_text()
+    assert fittable.block() in doc, "regenerate: python -m slurmft.fittable --write docs/estimate.md"
+    rows = [line for line in fittable.table().splitlines()[2:]]
+    assert len(rows) == 4 * 2 * 2  # 4 models x {A100, H100} x {1, 2} nodes
+    seventy_two_nodes = [r for r in rows if r.startswith("| Llama-2-70B | 2 × 8 A100-80GB")]
+    (row,) = seventy_two_nodes
+    true_cell, mixed_cell = row.split(" | ")[2:4]
+    assert true_cell.startswith("fits, ") and mixed_cell.startswith("does not fit: needs ")
+
+
+def test_fit_table_write_replaces_only_the_block(tmp_path: Path) -> None:
+    from slurmft import fittable
+
+    page = tmp_path / "page.md"
+    page.write_text(f"before\n{fittable.BEGIN}\nold\n{fittable.END}\nafter\n")
+    assert fittable.main(["--write", str(page)]) == 0
+    text = page.read_text()
+    assert text.startswith("before\n") and text.endswith("\nafter\n") and "old" not in text
+    assert fittable.table() in text
+
+
 # ====================================================================== measured on real FSDP2
 def _rs_worker(out_dir: str, mode: str) -> None:
     """One rank: the tiny model sharded by slurmft's own loader code, one forward/backward, every
