@@ -1,9 +1,9 @@
 """train.precision on real two-rank FSDP2 (gloo, CPU): one shared run per mode covers every claim.
 
-Per mode (bf16-true, bf16-mixed, fp32) one run of the tiny example (12 steps, checkpoints at 6 and
-12) shows: parameters, gradients and AdamW ``exp_avg``/``exp_avg_sq`` are DTensors of the mode's
+Per mode (bf16-true, bf16-mixed, fp32) one run of the tiny example (8 steps, checkpoints at 4 and
+8) shows: parameters, gradients and AdamW ``exp_avg``/``exp_avg_sq`` are DTensors of the mode's
 dtype; the sharded bytes each rank holds equal ``slurmft estimate`` exactly; the loss falls. A
-second launch resumes a copy of the run from checkpoint-6 and must end bitwise equal (metrics and
+second launch resumes a copy of the run from checkpoint-4 and must end bitwise equal (metrics and
 every checkpoint tensor). Consolidation with ``consolidate.dtype: auto`` writes the mode's compute
 dtype, and ``from_pretrained`` loads it with nothing missing.
 """
@@ -21,7 +21,7 @@ from .helpers import launch, read_metrics, write_run
 
 pytestmark = pytest.mark.train
 
-STEPS, EVERY = 12, 6
+STEPS, EVERY = 8, 4
 EXPECTED = {  # mode -> (parameter/gradient/optimizer-state dtype, consolidated dtype)
     "bf16-true": ("bfloat16", "bfloat16"),
     "bf16-mixed": ("float32", "bfloat16"),
@@ -144,3 +144,27 @@ def test_consolidation_writes_the_mode_dtype_and_loads(mode_run) -> None:
     model, info = AutoModelForCausalLM.from_pretrained(out, dtype="auto", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert {p.dtype for p in model.parameters()} == {getattr(torch, want)}
+
+
+def test_stochastic_rounding_adamw_on_dtensors_tracks_plain_bf16_true(mode_run, tiny_model: Path,
+                                                                       job_env: dict[str, str], tmp_path: Path) -> None:
+    """train.optimizer=adamw-stochastic-rounding: torchao's AdamW on the FSDP2 DTensor shards, same loss curve."""
+    mode, plain = mode_run
+    if mode != "bf16-true":
+        pytest.skip("stochastic rounding is a bf16-true option")
+    pytest.importorskip("torchao")
+    run = write_run(tmp_path / "run", tiny_model, [*_overrides(mode), "train.optimizer=adamw-stochastic-rounding"])
+    rc, out = launch(run, job_env).wait(timeout=420)
+    assert rc == 0, out[-6000:]
+    for rep in _reports(run):
+        assert rep["optimizer_class"] == "torchao.optim.adam._AdamW", rep["optimizer_class"]
+        assert rep["optimizer_state_types"] == ["DTensor"] and rep["optimizer_state_dtypes"] == ["bfloat16"]
+        assert rep["param_dtypes"] == ["bfloat16"]
+    sr = [m["loss"] for m in read_metrics(run)]
+    ref = [m["loss"] for m in read_metrics(plain)]
+    gaps = [abs(a - b) / b for a, b in zip(sr, ref, strict=True)]
+    print("loss parity, stochastic rounding vs round-to-nearest:",
+          [f"{a:.4f}/{b:.4f}" for a, b in zip(sr, ref, strict=True)], f"max relative gap {max(gaps):.4f}")
+    assert sr[0] == ref[0]  # same weights and data before the first update
+    assert max(gaps) < 0.05, gaps
+    assert sum(sr[-3:]) / 3 < 0.85 * sum(sr[:3]) / 3
