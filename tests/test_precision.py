@@ -218,7 +218,7 @@ def test_fit_table_in_docs_is_current() -> None:
 def test_fit_table_write_replaces_only_the_block(tmp_path: Path) -> None:
     from slurmft import fittable
 
-    page = tmp_path / "page.md"
+    page = tmp_path / "estimate-copy.txt"
     page.write_text(f"before\n{fittable.BEGIN}\nold\n{fittable.END}\nafter\n")
     assert fittable.main(["--write", str(page)]) == 0
     text = page.read_text()
