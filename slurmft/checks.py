@@ -113,11 +113,39 @@ def run_checks(cfg: RunConfig, job_python: bool = True) -> Report:
     check_seq_length(cfg, report)
     check_sft(cfg, report)
     check_reporters(cfg, report)
+    check_precision(cfg, report)
     template = check_chat_template(cfg, report, samples)
     if job_python:
         check_job_python(cfg, report)
     report.notes += batch_notes(cfg, samples, template)
     return report
+
+
+# ====================================================================== precision
+def precision_problems(cfg: RunConfig, profile: Any) -> list[str]:
+    """bf16 (train.precision, or auto on GPUs) on a GPU type known to lack it (V100, T4, ...)."""
+    from slurmft.estimate import runs_on_gpu
+    from slurmft.precision import bf16_unsupported, resolve
+
+    if not runs_on_gpu(cfg, profile) or not bf16_unsupported(profile.gpu.type):
+        return []
+    mode = resolve(cfg.train.precision, on_gpu=True)
+    if "bfloat16" not in (mode.param_dtype, mode.compute_dtype):
+        return []
+    how = "" if cfg.train.precision == mode.name else f" (auto resolves to {mode.name} on GPUs)"
+    return [f"train.precision: {mode.name}{how} computes in bfloat16, which {profile.gpu.type} GPUs do not support "
+            f"(cluster profile {profile.name!r}); set train.precision=fp16-mixed or fp32"]
+
+
+def check_precision(cfg: RunConfig, report: Report) -> None:
+    """The precision against the profile's GPU type (an unreadable profile is reported elsewhere)."""
+    from slurmft.profiles import load_profile
+
+    try:
+        profile = load_profile(cfg.cluster.profile)
+    except Exception:  # noqa: BLE001 - render/submit report a bad profile with its own message
+        return
+    report.problems += precision_problems(cfg, profile)
 
 
 # ====================================================================== paths

@@ -199,8 +199,9 @@ class ModelConfig(_Section):
     tokenizer: str | None = Field(None, description="Tokenizer id or path (default: name_or_path).")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto",
-        description="Compute dtype: auto = bfloat16 on GPU, float32 on CPU. Master weights and optimizer state "
-        "stay float32 (mixed precision).",
+        description="Compute dtype. Follows train.precision (bf16-* = bfloat16, fp32 = float32); when only this "
+        "is set it picks the precision (bfloat16 = bf16-mixed, float16 = fp16-mixed, float32 = fp32). Setting "
+        "both to disagreeing values is an error.",
     )
     attn_implementation: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
         "auto", description="auto = flash_attention_2 when flash-attn imports, else sdpa."
@@ -277,6 +278,18 @@ class TrainConfig(_Section):
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of steps used for warm-up.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    precision: Literal["auto", "bf16-mixed", "bf16-true", "fp32", "fp16-mixed"] = Field(
+        "auto",
+        description="bf16-mixed: fp32 sharded weights and AdamW state, bf16 compute, fp32 reduce (16 bytes/"
+        "parameter). bf16-true: bf16 weights, gradients and AdamW state, bf16 compute and reduce (8 bytes/"
+        "parameter). fp32: all fp32. fp16-mixed: as bf16-mixed with fp16 compute. auto: bf16-mixed on GPU, fp32 "
+        "on CPU (or what model.dtype implies). See docs/estimate.md for what fits.",
+    )
+    optimizer: Literal["adamw", "adamw-stochastic-rounding"] = Field(
+        "adamw",
+        description="adamw: torch.optim.AdamW (fused where supported). adamw-stochastic-rounding: torchao's AdamW "
+        "with bf16 stochastic rounding of the weight update (train.precision=bf16-true only; needs torchao).",
+    )
     seed: int = Field(42, ge=0, description="Random seed.")
     logging_steps: int = Field(1, ge=1, description="Log metrics every N steps.")
     report_to: list[str] = Field(default_factory=list, description="Extra loggers: tensorboard, wandb.")
@@ -310,6 +323,12 @@ class FSDPConfig(_Section):
     reshard_after_forward: bool = Field(True, description="Free gathered parameters after forward (ZeRO-3).")
     activation_checkpointing: bool = Field(True, description="Recompute activations in backward.")
     cpu_offload: bool = Field(False, description="Offload parameters to CPU.")
+    reduce_dtype: Literal["float32", "bfloat16"] | None = Field(
+        None,
+        description="Dtype gradients are reduce-scattered in (default: follows train.precision: float32 for "
+        "bf16-mixed and fp32, bfloat16 for bf16-true). bfloat16 with bf16-mixed is the setting of accelerate's "
+        "FSDP1 bf16 policy: half the reduce-scatter buffer and traffic, less exact sums.",
+    )
     wrap_class: str | None = Field(None, description="Decoder layer class to wrap (default: from the model).")
 
 
@@ -364,7 +383,11 @@ class ConsolidateConfig(_Section):
     """Turn the final sharded checkpoint into a deployable Hugging Face model."""
 
     enabled: bool = Field(True, description="Chain a consolidation job after training (afterok).")
-    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Dtype of the saved model.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="Dtype of the saved model; auto = the training compute dtype (bfloat16 for bf16-mixed and "
+        "bf16-true, float32 for fp32), as recorded in the checkpoint.",
+    )
     max_shard_size: str = Field("5GB", description="Largest safetensors file, e.g. 5GB, 500MB.")
     resources: ConsolidateResources = Field(default_factory=ConsolidateResources)
 
@@ -402,12 +425,29 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _cross(self) -> RunConfig:
+        self._reconcile_precision()
         if self.executor == Executor.LOCAL and self.resources.nodes != 1:
             raise ValueError(
                 "resources.nodes: the local executor runs on this machine only; set resources.nodes=1 "
                 "(or executor=slurm)"
             )
         return self
+
+    def _reconcile_precision(self) -> None:
+        """train.precision and model.dtype: one derives the other; a contradiction names both fields."""
+        from slurmft.precision import reconcile
+
+        precision, dtype, problem = reconcile(self.train.precision, self.model.dtype)
+        if problem:
+            raise ValueError(problem)
+        if self.train.optimizer == "adamw-stochastic-rounding" and precision != "bf16-true":
+            raise ValueError(
+                f"train.optimizer: adamw-stochastic-rounding rounds bf16 weights, but train.precision is {precision}; "
+                "set train.precision=bf16-true or train.optimizer=adamw"
+            )
+        # not assignments: those would re-run the section validators for a value already checked
+        self.train.__dict__["precision"] = precision
+        self.model.__dict__["dtype"] = dtype
 
     @property
     def resolved_executor(self) -> Executor:
@@ -532,8 +572,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], base: Path | Non
     import copy
 
     out = copy.deepcopy(data)
+    given: set[str] = set()
     for text in overrides:
         path, value = parse_override(text)
+        given.add(_format_loc(tuple(path)))
         node: Any = out
         for depth, part in enumerate(path):
             last = depth == len(path) - 1
@@ -560,6 +602,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], base: Path | Non
             out["train"].pop("epochs" if path[1] == "max_steps" else "max_steps", None)
         if base is not None:
             _absolutize(out, base, only=_format_loc(tuple(path)))
+    # The command line picks the precision: train.precision=bf16-true on a file with model.dtype: float32
+    # (or the reverse) replaces the file's other knob instead of contradicting it.
+    for chosen, other in (("train.precision", ("model", "dtype")), ("model.dtype", ("train", "precision"))):
+        if chosen in given and ".".join(other) not in given and isinstance(out.get(other[0]), dict):
+            out[other[0]].pop(other[1], None)
     return out
 
 

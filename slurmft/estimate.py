@@ -9,11 +9,15 @@ Assumptions, in one place (each is repeated where it is used):
 
 * Parameters: a Llama/Mistral/Qwen-style decoder (RMSNorm, SwiGLU MLP, grouped KV heads, optional
   attention/MLP biases, Qwen3 q/k norms, Mixtral experts); tied embeddings counted once.
-* Training state per parameter (the course-notes sizing rule): fp32 + AdamW = 4 weights + 4 gradients
-  + 8 optimizer (exp_avg, exp_avg_sq) = 16 bytes. bf16/fp16 mixed precision is split the way FSDP2
-  holds it (measured in tests/test_estimate.py): sharded parameters and gradients stay fp32 (4 + 4;
-  cast to bf16 only while gathered), AdamW's two fp32 states 8. The course notes' 2 + 2 + 12 (bf16
-  weights and gradients, fp32 master weights in the optimizer) is the same 16 bytes, split differently.
+* Training state per parameter, by ``train.precision`` (slurmft/precision.py): fp32 + AdamW = 4
+  weights + 4 gradients + 8 optimizer (exp_avg, exp_avg_sq) = 16 bytes. bf16/fp16 mixed precision is
+  split the way FSDP2 holds it (measured in tests/test_estimate.py): sharded parameters and gradients
+  stay fp32 (4 + 4; cast to bf16 only while gathered), AdamW's two fp32 states 8 — the course notes'
+  2 + 2 + 12 is the same 16 bytes, split differently. ``bf16-true`` = 2 + 2 + 4 = 8 bytes (bf16
+  parameters, gradients and both AdamW states).
+* FSDP2's reduce-scatter input buffer: while a unit's gradients are reduced, FSDP2 copies them
+  (unsharded, each tensor padded on dim 0 to a multiple of ``world_size``) into one flat buffer in
+  ``fsdp.reduce_dtype``; the largest wrapped unit (a decoder layer for real models) is counted.
 * FSDP full shard: each tensor is split along dim 0 into ``world_size`` chunks of ``ceil(d0 / ws)``
   rows (FSDP2's padding), so the largest rank is reported. ``fsdp.enabled=false`` means every GPU holds
   everything (DDP-like), plus DDP's gradient buckets (one more copy of the gradients).
@@ -53,6 +57,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slurmft.errors import ConfigError
+from slurmft.precision import DTYPE_BYTES as PRECISION_DTYPE_BYTES
+from slurmft.precision import PRECISIONS, consolidated_dtype
+from slurmft.precision import reduce_dtype as resolve_reduce_dtype
+from slurmft.precision import resolve as resolve_mode
 from slurmft.resources import data_dir
 
 if TYPE_CHECKING:  # the login side needs none of these at run time
@@ -71,10 +79,11 @@ BYTES_PER_PARAM: dict[str, dict[str, int]] = {
     # FSDP2 mixed precision: fp32 sharded parameters and gradients, bf16/fp16 only while gathered.
     "bf16-mixed": {"weights": 4, "gradients": 4, "optimizer": 8},
     "fp16-mixed": {"weights": 4, "gradients": 4, "optimizer": 8},
+    "bf16-true": PRECISIONS["bf16-true"].state_bytes(),
 }
-COMPUTE_BYTES = {"fp32": 4, "bf16-mixed": 2, "fp16-mixed": 2}
-MASTER_BYTES = 4  # parameters are stored (and loaded, and checkpointed) in fp32 in every precision
-ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32
+COMPUTE_BYTES = {name: p.compute_bytes for name, p in PRECISIONS.items()}
+MASTER_BYTES = 4  # fp32: what from_pretrained materialises by default (the every-rank / rank-0 strategies)
+ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32 (bf16-true: 4)
 CUDA_CONTEXT_BYTES = 1 * GiB
 FRAGMENTATION = 0.05
 RUNTIME_BYTES_GPU_RANK = 2 * GiB
@@ -402,6 +411,12 @@ class _Knobs:
     precision: str
     on_gpu: bool
     capacity: int
+    reduce_dtype: str = "float32"
+    reduce_configured: str | None = None  # fsdp.reduce_dtype as written (None: follows the precision)
+
+    @property
+    def reduce_bytes(self) -> int:
+        return PRECISION_DTYPE_BYTES[self.reduce_dtype]
 
     @property
     def world_size(self) -> int:
@@ -416,6 +431,8 @@ def _per_gpu(shape: ModelShape, k: _Knobs) -> dict[str, Any]:
     ws = k.world_size if k.fsdp else 1
     local = sum(_shard_numel(s, ws) for s in tensors)
     state = {name: local * b for name, b in per.items()}
+    units = reduce_scatter_units(shape, ws) if k.fsdp else {}
+    reduce_scatter = k.reduce_bytes * max(units.values()) if units else 0
     if k.fsdp:
         layer = sum(_numel(s) for s in shape.layer_tensors())
         root = sum(_numel(s) for s in shape.root_tensors())
@@ -428,7 +445,7 @@ def _per_gpu(shape: ModelShape, k: _Knobs) -> dict[str, Any]:
     else:
         offloaded = 0
     act = activation_bytes(shape, k.seq_len, k.micro_batch, c, k.checkpointing, k.eager)
-    allocated = sum(state.values()) + comm + act["total"]
+    allocated = sum(state.values()) + comm + reduce_scatter + act["total"]
     if k.on_gpu:
         overhead = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * allocated)
     else:
@@ -439,6 +456,7 @@ def _per_gpu(shape: ModelShape, k: _Knobs) -> dict[str, Any]:
         "gradients": state["gradients"],
         "optimizer": state["optimizer"],
         "comm_buffers": comm,
+        "reduce_scatter": reduce_scatter,
         "activations": act["total"],
         "overhead": overhead,
         "total": total,
@@ -447,16 +465,36 @@ def _per_gpu(shape: ModelShape, k: _Knobs) -> dict[str, Any]:
         "headroom": k.capacity - total,
         "offloaded_to_cpu": offloaded,
         "sharded_state_elements": local,
+        "reduce_scatter_units": {name: n * k.reduce_bytes for name, n in units.items()},
         "_activations_detail": act,
     }
 
 
+def reduce_scatter_units(shape: ModelShape, world_size: int) -> dict[str, int]:
+    """Elements of FSDP2's reduce-scatter input for each kind of unit slurmft wraps (loading._shard).
+
+    Units: each decoder layer; the input embeddings (untied); the final norm with the LM head (with
+    the embeddings when tied). FSDP2 pads every tensor's dim 0 to a multiple of ``world_size`` in the
+    flat buffer (``foreach_reduce``), so the padded sizes are counted.
+    """
+
+    def padded(tensors: list[tuple[int, ...]]) -> int:
+        return sum(world_size * _shard_numel(t, world_size) for t in tensors)
+
+    embed, norm = (shape.vocab, shape.hidden), (shape.hidden,)
+    units = {"decoder_layer": padded(shape.layer_tensors())}
+    if shape.tied:
+        units["norm_and_tied_embeddings"] = padded([norm, embed])
+    else:
+        units["embeddings"] = padded([embed])
+        units["norm_and_lm_head"] = padded([norm, embed])
+    return units
+
+
 def resolve_precision(cfg: RunConfig, on_gpu: bool) -> str:
-    """``model.dtype`` to a precision: auto = bf16 mixed precision on GPUs, fp32 on CPU."""
-    dtype = cfg.model.dtype
-    if dtype == "auto":
-        return "bf16-mixed" if on_gpu else "fp32"
-    return {"bfloat16": "bf16-mixed", "float16": "fp16-mixed", "float32": "fp32"}[dtype]
+    """``train.precision`` (reconciled with ``model.dtype`` by the config) resolved: auto = bf16-mixed on
+    GPUs, fp32 on CPU."""
+    return resolve_mode(cfg.train.precision, on_gpu).name
 
 
 def runs_on_gpu(cfg: RunConfig, profile: ClusterProfile) -> bool:
@@ -527,6 +565,8 @@ def estimate(
         precision=precision,
         on_gpu=on_gpu,
         capacity=capacity,
+        reduce_dtype=resolve_reduce_dtype(PRECISIONS[precision], cfg.fsdp.reduce_dtype),
+        reduce_configured=cfg.fsdp.reduce_dtype,
     )
     gpu = _per_gpu(shape, knobs)
     act_detail = gpu.pop("_activations_detail")
@@ -552,11 +592,12 @@ def estimate(
         resident = rpn * gpu["offloaded_to_cpu"]
     else:
         resident = 0
-    shard_fp32 = gpu["sharded_state_elements"] * MASTER_BYTES
-    load_resident = rpn * shard_fp32 if (not on_gpu or knobs.cpu_offload) else 0
+    mode = PRECISIONS[precision]
+    shard_bytes = gpu["sharded_state_elements"] * mode.param_bytes
+    load_resident = rpn * shard_bytes if (not on_gpu or knobs.cpu_offload) else 0
     every_rank = rpn * full_fp32 + runtime + load_resident
     rank0 = full_fp32 + runtime + load_resident
-    ours = file_bytes + _largest_tensor_numel(shape) * MASTER_BYTES + runtime + load_resident
+    ours = file_bytes + _largest_tensor_numel(shape) * mode.param_bytes + runtime + load_resident
     training_ram = runtime + resident
     cpu = {
         "every_rank_loads": every_rank,
@@ -569,8 +610,9 @@ def estimate(
         "safetensors_bytes": file_bytes,
     }
 
-    checkpoint_bytes = n_params * (MASTER_BYTES + ADAM_STATE_BYTES)
-    consolidated_bytes = n_params * DTYPE_BYTES[cfg.consolidate.dtype]
+    checkpoint_bytes = n_params * (mode.param_bytes + 2 * PRECISION_DTYPE_BYTES[mode.optim_dtype])
+    out_dtype = consolidated_dtype(cfg.consolidate.dtype, mode)
+    consolidated_bytes = n_params * DTYPE_BYTES[out_dtype]
 
     # ---- what would make it fit (only computed when it does not)
     remedies: list[str] = []
@@ -594,6 +636,15 @@ def estimate(
             "num_local_experts": shape.experts,
         },
         "parameters": n_params,
+        "precision": {
+            "name": precision,
+            "requested": cfg.train.precision,
+            "param_dtype": mode.param_dtype,
+            "compute_dtype": mode.compute_dtype,
+            "reduce_dtype": knobs.reduce_dtype,
+            "optimizer_state_dtype": mode.optim_dtype,
+            "bytes_per_parameter": sum(mode.state_bytes().values()),
+        },
         "setup": {
             "nodes": knobs.nodes,
             "ranks_per_node": rpn,
@@ -621,7 +672,7 @@ def estimate(
         "cpu_ram_per_node": cpu,
         "checkpoint_bytes": checkpoint_bytes,
         "consolidated_bytes": consolidated_bytes,
-        "consolidated_dtype": cfg.consolidate.dtype,
+        "consolidated_dtype": out_dtype,
         "fits": bool(gpu["fits"] and cpu["fits"]),
         "remedies": remedies,
         "assumptions": assumptions,
@@ -641,6 +692,14 @@ def _remedies(shape: ModelShape, k: _Knobs) -> list[str]:
 
     if not k.fsdp and (t := fits(replace(k, fsdp=True))):
         out.append(f"set fsdp.enabled=true (shards over {k.world_size} ranks: {_fmt(t)} per GPU)")
+    if k.precision != "bf16-true":
+        true_bf16 = replace(k, precision="bf16-true",
+                            reduce_dtype=resolve_reduce_dtype(PRECISIONS["bf16-true"], k.reduce_configured))
+        if t := fits(true_bf16):
+            out.append(
+                "set train.precision=bf16-true (bf16 weights, gradients and AdamW state: 8 bytes/parameter; "
+                f"{_fmt(t)} per GPU)"
+            )
     if not k.checkpointing and (t := fits(replace(k, checkpointing=True))):
         out.append(f"set fsdp.activation_checkpointing=true ({_fmt(t)} per GPU)")
     if k.eager and (t := fits(replace(k, eager=False))):
@@ -664,6 +723,7 @@ def _remedies(shape: ModelShape, k: _Knobs) -> list[str]:
             "fsdp.activation_checkpointing=true" if not k.checkpointing else "",
             "model.attn_implementation=sdpa" if k.eager else "",
             "train.per_device_batch_size=1" if k.micro_batch > 1 else "",
+            "train.precision=bf16-true" if k.precision != "bf16-true" else "",
             "a smaller data.max_seq_length",
             "more resources.nodes" if k.on_gpu else "more resources.nodes or node RAM",
         ]
@@ -680,11 +740,16 @@ def _assumptions(shape: ModelShape, k: _Knobs, capacity_note: str | None) -> lis
         f"training state ({k.precision}, AdamW): {per['weights']} weights + {per['gradients']} gradients + "
         f"{per['optimizer']} optimizer = {sum(per.values())} bytes/parameter"
         + (" (FSDP2 keeps fp32 sharded weights and gradients; the compute dtype only while gathered)"
-           if k.precision != "fp32" else "")
+           if k.precision in ("bf16-mixed", "fp16-mixed") else "")
+        + (" (bf16 weights, gradients, exp_avg and exp_avg_sq)" if k.precision == "bf16-true" else "")
     )
     if k.fsdp:
         lines.append(
             f"FSDP full shard over {k.world_size} ranks: each tensor split on dim 0 (padded); the largest rank is shown"
+        )
+        lines.append(
+            f"FSDP reduce-scatter input: the largest wrapped unit's gradients, unsharded and padded, in "
+            f"{k.reduce_dtype} (fsdp.reduce_dtype)"
         )
         lines.append(
             "FSDP working set: 2 layers' parameters (current + prefetched) + 1 layer's gradients unsharded, "
@@ -722,8 +787,9 @@ def _assumptions(shape: ModelShape, k: _Knobs, capacity_note: str | None) -> lis
         "CPU RAM at load: fp32 full copies for every-rank / rank-0 loading; slurmft = safetensors "
         "memory-mapped on rank 0 + one fp32 tensor at a time; "
         f"+ {(RUNTIME_BYTES_GPU_RANK if k.on_gpu else RUNTIME_BYTES_CPU_RANK) // MiB} MiB runtime per rank",
-        "checkpoint = fp32 parameters + 2 AdamW states (12 bytes/parameter); consolidated = parameters x "
-        "consolidate.dtype",
+        f"checkpoint = parameters + 2 AdamW states in {PRECISIONS[k.precision].param_dtype} "
+        f"({PRECISIONS[k.precision].param_bytes * 3} bytes/parameter); consolidated = parameters x consolidate.dtype "
+        "(auto: the compute dtype)",
     ]
     if capacity_note:
         lines.append(capacity_note)
@@ -750,7 +816,7 @@ def fit_problems(result: dict[str, Any]) -> list[str]:
         unit = f"per GPU ({setup.get('gpu_type')})" if on_gpu else "per CPU rank"
         parts = ", ".join(
             f"{k} {_fmt(g[k])}"
-            for k in ("weights", "gradients", "optimizer", "comm_buffers", "activations", "overhead")
+            for k in ("weights", "gradients", "optimizer", "comm_buffers", "reduce_scatter", "activations", "overhead")
             if g.get(k)
         )
         msg = f"GPU memory: needs {_fmt(g['total'])} {unit} but has {_fmt(g['capacity'])} ({parts})"
@@ -816,9 +882,12 @@ def render_table(result: dict[str, Any]) -> RenderableType:
     t.add_column("bytes", justify="right")
     t.add_column("note", style="dim")
     rows = [
-        ("weights", g["weights"], ("sharded" if s["fsdp"] else "full copy") + ", fp32"),
-        ("gradients", g["gradients"], "fp32"),
-        ("optimizer (AdamW)", g["optimizer"], "2 fp32 states"),
+        ("weights", g["weights"], ("sharded" if s["fsdp"] else "full copy")
+         + (", bf16" if s["precision"] == "bf16-true" else ", fp32")),
+        ("gradients", g["gradients"], "bf16" if s["precision"] == "bf16-true" else "fp32"),
+        ("optimizer (AdamW)", g["optimizer"], "2 bf16 states" if s["precision"] == "bf16-true" else "2 fp32 states"),
+        ("reduce-scatter buffer", g.get("reduce_scatter", 0),
+         f"largest unit's gradients in {result['precision']['reduce_dtype']}" if s["fsdp"] else ""),
         ("gathered / comm buffers", g["comm_buffers"], "FSDP all-gather" if s["fsdp"] else "DDP buckets"),
         (
             "activations",

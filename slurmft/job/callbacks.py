@@ -165,6 +165,7 @@ class FsdpReport(TrainerCallback):
         self.ctx = ctx
         self.out_dir = out_dir
         self.info = info
+        self._report: dict[str, Any] | None = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         from accelerate.state import AcceleratorState
@@ -192,5 +193,42 @@ class FsdpReport(TrainerCallback):
             "peak_rss_mib": round(_peak_rss_mib(), 1),
             **self.info,
         }
+        report["param_dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for _, p in params})
+        self._report = report
+        self._write()
+
+    def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+        """After the first optimizer step (gradients still there): the sharded bytes this rank holds.
+
+        weights, gradients and AdamW state are counted from the local shards, the number
+        ``slurmft estimate`` predicts per rank (tests/test_precision.py compares them exactly).
+        """
+        if self._report is None or "gradients_bytes" in self._report:
+            return
+        from torch.distributed.tensor import DTensor
+
+        def local(t):
+            t = t.to_local() if isinstance(t, DTensor) else t
+            return t.numel() * t.element_size()
+
+        params = [p for p in model.parameters()]
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
+        states = [inner.state[p][k] for p in params if p in inner.state for k in ("exp_avg", "exp_avg_sq")
+                  if k in inner.state[p]]
+        grads = [p.grad for p in params if p.grad is not None]
+        self._report.update({
+            "weights_bytes": sum(local(p) for p in params),
+            "gradients_bytes": sum(local(g) for g in grads),
+            "optimizer_bytes": sum(local(t) for t in states),
+            "grad_dtypes": sorted({str(g.dtype).removeprefix("torch.") for g in grads}),
+            "grad_types": sorted({type(g).__name__ for g in grads}),
+            "optimizer_state_dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in states}),
+            "optimizer_state_types": sorted({type(t).__name__ for t in states}),
+            "optimizer_states": len(states),
+            "optimizer_class": type(inner).__module__ + "." + type(inner).__name__,
+        })
+        self._write()
+
+    def _write(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / f"rank{self.ctx.rank}.json").write_text(json.dumps(report, indent=1) + "\n")
+        (self.out_dir / f"rank{self.ctx.rank}.json").write_text(json.dumps(self._report, indent=1) + "\n")

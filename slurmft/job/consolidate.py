@@ -639,6 +639,25 @@ def check_disk_space(parent: Path, needed: int) -> None:
 
 
 # ------------------------------------------------------------------ the whole job
+def output_dtype(cfg: RunConfig, ckpt: Path) -> str:
+    """consolidate.dtype, with ``auto`` = the compute dtype of the precision the checkpoint was trained in.
+
+    The train job records the resolved precision in the COMPLETE marker (``auto`` depends on the
+    device it ran on, which this CPU job cannot know); an older marker without it falls back to the
+    config resolved for the allocation's device.
+    """
+    from slurmft.precision import PRECISIONS, consolidated_dtype, resolve
+
+    try:
+        saved = json.loads((ckpt / COMPLETE_MARKER).read_text()).get("precision")
+    except (OSError, ValueError):
+        saved = None
+    mode = PRECISIONS.get(saved) if saved else None
+    if mode is None:
+        mode = resolve(cfg.train.precision, on_gpu=cfg.resources.gpus_per_node > 0)
+    return consolidated_dtype(cfg.consolidate.dtype, mode)
+
+
 def load_run_config(paths: RunPaths) -> RunConfig:
     """The resolved config the run was submitted with."""
     if not paths.config.is_file():
@@ -662,11 +681,10 @@ def consolidate_run(
     out_dir = Path(out).expanduser().resolve() if out else paths.model
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"output {out_dir} exists and is not a directory")
-    dtype = DTYPES[cfg.consolidate.dtype]
+    dtype_name = output_dtype(cfg, ckpt)
+    dtype = DTYPES[dtype_name]
     max_shard_bytes = parse_size(cfg.consolidate.max_shard_size)
-    log(
-        f"checkpoint {ckpt} -> {out_dir} ({cfg.consolidate.dtype}, shards <= {cfg.consolidate.max_shard_size})"
-    )
+    log(f"checkpoint {ckpt} -> {out_dir} ({dtype_name}, shards <= {cfg.consolidate.max_shard_size})")
 
     # Every check that can fail, before the first byte is written.
     model_dir = ckpt / MODEL_DCP_DIR
@@ -692,7 +710,7 @@ def consolidate_run(
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the model is for the team and the serving account
         try:
-            write_model_config(config, tmp, cfg.consolidate.dtype, layout.architecture, [ckpt, config_source])
+            write_model_config(config, tmp, dtype_name, layout.architecture, [ckpt, config_source])
             tokenizer_files = write_tokenizer(tok_source, tmp, cfg)
             reader = _CachedMetadataReader(model_dir, metadata)
             read_budget = max(t.source_nbytes for t in tensors)
@@ -722,7 +740,7 @@ def consolidate_run(
     summary = {
         "output": str(out_dir),
         "checkpoint": str(ckpt),
-        "dtype": cfg.consolidate.dtype,
+        "dtype": dtype_name,
         "files": sorted(os.listdir(out_dir)),
         "shards": [s.filename for s in shards],
         "total_bytes": total_bytes,

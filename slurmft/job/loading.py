@@ -24,10 +24,13 @@ Peak anonymous memory is therefore about one shard plus one tensor on every rank
 page cache of the file it reads). accelerate's ``_prepare_fsdp2`` sees an ``FSDPModule`` and leaves
 the sharding alone; its optimizer, checkpointing and state-dict code work on it unchanged.
 
-Model dtype: ``model.dtype`` is the *compute* dtype (``auto``: bfloat16 on GPU, float32 on CPU).
-The sharded parameters and the optimizer state are always float32 (master weights); with a 16-bit
-compute dtype the FSDP2 mixed-precision policy gathers parameters in that dtype and reduces
-gradients in float32 (16 bytes/parameter of training state, as ``slurmft estimate`` assumes).
+Precision (``train.precision``, reconciled with ``model.dtype`` by the config; the table is
+slurmft/precision.py): the sharded parameters are allocated in the mode's parameter dtype (float32
+for ``bf16-mixed``/``fp32``, bfloat16 for ``bf16-true``), so the gradients FSDP2 shards and the AdamW
+state (``zeros_like`` the parameter) follow it, and DCP checkpoints store it. The FSDP2
+mixed-precision policy gathers parameters in the compute dtype and reduce-scatters gradients in
+``fsdp.reduce_dtype``: 16 bytes/parameter of training state for ``bf16-mixed``, 8 for ``bf16-true``,
+as ``slurmft estimate`` counts.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ from slurmft.checkpoints import strip_wrappers
 from slurmft.config import ModelConfig, RunConfig
 from slurmft.errors import JobSetupError
 from slurmft.job.distributed import DistContext, guarded
+from slurmft.precision import Precision
+from slurmft.precision import reduce_dtype as configured_reduce_dtype
+from slurmft.precision import resolve as resolve_precision
 
 log = logging.getLogger("slurmft.job")
 
@@ -139,6 +145,27 @@ def choose_dtype(model: ModelConfig, on_gpu: bool) -> torch.dtype:
     if model.dtype != "float32" and not on_gpu:
         log.warning("model.dtype=%s on CPU: supported but ~4x slower than float32 here", model.dtype)
     return DTYPES[model.dtype]
+
+
+# --- precision (issue 10) -------------------------------------------------------------------
+def choose_precision(cfg: RunConfig, on_gpu: bool) -> Precision:
+    """train.precision on this device (auto: bf16-mixed on GPU, fp32 on CPU); refused where bf16 is not."""
+    mode = resolve_precision(cfg.train.precision, on_gpu)
+    uses_bf16 = "bfloat16" in (mode.param_dtype, mode.compute_dtype)
+    if uses_bf16 and on_gpu and not torch.cuda.is_bf16_supported():
+        raise JobSetupError(
+            f"train.precision={mode.name} needs bfloat16, which {torch.cuda.get_device_name()} does not support; "
+            "use train.precision=fp16-mixed or fp32 (or GPUs with compute capability >= 8.0)"
+        )
+    return mode
+
+
+def mixed_precision_dtypes(cfg: RunConfig, mode: Precision) -> tuple[torch.dtype, torch.dtype | None, torch.dtype]:
+    """(sharded parameter dtype, FSDP2 param_dtype or None when it is the same, FSDP2 reduce_dtype)."""
+    param = DTYPES[mode.param_dtype]
+    compute = DTYPES[mode.compute_dtype]
+    return param, (compute if compute != param else None), DTYPES[configured_reduce_dtype(mode, cfg.fsdp.reduce_dtype)]
+# --- end precision -------------------------------------------------------------------------
 
 
 def choose_attention(requested: str, on_gpu: bool) -> tuple[str, str]:
@@ -232,11 +259,13 @@ class ShardedModel:
     """The FSDP2 model and what was decided while building it."""
 
     model: torch.nn.Module
-    dtype: torch.dtype  # of the sharded (master) parameters: float32
+    dtype: torch.dtype  # of the sharded (master) parameters: the precision's parameter dtype
     compute_dtype: torch.dtype
     attn_implementation: str
     wrap_class: str
     num_params: int
+    precision: str = "fp32"
+    reduce_dtype: torch.dtype = torch.float32
 
 
 def _build_meta(config: Any, cfg: RunConfig, dtype: torch.dtype, attn: str) -> torch.nn.Module:
@@ -303,18 +332,21 @@ def _check_weights(model: torch.nn.Module, model_dir: Path) -> list[tuple[str, s
     return plan
 
 
-def _shard(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext, wrap: set[str], compute: torch.dtype) -> None:
-    """Activation checkpointing, then FSDP2 units: each decoder layer, embeddings, head, root."""
+def _shard(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext, wrap: set[str], compute: torch.dtype | None,
+           reduce: torch.dtype) -> None:
+    """Activation checkpointing, then FSDP2 units: each decoder layer, embeddings, head, root.
+
+    ``compute``: the dtype parameters are gathered in (None: as stored); ``reduce``: the gradient reduce dtype.
+    """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != torch.float32 else None
     kwargs: dict[str, Any] = {
         "mesh": mesh,
         "reshard_after_forward": cfg.fsdp.reshard_after_forward,
-        "mp_policy": mp or MixedPrecisionPolicy(),
+        "mp_policy": MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce),
         "offload_policy": CPUOffloadPolicy() if cfg.fsdp.cpu_offload else OffloadPolicy(),
     }
     layer_names = [n for n, m in model.named_modules() if type(m).__name__ in wrap]
@@ -415,21 +447,22 @@ def _scatter_weights(model: torch.nn.Module, plan: list[tuple[str, str, str]], m
 
 def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx: DistContext) -> ShardedModel:
     """Meta model on every rank -> checked against the files on rank 0 -> FSDP2 shards -> weights scattered."""
-    compute = choose_dtype(cfg.model, ctx.on_gpu)
-    dtype = torch.float32  # master weights; compute happens in `compute` through the FSDP2 policy
+    mode = guarded(ctx, "choosing the precision", lambda: choose_precision(cfg, ctx.on_gpu))
+    dtype, gather, reduce = mixed_precision_dtypes(cfg, mode)
+    compute = gather or dtype
     attn, why = choose_attention(cfg.model.attn_implementation, ctx.on_gpu)
     if ctx.is_main:
-        log.info("attention: %s (%s); compute dtype %s, fp32 master weights", attn, why,
-                 str(compute).removeprefix("torch."))
+        log.info("attention: %s (%s); precision %s: %s parameters, %s compute, %s reduce", attn, why, mode.name,
+                 *(str(d).removeprefix("torch.") for d in (dtype, compute, reduce)))
     model = guarded(ctx, "building the model", lambda: _build_meta_checked(config, cfg, dtype, attn))
     wrap = _wrap_class_names(model, cfg)
     plan = guarded(ctx, "checking the checkpoint", lambda: _check_weights(model, model_dir) if ctx.is_main else [])
     num_params = sum(p.numel() for p in model.parameters())
-    _shard(model, cfg, ctx, wrap, compute)
+    _shard(model, cfg, ctx, wrap, gather, reduce)
     _materialize(model, ctx, cfg.fsdp.cpu_offload)
     _scatter_weights(model, plan, model_dir, ctx)
     return ShardedModel(model=model, dtype=dtype, compute_dtype=compute, attn_implementation=attn, wrap_class=sorted(wrap)[0],
-                        num_params=num_params)
+                        num_params=num_params, precision=mode.name, reduce_dtype=reduce)
 
 
 def _build_meta_checked(config: Any, cfg: RunConfig, dtype: torch.dtype, attn: str) -> torch.nn.Module:

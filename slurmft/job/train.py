@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 from slurmft import checkpoints
@@ -27,6 +26,7 @@ from slurmft.job import cpu_fsdp, data, distributed, loading
 from slurmft.job.callbacks import CompleteCheckpoints, FsdpReport, MetricsLog, PreemptionStop, StepLog
 from slurmft.job.distributed import DistContext
 from slurmft.job.rendezvous import JobEnv
+from slurmft.precision import resolve as resolve_precision
 from slurmft.rundir import RunPaths, atomic_write, planned_max_steps
 
 log = logging.getLogger("slurmft.job")
@@ -137,8 +137,9 @@ def sft_config(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> Any:
         "assistant_only_loss": cfg.data.assistant_only_loss,
         "dataset_num_proc": cfg.data.num_proc,
         "activation_checkpointing": False,  # FSDP-level activation checkpointing is applied at load
-        "bf16": loading.choose_dtype(cfg.model, ctx.on_gpu) == torch.bfloat16,
-        "fp16": loading.choose_dtype(cfg.model, ctx.on_gpu) == torch.float16,
+        # autocast only for the mixed modes; bf16-true parameters are bf16 already (slurmft/precision.py)
+        "bf16": resolve_precision(cfg.train.precision, ctx.on_gpu).name == "bf16-mixed",
+        "fp16": resolve_precision(cfg.train.precision, ctx.on_gpu).name == "fp16-mixed",
         "use_cpu": not ctx.on_gpu,
         "ddp_timeout": ctx.collective_timeout_s,
         "include_num_input_tokens_seen": "non_padding",
@@ -165,6 +166,38 @@ def sft_config(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> Any:
         return SFTConfig(**kwargs)
     except (TypeError, ValueError) as exc:
         raise JobSetupError(f"train.sft: TRL rejected the training options: {exc}") from None
+
+
+def optimizer_cls_and_kwargs(cfg: RunConfig, args: Any) -> tuple[type, dict[str, Any]] | None:
+    """None for the Trainer's own AdamW; torchao's AdamW with bf16 stochastic rounding when asked for.
+
+    Why offer it: with bf16-true an update smaller than half a bf16 ulp of the weight is lost to
+    round-to-nearest; stochastic rounding keeps it in expectation (torchao ``_AdamW``).
+    """
+    if cfg.train.optimizer == "adamw":
+        return None
+    try:
+        from torchao.optim import _AdamW
+    except ImportError as exc:
+        raise JobSetupError(
+            f"train.optimizer=adamw-stochastic-rounding needs torchao ({type(exc).__name__}: {exc}); "
+            "pip install torchao, or set train.optimizer=adamw"
+        ) from None
+    return _AdamW, {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon,
+                    "weight_decay": args.weight_decay, "bf16_stochastic_round": True}
+
+
+def check_resume_precision(checkpoint: Path, precision: str) -> None:
+    """A checkpoint resumes only in the precision it was saved in (its COMPLETE marker says which)."""
+    try:
+        saved = json.loads((checkpoint / checkpoints.COMPLETE_MARKER).read_text()).get("precision")
+    except (OSError, ValueError):
+        return
+    if saved and saved != precision:
+        raise JobSetupError(
+            f"train.precision: {checkpoint.name} was trained in {saved}, this run is set to {precision}; resume "
+            f"with train.precision={saved}, or start a new run (new output_dir) to change the precision"
+        )
 
 
 def plan_steps(cfg: RunConfig, sequences: int, world_size: int) -> dict[str, Any]:
@@ -236,10 +269,12 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                  str(sharded.dtype).removeprefix("torch."), ctx.world_size, time.time() - t_load)
 
     info = {"job_id": env.job_id, "restart": env.restart_count}
+    marker_info = {**info, "precision": sharded.precision}  # consolidate.dtype=auto and resume read it
     preempt = PreemptionStop(ctx)
     saver = CompleteCheckpoints(ctx, sharded.model.config, getattr(sharded.model, "generation_config", None),
-                                inputs.tokenizer, cfg.checkpoint.keep_last, info)
-    report_info = {"dtype": str(sharded.dtype).removeprefix("torch."),
+                                inputs.tokenizer, cfg.checkpoint.keep_last, marker_info)
+    report_info = {"dtype": str(sharded.dtype).removeprefix("torch."), "precision": sharded.precision,
+                   "reduce_dtype": str(sharded.reduce_dtype).removeprefix("torch."),
                    "compute_dtype": str(sharded.compute_dtype).removeprefix("torch."), "attn_implementation":
                    sharded.attn_implementation, "wrap_class": sharded.wrap_class, "num_params": sharded.num_params}
     callbacks = [preempt, saver, MetricsLog(ctx, paths.metrics, info),
@@ -247,8 +282,9 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
 
     from trl import SFTTrainer
 
+    optimizer = distributed.guarded(ctx, "choosing the optimizer", lambda: optimizer_cls_and_kwargs(cfg, args))
     trainer = SFTTrainer(model=sharded.model, args=args, train_dataset=dataset,
-                         processing_class=inputs.tokenizer, callbacks=callbacks)
+                         processing_class=inputs.tokenizer, callbacks=callbacks, optimizer_cls_and_kwargs=optimizer)
     _one_log_line(trainer, ctx)
     max_steps = planned_max_steps(paths, cfg.train.max_steps, cfg.train.epochs)
     if max_steps is None:  # train.epochs, first start: count the packed data
@@ -261,6 +297,9 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                      plan["max_steps"], paths.plan)
     trainer.args.max_steps = max_steps
     resume = _resume_point(paths, ctx)
+    if resume is not None:
+        distributed.guarded(ctx, "checking the checkpoint's precision",
+                            lambda: check_resume_precision(resume, sharded.precision))
     if ctx.is_main:
         log.info("resuming from %s" if resume else "starting from step 0%s", resume.name if resume else "")
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)

@@ -22,7 +22,10 @@ def test_gpu_smoke_dry_run(job_env: dict[str, str], tmp_path: Path) -> None:
                            "--json", str(out)], env={**job_env, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
                           text=True, timeout=180)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    summary = json.loads(out.read_text())
+    summary = json.loads(out.read_text())["modes"]["fp32"]
+    assert summary["precision"] == "fp32" and summary["estimate"]["total"] > 0
+    # the sharded bytes FSDP2 held equal the estimate's weights + gradients + optimizer (one rank: everything)
+    assert summary["sharded_state_bytes"] == summary["estimated_state_bytes"] > 0
     assert summary["steps"] == 3 and summary["final_checkpoint_complete"]
     assert summary["tokens_per_s"] > 0 and summary["mfu"] is None  # no GPU peak to divide by
     assert summary["params"] == 5_261_568  # the FLOP formula's parameter count matches the tiny model
