@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from slurmft.checkpoints import fsync_tree, latest_complete, mark_complete, prune, step_of
+from slurmft.checkpoints import damaged, fsync_tree, latest_complete, mark_complete, prune, step_of
 from slurmft.job import preemption
 from slurmft.job.distributed import DistContext, barrier
 
@@ -83,9 +83,9 @@ class CompleteCheckpoints(TrainerCallback):
             mark_complete(ckpt, step=state.global_step, world_size=self.ctx.world_size, save_s=round(seconds, 3),
                           **self.info)
             self.last_save_s = seconds
-            for path, why in prune(Path(args.output_dir), self.keep_last):
-                if why:
-                    log.warning("removed %s: %s", path.name, why)
+            for path, why in damaged(Path(args.output_dir)):
+                log.warning("removing damaged %s: %s", path.name, why)
+            prune(Path(args.output_dir), self.keep_last)
             log.info("checkpoint-%d complete (%.1fs)", state.global_step, seconds)
             if self.lead_time_s and seconds > self.lead_time_s / 2:
                 log.warning("saving checkpoint-%d took %.1fs, more than half of preemption.lead_time_s (%gs): a "
