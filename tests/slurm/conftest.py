@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -11,9 +13,27 @@ import yaml
 
 from slurmft.cli import main
 
+# The config of the shared uninterrupted reference run (``reference``): every interrupted run of it
+# must end with a bitwise-equal consolidated model.
+REFERENCE_TRAIN = {"max_steps": 40}
+REFERENCE_CHECKPOINT = {"every_steps": 10, "keep_last": 2}
+
+
+def model_tensors(model_dir: Path) -> dict[str, bytes]:
+    """Every tensor of a consolidated model, as raw bytes (bitwise comparison)."""
+    import torch
+    from safetensors.torch import load_file
+
+    out: dict[str, bytes] = {}
+    for shard in sorted(model_dir.glob("model-*.safetensors")):
+        for name, tensor in load_file(shard).items():
+            out[name] = tensor.contiguous().view(-1).view(dtype=torch.uint8).numpy().tobytes()
+    assert out, f"no safetensors in {model_dir}"
+    return out
+
 
 class SlurmftDriver:
-    """Writes run configs for the test cluster and runs the CLI in-process."""
+    """Writes run configs for the test cluster, runs the CLI in-process, and watches runs."""
 
     def __init__(self, capsys: pytest.CaptureFixture[str] | None) -> None:
         self.capsys = capsys
@@ -58,6 +78,63 @@ class SlurmftDriver:
         assert code == 0, err
         return {row["kind"]: row for row in json.loads(out)["jobs"]}
 
+    def resume(self, run: Path, *overrides: str) -> dict[str, str]:
+        """``slurmft resume RUN``; the new train and consolidation job ids."""
+        code, out, err = self.cli(["resume", str(run), *overrides])
+        assert code == 0, err
+        jobs = dict(line.split(" job: ") for line in out.splitlines() if " job: " in line)
+        assert set(jobs) == {"train", "consolidate"}, out
+        return jobs
+
+    # --- watching a run ------------------------------------------------------------------
+    @staticmethod
+    def metrics(run: Path) -> list[dict]:
+        path = run / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+    @staticmethod
+    def wait_for(what: str, predicate: Callable[[], object], timeout: float = 240, poll: float = 0.2):  # noqa: ANN205
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(poll)
+        raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+    @staticmethod
+    def complete(run: Path, step: int) -> bool:
+        return (run / "checkpoints" / f"checkpoint-{step}" / "COMPLETE").is_file()
+
+    @staticmethod
+    def rank_pids(job_id: str) -> dict[int, int]:
+        """{rank: pid} of a Slurm job's rank processes on this machine (both test nodes are here)."""
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+                environ = dict(item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0")
+                               if b"=" in item)
+            except OSError:
+                continue
+            if (b"slurmft.job.launch" in cmdline and environ.get(b"SLURM_JOB_ID") == job_id.encode()
+                    and environ.get(b"SLURM_STEP_ID") == b"0" and environ.get(b"SLURM_PROCID", b"").isdigit()):
+                found[int(environ[b"SLURM_PROCID"])] = int(entry.name)
+        return found
+
+    def rank_pid(self, job_id: str, rank: int) -> int | None:
+        """PID of one rank's Python process of a Slurm job running on this machine."""
+        return self.rank_pids(job_id).get(rank)
+
+    @staticmethod
+    def assert_same_model(got: Path, want: Path) -> None:
+        a, b = model_tensors(got), model_tensors(want)
+        assert sorted(a) == sorted(b)
+        differ = [name for name in a if a[name] != b[name]]
+        assert not differ, f"{len(differ)} tensors differ from the uninterrupted run, e.g. {differ[:3]}"
+
 
 @pytest.fixture
 def slurmft(capsys: pytest.CaptureFixture[str]) -> SlurmftDriver:
@@ -69,6 +146,25 @@ def slurmft(capsys: pytest.CaptureFixture[str]) -> SlurmftDriver:
 def config_writer() -> SlurmftDriver:
     """A driver for fixtures wider than one test: ``write_config`` only (it captures no output)."""
     return SlurmftDriver(None)
+
+
+@pytest.fixture(scope="session")
+def reference(slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path_factory: pytest.TempPathFactory,
+              config_writer: SlurmftDriver) -> Path:
+    """The uninterrupted run (REFERENCE_TRAIN/REFERENCE_CHECKPOINT) every interrupted one must equal: its
+    consolidated model directory. One per session, shared by every test file that needs it."""
+    from slurmft.config import load_config
+    from slurmft.dispatch import submit_run
+    from slurmft.profiles import load_profile
+
+    tmp = tmp_path_factory.mktemp("reference")
+    path = config_writer.write_config(tmp, tiny_model, chat_data, train=REFERENCE_TRAIN,
+                                      checkpoint=REFERENCE_CHECKPOINT)
+    cfg = load_config(path)
+    jobs = submit_run(cfg, load_profile(cfg.cluster.profile), str(path)).jobs
+    slurm_cluster.wait_state(jobs["train"], "COMPLETED", timeout=300)
+    slurm_cluster.wait_state(jobs["consolidate"], "COMPLETED", timeout=240)
+    return tmp / "run" / "model"
 
 
 @pytest.fixture
