@@ -10,6 +10,7 @@ cancelling the step it runs in (docs/preemption.md).
 
 from __future__ import annotations
 
+import os
 import sys
 
 from slurmft.job import preemption  # signal + time only
@@ -44,8 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     from submitit.core import job_environment, submission
 
     job_environment.JobEnvironment._handle_signals = _keep_our_handlers  # type: ignore[method-assign]
-    submission.process_job(args.folder)
-    return 0
+    submission.process_job(args.folder)  # raises (traceback, exit 1) when the job failed
+    # The result is written and the process group is gone. Leave now: interpreter teardown with torch
+    # loaded takes seconds, and after SIGTERM Slurm SIGKILLs the batch shell KillWait seconds later (5 s
+    # on the test cluster, 30 s by default); the requeue decision must run in that window.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
