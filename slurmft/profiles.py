@@ -48,8 +48,7 @@ class ClusterProfile(BaseModel):
         DEFAULT_CHECKPOINT_WRITE_GB_PER_S, gt=0,
         description="GB/s one node writes to the checkpoint filesystem (10^9 bytes). The projected save time is "
         "checkpoint bytes / (nodes x this); validate/submit warn when preemption.lead_time_s is shorter. Default "
-        f"{DEFAULT_CHECKPOINT_WRITE_GB_PER_S:g}: a conservative shared-filesystem figure; measure yours with "
-        "bench/checkpoint.py.",
+        f"{DEFAULT_CHECKPOINT_WRITE_GB_PER_S:g}: a conservative shared-filesystem figure; measure your checkpoint filesystem's write speed.",
     )
     env: dict[str, EnvVar] = Field(default_factory=dict)
 
