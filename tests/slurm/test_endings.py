@@ -106,7 +106,9 @@ def test_chaos_three_seeded_warning_signals(slurm_cluster, reference: Path, tiny
     startup_delay = round(rng.uniform(0.2, 4.0), 2)  # after both ranks caught the signals, before the first step
     mid_step = rng.randint(3, 7)  # mid-run: once this step is logged
     save_step = rng.choice([20, 30])  # while this checkpoint is being written
-    print(f"chaos seed {CHAOS_SEED}: start-up +{startup_delay}s, after step {mid_step}, during checkpoint-{save_step}")
+    with slurmft.capsys.disabled():  # shown in the test output, not only on failure
+        print(f"\nchaos seed {CHAOS_SEED}: start-up +{startup_delay}s, after step {mid_step}, "
+              f"during checkpoint-{save_step}")
     run, jobs = _start(slurmft, tmp_path, tiny_model, chat_data)
     job = jobs["train"]
 
@@ -133,7 +135,8 @@ def test_chaos_three_seeded_warning_signals(slurm_cluster, reference: Path, tiny
     during = not (ckpt / "COMPLETE").exists()
     _signal_rank_steps(job)
     during = during and not (ckpt / "COMPLETE").exists()  # still unfinished once the signal was sent
-    print(f"signal sent while {ckpt.name} had no COMPLETE: {during}")
+    with slurmft.capsys.disabled():
+        print(f"signal sent while {ckpt.name} had no COMPLETE: {during}")
     slurmft.wait_for("restart 3", lambda: _restart(slurm_cluster, job) >= 3, timeout=120)
     third = _marker(run, job, 2)
     assert third["saved"]
