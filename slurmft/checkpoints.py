@@ -14,7 +14,8 @@ and ``SHARDED_STATE_DICT``, checked by tests/job/test_train_cpu.py)::
       scheduler.pt  rng_state_<rank>.pth  trainer_state.json
       config.json  generation_config.json          (written by rank 0 before COMPLETE; use_cache true)
       tokenizer.json  tokenizer_config.json  chat_template.jinja  ...   (the tokenizer trained with)
-      COMPLETE                                      (JSON: step, world_size, job_id, restart, time)
+      COMPLETE                                      (JSON: step, world_size, job_id, restart, time,
+                                                     save_s, bytes, files: {relative path: size})
 
 DCP keys of ``pytorch_model_fsdp_0/``: ``"model." + <Hugging Face parameter name>``, e.g.
 ``model.model.embed_tokens.weight``, ``model.model.layers.0.self_attn.q_proj.weight``,
@@ -64,20 +65,105 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path, bool]]:
     return sorted(found)
 
 
+def problem(path: Path) -> str | None:
+    """Why a checkpoint with a marker cannot be trusted, or None when it can.
+
+    Checks what ``COMPLETE`` lists: every file exists with its recorded size (a stat per file, no
+    reads, so it is cheap enough for ``status``). Markers written before the file list existed are
+    trusted as they are.
+    """
+    try:
+        marker = json.loads((path / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError) as exc:
+        return f"its {COMPLETE_MARKER} marker is unreadable ({exc})"
+    files = marker.get("files") if isinstance(marker, dict) else None
+    if not isinstance(files, dict):
+        return None
+    for rel, size in files.items():
+        try:
+            got = (path / rel).stat().st_size
+        except OSError:
+            return f"{rel} is missing"
+        if got != size:
+            return f"{rel} is {got} bytes, {COMPLETE_MARKER} says {size}"
+    return None
+
+
+def verified(root: Path) -> list[Path]:
+    """Complete checkpoints whose files match their marker, oldest first."""
+    return [p for _, p, ok in list_checkpoints(root) if ok and problem(p) is None]
+
+
+def damaged(root: Path) -> list[tuple[Path, str]]:
+    """Checkpoints with a marker whose files do not match it, with why, oldest first."""
+    out = []
+    for _, path, ok in list_checkpoints(root):
+        why = problem(path) if ok else None
+        if why:
+            out.append((path, why))
+    return out
+
+
 def latest_complete(root: Path) -> Path | None:
-    """Newest complete checkpoint, or None."""
-    complete = [p for _, p, ok in list_checkpoints(root) if ok]
-    return complete[-1] if complete else None
+    """Newest complete checkpoint whose files match its marker (damaged ones are skipped), or None."""
+    good = verified(root)
+    return good[-1] if good else None
 
 
-def mark_complete(path: Path, **info: object) -> None:
-    """Write the completion marker (rank 0 only, after a barrier), durably."""
+def list_files(path: Path) -> dict[str, int]:
+    """Every file under a checkpoint (but the marker) with its size, by path relative to it."""
+    return {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*"))
+            if f.is_file() and f.name != COMPLETE_MARKER and not f.name.startswith(f".{COMPLETE_MARKER}")}
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file and directory under ``path`` (the save is durable before its marker exists).
+
+    Every rank calls it: on a shared filesystem a rank flushes what it wrote itself.
+    """
+    for item in [*sorted(path.rglob("*")), path]:
+        try:
+            fd = os.open(item, os.O_RDONLY)
+        except OSError:
+            continue  # vanished or unreadable: the marker's file list will not match
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass  # some filesystems refuse fsync on directories
+        finally:
+            os.close(fd)
+
+
+def mark_complete(path: Path, **info: object) -> dict[str, object]:
+    """Write the completion marker (rank 0 only, after a barrier, after :func:`fsync_tree`), durably.
+
+    It lists every file of the checkpoint with its size (``files``) and their total (``bytes``), so
+    discovery can tell a truncated or missing shard from a good checkpoint without reading it.
+    """
+    files = list_files(path)
+    record = {"t": time.time(), **info, "bytes": sum(files.values()), "files": files}
     tmp = path / f".{COMPLETE_MARKER}.tmp"
     with open(tmp, "w") as f:
-        f.write(json.dumps({"t": time.time(), **info}) + "\n")
+        f.write(json.dumps(record) + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path / COMPLETE_MARKER)
+    fsync_dir(path)
+    return record
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory (a rename in it is durable)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def strip_wrappers(name: str) -> str:
@@ -89,16 +175,21 @@ DELETING_PREFIX = ".deleting-"
 
 
 def prune(root: Path, keep_last: int | None = None) -> list[Path]:
-    """Delete torn saves (no marker) and, with ``keep_last``, all but the newest complete checkpoints.
+    """Delete torn saves (no marker), damaged ones (files do not match the marker) and, with
+    ``keep_last``, all but the newest ``keep_last`` verified checkpoints.
 
-    Rank 0 only, while no save is in flight. Each victim is first renamed to a hidden
-    ``.deleting-*`` name (atomic), so a kill mid-delete never leaves a ``checkpoint-N`` with its
-    marker but without all its shards; leftovers of such a kill are removed on the next call.
+    Nothing is deleted while no verified checkpoint exists: a torn or damaged checkpoint may be the
+    only trace of the run (someone may repair it). Rank 0 only, while no save is in flight. Each
+    victim is first renamed to a hidden ``.deleting-*`` name (atomic), so a kill mid-delete never
+    leaves a ``checkpoint-N`` with its marker but without all its shards; leftovers of such a kill
+    are removed on the next call.
     """
     found = list_checkpoints(root)
-    complete = [step for step, _, ok in found if ok]
-    keep = set(complete if keep_last is None else complete[-keep_last:])
-    victims = [path for step, path, ok in found if not ok or step not in keep]
+    good = [step for step, path, ok in found if ok and problem(path) is None]
+    if not good:
+        return []
+    keep = set(good if keep_last is None else good[-keep_last:])
+    victims = [path for step, path, ok in found if step not in keep]
     removed = []
     for path in victims:
         hidden = path.with_name(DELETING_PREFIX + path.name)

@@ -89,6 +89,7 @@ def validate(config: Path, overrides: tuple[str, ...]) -> None:
     """Check RUN.yaml (and its cluster profile) without writing or submitting anything."""
     cfg, profile = _load(config, overrides)
     report = _checks(cfg, config)
+    _estimate_warnings(cfg, profile)
     click.echo(f"{config}: ok (run {cfg.name}, executor {cfg.resolved_executor.value}, profile {profile.name}, "
                f"{cfg.resources.nodes} node(s) x {cfg.resources.ranks_per_node} rank(s))")
     for line in report.notes:
@@ -109,6 +110,7 @@ def submit(config: Path, overrides: tuple[str, ...], force: bool, template_dir: 
     check_submittable(cfg)
     _checks(cfg, config)
     problems = _fit_problems(cfg, profile)
+    _estimate_warnings(cfg, profile)
     if problems and not force:
         raise ConfigError("the run will not fit (see `slurmft estimate`); pass --force to submit anyway", problems)
     for p in problems:
@@ -126,6 +128,19 @@ def _echo_jobs(run_dir: Path, executor: str, jobs: dict[str, str]) -> None:
         click.echo(f"follow with: slurmft status {run_dir}   |   slurmft logs {run_dir} -f")
     elif "consolidate" in jobs:
         click.echo(f"model: {run_dir / 'model'}  (AutoModelForCausalLM.from_pretrained loads it)")
+
+
+def _estimate_warnings(cfg, profile) -> None:  # noqa: ANN001
+    """Warn when preemption.lead_time_s is below the projected save time (never blocks)."""
+    from slurmft.estimate import estimate, lead_time_warning
+
+    try:
+        result = estimate(cfg, profile)
+    except SlurmftError:
+        return  # _fit_problems / validate already said why there is no estimate
+    warning = lead_time_warning(result, cfg.resources.nodes, profile.checkpoint_write_gb_per_s)
+    if warning:
+        _err(f"warning: {warning}")
 
 
 def _fit_problems(cfg, profile) -> list[str]:  # noqa: ANN001

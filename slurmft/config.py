@@ -426,6 +426,13 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _cross(self) -> RunConfig:
         self._reconcile_precision()
+        limit = slurm_time_seconds(self.cluster.time)
+        if self.preemption.lead_time_s >= limit:
+            raise ValueError(
+                f"preemption.lead_time_s: {self.preemption.lead_time_s} s is not shorter than cluster.time "
+                f"({self.cluster.time} = {limit} s): Slurm would send the warning signal at the start. Set "
+                f"preemption.lead_time_s below {limit} (e.g. {max(30, limit // 10)}) or raise cluster.time"
+            )
         if self.executor == Executor.LOCAL and self.resources.nodes != 1:
             raise ValueError(
                 "resources.nodes: the local executor runs on this machine only; set resources.nodes=1 "
@@ -455,6 +462,19 @@ class RunConfig(_Section):
         if self.executor != Executor.AUTO:
             return self.executor
         return Executor.SLURM if shutil.which("sbatch") else Executor.LOCAL
+
+
+def slurm_time_seconds(slurm_time: str) -> int:
+    """Seconds in a Slurm time limit (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S)."""
+    days, _, rest = slurm_time.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:
+        h, m, s = (parts + [0, 0])[:3]
+    elif len(parts) == 3:
+        h, m, s = parts
+    else:
+        h, (m, s) = 0, (parts + [0])[:2]
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + s
 
 
 # ------------------------------------------------------------------ loading

@@ -611,6 +611,7 @@ def estimate(
     }
 
     checkpoint_bytes = n_params * (mode.param_bytes + 2 * PRECISION_DTYPE_BYTES[mode.optim_dtype])
+    save = projected_save(checkpoint_bytes, cfg.resources.nodes, profile.checkpoint_write_gb_per_s)
     out_dtype = consolidated_dtype(cfg.consolidate.dtype, mode)
     consolidated_bytes = n_params * DTYPE_BYTES[out_dtype]
 
@@ -671,6 +672,8 @@ def estimate(
         },
         "cpu_ram_per_node": cpu,
         "checkpoint_bytes": checkpoint_bytes,
+        "checkpoint_save_s": save,
+        "lead_time_s": cfg.preemption.lead_time_s,
         "consolidated_bytes": consolidated_bytes,
         "consolidated_dtype": out_dtype,
         "fits": bool(gpu["fits"] and cpu["fits"]),
@@ -797,6 +800,22 @@ def _assumptions(shape: ModelShape, k: _Knobs, capacity_note: str | None) -> lis
 
 
 # ====================================================================== verdicts
+def projected_save(checkpoint_bytes: int, nodes: int, gb_per_s_per_node: float) -> float:
+    """Seconds to write one sharded checkpoint: every node writes its ranks' shards in parallel."""
+    return checkpoint_bytes / (nodes * gb_per_s_per_node * 1e9)
+
+
+def lead_time_warning(result: dict[str, Any], nodes: int, gb_per_s_per_node: float) -> str | None:
+    """A warning (with the numbers) when the warning signal would not leave time for one save."""
+    save, lead = result["checkpoint_save_s"], result["lead_time_s"]
+    if lead >= save:
+        return None
+    return (f"preemption.lead_time_s {lead} s is below the projected checkpoint save time {save:.0f} s "
+            f"({_fmt(result['checkpoint_bytes'])} / ({nodes} node(s) x {gb_per_s_per_node:g} GB/s per node, "
+            f"cluster profile checkpoint_write_gb_per_s)): a preemption or time limit would kill the save. Raise "
+            f"preemption.lead_time_s to at least {int(save * 2) + 30} (twice the save, plus start-up of a step)")
+
+
 def _fmt(n: int | float) -> str:
     n = float(n)
     if abs(n) >= 10**12:
@@ -924,6 +943,8 @@ def render_table(result: dict[str, Any]) -> RenderableType:
     d.add_column("what")
     d.add_column("bytes", justify="right")
     d.add_row("sharded checkpoint (model + optimizer), each", _fmt(result["checkpoint_bytes"]))
+    d.add_row(f"projected save time (preemption.lead_time_s {result['lead_time_s']} s)",
+              f"{result['checkpoint_save_s']:.1f} s")
     d.add_row(f"consolidated model ({result['consolidated_dtype']})", _fmt(result["consolidated_bytes"]))
 
     verdict = Text(result["verdict"], style="bold green" if result["fits"] else "bold red")

@@ -10,6 +10,8 @@ from slurmft.config import ENV_KEY_RE, SECRET_KEY_RE, format_validation_error, r
 from slurmft.errors import ConfigError
 from slurmft.resources import data_dir
 
+DEFAULT_CHECKPOINT_WRITE_GB_PER_S = 1.0
+
 
 class EnvVar(BaseModel):
     """One environment variable and why it is set."""
@@ -42,6 +44,12 @@ class ClusterProfile(BaseModel):
     gpu: GPUSpec
     node_memory_gb: float = Field(..., gt=0, description="CPU RAM per node in GB.")
     gres_gpu: bool = Field(True, description="Request GPUs with --gpus-per-node (false: not at all).")
+    checkpoint_write_gb_per_s: float = Field(
+        DEFAULT_CHECKPOINT_WRITE_GB_PER_S, gt=0,
+        description="GB/s one node writes to the checkpoint filesystem (10^9 bytes). The projected save time is "
+        "checkpoint bytes / (nodes x this); validate/submit warn when preemption.lead_time_s is shorter. Default "
+        f"{DEFAULT_CHECKPOINT_WRITE_GB_PER_S:g}: a conservative shared-filesystem figure; measure your checkpoint filesystem's write speed.",
+    )
     env: dict[str, EnvVar] = Field(default_factory=dict)
 
     @field_validator("env")

@@ -37,6 +37,10 @@ LIVE_STATES = frozenset({"PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIG
 PREEMPTED_REQUEUED = "preempted (warning signal), requeued"
 REQUEUED_BY_SLURM = "requeued by Slurm (preempted or node failure; resumed from the last periodic checkpoint)"
 REQUEUE_REFUSED = "preempted (warning signal), not requeued: preemption.max_requeues reached"
+STARTUP_REQUEUED = "stopped during start-up (no save), requeued"
+TIME_LIMIT_REQUEUED = "time limit: saved, requeued"
+SLURM_REQUEUED_SAVED = "saved, then requeued by Slurm (scontrol requeue or preemption)"
+CANCELLED_SAVED = "cancelled (scancel) after saving; `slurmft resume` continues from that step"
 RESUMED_BY_HAND = "resumed by hand"
 ENDED_WORDS = {
     "COMPLETED": "completed",
@@ -295,12 +299,12 @@ def attempts(manifest: dict[str, Any], metrics_records: list[dict[str, Any]], sl
             live = False
             if restart < last_restart:
                 state = "REQUEUED"
-                reason = PREEMPTED_REQUEUED if marker is not None else REQUEUED_BY_SLURM
+                reason = _requeued_words(marker)
             else:
                 state = _final_state(job, row, manifest, jid, later_job)
                 if state in ("", "UNKNOWN") and max_steps is not None and last is not None and last >= max_steps:
                     state = "COMPLETED"
-                reason = _ended_words(state, marker is not None)
+                reason = _ended_words(state, marker is not None, marker)
                 live = state in LIVE_STATES
                 if later_job:
                     reason = f"{reason}, {RESUMED_BY_HAND}" if reason else RESUMED_BY_HAND
@@ -336,7 +340,20 @@ def _final_state(job: dict[str, Any], row: dict[str, Any], manifest: dict[str, A
     return str(job.get("state") or state or "UNKNOWN")
 
 
-def _ended_words(state: str, saved_for_requeue: bool) -> str:
+def _requeued_words(marker: dict[str, Any] | None) -> str:
+    """Why an attempt was followed by a restart of the same job id, from the ranks' stop marker
+    (``saved``) and the batch script's decision (``ended``, slurmft/job/requeue.py)."""
+    if marker is None:
+        return REQUEUED_BY_SLURM
+    if marker.get("saved") is False:
+        return STARTUP_REQUEUED
+    return {"slurm_requeue": SLURM_REQUEUED_SAVED, "time_limit": TIME_LIMIT_REQUEUED}.get(
+        str(marker.get("ended")), PREEMPTED_REQUEUED)
+
+
+def _ended_words(state: str, saved_for_requeue: bool, marker: dict[str, Any] | None = None) -> str:
+    if marker is not None and state == "CANCELLED" and marker.get("ended") == "cancelled" and marker.get("saved"):
+        return CANCELLED_SAVED
     if saved_for_requeue and state in ("FAILED", "COMPLETED"):
         return REQUEUE_REFUSED if state == "FAILED" else ENDED_WORDS["COMPLETED"]
     return ENDED_WORDS.get(state, "unknown (Slurm no longer knows this job)" if state == "UNKNOWN" else state.lower())

@@ -41,6 +41,20 @@ def submitit_command(python: str, folder: Path) -> str:
     return f"{python} -u -m submitit.core._submit {q(folder)}"
 
 
+SUBMITIT_MODULE = "-m submitit.core._submit "
+
+
+def launcher_command(command: str, signal_name: str) -> str:
+    """submitit's per-task command with our launcher in its place (slurmft/job/launch.py).
+
+    The launcher installs the flag-only handlers for the warning signal and SIGTERM before anything
+    else and keeps submitit from replacing them; it then runs submitit's own job processing.
+    """
+    if SUBMITIT_MODULE not in command:
+        raise RenderError(f"unexpected submitit command line {command!r}: expected {SUBMITIT_MODULE.strip()!r} in it")
+    return command.replace(SUBMITIT_MODULE, f"-m slurmft.job.launch --signal={q(signal_name)} ", 1)
+
+
 def python_for(cfg: RunConfig) -> str:
     """The interpreter on the compute nodes, quoted."""
     return q(cfg.cluster.python or sys.executable)
@@ -128,7 +142,8 @@ def build_train_context(
         "directives": directives,
         "env": _env_list(cfg, profile, extra),
         "srun_args": " ".join(q(a) for a in srun),
-        "command": command,
+        "command": launcher_command(command, cfg.preemption.signal),
+        "warning_signal": q(cfg.preemption.signal.upper().removeprefix("SIG")),
     }
 
 

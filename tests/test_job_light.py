@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from slurmft import checkpoints
 from slurmft.job.rendezvous import JobEnv, master_address, port_for_job
-from slurmft.job.requeue import EXIT_REQUEUE_REFUSED, decide
+from slurmft.job.requeue import EXIT_REQUEUE_REFUSED, Action, Ending, JobView, decide
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -71,28 +70,60 @@ def test_master_address_override_wins() -> None:
                            "SLURM_JOB_ID": "5"}) == ("ib0-node1", 31000)
 
 
-def _run_dir(tmp_path: Path, max_requeues: int) -> Path:
-    (tmp_path / "requeue").mkdir()
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"preemption": {"max_requeues": max_requeues}}))
-    return tmp_path
+SAVED = {"step": 12, "saved": True}
 
 
 @pytest.mark.parametrize(
     ("marker", "exit_code", "restart", "max_requeues", "expected"),
     [
-        (False, 0, 0, 5, ("exit", 0)),  # finished normally
-        (False, 1, 0, 5, ("exit", 1)),  # failed: the failure stands
-        (True, 0, 0, 5, ("requeue", 0)),  # saved after the warning signal: requeue
-        (True, 0, 5, 5, ("exit", EXIT_REQUEUE_REFUSED)),  # out of requeues: fail, consolidation must not run
-        (True, 137, 0, 5, ("exit", 137)),  # a rank died after the marker: never requeue a broken run
+        (None, 0, 0, 5, (Action.EXIT, 0)),  # finished normally
+        (None, 1, 0, 5, (Action.EXIT, 1)),  # failed: the failure stands
+        (SAVED, 0, 0, 5, (Action.REQUEUE, 0)),  # saved after the warning signal: requeue
+        ({"step": 3, "saved": False}, 0, 0, 5, (Action.REQUEUE, 0)),  # stopped during start-up: requeue
+        (SAVED, 0, 5, 5, (Action.EXIT, EXIT_REQUEUE_REFUSED)),  # out of requeues: fail, no consolidation
+        (SAVED, 137, 0, 5, (Action.EXIT, 137)),  # a rank died after the marker: never requeue a broken run
     ],
 )
-def test_requeue_decision(tmp_path: Path, marker: bool, exit_code: int, restart: int, max_requeues: int,
-                          expected: tuple[str, int]) -> None:
-    run = _run_dir(tmp_path, max_requeues)
-    if marker:
-        (run / "requeue" / f"42-{restart}").write_text("{}")
-    assert decide(run, exit_code, "42", restart) == expected
+def test_requeue_decision_after_the_warning_signal(marker: dict | None, exit_code: int, restart: int,
+                                                   max_requeues: int, expected: tuple[Action, int]) -> None:
+    decision = decide(marker, exit_code, restart, max_requeues)
+    assert (decision.action, decision.code) == expected
+
+
+# What `scontrol show job` printed from inside the batch script after srun returned, per ending
+# (docs/design-notes.md, "How jobs really end"), trimmed to one line of the real output.
+SHOW_JOB = "JobId=7 JobName=it-train UserId=root(0) Priority=1 JobState={state} Reason={reason} Dependency=(null) Requeue=1 Restarts={restarts} BatchFlag=1"
+
+
+@pytest.mark.parametrize(
+    ("state", "reason", "restarts", "restart", "ending", "action"),
+    [
+        ("COMPLETING", "TimeLimit", 0, 0, Ending.TIME_LIMIT, Action.REQUEUE),  # time limit: we requeue
+        ("COMPLETING", "TimeLimit", 2, 2, Ending.TIME_LIMIT, Action.REQUEUE),
+        ("COMPLETING", "None", 1, 0, Ending.SLURM_REQUEUE, Action.EXIT),  # scontrol requeue / preemption
+        ("COMPLETING", "None", 3, 2, Ending.SLURM_REQUEUE, Action.EXIT),
+        ("COMPLETING", "None", 0, 0, Ending.CANCELLED, Action.EXIT),  # scancel: never requeue
+        ("COMPLETING", "None", 2, 2, Ending.CANCELLED, Action.EXIT),
+        ("CANCELLED", "None", 0, 0, Ending.CANCELLED, Action.EXIT),
+    ],
+)
+def test_requeue_decision_after_sigterm_asks_slurm_why(state: str, reason: str, restarts: int, restart: int,
+                                                       ending: Ending, action: Action) -> None:
+    view = JobView.parse(SHOW_JOB.format(state=state, reason=reason, restarts=restarts))
+    assert view == JobView(state, reason, restarts)
+    decision = decide(SAVED, 0, restart, 5, "TERM", view)
+    assert (decision.ending, decision.action) == (ending, action)
+    assert decision.code == 0 and "step 12" in decision.message
+    assert decide(SAVED, 0, restart, 5, "", view).ending == Ending.WARNING  # no SIGTERM here: the warning signal
+
+
+def test_requeue_decision_sigterm_without_slurm_view_does_not_requeue() -> None:
+    assert JobView.parse("slurm_load_jobs error: Invalid job id specified") is None
+    decision = decide(SAVED, 0, 0, 5, "TERM", None)
+    assert (decision.action, decision.ending) == (Action.EXIT, Ending.UNKNOWN_TERM)
+    assert "slurmft resume" in decision.message
+    time_limit = JobView("COMPLETING", "TimeLimit", 5)
+    assert decide(SAVED, 0, 5, 5, "TERM", time_limit).code == EXIT_REQUEUE_REFUSED  # the budget holds here too
 
 
 def test_only_complete_checkpoints_count(tmp_path: Path) -> None:
@@ -117,3 +148,53 @@ def test_prune_keeps_the_newest_complete_and_hides_before_deleting(tmp_path: Pat
     assert sorted(p.name for p in removed) == ["checkpoint-2", "checkpoint-8"]  # too old; torn
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-6"]
     assert checkpoints.prune(tmp_path) == []  # without keep_last every complete checkpoint stays
+
+
+def _saved(root: Path, step: int, shard: bytes = b"x" * 100) -> Path:
+    ckpt = root / f"checkpoint-{step}"
+    (ckpt / "pytorch_model_fsdp_0").mkdir(parents=True)
+    (ckpt / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(shard)
+    (ckpt / "trainer_state.json").write_text("{}")
+    checkpoints.fsync_tree(ckpt)
+    checkpoints.mark_complete(ckpt, step=step, save_s=0.5)
+    return ckpt
+
+
+def test_complete_lists_every_file_and_a_damaged_checkpoint_is_skipped_saying_why(tmp_path: Path) -> None:
+    import json
+
+    older, newer = _saved(tmp_path, 10), _saved(tmp_path, 20)
+    marker = json.loads((newer / "COMPLETE").read_text())
+    assert marker["files"] == {"pytorch_model_fsdp_0/__0_0.distcp": 100, "trainer_state.json": 2}
+    assert marker["bytes"] == 102 and marker["save_s"] == 0.5 and marker["step"] == 20
+    assert checkpoints.latest_complete(tmp_path) == newer
+    with open(newer / "pytorch_model_fsdp_0" / "__0_0.distcp", "r+b") as f:
+        f.truncate(40)
+    assert checkpoints.latest_complete(tmp_path) == older
+    assert checkpoints.damaged(tmp_path) == [
+        (newer, "pytorch_model_fsdp_0/__0_0.distcp is 40 bytes, COMPLETE says 100")]
+    (newer / "trainer_state.json").unlink()
+    assert checkpoints.problem(newer) == "pytorch_model_fsdp_0/__0_0.distcp is 40 bytes, COMPLETE says 100"
+    assert checkpoints.prune(tmp_path, keep_last=2) == [newer]  # a verified one remains: the damaged one goes
+    assert checkpoints.latest_complete(tmp_path) == older
+
+
+def test_a_torn_or_damaged_checkpoint_is_never_deleted_while_it_is_the_only_one(tmp_path: Path) -> None:
+    only = _saved(tmp_path, 10)
+    (only / "trainer_state.json").unlink()
+    torn = tmp_path / "checkpoint-15"
+    torn.mkdir()
+    assert checkpoints.latest_complete(tmp_path) is None
+    assert checkpoints.prune(tmp_path, keep_last=1) == [] and only.is_dir() and torn.is_dir()
+    good = [_saved(tmp_path, s) for s in (20, 30, 40)]
+    assert checkpoints.prune(tmp_path, keep_last=2) == [only, torn, good[0]]  # keep_last *verified* ones
+    assert [p.name for p in checkpoints.verified(tmp_path)] == ["checkpoint-30", "checkpoint-40"]
+
+
+def test_old_markers_without_a_file_list_are_still_trusted(tmp_path: Path) -> None:
+    ckpt = tmp_path / "checkpoint-5"
+    ckpt.mkdir()
+    (ckpt / "COMPLETE").write_text('{"t": 1, "step": 5}\n')
+    assert checkpoints.latest_complete(tmp_path) == ckpt
+    (ckpt / "COMPLETE").write_text("not json")
+    assert "unreadable" in checkpoints.problem(ckpt)

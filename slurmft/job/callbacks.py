@@ -19,34 +19,57 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from slurmft.checkpoints import mark_complete, prune
+from slurmft.checkpoints import damaged, fsync_tree, latest_complete, mark_complete, prune, step_of
 from slurmft.job import preemption
 from slurmft.job.distributed import DistContext, barrier
 
 log = logging.getLogger("slurmft.job")
 
 
+def agree(ctx: DistContext, local: bool) -> bool:
+    """True on every rank when ``local`` is true on any rank (all_reduce MAX): a collective."""
+    flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=ctx.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 class CompleteCheckpoints(TrainerCallback):
-    """After every save: all ranks barrier, rank 0 adds config + tokenizer, writes COMPLETE, rotates.
+    """After every save: fsync, all ranks barrier, rank 0 adds config + tokenizer, writes COMPLETE, rotates.
 
     Rotation is ours (the Trainer's ``save_total_limit`` is off): the Trainer rotates by mtime *before*
     the marker exists, so a save that dies afterwards could leave fewer than ``keep_last`` usable
-    checkpoints. Here only complete checkpoints count, the newest ``keep_last`` stay, and torn saves
-    older than the newest complete one go.
+    checkpoints. Here only verified checkpoints count, the newest ``keep_last`` stay, and torn or
+    damaged ones go only while a verified one remains. COMPLETE records how long the save took and
+    every file with its size; rank 0 warns when a save took more than half of ``lead_time_s`` (the
+    warning signal would leave too little time to save).
     """
 
     def __init__(self, ctx: DistContext, model_config: Any, generation_config: Any, tokenizer: Any,
-                 keep_last: int, info: dict[str, Any]) -> None:
+                 keep_last: int, info: dict[str, Any], lead_time_s: float | None = None) -> None:
         self.ctx = ctx
         self.model_config = model_config
         self.generation_config = generation_config
         self.tokenizer = tokenizer
         self.keep_last = keep_last
         self.info = info
+        self.lead_time_s = lead_time_s
+        self.save_started: float | None = None
+        self.last_save_s: float | None = None
+
+    def watch(self, trainer: Any) -> None:
+        """Time every save from the Trainer's first write (``_save_checkpoint``) to our marker."""
+        original = trainer._save_checkpoint
+
+        def timed_save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            self.save_started = time.time()
+            return original(*args, **kwargs)
+
+        trainer._save_checkpoint = timed_save_checkpoint
 
     def on_save(self, args, state, control, **kwargs):
         ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        barrier()  # every rank's shards are on disk
+        fsync_tree(ckpt)  # this rank's shards, rng state (and rank 0's small files) are durable
+        barrier()  # every rank's files are on disk
         if self.ctx.is_main:
             config = copy.deepcopy(self.model_config)
             config.use_cache = True  # turned off for training only
@@ -54,32 +77,76 @@ class CompleteCheckpoints(TrainerCallback):
             if self.generation_config is not None:
                 self.generation_config.save_pretrained(ckpt)
             self.tokenizer.save_pretrained(ckpt)
-            mark_complete(ckpt, step=state.global_step, world_size=self.ctx.world_size, **self.info)
+            fsync_tree(ckpt)
+            started = self.save_started or time.time()
+            seconds = time.time() - started
+            mark_complete(ckpt, step=state.global_step, world_size=self.ctx.world_size, save_s=round(seconds, 3),
+                          **self.info)
+            self.last_save_s = seconds
+            for path, why in damaged(Path(args.output_dir)):
+                log.warning("removing damaged %s: %s", path.name, why)
             prune(Path(args.output_dir), self.keep_last)
-            log.info("checkpoint-%d complete", state.global_step)
+            log.info("checkpoint-%d complete (%.1fs)", state.global_step, seconds)
+            if self.lead_time_s and seconds > self.lead_time_s / 2:
+                log.warning("saving checkpoint-%d took %.1fs, more than half of preemption.lead_time_s (%gs): a "
+                            "warning signal may not leave enough time to save; raise preemption.lead_time_s",
+                            state.global_step, seconds, self.lead_time_s)
+        self.save_started = None
         barrier()
 
 
-class PreemptionStop(TrainerCallback):
-    """At each step end the ranks agree (all_reduce MAX) on the warning flag; if set: save and stop.
+class StopBeforeFirstStep(Exception):
+    """Raised on every rank (after agreeing) when the flag came before this attempt's first step."""
 
-    The signal handler only sets a flag (slurmft/job/preemption.py), so the save is a normal
-    collective save at a step boundary on every rank, never a rank-0 save inside a handler.
+
+class PreemptionStop(TrainerCallback):
+    """The ranks agree (all_reduce MAX) on the flag at step boundaries; if set: save unless needless, stop.
+
+    The signal handlers only set a flag (slurmft/job/preemption.py), so the save is a normal collective
+    save at a step boundary on every rank, never a rank-0 save inside a handler. Agreement points:
+
+    - before this attempt's first optimizer step: a flag raised during start-up stops with no save
+      (nothing new to save; :class:`StopBeforeFirstStep`);
+    - at each step end: save and stop, unless the newest complete checkpoint is at this step already;
+    - right after each periodic save: stop without saving again (the flag came during that save).
+
+    Must come after :class:`CompleteCheckpoints` in the callback list (its ``on_save`` runs first).
     """
 
     def __init__(self, ctx: DistContext) -> None:
         self.ctx = ctx
         self.stopped_at: int | None = None
+        self.saved = False
+        self._first_step_checked = False
+
+    def _stop(self, step: int, control: Any, save: bool, why: str) -> None:
+        self.stopped_at = step
+        self.saved = True  # a checkpoint at this step exists or is being written now
+        control.should_save = control.should_save or save
+        control.should_training_stop = True
+        if self.ctx.is_main:
+            log.warning("%s received: stopping at step %d, %s", preemption.received() or "stop signal", step, why)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self._first_step_checked:
+            self._first_step_checked = True
+            if agree(self.ctx, preemption.requested()):
+                self.stopped_at = state.global_step
+                raise StopBeforeFirstStep(f"stop requested before the first step (at step {state.global_step})")
+        return control
 
     def on_step_end(self, args, state, control, **kwargs):
-        flag = torch.tensor([1 if preemption.requested() else 0], dtype=torch.int32, device=self.ctx.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and self.stopped_at is None:
-            self.stopped_at = state.global_step
-            control.should_save = True
-            control.should_training_stop = True
-            if self.ctx.is_main:
-                log.warning("warning signal received: saving at step %d and stopping", state.global_step)
+        if agree(self.ctx, preemption.requested()) and self.stopped_at is None:
+            latest = latest_complete(Path(args.output_dir))
+            if latest is not None and step_of(latest) == state.global_step:
+                self._stop(state.global_step, control, False, f"{latest.name} is already complete (no second save)")
+            else:
+                self._stop(state.global_step, control, True, f"saving checkpoint-{state.global_step}")
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.stopped_at is None and agree(self.ctx, preemption.requested()):
+            self._stop(state.global_step, control, False, f"checkpoint-{state.global_step} was just saved (no second save)")
         return control
 
 

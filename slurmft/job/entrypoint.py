@@ -29,7 +29,9 @@ def run_train(run_dir: str, signal_name: str = "USR2") -> dict[str, object]:
     Bad input (a :class:`~slurmft.errors.SlurmftError`, agreed on by every rank) is printed without a
     traceback and ends the process with exit status 2; anything else keeps its traceback (our bug).
     """
-    preemption.install(signal_name)  # first, before heavy imports: a warning signal must not kill start-up
+    # Under Slurm the launcher (slurmft.job.launch) installed these before submitit ran; again here for
+    # runs started otherwise (the local executor: warning signal only, SIGTERM still ends the process).
+    preemption.install(signal_name, term="SLURM_JOB_ID" in os.environ)
     from slurmft.errors import SlurmftError
     from slurmft.job.train import train
 

@@ -122,7 +122,15 @@ def _main(argv: list[str]) -> int:
     if argv[:1] != ["exports"]:
         print("usage: python -m slurmft.job.rendezvous exports", file=sys.stderr)
         return 2
-    addr, port = master_address()
+    try:
+        addr, port = master_address()
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError) as exc:
+        # The batch script stops on a non-zero status; say which lookup failed and with what.
+        detail = exc.stderr.strip() if isinstance(exc, subprocess.CalledProcessError) and exc.stderr else exc
+        nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST") or "?"
+        print(f"[slurmft] cannot find the rendezvous address for node list {nodelist!r}: "
+              f"{type(exc).__name__}: {detail}", file=sys.stderr)
+        return 1
     print(f"export MASTER_ADDR={shlex.quote(addr)} MASTER_PORT={port}")
     return 0
 

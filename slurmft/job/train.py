@@ -22,8 +22,16 @@ import yaml
 from slurmft import checkpoints
 from slurmft.config import RunConfig
 from slurmft.errors import JobSetupError
-from slurmft.job import cpu_fsdp, data, distributed, loading
-from slurmft.job.callbacks import CompleteCheckpoints, FsdpReport, MetricsLog, PreemptionStop, StepLog
+from slurmft.job import cpu_fsdp, data, distributed, loading, preemption
+from slurmft.job.callbacks import (
+    CompleteCheckpoints,
+    FsdpReport,
+    MetricsLog,
+    PreemptionStop,
+    StepLog,
+    StopBeforeFirstStep,
+    agree,
+)
 from slurmft.job.distributed import DistContext
 from slurmft.job.rendezvous import JobEnv
 from slurmft.precision import resolve as resolve_precision
@@ -101,8 +109,10 @@ def _resume_point(paths: RunPaths, ctx: DistContext) -> Path | None:
 
     choice: list[str | None] = [None]
     if ctx.is_main:
-        for path in checkpoints.prune(paths.checkpoints):  # torn saves only; every complete one stays
-            log.warning("removed incomplete checkpoint %s (a save that did not finish)", path.name)
+        for path, why in checkpoints.damaged(paths.checkpoints):
+            log.warning("skipping damaged checkpoint %s: %s", path.name, why)
+        for path in checkpoints.prune(paths.checkpoints):  # torn and damaged ones; every verified one stays
+            log.warning("removed unusable checkpoint %s (a save that did not finish, or damaged)", path.name)
         latest = checkpoints.latest_complete(paths.checkpoints)
         choice = [str(latest) if latest else None]
     dist.broadcast_object_list(choice, src=0)
@@ -216,11 +226,24 @@ def plan_steps(cfg: RunConfig, sequences: int, world_size: int) -> dict[str, Any
             "steps_per_epoch": per_epoch, "max_steps": max(1, math.ceil(t.epochs * per_epoch))}
 
 
-def _write_requeue_marker(paths: RunPaths, env: JobEnv, step: int) -> Path:
+def _write_requeue_marker(paths: RunPaths, env: JobEnv, step: int, saved: bool) -> Path:
+    """``requeue/<job>-<restart>``: the ranks stopped for a signal at ``step`` (the batch script decides)."""
     marker = paths.requeue_marker_dir / f"{env.job_id}-{env.restart_count}"
     atomic_write(marker, json.dumps({"step": step, "job_id": env.job_id, "restart": env.restart_count,
-                                     "t": time.time()}) + "\n")
+                                     "saved": saved, "signal": preemption.received(),
+                                     "signal_t": round(preemption.received_at(), 3), "t": time.time()}) + "\n")
     return marker
+
+
+def _stopped(paths: RunPaths, env: JobEnv, ctx: DistContext, step: int, saved: bool,
+             t_start: float) -> dict[str, Any]:
+    """Every rank stopped for a signal: rank 0 leaves the requeue marker; exit 0 for the batch script."""
+    distributed.barrier()
+    marker = _write_requeue_marker(paths, env, step, saved) if ctx.is_main else None
+    if ctx.is_main:
+        what = f"saved at step {step}" if saved else f"before the first step (resumable from step {step}, no save)"
+        log.warning("stopped for %s: %s; requeue marker %s", preemption.received() or "a signal", what, marker)
+    return {"status": "preempted", "global_step": step, "saved": saved, "seconds": round(time.time() - t_start, 1)}
 
 
 def train(run_dir: str) -> dict[str, Any]:
@@ -272,12 +295,13 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
     marker_info = {**info, "precision": sharded.precision}  # consolidate.dtype=auto and resume read it
     preempt = PreemptionStop(ctx)
     saver = CompleteCheckpoints(ctx, sharded.model.config, getattr(sharded.model, "generation_config", None),
-                                inputs.tokenizer, cfg.checkpoint.keep_last, marker_info)
+                                inputs.tokenizer, cfg.checkpoint.keep_last, marker_info,
+                                lead_time_s=cfg.preemption.lead_time_s if env.launcher == "slurm" else None)
     report_info = {"dtype": str(sharded.dtype).removeprefix("torch."), "precision": sharded.precision,
                    "reduce_dtype": str(sharded.reduce_dtype).removeprefix("torch."),
                    "compute_dtype": str(sharded.compute_dtype).removeprefix("torch."), "attn_implementation":
                    sharded.attn_implementation, "wrap_class": sharded.wrap_class, "num_params": sharded.num_params}
-    callbacks = [preempt, saver, MetricsLog(ctx, paths.metrics, info),
+    callbacks = [saver, preempt, MetricsLog(ctx, paths.metrics, info),
                  FsdpReport(ctx, paths.root / FSDP_REPORT_DIR, report_info)]
 
     from trl import SFTTrainer
@@ -286,6 +310,7 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
     trainer = SFTTrainer(model=sharded.model, args=args, train_dataset=dataset,
                          processing_class=inputs.tokenizer, callbacks=callbacks, optimizer_cls_and_kwargs=optimizer)
     _one_log_line(trainer, ctx)
+    saver.watch(trainer)
     max_steps = planned_max_steps(paths, cfg.train.max_steps, cfg.train.epochs)
     if max_steps is None:  # train.epochs, first start: count the packed data
         plan = plan_steps(cfg, len(trainer.train_dataset), ctx.world_size)
@@ -302,15 +327,17 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                             lambda: check_resume_precision(resume, sharded.precision))
     if ctx.is_main:
         log.info("resuming from %s" if resume else "starting from step 0%s", resume.name if resume else "")
-    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    resumed_step = (checkpoints.step_of(resume) or 0) if resume else 0
+    if agree(ctx, preemption.requested()):  # the flag came during start-up: stop before loading anything more
+        return _stopped(paths, env, ctx, resumed_step, saved=False, t_start=t_start)
+    try:
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    except StopBeforeFirstStep:
+        return _stopped(paths, env, ctx, resumed_step, saved=False, t_start=t_start)
     step = trainer.state.global_step
 
     if preempt.stopped_at is not None and step < max_steps:
-        distributed.barrier()
-        marker = _write_requeue_marker(paths, env, step) if ctx.is_main else None
-        if ctx.is_main:
-            log.warning("stopped for preemption at step %d; requeue marker %s", step, marker)
-        return {"status": "preempted", "global_step": step, "seconds": round(time.time() - t_start, 1)}
+        return _stopped(paths, env, ctx, step, saved=True, t_start=t_start)
     final = checkpoints.latest_complete(paths.checkpoints)
     if ctx.is_main:
         log.info("training complete at step %d; final checkpoint %s", step, final)

@@ -10,10 +10,17 @@ import pytest
 import yaml
 
 from slurmft.cli import main
+from tests.export_check import assert_same_model
+from tests.slurm import jobs
+
+# The config of the shared uninterrupted reference run (``reference``): every interrupted run of it
+# must end with a bitwise-equal consolidated model.
+REFERENCE_TRAIN = {"max_steps": 40}
+REFERENCE_CHECKPOINT = {"every_steps": 10, "keep_last": 2}
 
 
 class SlurmftDriver:
-    """Writes run configs for the test cluster and runs the CLI in-process."""
+    """Writes run configs for the test cluster, runs the CLI in-process, and watches runs."""
 
     def __init__(self, capsys: pytest.CaptureFixture[str] | None) -> None:
         self.capsys = capsys
@@ -58,6 +65,22 @@ class SlurmftDriver:
         assert code == 0, err
         return {row["kind"]: row for row in json.loads(out)["jobs"]}
 
+    def resume(self, run: Path, *overrides: str) -> dict[str, str]:
+        """``slurmft resume RUN``; the new train and consolidation job ids."""
+        code, out, err = self.cli(["resume", str(run), *overrides])
+        assert code == 0, err
+        jobs = dict(line.split(" job: ") for line in out.splitlines() if " job: " in line)
+        assert set(jobs) == {"train", "consolidate"}, out
+        return jobs
+
+    # --- watching a run (tests/slurm/jobs.py, tests/export_check.py) ----------------------
+    metrics = staticmethod(jobs.metrics)
+    wait_for = staticmethod(jobs.wait_for)
+    complete = staticmethod(jobs.complete)
+    rank_pids = staticmethod(jobs.rank_pids)
+    rank_pid = staticmethod(jobs.rank_pid)
+    assert_same_model = staticmethod(assert_same_model)
+
 
 @pytest.fixture
 def slurmft(capsys: pytest.CaptureFixture[str]) -> SlurmftDriver:
@@ -69,6 +92,25 @@ def slurmft(capsys: pytest.CaptureFixture[str]) -> SlurmftDriver:
 def config_writer() -> SlurmftDriver:
     """A driver for fixtures wider than one test: ``write_config`` only (it captures no output)."""
     return SlurmftDriver(None)
+
+
+@pytest.fixture(scope="session")
+def reference(slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path_factory: pytest.TempPathFactory,
+              config_writer: SlurmftDriver) -> Path:
+    """The uninterrupted run (REFERENCE_TRAIN/REFERENCE_CHECKPOINT) every interrupted one must equal: its
+    consolidated model directory. One per session, shared by every test file that needs it."""
+    from slurmft.config import load_config
+    from slurmft.dispatch import submit_run
+    from slurmft.profiles import load_profile
+
+    tmp = tmp_path_factory.mktemp("reference")
+    path = config_writer.write_config(tmp, tiny_model, chat_data, train=REFERENCE_TRAIN,
+                                      checkpoint=REFERENCE_CHECKPOINT)
+    cfg = load_config(path)
+    jobs = submit_run(cfg, load_profile(cfg.cluster.profile), str(path)).jobs
+    slurm_cluster.wait_state(jobs["train"], "COMPLETED", timeout=300)
+    slurm_cluster.wait_state(jobs["consolidate"], "COMPLETED", timeout=240)
+    return tmp / "run" / "model"
 
 
 @pytest.fixture

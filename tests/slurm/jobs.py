@@ -30,17 +30,25 @@ def complete(run: Path, step: int) -> bool:
     return (run / "checkpoints" / f"checkpoint-{step}" / "COMPLETE").is_file()
 
 
-def rank_pid(job_id: str, rank: int) -> int | None:
-    """PID of one rank's Python process of a Slurm job running on this machine (both test nodes are here)."""
+def rank_pids(job_id: str) -> dict[int, int]:
+    """{rank: pid} of a Slurm job's rank processes on this machine (both test nodes are here): the
+    processes ``srun`` started (``python -m slurmft.job.launch``) in the job's first step."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            environ = dict(item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0") if b"=" in item)
+            environ = dict(item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0")
+                           if b"=" in item)
         except OSError:
             continue
-        if (b"submitit.core._submit" in cmdline and environ.get(b"SLURM_JOB_ID") == job_id.encode()
-                and environ.get(b"SLURM_PROCID") == str(rank).encode() and environ.get(b"SLURM_STEP_ID") == b"0"):
-            return int(entry.name)
-    return None
+        if (b"slurmft.job.launch" in cmdline and environ.get(b"SLURM_JOB_ID") == job_id.encode()
+                and environ.get(b"SLURM_STEP_ID") == b"0" and environ.get(b"SLURM_PROCID", b"").isdigit()):
+            found[int(environ[b"SLURM_PROCID"])] = int(entry.name)
+    return found
+
+
+def rank_pid(job_id: str, rank: int) -> int | None:
+    """PID of one rank's Python process of a Slurm job running on this machine (None: not there yet)."""
+    return rank_pids(job_id).get(rank)

@@ -1,7 +1,7 @@
 """`slurmft resume` and `slurmft consolidate` on the real two-node cluster: a killed rank, a `scancel`, the
 requeue budget used up and a failed consolidation each end a run; the command continues it from the
 newest complete checkpoint, and the consolidated model is bitwise equal to an uninterrupted run of the
-same config (one reference run, shared by every test here)."""
+same config (one reference run per session, tests/slurm/conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,36 +9,20 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from slurmft.rundir import RunPaths, read_manifest, write_manifest
-from tests.export_check import assert_export_matches_checkpoint, assert_same_model
-from tests.slurm.jobs import complete, metrics, rank_pid, wait_for
+from tests.export_check import assert_export_matches_checkpoint
 
 pytestmark = pytest.mark.slurm
 
+# The config of the shared `reference` run (tests/slurm/conftest.py REFERENCE_*): the models must be equal.
 TRAIN = {"max_steps": 40}
 CHECKPOINT = {"every_steps": 10, "keep_last": 2}
-
-
-@pytest.fixture(scope="module")
-def reference(slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path_factory: pytest.TempPathFactory,
-              config_writer) -> Path:
-    """The uninterrupted run every interrupted one must equal: its consolidated model directory."""
-    from slurmft.config import load_config
-    from slurmft.dispatch import submit_run
-    from slurmft.profiles import load_profile
-
-    tmp = tmp_path_factory.mktemp("reference")
-    path = config_writer.write_config(tmp, tiny_model, chat_data, train=TRAIN, checkpoint=CHECKPOINT)
-    cfg = load_config(path)
-    jobs = submit_run(cfg, load_profile(cfg.cluster.profile), str(path)).jobs
-    slurm_cluster.wait_state(jobs["train"], "COMPLETED", timeout=300)
-    slurm_cluster.wait_state(jobs["consolidate"], "COMPLETED", timeout=240)
-    return tmp / "run" / "model"
 
 
 def _start(slurmft, tmp_path: Path, tiny_model: Path, chat_data: Path, **sections: dict) -> tuple[Path, dict]:
@@ -48,39 +32,35 @@ def _start(slurmft, tmp_path: Path, tiny_model: Path, chat_data: Path, **section
 
 
 def _resume(slurmft, run: Path, *overrides: str) -> dict[str, str]:
-    code, out, err = slurmft.cli(["resume", str(run), *overrides])
-    assert code == 0, err
-    jobs = dict(line.split(" job: ") for line in out.splitlines() if " job: " in line)
-    assert set(jobs) == {"train", "consolidate"}, out
-    return jobs
+    return slurmft.resume(run, *overrides)
 
 
-def _never_satisfied(slurm_cluster, job_id: str) -> None:
-    wait_for(f"{job_id} to be DependencyNeverSatisfied",
-             lambda: slurm_cluster.squeue_reason(job_id) == "DependencyNeverSatisfied", timeout=60)
+def _never_satisfied(slurmft, slurm_cluster, job_id: str) -> None:
+    slurmft.wait_for(f"{job_id} to be DependencyNeverSatisfied",
+                     lambda: slurm_cluster.squeue_reason(job_id) == "DependencyNeverSatisfied", timeout=60)
 
 
 def test_killed_rank_then_resume(slurm_cluster, reference: Path, tiny_model: Path, chat_data: Path,
                                  tmp_path: Path, slurmft) -> None:
     run, jobs = _start(slurmft, tmp_path, tiny_model, chat_data)
-    wait_for("checkpoint-10", lambda: complete(run, 10))
+    slurmft.wait_for("checkpoint-10", lambda: slurmft.complete(run, 10))
     code, _, err = slurmft.cli(["resume", str(run)])  # a live run is refused, naming the job
     assert code == 2 and f"train job(s) {jobs['train']} still queued or running" in err
-    pid = wait_for("rank 1's process", lambda: rank_pid(jobs["train"], 1), timeout=30)
+    pid = slurmft.wait_for("rank 1's process", lambda: slurmft.rank_pid(jobs["train"], 1), timeout=30)
     os.kill(pid, signal.SIGKILL)  # an OOM kill, a segfault: the rank is gone without a word
     slurm_cluster.wait_state(jobs["train"], "FAILED", timeout=120)
-    _never_satisfied(slurm_cluster, jobs["consolidate"])
-    killed_at = max(m["step"] for m in metrics(run))
+    _never_satisfied(slurmft, slurm_cluster, jobs["consolidate"])
+    killed_at = max(m["step"] for m in slurmft.metrics(run))
     assert killed_at < TRAIN["max_steps"]
 
     new = _resume(slurmft, run)
     slurm_cluster.wait_state(jobs["consolidate"], "CANCELLED", timeout=30)  # the stale one is gone
     slurm_cluster.wait_state(new["train"], "COMPLETED", timeout=300)
     slurm_cluster.wait_state(new["consolidate"], "COMPLETED", timeout=240)
-    assert_same_model(run / "model", reference)
+    slurmft.assert_same_model(run / "model", reference)
     assert assert_export_matches_checkpoint(run, tiny_model)["checkpoint"].name == "checkpoint-40"
 
-    steps = [m["step"] for m in metrics(run) if m["job_id"] == new["train"]]
+    steps = [m["step"] for m in slurmft.metrics(run) if m["job_id"] == new["train"]]
     assert min(steps) == 11 and max(steps) == TRAIN["max_steps"]  # resumed from checkpoint-10
     # the new consolidation ran exactly once; the stale one never ran
     assert [p.name for p in (run / "logs").glob("consolidate-*.out")] == [f"consolidate-{new['consolidate']}.out"]
@@ -108,10 +88,20 @@ def test_killed_rank_then_resume(slurm_cluster, reference: Path, tiny_model: Pat
 def test_scancel_then_resume(slurm_cluster, reference: Path, tiny_model: Path, chat_data: Path,
                              tmp_path: Path, slurmft) -> None:
     run, jobs = _start(slurmft, tmp_path, tiny_model, chat_data)
-    wait_for("checkpoint-10", lambda: complete(run, 10))
-    subprocess.run(["scancel", jobs["train"]], check=True)
+    slurmft.wait_for("step 12", lambda: any(m["step"] >= 12 for m in slurmft.metrics(run)))
+    subprocess.run(["scancel", jobs["train"]], check=True)  # SIGTERM to every rank and the batch shell
+    cancelled_at = time.time()
     slurm_cluster.wait_state(jobs["train"], "CANCELLED", timeout=120)
-    _never_satisfied(slurm_cluster, jobs["consolidate"])
+    _never_satisfied(slurmft, slurm_cluster, jobs["consolidate"])
+    # the ranks saved at the next step boundary, within KillWait (5 s here), and the job stayed cancelled
+    marker = json.loads((run / "requeue" / f"{jobs['train']}-0").read_text())
+    saved = marker["step"]
+    assert marker["saved"] and marker["signal"] == "SIGTERM" and marker["ended"] == "cancelled"
+    assert saved > 12 and slurmft.complete(run, saved) and saved == max(m["step"] for m in slurmft.metrics(run))
+    assert json.loads((run / "checkpoints" / f"checkpoint-{saved}" / "COMPLETE").read_text())["t"] - cancelled_at < 5
+    log = (run / "logs" / f"train-{jobs['train']}.out").read_text()
+    assert "cancelled (scancel) and is not requeued" in log and "requeueing job" not in log
+    assert slurm_cluster.squeue_state(jobs["train"]) == "CANCELLED"  # not requeued (a requeue would be PENDING)
     rows = slurmft.status_json(run)
     assert f"slurmft resume {run}" in rows["train"]["words"]
     assert f"slurmft resume {run}" in rows["consolidate"]["words"]
@@ -132,22 +122,24 @@ def test_scancel_then_resume(slurm_cluster, reference: Path, tiny_model: Path, c
     assert "#SBATCH --time=00:14:00" in (run / "scripts" / "train.sbatch").read_text()
     slurm_cluster.wait_state(new["train"], "COMPLETED", timeout=300)
     slurm_cluster.wait_state(new["consolidate"], "COMPLETED", timeout=240)
-    assert_same_model(run / "model", reference)
+    slurmft.assert_same_model(run / "model", reference)
     attempt = read_manifest(RunPaths.of(run))["attempts"][1]
     assert attempt["previous"]["state"] == "CANCELLED" and attempt["overrides"] == ["cluster.time=00:14:00"]
+    assert attempt["resumed_from_step"] == saved  # from the step scancel stopped at, not checkpoint-10
+    assert min(m["step"] for m in slurmft.metrics(run) if m["job_id"] == new["train"]) == saved + 1
 
 
 def test_budget_used_up_then_resume_then_failed_consolidation_redone(
         slurm_cluster, reference: Path, tiny_model: Path, chat_data: Path, tmp_path: Path, slurmft) -> None:
     run, jobs = _start(slurmft, tmp_path, tiny_model, chat_data, preemption={"max_requeues": 0, "lead_time_s": 30})
-    wait_for("step 4", lambda: any(m["step"] >= 4 for m in metrics(run)))
+    slurmft.wait_for("step 4", lambda: any(m["step"] >= 4 for m in slurmft.metrics(run)))
     subprocess.run(["scancel", "--signal=USR2", jobs["train"]], check=True)  # the warning signal
     slurm_cluster.wait_state(jobs["train"], "FAILED", timeout=120)
     log = (run / "logs" / f"train-{jobs['train']}.out").read_text()
     assert "preemption.max_requeues" in log
-    saved = max(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("checkpoint-*") if complete(run, int(p.name.split("-")[1])))
+    saved = max(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("checkpoint-*") if slurmft.complete(run, int(p.name.split("-")[1])))
     assert 4 <= saved < TRAIN["max_steps"]
-    _never_satisfied(slurm_cluster, jobs["consolidate"])
+    _never_satisfied(slurmft, slurm_cluster, jobs["consolidate"])
 
     (run / "model").write_text("in the way")  # the consolidation's output location is unusable
     new = _resume(slurmft, run)
@@ -163,13 +155,13 @@ def test_budget_used_up_then_resume_then_failed_consolidation_redone(
     assert code == 0, err
     job = out.split("consolidate job: ")[1].split()[0]
     slurm_cluster.wait_state(job, "COMPLETED", timeout=240)
-    assert_same_model(run / "model", reference)
+    slurmft.assert_same_model(run / "model", reference)
     assert any(j["job_id"] == job and j["kind"] == "consolidate" for j in read_manifest(RunPaths.of(run))["jobs"])
 
     # --here: in this process, into another directory, same bytes
     code, out, err = slurmft.cli(["consolidate", str(run), "--here", "--out", str(tmp_path / "here")])
     assert code == 0, err
-    assert_same_model(tmp_path / "here", reference)
+    slurmft.assert_same_model(tmp_path / "here", reference)
     here = [j for j in read_manifest(RunPaths.of(run))["jobs"] if j.get("here")]
     assert len(here) == 1 and here[0]["state"] == "COMPLETED"
 

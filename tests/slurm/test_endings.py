@@ -1,0 +1,205 @@
+"""Every way a job ends, on the real two-node cluster (docs/preemption.md): `scontrol requeue` (what
+preemption with PreemptMode=REQUEUE does), the warning signal at three seeded random moments (start-up,
+during a save, mid-step), a damaged newest checkpoint, and the time limit. Each run's consolidated
+model is bitwise equal to the shared uninterrupted `reference` run (tests/slurm/conftest.py), and
+metrics.jsonl holds every step exactly once."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from slurmft.rundir import RunPaths, read_manifest
+
+pytestmark = pytest.mark.slurm
+
+# The config of the shared `reference` run (tests/slurm/conftest.py REFERENCE_*).
+TRAIN = {"max_steps": 40}
+CHECKPOINT = {"every_steps": 10, "keep_last": 2}
+KILL_WAIT_S = 5  # tests/slurm/cluster.sh: KillWait=5
+CHAOS_SEED = 8
+
+
+def _start(slurmft, tmp_path: Path, tiny_model: Path, chat_data: Path, **sections: dict) -> tuple[Path, dict]:
+    path = slurmft.write_config(tmp_path, tiny_model, chat_data, **{"train": TRAIN, "checkpoint": CHECKPOINT,
+                                                                    **sections})
+    return tmp_path / "run", slurmft.submit(path)
+
+
+def _marker(run: Path, job: str, restart: int) -> dict:
+    return json.loads((run / "requeue" / f"{job}-{restart}").read_text())
+
+
+def _each_step_once(slurmft, run: Path, max_steps: int) -> dict[int, list[int]]:
+    """Steps by restart; every step 1..max_steps logged exactly once."""
+    rows = slurmft.metrics(run)
+    steps = [m["step"] for m in rows]
+    assert sorted(steps) == list(range(1, max_steps + 1)), "a step was repeated or skipped"
+    by_restart: dict[int, list[int]] = {}
+    for m in rows:
+        by_restart.setdefault(m["restart"], []).append(m["step"])
+    return by_restart
+
+
+def _restart(slurm_cluster, job: str) -> int:
+    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    return int(out.split("Restarts=")[1].split()[0])
+
+
+def test_scontrol_requeue_saves_at_the_next_step_and_resumes_there(
+        slurm_cluster, reference: Path, tiny_model: Path, chat_data: Path, tmp_path: Path, slurmft) -> None:
+    run, jobs = _start(slurmft, tmp_path, tiny_model, chat_data)
+    job = jobs["train"]
+    slurmft.wait_for("step 13", lambda: any(m["step"] >= 13 for m in slurmft.metrics(run)))
+    subprocess.run(["scontrol", "requeue", job], check=True)  # SIGTERM now, SIGKILL after KillWait
+    asked = time.time()
+    marker = slurmft.wait_for("the ranks' stop marker", lambda: (run / "requeue" / f"{job}-0").is_file(), timeout=30)
+    marker = _marker(run, job, 0)
+    saved = marker["step"]
+    assert marker["saved"] and marker["signal"] == "SIGTERM" and saved > 13  # not the periodic checkpoint-10
+    complete = json.loads((run / "checkpoints" / f"checkpoint-{saved}" / "COMPLETE").read_text())
+    assert complete["t"] - asked < KILL_WAIT_S, "the save did not finish within KillWait"
+    slurm_cluster.wait_state(job, "COMPLETED", timeout=300)
+    slurm_cluster.wait_state(jobs["consolidate"], "COMPLETED", timeout=240)
+    slurmft.assert_same_model(run / "model", reference)
+
+    assert _marker(run, job, 0)["ended"] == "slurm_requeue"  # the batch script left the requeue to Slurm
+    log = (run / "logs" / f"train-{job}.out").read_text()
+    assert "Slurm requeues the job itself" in log and "requeueing job" not in log
+    by_restart = _each_step_once(slurmft, run, TRAIN["max_steps"])
+    assert sorted(by_restart) == [0, 1] and min(by_restart[1]) == saved + 1  # resumed from that very step
+    code, out, _ = slurmft.cli(["status", str(run)])
+    assert code == 0 and f"steps 1-{saved}" in out and "saved, then requeued by Slurm (scontrol requeue or preemption)" in out
+
+
+def _signal_rank_steps(job: str) -> None:
+    """What Slurm does at `--signal=USR2@lead` (no B:): the warning signal to every rank, not the batch shell."""
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+
+
+def _caught(pid: int) -> int:
+    """The signal mask a process catches (SigCgt of /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return int(line.split()[1], 16)
+    return 0
+
+
+def _handlers_installed(slurmft, job: str) -> bool:
+    """Both ranks run and catch SIGUSR2 (12) and SIGTERM (15)."""
+    pids = slurmft.rank_pids(job)
+    want = (1 << (12 - 1)) | (1 << (15 - 1))
+    try:
+        return len(pids) == 2 and all(_caught(pid) & want == want for pid in pids.values())
+    except OSError:
+        return False
+
+
+def test_chaos_three_seeded_warning_signals(slurm_cluster, reference: Path, tiny_model: Path, chat_data: Path,
+                                            tmp_path: Path, slurmft) -> None:
+    rng = random.Random(CHAOS_SEED)
+    startup_delay = round(rng.uniform(0.2, 4.0), 2)  # after both ranks caught the signals, before the first step
+    mid_step = rng.randint(3, 7)  # mid-run: once this step is logged
+    save_step = rng.choice([20, 30])  # while this checkpoint is being written
+    with slurmft.capsys.disabled():  # shown in the test output, not only on failure
+        print(f"\nchaos seed {CHAOS_SEED}: start-up +{startup_delay}s, after step {mid_step}, "
+              f"during checkpoint-{save_step}")
+    run, jobs = _start(slurmft, tmp_path, tiny_model, chat_data)
+    job = jobs["train"]
+
+    # 1. start-up (restart 0): the ranks exist and caught the signals, no step yet
+    slurmft.wait_for("both ranks' handlers", lambda: _handlers_installed(slurmft, job), timeout=120, poll=0.05)
+    time.sleep(startup_delay)
+    assert not slurmft.metrics(run), "the start-up moment came after the first step"
+    _signal_rank_steps(job)
+    slurmft.wait_for("restart 1", lambda: _restart(slurm_cluster, job) >= 1, timeout=120)
+    first = _marker(run, job, 0)
+    assert first["saved"] is False and first["step"] == 0  # stopped before the first step: no save
+    assert not list((run / "checkpoints").glob("checkpoint-*"))
+
+    # 2. mid-run (restart 1): saves at the next step boundary
+    slurmft.wait_for(f"step {mid_step}", lambda: any(m["step"] >= mid_step for m in slurmft.metrics(run)))
+    _signal_rank_steps(job)
+    slurmft.wait_for("restart 2", lambda: _restart(slurm_cluster, job) >= 2, timeout=120)
+    second = _marker(run, job, 1)
+    assert second["saved"] and second["step"] >= mid_step and slurmft.complete(run, second["step"])
+
+    # 3. during the save of checkpoint-<save_step> (restart 2): that save completes, no second save
+    ckpt = run / "checkpoints" / f"checkpoint-{save_step}"
+    slurmft.wait_for(f"{ckpt.name} being written", lambda: ckpt.is_dir(), timeout=240, poll=0.005)
+    during = not (ckpt / "COMPLETE").exists()
+    _signal_rank_steps(job)
+    during = during and not (ckpt / "COMPLETE").exists()  # still unfinished once the signal was sent
+    with slurmft.capsys.disabled():
+        print(f"signal sent while {ckpt.name} had no COMPLETE: {during}")
+    slurmft.wait_for("restart 3", lambda: _restart(slurm_cluster, job) >= 3, timeout=120)
+    third = _marker(run, job, 2)
+    assert third["saved"]
+    if during:
+        assert third["step"] == save_step  # stopped right after that save, not one step later
+    assert third["step"] in (save_step, save_step + 1)
+
+    slurm_cluster.wait_state(job, "COMPLETED", timeout=300)
+    slurm_cluster.wait_state(jobs["consolidate"], "COMPLETED", timeout=240)
+    slurmft.assert_same_model(run / "model", reference)
+    by_restart = _each_step_once(slurmft, run, TRAIN["max_steps"])
+    assert 0 not in by_restart  # the start-up attempt logged no step
+    assert min(by_restart[1]) == 1 and min(by_restart[2]) == second["step"] + 1
+    assert min(by_restart[3]) == third["step"] + 1
+    complete_files = json.loads((run / "checkpoints" / "checkpoint-40" / "COMPLETE").read_text())
+    assert complete_files["bytes"] == sum(complete_files["files"].values()) > 0 and complete_files["save_s"] > 0
+    code, out, _ = slurmft.cli(["status", str(run)])
+    assert code == 0 and "stopped during start-up (no save), requeued" in out
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
+        slurm_cluster, reference: Path, tiny_model: Path, chat_data: Path, tmp_path: Path, slurmft) -> None:
+    run, jobs = _start(slurmft, tmp_path, tiny_model, chat_data, train={"max_steps": 40})
+    slurmft.wait_for("checkpoint-20", lambda: slurmft.complete(run, 20))
+    subprocess.run(["scancel", jobs["train"]], check=True)  # saves at the next step, stays cancelled
+    slurm_cluster.wait_state(jobs["train"], "CANCELLED", timeout=120)
+    newest = _marker(run, jobs["train"], 0)["step"]
+    assert newest > 20
+    shard = run / "checkpoints" / f"checkpoint-{newest}" / "pytorch_model_fsdp_0" / "__1_0.distcp"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:  # a torn write the marker cannot know about
+        f.truncate(size // 2)
+
+    code, out, _ = slurmft.cli(["status", str(run)])
+    assert code == 0 and "checkpoint-20" in out  # the damaged one is not offered
+    new = slurmft.resume(run)
+    attempt = read_manifest(RunPaths.of(run))["attempts"][1]
+    assert attempt["resumed_from_step"] == 20
+    slurm_cluster.wait_state(new["train"], "COMPLETED", timeout=300)
+    slurm_cluster.wait_state(new["consolidate"], "COMPLETED", timeout=240)
+    slurmft.assert_same_model(run / "model", reference)
+    log = (run / "logs" / f"train-{new['train']}.out").read_text()
+    assert (f"skipping damaged checkpoint checkpoint-{newest}: pytorch_model_fsdp_0/__1_0.distcp is {size // 2} "
+            f"bytes, COMPLETE says {size}") in log
+    assert "resuming from checkpoint-20" in log
+    assert min(m["step"] for m in slurmft.metrics(run) if m["job_id"] == new["train"]) == 21
+
+
+def test_time_limit_saves_requeues_and_finishes(slurm_cluster, tiny_model: Path, chat_data: Path,
+                                                tmp_path: Path, slurmft) -> None:
+    """cluster.time 3 min, lead_time_s 60: the warning signal comes 60-90 s before the limit (Slurm checks
+    about every 30 s), more than a minute into training, so 120 steps cannot finish in one allocation."""
+    max_steps = 120
+    run, jobs = _start(slurmft, tmp_path, tiny_model, chat_data, train={"max_steps": max_steps},
+                       checkpoint={"every_steps": 50, "keep_last": 2}, cluster={"time": "00:03:00"},
+                       preemption={"lead_time_s": 60, "max_requeues": 3})
+    job = jobs["train"]
+    slurm_cluster.wait_state(job, "COMPLETED", timeout=600)
+    slurm_cluster.wait_state(jobs["consolidate"], "COMPLETED", timeout=240)
+    first = _marker(run, job, 0)
+    assert first["saved"] and first["step"] < max_steps and first["ended"] in ("warning", "time_limit")
+    by_restart = _each_step_once(slurmft, run, max_steps)
+    assert len(by_restart) >= 2 and min(by_restart[1]) == first["step"] + 1
+    log = (run / "logs" / f"train-{job}.out").read_text()
+    assert "requeueing job" in log and "restart=1" in log
+    assert (run / "model" / "model.safetensors.index.json").is_file()

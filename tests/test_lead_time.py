@@ -1,0 +1,71 @@
+"""Save time against lead time, on the login side: a lead time as long as the job is refused, and a lead
+time below the projected checkpoint save time (estimate's checkpoint bytes / (nodes x the profile's
+per-node write bandwidth)) is a warning with the numbers, from `validate`, `submit` and `estimate`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slurmft import estimate as E
+from slurmft.cli import main
+from slurmft.config import slurm_time_seconds, validate
+from slurmft.errors import ConfigError
+from slurmft.profiles import DEFAULT_CHECKPOINT_WRITE_GB_PER_S, load_profile
+
+EXAMPLE_70B = Path(__file__).resolve().parents[1] / "examples" / "llama2-70b-lima-guanaco.yaml"
+
+
+def _cfg(**preemption: object) -> dict:
+    return {"name": "t", "output_dir": "/tmp/slurmft-lead", "model": {"name_or_path": "meta-llama/Llama-2-70b-hf"},
+            "data": {"datasets": [{"path": "GAIR/lima"}]}, "cluster": {"time": "00:02:00"},
+            "preemption": preemption}
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("90", 5400), ("2:30", 150), ("00:02:00", 120),
+                                               ("1-12", 129600), ("1-00:00:30", 86430)])
+def test_slurm_time_in_seconds(text: str, seconds: int) -> None:
+    assert slurm_time_seconds(text) == seconds
+
+
+@pytest.mark.parametrize("lead", [120, 300])
+def test_lead_time_not_shorter_than_the_job_is_refused(lead: int) -> None:
+    with pytest.raises(ConfigError) as info:
+        validate(_cfg(lead_time_s=lead))
+    text = info.value.render()
+    assert "preemption.lead_time_s" in text and "cluster.time (00:02:00 = 120 s)" in text
+    assert validate(_cfg(lead_time_s=60)).preemption.lead_time_s == 60
+
+
+def test_projected_save_time_and_the_warning_with_numbers() -> None:
+    profile = load_profile("aws-efa")
+    assert profile.checkpoint_write_gb_per_s == DEFAULT_CHECKPOINT_WRITE_GB_PER_S
+    cfg = validate({**_cfg(lead_time_s=60), "cluster": {"time": "04:00:00"}})
+    result = E.estimate(cfg, profile)
+    want = result["checkpoint_bytes"] / (cfg.resources.nodes * 1e9)
+    assert result["checkpoint_save_s"] == pytest.approx(want) and 300 < want < 500  # ~830 GB over 2 nodes
+    warning = E.lead_time_warning(result, cfg.resources.nodes, profile.checkpoint_write_gb_per_s)
+    assert warning is not None
+    assert f"preemption.lead_time_s 60 s is below the projected checkpoint save time {want:.0f} s" in warning
+    assert "2 node(s) x 1 GB/s per node" in warning
+    fast = profile.model_copy(update={"checkpoint_write_gb_per_s": 10.0})
+    quick = E.estimate(cfg, fast)
+    assert E.lead_time_warning(quick, cfg.resources.nodes, 10.0) is None  # ~41 s < 60 s
+
+
+def test_estimate_and_validate_show_it(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["estimate", str(EXAMPLE_70B), "preemption.lead_time_s=120"])
+    out = capsys.readouterr().out
+    assert "projected save time" in out and "lead_time_s 120 s" in out
+    try:
+        main(["validate", str(EXAMPLE_70B), "preemption.lead_time_s=120"])
+    except SystemExit as exc:
+        assert not exc.code
+    err = capsys.readouterr().err
+    assert "warning: preemption.lead_time_s 120 s is below the projected checkpoint save time" in err
+    try:
+        main(["validate", str(EXAMPLE_70B), "cluster.time=00:10:00"])  # its lead_time_s is 600
+    except SystemExit as exc:
+        assert exc.code == 2
+    assert "not shorter than cluster.time" in capsys.readouterr().err
