@@ -47,6 +47,8 @@ def _setup_logging(rank: int) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format=f"[slurmft rank{rank} %(asctime)s] %(message)s", datefmt="%H:%M:%S")
     log.setLevel(level)
+    # transformers prints through its own handler; reaching the root handler too would log each line twice.
+    logging.getLogger("transformers").propagate = False
 
 
 def read_config(paths: RunPaths) -> RunConfig:

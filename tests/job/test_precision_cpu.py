@@ -90,6 +90,8 @@ def test_loss_falls(mode_run) -> None:
     assert sum(losses[-3:]) / 3 < 0.85 * sum(losses[:3]) / 3, losses
 
 
+# fp32's resume is tests/job/test_train_cpu.py::test_resume_continues_bitwise_like_an_uninterrupted_run.
+@pytest.mark.parametrize("mode_run", ["bf16-true", "bf16-mixed"], indirect=True)
 def test_resume_is_bitwise_equal_to_the_uninterrupted_run(mode_run, job_env: dict[str, str],
                                                           tmp_path: Path) -> None:
     import torch

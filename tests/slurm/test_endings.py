@@ -188,13 +188,13 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
 def test_time_limit_saves_requeues_and_finishes(slurm_cluster, tiny_model: Path, chat_data: Path,
                                                 tmp_path: Path, slurmft) -> None:
     """cluster.time 3 min, lead_time_s 60: the warning signal comes 60-90 s before the limit (Slurm checks
-    about every 30 s), more than a minute into training, so 120 steps cannot finish in one allocation."""
-    max_steps = 120
+    about every 30 s), a minute or two into training, so 300 steps cannot finish in one allocation."""
+    max_steps = 300  # ~2 steps/s on an idle 2-core machine: at most ~200 fit before the warning
     run, jobs = _start(slurmft, tmp_path, tiny_model, chat_data, train={"max_steps": max_steps},
-                       checkpoint={"every_steps": 50, "keep_last": 2}, cluster={"time": "00:03:00"},
+                       checkpoint={"every_steps": 100, "keep_last": 2}, cluster={"time": "00:03:00"},
                        preemption={"lead_time_s": 60, "max_requeues": 3})
     job = jobs["train"]
-    slurm_cluster.wait_state(job, "COMPLETED", timeout=600)
+    slurm_cluster.wait_state(job, "COMPLETED", timeout=900)
     slurm_cluster.wait_state(jobs["consolidate"], "COMPLETED", timeout=240)
     first = _marker(run, job, 0)
     assert first["saved"] and first["step"] < max_steps and first["ended"] in ("warning", "time_limit")

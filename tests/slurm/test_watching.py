@@ -1,4 +1,6 @@
-"""Watching a run on the real two-node cluster: a run preempted twice (the warning signal) shows three
+"""Preemption and watching a run on the real two-node cluster: a run preempted twice by the warning signal
+(the first reaching one rank only) saves at one step boundary each time, is requeued under the same job
+id, resumes exactly there and is consolidated once; it shows three
 attempts in `status`, two markers in `slurmft plot`, a report that matches metrics.jsonl, one loss line per
 step in the log; `status` and `runs` ask squeue and sacct at most once each (the calls are counted by
 shims that exec the real commands)."""
@@ -9,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -16,7 +19,8 @@ from pathlib import Path
 import pytest
 from runfixture import local_run
 
-from tests.slurm.jobs import metrics
+from tests.export_check import assert_export_matches_checkpoint
+from tests.slurm.jobs import metrics, rank_pid, wait_for
 
 pytestmark = pytest.mark.slurm
 
@@ -44,10 +48,21 @@ def test_preempted_twice_status_plot_report_logs(slurm_cluster, tiny_model: Path
     run, job = tmp_path / "run", jobs["train"]
     for restart in (0, 1):  # the warning signal twice, a few steps into restart 0 and restart 1
         _wait(f"restart {restart} under way", lambda r=restart: sum(m["restart"] == r for m in metrics(run)) >= 4)
-        subprocess.run(["scancel", "--signal=USR2", job], check=True)
+        if restart == 0:
+            # Only rank 1 (on n2) gets this one: the ranks must still agree (the all-reduce of the flag) and
+            # stop at one step boundary, or rank 0 trains on into a collective rank 1 never joins.
+            os.kill(wait_for("rank 1's process", lambda: rank_pid(job, 1), timeout=30), signal.SIGUSR2)
+        else:  # what Slurm's --signal=USR2@lead does: every rank of the step
+            subprocess.run(["scancel", "--signal=USR2", job], check=True)
         _wait(f"requeue marker {job}-{restart}", lambda r=restart: (run / "requeue" / f"{job}-{r}").exists(), 120)
     slurm_cluster.wait_state(job, "COMPLETED", timeout=300)
     slurm_cluster.wait_state(jobs["consolidate"], "COMPLETED", timeout=240)
+    # the same job id came back twice; the afterok consolidation ran once, after the final success
+    assert [p.name for p in (run / "logs").glob("consolidate-*.out")] == [f"consolidate-{jobs['consolidate']}.out"]
+    marker = json.loads((run / "checkpoints" / "checkpoint-40" / "COMPLETE").read_text())
+    assert marker["restart"] == 2
+    # the trained weights (the final checkpoint's, not the base model's) reached the export
+    assert assert_export_matches_checkpoint(run, tiny_model)["checkpoint"].name == "checkpoint-40"
     stops = [json.loads((run / "requeue" / f"{job}-{r}").read_text())["step"] for r in (0, 1)]
 
     slurm_calls.write_text("")
