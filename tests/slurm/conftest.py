@@ -126,7 +126,9 @@ def slurm_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         real = shutil.which(name)
         assert real, f"{name} not on PATH"
         exe = bin_dir / name
-        exe.write_text(f'#!/bin/sh\necho "{name} $*" >> "{calls}"\nexec "{real}" "$@"\n')
+        # Jobs submitted from the test inherit PATH; their own calls (inside an allocation) do not count.
+        exe.write_text(f'#!/bin/sh\n[ -n "${{SLURM_JOB_ID:-}}" ] || echo "{name} $*" >> "{calls}"\n'
+                       f'exec "{real}" "$@"\n')
         exe.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     return calls
