@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from slurmft import __version__
-from slurmft.config import RunConfig
+from slurmft.config import RunConfig, slurm_time_seconds
 from slurmft.errors import RenderError
 from slurmft.profiles import ClusterProfile
 from slurmft.resources import data_dir
@@ -62,15 +62,7 @@ def python_for(cfg: RunConfig) -> str:
 
 def time_minutes(slurm_time: str) -> int:
     """Minutes in a Slurm time limit (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S), rounded up."""
-    days, _, rest = slurm_time.rpartition("-")
-    parts = [int(p) for p in rest.split(":")]
-    if days:
-        h, m, s = (parts + [0, 0])[:3]
-    elif len(parts) == 3:
-        h, m, s = parts
-    else:
-        h, (m, s) = 0, (parts + [0])[:2]
-    return int(days or 0) * 1440 + h * 60 + m + (1 if s else 0)
+    return -(-slurm_time_seconds(slurm_time) // 60)
 
 
 def _flag(name: str, value: object = True) -> str:
