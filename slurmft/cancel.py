@@ -25,7 +25,15 @@ def cancel_run(run_dir: Path) -> list[str]:
     live_slurm = [j for j in live if j not in pids]
     if not live_slurm:
         return live
-    out = subprocess.run(["scancel", *live_slurm], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SubmissionError(f"scancel {' '.join(live_slurm)} failed: {out.stderr.strip()}")
+    scancel(live_slurm)
     return live
+
+
+def scancel(job_ids: list[str]) -> None:
+    """``scancel`` these jobs, or raise a SubmissionError saying why not (missing, hung, refused)."""
+    try:
+        out = subprocess.run(["scancel", *job_ids], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SubmissionError(f"could not run scancel {' '.join(job_ids)}: {exc}") from None
+    if out.returncode != 0:
+        raise SubmissionError(f"scancel {' '.join(job_ids)} failed: {out.stderr.strip()}")

@@ -107,7 +107,7 @@ def submit(paths: RunPaths, request: ConsolidationRequest, template_dir: str | N
     from slurmft.resume import resume_config
 
     manifest = read_manifest(paths)
-    cfg, _ = resume_config(paths, [], manifest.get("executor", "slurm"))
+    cfg = resume_config(paths, [], manifest.get("executor", "slurm"))
     check_executor(cfg.resolved_executor)
     profile = load_profile(cfg.cluster.profile)
     acquire_lock(paths, "consolidate", say)

@@ -252,6 +252,19 @@ def _submit_slurm(
     say(f"consolidation job {cons} submitted (runs after {train.job_id} succeeds)")
 
 
+def _consolidation_fields(
+    dependency: str | None, run_attempt: int | None, checkpoint: str | None, out: str | None
+) -> dict[str, Any]:
+    """What the manifest records of a consolidation job beyond its id: what it waits on, for which attempt,
+    and a checkpoint/output other than the defaults."""
+    fields: dict[str, Any] = {"dependency": f"afterok:{dependency}"} if dependency else {}
+    if run_attempt is not None:
+        fields["run_attempt"] = run_attempt
+    if checkpoint or out:
+        fields.update(checkpoint=checkpoint, out=out)
+    return fields
+
+
 def submit_consolidation(
     cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, manifest: dict[str, Any], config_path: str = "",
     template_dir: str | None = None, *, dependency: str | None = None, checkpoint: str | None = None,
@@ -270,12 +283,8 @@ def submit_consolidation(
         cons = cex.submit(run_consolidate, str(paths.root), checkpoint, out)
     except (FailedJobError, OSError, RuntimeError) as exc:
         raise SubmissionError(f"sbatch refused the consolidation job ({str(exc).strip()})") from None
-    extra: dict[str, Any] = {"dependency": f"afterok:{dependency}"} if dependency else {}
-    if run_attempt is not None:
-        extra["run_attempt"] = run_attempt
-    if checkpoint or out:
-        extra.update(checkpoint=checkpoint, out=out)
-    record_job(manifest, "consolidate", cons.job_id, **extra, script=str(paths.script("consolidate")),
+    record_job(manifest, "consolidate", cons.job_id, **_consolidation_fields(dependency, run_attempt, checkpoint, out),
+               script=str(paths.script("consolidate")),
                log=str(paths.log_file("consolidate", cons.job_id)))
     write_manifest(paths, manifest)
     return str(cons.job_id)
@@ -340,12 +349,8 @@ def run_local_consolidation(
     cex = LocalExecutor(folder=paths.submitit, python=python_for(cfg))
     cex.update_parameters(tasks_per_node=1, nodes=1, timeout_min=time_minutes(cfg.consolidate.resources.time))
     cons = cex.submit(run_consolidate, str(paths.root), checkpoint, out)
-    extra: dict[str, Any] = {"dependency": f"afterok:{dependency}"} if dependency else {}
-    if run_attempt is not None:
-        extra["run_attempt"] = run_attempt
-    if checkpoint or out:
-        extra.update(checkpoint=checkpoint, out=out)
-    record_job(manifest, "consolidate", cons.job_id, pid=int(cons.job_id), **extra,
+    record_job(manifest, "consolidate", cons.job_id, pid=int(cons.job_id),
+               **_consolidation_fields(dependency, run_attempt, checkpoint, out),
                logs=[str(JobPaths(paths.submitit, cons.job_id, 0).stdout)])
     write_manifest(paths, manifest)
     say(f"consolidation job {cons.job_id} started here")

@@ -15,12 +15,12 @@ effects live in :func:`resume_run`.
 from __future__ import annotations
 
 import json
-import subprocess
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from slurmft.cancel import scancel
 from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, step_of
 from slurmft.config import (
     Executor,
@@ -126,15 +126,14 @@ def checkpoint_world_size(ckpt: Path) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
-def resume_config(paths: RunPaths, overrides: list[str], executor: str) -> tuple[RunConfig, bool]:
-    """The run's resolved config with the allowed overrides; returns (config, changed)."""
-    check_overrides(overrides)
+def resume_config(paths: RunPaths, overrides: list[str], executor: str) -> RunConfig:
+    """The run's resolved config with ``overrides`` (already checked by :func:`check_overrides`) applied."""
     if not paths.config.is_file():
         raise RunDirError(f"{paths.root} has a manifest but no {paths.config.name}: it cannot be resumed")
     data = read_yaml(paths.config)
     cfg = validate(apply_overrides(data, overrides), source=str(paths.config))
     cfg.executor = Executor(executor)  # where the run was started is where it continues
-    return cfg, bool(overrides)
+    return cfg
 
 
 @dataclass
@@ -169,15 +168,6 @@ def _stale_consolidations(state: RunState) -> list[str]:
             if r["job_id"] in chained and r["state"] in ("PENDING", "REQUEUED")]
 
 
-def _cancel(job_ids: list[str]) -> None:
-    try:
-        out = subprocess.run(["scancel", *job_ids], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SubmissionError(f"could not cancel the stale consolidation job(s) {', '.join(job_ids)}: {exc}") from None
-    if out.returncode != 0:
-        raise SubmissionError(f"scancel {' '.join(job_ids)} failed: {out.stderr.strip()}; nothing was submitted")
-
-
 def resume_run(
     run_dir: str | Path, overrides: list[str] | None = None, template_dir: str | None = None,
     say: Any = lambda _: None,
@@ -196,7 +186,7 @@ def resume_run(
     executor = state.manifest.get("executor", "slurm")
     for job in state.adopted:
         say(f"found {job['kind']} job {job['job_id']} tagged with this run but missing from the manifest; adopted it")
-    cfg, changed = resume_config(paths, overrides, executor)
+    cfg = resume_config(paths, overrides, executor)
     live_train = [r["job_id"] for r in state.rows if r["kind"] == "train" and r["state"] in {s.value for s in LIVE}]
     latest = latest_complete(paths.checkpoints)
     step = step_of(latest) if latest else None
@@ -231,12 +221,16 @@ def resume_run(
     try:
         stale = _stale_consolidations(run_state(paths, adopt=False)) if executor != "local" else []
         if stale:
-            _cancel(stale)
+            try:
+                scancel(stale)
+            except SubmissionError as exc:
+                raise SubmissionError(f"{exc}; the stale consolidation job(s) stay queued and nothing was "
+                                      "submitted") from None
             result.cancelled = stale
             say(f"cancelled stale consolidation job(s) {', '.join(stale)} (they waited on a train job that "
                 "will never succeed)")
         manifest = state.manifest
-        if changed:
+        if overrides:
             atomic_write(paths.config, dump_config(cfg))
         for kind, text in scripts.items():
             atomic_write(paths.script(kind), text)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_runner import cli
 
-from slurmft.cli import main
 from tests.export_check import assert_same_model
 from tests.slurm import jobs
 
@@ -45,20 +45,18 @@ class SlurmftDriver:
         return path
 
     def cli(self, args: list[str]) -> tuple[int, str, str]:
-        try:
-            main(args)
-            code = 0
-        except SystemExit as exc:
-            code = int(exc.code or 0)
-        out = self.capsys.readouterr()
-        return code, out.out, out.err
+        return cli(args, self.capsys)
 
-    def submit(self, path: Path, *overrides: str) -> dict[str, str]:
-        code, out, err = self.cli(["submit", str(path), *overrides])
+    def started(self, args: list[str]) -> dict[str, str]:
+        """Run a command that starts a train and a consolidation job (submit, resume); their ids."""
+        code, out, err = self.cli(args)
         assert code == 0, err
         jobs = dict(line.split(" job: ") for line in out.splitlines() if " job: " in line)
         assert set(jobs) == {"train", "consolidate"}, out
         return jobs
+
+    def submit(self, path: Path, *overrides: str) -> dict[str, str]:
+        return self.started(["submit", str(path), *overrides])
 
     def status_json(self, run: Path) -> dict[str, dict]:
         code, out, err = self.cli(["status", str(run), "--json"])
@@ -67,11 +65,7 @@ class SlurmftDriver:
 
     def resume(self, run: Path, *overrides: str) -> dict[str, str]:
         """``slurmft resume RUN``; the new train and consolidation job ids."""
-        code, out, err = self.cli(["resume", str(run), *overrides])
-        assert code == 0, err
-        jobs = dict(line.split(" job: ") for line in out.splitlines() if " job: " in line)
-        assert set(jobs) == {"train", "consolidate"}, out
-        return jobs
+        return self.started(["resume", str(run), *overrides])
 
     # --- watching a run (tests/slurm/jobs.py, tests/export_check.py) ----------------------
     metrics = staticmethod(jobs.metrics)
