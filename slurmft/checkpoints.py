@@ -104,6 +104,14 @@ def damaged(root: Path) -> list[tuple[Path, str]]:
     return out
 
 
+def named(root: Path, checkpoint: str | os.PathLike[str]) -> Path:
+    """A checkpoint given by the user: a path, or a name like ``checkpoint-500`` inside ``root``."""
+    chosen = Path(checkpoint).expanduser()
+    if not chosen.is_absolute() and not chosen.exists():
+        chosen = root / chosen
+    return chosen
+
+
 def latest_complete(root: Path) -> Path | None:
     """Newest complete checkpoint whose files match its marker (damaged ones are skipped), or None."""
     good = verified(root)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slurmft.checkpoints import COMPLETE_MARKER, is_complete, latest_complete, list_checkpoints
+from slurmft.checkpoints import COMPLETE_MARKER, is_complete, latest_complete, list_checkpoints, named
 from slurmft.errors import CheckpointError
 from slurmft.rundir import RunPaths, acquire_lock, read_manifest, record_job, release_lock, write_manifest
 
@@ -40,9 +40,7 @@ def check_request(paths: RunPaths, checkpoint: str | None, out: str | None) -> C
             raise CheckpointError(f"nothing to consolidate: no complete checkpoint in {paths.checkpoints}",
                                   [f"found: {found or 'none'}"])
     else:
-        chosen = Path(checkpoint).expanduser()
-        if not chosen.is_absolute() and not chosen.exists():
-            chosen = paths.checkpoints / chosen  # "checkpoint-500" names one inside the run
+        chosen = named(paths.checkpoints, checkpoint)
         if not chosen.is_dir():
             raise CheckpointError(f"--checkpoint {checkpoint}: no such checkpoint", [f"found: {found or 'none'}"])
         if not is_complete(chosen):

@@ -52,6 +52,7 @@ from slurmft.checkpoints import (
     is_complete,
     latest_complete,
     list_checkpoints,
+    named,
     strip_wrappers,
 )
 from slurmft.config import RunConfig, read_yaml, validate
@@ -158,9 +159,7 @@ def resolve_checkpoint(paths: RunPaths, checkpoint: str | os.PathLike[str] | Non
                 [describe_checkpoints(root)],
             )
     else:
-        chosen = Path(checkpoint).expanduser()
-        if not chosen.is_absolute() and not chosen.exists():
-            chosen = root / chosen  # "checkpoint-500" names one inside the run
+        chosen = named(root, checkpoint)
         if not chosen.is_dir():
             raise CheckpointError(f"checkpoint {str(chosen)!r} does not exist", [describe_checkpoints(root)])
         chosen = chosen.resolve()
