@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -186,3 +187,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def chat_data() -> Path:
     """A small LIMA-style chat dataset shipped with the tiny example."""
     return REPO_ROOT / "examples" / "tiny" / "data" / "lima.jsonl"
+
+
+# The tiny example on the local executor, uninterrupted: test_local_submit checks it, test_local_resume
+# compares its killed-and-resumed run against it (one reference run per session, not one per test).
+LOCAL_EXAMPLE = REPO_ROOT / "examples" / "tiny" / "run.yaml"
+LOCAL_ARGS = ["train.max_steps=18", "checkpoint.every_steps=6"]
+
+
+@pytest.fixture(scope="session")
+def local_tiny_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run directory of ``slurmft submit examples/tiny/run.yaml`` (local executor, 18 steps), finished."""
+    run = tmp_path_factory.mktemp("local-tiny") / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "slurmft.cli", "submit", str(LOCAL_EXAMPLE), f"output_dir={run}",
+         f"model.name_or_path={tiny_model}", *LOCAL_ARGS],
+        capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run.parent / "submit.err").write_text(proc.stderr)
+    return run

@@ -16,6 +16,7 @@ import pytest
 
 from slurmft.cli import main
 from slurmft.rundir import RunPaths, read_manifest
+from tests.conftest import LOCAL_ARGS
 from tests.export_check import assert_same_model
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny" / "run.yaml"
@@ -23,9 +24,9 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny" / "run.ya
 pytestmark = pytest.mark.train
 
 
-def test_killed_local_run_resumes_to_the_same_model(tiny_model: Path, tmp_path: Path,
+def test_killed_local_run_resumes_to_the_same_model(tiny_model: Path, local_tiny_run: Path, tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    args = [f"model.name_or_path={tiny_model}", "train.max_steps=18", "checkpoint.every_steps=6"]
+    args = [f"model.name_or_path={tiny_model}", *LOCAL_ARGS]  # those of the uninterrupted `local_tiny_run`
     killed = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "slurmft.cli", "submit", str(EXAMPLE), f"output_dir={killed}",
                              *args], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -59,7 +60,4 @@ def test_killed_local_run_resumes_to_the_same_model(tiny_model: Path, tmp_path: 
     second = [m["step"] for m in steps if m["job_id"] == resumed["train_job"]]
     assert min(second) == resumed["resumed_from_step"] + 1 and max(second) == 18
 
-    reference = tmp_path / "reference"
-    main(["submit", str(EXAMPLE), f"output_dir={reference}", *args])
-    capsys.readouterr()
-    assert_same_model(killed / "model", reference / "model")
+    assert_same_model(killed / "model", local_tiny_run / "model")
