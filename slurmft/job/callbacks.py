@@ -243,11 +243,12 @@ def _checksum(tensors: Any) -> float:
     """Sum of this rank's local parameter elements (float64): replicas of a shard hold equal sums."""
     from torch.distributed.tensor import DTensor
 
-    total = torch.zeros((), dtype=torch.float64)
+    total = 0.0
     for t in tensors:
         local = t.to_local() if isinstance(t, DTensor) else t
-        total += local.detach().double().sum().cpu()
-    return float(total)
+        for piece in local.detach().reshape(-1).split(1 << 22):  # float64 copies of 4M elements at most
+            total += float(piece.double().sum())
+    return total
 
 
 class FsdpReport(TrainerCallback):
