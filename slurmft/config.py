@@ -330,6 +330,14 @@ class FSDPConfig(_Section):
         "FSDP1 bf16 policy: half the reduce-scatter buffer and traffic, less exact sums.",
     )
     wrap_class: str | None = Field(None, description="Decoder layer class to wrap (default: from the model).")
+    replicate_across_nodes: bool = Field(
+        False,
+        description="HSDP: shard over the ranks of each node and keep one full replica per node (a 2-D mesh, "
+        "nodes x ranks per node). Parameter all-gathers and gradient reduce-scatters stay inside a node; only a "
+        "gradient all-reduce crosses the inter-node network. Needs the model's training state to fit one node: "
+        "`slurmft estimate` shows both layouts and recommends this when it fits. With resources.nodes=1 it is "
+        "plain FSDP.",
+    )
 
 
 class CheckpointConfig(_Section):
@@ -432,6 +440,11 @@ class RunConfig(_Section):
                 f"preemption.lead_time_s: {self.preemption.lead_time_s} s is not shorter than cluster.time "
                 f"({self.cluster.time} = {limit} s): Slurm would send the warning signal at the start. Set "
                 f"preemption.lead_time_s below {limit} (e.g. {max(30, limit // 10)}) or raise cluster.time"
+            )
+        if self.fsdp.replicate_across_nodes and not self.fsdp.enabled:
+            raise ValueError(
+                "fsdp.replicate_across_nodes: shards inside each node, which needs fsdp.enabled=true; set "
+                "fsdp.enabled=true or fsdp.replicate_across_nodes=false"
             )
         if self.executor == Executor.LOCAL and self.resources.nodes != 1:
             raise ValueError(

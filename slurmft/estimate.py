@@ -413,6 +413,9 @@ class _Knobs:
     capacity: int
     reduce_dtype: str = "float32"
     reduce_configured: str | None = None  # fsdp.reduce_dtype as written (None: follows the precision)
+    hsdp: bool = False  # fsdp.replicate_across_nodes
+    reshard_after_forward: bool = True
+    accumulation: int = 1
 
     @property
     def reduce_bytes(self) -> int:
@@ -422,13 +425,20 @@ class _Knobs:
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
 
+    @property
+    def shards(self) -> int:
+        """Ranks one tensor is split over: every rank (FSDP), the ranks of one node (HSDP), or 1 (no FSDP)."""
+        if not self.fsdp:
+            return 1
+        return self.ranks_per_node if self.hsdp else self.world_size
+
 
 def _per_gpu(shape: ModelShape, k: _Knobs) -> dict[str, Any]:
     """Memory of the largest rank (a GPU, or a CPU rank's share of RAM) for the given settings."""
     per = BYTES_PER_PARAM[k.precision]
     c = COMPUTE_BYTES[k.precision]
     tensors = shape.all_tensors()
-    ws = k.world_size if k.fsdp else 1
+    ws = k.shards
     local = sum(_shard_numel(s, ws) for s in tensors)
     state = {name: local * b for name, b in per.items()}
     units = reduce_scatter_units(shape, ws) if k.fsdp else {}
@@ -489,6 +499,68 @@ def reduce_scatter_units(shape: ModelShape, world_size: int) -> dict[str, int]:
         units["embeddings"] = padded([embed])
         units["norm_and_lm_head"] = padded([norm, embed])
     return units
+
+
+# --- HSDP (issue 11, item 10) ---------------------------------------------------------------
+def gradient_reductions_per_step(accumulation: int) -> int:
+    """How often per optimizer step the gradients are reduced (reduce-scatter, plus HSDP's all-reduce).
+
+    What the job does today: the Trainer runs every micro-batch but the last under ``no_sync``, so
+    FSDP2 reduces once per optimizer step. (Should accumulation keep gradients sharded by reducing
+    every micro-batch, this becomes ``accumulation``.)
+    """
+    return 1
+
+
+def inter_node_bytes(n_params: int, k: _Knobs) -> int:
+    """Bytes each node sends over the inter-node network per optimizer step, for the layout in ``k``.
+
+    NCCL's ring algorithms, each ring entering and leaving every node once:
+
+    * FSDP over all ``W = nodes x ranks_per_node`` ranks: an all-gather or reduce-scatter of ``S``
+      bytes moves ``(W-1)/W x S`` over each node's outgoing inter-node link. Every micro-batch
+      all-gathers the parameters in the compute dtype (twice with ``fsdp.reshard_after_forward``:
+      forward and backward); each gradient reduction reduce-scatters them in ``fsdp.reduce_dtype``.
+    * HSDP: all-gathers and reduce-scatters stay inside the node; each gradient reduction all-reduces
+      every shard across the ``N`` nodes (one ring per local rank over N ranks): ``2(N-1)/N x S`` per node.
+    * One node, or no FSDP inside one node: nothing crosses (DDP across nodes is not modelled).
+    """
+    if k.nodes == 1 or not k.fsdp:
+        return 0
+    compute, reduce = COMPUTE_BYTES[k.precision], k.reduce_bytes
+    reductions = gradient_reductions_per_step(k.accumulation)
+    if k.hsdp:
+        return math.ceil(reductions * 2 * (k.nodes - 1) / k.nodes * n_params * reduce)
+    gathers = k.accumulation * (2 if k.reshard_after_forward else 1)
+    w = k.world_size
+    return math.ceil((w - 1) / w * n_params * (gathers * compute + reductions * reduce))
+
+
+def layouts(shape: ModelShape, n_params: int, k: _Knobs) -> dict[str, dict[str, Any]]:
+    """Both FSDP layouts of the same run side by side: memory per GPU and bytes over the inter-node link."""
+    out = {}
+    for name, hsdp in (("fsdp", False), ("hsdp", True)):
+        alt = replace(k, hsdp=hsdp)
+        plan = _per_gpu(shape, alt)
+        out[name] = {"shards": alt.shards, "replicas": k.nodes if hsdp else 1, "per_gpu_total": plan["total"],
+                     "fits": plan["fits"], "inter_node_bytes_per_step": inter_node_bytes(n_params, alt)}
+    return out
+
+
+def hsdp_advice(result_layouts: dict[str, dict[str, Any]], k: _Knobs) -> str | None:
+    """A recommendation to switch layout, or None: HSDP when the training state fits one node."""
+    if not k.fsdp or k.nodes == 1:
+        return None
+    fsdp, hsdp = result_layouts["fsdp"], result_layouts["hsdp"]
+    traffic = (f"inter-node traffic {_fmt(hsdp['inter_node_bytes_per_step'])} per node per step instead of "
+               f"{_fmt(fsdp['inter_node_bytes_per_step'])}")
+    if not k.hsdp and hsdp["fits"]:
+        return (f"set fsdp.replicate_across_nodes=true (HSDP): the model's training state fits one node "
+                f"({_fmt(hsdp['per_gpu_total'])} per GPU sharded over its {k.ranks_per_node} ranks), so parameter "
+                f"all-gathers and gradient reduce-scatters stay inside the node and only one gradient all-reduce "
+                f"crosses the network; {traffic}")
+    return None
+# --- end HSDP ------------------------------------------------------------------------------
 
 
 def resolve_precision(cfg: RunConfig, on_gpu: bool) -> str:
@@ -567,6 +639,9 @@ def estimate(
         capacity=capacity,
         reduce_dtype=resolve_reduce_dtype(PRECISIONS[precision], cfg.fsdp.reduce_dtype),
         reduce_configured=cfg.fsdp.reduce_dtype,
+        hsdp=cfg.fsdp.replicate_across_nodes,
+        reshard_after_forward=cfg.fsdp.reshard_after_forward,
+        accumulation=cfg.train.gradient_accumulation_steps,
     )
     gpu = _per_gpu(shape, knobs)
     act_detail = gpu.pop("_activations_detail")
@@ -619,6 +694,7 @@ def estimate(
     remedies: list[str] = []
     if not gpu["fits"]:
         remedies = _remedies(shape, knobs)
+    both = layouts(shape, n_params, knobs)
 
     assumptions = _assumptions(shape, knobs, capacity_note)
     result: dict[str, Any] = {
@@ -655,7 +731,9 @@ def estimate(
             "profile": profile.name,
             "precision": precision,
             "fsdp": knobs.fsdp,
-            "shards": knobs.world_size if knobs.fsdp else 1,
+            "shards": knobs.shards,
+            "replicate_across_nodes": knobs.hsdp and knobs.fsdp,
+            "replicas": knobs.nodes if (knobs.hsdp and knobs.fsdp) else 1,
             "cpu_offload": knobs.cpu_offload,
             "activation_checkpointing": knobs.checkpointing,
             "attention": "eager" if eager else "flash/sdpa",
@@ -678,6 +756,9 @@ def estimate(
         "consolidated_dtype": out_dtype,
         "fits": bool(gpu["fits"] and cpu["fits"]),
         "remedies": remedies,
+        "layouts": both,
+        "inter_node_bytes_per_step": both["hsdp" if knobs.hsdp else "fsdp"]["inter_node_bytes_per_step"],
+        "recommendation": hsdp_advice(both, knobs) if gpu["fits"] else None,
         "assumptions": assumptions,
     }
     result["problems"] = fit_problems(result)
@@ -694,7 +775,10 @@ def _remedies(shape: ModelShape, k: _Knobs) -> list[str]:
         return plan["total"] if plan["fits"] else None
 
     if not k.fsdp and (t := fits(replace(k, fsdp=True))):
-        out.append(f"set fsdp.enabled=true (shards over {k.world_size} ranks: {_fmt(t)} per GPU)")
+        out.append(f"set fsdp.enabled=true (shards over {replace(k, fsdp=True).shards} ranks: {_fmt(t)} per GPU)")
+    if k.fsdp and k.hsdp and k.nodes > 1 and (t := fits(replace(k, hsdp=False))):
+        out.append(f"set fsdp.replicate_across_nodes=false (the training state does not fit one node; FSDP over all "
+                   f"{k.world_size} ranks: {_fmt(t)} per GPU)")
     if k.precision != "bf16-true":
         true_bf16 = replace(k, precision="bf16-true",
                             reduce_dtype=resolve_reduce_dtype(PRECISIONS["bf16-true"], k.reduce_configured))
@@ -712,10 +796,11 @@ def _remedies(shape: ModelShape, k: _Knobs) -> list[str]:
             f"set train.per_device_batch_size=1 and raise train.gradient_accumulation_steps ({_fmt(t)} per GPU)"
         )
     if k.on_gpu:
-        base = replace(k, fsdp=True)
+        base = replace(k, fsdp=True, hsdp=False)  # more nodes only help when every rank holds a shard
         for nodes in range(k.nodes + 1, 513):
             if t := fits(replace(base, nodes=nodes)):
                 extra = "" if k.fsdp else " with fsdp.enabled=true"
+                extra += " and fsdp.replicate_across_nodes=false" if k.hsdp else ""
                 out.append(f"use resources.nodes={nodes}{extra} ({_fmt(t)} per GPU)")
                 break
         if not k.cpu_offload and (t := fits(replace(k, fsdp=True, cpu_offload=True))):
@@ -746,9 +831,15 @@ def _assumptions(shape: ModelShape, k: _Knobs, capacity_note: str | None) -> lis
            if k.precision in ("bf16-mixed", "fp16-mixed") else "")
         + (" (bf16 weights, gradients, exp_avg and exp_avg_sq)" if k.precision == "bf16-true" else "")
     )
-    if k.fsdp:
+    if k.fsdp and k.hsdp and k.nodes > 1:
+        lines.append(
+            f"HSDP (fsdp.replicate_across_nodes): each tensor split on dim 0 (padded) over the {k.ranks_per_node} "
+            f"ranks of a node and replicated on {k.nodes} nodes; the largest rank is shown"
+        )
+    elif k.fsdp:
         lines.append(
             f"FSDP full shard over {k.world_size} ranks: each tensor split on dim 0 (padded); the largest rank is shown"
+            + ("; fsdp.replicate_across_nodes on one node is the same" if k.hsdp else "")
         )
         lines.append(
             f"FSDP reduce-scatter input: the largest wrapped unit's gradients, unsharded and padded, in "
@@ -765,6 +856,13 @@ def _assumptions(shape: ModelShape, k: _Knobs, capacity_note: str | None) -> lis
         )
     if k.cpu_offload and k.fsdp:
         lines.append("fsdp.cpu_offload: sharded weights, gradients and optimizer states live in CPU RAM")
+    if k.fsdp and k.nodes > 1:
+        lines.append(
+            "inter-node bytes per node per optimizer step, NCCL rings: FSDP (W-1)/W x (parameter all-gathers in the "
+            "compute dtype, x2 with reshard_after_forward, every micro-batch + the gradient reduce-scatter); HSDP "
+            "2(N-1)/N x the gradient all-reduce; gradients reduced "
+            f"{gradient_reductions_per_step(k.accumulation)}x per step"
+        )
     attn = (
         "eager attention: K/V repeated to all heads, fp32 softmax of heads x seq x seq per layer"
         if k.eager
@@ -890,7 +988,8 @@ def render_table(result: dict[str, Any]) -> RenderableType:
         f"/{m['num_key_value_heads']} kv, vocab {m['vocab_size']}\n",
         f"{s['nodes']} node(s) x {s['ranks_per_node']} ranks on {s['gpu_type'] or 'CPU'} "
         f"({s['profile']}), {s['precision']}, "
-        + (f"FSDP full shard over {s['shards']}" if s["fsdp"] else "no FSDP (full copy per rank)")
+        + ((f"HSDP: sharded over {s['shards']} per node, {s['replicas']} replicas" if s["replicas"] > 1 else
+            f"FSDP full shard over {s['shards']}") if s["fsdp"] else "no FSDP (full copy per rank)")
         + (", CPU offload" if s["cpu_offload"] else "")
         + f", activation checkpointing {'on' if s['activation_checkpointing'] else 'off'}, "
         f"{s['attention']} attention, seq {s['seq_len']} x micro-batch {s['micro_batch']}",
@@ -947,6 +1046,23 @@ def render_table(result: dict[str, Any]) -> RenderableType:
               f"{result['checkpoint_save_s']:.1f} s")
     d.add_row(f"consolidated model ({result['consolidated_dtype']})", _fmt(result["consolidated_bytes"]))
 
+    lay = Table(title="Layouts across nodes (HSDP: fsdp.replicate_across_nodes)", title_justify="left")
+    for col, justify in (("layout", "left"), ("shards x replicas", "right"), ("per GPU", "right"),
+                         ("inter-node bytes/node/step", "right")):
+        lay.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for name, label in (("fsdp", "FSDP"), ("hsdp", "HSDP")):
+        row = result["layouts"][name]
+        chosen = (name == "hsdp") == s["replicate_across_nodes"]
+        lay.add_row(label + (" (this run)" if chosen else ""), f"{row['shards']} x {row['replicas']}",
+                    Text(_fmt(row["per_gpu_total"]), style="green" if row["fits"] else "red"),
+                    _fmt(row["inter_node_bytes_per_step"]))
+
     verdict = Text(result["verdict"], style="bold green" if result["fits"] else "bold red")
+    parts = [head, t, r, d]
+    if s["fsdp"] and s["nodes"] > 1:
+        parts.append(lay)
+    parts.append(verdict)
+    if result.get("recommendation"):
+        parts.append(Text("recommended: " + result["recommendation"], style="bold yellow"))
     notes = Text("\n".join(f"- {a}" for a in result["assumptions"]), style="dim")
-    return Group(head, t, r, d, verdict, Text("assumptions:", style="dim"), notes)
+    return Group(*parts, Text("assumptions:", style="dim"), notes)

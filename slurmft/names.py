@@ -84,6 +84,11 @@ ALIASES: dict[str, Alias] = {
     "max_steps": Alias(HF, "train.max_steps"),
     "output_dir": Alias(f"{HF}, {AX}, {TT}", "output_dir", "top level"),
     "fsdp_config": Alias(f"{HF}, {AX}", "fsdp"),
+    "hybrid_shard": Alias("FSDP1", "fsdp.replicate_across_nodes", "HYBRID_SHARD: true = shard per node"),
+    "sharding_strategy": Alias("FSDP1, accelerate", "fsdp.replicate_across_nodes",
+                               "HYBRID_SHARD = true, FULL_SHARD = false"),
+    "dp_replicate_size": Alias("transformers, accelerate", "fsdp.replicate_across_nodes",
+                               "true = one replica per node (resources.nodes)"),
     "num_nodes": Alias(TT, "resources.nodes"),
     "nproc_per_node": Alias(TT, "resources.gpus_per_node"),
 }

@@ -113,3 +113,18 @@ def test_config_reference_doc_is_current() -> None:
 
     doc = Path(__file__).parent.parent / "docs" / "config.md"
     assert doc.read_text() == reference(), "regenerate: python -m slurmft.configdoc > docs/config.md"
+
+
+def test_replicate_across_nodes_needs_fsdp_and_is_suggested_for_foreign_spellings() -> None:
+    base = {"name": "t", "output_dir": "/tmp/t", "model": {"name_or_path": "org/m"},
+            "data": {"datasets": [{"path": "org/d"}]}}
+    assert validate({**base, "fsdp": {"replicate_across_nodes": True}}).fsdp.replicate_across_nodes
+    one_node = validate({**base, "resources": {"nodes": 1}, "fsdp": {"replicate_across_nodes": True}})
+    assert one_node.fsdp.replicate_across_nodes  # accepted: one replica is plain FSDP (a 1-node smoke test)
+    with pytest.raises(ConfigError) as err:
+        validate({**base, "fsdp": {"enabled": False, "replicate_across_nodes": True}})
+    assert "fsdp.replicate_across_nodes: shards inside each node, which needs fsdp.enabled=true" in err.value.render()
+    for key in ("hybrid_shard", "sharding_strategy", "dp_replicate_size"):
+        with pytest.raises(ConfigError) as err:
+            validate({**base, "fsdp": {key: True}})
+        assert "did you mean fsdp.replicate_across_nodes?" in err.value.render(), key

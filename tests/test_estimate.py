@@ -8,6 +8,7 @@ two-process gloo measurement; the tests start it themselves.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -392,6 +393,86 @@ def test_llama_3_8b_on_one_h100_node():
     one_gpu = dict(resources__nodes=1, resources__gpus_per_node=1, fsdp__enabled=False)
     r = E.estimate(run_config("meta-llama/Meta-Llama-3-8B", **one_gpu), profile("H200-141GB", 141))
     assert not r["fits"]  # 8.03B x 16 bytes = 128 GB of state alone, plus DDP buckets and activations
+
+
+# ====================================================================== HSDP (fsdp.replicate_across_nodes)
+def eight_b(**dotted: Any) -> RunConfig:
+    """Llama-3-8B on 2 nodes x 8 GPUs, bf16-mixed, seq 4096: fits one node, so HSDP is the better layout."""
+    base = dict(resources__nodes=2, resources__gpus_per_node=8, data__max_seq_length=4096)
+    return run_config("meta-llama/Meta-Llama-3-8B", **{**base, **dotted})
+
+
+def test_hsdp_per_gpu_memory_is_one_node_of_fsdp():
+    hsdp = E.estimate(eight_b(fsdp__replicate_across_nodes=True), profile())
+    one_node = E.estimate(eight_b(resources__nodes=1), profile())
+    fsdp = E.estimate(eight_b(), profile())
+    assert hsdp["setup"]["shards"] == 8 and hsdp["setup"]["replicas"] == 2 and hsdp["setup"]["replicate_across_nodes"]
+    assert fsdp["setup"]["shards"] == 16 and fsdp["setup"]["replicas"] == 1
+    # sharded over the 8 ranks of a node: exactly what FSDP on one node holds per GPU
+    assert hsdp["per_gpu"] == one_node["per_gpu"]
+    assert hsdp["per_gpu"]["weights"] > 1.9 * fsdp["per_gpu"]["weights"]
+    assert hsdp["layouts"]["hsdp"]["per_gpu_total"] == hsdp["per_gpu"]["total"]
+    assert hsdp["layouts"]["fsdp"]["per_gpu_total"] == fsdp["per_gpu"]["total"]
+    assert any("HSDP" in a for a in hsdp["assumptions"])
+
+
+def test_inter_node_bytes_per_step_both_layouts():
+    r = E.estimate(eight_b(), profile())
+    n = r["parameters"]
+    # FSDP over 16 ranks (ring): 15/16 x (bf16 all-gather in forward + again in backward + fp32 reduce-scatter)
+    assert r["layouts"]["fsdp"]["inter_node_bytes_per_step"] == math.ceil(15 / 16 * n * (2 + 2 + 4))
+    # HSDP: all-gathers and reduce-scatters inside the node; one fp32 all-reduce across 2 nodes: 2 x 1/2 x 4 bytes
+    assert r["layouts"]["hsdp"]["inter_node_bytes_per_step"] == math.ceil(n * 4)
+    assert r["inter_node_bytes_per_step"] == r["layouts"]["fsdp"]["inter_node_bytes_per_step"]  # this run's layout
+    bf16 = E.estimate(eight_b(fsdp__reduce_dtype="bfloat16", fsdp__replicate_across_nodes=True), profile())
+    assert bf16["inter_node_bytes_per_step"] == bf16["layouts"]["hsdp"]["inter_node_bytes_per_step"] == n * 2
+    keep = E.estimate(eight_b(fsdp__reshard_after_forward=False), profile())["layouts"]["fsdp"]
+    assert keep["inter_node_bytes_per_step"] == math.ceil(15 / 16 * n * (2 + 4))  # gathered once per micro-batch
+    accum = E.estimate(eight_b(train__gradient_accumulation_steps=4), profile())["layouts"]
+    assert accum["fsdp"]["inter_node_bytes_per_step"] == math.ceil(15 / 16 * n * (4 * (2 + 2) + 4))
+    assert accum["hsdp"]["inter_node_bytes_per_step"] == n * 4  # the gradients are reduced once per step
+    four = E.estimate(eight_b(resources__nodes=4), profile())["layouts"]
+    assert four["hsdp"]["inter_node_bytes_per_step"] == math.ceil(2 * 3 / 4 * n * 4)
+    one = E.estimate(eight_b(resources__nodes=1), profile())
+    assert one["layouts"]["fsdp"]["inter_node_bytes_per_step"] == one["layouts"]["hsdp"]["inter_node_bytes_per_step"] == 0
+
+
+def test_recommends_hsdp_when_the_model_fits_one_node():
+    r = E.estimate(eight_b(), profile())
+    assert r["fits"] and "set fsdp.replicate_across_nodes=true" in r["recommendation"]
+    assert "fits one node" in r["recommendation"]
+    assert E.estimate(eight_b(fsdp__replicate_across_nodes=True), profile())["recommendation"] is None
+    assert E.estimate(eight_b(resources__nodes=1), profile())["recommendation"] is None  # nothing crosses nodes
+    # 70B in bf16-true: FSDP over 16 ranks fits (50.7 GB per GPU), one node does not (86.9 GB)
+    seventy = E.estimate(seed_config(train__precision="bf16-true"), profile())
+    assert seventy["fits"] and not seventy["layouts"]["hsdp"]["fits"] and seventy["recommendation"] is None
+
+
+def test_hsdp_that_does_not_fit_a_node_says_to_shard_over_all_ranks():
+    r = E.estimate(seed_config(train__precision="bf16-true", fsdp__replicate_across_nodes=True), profile())
+    assert not r["fits"]
+    assert any("set fsdp.replicate_across_nodes=false" in x for x in r["remedies"]), r["remedies"]
+    # more nodes do not help HSDP (each node keeps a full replica): the nodes remedy switches it off too
+    nodes = [x for x in r["remedies"] if "resources.nodes=" in x]
+    assert not nodes or "fsdp.replicate_across_nodes=false" in nodes[0]
+
+
+def test_hsdp_on_one_node_is_plain_fsdp():
+    one = dict(resources__nodes=1)
+    hsdp = E.estimate(eight_b(fsdp__replicate_across_nodes=True, **one), profile())
+    fsdp = E.estimate(eight_b(**one), profile())
+    assert hsdp["per_gpu"] == fsdp["per_gpu"] and hsdp["setup"]["replicas"] == 1
+    assert any("replicate_across_nodes on one node is the same" in a for a in hsdp["assumptions"])
+
+
+def test_render_table_shows_both_layouts_and_the_recommendation():
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(E.render_table(E.estimate(eight_b(), profile())))
+    text = console.export_text()
+    assert "Layouts across nodes" in text and "FSDP (this run)" in text and "HSDP" in text
+    assert "recommended: set fsdp.replicate_across_nodes=true" in text
 
 
 def test_cpu_run_uses_fp32_and_node_ram_per_rank():

@@ -10,7 +10,9 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import resource
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -225,8 +227,34 @@ class StepLog(TrainerCallback):
             log.info("%s", step_line(logs, state.global_step, state.max_steps))
 
 
+def _mesh_info(dtensors: list[Any]) -> dict[str, Any]:
+    """The parameters' device mesh(es): shapes, dim names, and this rank's coordinate (HSDP: replica, shard)."""
+    meshes = {id(p.device_mesh): p.device_mesh for p in dtensors}
+    first = next(iter(meshes.values()), None)
+    return {
+        "mesh_shapes": sorted({tuple(m.shape) for m in meshes.values()}),
+        "mesh_dim_names": list(first.mesh_dim_names) if first is not None and first.mesh_dim_names else None,
+        "mesh_coordinate": first.get_coordinate() if first is not None else None,
+    }
+
+
+@torch.no_grad()
+def _checksum(tensors: Any) -> float:
+    """Sum of this rank's local parameter elements (float64): replicas of a shard hold equal sums."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0.0
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        for piece in local.detach().reshape(-1).split(1 << 22):  # float64 copies of 4M elements at most
+            total += float(piece.double().sum())
+    return total
+
+
 class FsdpReport(TrainerCallback):
-    """Each rank writes ``<run>/fsdp_report/rank<r>.json``: what it really holds once training starts."""
+    """Each rank writes ``<run>/fsdp_report/rank<r>.json``: what it really holds once training starts (the
+    DTensor mesh and placements, local bytes), after the first optimizer step, and a checksum of its
+    local shards at the start and end (replicas of a shard, e.g. under HSDP, hold equal checksums)."""
 
     def __init__(self, ctx: DistContext, out_dir: Path, info: dict[str, Any]) -> None:
         self.ctx = ctx
@@ -246,11 +274,14 @@ class FsdpReport(TrainerCallback):
         report = {
             "rank": self.ctx.rank,
             "world_size": self.ctx.world_size,
+            "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
             "device": str(self.ctx.device),
             "backend": self.ctx.backend,
             "distributed_type": str(AcceleratorState().distributed_type),
             "param_types": sorted({type(p).__name__ for _, p in params}),
             "placements": sorted({str(p.placements) for _, p in params if isinstance(p, DTensor)}),
+            **_mesh_info([p for _, p in params if isinstance(p, DTensor)]),
+            "local_checksum": _checksum(p for _, p in params),
             "num_tensors": len(params),
             "num_dtensors": sum(isinstance(p, DTensor) for _, p in params),
             "fsdp_modules": sum(isinstance(m, FSDPModule) for m in model.modules()),
@@ -295,6 +326,13 @@ class FsdpReport(TrainerCallback):
             "optimizer_class": type(inner).__module__ + "." + type(inner).__name__,
         })
         self._write()
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        """This attempt's last weights: under HSDP, ranks holding the same shard on different nodes must agree."""
+        if self._report is not None and model is not None:
+            self._report["local_checksum_at_end"] = _checksum(model.parameters())
+            self._report["step_at_end"] = state.global_step
+            self._write()
 
     def _write(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)

@@ -52,6 +52,7 @@ from slurmft.checkpoints import strip_wrappers
 from slurmft.config import ModelConfig, RunConfig
 from slurmft.errors import JobSetupError
 from slurmft.job.distributed import DistContext, guarded
+from slurmft.job.rendezvous import JobEnv
 from slurmft.precision import Precision
 from slurmft.precision import reduce_dtype as configured_reduce_dtype
 from slurmft.precision import resolve as resolve_precision
@@ -332,6 +333,57 @@ def _check_weights(model: torch.nn.Module, model_dir: Path) -> list[tuple[str, s
     return plan
 
 
+# --- HSDP (issue 11, item 10) ---------------------------------------------------------------
+HSDP_DIM_NAMES = ("replicate", "shard")
+
+
+def mesh_layout(replicate_across_nodes: bool, env: JobEnv) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+    """(mesh shape, dim names) of the FSDP2 mesh: ``(world_size,)``, or ``(nodes, ranks per node)`` for HSDP.
+
+    torch's ``init_device_mesh`` lays global ranks out row-major, so row ``i`` of the 2-D mesh is
+    ranks ``i*S .. i*S+S-1``: node ``i`` only when every node runs the same number of ranks ``S`` and
+    Slurm numbered them node by node (its default block distribution; torchrun does the same). Both
+    are checked here (on every rank, from its own environment), so a layout where a "node" row would
+    span two machines is refused instead of silently sending the all-gathers over the network.
+    One node: HSDP with one replica is plain FSDP, so the 1-D mesh is used (a ``resources.nodes=1``
+    smoke test of an HSDP config runs unchanged).
+    """
+    if not replicate_across_nodes or env.num_nodes == 1:
+        return (env.world_size,), None
+    nodes, per_node = env.num_nodes, env.local_world_size
+    if nodes * per_node != env.world_size:
+        raise JobSetupError(
+            f"fsdp.replicate_across_nodes: the job has {env.world_size} ranks on {nodes} nodes ({per_node} on this "
+            f"node), not the same number on every node, so the nodes cannot hold equal replicas; give every node "
+            f"the same number of ranks (resources.tasks_per_node) or set fsdp.replicate_across_nodes=false"
+        )
+    if env.rank != env.node_rank * per_node + env.local_rank:
+        raise JobSetupError(
+            f"fsdp.replicate_across_nodes: rank {env.rank} is local rank {env.local_rank} on node {env.node_rank}, "
+            f"but HSDP needs ranks numbered node by node (rank = node x {per_node} + local rank: Slurm's default "
+            "block distribution); remove a cyclic --distribution / SLURM_DISTRIBUTION, or set "
+            "fsdp.replicate_across_nodes=false"
+        )
+    return (nodes, per_node), HSDP_DIM_NAMES
+
+
+def fsdp_mesh(cfg: RunConfig, ctx: DistContext) -> Any:
+    """The one FSDP2 device mesh of the job (1-D, or HSDP's 2-D ``(replicate, shard)``; see :func:`mesh_layout`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape, names = guarded(ctx, "building the device mesh",
+                           lambda: mesh_layout(cfg.fsdp.replicate_across_nodes, ctx.env))
+    if names is None:
+        if cfg.fsdp.replicate_across_nodes and ctx.is_main:
+            log.info("fsdp.replicate_across_nodes on 1 node: one replica, i.e. plain FSDP over %d ranks", ctx.world_size)
+        return init_device_mesh(ctx.device.type, shape)
+    if ctx.is_main:
+        log.info("HSDP: parameters sharded over the %d ranks of each node, replicated on %d nodes (mesh %s %s)",
+                 shape[1], shape[0], shape, names)
+    return init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
+# --- end HSDP ------------------------------------------------------------------------------
+
+
 def _shard(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext, wrap: set[str], compute: torch.dtype | None,
            reduce: torch.dtype) -> None:
     """Activation checkpointing, then FSDP2 units: each decoder layer, embeddings, head, root.
@@ -339,10 +391,9 @@ def _shard(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext, wrap: set[s
     ``compute``: the dtype parameters are gathered in (None: as stored); ``reduce``: the gradient reduce dtype.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    mesh = fsdp_mesh(cfg, ctx)
     kwargs: dict[str, Any] = {
         "mesh": mesh,
         "reshard_after_forward": cfg.fsdp.reshard_after_forward,
@@ -388,11 +439,29 @@ def _named_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return targets
 
 
+def _row_chunks(target: Any, world: int) -> tuple[int, list[int]]:
+    """(number of dim-0 chunks, the chunk each global rank holds) under a DTensor's mesh and placements.
+
+    ``(Shard(0),)`` on a 1-D mesh: rank r holds chunk r. HSDP's ``(Replicate(), Shard(0))``: the chunk
+    is the rank's coordinate on the shard dim, the same on every replica.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    layout = target.device_mesh.mesh  # global ranks, shaped like the mesh
+    sharded = [d for d, p in enumerate(target.placements) if isinstance(p, Shard) and p.dim == 0]
+    known = all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in target.placements)
+    if len(sharded) != 1 or not known or layout.numel() != world:
+        raise RuntimeError(f"unexpected placements {target.placements} on mesh {tuple(layout.shape)}")
+    chunk_of = [int((layout == r).nonzero()[0][sharded[0]]) for r in range(world)]
+    return int(layout.shape[sharded[0]]), chunk_of
+
+
 @torch.no_grad()
 def _scatter_weights(model: torch.nn.Module, plan: list[tuple[str, str, str]], model_dir: Path | None,
                      ctx: DistContext) -> None:
-    """Rank 0 reads each tensor once and scatters row chunks (Shard(0)); other ranks get their slice only."""
-    from torch.distributed.tensor import DTensor, Shard
+    """Rank 0 reads each tensor once and scatters row chunks (Shard(0), per replica under HSDP); every other
+    rank gets its own slice only."""
+    from torch.distributed.tensor import DTensor
 
     names = [plan] if ctx.is_main else [None]
     dist.broadcast_object_list(names, src=0)
@@ -413,22 +482,22 @@ def _scatter_weights(model: torch.nn.Module, plan: list[tuple[str, str, str]], m
         for i, (name, file, key) in enumerate(order):
             target = targets[name]
             if isinstance(target, DTensor):
-                if tuple(target.placements) != (Shard(0),):
-                    raise RuntimeError(f"{name}: unexpected placements {target.placements}")
+                count, chunk_of = _row_chunks(target, world)
                 local = target.to_local()
                 rows, rest = target.shape[0], tuple(target.shape[1:])
-                chunk = math.ceil(rows / world)
-                mine = max(0, min(chunk, rows - rank * chunk))
+                chunk = math.ceil(rows / count)
+                mine = max(0, min(chunk, rows - chunk_of[rank] * chunk))
                 recv = torch.empty((chunk, *rest), dtype=local.dtype, device=comm)
                 chunks = None
                 if ctx.is_main:
                     full = read(file, key).to(device=comm, dtype=local.dtype)
-                    if rows != chunk * world:
-                        padded = full.new_zeros((chunk * world, *rest))
+                    if rows != chunk * count:
+                        padded = full.new_zeros((chunk * count, *rest))
                         padded[:rows].copy_(full)
                         full = padded
-                    chunks = list(full.contiguous().chunk(world))
-                    del full
+                    pieces = list(full.contiguous().chunk(count))
+                    chunks = [pieces[chunk_of[r]] for r in range(world)]
+                    del full, pieces
                 dist.scatter(recv, scatter_list=chunks, src=0)
                 local.copy_(recv[:mine])
                 del chunks, recv

@@ -290,8 +290,9 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
     t_load = time.time()
     sharded = loading.build_sharded_model(cfg, inputs.config, inputs.model_dir if ctx.is_main else None, ctx)
     if ctx.is_main:
-        log.info("model: %.1fM parameters, %s, sharded over %d ranks in %.1fs", sharded.num_params / 1e6,
-                 str(sharded.dtype).removeprefix("torch."), ctx.world_size, time.time() - t_load)
+        mesh = next(sharded.model.parameters()).device_mesh  # HSDP: (replicas, shards)
+        log.info("model: %.1fM parameters, %s, FSDP2 mesh %s over %d ranks in %.1fs", sharded.num_params / 1e6,
+                 str(sharded.dtype).removeprefix("torch."), tuple(mesh.shape), ctx.world_size, time.time() - t_load)
 
     info = {"job_id": env.job_id, "restart": env.restart_count}
     marker_info = {**info, "precision": sharded.precision}  # consolidate.dtype=auto and resume read it

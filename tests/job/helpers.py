@@ -110,19 +110,22 @@ def launch(run_dir: Path, env: dict[str, str], nproc: int = 2, target: list[str]
 
 
 def launch_like_srun(run_dir: Path, env: dict[str, str], ntasks: int = 2, job_id: str = "4242", restart: int = 0,
-                     ranks: list[int] | None = None, port: int | None = None) -> Launch:
+                     ranks: list[int] | None = None, port: int | None = None, nodes: int = 1) -> Launch:
     """One ``python -m slurmft.job.entrypoint train RUN_DIR`` per rank with the variables srun sets.
 
     This is the path a real Slurm job takes (our own rendezvous store, no torchrun agent).
-    ``ranks`` starts only some of them (to test a rank that never shows up).
+    ``ranks`` starts only some of them (to test a rank that never shows up). ``nodes`` pretends the
+    ranks are spread over that many nodes, block-distributed as srun does (all on this machine).
     """
+    per_node = ntasks // nodes
     log_path = run_dir.parent / f"{run_dir.name}.{int(time.time() * 1000)}.log"
     port = port or free_port()
     procs = []
     with open(log_path, "w") as out:
         for rank in ranks if ranks is not None else range(ntasks):
-            rank_env = {**env, "SLURM_PROCID": str(rank), "SLURM_NTASKS": str(ntasks), "SLURM_LOCALID": str(rank),
-                        "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS_PER_NODE": str(ntasks),
+            rank_env = {**env, "SLURM_PROCID": str(rank), "SLURM_NTASKS": str(ntasks),
+                        "SLURM_LOCALID": str(rank % per_node), "SLURM_NODEID": str(rank // per_node),
+                        "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_NTASKS_PER_NODE": str(per_node),
                         "SLURM_JOB_ID": job_id, "SLURM_RESTART_COUNT": str(restart),
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             cmd = [sys.executable, "-m", "slurmft.job.entrypoint", "train", str(run_dir)]
