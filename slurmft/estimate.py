@@ -18,6 +18,11 @@ Assumptions, in one place (each is repeated where it is used):
 * FSDP2's reduce-scatter input buffer: while a unit's gradients are reduced, FSDP2 copies them
   (unsharded, each tensor padded on dim 0 to a multiple of ``world_size``) into one flat buffer in
   ``fsdp.reduce_dtype``; the largest wrapped unit (a decoder layer for real models) is counted.
+* Gradient accumulation adds no memory: the job reduce-scatters after every micro-batch
+  (accelerate's ``sync_each_batch``, slurmft/job/train.py), so only the sharded gradients persist
+  between micro-batches. (The Trainer's default ``no_sync`` would keep a full, unsharded gradient of
+  every parameter on every rank until the last micro-batch.) The price is one reduce-scatter per
+  micro-batch instead of per optimizer step.
 * FSDP full shard: each tensor is split along dim 0 into ``world_size`` chunks of ``ceil(d0 / ws)``
   rows (FSDP2's padding), so the largest rank is reported. ``fsdp.enabled=false`` means every GPU holds
   everything (DDP-like), plus DDP's gradient buckets (one more copy of the gradients).
@@ -413,6 +418,7 @@ class _Knobs:
     capacity: int
     reduce_dtype: str = "float32"
     reduce_configured: str | None = None  # fsdp.reduce_dtype as written (None: follows the precision)
+    accumulation: int = 1  # train.gradient_accumulation_steps: no memory term (gradients stay sharded)
 
     @property
     def reduce_bytes(self) -> int:
@@ -567,6 +573,7 @@ def estimate(
         capacity=capacity,
         reduce_dtype=resolve_reduce_dtype(PRECISIONS[precision], cfg.fsdp.reduce_dtype),
         reduce_configured=cfg.fsdp.reduce_dtype,
+        accumulation=cfg.train.gradient_accumulation_steps,
     )
     gpu = _per_gpu(shape, knobs)
     act_detail = gpu.pop("_activations_detail")
@@ -661,6 +668,7 @@ def estimate(
             "attention": "eager" if eager else "flash/sdpa",
             "seq_len": knobs.seq_len,
             "micro_batch": knobs.micro_batch,
+            "gradient_accumulation_steps": knobs.accumulation,
         },
         "per_gpu": gpu,
         "activations": {
@@ -709,7 +717,8 @@ def _remedies(shape: ModelShape, k: _Knobs) -> list[str]:
         out.append(f"use model.attn_implementation=sdpa or flash_attention_2 ({_fmt(t)} per GPU)")
     if k.micro_batch > 1 and (t := fits(replace(k, micro_batch=1))):
         out.append(
-            f"set train.per_device_batch_size=1 and raise train.gradient_accumulation_steps ({_fmt(t)} per GPU)"
+            f"set train.per_device_batch_size=1 and raise train.gradient_accumulation_steps (fewer activations; "
+            f"gradients stay sharded between micro-batches: {_fmt(t)} per GPU)"
         )
     if k.on_gpu:
         base = replace(k, fsdp=True)
@@ -757,6 +766,10 @@ def _assumptions(shape: ModelShape, k: _Knobs, capacity_note: str | None) -> lis
         lines.append(
             "FSDP working set: 2 layers' parameters (current + prefetched) + 1 layer's gradients unsharded, "
             "root parameters (embeddings, final norm, LM head) + LM-head gradient unsharded, in the compute dtype"
+        )
+        lines.append(
+            f"gradient accumulation ({k.accumulation} micro-batch(es) per step) adds no memory: every micro-batch "
+            "reduce-scatters into the sharded gradients (no full gradient is kept between micro-batches)"
         )
     else:
         lines.append(

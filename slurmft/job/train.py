@@ -155,6 +155,10 @@ def sft_config(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> Any:
         "use_cpu": not ctx.on_gpu,
         "ddp_timeout": ctx.collective_timeout_s,
         "include_num_input_tokens_seen": "non_padding",
+        # Every micro-batch reduce-scatters its gradients into the sharded ones. The Trainer's default
+        # (accelerate's no_sync on all but the last micro-batch) makes FSDP2 keep a full, unsharded
+        # gradient of every parameter on every rank until the last one: ~280 GB per GPU for 70B.
+        "accelerator_config": {"gradient_accumulation_kwargs": {"sync_each_batch": True}},
         "disable_tqdm": True,
         "log_level": "info",
         "log_level_replica": "error",
