@@ -110,11 +110,13 @@ def launch(run_dir: Path, env: dict[str, str], nproc: int = 2, target: list[str]
 
 
 def launch_like_srun(run_dir: Path, env: dict[str, str], ntasks: int = 2, job_id: str = "4242", restart: int = 0,
-                     ranks: list[int] | None = None, port: int | None = None) -> Launch:
+                     ranks: list[int] | None = None, port: int | None = None,
+                     program: list[str] | None = None) -> Launch:
     """One ``python -m slurmft.job.entrypoint train RUN_DIR`` per rank with the variables srun sets.
 
     This is the path a real Slurm job takes (our own rendezvous store, no torchrun agent).
-    ``ranks`` starts only some of them (to test a rank that never shows up).
+    ``ranks`` starts only some of them (to test a rank that never shows up); ``program`` replaces
+    ``-m slurmft.job.entrypoint`` (a script taking the same arguments).
     """
     log_path = run_dir.parent / f"{run_dir.name}.{int(time.time() * 1000)}.log"
     port = port or free_port()
@@ -125,7 +127,7 @@ def launch_like_srun(run_dir: Path, env: dict[str, str], ntasks: int = 2, job_id
                         "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS_PER_NODE": str(ntasks),
                         "SLURM_JOB_ID": job_id, "SLURM_RESTART_COUNT": str(restart),
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-            cmd = [sys.executable, "-m", "slurmft.job.entrypoint", "train", str(run_dir)]
+            cmd = [sys.executable, *(program or ["-m", "slurmft.job.entrypoint"]), "train", str(run_dir)]
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=rank_env, text=True,
                                           cwd=str(run_dir.parent), start_new_session=True))
     return Launch(procs=procs, run_dir=run_dir, log_path=log_path, torchrun=False)
