@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from slurmft.errors import JobSetupError
-from slurmft.job.rendezvous import JobEnv
+from slurmft.job.rendezvous import JobEnv, interface_for
 
 log = logging.getLogger("slurmft.job")
 
@@ -110,6 +110,26 @@ def _cpu_threads(env: JobEnv) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, env.local_world_size))
 
 
+def _gloo_interface(env: JobEnv) -> None:
+    """GLOO_SOCKET_IFNAME, unless the profile or cluster.env set it: the interface that reaches MASTER_ADDR.
+
+    gloo carries the object collectives and barriers (also beside NCCL). Left alone it binds to the
+    address its host name resolves to, which on some nodes is 127.0.1.1 or a container bridge, and the
+    other nodes then cannot connect. Interface names differ between sites and images (eth0, ens5,
+    ens32, ib0), so no shipped profile can name one; this one works wherever the rendezvous does.
+    """
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    name = interface_for(env.master_addr, env.master_port)
+    if name is None:
+        log.warning("no network interface found towards MASTER_ADDR %s: gloo binds to its default (the host name's "
+                    "address); set GLOO_SOCKET_IFNAME in cluster.env if ranks cannot connect", env.master_addr)
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    if env.rank == 0:
+        log.info("GLOO_SOCKET_IFNAME=%s (the interface that reaches MASTER_ADDR %s)", name, env.master_addr)
+
+
 def choose_gpu(visible: int, local_rank: int, rank: int, environ: Mapping[str, str]) -> int:
     """Index of this rank's CUDA device among the ``visible`` ones.
 
@@ -144,6 +164,7 @@ def init(env: JobEnv) -> DistContext:
     before the rendezvous would leave rank 0 waiting, to report a misleading rendezvous time-out.
     """
     env.export()
+    _gloo_interface(env)
     rdzv_s = _timeout_from_env("SLURMFT_RENDEZVOUS_TIMEOUT", DEFAULT_RENDEZVOUS_TIMEOUT_S)
     coll_s = _timeout_from_env("SLURMFT_COLLECTIVE_TIMEOUT", DEFAULT_COLLECTIVE_TIMEOUT_S)
     device_error: str | None = None

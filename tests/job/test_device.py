@@ -10,6 +10,7 @@ to report a rendezvous time-out.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from pathlib import Path
@@ -41,6 +42,20 @@ def test_too_few_visible_gpus_names_rank_and_environment() -> None:
     assert "--gpu-bind=none" in msg and "resources.tasks_per_node" in msg  # the fix
     with pytest.raises(JobSetupError, match=r"CUDA_VISIBLE_DEVICES=<unset>, SLURM_LOCALID=<unset>"):
         choose_gpu(0, 0, rank=0, environ={})
+
+
+def test_gloo_binds_to_the_interface_towards_master_addr_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    from slurmft.job import distributed
+    from slurmft.job.rendezvous import JobEnv
+
+    env = JobEnv.from_environ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "MASTER_ADDR": "127.0.0.1",
+                               "MASTER_PORT": "29555"})
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    distributed._gloo_interface(env)
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")  # a profile's or cluster.env's value wins
+    distributed._gloo_interface(env)
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
 
 
 @pytest.mark.train
