@@ -495,11 +495,11 @@ def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx
     compute = gather or dtype
     attn, why = guarded(ctx, "choosing the attention", lambda: choose_attention(cfg.model.attn_implementation,
                                                                                  ctx.on_gpu))
-    if ctx.is_main:
-        if ctx.on_gpu and attn == "sdpa" and cfg.model.attn_implementation == "auto":
-            log.warning("attention: sdpa, not flash-attention 2: %s", why)
-        log.info("attention: %s (%s); precision %s: %s parameters, %s compute, %s reduce", attn, why, mode.name,
-                 *(str(d).removeprefix("torch.") for d in (dtype, compute, reduce)))
+    if ctx.is_main:  # a GPU run that fell back from flash-attention says so as a warning
+        fell_back = ctx.on_gpu and attn == "sdpa" and cfg.model.attn_implementation == "auto"
+        log.log(logging.WARNING if fell_back else logging.INFO,
+                "attention: %s (%s); precision %s: %s parameters, %s compute, %s reduce", attn, why, mode.name,
+                *(str(d).removeprefix("torch.") for d in (dtype, compute, reduce)))
     model = guarded(ctx, "building the model", lambda: _build_meta_checked(config, cfg, dtype, attn))
     wrap = _wrap_class_names(model, cfg)
     plan = guarded(ctx, "checking the checkpoint", lambda: _check_weights(model, model_dir) if ctx.is_main else [])
