@@ -83,6 +83,7 @@ OWNED_SFT_KEYS = {
     "fp16": "model.dtype (the compute dtype; auto = bf16 on GPU)",
     "use_cpu": "the device (CPU only when there is no GPU)",
     "ddp_backend": "the device (NCCL on GPU, gloo on CPU)",
+    "accelerator_config": "train.gradient_accumulation_steps (slurmft sets sync_each_batch: gradients stay sharded)",
 }
 #: train.report_to name -> packages that provide it (any one)
 REPORTERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "none": ()}

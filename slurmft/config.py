@@ -67,6 +67,23 @@ def _check(pattern: re.Pattern[str], value: str, what: str) -> str:
     return value
 
 
+IFNAME_RE = re.compile(r"^[A-Za-z0-9_.:@-]+$")
+
+
+def gloo_ifname_problem(value: str) -> str | None:
+    """Why ``value`` is not a GLOO_SOCKET_IFNAME gloo can use (None: it is one).
+
+    gloo takes a comma-separated list of interface names and binds one device to each (torch's
+    ProcessGroupGloo); NCCL_SOCKET_IFNAME's ``^`` exclusion and ``=`` exact-match prefixes are not
+    understood and fail at process-group creation ("Unable to find address for: ^docker").
+    """
+    names = value.split(",")
+    if all(IFNAME_RE.match(n) for n in names):
+        return None
+    return (f"GLOO_SOCKET_IFNAME={value!r}: gloo takes interface names (e.g. eth0, or ens5,ens6), not NCCL's "
+            "'^'/'=' patterns; leave it unset and the job binds gloo to the interface that reaches MASTER_ADDR")
+
+
 def _no_control_chars(value: str, what: str) -> str:
     if any(ord(c) < 32 and c != "\t" for c in value) or "\x7f" in value:
         raise ValueError(f"{what} must not contain newlines or control characters")
@@ -144,6 +161,8 @@ class ClusterConfig(_Section):
                     f"the sbatch script). Export {key} in the shell that runs 'slurmft submit' instead."
                 )
             _no_control_chars(str(value), f"env value of {key}")
+            if key == "GLOO_SOCKET_IFNAME" and (problem := gloo_ifname_problem(str(value))):
+                raise ValueError(problem)
         return v
 
     @field_validator("setup")
@@ -204,7 +223,7 @@ class ModelConfig(_Section):
         "both to disagreeing values is an error.",
     )
     attn_implementation: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
-        "auto", description="auto = flash_attention_2 when flash-attn imports, else sdpa."
+        "auto", description="auto = flash_attention_2 on a GPU when transformers accepts the installed flash-attn (is_flash_attn_2_available) and it imports, else sdpa (logged). flash_attention_2 = that or a setup error."
     )
     trust_remote_code: bool = Field(False, description="Allow custom model code from the hub.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")

@@ -18,6 +18,11 @@ Assumptions, in one place (each is repeated where it is used):
 * FSDP2's reduce-scatter input buffer: while a unit's gradients are reduced, FSDP2 copies them
   (unsharded, each tensor padded on dim 0 to a multiple of ``world_size``) into one flat buffer in
   ``fsdp.reduce_dtype``; the largest wrapped unit (a decoder layer for real models) is counted.
+* Gradient accumulation adds no memory: the job reduce-scatters after every micro-batch
+  (accelerate's ``sync_each_batch``, slurmft/job/train.py), so only the sharded gradients persist
+  between micro-batches. (The Trainer's default ``no_sync`` would keep a full, unsharded gradient of
+  every parameter on every rank until the last micro-batch.) The price is one reduce-scatter per
+  micro-batch instead of per optimizer step.
 * FSDP full shard: each tensor is split along dim 0 into ``world_size`` chunks of ``ceil(d0 / ws)``
   rows (FSDP2's padding), so the largest rank is reported. ``fsdp.enabled=false`` means every GPU holds
   everything (DDP-like), plus DDP's gradient buckets (one more copy of the gradients).
@@ -415,7 +420,7 @@ class _Knobs:
     reduce_configured: str | None = None  # fsdp.reduce_dtype as written (None: follows the precision)
     hsdp: bool = False  # fsdp.replicate_across_nodes
     reshard_after_forward: bool = True
-    accumulation: int = 1
+    accumulation: int = 1  # train.gradient_accumulation_steps: no memory term (gradients stay sharded)
 
     @property
     def reduce_bytes(self) -> int:
@@ -505,11 +510,11 @@ def reduce_scatter_units(shape: ModelShape, world_size: int) -> dict[str, int]:
 def gradient_reductions_per_step(accumulation: int) -> int:
     """How often per optimizer step the gradients are reduced (reduce-scatter, plus HSDP's all-reduce).
 
-    What the job does today: the Trainer runs every micro-batch but the last under ``no_sync``, so
-    FSDP2 reduces once per optimizer step. (Should accumulation keep gradients sharded by reducing
-    every micro-batch, this becomes ``accumulation``.)
+    Every micro-batch: the job sets accelerate's ``sync_each_batch`` so gradients stay sharded between
+    micro-batches (no full unsharded gradients held under ``no_sync``), at the price of one reduction per
+    micro-batch. (Deferring only HSDP's cross-node all-reduce to the last micro-batch is not done yet.)
     """
-    return 1
+    return accumulation
 
 
 def inter_node_bytes(n_params: int, k: _Knobs) -> int:
@@ -739,6 +744,7 @@ def estimate(
             "attention": "eager" if eager else "flash/sdpa",
             "seq_len": knobs.seq_len,
             "micro_batch": knobs.micro_batch,
+            "gradient_accumulation_steps": knobs.accumulation,
         },
         "per_gpu": gpu,
         "activations": {
@@ -793,7 +799,8 @@ def _remedies(shape: ModelShape, k: _Knobs) -> list[str]:
         out.append(f"use model.attn_implementation=sdpa or flash_attention_2 ({_fmt(t)} per GPU)")
     if k.micro_batch > 1 and (t := fits(replace(k, micro_batch=1))):
         out.append(
-            f"set train.per_device_batch_size=1 and raise train.gradient_accumulation_steps ({_fmt(t)} per GPU)"
+            f"set train.per_device_batch_size=1 and raise train.gradient_accumulation_steps (fewer activations; "
+            f"gradients stay sharded between micro-batches: {_fmt(t)} per GPU)"
         )
     if k.on_gpu:
         base = replace(k, fsdp=True, hsdp=False)  # more nodes only help when every rank holds a shard
@@ -848,6 +855,10 @@ def _assumptions(shape: ModelShape, k: _Knobs, capacity_note: str | None) -> lis
         lines.append(
             "FSDP working set: 2 layers' parameters (current + prefetched) + 1 layer's gradients unsharded, "
             "root parameters (embeddings, final norm, LM head) + LM-head gradient unsharded, in the compute dtype"
+        )
+        lines.append(
+            f"gradient accumulation ({k.accumulation} micro-batch(es) per step) adds no memory: every micro-batch "
+            "reduce-scatters into the sharded gradients (no full gradient is kept between micro-batches)"
         )
     else:
         lines.append(

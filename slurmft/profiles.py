@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from slurmft.config import ENV_KEY_RE, SECRET_KEY_RE, format_validation_error, read_yaml
+from slurmft.config import ENV_KEY_RE, SECRET_KEY_RE, format_validation_error, gloo_ifname_problem, read_yaml
 from slurmft.errors import ConfigError
 from slurmft.resources import data_dir
 
@@ -60,6 +60,8 @@ class ClusterProfile(BaseModel):
                 raise ValueError(f"{key!r} is not a valid environment variable name")
             if SECRET_KEY_RE.search(key):
                 raise ValueError(f"{key} looks like a secret; profiles must not carry secrets")
+        if "GLOO_SOCKET_IFNAME" in v and (problem := gloo_ifname_problem(v["GLOO_SOCKET_IFNAME"].value)):
+            raise ValueError(problem)
         return v
 
 

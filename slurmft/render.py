@@ -128,7 +128,14 @@ def build_train_context(
     extra = {"SUBMITIT_EXECUTOR": "slurm", "SLURMFT_RUN_DIR": str(paths.root)}
     if cfg.cluster.master_addr:
         extra["SLURMFT_MASTER_ADDR"] = cfg.cluster.master_addr
-    srun = ["--kill-on-bad-exit=1", "--unbuffered", "--label", f"--ntasks-per-node={res.ranks_per_node}"]
+    srun = ["--kill-on-bad-exit=1", "--unbuffered", "--label", f"--ntasks-per-node={res.ranks_per_node}",
+            # Since Slurm 22.05 a step no longer inherits the job's --cpus-per-task: without it a rank may
+            # be pinned to one core while OMP_NUM_THREADS says cpus_per_task.
+            f"--cpus-per-task={res.cpus_per_task}"]
+    if res.gpus_per_node and profile.gres_gpu:
+        # One rule for every site: each rank sees all of its node's GPUs and takes cuda:LOCAL_RANK, whatever
+        # binding the site defaults to (--gpus-per-task, SLURM_GPU_BIND); NCCL then sees the whole node too.
+        srun.append("--gpu-bind=none")
     return {
         **_common(cfg, paths, "train", config_path),
         "directives": directives,
@@ -176,7 +183,7 @@ def build_consolidate_context(
         **_common(cfg, paths, "consolidate", config_path),
         "directives": directives,
         "env": env,
-        "srun_args": " ".join(q(a) for a in ["--unbuffered", "--ntasks=1"]),
+        "srun_args": " ".join(q(a) for a in ["--unbuffered", "--ntasks=1", f"--cpus-per-task={cres.cpus_per_task}"]),
         "command": command,
     }
 

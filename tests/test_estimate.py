@@ -346,6 +346,22 @@ def test_eager_attention_adds_the_quadratic_term():
     assert flash["eager"] == eager["total"] and eager["flash_or_sdpa"] == flash["total"]
 
 
+def test_gradient_accumulation_adds_no_gradient_memory():
+    """The job reduce-scatters every micro-batch (sync_each_batch; tests/job/test_accumulation_cpu.py
+    measures it): accumulation keeps the sharded gradients only, never full ones, so per-GPU memory
+    does not depend on it, and trading micro-batch size for accumulation is a real remedy."""
+    one = E.estimate(seed_config(), profile())
+    many = E.estimate(seed_config(train__gradient_accumulation_steps=16), profile())
+    assert many["per_gpu"] == one["per_gpu"]
+    assert many["per_gpu"]["gradients"] == 4 * many["parameters"] // 16  # fp32 shard of 1/16, not a full copy
+    assert many["setup"]["gradient_accumulation_steps"] == 16
+    assert any("gradient accumulation (16 micro-batch(es) per step) adds no memory" in a for a in many["assumptions"])
+    big = E.estimate(seed_config(train__per_device_batch_size=16, train__precision="bf16-true"), profile())
+    assert not big["fits"]
+    remedy = [r for r in big["remedies"] if "gradient_accumulation_steps" in r]
+    assert remedy and "gradients stay sharded between micro-batches" in remedy[0], big["remedies"]
+
+
 def test_one_node_suggests_how_many_nodes():
     r = E.estimate(seed_config(resources__nodes=1), profile())
     assert not r["fits"]
@@ -429,8 +445,9 @@ def test_inter_node_bytes_per_step_both_layouts():
     keep = E.estimate(eight_b(fsdp__reshard_after_forward=False), profile())["layouts"]["fsdp"]
     assert keep["inter_node_bytes_per_step"] == math.ceil(15 / 16 * n * (2 + 4))  # gathered once per micro-batch
     accum = E.estimate(eight_b(train__gradient_accumulation_steps=4), profile())["layouts"]
-    assert accum["fsdp"]["inter_node_bytes_per_step"] == math.ceil(15 / 16 * n * (4 * (2 + 2) + 4))
-    assert accum["hsdp"]["inter_node_bytes_per_step"] == n * 4  # the gradients are reduced once per step
+    # sync_each_batch: every micro-batch gathers twice and reduce-scatters (FSDP) / all-reduces (HSDP)
+    assert accum["fsdp"]["inter_node_bytes_per_step"] == math.ceil(15 / 16 * n * 4 * (2 + 2 + 4))
+    assert accum["hsdp"]["inter_node_bytes_per_step"] == 4 * n * 4
     four = E.estimate(eight_b(resources__nodes=4), profile())["layouts"]
     assert four["hsdp"]["inter_node_bytes_per_step"] == math.ceil(2 * 3 / 4 * n * 4)
     one = E.estimate(eight_b(resources__nodes=1), profile())

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from slurmft import checkpoints
-from slurmft.job.rendezvous import JobEnv, master_address, port_for_job
+from slurmft.job.rendezvous import JobEnv, interface_for, master_address, port_for_job
 from slurmft.job.requeue import EXIT_REQUEUE_REFUSED, Action, Ending, JobView, decide
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,6 +60,20 @@ def test_ranks_and_batch_script_agree_on_the_port() -> None:
     rank = JobEnv.from_environ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "31337",
                                 "MASTER_ADDR": "10.1.2.3"})
     assert rank.master_port == batch_port and batch_addr == "127.0.0.1"  # no node list: one machine
+
+
+def test_gloo_interface_is_the_one_that_reaches_the_address() -> None:
+    """GLOO_SOCKET_IFNAME when no profile sets one: the interface holding the source address towards MASTER_ADDR."""
+    import socket
+
+    import psutil
+
+    assert interface_for("127.0.0.1") == "lo"
+    own = [(name, a.address) for name, addrs in psutil.net_if_addrs().items() for a in addrs
+           if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    for name, address in own:  # rank 0's own node: MASTER_ADDR is one of its addresses
+        assert interface_for(address) == name
+    assert interface_for("no-such-host.invalid") is None
 
 
 def test_master_address_override_wins() -> None:

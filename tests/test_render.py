@@ -64,6 +64,18 @@ def test_train_script_has_every_directive_and_the_profile_env() -> None:
     assert "export WANDB_PROJECT='llama 70b'" in text  # values with spaces are quoted
 
 
+def test_srun_passes_cpus_per_task_and_turns_gpu_binding_off() -> None:
+    """Slurm >= 22.05 steps do not inherit --cpus-per-task; every rank sees its node's GPUs (cuda:LOCAL_RANK)."""
+    scripts = scripts_for(GOLDEN_CFG)
+    srun = next(line for line in scripts["train"].splitlines() if line.startswith("srun "))
+    assert "--cpus-per-task=12 " in srun and "--gpu-bind=none " in srun, srun
+    srun = next(line for line in scripts["consolidate"].splitlines() if line.startswith("srun "))
+    assert "--cpus-per-task=4 " in srun and "--gpu-bind" not in srun, srun
+    cpu = scripts_for(GOLDEN_CFG, "resources.gpus_per_node=0", "resources.tasks_per_node=2")["train"]
+    srun = next(line for line in cpu.splitlines() if line.startswith("srun "))
+    assert "--cpus-per-task=12 " in srun and "--gpu-bind" not in srun, srun  # no GPUs requested: nothing to bind
+
+
 def test_consolidate_script_is_one_cpu_task_without_network_tuning() -> None:
     text = scripts_for(GOLDEN_CFG)["consolidate"]
     assert "#SBATCH --nodes=1\n" in text and "--gpus-per-node" not in text

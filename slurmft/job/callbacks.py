@@ -251,16 +251,83 @@ def _checksum(tensors: Any) -> float:
     return total
 
 
+def _local_bytes(t: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+def unsharded_grad_bytes(model: torch.nn.Module) -> int | None:
+    """Bytes of full (unsharded) gradients FSDP2 holds back for a later reduce-scatter; None if unknown.
+
+    Reads FSDP2's private per-parameter state (``FSDPParam._unsharded_param.grad`` and
+    ``unsharded_accumulated_grad``, torch 2.13): it is where a micro-batch's gradients stay when the
+    reduce-scatter is skipped (``set_requires_gradient_sync(False)``, i.e. accelerate's ``no_sync``).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    total = 0
+    try:
+        for module in model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                group = getattr(state, "_fsdp_param_group", None)
+                groups = [group] if group is not None else []
+            for group in groups:
+                for fsdp_param in group.fsdp_params:
+                    held = [fsdp_param.unsharded_accumulated_grad, fsdp_param._unsharded_param.grad
+                            if hasattr(fsdp_param, "_unsharded_param") else None]
+                    total += sum(g.numel() * g.element_size() for g in held if g is not None)
+    except AttributeError:
+        return None
+    return total
+
+
+def grad_layout(model: torch.nn.Module) -> dict[str, Any]:
+    """Where this rank's gradients are now: on the sharded parameters, and held unsharded inside FSDP2."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    return {
+        "grad_types": sorted({type(g).__name__ for g in grads}),
+        "params_without_grad": len(params) - len(grads),
+        "sharded_grad_bytes": sum(_local_bytes(g) for g in grads),
+        "unsharded_grad_bytes": unsharded_grad_bytes(model),
+    }
+
+
 class FsdpReport(TrainerCallback):
     """Each rank writes ``<run>/fsdp_report/rank<r>.json``: what it really holds once training starts (the
     DTensor mesh and placements, local bytes), after the first optimizer step, and a checksum of its
-    local shards at the start and end (replicas of a shard, e.g. under HSDP, hold equal checksums)."""
+    local shards at the start and end (replicas of a shard, e.g. under HSDP, hold equal checksums).
+
+    ``micro_batches``: for this attempt's first optimizer step, the gradient layout after each
+    micro-batch's backward (``on_substep_end``, and ``on_pre_optimizer_step`` for the last one). With
+    gradient accumulation every entry must show sharded DTensor gradients and no unsharded ones.
+    """
 
     def __init__(self, ctx: DistContext, out_dir: Path, info: dict[str, Any]) -> None:
         self.ctx = ctx
         self.out_dir = out_dir
         self.info = info
         self._report: dict[str, Any] | None = None
+        self._micro: list[dict[str, Any]] | None = []  # None once the first optimizer step is recorded
+
+    def on_substep_end(self, args, state, control, model=None, **kwargs):
+        """After a micro-batch that is not the last of its optimizer step."""
+        if self._micro is not None and model is not None:
+            self._micro.append(grad_layout(model))
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        """After the last micro-batch (gradients reduced and clipped): close the first step's record."""
+        if self._micro is None or model is None or self._report is None:
+            return
+        self._report["micro_batches"] = [*self._micro, grad_layout(model)]
+        self._micro = None
+        self._write()
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         from accelerate.state import AcceleratorState
@@ -303,12 +370,7 @@ class FsdpReport(TrainerCallback):
         """
         if self._report is None or "gradients_bytes" in self._report:
             return
-        from torch.distributed.tensor import DTensor
-
-        def local(t):
-            t = t.to_local() if isinstance(t, DTensor) else t
-            return t.numel() * t.element_size()
-
+        local = _local_bytes
         params = [p for p in model.parameters()]
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
         states = [inner.state[p][k] for p in params if p in inner.state for k in ("exp_avg", "exp_avg_sq")

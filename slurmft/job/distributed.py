@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from slurmft.errors import JobSetupError
-from slurmft.job.rendezvous import JobEnv
+from slurmft.job.rendezvous import JobEnv, interface_for
 
 log = logging.getLogger("slurmft.job")
 
@@ -110,20 +110,71 @@ def _cpu_threads(env: JobEnv) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, env.local_world_size))
 
 
+def _gloo_interface(env: JobEnv) -> None:
+    """GLOO_SOCKET_IFNAME, unless the profile or cluster.env set it: the interface that reaches MASTER_ADDR.
+
+    gloo carries the object collectives and barriers (also beside NCCL). Left alone it binds to the
+    address its host name resolves to, which on some nodes is 127.0.1.1 or a container bridge, and the
+    other nodes then cannot connect. Interface names differ between sites and images (eth0, ens5,
+    ens32, ib0), so no shipped profile can name one; this one works wherever the rendezvous does.
+    """
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    name = interface_for(env.master_addr, env.master_port)
+    if name is None:
+        log.warning("no network interface found towards MASTER_ADDR %s: gloo binds to its default (the host name's "
+                    "address); set GLOO_SOCKET_IFNAME in cluster.env if ranks cannot connect", env.master_addr)
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    if env.rank == 0:
+        log.info("GLOO_SOCKET_IFNAME=%s (the interface that reaches MASTER_ADDR %s)", name, env.master_addr)
+
+
+def choose_gpu(visible: int, local_rank: int, rank: int, environ: Mapping[str, str]) -> int:
+    """Index of this rank's CUDA device among the ``visible`` ones.
+
+    One rule: the train script runs ``srun --gpu-bind=none``, so every rank sees all of its node's GPUs
+    and takes ``cuda:LOCAL_RANK``. A site that binds one GPU per task anyway (``--gpus-per-task=1``,
+    ``SLURM_GPU_BIND``, a cgroup per task) leaves exactly one visible: that one, ``cuda:0``. Anything
+    else is a JobSetupError naming the rank, ``CUDA_VISIBLE_DEVICES`` and ``SLURM_LOCALID``.
+    """
+    if visible == 1:
+        return 0
+    if 0 <= local_rank < visible:
+        return local_rank
+    raise JobSetupError(
+        f"rank {rank} has LOCAL_RANK {local_rank} but sees {visible} GPU(s) "
+        f"(CUDA_VISIBLE_DEVICES={environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}, "
+        f"SLURM_LOCALID={environ.get('SLURM_LOCALID', '<unset>')}): each rank must see either all of its node's "
+        "GPUs (srun --gpu-bind=none, as the rendered train script does) or exactly one. Run one task per GPU "
+        "(resources.tasks_per_node = resources.gpus_per_node), and check that cluster.setup or the site's srun "
+        "defaults (SLURM_GPU_BIND, --gpus-per-task) do not restrict CUDA_VISIBLE_DEVICES to fewer"
+    )
+
+
+#: Backends when CUDA exists: NCCL for GPU tensors, gloo for CPU ones (object collectives, barriers).
+GPU_BACKEND = "cuda:nccl,cpu:gloo"
+
+
 def init(env: JobEnv) -> DistContext:
-    """Join the process group: cuda:LOCAL_RANK + NCCL (with gloo for CPU tensors) when CUDA exists, else gloo."""
+    """Join the process group: this rank's GPU (:func:`choose_gpu`) + NCCL (gloo for CPU tensors), else gloo.
+
+    The GPU is chosen before the rendezvous but a bad choice is raised only after it, through
+    :func:`agree` (over gloo: no device needed), so every rank stops with the same error. Raising
+    before the rendezvous would leave rank 0 waiting, to report a misleading rendezvous time-out.
+    """
     env.export()
+    _gloo_interface(env)
     rdzv_s = _timeout_from_env("SLURMFT_RENDEZVOUS_TIMEOUT", DEFAULT_RENDEZVOUS_TIMEOUT_S)
     coll_s = _timeout_from_env("SLURMFT_COLLECTIVE_TIMEOUT", DEFAULT_COLLECTIVE_TIMEOUT_S)
+    device_error: str | None = None
     if torch.cuda.is_available():
-        if env.local_rank >= torch.cuda.device_count():
-            raise JobSetupError(
-                f"rank {env.rank} has LOCAL_RANK {env.local_rank} but only {torch.cuda.device_count()} visible GPU(s); "
-                "run one task per GPU (resources.tasks_per_node = resources.gpus_per_node)"
-            )
-        device = torch.device("cuda", env.local_rank)
-        torch.cuda.set_device(device)
-        backend = "cuda:nccl,cpu:gloo"
+        backend = GPU_BACKEND
+        try:
+            device = torch.device("cuda", choose_gpu(torch.cuda.device_count(), env.local_rank, env.rank, os.environ))
+            torch.cuda.set_device(device)
+        except JobSetupError as exc:
+            device, device_error = torch.device("cpu"), exc.render()
     else:
         device = torch.device("cpu")
         backend = "gloo"
@@ -147,7 +198,13 @@ def init(env: JobEnv) -> DistContext:
             raise JobSetupError(
                 f"rendezvous failed on rank {env.rank} ({env.master_addr}:{env.master_port}, {backend}): {exc}"
             ) from None
-    return DistContext(env=env, device=device, backend=backend, collective_timeout_s=coll_s)
+    ctx = DistContext(env=env, device=device, backend=backend, collective_timeout_s=coll_s)
+    try:
+        agree(ctx, device_error, "choosing the GPU")
+    except JobSetupError:
+        shutdown()
+        raise
+    return ctx
 
 
 def agree(ctx: DistContext, error: str | None, phase: str) -> None:

@@ -169,26 +169,69 @@ def mixed_precision_dtypes(cfg: RunConfig, mode: Precision) -> tuple[torch.dtype
 # --- end precision -------------------------------------------------------------------------
 
 
+def _import_flash_attn() -> Any:
+    """Import flash-attn (its CUDA extension loads here: an ABI mismatch with torch fails here)."""
+    return importlib.import_module("flash_attn")
+
+
+def flash_attention_problem(on_gpu: bool) -> str | None:
+    """Why flash-attention 2 cannot run here, by transformers' own availability check; None when it can."""
+    if not on_gpu:
+        return "no CUDA device"
+    from transformers.utils import is_flash_attn_2_available
+
+    if not is_flash_attn_2_available():
+        if importlib.util.find_spec("flash_attn") is None:
+            return "flash-attn is not installed"
+        return ("flash-attn is installed but transformers rejects it (is_flash_attn_2_available() is false: "
+                "it needs the flash-attn 2 distribution, version >= 2.3.3)")
+    try:
+        _import_flash_attn()
+    except Exception as exc:  # an ABI mismatch with torch is the usual one
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"flash-attn is installed but does not import ({type(exc).__name__}: {first})"
+    return None
+
+
+FLASH_FIX = "pip install 'slurmft[flash]' (a flash-attn built for this torch and CUDA)"
+
+
 def choose_attention(requested: str, on_gpu: bool) -> tuple[str, str]:
-    """(attn_implementation, why): flash_attention_2 when flash-attn imports on a GPU, else sdpa."""
+    """(attn_implementation, why): flash_attention_2 when transformers can use it on a GPU, else sdpa.
+
+    ``auto`` falls back to SDPA with the reason (the run works, slower). An explicit
+    ``flash_attention_2`` is honoured or refused with a JobSetupError, never silently replaced: the
+    user asked for it, and SDPA with packing can cost several times the GPU hours.
+    """
     if requested not in ("auto", "flash_attention_2"):
         return requested, "set by model.attn_implementation"
-    problem = None
-    if not on_gpu:
-        problem = "no CUDA device"
-    elif importlib.util.find_spec("flash_attn") is None:
-        problem = "flash-attn is not installed (pip install 'slurmft[flash]')"
-    else:
-        try:
-            flash_attn = importlib.import_module("flash_attn")
-        except Exception as exc:  # ABI mismatch with torch is the usual one
-            problem = f"flash-attn is installed but does not import ({type(exc).__name__}: {exc})"
-        else:
-            version = getattr(flash_attn, "__version__", "?")
-            return "flash_attention_2", f"flash-attn {version} imports and a CUDA device is present"
+    problem = flash_attention_problem(on_gpu)
+    if problem is None:
+        return "flash_attention_2", "transformers can use flash-attn 2 on this CUDA device"
     if requested == "flash_attention_2":
-        raise JobSetupError(f"model.attn_implementation=flash_attention_2 but {problem}; use auto or sdpa")
-    return "sdpa", f"{problem}; falling back to PyTorch SDPA"
+        raise JobSetupError(
+            f"model.attn_implementation=flash_attention_2 but {problem}; {FLASH_FIX}, or set "
+            "model.attn_implementation=auto (falls back to PyTorch SDPA) or sdpa"
+        )
+    fix = "" if problem == "no CUDA device" else f"; for flash-attention: {FLASH_FIX}"
+    return "sdpa", f"{problem}; falling back to PyTorch SDPA{fix}"
+
+
+def packing_attention_note(attn: str, padding_free: bool, row_tokens: int, on_gpu: bool) -> str | None:
+    """The log line for packed (padding-free) batches without flash-attention, else None.
+
+    TRL's padding-free collator (``data.packing`` with its default ``bfd`` strategy) puts a whole
+    micro-batch into one row; flash-attention 2 keeps the sequences apart through their lengths, but
+    SDPA/eager get a block-diagonal mask over the whole row from transformers, and SDPA cannot use
+    its flash kernel with a mask: slow from 2048 tokens on.
+    """
+    if not (on_gpu and padding_free) or attn.startswith("flash_attention"):
+        return None
+    return (
+        f"data.packing with {attn} attention: each micro-batch is one packed row of up to {row_tokens} tokens "
+        "(train.per_device_batch_size x data.max_seq_length), attended through a block-diagonal mask over the "
+        f"whole row, which is slow at 2048+ tokens. Fix: {FLASH_FIX}"
+    )
 
 
 def load_model_config(model_dir: Path, model: ModelConfig, max_seq_length: int) -> Any:
@@ -519,10 +562,13 @@ def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx
     mode = guarded(ctx, "choosing the precision", lambda: choose_precision(cfg, ctx.on_gpu))
     dtype, gather, reduce = mixed_precision_dtypes(cfg, mode)
     compute = gather or dtype
-    attn, why = choose_attention(cfg.model.attn_implementation, ctx.on_gpu)
-    if ctx.is_main:
-        log.info("attention: %s (%s); precision %s: %s parameters, %s compute, %s reduce", attn, why, mode.name,
-                 *(str(d).removeprefix("torch.") for d in (dtype, compute, reduce)))
+    attn, why = guarded(ctx, "choosing the attention", lambda: choose_attention(cfg.model.attn_implementation,
+                                                                                 ctx.on_gpu))
+    if ctx.is_main:  # a GPU run that fell back from flash-attention says so as a warning
+        fell_back = ctx.on_gpu and attn == "sdpa" and cfg.model.attn_implementation == "auto"
+        log.log(logging.WARNING if fell_back else logging.INFO,
+                "attention: %s (%s); precision %s: %s parameters, %s compute, %s reduce", attn, why, mode.name,
+                *(str(d).removeprefix("torch.") for d in (dtype, compute, reduce)))
     model = guarded(ctx, "building the model", lambda: _build_meta_checked(config, cfg, dtype, attn))
     wrap = _wrap_class_names(model, cfg)
     plan = guarded(ctx, "checking the checkpoint", lambda: _check_weights(model, model_dir) if ctx.is_main else [])
@@ -530,6 +576,7 @@ def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx
     _shard(model, cfg, ctx, wrap, gather, reduce)
     _materialize(model, ctx, cfg.fsdp.cpu_offload)
     _scatter_weights(model, plan, model_dir, ctx)
+    attn = getattr(model.config, "_attn_implementation", None) or attn  # what transformers really set up
     return ShardedModel(model=model, dtype=dtype, compute_dtype=compute, attn_implementation=attn, wrap_class=sorted(wrap)[0],
                         num_params=num_params, precision=mode.name, reduce_dtype=reduce)
 
@@ -538,7 +585,12 @@ def _build_meta_checked(config: Any, cfg: RunConfig, dtype: torch.dtype, attn: s
     try:
         model = _build_meta(config, cfg, dtype, attn)
     except (ValueError, ImportError) as exc:  # unsupported architecture / attention implementation
-        raise JobSetupError(f"model.name_or_path: cannot build the model from its config: {exc}") from None
+        if not (attn == "flash_attention_2" and cfg.model.attn_implementation == "auto"):
+            raise JobSetupError(f"model.name_or_path: cannot build the model from its config: {exc}") from None
+        # e.g. an architecture without flash-attention support: auto means "the best that works"
+        log.warning("attention: transformers refused flash_attention_2 for this model (%s); falling back to sdpa",
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return _build_meta_checked(config, cfg, dtype, "sdpa")
     _wrap_class_names(model, cfg)
     return model
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -49,6 +50,28 @@ def master_address(environ: dict[str, str] | None = None) -> tuple[str, int]:
     if not nodelist:
         return "127.0.0.1", port
     return node_addr(first_host(nodelist)), port
+
+
+def interface_for(addr: str, port: int = PORT_BASE) -> str | None:
+    """Name of this host's network interface that carries traffic to ``addr`` (None if unknown).
+
+    The kernel picks the source address of a UDP socket "connected" to ``addr`` (no packet is sent);
+    the interface holding that address is the one gloo should bind to: MASTER_ADDR is reachable from
+    every node (the rendezvous needs it), so each node's interface towards it is reachable by the others.
+    """
+    try:
+        import psutil  # an accelerate dependency: present wherever the job runs
+
+        family = socket.getaddrinfo(addr, port, proto=socket.IPPROTO_UDP)[0][0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((addr, port))
+            source = s.getsockname()[0]
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.address.split("%")[0] == source for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)):
+                return name
+    except (ImportError, OSError, IndexError):
+        return None
+    return None
 
 
 @dataclass(frozen=True)

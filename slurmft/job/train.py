@@ -155,6 +155,10 @@ def sft_config(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> Any:
         "use_cpu": not ctx.on_gpu,
         "ddp_timeout": ctx.collective_timeout_s,
         "include_num_input_tokens_seen": "non_padding",
+        # Every micro-batch reduce-scatters its gradients into the sharded ones. The Trainer's default
+        # (accelerate's no_sync on all but the last micro-batch) makes FSDP2 keep a full, unsharded
+        # gradient of every parameter on every rank until the last one: ~280 GB per GPU for 70B.
+        "accelerator_config": {"gradient_accumulation_kwargs": {"sync_each_batch": True}},
         "disable_tqdm": True,
         "log_level": "info",
         "log_level_replica": "error",
@@ -300,10 +304,13 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
     saver = CompleteCheckpoints(ctx, sharded.model.config, getattr(sharded.model, "generation_config", None),
                                 inputs.tokenizer, cfg.checkpoint.keep_last, marker_info,
                                 lead_time_s=cfg.preemption.lead_time_s if env.launcher == "slurm" else None)
+    # the attention transformers really set up on the model, not only what was asked for
+    attn = getattr(sharded.model.config, "_attn_implementation", None) or sharded.attn_implementation
     report_info = {"dtype": str(sharded.dtype).removeprefix("torch."), "precision": sharded.precision,
                    "reduce_dtype": str(sharded.reduce_dtype).removeprefix("torch."),
-                   "compute_dtype": str(sharded.compute_dtype).removeprefix("torch."), "attn_implementation":
-                   sharded.attn_implementation, "wrap_class": sharded.wrap_class, "num_params": sharded.num_params}
+                   "compute_dtype": str(sharded.compute_dtype).removeprefix("torch."), "attn_implementation": attn,
+                   "attn_requested": cfg.model.attn_implementation, "wrap_class": sharded.wrap_class,
+                   "num_params": sharded.num_params}
     callbacks = [saver, preempt, MetricsLog(ctx, paths.metrics, info),
                  FsdpReport(ctx, paths.root / FSDP_REPORT_DIR, report_info)]
 
@@ -313,6 +320,10 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
     trainer = SFTTrainer(model=sharded.model, args=args, train_dataset=dataset,
                          processing_class=inputs.tokenizer, callbacks=callbacks, optimizer_cls_and_kwargs=optimizer)
     _one_log_line(trainer, ctx)
+    note = loading.packing_attention_note(attn, bool(getattr(trainer, "padding_free", False)),
+                                          cfg.train.per_device_batch_size * cfg.data.max_seq_length, ctx.on_gpu)
+    if note and ctx.is_main:
+        log.warning("%s", note)
     saver.watch(trainer)
     max_steps = planned_max_steps(paths, cfg.train.max_steps, cfg.train.epochs)
     if max_steps is None:  # train.epochs, first start: count the packed data

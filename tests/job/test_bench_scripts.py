@@ -17,18 +17,28 @@ pytestmark = pytest.mark.train
 
 
 def test_gpu_smoke_dry_run(job_env: dict[str, str], tmp_path: Path) -> None:
+    """The GPU run's modes and checks on CPU: bf16-mixed's master dtype (float32) differs from its compute
+    dtype (bfloat16), so a smoke test that checked the wrong field fails here, not first on a GPU."""
     out = tmp_path / "summary.json"
     proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_smoke.sh"), "--dry-run", "--workdir", str(tmp_path),
                            "--json", str(out)], env={**job_env, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
-                          text=True, timeout=180)
+                          text=True, timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    summary = json.loads(out.read_text())["modes"]["fp32"]
-    assert summary["precision"] == "fp32" and summary["estimate"]["total"] > 0
-    # the sharded bytes FSDP2 held equal the estimate's weights + gradients + optimizer (one rank: everything)
-    assert summary["sharded_state_bytes"] == summary["estimated_state_bytes"] > 0
-    assert summary["steps"] == 3 and summary["final_checkpoint_complete"]
-    assert summary["tokens_per_s"] > 0 and summary["mfu"] is None  # no GPU peak to divide by
-    assert summary["params"] == 5_261_568  # the FLOP formula's parameter count matches the tiny model
+    summary = json.loads(out.read_text())
+    assert summary["problems"] == {"bf16-true": [], "bf16-mixed": []}  # gpu_smoke.check ran on both, nothing failed
+    modes = summary["modes"]
+    assert (modes["bf16-true"]["dtype"], modes["bf16-true"]["compute_dtype"]) == ("bfloat16", "bfloat16")
+    assert (modes["bf16-mixed"]["dtype"], modes["bf16-mixed"]["compute_dtype"]) == ("float32", "bfloat16")
+    for one in modes.values():
+        assert one["attn_implementation"] == "sdpa" and one["attn_requested"] == "auto"  # what transformers set up
+        assert one["estimate"]["total"] > 0 and one["sharded_state_bytes"] == one["estimated_state_bytes"] > 0
+        assert one["steps"] == 3 and one["final_checkpoint_complete"]
+        assert one["tokens_per_s"] > 0 and one["mfu"] is None  # no GPU peak to divide by
+        # the tiny model (h 256, 4 layers of 4 heads x 64, V 4096 untied), by hand: 6 N without the input
+        # embedding + 12 L H Dh T at T = 256
+        assert one["params"] == 5_261_568 and one["params_non_embedding"] == 5_261_568 - 4096 * 256
+        assert one["flops_per_token"] == 6 * (5_261_568 - 4096 * 256) + 12 * 4 * 4 * 64 * 256
+    assert "[smoke] passed" in proc.stdout
 
 
 @pytest.mark.parametrize("script", ["cli_latency.py", "load_memory.py", "consolidate_memory.py"])

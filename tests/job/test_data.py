@@ -79,13 +79,6 @@ def test_template_that_cannot_render_is_caught_early(tmp_path: Path, tiny_model:
         data.check_template(ds, tok, "src")
 
 
-def test_attention_choice_without_gpu() -> None:
-    assert loading.choose_attention("auto", on_gpu=False)[0] == "sdpa"
-    assert loading.choose_attention("eager", on_gpu=False)[0] == "eager"
-    with pytest.raises(JobSetupError, match="flash_attention_2 but no CUDA device"):
-        loading.choose_attention("flash_attention_2", on_gpu=False)
-
-
 def test_model_files_are_checked(tmp_path: Path) -> None:
     with pytest.raises(JobSetupError, match="does not exist"):
         loading.resolve_model_dir(ModelConfig(name_or_path=str(tmp_path / "nope")), with_weights=True)
