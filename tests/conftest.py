@@ -138,6 +138,22 @@ def _cluster_env() -> dict[str, str]:
     return env
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for pytest-xdist's ``--dist loadgroup`` (pyproject's addopts run two workers).
+
+    The Slurm tests run one after another on one worker: they share the cluster and the session's
+    uninterrupted reference run, and several time what the ranks do. The CPU tests run beside them
+    on the other worker, mostly while the Slurm tests wait on the scheduler (requeue delays, time
+    limits). The two local-executor tests share one uninterrupted run (``local_tiny_run``).
+    """
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif "local_tiny_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("local-tiny"))
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
     """The real local two-node Slurm cluster, up for the whole session."""
