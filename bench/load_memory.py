@@ -176,6 +176,8 @@ def worker(method: str, model_dir: Path, out: Path) -> None:
               "base_rss": base["Rss"], "file_dtype": _file_dtype(model_dir),
               "slurmft": str(Path(slurmft.__file__).parent)}
     (out / f"{method}.rank{ctx.rank}.json").write_text(json.dumps(result))
+    del model, sharded, mesh  # a device mesh alive when the process group is destroyed crashes the exit (torch 2.13)
+    gc.collect()
     distributed.shutdown()
 
 

@@ -13,6 +13,7 @@ raised, and how long it took, to ``OUT/<how>.rank<r>.json``; exit status 0 when 
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import sys
 import time
@@ -88,6 +89,7 @@ def main() -> None:
         (out / f"{how}.rank{ctx.rank}.json").write_text(json.dumps(result))
         if error is None:
             sys.exit(1)
+    gc.collect()  # free the half-built models (their meshes) first: one alive at destroy crashes the exit (torch 2.13)
     distributed.shutdown()
 
 
