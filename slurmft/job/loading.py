@@ -347,7 +347,7 @@ class WeightPlan:
 
 
 def _check_weights(model: torch.nn.Module, model_dir: Path) -> WeightPlan:
-    """Rank 0: every tensor to load, checked by name and shape against the headers; JobSetupError on a mismatch."""
+    """Rank 0: every tensor to load, checked by name, shape and dtype against the headers (JobSetupError if not)."""
     from safetensors import safe_open
 
     files = weight_files(model_dir)
@@ -631,8 +631,8 @@ def _scatter_weights(model: torch.nn.Module, plan: WeightPlan, model_dir: Path |
                     else:
                         assert everyone is not None
                         parts = [_flat_part(files, entry, row[i], width, dtype, comm) for row in everyone]
-                except JobSetupError as exc:
-                    error, whole, parts = exc.render(), None, None
+                except Exception as exc:  # noqa: BLE001 - out of memory too: the other ranks would wait for this one
+                    error, whole, parts = _failure(exc, ctx.rank), None, None
                 status.fill_(1 if error else 0)
             dist.broadcast(status, src=0)  # did rank 0 read the tensor? (else every rank stops here)
             if int(status.item()):
@@ -657,6 +657,15 @@ def _scatter_weights(model: torch.nn.Module, plan: WeightPlan, model_dir: Path |
     return files.bytes_read if files is not None else 0
 
 
+def _failure(exc: Exception, rank: int) -> str:
+    """The message every rank raises for a failure while loading; anything but a JobSetupError (a bug, out of
+    memory) also leaves its traceback in this rank's log."""
+    if isinstance(exc, JobSetupError):
+        return exc.render()
+    log.error("rank %d failed while loading the weights", rank, exc_info=exc)
+    return f"rank {rank} failed while loading the weights: {type(exc).__name__}: {exc} (traceback in its log)"
+
+
 def _load_weights(model: torch.nn.Module, plan: WeightPlan | None, model_dir: Path | None,
                   ctx: DistContext) -> tuple[str, int]:
     """Fill the local shards from the files rank 0 checked: ("sliced" or "scatter", bytes this rank read)."""
@@ -668,8 +677,8 @@ def _load_weights(model: torch.nn.Module, plan: WeightPlan | None, model_dir: Pa
         read, error = 0, None
         try:
             read = _read_own_slices(model, checked, model_dir, ctx)
-        except JobSetupError as exc:
-            error = exc.render()
+        except Exception as exc:  # noqa: BLE001 - out of memory too: the other ranks would wait for this one
+            error = _failure(exc, ctx.rank)
         agree(ctx, error, "reading the weights")
         return "sliced", read
     return "scatter", _scatter_weights(model, checked, model_dir, ctx)
