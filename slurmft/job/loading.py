@@ -1,4 +1,4 @@
-"""Model, tokenizer and weights: memory-efficient loading straight into FSDP2 shards.
+"""Model, tokenizer and weights: loading straight into FSDP2 shards, every rank reading its own slice.
 
 What accelerate does (1.15, ``fsdp2_prepare_model`` with ``cpu_ram_efficient_loading``): it needs
 a model that transformers already loaded in full on rank 0 (anonymous memory: 1x the model, 2x
@@ -7,22 +7,47 @@ when mixed precision upcasts a bf16 checkpoint to fp32), moves it to ``meta``, s
 (``distribute_tensor``). Every rank therefore holds one full parameter at a time, and the model
 reaches accelerate through the Trainer while some ranks hold meta tensors.
 
-What we do instead, before the Trainer sees the model:
+What transformers 5.24 does natively (``from_pretrained(..., distributed_config=DistributedConfig(
+fsdp_size=N))``): it shards the model at load and every rank reads its own slice, like step 4 below,
+and measures the same (``bench/load_memory.py``, bf16 file, 2 ranks: 1.06x the shard, half the file
+per rank). We keep our own loader because the native one would lose what this one carries: the
+precision modes (its mixed precision is one switch, bf16 parameters and fp32 reduction, with no
+``bf16-true``, ``fp16-mixed`` or ``fsdp.reduce_dtype``), ``fsdp.wrap_class`` and
+``reshard_after_forward``, checkpoint-wrapped layers, a checkpoint that does not match its config
+failing on every rank (natively a missing tensor is initialised at random, with a warning), the
+same error on every rank when a read fails, and loading when only rank 0 sees the files. It also
+leaves a same-dtype shard as a lazy view into the memory-mapped file whose storage is the whole tensor.
+
+What we do, before the Trainer sees the model:
 
 1. every rank builds the model on the ``meta`` device from ``config.json`` (parameters only:
    buffers such as rotary ``inv_freq`` are computed for real, since ``to_empty`` would leave them as
    garbage and they are not in the checkpoint);
-2. rank 0 checks every parameter name and shape against the safetensors headers (a mismatch is a
-   :class:`JobSetupError` on every rank, before any collective that could hang);
+2. rank 0 checks every parameter name, shape and dtype against the safetensors headers (a mismatch
+   is a :class:`JobSetupError` on every rank, before any collective that could hang);
 3. activation checkpointing and ``fully_shard`` are applied per decoder layer, to the embeddings
    and to the head (as accelerate groups them), then the root; ``to_empty`` allocates only the
    local shards;
-4. rank 0 reads one tensor at a time from the (memory-mapped) safetensors files and *scatters* the
-   row chunks: every other rank only ever receives its own 1/world_size slice of each tensor.
+4. every rank checks that it sees every weight file with the size rank 0 saw (one all-gather), then
+   reads only the part of each tensor its DTensor holds from the memory-mapped files, in the file's
+   dtype, and casts it into its shard. The part comes from the tensor's mesh and placements
+   (``compute_local_shape_and_global_offset``, as DCP does), so a 1-D ``Shard(0)`` mesh and an HSDP
+   ``(Replicate(), Shard(0))`` mesh are the same code, and uneven row counts give the last ranks
+   fewer rows, as FSDP2 does. There is no collective per tensor: one agreement at the end turns a
+   read failure on any rank into the same JobSetupError, naming the file, key and rank, everywhere.
 
-Peak anonymous memory is therefore about one shard plus one tensor on every rank (rank 0 adds the
-page cache of the file it reads). accelerate's ``_prepare_fsdp2`` sees an ``FSDPModule`` and leaves
-the sharding alone; its optimizer, checkpointing and state-dict code work on it unchanged.
+When some rank cannot see the weight files (a hub id with a node-local HF_HOME: only rank 0
+downloaded them, and a copy per node is not worth its download), rank 0 reads every tensor and
+*scatters* each rank's part, in the file's dtype (half the bytes of fp32 for a bf16 checkpoint);
+the receiver casts. Before each scatter rank 0 broadcasts whether it read the tensor, so its read
+failure ends every rank at once instead of leaving them in the collective until the time-out.
+
+Measured (``bench/load_memory.py --file-dtype bfloat16 --repeat 3``, a 171M-parameter Llama, 2 CPU
+ranks): sliced reads peak at 1.06x the fp32 shard on every rank and each rank reads half the file,
+in 0.50x the time of v0.1's loader, whose rank 0 read the whole file and peaked at 1.25x (scattering
+in the file's dtype instead of fp32 brings that to 1.14x, 0.72x the time). accelerate's
+``_prepare_fsdp2`` sees an ``FSDPModule`` and leaves the sharding alone; its optimizer,
+checkpointing and state-dict code work on it unchanged.
 
 Precision (``train.precision``, reconciled with ``model.dtype`` by the config; the table is
 slurmft/precision.py): the sharded parameters are allocated in the mode's parameter dtype (float32
@@ -40,6 +65,7 @@ import importlib.util
 import json
 import logging
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +77,7 @@ import torch.distributed as dist
 from slurmft.checkpoints import strip_wrappers
 from slurmft.config import ModelConfig, RunConfig
 from slurmft.errors import JobSetupError
-from slurmft.job.distributed import DistContext, guarded
+from slurmft.job.distributed import DistContext, agree, guarded
 from slurmft.job.rendezvous import JobEnv
 from slurmft.precision import Precision
 from slurmft.precision import reduce_dtype as configured_reduce_dtype
@@ -64,6 +90,11 @@ SAFE_INDEX = "model.safetensors.index.json"
 CONFIG_FILES = ["*.json", "*.jinja", "tokenizer*", "*.model", "*.txt", "*.tiktoken"]
 WEIGHT_FILES = ["*.safetensors", "*.safetensors.index.json"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAFETENSORS_DTYPES = {  # dtype codes of safetensors headers the loader reads (and the scatter sends as they are)
+    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
 
 
 # ----------------------------------------------------------------------------- locating files
@@ -310,6 +341,8 @@ class ShardedModel:
     num_params: int
     precision: str = "fp32"
     reduce_dtype: torch.dtype = torch.float32
+    load_method: str = "sliced"  # "sliced": every rank read its own slice; "scatter": rank 0 read and sent them
+    bytes_read: int = 0  # weight bytes this rank read from the safetensors files
 
 
 def _build_meta(config: Any, cfg: RunConfig, dtype: torch.dtype, attn: str) -> torch.nn.Module:
@@ -339,19 +372,41 @@ def _wrap_class_names(model: torch.nn.Module, cfg: RunConfig) -> set[str]:
     return names & present
 
 
-def _check_weights(model: torch.nn.Module, model_dir: Path) -> list[tuple[str, str, str]]:
-    """Rank 0: (model name, file, key) for every tensor to load; JobSetupError on a mismatch."""
+@dataclass(frozen=True)
+class WeightEntry:
+    """One tensor to load: the model's name for it, the file and key holding it, its dtype in the file."""
+
+    name: str  # before activation checkpointing and FSDP wrapped the modules (hf_name of today's name)
+    file: str
+    key: str
+    dtype: str  # safetensors dtype code ("BF16", "F32", ...)
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """What rank 0 checked against the safetensors headers, sent to every rank before the reads."""
+
+    entries: list[WeightEntry]
+    sizes: dict[str, int]  # file name -> size in bytes, as rank 0 saw it
+
+
+def _check_weights(model: torch.nn.Module, model_dir: Path) -> WeightPlan:
+    """Rank 0: every tensor to load, checked by name, shape and dtype against the headers (JobSetupError if not)."""
     from safetensors import safe_open
 
     files = weight_files(model_dir)
     shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
+    sizes: dict[str, int] = {}
     for file in sorted(set(files.values())):
         path = model_dir / file
         if not path.is_file():
             raise JobSetupError(f"model.name_or_path: {path} is listed in the safetensors index but missing")
+        sizes[file] = path.stat().st_size
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                shapes[key] = tuple(f.get_slice(key).get_shape())
+                header = f.get_slice(key)
+                shapes[key], dtypes[key] = tuple(header.get_shape()), header.get_dtype()
     plan, problems = [], []
     wanted = [(n, p, True) for n, p in model.named_parameters()]
     wanted += [(n, b, False) for n, b in model.named_buffers() if hf_name(n) in files]  # persistent ones saved
@@ -364,16 +419,20 @@ def _check_weights(model: torch.nn.Module, model_dir: Path) -> list[tuple[str, s
         if shapes.get(key) != tuple(tensor.shape):
             problems.append(f"{key}: checkpoint shape {shapes.get(key)} != model shape {tuple(tensor.shape)}")
             continue
-        plan.append((name, files[key], key))
+        if dtypes[key] not in SAFETENSORS_DTYPES:
+            problems.append(f"{key}: dtype {dtypes[key]} in the file, which the loader does not read "
+                            f"(one of {', '.join(SAFETENSORS_DTYPES)})")
+            continue
+        plan.append(WeightEntry(name, files[key], key, dtypes[key]))
     if problems:
         raise JobSetupError(
             f"model.name_or_path: the weights in {model_dir} do not match the architecture of its config.json",
             problems=problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else []),
         )
-    unused = sorted(set(files) - {k for _, _, k in plan})
+    unused = sorted(set(files) - {e.key for e in plan})
     if unused:
         log.warning("%d checkpoint tensor(s) not used by the model, e.g. %s", len(unused), unused[:3])
-    return plan
+    return WeightPlan(plan, {file: sizes[file] for file in sorted({e.file for e in plan})})
 
 
 # --- HSDP (issue 11, item 10) ---------------------------------------------------------------
@@ -482,83 +541,249 @@ def _named_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return targets
 
 
-def _row_chunks(target: Any, world: int) -> tuple[int, list[int]]:
-    """(number of dim-0 chunks, the chunk each global rank holds) under a DTensor's mesh and placements.
+# ----------------------------------------------------------------------------- reading the weights
+Region = tuple[tuple[int, int], ...]  # (start, stop) per dimension of the full tensor
 
-    ``(Shard(0),)`` on a 1-D mesh: rank r holds chunk r. HSDP's ``(Replicate(), Shard(0))``: the chunk
-    is the rank's coordinate on the shard dim, the same on every replica.
+
+def _region(target: torch.Tensor) -> Region | None:
+    """The part of the full tensor this rank holds (None: a plain tensor, every rank holds all of it).
+
+    Derived from the DTensor's mesh and placements, so a 1-D mesh with ``Shard(0)`` and an HSDP mesh
+    with ``(Replicate(), Shard(0))`` are the same code; rows that do not divide evenly give the last
+    ranks fewer rows (possibly none), exactly as FSDP2's unpadded ``to_local()``.
     """
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    layout = target.device_mesh.mesh  # global ranks, shaped like the mesh
-    sharded = [d for d, p in enumerate(target.placements) if isinstance(p, Shard) and p.dim == 0]
-    known = all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in target.placements)
-    if len(sharded) != 1 or not known or layout.numel() != world:
-        raise RuntimeError(f"unexpected placements {target.placements} on mesh {tuple(layout.shape)}")
-    chunk_of = [int((layout == r).nonzero()[0][sharded[0]]) for r in range(world)]
-    return int(layout.shape[sharded[0]]), chunk_of
+    if not isinstance(target, DTensor):
+        return None
+    if any(type(p) not in (Shard, Replicate) for p in target.placements):
+        raise RuntimeError(f"unexpected placements {target.placements}: only Shard and Replicate are loaded")
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    local = target.to_local()
+    if tuple(local.shape) != tuple(shape):
+        raise RuntimeError(f"local shard shape {tuple(local.shape)} != the computed {tuple(shape)}")
+    return tuple((o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def _local(target: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return target.to_local() if isinstance(target, DTensor) else target
+
+
+class _Files:
+    """The safetensors files of a plan, memory-mapped on first use and closed after their last tensor."""
+
+    def __init__(self, model_dir: Path, plan: WeightPlan, rank: int) -> None:
+        self.model_dir, self.rank = model_dir, rank
+        self.last_use = {e.file: i for i, e in enumerate(plan.entries)}
+        self.handles: dict[str, Any] = {}
+        self.bytes_read = 0
+
+    def read(self, entry: WeightEntry, region: Region | None) -> torch.Tensor:
+        """``region`` of the tensor (all of it for None), in the file's dtype; JobSetupError naming file, key, rank."""
+        from safetensors import safe_open
+
+        path = self.model_dir / entry.file
+        try:
+            if entry.file not in self.handles:
+                self.handles[entry.file] = safe_open(str(path), framework="pt").__enter__()
+            handle = self.handles[entry.file]
+            if region is None:
+                tensor = handle.get_tensor(entry.key)
+            else:
+                tensor = handle.get_slice(entry.key)[tuple(slice(a, b) for a, b in region)]
+        except Exception as exc:  # OSError, SafetensorError, a slice that does not fit: the file changed
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise JobSetupError(
+                f"rank {self.rank} could not read {entry.key!r} from {path} ({type(exc).__name__}: {first}); the file "
+                "changed or is damaged since rank 0 checked its header: download or copy the model again"
+            ) from None
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def done(self, index: int) -> None:
+        """Unmap the file of entry ``index`` when no later entry needs it."""
+        file = next((f for f, last in self.last_use.items() if last == index), None)
+        if file in self.handles:
+            self.handles.pop(file).__exit__(None, None, None)
+
+    def close(self) -> None:
+        """Unmap every file still open."""
+        for handle in self.handles.values():
+            handle.__exit__(None, None, None)
+        self.handles.clear()
+
+
+def _unreadable(plan: WeightPlan, model_dir: Path | None) -> str | None:
+    """None when this rank sees every file of the plan with the size rank 0 saw, else why not."""
+    if model_dir is None:
+        return "no model directory with weights on this rank"
+    for file, size in plan.sizes.items():
+        path = model_dir / file
+        try:
+            found = path.stat().st_size
+        except OSError as exc:
+            return f"{path}: {exc.strerror or type(exc).__name__}"
+        if found != size:
+            return f"{path} has {found} bytes, rank 0's has {size}"
+        if not os.access(path, os.R_OK):
+            return f"{path} is not readable"
+    return None
+
+
+def _every_rank_reads(plan: WeightPlan, model_dir: Path | None, ctx: DistContext) -> bool:
+    """True when every rank can read every weight file itself (one all-gather); else rank 0 says who cannot."""
+    problems: list[str | None] = [None] * ctx.world_size
+    dist.all_gather_object(problems, _unreadable(plan, model_dir))
+    blind = [(rank, why) for rank, why in enumerate(problems) if why]
+    if blind and ctx.is_main:
+        rank, why = blind[0]
+        log.warning(
+            "%d of %d ranks cannot read the weight files (rank %d: %s): rank 0 reads every tensor and scatters the "
+            "slices instead, which is slower for large models. Keep the model directory (or HF_HOME) on a "
+            "filesystem every node sees so that every rank reads its own slice.", len(blind), ctx.world_size, rank, why,
+        )
+    return not blind
 
 
 @torch.no_grad()
-def _scatter_weights(model: torch.nn.Module, plan: list[tuple[str, str, str]], model_dir: Path | None,
-                     ctx: DistContext) -> None:
-    """Rank 0 reads each tensor once and scatters row chunks (Shard(0), per replica under HSDP); every other
-    rank gets its own slice only."""
-    from torch.distributed.tensor import DTensor
+def _read_own_slices(model: torch.nn.Module, plan: WeightPlan, model_dir: Path, ctx: DistContext) -> int:
+    """Every rank reads its own rows from the memory-mapped files, in the file's dtype, and casts them locally.
 
-    names = [plan] if ctx.is_main else [None]
-    dist.broadcast_object_list(names, src=0)
-    order: list[tuple[str, str, str]] = names[0]  # type: ignore[assignment]
+    No collective: a failure raises here, on the rank that failed, and :func:`agree` afterwards tells the
+    others. Returns the bytes this rank read.
+    """
     targets = _named_targets(model)
-    world, rank, comm = ctx.world_size, ctx.rank, ctx.device
-    last_use = {file: i for i, (_, file, _) in enumerate(order)}
-    handles: dict[str, Any] = {}  # open safetensors files (rank 0), closed once their last tensor is sent
-
-    def read(file: str, key: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        if file not in handles:
-            handles[file] = safe_open(str(model_dir / file), framework="pt").__enter__()
-        return handles[file].get_tensor(key)
-
+    files = _Files(model_dir, plan, ctx.rank)
     try:
-        for i, (name, file, key) in enumerate(order):
-            target = targets[name]
-            if isinstance(target, DTensor):
-                count, chunk_of = _row_chunks(target, world)
-                local = target.to_local()
-                rows, rest = target.shape[0], tuple(target.shape[1:])
-                chunk = math.ceil(rows / count)
-                mine = max(0, min(chunk, rows - chunk_of[rank] * chunk))
-                recv = torch.empty((chunk, *rest), dtype=local.dtype, device=comm)
-                chunks = None
-                if ctx.is_main:
-                    full = read(file, key).to(device=comm, dtype=local.dtype)
-                    if rows != chunk * count:
-                        padded = full.new_zeros((chunk * count, *rest))
-                        padded[:rows].copy_(full)
-                        full = padded
-                    pieces = list(full.contiguous().chunk(count))
-                    chunks = [pieces[chunk_of[r]] for r in range(world)]
-                    del full, pieces
-                dist.scatter(recv, scatter_list=chunks, src=0)
-                local.copy_(recv[:mine])
-                del chunks, recv
-            else:  # replicated tensor (a persistent buffer): every rank needs all of it
-                buf = torch.empty_like(target, device=comm)
-                if ctx.is_main:
-                    buf.copy_(read(file, key))
-                dist.broadcast(buf, src=0)
-                target.copy_(buf)
-            if last_use[file] == i and file in handles:  # unmap what is no longer needed
-                handles.pop(file).__exit__(None, None, None)
+        for i, entry in enumerate(plan.entries):
+            target = targets[entry.name]
+            region = _region(target)
+            if region is None or all(b > a for a, b in region):  # a rank may own no rows of a small tensor
+                _local(target).copy_(files.read(entry, region))
+            files.done(i)
     finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
+        files.close()
+    return files.bytes_read
+
+
+def _numel(region: Region) -> int:
+    return math.prod(b - a for a, b in region)
+
+
+def _flat_part(files: _Files, entry: WeightEntry, region: Region | None, width: int, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """One rank's part of a tensor as ``width`` elements for the scatter: a view of the mapped file where it
+    fills the width (rows are contiguous), else a zero-padded copy."""
+    if region is None or not _numel(region):
+        return torch.zeros(width, dtype=dtype, device=device)
+    part = files.read(entry, region).reshape(-1).to(device)
+    if part.numel() == width:
+        return part
+    padded = torch.zeros(width, dtype=dtype, device=device)
+    padded[: part.numel()].copy_(part)
+    return padded
+
+
+@torch.no_grad()
+def _scatter_weights(model: torch.nn.Module, plan: WeightPlan, model_dir: Path | None, ctx: DistContext) -> int:
+    """Rank 0 reads each tensor and sends every rank its own part, in the file's dtype; the receiver casts.
+
+    For ranks that cannot read the files. Every rank's part follows from its own mesh coordinate (gathered
+    to rank 0 once), so any Shard/Replicate mesh works. Before each scatter rank 0 broadcasts whether it
+    read the tensor, so a read failure ends every rank with rank 0's error instead of leaving them in a
+    collective until the time-out. Returns the bytes this rank read from the files (0 except on rank 0).
+    """
+    targets = _named_targets(model)
+    mine = [_region(targets[e.name]) for e in plan.entries]
+    everyone: list[list[Region | None]] | None = [[] for _ in range(ctx.world_size)] if ctx.is_main else None
+    dist.gather_object(mine, everyone, dst=0)
+    widths: list[list[int]] = [[]]  # per entry: the largest part any rank gets (the scatter's chunk size)
+    if ctx.is_main:
+        assert everyone is not None
+        widths = [[max(_numel(row[i]) if row[i] is not None else 0 for row in everyone)
+                   for i in range(len(plan.entries))]]
+    dist.broadcast_object_list(widths, src=0)
+    comm = ctx.device
+    files = _Files(model_dir, plan, ctx.rank) if ctx.is_main and model_dir is not None else None
+    status = torch.zeros(1, dtype=torch.int32, device=comm)
+    try:
+        for i, entry in enumerate(plan.entries):
+            local, dtype, region = _local(targets[entry.name]), SAFETENSORS_DTYPES[entry.dtype], mine[i]
+            width = widths[0][i]
+            whole: torch.Tensor | None = None  # rank 0: a plain tensor, for every rank
+            parts: list[torch.Tensor] | None = None  # rank 0: each rank's part, flat, padded to ``width``
+            error = None
+            if ctx.is_main:
+                try:
+                    if files is None:
+                        raise JobSetupError("rank 0 has no model directory with weights")
+                    if region is None:
+                        whole = files.read(entry, None).to(comm)
+                    else:
+                        assert everyone is not None
+                        parts = [_flat_part(files, entry, row[i], width, dtype, comm) for row in everyone]
+                except Exception as exc:  # noqa: BLE001 - out of memory too: the other ranks would wait for this one
+                    error, whole, parts = _failure(exc, ctx.rank), None, None
+                status.fill_(1 if error else 0)
+            dist.broadcast(status, src=0)  # did rank 0 read the tensor? (else every rank stops here)
+            if int(status.item()):
+                message = [error]
+                dist.broadcast_object_list(message, src=0)
+                raise JobSetupError(str(message[0]))
+            if region is None:
+                buffer = whole if whole is not None else torch.empty(local.shape, dtype=dtype, device=comm)
+                dist.broadcast(buffer, src=0)
+                local.copy_(buffer)
+            else:
+                buffer = torch.empty(width, dtype=dtype, device=comm)
+                dist.scatter(buffer, scatter_list=parts, src=0)
+                if local.numel():
+                    local.copy_(buffer[: local.numel()].view(local.shape))
+            del whole, parts, buffer
+            if files is not None:
+                files.done(i)
+    finally:
+        if files is not None:
+            files.close()
+    return files.bytes_read if files is not None else 0
+
+
+def _failure(exc: Exception, rank: int) -> str:
+    """The message every rank raises for a failure while loading; anything but a JobSetupError (a bug, out of
+    memory) also leaves its traceback in this rank's log."""
+    if isinstance(exc, JobSetupError):
+        return exc.render()
+    log.error("rank %d failed while loading the weights", rank, exc_info=exc)
+    return f"rank {rank} failed while loading the weights: {type(exc).__name__}: {exc} (traceback in its log)"
+
+
+def _load_weights(model: torch.nn.Module, plan: WeightPlan | None, model_dir: Path | None,
+                  ctx: DistContext) -> tuple[str, int]:
+    """Fill the local shards from the files rank 0 checked: ("sliced" or "scatter", bytes this rank read)."""
+    shared = [plan]
+    dist.broadcast_object_list(shared, src=0)
+    checked: WeightPlan = shared[0]  # type: ignore[assignment]
+    if _every_rank_reads(checked, model_dir, ctx):
+        assert model_dir is not None
+        read, error = 0, None
+        try:
+            read = _read_own_slices(model, checked, model_dir, ctx)
+        except Exception as exc:  # noqa: BLE001 - out of memory too: the other ranks would wait for this one
+            error = _failure(exc, ctx.rank)
+        agree(ctx, error, "reading the weights")
+        return "sliced", read
+    return "scatter", _scatter_weights(model, checked, model_dir, ctx)
 
 
 def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx: DistContext) -> ShardedModel:
-    """Meta model on every rank -> checked against the files on rank 0 -> FSDP2 shards -> weights scattered."""
+    """Meta model on every rank -> checked against the files on rank 0 -> FSDP2 shards -> each rank's slice read.
+
+    ``model_dir``: where this rank sees the model's files (None where it does not; rank 0 needs them). When
+    a rank cannot read the weight files, rank 0 reads them all and scatters the slices instead.
+    """
     mode = guarded(ctx, "choosing the precision", lambda: choose_precision(cfg, ctx.on_gpu))
     dtype, gather, reduce = mixed_precision_dtypes(cfg, mode)
     compute = gather or dtype
@@ -571,14 +796,15 @@ def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx
                 *(str(d).removeprefix("torch.") for d in (dtype, compute, reduce)))
     model = guarded(ctx, "building the model", lambda: _build_meta_checked(config, cfg, dtype, attn))
     wrap = _wrap_class_names(model, cfg)
-    plan = guarded(ctx, "checking the checkpoint", lambda: _check_weights(model, model_dir) if ctx.is_main else [])
+    plan = guarded(ctx, "checking the checkpoint", lambda: _check_weights(model, model_dir) if ctx.is_main else None)
     num_params = sum(p.numel() for p in model.parameters())
     _shard(model, cfg, ctx, wrap, gather, reduce)
     _materialize(model, ctx, cfg.fsdp.cpu_offload)
-    _scatter_weights(model, plan, model_dir, ctx)
+    method, read = _load_weights(model, plan, model_dir, ctx)
     attn = getattr(model.config, "_attn_implementation", None) or attn  # what transformers really set up
     return ShardedModel(model=model, dtype=dtype, compute_dtype=compute, attn_implementation=attn, wrap_class=sorted(wrap)[0],
-                        num_params=num_params, precision=mode.name, reduce_dtype=reduce)
+                        num_params=num_params, precision=mode.name, reduce_dtype=reduce, load_method=method,
+                        bytes_read=read)
 
 
 def _build_meta_checked(config: Any, cfg: RunConfig, dtype: torch.dtype, attn: str) -> torch.nn.Module:

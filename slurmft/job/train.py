@@ -95,7 +95,13 @@ def _importable(module: str) -> bool:
 
 
 def _prepare_inputs(cfg: RunConfig, ctx: DistContext) -> Inputs:
-    """Model files (weights only where they are read), config, tokenizer: all checked."""
+    """Model files, config, tokenizer: all checked.
+
+    Rank 0 (run first by ``main_first``) downloads the weights of a hub id; the other ranks fetch only the
+    config files, so a shared HF_HOME gives them rank 0's snapshot, weights included (they then read their
+    own slices), and a node-local cache is never filled with the whole checkpoint once per node (rank 0
+    then scatters the slices: loading._load_weights).
+    """
     _check_sft_keys(cfg)
     model_dir = loading.resolve_model_dir(cfg.model, with_weights=ctx.is_main)
     if ctx.is_main:
@@ -292,11 +298,13 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
     args = distributed.guarded(ctx, "building the training options", lambda: sft_config(cfg, paths, ctx))
 
     t_load = time.time()
-    sharded = loading.build_sharded_model(cfg, inputs.config, inputs.model_dir if ctx.is_main else None, ctx)
+    sharded = loading.build_sharded_model(cfg, inputs.config, inputs.model_dir, ctx)
     if ctx.is_main:
         mesh = next(sharded.model.parameters()).device_mesh  # HSDP: (replicas, shards)
-        log.info("model: %.1fM parameters, %s, FSDP2 mesh %s over %d ranks in %.1fs", sharded.num_params / 1e6,
-                 str(sharded.dtype).removeprefix("torch."), tuple(mesh.shape), ctx.world_size, time.time() - t_load)
+        how = "every rank read its own slice" if sharded.load_method == "sliced" else "rank 0 read and scattered"
+        log.info("model: %.1fM parameters, %s, FSDP2 mesh %s over %d ranks in %.1fs (%s; rank 0 read %.0f MiB)",
+                 sharded.num_params / 1e6, str(sharded.dtype).removeprefix("torch."), tuple(mesh.shape),
+                 ctx.world_size, time.time() - t_load, how, sharded.bytes_read / 2**20)
 
     info = {"job_id": env.job_id, "restart": env.restart_count}
     marker_info = {**info, "precision": sharded.precision}  # consolidate.dtype=auto and resume read it

@@ -1,4 +1,5 @@
-"""HSDP's device mesh from the job's environment, and which rows each rank loads under it (no processes).
+"""HSDP's device mesh from the job's environment (no processes). Which rows each rank loads under a 2-D
+mesh: tests/job/test_loading.py::test_each_rank_holds_its_slice_on_1d_and_hsdp_meshes.
 
 The two-node run itself (mesh, placements, losses equal to plain FSDP, checkpoint, resume and
 consolidation) is tests/slurm/test_hsdp.py, on the real cluster.
@@ -6,12 +7,10 @@ consolidation) is tests/slurm/test_hsdp.py, on the real cluster.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from slurmft.errors import JobSetupError
-from slurmft.job.loading import HSDP_DIM_NAMES, _row_chunks, mesh_layout
+from slurmft.job.loading import HSDP_DIM_NAMES, mesh_layout
 from slurmft.job.rendezvous import JobEnv
 
 
@@ -43,24 +42,3 @@ def test_ranks_not_numbered_node_by_node_are_refused() -> None:
     with pytest.raises(JobSetupError, match="block distribution") as err:
         mesh_layout(True, env(1, node=1, local=0))
     assert "fsdp.replicate_across_nodes=false" in str(err.value)
-
-
-def _dtensor_like(mesh_shape: tuple[int, ...], placements: tuple) -> SimpleNamespace:
-    import torch
-
-    world = 1
-    for n in mesh_shape:
-        world *= n
-    return SimpleNamespace(device_mesh=SimpleNamespace(mesh=torch.arange(world).reshape(mesh_shape)),
-                           placements=placements)
-
-
-def test_row_chunks_follow_the_shard_coordinate() -> None:
-    from torch.distributed.tensor import Replicate, Shard
-
-    assert _row_chunks(_dtensor_like((4,), (Shard(0),)), 4) == (4, [0, 1, 2, 3])
-    # HSDP: 2 chunks; ranks 0 and 2 (same shard on both nodes) get chunk 0, ranks 1 and 3 chunk 1
-    assert _row_chunks(_dtensor_like((2, 2), (Replicate(), Shard(0))), 4) == (2, [0, 1, 0, 1])
-    assert _row_chunks(_dtensor_like((2, 8), (Replicate(), Shard(0))), 16) == (8, [*range(8), *range(8)])
-    with pytest.raises(RuntimeError, match="unexpected placements"):
-        _row_chunks(_dtensor_like((2, 2), (Replicate(), Shard(1))), 4)
