@@ -18,12 +18,13 @@ What we do:
   ``trainer_state.json``, which ``train`` reads outside those methods.
 - :func:`train_newest_loadable` tries the verified checkpoints newest first. After a failure it
   drops that Trainer (its optimizer, scheduler and accelerate state) and builds a fresh one on the
-  same sharded model for the next older checkpoint. No rank ever trains a half-loaded model: the
-  failed load may have written part of the bad checkpoint into the parameters (DCP copies into them
-  in place), but the retry's DCP load is strict (``DefaultLoadPlanner``, no partial load), so every
-  parameter and persistent buffer is overwritten by the older checkpoint before any step, and the
-  optimizer state is new; when no checkpoint loads, the job stops with a :class:`CheckpointError`
-  naming each one and why, rather than training from step 0 or from a partial load.
+  same sharded model for the next older checkpoint. No rank ever trains a half-loaded model: a
+  resuming job's shards start uninitialised (it does not read the base weights, slurmft/job/loading.py)
+  and the failed load may have written part of the bad checkpoint into them (DCP copies in place),
+  but the retry's DCP load is strict (``DefaultLoadPlanner``, no partial load), so every parameter
+  and persistent buffer is overwritten by the older checkpoint before any step, and the optimizer
+  state is new; when no checkpoint loads, the job stops with a :class:`CheckpointError` naming each
+  one and why, rather than training from step 0 or from a partial load.
 - Once the fallback loaded (its first step begins), rank 0 sets the checkpoints that failed aside
   (``unloadable-checkpoint-<step>/``, :func:`slurmft.checkpoints.set_aside`) and the saver never
   rotates away the one it resumed from. Setting aside matters beyond tidiness: left in place, the

@@ -445,8 +445,15 @@ def _scatter_weights(model: torch.nn.Module, plan: list[tuple[str, str, str]], m
             handle.__exit__(None, None, None)
 
 
-def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx: DistContext) -> ShardedModel:
-    """Meta model on every rank -> checked against the files on rank 0 -> FSDP2 shards -> weights scattered."""
+def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx: DistContext,
+                        weights: bool = True) -> ShardedModel:
+    """Meta model on every rank -> checked against the files on rank 0 -> FSDP2 shards -> weights scattered.
+
+    ``weights=False`` when the job resumes: the checkpoint's strict load overwrites every parameter
+    and persistent buffer, so reading the base weights would only be thrown away (rank 0 reading
+    the whole model: 140 GB at 70B). The shards stay uninitialised until that load; the job never
+    trains without one succeeding (slurmft/job/fallback.py). The names and shapes are still checked.
+    """
     mode = guarded(ctx, "choosing the precision", lambda: choose_precision(cfg, ctx.on_gpu))
     dtype, gather, reduce = mixed_precision_dtypes(cfg, mode)
     compute = gather or dtype
@@ -460,7 +467,8 @@ def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx
     num_params = sum(p.numel() for p in model.parameters())
     _shard(model, cfg, ctx, wrap, gather, reduce)
     _materialize(model, ctx, cfg.fsdp.cpu_offload)
-    _scatter_weights(model, plan, model_dir, ctx)
+    if weights:
+        _scatter_weights(model, plan, model_dir, ctx)
     return ShardedModel(model=model, dtype=dtype, compute_dtype=compute, attn_implementation=attn, wrap_class=sorted(wrap)[0],
                         num_params=num_params, precision=mode.name, reduce_dtype=reduce)
 

@@ -298,11 +298,15 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                                      lambda: data.load_mixture(cfg.data, cfg.train.seed, inputs.tokenizer))
     args = distributed.guarded(ctx, "building the training options", lambda: sft_config(cfg, paths, ctx))
 
-    t_load = time.time()
-    sharded = loading.build_sharded_model(cfg, inputs.config, inputs.model_dir if ctx.is_main else None, ctx)
+    candidates = _resume_candidates(paths, ctx)  # newest first; empty: a fresh start
+
+    t_load = time.time()  # resuming: the weights come from the checkpoint, the base weights are not read
+    sharded = loading.build_sharded_model(cfg, inputs.config, inputs.model_dir if ctx.is_main else None, ctx,
+                                          weights=not candidates)
     if ctx.is_main:
-        log.info("model: %.1fM parameters, %s, sharded over %d ranks in %.1fs", sharded.num_params / 1e6,
-                 str(sharded.dtype).removeprefix("torch."), ctx.world_size, time.time() - t_load)
+        log.info("model: %.1fM parameters, %s, sharded over %d ranks in %.1fs%s", sharded.num_params / 1e6,
+                 str(sharded.dtype).removeprefix("torch."), ctx.world_size, time.time() - t_load,
+                 " (weights from the checkpoint)" if candidates else "")
 
     info = {"job_id": env.job_id, "restart": env.restart_count}
     marker_info = {**info, "precision": sharded.precision}  # consolidate.dtype=auto and resume read it
@@ -342,12 +346,11 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                      plan["epochs"], plan["sequences"], plan["sequences_per_step"], plan["steps_per_epoch"],
                      plan["max_steps"], paths.plan)
     trainer.args.max_steps = max_steps
-    candidates = _resume_candidates(paths, ctx)
     if ctx.is_main:
         log.info("resuming from %s" if candidates else "starting from step 0%s",
                  candidates[0].name if candidates else "")
     if agree(ctx, preemption.requested()):  # the flag came during start-up: stop before loading anything more
-        step = checkpoints.step_of(candidates[0]) or 0 if candidates else 0
+        step = (checkpoints.step_of(candidates[0]) or 0) if candidates else 0
         return _stopped(paths, env, ctx, step, saved=False, t_start=t_start)
 
     def check_precision(checkpoint: Path) -> None:

@@ -26,8 +26,6 @@ import pytest
 
 from .helpers import launch_like_srun, read_metrics, write_run
 
-pytestmark = pytest.mark.train
-
 MAX_STEPS = 10
 EVERY = 4
 SETTINGS = [f"train.max_steps={MAX_STEPS}", f"checkpoint.every_steps={EVERY}", "checkpoint.keep_last=2"]
@@ -42,6 +40,25 @@ def _overwrite_in_place(path: Path) -> bytes:
     return original
 
 
+def test_load_errors_read_in_one_line() -> None:
+    import pickle
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from slurmft.job.fallback import reason
+
+    garbage = pickle.UnpicklingError("Weights only load failed. In PyTorch 2.6, we changed the default value ...\n"
+                                     "WeightsUnpickler error: \n\nUnsupported operand 255\n\nCheck the documentation")
+    exc = CheckpointException("read", {1: (garbage, None)})
+    assert reason(exc) == "rank 1: UnpicklingError: Unsupported operand 255"
+    long = RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory. This is an "
+                        "internal miniz error. If you are seeing this error, there is a high likelihood that your "
+                        "checkpoint file is corrupted.")
+    assert reason(long) == ("RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central "
+                            "directory.")
+
+
+@pytest.mark.train
 def test_a_checkpoint_that_does_not_load_falls_back_to_the_previous_one(tiny_model: Path, job_env: dict[str, str],
                                                                        tmp_path: Path) -> None:
     run = write_run(tmp_path / "run", tiny_model, SETTINGS)
