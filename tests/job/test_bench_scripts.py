@@ -1,6 +1,8 @@
 """The benchmark scripts, so a bench that silently breaks turns CI red: bench/gpu_smoke.sh --dry-run runs
 the whole pipeline on CPU, and every bench behind a number in the README's "Measured" section runs in
-its ``--quick`` mode and must meet its own targets (each exits 1 when one is missed)."""
+its ``--quick`` mode and must meet its own targets (each exits 1 when one is missed) — except
+bench/checkpoint.py, whose quick ratios are noise (a 60 MB checkpoint, time-to-first-step on a busy
+machine): its test checks that every figure is reported, not the targets."""
 
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ def test_checkpoint_bench_quick_mode_reports_every_figure(tiny_model: Path, job_
         assert tp[key] > 0, key
     pair = rs["pairs"][0]
     assert pair["fresh"]["first_step"] == 1 and pair["resume"]["first_step"] == 2  # the resume started at step 2
-    assert rs["fresh_s"] > 0 and rs["resume_s"] > 0 and rs["ratio"] > 0
+    assert pair["fresh"]["to_first_step_s"] > 0 and pair["resume"]["to_first_step_s"] > 0
+    assert rs["ratio"] == rs["median_pair"]["ratio"] == pair["ratio"] > 0
     assert "| save (accelerate" in proc.stdout and "| start to end of first step" in proc.stdout
     assert "targets not enforced with --quick" in proc.stdout

@@ -5,9 +5,11 @@ few steps in, so it saves at step S and stops with two complete checkpoints: the
 S and checkpoint-S. Then a shard of checkpoint-S is overwritten in place with the same number of
 bytes (discovery's size check cannot see it):
 
-1. with the older checkpoint's optimizer shard damaged the same way too, the requeued job loads
-   neither and stops with an error naming both (it does not train from step 0), moving nothing;
-2. with that shard restored, the next attempt logs the failed load of checkpoint-S, falls back to the
+1. with the older checkpoint's ``rng_state_1.pth`` damaged the same way too (read by rank 1 alone,
+   after the model and optimizer loaded: rank 0 would walk into the first step), the requeued job
+   loads neither and stops on both ranks with an error naming both (it does not train from step 0
+   and does not hang), moving nothing;
+2. with that file restored, the next attempt logs the failed load of checkpoint-S, falls back to the
    older one, repeats the steps after it with the same losses as the first attempt (bitwise: a
    strict load of the older checkpoint, nothing of the failed one left), sets checkpoint-S aside and
    finishes, and rotation keeps the checkpoint it fell back to.
@@ -84,19 +86,19 @@ def test_a_checkpoint_that_does_not_load_falls_back_to_the_previous_one(tiny_mod
     _overwrite_in_place(bad_shard)
 
     # 1. nothing loads: a clear error on every rank, no step trained, every checkpoint left where it is
-    optimizer_shard = root / f"checkpoint-{previous}" / "optimizer_0" / "__0_0.distcp"
-    saved_bytes = _overwrite_in_place(optimizer_shard)
+    rng_file = root / f"checkpoint-{previous}" / "rng_state_1.pth"
+    saved_bytes = _overwrite_in_place(rng_file)
     rc, out = launch_like_srun(run, job_env, job_id="77", restart=1).wait(timeout=120)
     assert rc == 2, out[-4000:]
     assert len(re.findall(r"slurmft rank \d: setup error: no checkpoint in \S+ could be loaded", out)) == 2, out[-3000:]
     assert re.search(rf"  - checkpoint-{newest}: the model \(pytorch_model_fsdp_0/\): rank 1: UnpicklingError", out)
-    assert re.search(rf"  - checkpoint-{previous}: the optimizer and scheduler \(optimizer_0/, scheduler.pt\): "
-                     r"rank 0: UnpicklingError", out), out[-3000:]
+    assert re.search(rf"  - checkpoint-{previous}: the random generator state \(rng_state_<rank>.pth\): .+ "
+                     r"\(on rank 1\)\n", out), out[-3000:]
     assert read_metrics(run) == first
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == sorted(names)
 
     # 2. the older one loads: fall back to it, repeat its steps exactly, finish
-    optimizer_shard.write_bytes(saved_bytes)
+    rng_file.write_bytes(saved_bytes)
     rc, out = launch_like_srun(run, job_env, job_id="77", restart=2).wait(timeout=180)
     assert rc == 0, out[-4000:]
     assert re.search(rf"could not load checkpoint-{newest}: the model \(pytorch_model_fsdp_0/\): rank 1: "
