@@ -5,8 +5,8 @@
 
 Without ``--model`` it uses the ~170M-parameter Llama of ``python -m slurmft.tiny DIR --size 150m``
 (cached under ``$TMPDIR/slurmft-bench/150m-float32``); ``--quick`` (what the test suite runs) uses
-the 5M-parameter tiny preset and one repetition (see the end). Everything is measured in this one invocation, on
-one disk directory (``--workdir``, default a temporary directory under ``$TMPDIR``).
+the 5M-parameter tiny preset and one repetition (see the end). Everything is measured in this one
+invocation, on one disk directory (``--workdir``, default a temporary directory under ``$TMPDIR``).
 
 **Throughput.** One ``torch.distributed.run`` job with ``--nproc`` CPU ranks (gloo) shards the model
 with slurmft's loader (FSDP2), takes one AdamW step so the optimizer state exists, and then, per
@@ -22,7 +22,7 @@ repetition:
   sides fsync; both use ``--nproc`` writers at once; same total bytes, same directory; both read
   their bytes from that much memory.
 - both sides' files are dropped from the page cache (``posix_fadvise(DONTNEED)`` after the fsync;
-  no root needed) and ``mincore`` reports how much stayed resident (``cached`` columns);
+  no root needed) and ``mincore`` reports how much stayed resident (the table's first line);
 - *load*: accelerate's ``load_fsdp_model`` + ``load_fsdp_optimizer`` into the live model and
   optimizer (what a resume does); *read baseline*: each rank reads its baseline file sequentially
   into its buffer.
@@ -30,12 +30,14 @@ repetition:
 GB/s is total bytes / wall seconds of the slowest rank (1 GB = 1e9 bytes). Each repetition's two sides
 run back to back, alternating which goes first, so load from other processes on the machine hits
 both alike; the table shows the repetition whose ratio is the median of ``--repeat``, and lists
-every ratio below. Target: save >= 0.6 x the sequential write. The load/read ratio is reported without a target:
-with the guest's page cache dropped, a read still may come from the host's cache on a virtual disk.
+every ratio below. Target: save >= 0.6 x the sequential write. The load/read ratio is reported
+without a target: with the guest's page cache dropped, a read may still come from the host's cache
+on a virtual disk.
 
 **Resume.** The real job entrypoint (``python -m torch.distributed.run --standalone --nproc_per_node N
--m slurmft.job.entrypoint train RUN_DIR``, what ``slurmft submit`` runs with ``executor: local``) on
-examples/tiny/run.yaml with ``--model``, ``train.max_steps=2``, a checkpoint every step:
+-m slurmft.job.entrypoint train RUN_DIR``: the train body ``slurmft submit`` runs, there through
+submitit's local executor or srun) on examples/tiny/run.yaml with ``--model``,
+``train.max_steps=2``, a checkpoint every step:
 
 1. a warm-up run (fills the dataset cache; not measured);
 2. *fresh*: a new run directory, the model's weights dropped from the page cache;
@@ -44,8 +46,8 @@ examples/tiny/run.yaml with ``--model``, ``train.max_steps=2``, a checkpoint eve
    job does not read the base weights: the checkpoint overwrites them).
 
 Steps 2 and 3 repeat ``--pairs`` times; the table shows the pair whose ratio is the median, and lists
-every pair below. The first step's compute is part of both times (a step of the 170M model takes 20-50 s on
-two busy cores), so its noise is too.
+every pair below. The first step's compute is part of both times (one step of the 170M model takes
+~5 s on the two idle cores here, up to ~50 s when other jobs share them), so its noise is too.
 
 Time to first step = the ``time`` of the attempt's first ``metrics.jsonl`` record (rank 0, right
 after the optimizer step) minus the moment this script started the command. Target: resume <= 1.2 x
