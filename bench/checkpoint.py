@@ -47,7 +47,7 @@ submitit's local executor or srun) on examples/tiny/run.yaml with ``--model``,
 
 Steps 2 and 3 repeat ``--pairs`` times; the table shows the pair whose ratio is the median, and lists
 every pair below. The first step's compute is part of both times (one step of the 170M model takes
-~5 s on the two idle cores here, up to ~50 s when other jobs share them), so its noise is too.
+~10 s on the two idle cores here, up to ~50 s when other jobs share them), so its noise is too.
 
 Time to first step = the ``time`` of the attempt's first ``metrics.jsonl`` record (rank 0, right
 after the optimizer step) minus the moment this script started the command. Target: resume <= 1.2 x
