@@ -17,6 +17,10 @@ and ``SHARDED_STATE_DICT``, checked by tests/job/test_train_cpu.py)::
       COMPLETE                                      (JSON: step, world_size, job_id, restart, time,
                                                      save_s, bytes, files: {relative path: size})
 
+A checkpoint whose files match its marker but fail to load is moved to
+``unloadable-checkpoint-<step>/`` (with a ``LOAD_FAILED`` note) once an older one loaded
+(slurmft/job/fallback.py); discovery ignores that name and rotation removes it.
+
 DCP keys of ``pytorch_model_fsdp_0/``: ``"model." + <Hugging Face parameter name>``, e.g.
 ``model.model.embed_tokens.weight``, ``model.model.layers.0.self_attn.q_proj.weight``,
 ``model.lm_head.weight`` (accelerate saves ``{"model": get_model_state_dict(model)}``; wrapper
@@ -180,11 +184,38 @@ def strip_wrappers(name: str) -> str:
 
 
 DELETING_PREFIX = ".deleting-"
+UNLOADABLE_PREFIX = "unloadable-"
+LOAD_FAILED_NOTE = "LOAD_FAILED"
 
 
-def prune(root: Path, keep_last: int | None = None) -> list[Path]:
-    """Delete torn saves (no marker), damaged ones (files do not match the marker) and, with
-    ``keep_last``, all but the newest ``keep_last`` verified checkpoints.
+def set_aside(path: Path, problems: list[str], **info: object) -> Path:
+    """Move a checkpoint that failed to load out of discovery: ``unloadable-checkpoint-<step>/`` (rank 0).
+
+    Its sizes match its marker, so only loading it showed the damage; renamed, it is never offered
+    again (no requeue fails on it twice), it no longer counts towards ``keep_last``, and a later save
+    of the same step gets a fresh directory instead of writing next to a stale ``COMPLETE``. A
+    ``LOAD_FAILED`` note inside says why. :func:`prune` removes it like a damaged checkpoint.
+    """
+    target = path.with_name(UNLOADABLE_PREFIX + path.name)
+    if target.exists():  # set aside before, and the same step failed again
+        shutil.rmtree(target)
+    os.replace(path, target)
+    note = target / LOAD_FAILED_NOTE
+    note.write_text(json.dumps({"t": time.time(), **info, "problems": problems}, indent=1) + "\n")
+    fsync_dir(target)
+    fsync_dir(path.parent)
+    return target
+
+
+def unloadable(root: Path) -> list[Path]:
+    """Checkpoints set aside because loading them failed (:func:`set_aside`), by name."""
+    return sorted(p for p in root.glob(UNLOADABLE_PREFIX + "checkpoint-*") if p.is_dir()) if root.is_dir() else []
+
+
+def prune(root: Path, keep_last: int | None = None, protect: tuple[Path, ...] = ()) -> list[Path]:
+    """Delete torn saves (no marker), damaged ones (files do not match the marker), unloadable ones
+    (set aside after a failed load) and, with ``keep_last``, all but the newest ``keep_last`` verified
+    checkpoints; never one in ``protect`` (the checkpoint a fallback resumed from).
 
     Nothing is deleted while no verified checkpoint exists: a torn or damaged checkpoint may be the
     only trace of the run (someone may repair it). Rank 0 only, while no save is in flight. Each
@@ -197,7 +228,8 @@ def prune(root: Path, keep_last: int | None = None) -> list[Path]:
     if not good:
         return []
     keep = set(good if keep_last is None else good[-keep_last:])
-    victims = [path for step, path, ok in found if step not in keep]
+    keep |= {step_of(path) for path in protect}
+    victims = [path for step, path, ok in found if step not in keep] + unloadable(root)
     removed = []
     for path in victims:
         hidden = path.with_name(DELETING_PREFIX + path.name)

@@ -205,6 +205,21 @@ def test_a_torn_or_damaged_checkpoint_is_never_deleted_while_it_is_the_only_one(
     assert [p.name for p in checkpoints.verified(tmp_path)] == ["checkpoint-30", "checkpoint-40"]
 
 
+def test_a_checkpoint_that_failed_to_load_is_set_aside_and_the_one_fallen_back_to_is_kept(tmp_path: Path) -> None:
+    import json
+
+    older, bad = _saved(tmp_path, 10), _saved(tmp_path, 20)
+    aside = checkpoints.set_aside(bad, ["the model (pytorch_model_fsdp_0/): rank 1: UnpicklingError"], restart=1)
+    assert aside.name == "unloadable-checkpoint-20" and not bad.exists()
+    note = json.loads((aside / checkpoints.LOAD_FAILED_NOTE).read_text())
+    assert note["problems"] == ["the model (pytorch_model_fsdp_0/): rank 1: UnpicklingError"] and note["restart"] == 1
+    assert checkpoints.verified(tmp_path) == [older] and checkpoints.unloadable(tmp_path) == [aside]
+    newer = [_saved(tmp_path, s) for s in (20, 30)]  # the fallback saved step 20 again: a fresh directory
+    assert checkpoints.prune(tmp_path, keep_last=2, protect=(older,)) == [aside]  # keep_last 2 would take older
+    assert checkpoints.verified(tmp_path) == [older, *newer]
+    assert checkpoints.prune(tmp_path, keep_last=2) == [older]  # a later attempt protects nothing
+
+
 def test_old_markers_without_a_file_list_are_still_trusted(tmp_path: Path) -> None:
     ckpt = tmp_path / "checkpoint-5"
     ckpt.mkdir()

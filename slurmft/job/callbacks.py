@@ -41,7 +41,8 @@ class CompleteCheckpoints(TrainerCallback):
     Rotation is ours (the Trainer's ``save_total_limit`` is off): the Trainer rotates by mtime *before*
     the marker exists, so a save that dies afterwards could leave fewer than ``keep_last`` usable
     checkpoints. Here only verified checkpoints count, the newest ``keep_last`` stay, and torn or
-    damaged ones go only while a verified one remains. COMPLETE records how long the save took and
+    damaged ones go only while a verified one remains, and a checkpoint that a fallback resumed from
+    (:meth:`protect`, slurmft/job/fallback.py) never goes. COMPLETE records how long the save took and
     every file with its size; rank 0 warns when a save took more than half of ``lead_time_s`` (the
     warning signal would leave too little time to save).
     """
@@ -57,6 +58,11 @@ class CompleteCheckpoints(TrainerCallback):
         self.lead_time_s = lead_time_s
         self.save_started: float | None = None
         self.last_save_s: float | None = None
+        self.protected: tuple[Path, ...] = ()
+
+    def protect(self, checkpoint: Path) -> None:
+        """Rotation never deletes ``checkpoint`` (this attempt fell back to it: the one known to load)."""
+        self.protected = (*self.protected, checkpoint)
 
     def watch(self, trainer: Any) -> None:
         """Time every save from the Trainer's first write (``_save_checkpoint``) to our marker."""
@@ -87,7 +93,7 @@ class CompleteCheckpoints(TrainerCallback):
             self.last_save_s = seconds
             for path, why in damaged(Path(args.output_dir)):
                 log.warning("removing damaged %s: %s", path.name, why)
-            prune(Path(args.output_dir), self.keep_last)
+            prune(Path(args.output_dir), self.keep_last, self.protected)
             log.info("checkpoint-%d complete (%.1fs)", state.global_step, seconds)
             if self.lead_time_s and seconds > self.lead_time_s / 2:
                 log.warning("saving checkpoint-%d took %.1fs, more than half of preemption.lead_time_s (%gs): a "

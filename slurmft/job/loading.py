@@ -341,7 +341,7 @@ class ShardedModel:
     num_params: int
     precision: str = "fp32"
     reduce_dtype: torch.dtype = torch.float32
-    load_method: str = "sliced"  # "sliced": every rank read its own slice; "scatter": rank 0 read and sent them
+    load_method: str = "sliced"  # "sliced": every rank read its slice; "scatter": rank 0 read and sent them; "checkpoint": resuming, none read
     bytes_read: int = 0  # weight bytes this rank read from the safetensors files
 
 
@@ -778,11 +778,16 @@ def _load_weights(model: torch.nn.Module, plan: WeightPlan | None, model_dir: Pa
     return "scatter", _scatter_weights(model, checked, model_dir, ctx)
 
 
-def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx: DistContext) -> ShardedModel:
+def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx: DistContext,
+                        weights: bool = True) -> ShardedModel:
     """Meta model on every rank -> checked against the files on rank 0 -> FSDP2 shards -> each rank's slice read.
 
     ``model_dir``: where this rank sees the model's files (None where it does not; rank 0 needs them). When
     a rank cannot read the weight files, rank 0 reads them all and scatters the slices instead.
+    ``weights=False`` when the job resumes: the checkpoint's strict load overwrites every parameter
+    and persistent buffer, so reading the base weights would only be thrown away (70B: 140 GB read).
+    The shards stay uninitialised until that load; the job never trains without one succeeding
+    (slurmft/job/fallback.py). The names and shapes are still checked.
     """
     mode = guarded(ctx, "choosing the precision", lambda: choose_precision(cfg, ctx.on_gpu))
     dtype, gather, reduce = mixed_precision_dtypes(cfg, mode)
@@ -800,7 +805,7 @@ def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx
     num_params = sum(p.numel() for p in model.parameters())
     _shard(model, cfg, ctx, wrap, gather, reduce)
     _materialize(model, ctx, cfg.fsdp.cpu_offload)
-    method, read = _load_weights(model, plan, model_dir, ctx)
+    method, read = _load_weights(model, plan, model_dir, ctx) if weights else ("checkpoint", 0)
     attn = getattr(model.config, "_attn_implementation", None) or attn  # what transformers really set up
     return ShardedModel(model=model, dtype=dtype, compute_dtype=compute, attn_implementation=attn, wrap_class=sorted(wrap)[0],
                         num_params=num_params, precision=mode.name, reduce_dtype=reduce, load_method=method,

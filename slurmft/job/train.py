@@ -21,8 +21,8 @@ import yaml
 
 from slurmft import checkpoints
 from slurmft.config import RunConfig
-from slurmft.errors import JobSetupError
-from slurmft.job import cpu_fsdp, data, distributed, loading, preemption
+from slurmft.errors import CheckpointError, JobSetupError
+from slurmft.job import cpu_fsdp, data, distributed, fallback, loading, preemption
 from slurmft.job.callbacks import (
     CompleteCheckpoints,
     FsdpReport,
@@ -111,20 +111,31 @@ def _prepare_inputs(cfg: RunConfig, ctx: DistContext) -> Inputs:
     return Inputs(model_dir=model_dir, config=config, tokenizer=tokenizer)
 
 
-def _resume_point(paths: RunPaths, ctx: DistContext) -> Path | None:
-    """Rank 0 picks the newest COMPLETE checkpoint and removes torn saves; every rank learns the choice."""
+def _resume_candidates(paths: RunPaths, ctx: DistContext) -> list[Path]:
+    """Rank 0 lists the verified checkpoints, newest first, and removes torn saves; every rank learns the list.
+
+    A fresh start only when the run has no complete checkpoint at all: when every one is damaged
+    (or was set aside after a failed load), every rank raises a CheckpointError naming them.
+    """
     import torch.distributed as dist
 
-    choice: list[str | None] = [None]
+    choice: list[list[str] | str] = [[]]
     if ctx.is_main:
-        for path, why in checkpoints.damaged(paths.checkpoints):
-            log.warning("skipping damaged checkpoint %s: %s", path.name, why)
+        bad = [f"{path.name}: {why}" for path, why in checkpoints.damaged(paths.checkpoints)]
+        bad += [f"{path.name}: failed to load before (see its {checkpoints.LOAD_FAILED_NOTE})"
+                for path in checkpoints.unloadable(paths.checkpoints)]
+        for line in bad:
+            log.warning("skipping damaged checkpoint %s", line)
         for path in checkpoints.prune(paths.checkpoints):  # torn and damaged ones; every verified one stays
             log.warning("removed unusable checkpoint %s (a save that did not finish, or damaged)", path.name)
-        latest = checkpoints.latest_complete(paths.checkpoints)
-        choice = [str(latest) if latest else None]
+        good = [str(path) for path in reversed(checkpoints.verified(paths.checkpoints))]
+        choice = [good if good or not bad else "\n".join(bad)]
     dist.broadcast_object_list(choice, src=0)
-    return Path(choice[0]) if choice[0] else None
+    if isinstance(choice[0], str):
+        raise CheckpointError(f"every checkpoint in {paths.checkpoints} is damaged; the job stops rather than train "
+                              "from step 0. Repair them, or move them out of that directory to start this run over",
+                              problems=choice[0].splitlines())
+    return [Path(c) for c in choice[0]]
 
 
 def sft_config(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> Any:
@@ -297,11 +308,14 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                                      lambda: data.load_mixture(cfg.data, cfg.train.seed, inputs.tokenizer))
     args = distributed.guarded(ctx, "building the training options", lambda: sft_config(cfg, paths, ctx))
 
-    t_load = time.time()
-    sharded = loading.build_sharded_model(cfg, inputs.config, inputs.model_dir, ctx)
+    candidates = _resume_candidates(paths, ctx)  # newest first; empty: a fresh start
+
+    t_load = time.time()  # resuming: the weights come from the checkpoint, the base weights are not read
+    sharded = loading.build_sharded_model(cfg, inputs.config, inputs.model_dir, ctx, weights=not candidates)
     if ctx.is_main:
         mesh = next(sharded.model.parameters()).device_mesh  # HSDP: (replicas, shards)
-        how = "every rank read its own slice" if sharded.load_method == "sliced" else "rank 0 read and scattered"
+        how = {"sliced": "every rank read its own slice", "scatter": "rank 0 read and scattered",
+               "checkpoint": "weights from the checkpoint"}[sharded.load_method]
         log.info("model: %.1fM parameters, %s, FSDP2 mesh %s over %d ranks in %.1fs (%s; rank 0 read %.0f MiB)",
                  sharded.num_params / 1e6, str(sharded.dtype).removeprefix("torch."), tuple(mesh.shape),
                  ctx.world_size, time.time() - t_load, how, sharded.bytes_read / 2**20)
@@ -319,20 +333,28 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                    "compute_dtype": str(sharded.compute_dtype).removeprefix("torch."), "attn_implementation": attn,
                    "attn_requested": cfg.model.attn_implementation, "wrap_class": sharded.wrap_class,
                    "num_params": sharded.num_params}
-    callbacks = [saver, preempt, MetricsLog(ctx, paths.metrics, info),
+    set_aside = fallback.SetAsideFailed(ctx, info)
+    callbacks = [saver, set_aside, preempt, MetricsLog(ctx, paths.metrics, info),
                  FsdpReport(ctx, paths.root / FSDP_REPORT_DIR, report_info)]
 
     from trl import SFTTrainer
 
     optimizer = distributed.guarded(ctx, "choosing the optimizer", lambda: optimizer_cls_and_kwargs(cfg, args))
-    trainer = SFTTrainer(model=sharded.model, args=args, train_dataset=dataset,
-                         processing_class=inputs.tokenizer, callbacks=callbacks, optimizer_cls_and_kwargs=optimizer)
-    _one_log_line(trainer, ctx)
+
+    def new_trainer() -> Any:
+        """A Trainer on the sharded model; a fallback builds a fresh one (new optimizer, scheduler, state)."""
+        trainer = SFTTrainer(model=sharded.model, args=args, train_dataset=dataset, processing_class=inputs.tokenizer,
+                             callbacks=callbacks, optimizer_cls_and_kwargs=optimizer)
+        _one_log_line(trainer, ctx)
+        saver.watch(trainer)
+        fallback.guard_loading(trainer, ctx)
+        return trainer
+
+    trainer = new_trainer()
     note = loading.packing_attention_note(attn, bool(getattr(trainer, "padding_free", False)),
                                           cfg.train.per_device_batch_size * cfg.data.max_seq_length, ctx.on_gpu)
     if note and ctx.is_main:
         log.warning("%s", note)
-    saver.watch(trainer)
     max_steps = planned_max_steps(paths, cfg.train.max_steps, cfg.train.epochs)
     if max_steps is None:  # train.epochs, first start: count the packed data
         plan = plan_steps(cfg, len(trainer.train_dataset), ctx.world_size)
@@ -343,19 +365,22 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                      plan["epochs"], plan["sequences"], plan["sequences_per_step"], plan["steps_per_epoch"],
                      plan["max_steps"], paths.plan)
     trainer.args.max_steps = max_steps
-    resume = _resume_point(paths, ctx)
-    if resume is not None:
-        distributed.guarded(ctx, "checking the checkpoint's precision",
-                            lambda: check_resume_precision(resume, sharded.precision))
     if ctx.is_main:
-        log.info("resuming from %s" if resume else "starting from step 0%s", resume.name if resume else "")
-    resumed_step = (checkpoints.step_of(resume) or 0) if resume else 0
+        log.info("resuming from %s" if candidates else "starting from step 0%s",
+                 candidates[0].name if candidates else "")
     if agree(ctx, preemption.requested()):  # the flag came during start-up: stop before loading anything more
-        return _stopped(paths, env, ctx, resumed_step, saved=False, t_start=t_start)
-    try:
-        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        step = (checkpoints.step_of(candidates[0]) or 0) if candidates else 0
+        return _stopped(paths, env, ctx, step, saved=False, t_start=t_start)
+
+    def check_precision(checkpoint: Path) -> None:
+        distributed.guarded(ctx, "checking the checkpoint's precision",
+                            lambda: check_resume_precision(checkpoint, sharded.precision))
+
+    try:  # the newest checkpoint that loads on every rank; older ones when loading fails (slurmft/job/fallback.py)
+        trainer, _ = fallback.train_newest_loadable(trainer, new_trainer, candidates, ctx, set_aside, saver.protect,
+                                                    check_precision)
     except StopBeforeFirstStep:
-        return _stopped(paths, env, ctx, resumed_step, saved=False, t_start=t_start)
+        return _stopped(paths, env, ctx, preempt.stopped_at or 0, saved=False, t_start=t_start)
     step = trainer.state.global_step
 
     if preempt.stopped_at is not None and step < max_steps:

@@ -1,0 +1,121 @@
+"""A checkpoint whose sizes match its marker but whose bytes do not load: every rank falls back together.
+
+One real two-rank FSDP2 run (gloo) of 10 steps with a checkpoint every 4 gets the warning signal a
+few steps in, so it saves at step S and stops with two complete checkpoints: the periodic one before
+S and checkpoint-S. Then a shard of checkpoint-S is overwritten in place with the same number of
+bytes (discovery's size check cannot see it):
+
+1. with the older checkpoint's ``rng_state_1.pth`` damaged the same way too (read by rank 1 alone,
+   after the model and optimizer loaded: rank 0 would walk into the first step), the requeued job
+   loads neither and stops on both ranks with an error naming both (it does not train from step 0
+   and does not hang), moving nothing;
+2. with that file restored, the next attempt logs the failed load of checkpoint-S, falls back to the
+   older one, repeats the steps after it with the same losses as the first attempt (bitwise: a
+   strict load of the older checkpoint, nothing of the failed one left), sets checkpoint-S aside and
+   finishes, and rotation keeps the checkpoint it fell back to.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from .helpers import launch_like_srun, read_metrics, write_run
+
+MAX_STEPS = 10
+EVERY = 4
+SETTINGS = [f"train.max_steps={MAX_STEPS}", f"checkpoint.every_steps={EVERY}", "checkpoint.keep_last=2"]
+
+
+def _overwrite_in_place(path: Path) -> bytes:
+    """Same length, other bytes (a torn page, a bad disk block): what the marker's sizes cannot catch."""
+    original = path.read_bytes()
+    with open(path, "r+b") as f:
+        f.write(b"\xff" * len(original))
+    assert path.stat().st_size == len(original)
+    return original
+
+
+def test_load_errors_read_in_one_line() -> None:
+    import pickle
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from slurmft.job.fallback import reason
+
+    garbage = pickle.UnpicklingError("Weights only load failed. In PyTorch 2.6, we changed the default value ...\n"
+                                     "WeightsUnpickler error: \n\nUnsupported operand 255\n\nCheck the documentation")
+    exc = CheckpointException("read", {1: (garbage, None)})
+    assert reason(exc) == "rank 1: UnpicklingError: Unsupported operand 255"
+    long = RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory. This is an "
+                        "internal miniz error. If you are seeing this error, there is a high likelihood that your "
+                        "checkpoint file is corrupted.")
+    assert reason(long) == ("RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central "
+                            "directory.")
+
+
+@pytest.mark.train
+def test_a_checkpoint_that_does_not_load_falls_back_to_the_previous_one(tiny_model: Path, job_env: dict[str, str],
+                                                                       tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", tiny_model, SETTINGS)
+    root = run / "checkpoints"
+    job = launch_like_srun(run, job_env, job_id="77", restart=0)
+    deadline = time.time() + 180
+    while time.time() < deadline and job.running():
+        if any(m["step"] > EVERY for m in read_metrics(run)):
+            break
+        time.sleep(0.1)
+    assert job.running(), job.log_path.read_text()[-4000:]
+    for pid in job.ranks():
+        os.kill(pid, signal.SIGUSR2)
+    rc, out = job.wait(timeout=120)
+    assert rc == 0, out[-4000:]
+    first = read_metrics(run)
+    newest = first[-1]["step"]
+    assert EVERY < newest < MAX_STEPS, out[-3000:]
+    names = sorted((p.name for p in root.glob("checkpoint-*")), key=lambda n: int(n.split("-")[1]))
+    assert len(names) == 2 and names[-1] == f"checkpoint-{newest}", names
+    previous = int(names[0].split("-")[1])
+    bad_shard = root / f"checkpoint-{newest}" / "pytorch_model_fsdp_0" / "__1_0.distcp"
+    _overwrite_in_place(bad_shard)
+
+    # 1. nothing loads: a clear error on every rank, no step trained, every checkpoint left where it is
+    rng_file = root / f"checkpoint-{previous}" / "rng_state_1.pth"
+    saved_bytes = _overwrite_in_place(rng_file)
+    rc, out = launch_like_srun(run, job_env, job_id="77", restart=1).wait(timeout=120)
+    assert rc == 2, out[-4000:]
+    assert len(re.findall(r"slurmft rank \d: setup error: no checkpoint in \S+ could be loaded", out)) == 2, out[-3000:]
+    assert re.search(rf"  - checkpoint-{newest}: the model \(pytorch_model_fsdp_0/\): rank 1: UnpicklingError", out)
+    assert re.search(rf"  - checkpoint-{previous}: the random generator state \(rng_state_<rank>.pth\): .+ "
+                     r"\(on rank 1\)\n", out), out[-3000:]
+    assert read_metrics(run) == first
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == sorted(names)
+
+    # 2. the older one loads: fall back to it, repeat its steps exactly, finish
+    rng_file.write_bytes(saved_bytes)
+    rc, out = launch_like_srun(run, job_env, job_id="77", restart=2).wait(timeout=180)
+    assert rc == 0, out[-4000:]
+    assert re.search(rf"could not load checkpoint-{newest}: the model \(pytorch_model_fsdp_0/\): rank 1: "
+                     r"UnpicklingError", out), out[-3000:]
+    assert f"falling back to checkpoint-{previous}" in out
+    assert f"set checkpoint-{newest} aside as unloadable-checkpoint-{newest}" in out
+    assert len(re.findall(rf"slurmft rank \d: completed at step {MAX_STEPS}", out)) == 2, out[-3000:]
+    resumed = [m for m in read_metrics(run) if m["restart"] == 2]
+    assert [m["step"] for m in resumed] == list(range(previous + 1, MAX_STEPS + 1))
+    before = {m["step"]: m for m in first}
+    for m in resumed:
+        if m["step"] in before:  # done twice: from the live state, then from the checkpoint fallen back to
+            ref = before[m["step"]]
+            assert (m["loss"], m["grad_norm"], m["learning_rate"]) == (ref["loss"], ref["grad_norm"],
+                                                                       ref["learning_rate"]), m["step"]
+    left = sorted(p.name for p in root.iterdir() if p.is_dir())
+    assert f"checkpoint-{previous}" in left  # rotation keeps the one it fell back to (keep_last is 2)
+    assert f"checkpoint-{MAX_STEPS}" in left and not [n for n in left if "unloadable" in n], left
+    assert (root / f"checkpoint-{MAX_STEPS}" / "COMPLETE").is_file()
+    shutil.rmtree(run / "checkpoints")  # ~60 MB of shards: do not leave them in the temp dir
