@@ -43,9 +43,10 @@ Assumptions, in one place (each is repeated where it is used):
   nominal number.
 * CPU RAM at load (node 0, the worst node): every rank loads = each rank materialises the model in
   fp32 (``from_pretrained``'s default and the master-weight dtype: the seed article's ~2 TB for 70B on
-  8 ranks); rank 0 loads and broadcasts = one fp32 copy on rank 0; slurmft = the safetensors files
-  memory-mapped on rank 0 (page cache counts against a job's cgroup) plus one tensor in fp32 at a
-  time, the other ranks holding only their shard. Each rank adds a runtime allowance (Python, torch,
+  8 ranks); rank 0 loads and broadcasts = one fp32 copy on rank 0; slurmft = the worst case of its
+  loader, the scatter fallback: the safetensors files memory-mapped on rank 0 (page cache counts
+  against a job's cgroup) plus one tensor at a time, the other ranks holding only their shard. By
+  default every rank reads only its own slice, so node 0 maps only its ranks' share: less than this. Each rank adds a runtime allowance (Python, torch,
   CUDA libraries: 2 GiB per GPU rank, 0.5 GiB per CPU rank).
 * Checkpoint (sharded DCP): fp32 parameters + two AdamW states = 12 bytes/parameter. Consolidated
   model: parameters × ``consolidate.dtype``.
@@ -896,8 +897,8 @@ def _assumptions(shape: ModelShape, k: _Knobs, capacity_note: str | None) -> lis
             f"CPU run: each rank's share is node RAM / {k.ranks_per_node} ranks; allowance "
             f"{RUNTIME_BYTES_CPU_RANK // MiB} MiB runtime + {FRAGMENTATION:.0%} fragmentation"
         ),
-        "CPU RAM at load: fp32 full copies for every-rank / rank-0 loading; slurmft = safetensors "
-        "memory-mapped on rank 0 + one fp32 tensor at a time; "
+        "CPU RAM at load: fp32 full copies for every-rank / rank-0 loading; slurmft = its worst case (scatter "
+        "fallback: safetensors memory-mapped on rank 0 + one tensor at a time; by default each rank reads its slice); "
         f"+ {(RUNTIME_BYTES_GPU_RANK if k.on_gpu else RUNTIME_BYTES_CPU_RANK) // MiB} MiB runtime per rank",
         f"checkpoint = parameters + 2 AdamW states in {PRECISIONS[k.precision].param_dtype} "
         f"({PRECISIONS[k.precision].param_bytes * 3} bytes/parameter); consolidated = parameters x consolidate.dtype "
