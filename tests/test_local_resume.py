@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from slurmft.cli import main
-from slurmft.rundir import RunPaths, read_manifest
+from slurmft.rundir import RunPaths, pid_alive, read_manifest
 from tests.conftest import LOCAL_ARGS
 from tests.export_check import assert_same_model
 
@@ -40,6 +40,12 @@ def test_killed_local_run_resumes_to_the_same_model(tiny_model: Path, local_tiny
         os.killpg(proc.pid, signal.SIGKILL)  # submit, the local job controller and both ranks: no goodbye
         proc.wait()
     assert (killed / ".submit.lock").exists()  # the dead submit still "holds" the run directory
+    # SIGKILL is sent, not yet done: a process tearing down its memory still answers kill(pid, 0) for a moment
+    pids = [int(j["pid"]) for j in read_manifest(RunPaths.of(killed))["jobs"] if "pid" in j]
+    deadline = time.monotonic() + 30
+    while any(pid_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"processes {pids} still alive 30 s after SIGKILL"
+        time.sleep(0.1)
     assert not (killed / "checkpoints" / "checkpoint-18" / "COMPLETE").exists()
 
     main(["status", str(killed), "--json"])
