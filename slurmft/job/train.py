@@ -326,8 +326,7 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
     saver = CompleteCheckpoints(ctx, sharded.model.config, getattr(sharded.model, "generation_config", None),
                                 inputs.tokenizer, cfg.checkpoint.keep_last, marker_info,
                                 lead_time_s=cfg.preemption.lead_time_s if env.launcher == "slurm" else None)
-    # the attention transformers really set up on the model, not only what was asked for
-    attn = getattr(sharded.model.config, "_attn_implementation", None) or sharded.attn_implementation
+    attn = sharded.attn_implementation  # what transformers really set up (build_sharded_model reads it back)
     report_info = {"dtype": str(sharded.dtype).removeprefix("torch."), "precision": sharded.precision,
                    "reduce_dtype": str(sharded.reduce_dtype).removeprefix("torch."),
                    "compute_dtype": str(sharded.compute_dtype).removeprefix("torch."), "attn_implementation": attn,
