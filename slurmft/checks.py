@@ -33,60 +33,23 @@ import functools
 import importlib.util
 import json
 import math
-import os
 import re
 import subprocess
 import sys
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from slurmft import formats
-from slurmft.config import DATA_SUFFIXES, RunConfig, looks_like_path
+from slurmft.config import DATA_SUFFIXES, RunConfig
 from slurmft.errors import ConfigError
+from slurmft.modelinfo import find_tokenizer, is_local, read_model_config, seq_length_problem
+from slurmft.profiles import runs_on_gpu
+from slurmft.sftopts import REPORTERS, sft_field_kinds, sft_problems
 
 SAMPLE_ROWS = 8  # rows read from each data file for the column and template checks
 COUNT_LIMIT_BYTES = 64 * 2**20  # local data up to this size is read in full to count tokens (steps per epoch)
 
-# SFTConfig keys slurmft sets itself: the run.yaml field to use instead (or why it is fixed).
-OWNED_SFT_KEYS = {
-    "output_dir": "the run directory's checkpoints/ (output_dir)",
-    "overwrite_output_dir": "the run directory's checkpoints/",
-    "save_strategy": "checkpoint.every_steps",
-    "save_steps": "checkpoint.every_steps",
-    "save_total_limit": "checkpoint.keep_last",
-    "save_only_model": "full checkpoints are needed to resume",
-    "resume_from_checkpoint": "automatic: the newest COMPLETE checkpoint",
-    "fsdp": "the fsdp: section",
-    "fsdp_config": "the fsdp: section",
-    "gradient_checkpointing": "fsdp.activation_checkpointing",
-    "activation_checkpointing": "fsdp.activation_checkpointing",
-    "max_steps": "train.max_steps",
-    "num_train_epochs": "train.epochs",
-    "per_device_train_batch_size": "train.per_device_batch_size",
-    "gradient_accumulation_steps": "train.gradient_accumulation_steps",
-    "learning_rate": "train.learning_rate",
-    "lr_scheduler_type": "train.lr_scheduler",
-    "warmup_ratio": "train.warmup_ratio",
-    "weight_decay": "train.weight_decay",
-    "max_grad_norm": "train.max_grad_norm",
-    "seed": "train.seed",
-    "logging_steps": "train.logging_steps",
-    "report_to": "train.report_to",
-    "max_length": "data.max_seq_length",
-    "max_seq_length": "data.max_seq_length",
-    "packing": "data.packing",
-    "assistant_only_loss": "data.assistant_only_loss",
-    "dataset_num_proc": "data.num_proc",
-    "bf16": "model.dtype (the compute dtype; auto = bf16 on GPU)",
-    "fp16": "model.dtype (the compute dtype; auto = bf16 on GPU)",
-    "use_cpu": "the device (CPU only when there is no GPU)",
-    "ddp_backend": "the device (NCCL on GPU, gloo on CPU)",
-    "accelerator_config": "train.gradient_accumulation_steps (slurmft sets sync_each_batch: gradients stay sharded)",
-}
-#: train.report_to name -> packages that provide it (any one)
-REPORTERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "none": ()}
 TRAINING_STACK = ("slurmft", "submitit", "torch", "transformers", "accelerate", "trl", "datasets", "safetensors")
 GENERATION_TAG = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
 
@@ -125,7 +88,6 @@ def run_checks(cfg: RunConfig, job_python: bool = True) -> Report:
 # ====================================================================== precision
 def precision_problems(cfg: RunConfig, profile: Any) -> list[str]:
     """bf16 (train.precision, or auto on GPUs) on a GPU type known to lack it (V100, T4, ...)."""
-    from slurmft.estimate import runs_on_gpu
     from slurmft.precision import bf16_unsupported, resolve
 
     if not runs_on_gpu(cfg, profile) or not bf16_unsupported(profile.gpu.type):
@@ -150,14 +112,10 @@ def check_precision(cfg: RunConfig, report: Report) -> None:
 
 
 # ====================================================================== paths
-def _is_local(value: str) -> bool:
-    return looks_like_path(value) or Path(value).exists()
-
-
 def check_paths(cfg: RunConfig, report: Report) -> None:
     """Model, tokenizer and chat template files: every missing one, each with its fix."""
     model = cfg.model.name_or_path
-    if _is_local(model):
+    if is_local(model):
         p = Path(model)
         if not p.exists():
             report.problems.append(
@@ -170,7 +128,7 @@ def check_paths(cfg: RunConfig, report: Report) -> None:
                 "by save_pretrained, or a hub id)"
             )
     tok = cfg.model.tokenizer
-    if tok and _is_local(tok) and not Path(tok).is_dir():
+    if tok and is_local(tok) and not Path(tok).is_dir():
         report.problems.append(f"model.tokenizer: local directory {tok!r} does not exist (or give a hub id)")
     template = cfg.train.sft.get("chat_template_path")
     if template:
@@ -249,7 +207,7 @@ def check_data(cfg: RunConfig, report: Report) -> list[Sample]:
     for i, src in enumerate(cfg.data.datasets):
         where = f"data.datasets[{i}].path"
         path = Path(src.path)
-        local = _is_local(src.path) or src.path.endswith(DATA_SUFFIXES)
+        local = is_local(src.path) or src.path.endswith(DATA_SUFFIXES)
         if not local:
             report.skipped.append(f"data.datasets[{i}]: hub dataset {src.path!r}: its columns are checked in the job")
             continue
@@ -296,10 +254,8 @@ def check_data(cfg: RunConfig, report: Report) -> list[Sample]:
 # ====================================================================== model length
 def check_seq_length(cfg: RunConfig, report: Report) -> None:
     """data.max_seq_length within the model's positions (from its config.json, if one is at hand)."""
-    from slurmft.estimate import load_model_config
-
     try:
-        model_cfg = load_model_config(cfg.model.name_or_path, cfg.model.revision)
+        model_cfg = read_model_config(cfg.model.name_or_path, cfg.model.revision)
     except ConfigError:
         report.skipped.append("data.max_seq_length: not compared with the model's positions (no config.json "
                               "at hand; `hf download MODEL config.json` makes it available)")
@@ -309,161 +265,7 @@ def check_seq_length(cfg: RunConfig, report: Report) -> None:
         report.problems.append(problem)
 
 
-def seq_length_problem(max_seq_length: int, limit: Any) -> str | None:
-    """The message for a sequence longer than the model's positions (shared with the job and estimate)."""
-    if isinstance(limit, int) and max_seq_length > limit:
-        return (f"data.max_seq_length ({max_seq_length}) is larger than the model's max_position_embeddings "
-                f"({limit}); set data.max_seq_length to at most {limit}")
-    return None
-
-
 # ====================================================================== train.sft
-def _kinds(tp: Any) -> list[str]:
-    """A declared type as simple kinds: bool, int, float, str, list, dict, none, any."""
-    import enum
-    import types
-
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return sorted({k for arg in typing.get_args(tp) for k in _kinds(arg)})
-    if origin is typing.Literal:
-        return sorted({type(a).__name__ if a is not None else "none" for a in typing.get_args(tp)})
-    if tp is type(None):
-        return ["none"]
-    if origin in (list, tuple, set) or tp in (list, tuple, set):
-        return ["list"]
-    if origin is dict or tp is dict:
-        return ["dict"]
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return ["str"]
-    if tp in (bool, int, float, str):
-        return [tp.__name__]
-    return ["any"]
-
-
-def field_kinds_of(config_cls: Any) -> dict[str, list[str]]:
-    """Init fields of a dataclass (SFTConfig) -> the kinds of value each accepts."""
-    import dataclasses
-
-    try:
-        hints = typing.get_type_hints(config_cls)
-    except Exception:  # noqa: BLE001 - an unresolvable annotation: accept anything there
-        hints = {}
-    return {f.name: _kinds(hints.get(f.name, Any)) for f in dataclasses.fields(config_cls) if f.init}
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "slurmft"
-
-
-def sft_field_kinds() -> tuple[dict[str, list[str]] | None, str]:
-    """SFTConfig's fields and kinds, and TRL's version; (None, why) when TRL is not installed here.
-
-    In a process that already imported TRL (the job) they come from it directly; elsewhere from a
-    child process (importing TRL imports torch, which the login side never does), cached per
-    TRL and transformers version so that only the first ``validate`` pays the ~5 s.
-    """
-    from importlib.metadata import PackageNotFoundError, version
-
-    if "trl" in sys.modules:
-        from trl import SFTConfig
-
-        return field_kinds_of(SFTConfig), version("trl")
-    try:
-        trl_v, tf_v = version("trl"), version("transformers")
-    except PackageNotFoundError:
-        return None, "trl is not installed here"
-    if importlib.util.find_spec("trl") is None:
-        return None, "trl is not installed here"
-    cache = _cache_dir() / f"sftconfig-trl{trl_v}-transformers{tf_v}.json"
-    if cache.is_file():
-        try:
-            return json.loads(cache.read_text()), trl_v
-        except ValueError:
-            pass
-    code = ("import json; from trl import SFTConfig; from slurmft.checks import field_kinds_of; "
-            "print(json.dumps(field_kinds_of(SFTConfig)))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        return None, f"importing trl failed here ({last})"
-    kinds = json.loads(proc.stdout)
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(kinds))
-        tmp.replace(cache)
-    except OSError:
-        pass  # no cache: the next validate asks again
-    return kinds, trl_v
-
-
-def coerce(value: Any, kinds: list[str]) -> tuple[bool, Any]:
-    """(ok, value converted to a declared kind): YAML strings like '1e-8' become the number SFTConfig wants."""
-    if "any" in kinds or value is None:
-        return True, value
-    if isinstance(value, bool):
-        return ("bool" in kinds), value
-    if isinstance(value, int) and not isinstance(value, bool):
-        if "int" in kinds:
-            return True, value
-        if "float" in kinds:
-            return True, float(value)
-        return ("str" in kinds), (str(value) if "str" in kinds else value)
-    if isinstance(value, float):
-        if "float" in kinds:
-            return True, value
-        if "int" in kinds and value.is_integer():
-            return True, int(value)
-        return ("str" in kinds), (str(value) if "str" in kinds else value)
-    if isinstance(value, str):
-        if "str" in kinds:
-            return True, value
-        text = value.strip()
-        if "int" in kinds and re.fullmatch(r"[-+]?\d+", text):
-            return True, int(text)
-        if "float" in kinds:
-            try:
-                return True, float(text)
-            except ValueError:
-                pass
-        if "bool" in kinds and text.lower() in ("true", "false"):
-            return True, text.lower() == "true"
-        return False, value
-    if isinstance(value, list):
-        return ("list" in kinds), value
-    if isinstance(value, dict):
-        return ("dict" in kinds), value
-    return True, value
-
-
-def sft_problems(sft: dict[str, Any], kinds: dict[str, list[str]] | None, trl_version: str = "") -> tuple[
-        list[str], dict[str, Any]]:
-    """Problems with ``train.sft`` and the values coerced to SFTConfig's types (shared with the job)."""
-    import difflib
-
-    problems, out = [], dict(sft)
-    for key, value in sft.items():
-        if key in OWNED_SFT_KEYS:
-            problems.append(f"train.sft.{key}: set by slurmft; use {OWNED_SFT_KEYS[key]}")
-            continue
-        if kinds is None:
-            continue
-        if key not in kinds:
-            close = difflib.get_close_matches(key, list(kinds), n=1, cutoff=0.75)
-            hint = f"; did you mean train.sft.{close[0]}?" if close else ""
-            problems.append(f"train.sft.{key}: not an option of TRL {trl_version} SFTConfig{hint}")
-            continue
-        ok, coerced = coerce(value, kinds[key])
-        if not ok:
-            want = " or ".join(k for k in kinds[key] if k != "none") or "null"
-            problems.append(f"train.sft.{key}: expects {want}, got {value!r} ({type(value).__name__})")
-            continue
-        out[key] = coerced
-    return problems, out
-
-
 def check_sft(cfg: RunConfig, report: Report) -> None:
     """Owned keys always; unknown keys and types when TRL is installed here; values coerced in place."""
     if not cfg.train.sft:
@@ -500,28 +302,6 @@ class Template:
 
 def _token(value: Any) -> str:
     return str(value.get("content", "")) if isinstance(value, dict) else str(value or "")
-
-
-def find_tokenizer(cfg: RunConfig) -> tuple[Path | None, str]:
-    """The local directory of the tokenizer the job will use (local path or hub cache), and its name."""
-    from slurmft.estimate import hub_cache_dir
-
-    name = cfg.model.tokenizer or cfg.model.name_or_path
-    path = Path(name)
-    if path.is_dir():
-        return path, name
-    if _is_local(name) or name.count("/") != 1:
-        return None, name
-    snapshots = hub_cache_dir() / ("models--" + name.replace("/", "--")) / "snapshots"
-    revision = None if cfg.model.tokenizer else cfg.model.revision
-    ref = snapshots.parent / "refs" / (revision or "main")
-    candidates = [snapshots / ref.read_text().strip()] if ref.is_file() else []
-    if revision and re.fullmatch(r"[0-9a-f]{40}", revision):
-        candidates.append(snapshots / revision)
-    if revision is None and snapshots.is_dir():
-        candidates += sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
-    found = next((c for c in candidates if (c / "tokenizer_config.json").is_file()), None)
-    return found, name
 
 
 def read_template(cfg: RunConfig, directory: Path, name: str) -> Template:

@@ -56,18 +56,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slurmft.errors import ConfigError
+from slurmft.modelinfo import locate_model_config, read_model_config, seq_length_problem
 from slurmft.precision import DTYPE_BYTES as PRECISION_DTYPE_BYTES
 from slurmft.precision import PRECISIONS, consolidated_dtype
 from slurmft.precision import reduce_dtype as resolve_reduce_dtype
 from slurmft.precision import resolve as resolve_mode
-from slurmft.resources import data_dir
+from slurmft.profiles import runs_on_gpu
 
 if TYPE_CHECKING:  # the login side needs none of these at run time
     from rich.console import RenderableType
@@ -113,116 +112,7 @@ KNOWN_GPUS: dict[str, tuple[float, int]] = {
     "H200141GB": (141, 143771),
 }
 
-#: Hub ids (lower case) answered by the configs shipped in configs/models/.
-HUB_ALIASES: dict[str, str] = {
-    "meta-llama/llama-2-7b-hf": "llama-2-7b",
-    "meta-llama/llama-2-7b-chat-hf": "llama-2-7b",
-    "meta-llama/llama-2-7b": "llama-2-7b",
-    "meta-llama/llama-2-13b-hf": "llama-2-13b",
-    "meta-llama/llama-2-13b-chat-hf": "llama-2-13b",
-    "meta-llama/llama-2-13b": "llama-2-13b",
-    "meta-llama/llama-2-70b-hf": "llama-2-70b",
-    "meta-llama/llama-2-70b-chat-hf": "llama-2-70b",
-    "meta-llama/llama-2-70b": "llama-2-70b",
-    "meta-llama/meta-llama-3-8b": "llama-3-8b",
-    "meta-llama/meta-llama-3-8b-instruct": "llama-3-8b",
-}
-
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
-
-
-# ====================================================================== finding config.json
-def shipped_model_names() -> list[str]:
-    """Names of the model configs that ship in configs/models/."""
-    return sorted(p.stem for p in (data_dir("configs") / "models").glob("*.json"))
-
-
-def hub_cache_dir() -> Path:
-    """The Hugging Face hub cache, honouring HF_HUB_CACHE and HF_HOME like huggingface_hub does."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "huggingface" / "hub"
-
-
-def _from_hub_cache(repo_id: str, revision: str | None) -> Path | None:
-    repo_dir = hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
-    snapshots = repo_dir / "snapshots"
-    if not snapshots.is_dir():
-        return None
-    ref = revision or "main"
-    candidates: list[Path] = []
-    if re.fullmatch(r"[0-9a-f]{40}", ref):
-        candidates.append(snapshots / ref / "config.json")
-    ref_file = repo_dir / "refs" / ref
-    if ref_file.is_file():
-        candidates.append(snapshots / ref_file.read_text().strip() / "config.json")
-    if revision is None:  # no pinned revision: any snapshot, newest first
-        candidates += sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-    return next((c for c in candidates if c.is_file()), None)
-
-
-def _shipped(name: str) -> Path | None:
-    key = name.strip().lower()
-    key = HUB_ALIASES.get(key, key)
-    models = data_dir("configs") / "models"
-    for stem in (key, key.removesuffix(".json"), key.split("/")[-1].removesuffix("-hf")):
-        path = models / f"{stem}.json"
-        if re.fullmatch(r"[a-z0-9._-]+", stem) and path.is_file():
-            return path
-    return None
-
-
-def locate_model_config(name_or_path: str, revision: str | None = None) -> Path:
-    """Where the model's config.json is: a local directory (or .json file), the hub cache, or configs/models/.
-
-    The hub cache comes before the shipped copies because it is the exact model the job will load.
-    """
-    local = Path(name_or_path).expanduser()
-    if local.is_dir():
-        if (local / "config.json").is_file():
-            return local / "config.json"
-        raise ConfigError(
-            f"model.name_or_path: directory {str(local)!r} has no config.json "
-            "(give the directory of a saved Hugging Face model, e.g. one written by save_pretrained)"
-        )
-    if local.is_file() and local.suffix == ".json":
-        return local
-    if local.is_absolute() or name_or_path.startswith(("./", "../", "~")):
-        raise ConfigError(f"model.name_or_path: local path {name_or_path!r} does not exist")
-    if name_or_path.count("/") == 1:
-        cached = _from_hub_cache(name_or_path, revision)
-        if cached:
-            return cached
-    shipped = _shipped(name_or_path)
-    if shipped:
-        return shipped
-    raise ConfigError(
-        f"model.name_or_path: no config.json found for {name_or_path!r} to estimate from",
-        [
-            f"not a local directory, not in the hub cache ({hub_cache_dir()}), not a shipped config",
-            f"fix: download it first (hf download {name_or_path} config.json; huggingface_hub < 1.0 spells it "
-            f"huggingface-cli download {name_or_path} config.json), or point model.name_or_path at a local directory with config.json",
-            f"shipped configs: {', '.join(shipped_model_names())}",
-        ],
-    )
-
-
-def load_model_config(name_or_path: str, revision: str | None = None) -> dict[str, Any]:
-    """The model's config.json as a dict (a multimodal wrapper's ``text_config`` is merged in)."""
-    path = locate_model_config(name_or_path, revision)
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"model.name_or_path: cannot read {path}: {exc}") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"model.name_or_path: {path} is not a JSON object")
-    if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
-        cfg = {**cfg, **cfg["text_config"]}
-    return cfg
 
 
 # ====================================================================== the model's tensors
@@ -575,13 +465,6 @@ def resolve_precision(cfg: RunConfig, on_gpu: bool) -> str:
     return resolve_mode(cfg.train.precision, on_gpu).name
 
 
-def runs_on_gpu(cfg: RunConfig, profile: ClusterProfile) -> bool:
-    """GPU ranks unless the allocation has no GPUs or the profile's GPUs are fake (the CPU test cluster)."""
-    gpu_type = profile.gpu.type.lower()
-    fake = "fake" in gpu_type or gpu_type in ("none", "cpu")
-    return cfg.resources.gpus_per_node > 0 and profile.gres_gpu and not fake
-
-
 def gpu_capacity_bytes(profile: ClusterProfile) -> tuple[int, str | None]:
     """Bytes of one GPU, and a note when the nominal size was replaced by the device's real total."""
     stated = int(profile.gpu.memory_gb * GB)
@@ -613,9 +496,7 @@ def estimate(
     source = None
     if model_cfg is None:
         source = str(locate_model_config(cfg.model.name_or_path, cfg.model.revision))
-        model_cfg = load_model_config(cfg.model.name_or_path, cfg.model.revision)
-    from slurmft.checks import seq_length_problem
-
+        model_cfg = read_model_config(cfg.model.name_or_path, cfg.model.revision)
     too_long = seq_length_problem(cfg.data.max_seq_length, model_cfg.get("max_position_embeddings"))
     if too_long:  # the job refuses it, so no plan for it either
         raise ConfigError(too_long)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from slurmft.config import ENV_KEY_RE, SECRET_KEY_RE, format_validation_error, gloo_ifname_problem, read_yaml
 from slurmft.errors import ConfigError
 from slurmft.resources import data_dir
+
+if TYPE_CHECKING:
+    from slurmft.config import RunConfig
 
 DEFAULT_CHECKPOINT_WRITE_GB_PER_S = 1.0
 
@@ -86,3 +90,10 @@ def load_profile(name_or_path: str) -> ClusterProfile:
         return ClusterProfile.model_validate(read_yaml(path))
     except ValidationError as err:
         raise ConfigError(f"cluster.profile: {path} is not a valid profile", format_validation_error(err)) from None
+
+
+def runs_on_gpu(cfg: RunConfig, profile: ClusterProfile) -> bool:
+    """GPU ranks unless the allocation has no GPUs or the profile's GPUs are fake (the CPU test cluster)."""
+    gpu_type = profile.gpu.type.lower()
+    fake = "fake" in gpu_type or gpu_type in ("none", "cpu")
+    return cfg.resources.gpus_per_node > 0 and profile.gres_gpu and not fake

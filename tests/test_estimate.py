@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from slurmft import estimate as E
+from slurmft import modelinfo
 from slurmft.config import RunConfig, validate
 from slurmft.errors import ConfigError
 from slurmft.profiles import ClusterProfile
@@ -112,7 +113,7 @@ def test_course_notes_numbers_reproduce_exactly():
 
 
 def test_estimate_applies_the_rule_to_a_real_config():
-    n = E.count_parameters(E.load_model_config("llama-2-7b"))
+    n = E.count_parameters(modelinfo.read_model_config("llama-2-7b"))
     one_gpu = dict(resources__nodes=1, resources__gpus_per_node=1, fsdp__enabled=False)
     fp32 = E.estimate(run_config("llama-2-7b", model__dtype="float32", **one_gpu), profile())
     g = fp32["per_gpu"]
@@ -128,12 +129,12 @@ def test_estimate_applies_the_rule_to_a_real_config():
 # ====================================================================== parameter counts
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_parameter_counts_match_published(name):
-    n = E.count_parameters(E.load_model_config(name))
+    n = E.count_parameters(modelinfo.read_model_config(name))
     assert abs(n - PUBLISHED[name]) / PUBLISHED[name] < 0.005, n
 
 
 def test_exact_llama_2_7b_count():
-    assert E.count_parameters(E.load_model_config("llama-2-7b")) == 6_738_415_616
+    assert E.count_parameters(modelinfo.read_model_config("llama-2-7b")) == 6_738_415_616
 
 
 OTHER_ARCHS = {
@@ -221,7 +222,7 @@ def _meta_model(cfg: dict[str, Any]) -> Any:
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_count_equals_meta_device_model_shipped(name):
-    cfg = E.load_model_config(name)
+    cfg = modelinfo.read_model_config(name)
     assert E.count_parameters(cfg) == _meta_numel(cfg)
 
 
@@ -527,64 +528,6 @@ def test_import_pulls_no_torch():
         "torch",
         "rich",
     }
-
-
-# ====================================================================== finding config.json
-def test_load_model_config_local_dir_and_file(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(TINY))
-    assert E.load_model_config(str(tmp_path))["hidden_size"] == 256
-    assert E.load_model_config(str(tmp_path / "config.json"))["hidden_size"] == 256
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    with pytest.raises(ConfigError, match="model.name_or_path.*no config.json"):
-        E.load_model_config(str(empty))
-
-
-@pytest.mark.parametrize(
-    ("name", "hidden"),
-    [
-        ("llama-2-70b", 8192),
-        ("meta-llama/Llama-2-70b-hf", 8192),
-        ("meta-llama/Llama-2-13b-chat-hf", 5120),
-        ("meta-llama/Meta-Llama-3-8B", 4096),
-        ("Llama-2-7b-hf", 4096),
-    ],
-)
-def test_load_model_config_shipped_names_and_hub_ids(name, hidden, monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
-    cfg = E.load_model_config(name)
-    assert cfg["hidden_size"] == hidden
-    assert set(E.shipped_model_names()) >= {"llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b"}
-
-
-def _fake_hub_cache(root: Path, repo_id: str, cfg: dict[str, Any], commit: str = "a" * 40) -> None:
-    repo = root / ("models--" + repo_id.replace("/", "--"))
-    (repo / "snapshots" / commit).mkdir(parents=True)
-    (repo / "snapshots" / commit / "config.json").write_text(json.dumps(cfg))
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-
-
-def test_load_model_config_from_hub_cache(monkeypatch, tmp_path):
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    _fake_hub_cache(tmp_path / "hf" / "hub", "someorg/tiny", TINY)
-    assert E.load_model_config("someorg/tiny")["hidden_size"] == 256
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "other"))
-    _fake_hub_cache(tmp_path / "other", "someorg/tiny", {**TINY, "hidden_size": 512}, commit="b" * 40)
-    assert E.load_model_config("someorg/tiny")["hidden_size"] == 512
-    assert E.load_model_config("someorg/tiny", revision="b" * 40)["hidden_size"] == 512
-
-
-def test_load_model_config_not_found_names_the_field_and_the_fix(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(ConfigError) as exc:
-        E.load_model_config("nobody/nothing")
-    text = exc.value.render()
-    assert "model.name_or_path" in text and "huggingface-cli download nobody/nothing" in text
-    assert "llama-2-70b" in text
-    with pytest.raises(ConfigError, match="model.name_or_path"):
-        E.load_model_config("/no/such/dir")
 
 
 def test_estimate_reads_config_via_run_config(tmp_path):

@@ -274,7 +274,7 @@ def load_model_config(model_dir: Path, model: ModelConfig, max_seq_length: int) 
     except Exception as exc:
         raise JobSetupError(f"model.name_or_path: cannot read {model_dir / 'config.json'}: {exc}") from None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    from slurmft.checks import seq_length_problem
+    from slurmft.modelinfo import seq_length_problem
 
     problem = seq_length_problem(max_seq_length, getattr(text, "max_position_embeddings", None))
     if problem:

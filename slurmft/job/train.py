@@ -73,8 +73,8 @@ class Inputs:
 
 
 def _check_sft_keys(cfg: RunConfig) -> None:
-    """The login side's train.sft and report_to checks (slurmft.checks), here with TRL imported; values coerced."""
-    from slurmft.checks import REPORTERS, sft_field_kinds, sft_problems
+    """The login side's train.sft and report_to rules (slurmft.sftopts), here with TRL imported; values coerced."""
+    from slurmft.sftopts import REPORTERS, sft_field_kinds, sft_problems
 
     kinds, trl_version = sft_field_kinds()
     problems, coerced = sft_problems(cfg.train.sft, kinds, trl_version)
