@@ -88,7 +88,7 @@ def write_run(run: Path, model: Path, data: Path, args: argparse.Namespace, on_g
 
 def flops_per_token(model_dir: Path, seq: int) -> dict[str, int]:
     """Parameters and training FLOPs per token, torchtitan's way (module docstring), from config.json."""
-    from slurmft.estimate import count_parameters, model_shape
+    from slurmft.plan.estimate import count_parameters, model_shape
 
     cfg = json.loads((model_dir / "config.json").read_text())
     shape = model_shape(cfg)
@@ -152,8 +152,8 @@ def estimate_of(run: Path, device_name: str, on_gpu: bool) -> dict:
     import psutil
     import torch
 
-    from slurmft.estimate import estimate
     from slurmft.job.train import read_config
+    from slurmft.plan.estimate import estimate
     from slurmft.profiles import ClusterProfile
     from slurmft.rundir import RunPaths
 

@@ -33,9 +33,9 @@ def _load(config: Path, overrides: tuple[str, ...]):  # noqa: ANN202 - returns (
     return cfg, profile
 
 
-def _checks(cfg, config: Path):  # noqa: ANN001, ANN202 - returns slurmft.checks.Report
-    """Every login-side check (slurmft.checks); all problems in one error; what was skipped, one line each."""
-    from slurmft.checks import run_checks
+def _checks(cfg, config: Path):  # noqa: ANN001, ANN202 - returns slurmft.plan.checks.Report
+    """Every login-side check (slurmft.plan.checks); all problems in one error; what was skipped, one line each."""
+    from slurmft.plan.checks import run_checks
 
     report = run_checks(cfg)
     report.raise_if_problems(str(config))
@@ -69,7 +69,7 @@ def cli() -> None:
 @click.option("--template-dir", type=click.Path(file_okay=False, exists=True), help="Your own templates first.")
 def render(config: Path, overrides: tuple[str, ...], out: Path | None, template_dir: str | None) -> None:
     """Render train.sbatch and consolidate.sbatch for RUN.yaml; print them, submit nothing."""
-    from slurmft.render import render_scripts
+    from slurmft.plan.render import render_scripts
     from slurmft.rundir import RunPaths, atomic_write
 
     cfg, profile = _load(config, overrides)
@@ -103,8 +103,8 @@ def validate(config: Path, overrides: tuple[str, ...]) -> None:
 @click.option("--template-dir", type=click.Path(file_okay=False, exists=True), help="Your own templates first.")
 def submit(config: Path, overrides: tuple[str, ...], force: bool, template_dir: str | None) -> None:
     """Validate RUN.yaml, write the run directory, submit the train job and the consolidation job."""
-    from slurmft.dispatch import check_submittable, submit_run
     from slurmft.errors import ConfigError
+    from slurmft.submit.dispatch import check_submittable, submit_run
 
     cfg, profile = _load(config, overrides)
     check_submittable(cfg)
@@ -132,7 +132,7 @@ def _echo_jobs(run_dir: Path, executor: str, jobs: dict[str, str]) -> None:
 
 def _estimate_warnings(cfg, profile) -> None:  # noqa: ANN001
     """Warn when preemption.lead_time_s is below the projected save time (never blocks)."""
-    from slurmft.estimate import estimate, lead_time_warning
+    from slurmft.plan.estimate import estimate, lead_time_warning
 
     try:
         result = estimate(cfg, profile)
@@ -145,7 +145,7 @@ def _estimate_warnings(cfg, profile) -> None:  # noqa: ANN001
 
 def _fit_problems(cfg, profile) -> list[str]:  # noqa: ANN001
     """Problems from the memory estimate; an estimate that cannot be made never blocks a submit."""
-    from slurmft.estimate import estimate, fit_problems
+    from slurmft.plan.estimate import estimate, fit_problems
 
     try:
         return fit_problems(estimate(cfg, profile))
@@ -160,8 +160,8 @@ def _fit_problems(cfg, profile) -> list[str]:  # noqa: ANN001
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (bytes as integers).")
 def estimate(config: Path, overrides: tuple[str, ...], as_json: bool) -> None:
     """Will this run fit? Parameters, GPU memory per rank, CPU RAM per node at load, checkpoint size."""
-    from slurmft.estimate import estimate as run_estimate
-    from slurmft.estimate import render_table
+    from slurmft.plan.estimate import estimate as run_estimate
+    from slurmft.plan.estimate import render_table
 
     cfg, profile = _load(config, overrides)
     result = run_estimate(cfg, profile)
@@ -178,9 +178,9 @@ def estimate(config: Path, overrides: tuple[str, ...], as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(run_dir: Path, as_json: bool) -> None:
     """State of every job of a run: kind, job id, attempt, state, reason, elapsed, and what to do next."""
-    from slurmft.progress import overview, overview_lines
     from slurmft.rundir import RunPaths
-    from slurmft.status import run_state
+    from slurmft.watch.progress import overview, overview_lines
+    from slurmft.watch.status import run_state
 
     paths = RunPaths.of(run_dir)
     state = run_state(paths)
@@ -222,7 +222,7 @@ def status(run_dir: Path, as_json: bool) -> None:
               help="Only the K-th attempt (1 = first; requeues and resumes each count), all of it.")
 def logs(run_dir: Path, kind: str, follow: bool, lines: int, rank: int | None, attempt: int | None) -> None:
     """Show the log of the newest train (or consolidation) job of a run."""
-    from slurmft.logs import log_files, tail
+    from slurmft.watch.logs import log_files, tail
 
     if rank is not None or attempt is not None:
         _filtered_logs(run_dir, kind, follow, lines, rank, attempt)
@@ -233,7 +233,7 @@ def logs(run_dir: Path, kind: str, follow: bool, lines: int, rank: int | None, a
 
 def _filtered_logs(run_dir: Path, kind: str, follow: bool, lines: int, rank: int | None, attempt: int | None) -> None:
     """``logs --rank/--attempt``: one attempt whole, or the last ``lines`` of one rank's lines."""
-    from slurmft.logs import select_lines
+    from slurmft.watch.logs import select_lines
 
     if follow:
         raise click.UsageError("-f cannot be combined with --rank or --attempt (they show a snapshot)")
@@ -247,7 +247,7 @@ def _filtered_logs(run_dir: Path, kind: str, follow: bool, lines: int, rank: int
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def runs(directory: Path, as_json: bool) -> None:
     """Every run directory under DIR (default: here, 3 levels deep): state, step, last loss, age."""
-    from slurmft.runs import MAX_DEPTH, format_rows, run_lines
+    from slurmft.watch.runs import MAX_DEPTH, format_rows, run_lines
 
     rows = run_lines(directory)
     if as_json:
@@ -268,7 +268,7 @@ def runs(directory: Path, as_json: bool) -> None:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="PNG to write (default RUN_DIR/loss.png).")
 def plot(run_dir: Path, out: Path | None) -> None:
     """Loss and learning rate by step, each restart or resume marked (needs the `plot` extra: matplotlib)."""
-    from slurmft.plot import plot_run
+    from slurmft.watch.plot import plot_run
 
     click.echo(f"wrote {plot_run(run_dir, out)}")
 
@@ -277,7 +277,7 @@ def plot(run_dir: Path, out: Path | None) -> None:
 @RUN_DIR
 def report(run_dir: Path) -> None:
     """(Re)write RUN_DIR/report.md and loss.png: config, allocation, attempts, time lost, loss, memory, model."""
-    from slurmft.report import write_report
+    from slurmft.watch.report import write_report
 
     click.echo(f"wrote {write_report(run_dir)}")
 
@@ -286,7 +286,7 @@ def report(run_dir: Path) -> None:
 @RUN_DIR
 def cancel(run_dir: Path) -> None:
     """Cancel every live job of a run (train and consolidation, and tagged jobs the manifest missed)."""
-    from slurmft.cancel import cancel_run
+    from slurmft.submit.cancel import cancel_run
 
     cancelled = cancel_run(run_dir)
     click.echo(f"cancelled: {', '.join(cancelled)}" if cancelled else "no live jobs to cancel")
@@ -303,7 +303,7 @@ def resume(run_dir: Path, overrides: tuple[str, ...], template_dir: str | None) 
     Overrides may change only where and how it runs: cluster.*, preemption.*, consolidate.*,
     checkpoint.keep_last, resources.cpus_per_task, resources.mem, resources.exclusive.
     """
-    from slurmft.resume import Phase, resume_run
+    from slurmft.submit.resume import Phase, resume_run
 
     result = resume_run(run_dir, list(overrides), template_dir, say=_err)
     if result.phase == Phase.FINISHED:
@@ -322,8 +322,8 @@ def resume(run_dir: Path, overrides: tuple[str, ...], template_dir: str | None) 
 def consolidate(run_dir: Path, checkpoint: str | None, out: str | None, here: bool, template_dir: str | None) -> None:
     """Export a run's checkpoint as a Hugging Face model: rerun a failed consolidation, or export an
     intermediate checkpoint. Submits a consolidation job unless --here."""
-    from slurmft import consolidation
     from slurmft.rundir import RunPaths
+    from slurmft.submit import consolidation
 
     paths = RunPaths.of(run_dir)
     request = consolidation.check_request(paths, checkpoint, out)

@@ -695,7 +695,7 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
     One rule for every path (output_dir, model, tokenizer, data files, a profile file, the job's
     Python, a chat template): a relative path is relative to where it was written — the run.yaml's
     folder for a value in the file, the current directory for a ``key=value`` on the command line.
-    Whether the files exist is checked by :mod:`slurmft.checks`, which reports every problem at once.
+    Whether the files exist is checked by :mod:`slurmft.plan.checks`, which reports every problem at once.
     """
     data = read_yaml(path)
     _absolutize(data, Path(path).resolve().parent)

@@ -1,6 +1,6 @@
 """Record layouts of training data, and their conversion to chat ``messages``: plain Python, no torch.
 
-The login side (``slurmft validate``/``submit``, via :mod:`slurmft.checks`) and the job
+The login side (``slurmft validate``/``submit``, via :mod:`slurmft.plan.checks`) and the job
 (:mod:`slurmft.job.data`) call the same functions on the same rows, so a file that validates is a
 file the job can read, and a file the job would refuse is refused before the queue wait.
 

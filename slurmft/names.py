@@ -3,7 +3,7 @@
 People arrive with a Hugging Face ``TrainingArguments``/TRL ``SFTConfig``, an Axolotl or a
 torchtune config in their head. A bare "unknown key" sends them to the reference; the same error
 naming our field (and the ``train.sft:`` passthrough for TRL options we do not wrap) fixes it in
-place. The table is also printed in docs/config.md (``slurmft.configdoc``), so it is documented
+place. The table is also printed in docs/config.md (``slurmft.plan.configdoc``), so it is documented
 where the fields are.
 """
 

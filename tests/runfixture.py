@@ -96,7 +96,7 @@ def preempted_run(root: Path, name: str = "watch") -> Path:
 
 
 def slurm_rows(state: str = "COMPLETED", restarts: int = 2, cons_state: str = "PENDING") -> list[dict[str, Any]]:
-    """What slurmft.status.job_rows returns for preempted_run's manifest."""
+    """What slurmft.watch.status.job_rows returns for preempted_run's manifest."""
     return [{"kind": "train", "job_id": "100", "attempt": 1, "state": state, "reason": "", "elapsed": "",
              "exit_code": "0:0", "restarts": restarts, "words": ""},
             {"kind": "consolidate", "job_id": "101", "attempt": 1, "state": cons_state, "reason": "Dependency",

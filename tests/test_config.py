@@ -109,10 +109,10 @@ def test_schema_has_a_description_on_every_field() -> None:
 
 
 def test_config_reference_doc_is_current() -> None:
-    from slurmft.configdoc import reference
+    from slurmft.plan.configdoc import reference
 
     doc = Path(__file__).parent.parent / "docs" / "config.md"
-    assert doc.read_text() == reference(), "regenerate: python -m slurmft.configdoc > docs/config.md"
+    assert doc.read_text() == reference(), "regenerate: python -m slurmft.plan.configdoc > docs/config.md"
 
 
 def test_replicate_across_nodes_needs_fsdp_and_is_suggested_for_foreign_spellings() -> None:

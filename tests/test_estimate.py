@@ -1,4 +1,4 @@
-"""slurmft.estimate: parameter counts, the course-notes sizing rule, the seed article's 70B setting,
+"""slurmft.plan.estimate: parameter counts, the course-notes sizing rule, the seed article's 70B setting,
 config.json discovery, and the estimate checked against real FSDP2 shards and saved activations on CPU.
 
 Run as a script (``python tests/test_estimate.py fsdp-worker OUT``) this file is also the worker of the
@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from slurmft import estimate as E
 from slurmft import modelinfo
 from slurmft.config import RunConfig, validate
 from slurmft.errors import ConfigError
+from slurmft.plan import estimate as E
 from slurmft.profiles import ClusterProfile
 
 REPO = Path(__file__).resolve().parent.parent
@@ -516,7 +516,7 @@ def test_render_table():
 
 def test_import_pulls_no_torch():
     out = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", "import slurmft.estimate"],
+        [sys.executable, "-X", "importtime", "-c", "import slurmft.plan.estimate"],
         capture_output=True,
         text=True,
         cwd=REPO,

@@ -185,7 +185,7 @@ def test_yaml_numbers_mean_what_they_look_like(tmp_path: Path, model_dir: Path) 
 def test_sft_values_are_coerced_to_sftconfig_types(tmp_path: Path, model_dir: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """A quoted '1e-8' (or any string a YAML 1.1 tool wrote) reaches SFTConfig as the float it declares."""
-    from slurmft.checks import run_checks
+    from slurmft.plan.checks import run_checks
 
     path = write_run(tmp_path, model_dir, jsonl(tmp_path / "c.jsonl", [CHAT]),
                      train={"max_steps": 20, "sft": {"adam_epsilon": "1e-8", "warmup_steps": "5",
@@ -352,8 +352,8 @@ def test_data_formats_validate_and_convert(name: str, rows: list[dict] | None, e
                                            tmp_path: Path, model_dir: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     from slurmft import formats
-    from slurmft.checks import _read_rows
     from slurmft.config import DatasetSource
+    from slurmft.plan.checks import _read_rows
 
     path = tmp_path / name
     if rows is None:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from slurmft import estimate as E
 from slurmft.cli import main
 from slurmft.config import slurm_time_seconds, validate
 from slurmft.errors import ConfigError
+from slurmft.plan import estimate as E
 from slurmft.profiles import DEFAULT_CHECKPOINT_WRITE_GB_PER_S, load_profile
 
 EXAMPLE_70B = Path(__file__).resolve().parents[1] / "examples" / "llama2-70b-lima-guanaco.yaml"

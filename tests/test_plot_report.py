@@ -10,9 +10,9 @@ from runfixture import local_run, preempted_run, slurm_rows
 
 from slurmft.cli import main
 from slurmft.errors import SlurmftError
-from slurmft.plot import DPI, SIZE_INCHES, Marker, marker_steps, plot_run, series, smooth
-from slurmft.progress import read_metrics
-from slurmft.report import write_report, write_report_safely
+from slurmft.watch.plot import DPI, SIZE_INCHES, Marker, marker_steps, plot_run, series, smooth
+from slurmft.watch.progress import read_metrics
+from slurmft.watch.report import write_report, write_report_safely
 
 Image = pytest.importorskip("PIL.Image")  # matplotlib brings Pillow
 np = pytest.importorskip("numpy")

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from slurmft import estimate as E
 from slurmft.config import load_config, validate
 from slurmft.errors import ConfigError
+from slurmft.plan import estimate as E
 from slurmft.precision import PRECISIONS, bf16_unsupported, reconcile
 from slurmft.profiles import ClusterProfile
 
@@ -103,7 +103,7 @@ def test_unknown_values_name_the_field() -> None:
 
 
 def test_bf16_on_a_gpu_without_bf16_is_a_validate_problem() -> None:
-    from slurmft.checks import precision_problems
+    from slurmft.plan.checks import precision_problems
 
     assert bf16_unsupported("V100-32GB") and bf16_unsupported("Tesla T4") and not bf16_unsupported("A100-80GB")
     assert not bf16_unsupported("H100-80GB") and not bf16_unsupported("L40S")
@@ -203,10 +203,10 @@ def test_70b_example_in_bf16_mixed_counts_the_fp32_reduce_scatter_and_says_what_
 
 # ====================================================================== the fit table in docs/estimate.md
 def test_fit_table_in_docs_is_current() -> None:
-    from slurmft import fittable
+    from slurmft.plan import fittable
 
     doc = (REPO / "docs" / "estimate.md").read_text()
-    assert fittable.block() in doc, "regenerate: python -m slurmft.fittable --write docs/estimate.md"
+    assert fittable.block() in doc, "regenerate: python -m slurmft.plan.fittable --write docs/estimate.md"
     rows = [line for line in fittable.table().splitlines()[2:]]
     assert len(rows) == 4 * 2 * 2  # 4 models x {A100, H100} x {1, 2} nodes
     seventy_two_nodes = [r for r in rows if r.startswith("| Llama-2-70B | 2 × 8 A100-80GB")]
@@ -216,7 +216,7 @@ def test_fit_table_in_docs_is_current() -> None:
 
 
 def test_fit_table_write_replaces_only_the_block(tmp_path: Path) -> None:
-    from slurmft import fittable
+    from slurmft.plan import fittable
 
     page = tmp_path / "estimate-copy.txt"
     page.write_text(f"before\n{fittable.BEGIN}\nold\n{fittable.END}\nafter\n")

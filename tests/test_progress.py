@@ -7,7 +7,8 @@ from pathlib import Path
 
 from runfixture import T0, attempt_records, local_run, preempted_run, record, slurm_rows, write_metrics
 
-from slurmft.progress import (
+from slurmft.rundir import RunPaths
+from slurmft.watch.progress import (
     PREEMPTED_REQUEUED,
     REQUEUED_BY_SLURM,
     attempts,
@@ -20,7 +21,6 @@ from slurmft.progress import (
     read_metrics,
     requeue_markers,
 )
-from slurmft.rundir import RunPaths
 
 
 def test_progress_of_a_finished_run(tmp_path: Path) -> None:
@@ -157,7 +157,7 @@ def test_attempts_of_a_local_run(tmp_path: Path) -> None:
 
 
 def test_overview_has_the_status_json_keys(tmp_path: Path) -> None:
-    from slurmft.progress import overview
+    from slurmft.watch.progress import overview
 
     paths = RunPaths.of(preempted_run(tmp_path))
     out = overview(paths, json.loads(paths.manifest.read_text()), slurm_rows())
@@ -170,7 +170,7 @@ def test_overview_has_the_status_json_keys(tmp_path: Path) -> None:
 
 
 def test_overview_lines_say_it_in_words(tmp_path: Path) -> None:
-    from slurmft.progress import overview, overview_lines
+    from slurmft.watch.progress import overview, overview_lines
 
     paths = RunPaths.of(preempted_run(tmp_path))
     text = "\n".join(overview_lines(overview(paths, json.loads(paths.manifest.read_text()), slurm_rows())))

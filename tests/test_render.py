@@ -11,8 +11,8 @@ import pytest
 
 from slurmft.config import load_config
 from slurmft.errors import RenderError
+from slurmft.plan.render import render, render_scripts
 from slurmft.profiles import load_profile
-from slurmft.render import render, render_scripts
 from slurmft.rundir import RunPaths
 
 HERE = Path(__file__).parent

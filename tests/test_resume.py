@@ -16,9 +16,16 @@ from cli_runner import cli
 
 from slurmft.checkpoints import mark_complete
 from slurmft.errors import ConfigError, RunDirError
-from slurmft.resume import Phase, check_overrides, checkpoint_world_size, classify, ended_how, model_ready
 from slurmft.rundir import RunPaths, acquire_lock, new_manifest, release_lock, write_manifest
-from slurmft.status import describe
+from slurmft.submit.resume import (
+    Phase,
+    check_overrides,
+    checkpoint_world_size,
+    classify,
+    ended_how,
+    model_ready,
+)
+from slurmft.watch.status import describe
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny" / "run.yaml"
 

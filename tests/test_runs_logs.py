@@ -12,8 +12,8 @@ from runfixture import local_run, preempted_run
 
 from slurmft.cli import main
 from slurmft.errors import RunDirError
-from slurmft.logs import log_attempts, rank_lines, select_lines, split_attempts
-from slurmft.runs import find_runs, run_lines, run_state
+from slurmft.watch.logs import log_attempts, rank_lines, select_lines, split_attempts
+from slurmft.watch.runs import find_runs, run_lines, run_state
 
 
 def test_find_runs_searches_a_few_levels_and_skips_run_internals(tmp_path: Path) -> None:

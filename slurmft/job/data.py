@@ -1,7 +1,7 @@
 """Training data: load every source, map it to chat ``messages``, mix them by weight.
 
 Formats (``data.datasets[].format``) and their conversion live in :mod:`slurmft.formats`, shared with
-the login side's checks (:mod:`slurmft.checks`): what ``slurmft validate`` accepts, the job reads.
+the login side's checks (:mod:`slurmft.plan.checks`): what ``slurmft validate`` accepts, the job reads.
 
 Everything after that is TRL's: ``SFTTrainer`` applies the tokenizer's chat template, builds the
 assistant-token mask (``assistant_only_loss``), and packs to ``max_seq_length``. Sources are mixed

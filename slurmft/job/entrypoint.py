@@ -48,7 +48,7 @@ def run_consolidate(run_dir: str, checkpoint: str | None = None, out: str | None
     """Consolidation job body (single process): the newest complete checkpoint (or ``checkpoint``) into
     ``RUN_DIR/model`` (or ``out``)."""
     from slurmft.job.consolidate import consolidate_run
-    from slurmft.report import write_report_safely
+    from slurmft.watch.report import write_report_safely
 
     summary = consolidate_run(run_dir, checkpoint, out)
     write_report_safely(run_dir)  # report.md + loss.png; a report problem never fails the export

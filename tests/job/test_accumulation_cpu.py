@@ -59,8 +59,8 @@ def test_every_micro_batch_leaves_only_sharded_gradients(runs: dict[int, Path]) 
 
 
 def test_gradient_bytes_equal_the_estimate(runs: dict[int, Path]) -> None:
-    from slurmft import estimate as E
     from slurmft.job.train import read_config
+    from slurmft.plan import estimate as E
     from slurmft.profiles import load_profile
     from slurmft.rundir import RunPaths
 

@@ -63,8 +63,8 @@ def test_parameters_gradients_and_adamw_state_are_dtensors_of_the_mode(mode_run)
 
 
 def test_sharded_bytes_per_rank_equal_the_estimate_exactly(mode_run) -> None:
-    from slurmft import estimate as E
     from slurmft.job.train import read_config
+    from slurmft.plan import estimate as E
     from slurmft.profiles import load_profile
     from slurmft.rundir import RunPaths
 

@@ -94,8 +94,8 @@ def reference(slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path_factory
     """The uninterrupted run (REFERENCE_TRAIN/REFERENCE_CHECKPOINT) every interrupted one must equal: its
     consolidated model directory. One per session, shared by every test file that needs it."""
     from slurmft.config import load_config
-    from slurmft.dispatch import submit_run
     from slurmft.profiles import load_profile
+    from slurmft.submit.dispatch import submit_run
 
     tmp = tmp_path_factory.mktemp("reference")
     path = config_writer.write_config(tmp, tiny_model, chat_data, train=REFERENCE_TRAIN,

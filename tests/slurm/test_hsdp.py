@@ -47,8 +47,8 @@ def runs(slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path_factory: pyt
          config_writer) -> dict:
     """The HSDP run (preempted once, then requeued) and the plain FSDP run, both trained and consolidated."""
     from slurmft.config import load_config
-    from slurmft.dispatch import submit_run
     from slurmft.profiles import load_profile
+    from slurmft.submit.dispatch import submit_run
     from tests.slurm import jobs as watch
 
     out: dict = {}

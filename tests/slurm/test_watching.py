@@ -80,7 +80,7 @@ def test_preempted_twice_status_plot_report_logs(slurm_cluster, tiny_model: Path
     assert status["checkpoint"]["step"] == 40 and status["model"] == str(run / "model")
 
     # the plot: a real picture with a marker at each preemption step
-    from slurmft.plot import marker_steps
+    from slurmft.watch.plot import marker_steps
 
     assert [m.step for m in marker_steps(metrics(run))] == stops
     png = tmp_path / "loss.png"

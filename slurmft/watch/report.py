@@ -20,7 +20,8 @@ import yaml
 
 from slurmft import __version__
 from slurmft.errors import RunDirError
-from slurmft.progress import (
+from slurmft.rundir import RunPaths, atomic_write, read_manifest
+from slurmft.watch.progress import (
     attempts,
     checkpoint_info,
     fmt_bytes,
@@ -32,7 +33,6 @@ from slurmft.progress import (
     read_metrics,
     requeue_markers,
 )
-from slurmft.rundir import RunPaths, atomic_write, read_manifest
 
 REPORT_NAME = "report.md"
 FSDP_REPORT_DIR = "fsdp_report"  # slurmft/job/train.py writes rank<r>.json there
@@ -74,7 +74,7 @@ def rank_memory(paths: RunPaths) -> list[dict[str, Any]]:
 
 
 def summary(paths: RunPaths, slurm_rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Every number the report prints, as data (``slurm_rows``: :func:`slurmft.status.job_rows`; None asks Slurm)."""
+    """Every number the report prints, as data (``slurm_rows``: :func:`slurmft.watch.status.job_rows`; None asks Slurm)."""
     try:
         manifest = read_manifest(paths)
     except Exception as exc:  # noqa: BLE001 - a corrupt manifest still leaves the metrics to report
@@ -118,7 +118,7 @@ def summary(paths: RunPaths, slurm_rows: list[dict[str, Any]] | None = None) -> 
 def _rows(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     """Slurm's view of the jobs; on any failure (no Slurm here, a busy controller) none."""
     try:
-        from slurmft.status import job_rows
+        from slurmft.watch.status import job_rows
 
         return job_rows(manifest)
     except Exception:  # noqa: BLE001 - the report falls back to the run directory alone
@@ -128,7 +128,7 @@ def _rows(manifest: dict[str, Any]) -> list[dict[str, Any]]:
 def _nodes_by_attempt(paths: RunPaths) -> dict[tuple[str, int], str]:
     """Node list of each (job id, restart), from the batch script's ``[slurmft] job=...`` lines."""
     try:
-        from slurmft.logs import log_attempts
+        from slurmft.watch.logs import log_attempts
 
         return {(a.job_id, a.restart): a.nodes for a in log_attempts(paths.root, "train")
                 if a.nodes and a.restart is not None}
@@ -235,7 +235,7 @@ def write_report(run_dir: str | Path, slurm_rows: list[dict[str, Any]] | None = 
     problem = None
     if s["logged_steps"]:
         try:
-            from slurmft.plot import PLOT_NAME, plot_run
+            from slurmft.watch.plot import PLOT_NAME, plot_run
 
             plot_run(paths.root, paths.root / PLOT_NAME)
             plot_name = PLOT_NAME

@@ -20,7 +20,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from slurmft.cancel import scancel
 from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, step_of
 from slurmft.config import (
     Executor,
@@ -42,7 +41,8 @@ from slurmft.rundir import (
     start_attempt,
     write_manifest,
 )
-from slurmft.status import LIVE, RunState, run_state
+from slurmft.submit.cancel import scancel
+from slurmft.watch.status import LIVE, RunState, run_state
 
 # Keys a resume may change: where and how the job runs, never what it computes.
 ALLOWED_PREFIXES = ("cluster.", "preemption.", "consolidate.")
@@ -175,9 +175,9 @@ def resume_run(
     """Continue a run that is not live and not trained to ``max_steps``: cancel its stale consolidation,
     submit a new train job (it resumes from the newest complete checkpoint) and a consolidation chained
     to it, and record the attempt. A finished run is reported, not resubmitted."""
-    from slurmft.dispatch import SubmitResult, check_executor, check_submittable, dispatch_attempt
+    from slurmft.plan.render import render_scripts
     from slurmft.profiles import load_profile
-    from slurmft.render import render_scripts
+    from slurmft.submit.dispatch import SubmitResult, check_executor, check_submittable, dispatch_attempt
 
     paths = RunPaths.of(run_dir)
     overrides = list(overrides or [])

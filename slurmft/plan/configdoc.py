@@ -1,6 +1,6 @@
 """The config reference (docs/config.md), generated from the pydantic schema so docs match the code.
 
-Regenerate: python -m slurmft.configdoc > docs/config.md
+Regenerate: python -m slurmft.plan.configdoc > docs/config.md
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def reference() -> str:
     lines = [
         "# run.yaml reference",
         "",
-        "Generated from `slurmft/config.py` by `python -m slurmft.configdoc`; a test keeps it in sync.",
+        "Generated from `slurmft/config.py` by `python -m slurmft.plan.configdoc`; a test keeps it in sync.",
         "Unknown keys are rejected. Override any field on the command line with a dotted path:",
         "`slurmft submit run.yaml resources.nodes=4 train.max_steps=10`.",
         "",

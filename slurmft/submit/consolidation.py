@@ -100,9 +100,9 @@ def _update_entry(paths: RunPaths, entry: dict[str, Any]) -> None:
 
 def submit(paths: RunPaths, request: ConsolidationRequest, template_dir: str | None, say: Say) -> str:
     """Submit a consolidation job for ``request`` (no dependency); returns its job id."""
-    from slurmft.dispatch import check_executor, run_local_consolidation, submit_consolidation
     from slurmft.profiles import load_profile
-    from slurmft.resume import resume_config
+    from slurmft.submit.dispatch import check_executor, run_local_consolidation, submit_consolidation
+    from slurmft.submit.resume import resume_config
 
     manifest = read_manifest(paths)
     cfg = resume_config(paths, [], manifest.get("executor", "slurm"))

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slurmft.progress import LIVE_STATES, max_steps_of, model_info, read_metrics
 from slurmft.rundir import RunPaths, read_manifest
+from slurmft.watch.progress import LIVE_STATES, max_steps_of, model_info, read_metrics
 
 MAX_DEPTH = 3
 # Folders inside a run directory that never hold another run (and can be large).
@@ -93,7 +93,7 @@ def run_lines(root: Path, now: float | None = None,
         metrics = read_metrics(paths.metrics)
         last = metrics.records[-1] if metrics.records else {}
         if manifest and manifest.get("executor") == "local":  # the manifest (and pids) alone, no Slurm
-            from slurmft.status import job_rows
+            from slurmft.watch.status import job_rows
 
             jobs = [{"kind": r["kind"], "state": r["state"], "reason": ""} for r in job_rows(manifest)]
         else:
@@ -115,7 +115,7 @@ def run_lines(root: Path, now: float | None = None,
 def slurm_states(job_ids: list[str]) -> dict[str, dict[str, str]]:
     """{job id: {state, reason}}: one squeue call (the user's jobs), one sacct call for the ones squeue has
     forgotten."""
-    from slurmft.status import sacct_info, squeue_info
+    from slurmft.watch.status import sacct_info, squeue_info
 
     queued = squeue_info() or {}
     out = {jid: {"state": queued[jid]["state"], "reason": queued[jid]["reason"]} for jid in job_ids if jid in queued}

@@ -18,8 +18,7 @@ from typing import Any
 
 from slurmft.config import Executor, RunConfig, dump_config
 from slurmft.errors import ConfigError, RunDirError, SubmissionError
-from slurmft.profiles import ClusterProfile
-from slurmft.render import (
+from slurmft.plan.render import (
     CONSOLIDATE_TEMPLATE,
     TRAIN_TEMPLATE,
     build_consolidate_context,
@@ -29,6 +28,7 @@ from slurmft.render import (
     render_scripts,
     time_minutes,
 )
+from slurmft.profiles import ClusterProfile
 from slurmft.rundir import (
     RunPaths,
     acquire_lock,
@@ -98,7 +98,7 @@ def check_run_dir_free(paths: RunPaths) -> None:
     if not paths.root.is_dir():
         raise RunDirError(f"output_dir {str(paths.root)!r} exists and is not a directory")
     if paths.manifest.exists():
-        from slurmft.status import run_state
+        from slurmft.watch.status import run_state
 
         live = run_state(paths).live()
         if live:

@@ -4,7 +4,7 @@
 checkpoint directories, the requeue markers and the manifest already hold everything a user asks
 ("which step, what loss, when will it end, what would it resume from, how often was it preempted"),
 so these are pure functions of those files plus, for the attempts, the job rows
-``slurmft.status.job_rows`` made from one ``squeue`` and one ``sacct`` call. Nothing here calls
+``slurmft.watch.status.job_rows`` made from one ``squeue`` and one ``sacct`` call. Nothing here calls
 Slurm or imports torch: ``status``, ``runs``, ``plot`` and the report share it on a login node.
 
 A file being written while we read it is normal (the job appends as we look), so a partial last
@@ -390,7 +390,7 @@ def overview(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dict[st
              max_steps: int | None = None) -> dict[str, Any]:
     """What ``slurmft status --json`` adds beside ``jobs``: ``{progress, checkpoint, attempts, model, lost}``.
 
-    ``slurm_rows`` are :func:`slurmft.status.job_rows` of ``manifest`` (no Slurm call here);
+    ``slurm_rows`` are :func:`slurmft.watch.status.job_rows` of ``manifest`` (no Slurm call here);
     ``max_steps`` defaults to the run config's ``train.max_steps``.
     """
     max_steps = max_steps_of(paths) if max_steps is None else max_steps

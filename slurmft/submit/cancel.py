@@ -9,7 +9,7 @@ from pathlib import Path
 
 from slurmft.errors import SubmissionError
 from slurmft.rundir import RunPaths
-from slurmft.status import run_state
+from slurmft.watch.status import run_state
 
 
 def cancel_run(run_dir: Path) -> list[str]:

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from slurmft.errors import SlurmftError
-from slurmft.progress import read_metrics, segments
 from slurmft.rundir import RunPaths
+from slurmft.watch.progress import read_metrics, segments
 
 PLOT_NAME = "loss.png"
 SIZE_INCHES = (9.0, 4.8)

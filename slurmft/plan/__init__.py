@@ -1,0 +1,1 @@
+"""Plan: pure decisions before any job (checks, estimate, render). Imports neither submit nor watch."""
