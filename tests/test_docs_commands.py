@@ -1,7 +1,8 @@
 """The README's and docs/first-run.md's commands work, as far as they need no GPU.
 
 Every ``slurmft validate|render|estimate`` line in a fenced block of those two files is run as
-written (a ``run.yaml`` placeholder is run against each shipped Slurm example), every shipped
+written (the ``run.yaml`` placeholder is run against each shipped Slurm example; any other
+path must exist), every shipped
 example passes validate, render and estimate, the README's override line validates, and the
 data and profile snippets of docs/first-run.md are read by the code that reads users' files.
 """
@@ -22,6 +23,7 @@ DOCS = [REPO / "README.md", REPO / "docs" / "first-run.md"]
 EXAMPLES = sorted(p for p in (REPO / "examples").rglob("*.yaml"))
 SLURM_EXAMPLES = [p for p in EXAMPLES if yaml.safe_load(p.read_text()).get("executor") != "local"]
 TINY = REPO / "examples" / "tiny" / "run.yaml"
+PLACEHOLDER = "run.yaml"  # the one config name the docs use for "your config"
 README_OVERRIDES = ["resources.nodes=4", "train.max_steps=10", "cluster.partition=gpu"]
 
 
@@ -63,7 +65,11 @@ def test_doc_command_runs(doc: str, line: str, monkeypatch: pytest.MonkeyPatch,
                           capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(REPO)
     args = shlex.split(line)[1:]
-    configs = [Path(args[1])] if Path(REPO / args[1]).is_file() else SLURM_EXAMPLES  # run.yaml: a placeholder
+    if args[1] == PLACEHOLDER:  # `slurmft validate run.yaml`: stands for any config, so every Slurm example
+        configs = SLURM_EXAMPLES
+    else:  # a documented path must exist: a typo in the docs fails here
+        assert (REPO / args[1]).is_file(), f"{doc}: `{line}` names {args[1]}, which does not exist"
+        configs = [Path(args[1])]
     for config in configs:
         code, output = run([args[0], str(config), *args[2:]], capsys)
         assert code == 0, f"{line} ({config}):\n{output}"
@@ -112,9 +118,6 @@ def test_first_run_profile_example_is_a_valid_profile(tmp_path: Path) -> None:
     assert documented >= set(ClusterProfile.model_fields) | set(profile.gpu.model_fields)  # every field shown
 
 
-# tests/test_estimate.py is rewritten on another branch (estimate pinning); its one comment that cites
-# the removed design document (line 48) is to point at docs/design-notes.md there. Drop this at the merge.
-PENDING_ELSEWHERE: set[str] = set()
 # Files slurmft writes into a run directory: named by the docs, never part of the repository.
 RUN_DIR_FILES = {"report.md"}
 
@@ -126,7 +129,7 @@ def test_the_repository_cites_only_files_it_contains() -> None:
     names = {Path(p).name for p in tracked} | set(tracked)
     missing = []
     for rel in tracked:
-        if rel in PENDING_ELSEWHERE or not rel.endswith((".py", ".md", ".yaml", ".txt", ".j2", ".sh", ".toml")):
+        if not rel.endswith((".py", ".md", ".yaml", ".txt", ".j2", ".sh", ".toml")):
             continue
         text = (REPO / rel).read_text(errors="replace")
         for cited in set(re.findall(r"[A-Za-z0-9_./-]*[A-Za-z0-9_-]+\.md\b", text)):

@@ -472,7 +472,7 @@ def test_hsdp_that_does_not_fit_a_node_says_to_shard_over_all_ranks():
     assert any("set fsdp.replicate_across_nodes=false" in x for x in r["remedies"]), r["remedies"]
     # more nodes do not help HSDP (each node keeps a full replica): the nodes remedy switches it off too
     nodes = [x for x in r["remedies"] if "resources.nodes=" in x]
-    assert not nodes or "fsdp.replicate_across_nodes=false" in nodes[0]
+    assert len(nodes) == 1 and "fsdp.replicate_across_nodes=false" in nodes[0], r["remedies"]
 
 
 def test_hsdp_on_one_node_is_plain_fsdp():

@@ -23,6 +23,8 @@ def test_tiny_example_trains_and_consolidates_locally(local_tiny_run: Path, tiny
     run = local_tiny_run  # `slurmft submit examples/tiny/run.yaml` (18 steps, every 6), run once per session
     err = (run.parent / "submit.err").read_text()
     assert "train job" in err and "completed" in err  # progress was shown
+    shown = [int(line.split()[1]) for line in err.splitlines() if line.startswith("  step ")]
+    assert shown == list(range(1, 19)), shown  # one console line per step, none dropped or repeated
     manifest = read_manifest(RunPaths.of(run))
     assert [(j["kind"], j["state"]) for j in manifest["jobs"]] == [("train", "COMPLETED"),
                                                                     ("consolidate", "COMPLETED")]

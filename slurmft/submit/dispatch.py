@@ -360,14 +360,17 @@ def run_local_consolidation(
 
 def _wait_local(job: Any, kind: str, paths: RunPaths, manifest: dict[str, Any], say: Say) -> None:
     """Wait for a local job, showing progress from metrics.jsonl; record its final state."""
-    t0, last = time.time(), ""
+    t0 = time.time()
+    steps = MetricsFollower(paths.metrics)
     try:
         while not job.done():
             time.sleep(1.0)
-            line = _last_metrics_line(paths) if kind == "train" else ""
-            if line and line != last:
+            if kind == "train":
+                for line in steps.new_lines():
+                    say(f"  {line}")
+        if kind == "train":
+            for line in steps.new_lines():  # the steps logged in the last second
                 say(f"  {line}")
-                last = line
     except KeyboardInterrupt:  # the local job would outlive us: stop it, and say where it stood
         job.cancel(check=False)
         manifest["jobs"][-1]["state"] = "CANCELLED"
@@ -404,16 +407,39 @@ def _log_tail(logs: list[str], lines: int = 8) -> list[str]:
     return []
 
 
-def _last_metrics_line(paths: RunPaths) -> str:
-    import json
+class MetricsFollower:
+    """Every step rank 0 appends to ``metrics.jsonl``, one line each, in order (a console that printed
+    only the newest record each second dropped the steps logged in between)."""
 
-    try:
-        with open(paths.metrics, "rb") as f:
-            f.seek(max(0, os.path.getsize(paths.metrics) - 4096))
-            tail = f.read().decode(errors="replace").strip().splitlines()
-        rec = json.loads(tail[-1])
-    except (OSError, ValueError, IndexError):
-        return ""
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def new_lines(self) -> list[str]:
+        """One line per record completed since the last call; a partly written last line waits."""
+        import json
+
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        lines = []
+        for raw in complete.decode(errors="replace").splitlines():
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and "step" in rec:
+                lines.append(step_line(rec))
+        return lines
+
+
+def step_line(rec: dict[str, Any]) -> str:
+    """``step 7 loss=2.31 learning_rate=1e-05 ...``: what the local console prints for one step."""
     parts = [f"step {rec.get('step')}"]
     for key in ("loss", "learning_rate", "grad_norm", "tokens_per_s"):
         if isinstance(rec.get(key), int | float):

@@ -1,0 +1,24 @@
+"""slurmft.submit.dispatch: the local executor's console follows metrics.jsonl one line per step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from slurmft.submit.dispatch import MetricsFollower, step_line
+
+
+def test_every_step_once_in_order_and_a_partial_line_waits(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    follow = MetricsFollower(path)
+    assert follow.new_lines() == []  # no file yet
+    rec = {"step": 1, "loss": 2.5, "learning_rate": 1e-4, "grad_norm": 0.5}
+    with path.open("w") as f:
+        f.write(json.dumps(rec) + "\n" + json.dumps({**rec, "step": 2}) + "\n" + '{"step": 3, "lo')
+    assert follow.new_lines() == [step_line(rec), step_line({**rec, "step": 2})]
+    assert follow.new_lines() == []
+    with path.open("a") as f:  # the job finishes the line, logs two more steps and a non-step record
+        f.write('ss": 2.0}\n' + json.dumps({**rec, "step": 4}) + "\n" + "garbage\n" + json.dumps({"eval": 1}) + "\n"
+                + json.dumps({**rec, "step": 5}) + "\n")
+    assert [line.split()[1] for line in follow.new_lines()] == ["3", "4", "5"]
+    assert step_line(rec) == "step 1 loss=2.5 learning_rate=0.0001 grad_norm=0.5"
