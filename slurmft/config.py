@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
@@ -181,6 +182,12 @@ class ClusterConfig(_Section):
     @classmethod
     def _addr(cls, v: str | None) -> str | None:
         return None if v is None else _check(re.compile(r"^[A-Za-z0-9.:-]+$"), v, "host name or IP address")
+
+    @property
+    def job_python(self) -> str:
+        """The interpreter the job runs on the compute nodes: ``cluster.python``, else the one running slurmft
+        (the one place this is decided: the scripts, the submitit executors and ``validate``'s check use it)."""
+        return self.python or sys.executable
 
 
 class ResourcesConfig(_Section):

@@ -55,12 +55,6 @@ def rename(row: dict[str, Any], columns: dict[str, str]) -> dict[str, Any]:
     return {theirs.get(k, k): v for k, v in row.items()}
 
 
-def renamed_columns(columns: list[str], mapping: dict[str, str]) -> list[str]:
-    """Column names after :func:`rename`."""
-    theirs = {v: k for k, v in mapping.items()}
-    return [theirs.get(c, c) for c in columns]
-
-
 def _single_column(source: DatasetSource, fmt: str) -> str:
     return source.text_field or FORMAT_COLUMNS[fmt][0]
 

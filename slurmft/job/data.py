@@ -28,9 +28,6 @@ log = logging.getLogger("slurmft.job")
 MAX_MIX_BLOWUP = 4  # a weighted mixture holds at most this many times the sources' total rows
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 MESSAGES = "messages"
-lima_to_messages = formats.lima_to_messages
-guanaco_to_messages = formats.guanaco_to_messages
-normalize = formats.normalize
 
 
 def _features():

@@ -35,7 +35,6 @@ import json
 import math
 import re
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -408,14 +407,9 @@ def check_chat_template(cfg: RunConfig, report: Report, samples: list[Sample]) -
 
 
 # ====================================================================== the job's Python
-def job_python(cfg: RunConfig) -> str:
-    """The interpreter the job will run (``cluster.python``, else the one running slurmft)."""
-    return cfg.cluster.python or sys.executable
-
-
 def check_job_python(cfg: RunConfig, report: Report) -> None:
     """The job's Python exists and imports the training stack (and the reporters' packages)."""
-    python = job_python(cfg)
+    python = cfg.cluster.job_python
     given = "cluster.python" if cfg.cluster.python else "cluster.python (not set: the Python running slurmft)"
     fix = ("set cluster.python to the interpreter of an environment with `pip install 'slurmft[train]'` on the "
            "shared filesystem (e.g. /shared/venvs/sft/bin/python), or add cluster.setup lines that provide one "

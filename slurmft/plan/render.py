@@ -8,7 +8,6 @@ never an empty string.
 from __future__ import annotations
 
 import shlex
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +55,8 @@ def launcher_command(command: str, signal_name: str) -> str:
 
 
 def python_for(cfg: RunConfig) -> str:
-    """The interpreter on the compute nodes, quoted."""
-    return q(cfg.cluster.python or sys.executable)
+    """The job's interpreter (``ClusterConfig.job_python``), quoted for a script."""
+    return q(cfg.cluster.job_python)
 
 
 def time_minutes(slurm_time: str) -> int:

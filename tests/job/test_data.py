@@ -18,24 +18,6 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def test_lima_and_guanaco_map_to_messages() -> None:
-    assert data.lima_to_messages(["q", "a", "q2", "a2"]) == [
-        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
-        {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"},
-    ]
-    text = "### Human: Hi there.### Assistant: Hello!### Human: Bye.### Assistant: Bye!"
-    assert data.guanaco_to_messages(text) == [
-        {"role": "user", "content": "Hi there."}, {"role": "assistant", "content": "Hello!"},
-        {"role": "user", "content": "Bye."}, {"role": "assistant", "content": "Bye!"},
-    ]
-
-
-def test_normalize_merges_repeated_roles_and_drops_unanswered_turns() -> None:
-    msgs = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": " "},
-            {"role": "assistant", "content": "c"}, {"role": "user", "content": "left hanging"}]
-    assert data.normalize(msgs) == [{"role": "user", "content": "a\n\nb"}, {"role": "assistant", "content": "c"}]
-
-
 @pytest.mark.parametrize(("row", "expected"), [
     ({"messages": [{"role": "user", "content": "q"}]}, "messages"),
     ({"conversations": ["q", "a"]}, "lima"),
