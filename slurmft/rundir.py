@@ -115,6 +115,44 @@ class RunPaths:
         """Markers left by the ranks to ask the batch script for a requeue."""
         return self.root / "requeue"
 
+    def requeue_marker(self, job_id: str, restart: int) -> Path:
+        """``requeue/<job>-<restart>``: the ranks of this job at this restart stopped for a signal."""
+        return self.requeue_marker_dir / f"{job_id}-{restart}"
+
+    @staticmethod
+    def requeue_marker_key(name: str) -> tuple[str, int] | None:
+        """(job id, restart) of a marker file name written by :meth:`requeue_marker`, else None."""
+        job, sep, restart = name.rpartition("-")
+        if not sep or not job or not restart.isdigit() or name.startswith("."):
+            return None
+        return job, int(restart)
+
+    @property
+    def fsdp_report(self) -> Path:
+        """``rank<r>.json`` per rank: the FSDP layout the job really ran (mesh, shards, gradient bytes)."""
+        return self.root / "fsdp_report"
+
+    @property
+    def tensorboard(self) -> Path:
+        """TensorBoard event files (``train.report_to: [tensorboard]``), one directory for every attempt."""
+        return self.root / "tensorboard"
+
+    @property
+    def report(self) -> Path:
+        """The run report written by consolidation (``slurmft report`` rewrites it)."""
+        return self.root / "report.md"
+
+    @property
+    def loss_plot(self) -> Path:
+        """Loss and learning rate by step, drawn beside the report (``slurmft plot``)."""
+        return self.root / "loss.png"
+
+    @property
+    def folders(self) -> frozenset[str]:
+        """Names of the folders slurmft makes inside a run directory (none of them holds another run)."""
+        return frozenset(p.name for p in (self.scripts, self.logs, self.submitit, self.checkpoints, self.model,
+                                           self.requeue_marker_dir, self.fsdp_report, self.tensorboard))
+
 
 def atomic_write(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` via a temporary file and rename (readers never see half a file)."""

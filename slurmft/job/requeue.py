@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = RunPaths.of(args.run_dir)
     job_id = os.environ.get("SLURM_JOB_ID", "")
     restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    marker_path = paths.requeue_marker_dir / f"{job_id}-{restart}"
+    marker_path = paths.requeue_marker(job_id, restart)
     marker = None
     if marker_path.is_file():
         try:

@@ -39,7 +39,6 @@ from slurmft.rundir import RunPaths, atomic_write, planned_max_steps
 
 log = logging.getLogger("slurmft.job")
 
-FSDP_REPORT_DIR = "fsdp_report"
 
 
 
@@ -193,7 +192,7 @@ def sft_config(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> Any:
         },
     }
     if "tensorboard" in t.report_to:
-        os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(paths.root / "tensorboard"))
+        os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(paths.tensorboard))
     kwargs.update(t.sft)
     try:
         return SFTConfig(**kwargs)
@@ -251,7 +250,7 @@ def plan_steps(cfg: RunConfig, sequences: int, world_size: int) -> dict[str, Any
 
 def _write_requeue_marker(paths: RunPaths, env: JobEnv, step: int, saved: bool) -> Path:
     """``requeue/<job>-<restart>``: the ranks stopped for a signal at ``step`` (the batch script decides)."""
-    marker = paths.requeue_marker_dir / f"{env.job_id}-{env.restart_count}"
+    marker = paths.requeue_marker(env.job_id, env.restart_count)
     atomic_write(marker, json.dumps({"step": step, "job_id": env.job_id, "restart": env.restart_count,
                                      "saved": saved, "signal": preemption.received(),
                                      "signal_t": round(preemption.received_at(), 3), "t": time.time()}) + "\n")
@@ -334,7 +333,7 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                    "num_params": sharded.num_params}
     set_aside = fallback.SetAsideFailed(ctx, info)
     callbacks = [saver, set_aside, preempt, MetricsLog(ctx, paths.metrics, info),
-                 FsdpReport(ctx, paths.root / FSDP_REPORT_DIR, report_info)]
+                 FsdpReport(ctx, paths.fsdp_report, report_info)]
 
     from trl import SFTTrainer
 

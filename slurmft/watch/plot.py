@@ -23,7 +23,6 @@ from slurmft.errors import SlurmftError
 from slurmft.rundir import RunPaths
 from slurmft.watch.progress import read_metrics, segments
 
-PLOT_NAME = "loss.png"
 SIZE_INCHES = (9.0, 4.8)
 DPI = 100
 
@@ -75,7 +74,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     metrics = read_metrics(paths.metrics)
     if not metrics.records:
         raise SlurmftError(f"nothing to plot for {paths.root}", metrics.problems or ["metrics.jsonl has no step"])
-    target = Path(out) if out else paths.root / PLOT_NAME
+    target = Path(out) if out else paths.loss_plot
     draw(metrics.records, target, title=paths.root.name)
     return target
 

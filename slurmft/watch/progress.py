@@ -212,14 +212,14 @@ def requeue_markers(paths: RunPaths) -> dict[tuple[str, int], dict[str, Any]]:
     if not paths.requeue_marker_dir.is_dir():
         return out
     for marker in paths.requeue_marker_dir.iterdir():
-        job, sep, restart = marker.name.rpartition("-")
-        if not sep or not restart.isdigit() or marker.name.startswith("."):
+        key = RunPaths.requeue_marker_key(marker.name)
+        if key is None:
             continue
         try:
             info = json.loads(marker.read_text())
         except (OSError, ValueError):
             info = {}
-        out[(job, int(restart))] = info if isinstance(info, dict) else {}
+        out[key] = info if isinstance(info, dict) else {}
     return out
 
 

@@ -34,9 +34,6 @@ from slurmft.watch.progress import (
     requeue_markers,
 )
 
-REPORT_NAME = "report.md"
-FSDP_REPORT_DIR = "fsdp_report"  # slurmft/job/train.py writes rank<r>.json there
-
 
 def fmt_time(t: float | None) -> str:
     """Local wall-clock time of a unix timestamp."""
@@ -62,7 +59,7 @@ def _get(d: dict[str, Any], dotted: str, default: Any = "-") -> Any:
 def rank_memory(paths: RunPaths) -> list[dict[str, Any]]:
     """Per-rank memory from ``fsdp_report/rank*.json`` (written at the start of the newest attempt)."""
     out = []
-    folder = paths.root / FSDP_REPORT_DIR
+    folder = paths.fsdp_report
     for f in sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else 0):
         try:
             rep = json.loads(f.read_text())
@@ -235,16 +232,16 @@ def write_report(run_dir: str | Path, slurm_rows: list[dict[str, Any]] | None = 
     problem = None
     if s["logged_steps"]:
         try:
-            from slurmft.watch.plot import PLOT_NAME, plot_run
+            from slurmft.watch.plot import plot_run
 
-            plot_run(paths.root, paths.root / PLOT_NAME)
-            plot_name = PLOT_NAME
+            plot_run(paths.root, paths.loss_plot)
+            plot_name = paths.loss_plot.name
         except Exception as exc:  # noqa: BLE001 - the text report stands without its picture
             problem = f"no plot: {exc}"
     text = render(s, plot_name)
     if problem:
         text += f"\n> {problem}\n"
-    target = paths.root / REPORT_NAME
+    target = paths.report
     atomic_write(target, text)
     return target
 

@@ -19,8 +19,7 @@ from slurmft.watch.progress import LIVE_STATES, max_steps_of, model_info, read_m
 
 MAX_DEPTH = 3
 # Folders inside a run directory that never hold another run (and can be large).
-SKIP = frozenset({"checkpoints", "model", "submitit", "logs", "scripts", "requeue", "fsdp_report", "tensorboard",
-                  "__pycache__", "node_modules"})
+SKIP = RunPaths(Path(".")).folders | {"__pycache__", "node_modules"}
 
 
 def find_runs(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
