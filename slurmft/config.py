@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from slurmft.errors import ConfigError
+from slurmft.errors import ConfigError, RunDirError
 
 # ------------------------------------------------------------------ shell-safe value patterns
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -694,6 +694,16 @@ def validate(data: dict[str, Any], source: str = "config") -> RunConfig:
     except ValidationError as err:
         problems = format_validation_error(err)
         raise ConfigError(f"{source}: {len(problems)} problem(s) in the run config", problems) from None
+
+
+def read_run_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> RunConfig:
+    """A run directory's resolved ``config.yaml`` (with ``overrides``), read the one way every command and the
+    job read it: the YAML 1.2 reader of ``run.yaml`` and the schema. Readers that must survive a broken
+    file (the report, ``runs``) read the raw YAML themselves."""
+    p = Path(path)
+    if not p.is_file():
+        raise RunDirError(f"{p.parent} is not a slurmft run directory: {p.name} is missing")
+    return validate(apply_overrides(read_yaml(p), overrides or []), source=str(p))
 
 
 def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> RunConfig:

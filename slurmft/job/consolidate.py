@@ -55,8 +55,8 @@ from slurmft.checkpoints import (
     named,
     strip_wrappers,
 )
-from slurmft.config import RunConfig, read_yaml, validate
-from slurmft.errors import CheckpointError, RunDirError, SlurmftError
+from slurmft.config import RunConfig, read_run_config
+from slurmft.errors import CheckpointError, SlurmftError
 from slurmft.job.loading import DTYPES
 from slurmft.rundir import MODEL_INDEX, RunPaths
 
@@ -657,13 +657,6 @@ def output_dtype(cfg: RunConfig, ckpt: Path) -> str:
     return consolidated_dtype(cfg.consolidate.dtype, mode)
 
 
-def load_run_config(paths: RunPaths) -> RunConfig:
-    """The resolved config the run was submitted with."""
-    if not paths.config.is_file():
-        raise RunDirError(f"{paths.root} is not a slurmft run directory: {paths.config.name} is missing")
-    return validate(read_yaml(paths.config), source=str(paths.config))
-
-
 def consolidate_run(
     run_dir: str, checkpoint: str | None = None, out: str | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -675,7 +668,7 @@ def consolidate_run(
     """
     started = time.monotonic()
     paths = RunPaths.of(run_dir)
-    cfg = load_run_config(paths)
+    cfg = read_run_config(paths.config)
     ckpt = resolve_checkpoint(paths, checkpoint)
     out_dir = Path(out).expanduser().resolve() if out else paths.model
     if out_dir.exists() and not out_dir.is_dir():

@@ -35,8 +35,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-import yaml
-
+from slurmft.config import read_run_config
 from slurmft.rundir import RunPaths, atomic_write
 
 EXIT_REQUEUE_REFUSED = 3
@@ -186,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     view, error = job_view(job_id) if args.batch_signal == "TERM" and marker is not None else (None, "")
     if error:
         _say(f"scontrol show job {job_id} failed: {error}")
-    max_requeues = int(yaml.safe_load(paths.config.read_text())["preemption"]["max_requeues"])
+    max_requeues = read_run_config(paths.config).preemption.max_requeues
     decision = decide(marker, args.exit_code, restart, max_requeues, args.batch_signal, view)
     if marker is not None:
         if view is not None:

@@ -17,11 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from slurmft import checkpoints
-from slurmft.config import RunConfig
-from slurmft.errors import CheckpointError, JobSetupError
+from slurmft.config import RunConfig, read_run_config
+from slurmft.errors import CheckpointError, JobSetupError, SlurmftError
 from slurmft.job import cpu_fsdp, data, distributed, fallback, loading, preemption
 from slurmft.job.callbacks import (
     CompleteCheckpoints,
@@ -51,15 +49,12 @@ def _setup_logging(rank: int) -> None:
 
 
 def read_config(paths: RunPaths) -> RunConfig:
-    """The run config the login side resolved into the run directory."""
-    from pydantic import ValidationError
-
-    if not paths.config.is_file():
-        raise JobSetupError(f"{paths.config} does not exist: is {paths.root} a slurmft run directory?")
+    """The run config the login side resolved into the run directory (``config.read_run_config``); a missing
+    or invalid one is a setup error every rank reports."""
     try:
-        return RunConfig.model_validate(yaml.safe_load(paths.config.read_text()))
-    except (ValidationError, yaml.YAMLError) as exc:
-        raise JobSetupError(f"{paths.config} is not a valid run config: {exc}") from None
+        return read_run_config(paths.config)
+    except SlurmftError as exc:
+        raise JobSetupError(exc.render()) from None
 
 
 @dataclass

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from slurmft.checkpoints import COMPLETE_MARKER, is_complete, latest_complete, list_checkpoints, named
+from slurmft.config import Executor, read_run_config
 from slurmft.errors import CheckpointError
 from slurmft.rundir import RunPaths, acquire_lock, read_manifest, record_job, release_lock, write_manifest
 
@@ -102,10 +103,10 @@ def submit(paths: RunPaths, request: ConsolidationRequest, template_dir: str | N
     """Submit a consolidation job for ``request`` (no dependency); returns its job id."""
     from slurmft.profiles import load_profile
     from slurmft.submit.dispatch import check_executor, run_local_consolidation, submit_consolidation
-    from slurmft.submit.resume import resume_config
 
     manifest = read_manifest(paths)
-    cfg = resume_config(paths, [], manifest.get("executor", "slurm"))
+    cfg = read_run_config(paths.config)
+    cfg.executor = Executor(manifest.get("executor", "slurm"))  # where the run was started is where it continues
     check_executor(cfg.resolved_executor)
     profile = load_profile(cfg.cluster.profile)
     acquire_lock(paths, "consolidate", say)

@@ -24,11 +24,9 @@ from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, step_of
 from slurmft.config import (
     Executor,
     RunConfig,
-    apply_overrides,
     dump_config,
     parse_override,
-    read_yaml,
-    validate,
+    read_run_config,
 )
 from slurmft.errors import ConfigError, RunDirError, SubmissionError
 from slurmft.rundir import (
@@ -130,8 +128,7 @@ def resume_config(paths: RunPaths, overrides: list[str], executor: str) -> RunCo
     """The run's resolved config with ``overrides`` (already checked by :func:`check_overrides`) applied."""
     if not paths.config.is_file():
         raise RunDirError(f"{paths.root} has a manifest but no {paths.config.name}: it cannot be resumed")
-    data = read_yaml(paths.config)
-    cfg = validate(apply_overrides(data, overrides), source=str(paths.config))
+    cfg = read_run_config(paths.config, overrides)
     cfg.executor = Executor(executor)  # where the run was started is where it continues
     return cfg
 

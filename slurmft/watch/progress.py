@@ -107,7 +107,8 @@ def read_metrics(path: Path) -> Metrics:
 
 def max_steps_of(paths: RunPaths) -> int | None:
     """``train.max_steps`` of the run's resolved config (or the steps planned for ``train.epochs``), or None
-    when it cannot be read."""
+    when it cannot be read (raw YAML on purpose: ``runs`` and ``status`` still show a run whose config.yaml
+    no longer validates)."""
     try:
         train = (yaml.safe_load(paths.config.read_text()) or {}).get("train", {})
     except (OSError, yaml.YAMLError, AttributeError):

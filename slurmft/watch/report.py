@@ -41,6 +41,7 @@ def fmt_time(t: float | None) -> str:
 
 
 def _config(paths: RunPaths) -> dict[str, Any]:
+    """The raw config mapping: a report is written even for a run whose config.yaml no longer validates."""
     try:
         data = yaml.safe_load(paths.config.read_text())
     except (OSError, yaml.YAMLError):
