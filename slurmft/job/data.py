@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from slurmft import formats
+from slurmft import chat_template, formats
 from slurmft.config import DataConfig, DatasetSource
 from slurmft.errors import ConfigError, JobSetupError
 
@@ -107,10 +107,7 @@ def check_template(ds, tokenizer, where: str, n: int = 16) -> None:
         try:
             tokenizer.apply_chat_template(ds[i][MESSAGES], tokenize=False)
         except Exception as exc:
-            raise JobSetupError(
-                f"{where}: the chat template cannot render conversation {i} ({type(exc).__name__}: {exc}); "
-                "use a tokenizer/template that accepts these roles (train.sft.chat_template_path)"
-            ) from None
+            raise JobSetupError(chat_template.cannot_render_message(where, i, exc)) from None
 
 
 def load_mixture(data: DataConfig, seed: int, tokenizer: Any = None):

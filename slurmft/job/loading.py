@@ -74,6 +74,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slurmft import chat_template
 from slurmft.checkpoints import strip_wrappers
 from slurmft.config import ModelConfig, RunConfig
 from slurmft.errors import JobSetupError
@@ -292,34 +293,19 @@ def load_tokenizer(tokenizer_dir: Path, cfg: RunConfig) -> Any:
         raise JobSetupError(f"model.tokenizer: cannot load a tokenizer from {tokenizer_dir}: {exc}") from None
     template_path = cfg.train.sft.get("chat_template_path")
     if template_path:
-        path = Path(str(template_path)).expanduser()
-        if path.suffix not in (".jinja", ".j2"):
-            raise JobSetupError(
-                "train.sft.chat_template_path: only a .jinja/.j2 template file is supported (cloning a template "
-                "from another tokenizer adds tokens, which needs an embedding resize the sharded model cannot do)"
-            )
-        if not path.is_file():
-            raise JobSetupError(f"train.sft.chat_template_path: {str(path)!r} does not exist")
-        tokenizer.chat_template = path.read_text()
+        problem = chat_template.template_path_problem(str(template_path))
+        if problem:
+            raise JobSetupError(problem)
+        tokenizer.chat_template = Path(str(template_path)).expanduser().read_text()
     if not tokenizer.chat_template:
-        raise JobSetupError(
-            f"the tokenizer at {tokenizer_dir} has no chat template, so conversations cannot be formatted. Use a "
-            "tokenizer that has one (model.tokenizer, e.g. the model's -chat/-instruct sibling with the same "
-            "vocabulary), or set train.sft.chat_template_path to a .jinja file (with {% generation %} markers "
-            "around assistant replies for data.assistant_only_loss)"
-        )
+        raise JobSetupError(chat_template.no_template_message(tokenizer_dir))
     if cfg.data.assistant_only_loss:
         from trl.chat_template_utils import get_training_chat_template
 
         try:
             get_training_chat_template(tokenizer)
         except ValueError:
-            raise JobSetupError(
-                f"data.assistant_only_loss needs {{% generation %}} markers around assistant replies in the chat "
-                f"template, and the template of {tokenizer_dir} has none (nor does TRL know how to add them). Set "
-                "data.assistant_only_loss: false (loss on every token) or point train.sft.chat_template_path at a "
-                "template with the markers"
-            ) from None
+            raise JobSetupError(chat_template.no_markers_message(tokenizer_dir)) from None
     return tokenizer
 
 

@@ -33,13 +33,20 @@ import functools
 import importlib.util
 import json
 import math
-import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from slurmft import formats
+from slurmft.chat_template import (
+    GENERATION_TAG,
+    cannot_render_message,
+    has_generation_markers,
+    no_markers_message,
+    no_template_message,
+    template_path_problem,
+)
 from slurmft.config import DATA_SUFFIXES, RunConfig
 from slurmft.errors import ConfigError
 from slurmft.modelinfo import find_tokenizer, is_local, read_model_config, seq_length_problem
@@ -50,7 +57,6 @@ SAMPLE_ROWS = 8  # rows read from each data file for the column and template che
 COUNT_LIMIT_BYTES = 64 * 2**20  # local data up to this size is read in full to count tokens (steps per epoch)
 
 TRAINING_STACK = ("slurmft", "submitit", "torch", "transformers", "accelerate", "trl", "datasets", "safetensors")
-GENERATION_TAG = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
 
 
 @dataclass
@@ -130,15 +136,9 @@ def check_paths(cfg: RunConfig, report: Report) -> None:
     if tok and is_local(tok) and not Path(tok).is_dir():
         report.problems.append(f"model.tokenizer: local directory {tok!r} does not exist (or give a hub id)")
     template = cfg.train.sft.get("chat_template_path")
-    if template:
-        path = Path(str(template))
-        if path.suffix not in (".jinja", ".j2"):
-            report.problems.append(
-                "train.sft.chat_template_path: only a .jinja/.j2 template file is supported (cloning a template "
-                "from another tokenizer adds tokens, which needs an embedding resize the sharded model cannot do)"
-            )
-        elif not path.is_file():
-            report.problems.append(f"train.sft.chat_template_path: {str(path)!r} does not exist")
+    problem = template_path_problem(str(template)) if template else None
+    if problem:
+        report.problems.append(problem)
 
 
 # ====================================================================== data
@@ -371,26 +371,16 @@ def check_chat_template(cfg: RunConfig, report: Report, samples: list[Sample]) -
     template = read_template(cfg, directory, name)
     field_name = "model.tokenizer" if cfg.model.tokenizer else "model.name_or_path"
     if not template.text:
-        report.problems.append(
-            f"{field_name}: the tokenizer at {directory} has no chat template, so conversations cannot be "
-            "formatted. Use a tokenizer that has one (model.tokenizer, e.g. the model's -chat/-instruct sibling with "
-            "the same vocabulary), or set train.sft.chat_template_path to a .jinja file (with {% generation %} "
-            "markers around assistant replies for data.assistant_only_loss)"
-        )
+        report.problems.append(f"{field_name}: {no_template_message(directory)}")
         return None
-    if cfg.data.assistant_only_loss and not GENERATION_TAG.search(template.text):
+    if cfg.data.assistant_only_loss and not has_generation_markers(template.text):
         if trl_can_patch(template.text):
             report.notes.append("chat template: no {% generation %} markers, but TRL ships a training version of it")
         elif importlib.util.find_spec("trl") is None:
             report.skipped.append("chat template: has no {% generation %} markers; whether TRL can add them is not "
                                   "known here (trl is not installed); the job checks it")
         else:
-            report.problems.append(
-                f"data.assistant_only_loss needs {{% generation %}} markers around assistant replies in the chat "
-                f"template, and the template of {name} has none (nor does TRL know how to add them). Set "
-                "data.assistant_only_loss: false (loss on every token) or point train.sft.chat_template_path at a "
-                "template with the markers"
-            )
+            report.problems.append(no_markers_message(name))
     for sample in samples:
         src = cfg.data.datasets[sample.index]
         for j, conversation in enumerate(sample.conversations[:SAMPLE_ROWS]):
@@ -398,10 +388,7 @@ def check_chat_template(cfg: RunConfig, report: Report, samples: list[Sample]) -
                 render_conversation(template, conversation)
             except Exception as exc:  # noqa: BLE001 - TemplateError, or whatever the template's code raises
                 report.problems.append(
-                    f"data.datasets[{sample.index}] ({Path(src.path).name}): the chat template cannot render "
-                    f"conversation {j} ({type(exc).__name__}: {exc}); use a tokenizer/template that accepts these "
-                    "roles (model.tokenizer, train.sft.chat_template_path)"
-                )
+                    cannot_render_message(f"data.datasets[{sample.index}] ({Path(src.path).name})", j, exc))
                 break
     return template
 
