@@ -720,7 +720,9 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
     return validate(data, source=str(path))
 
 
-DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+#: Local data file suffix -> the ``datasets`` builder the job reads it with.
+DATA_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+DATA_SUFFIXES = tuple(DATA_BUILDERS)
 
 
 def _path_kind(loc: str) -> str:

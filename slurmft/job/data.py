@@ -20,13 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from slurmft import chat_template, formats
-from slurmft.config import DataConfig, DatasetSource
+from slurmft.config import DATA_BUILDERS, DataConfig, DatasetSource
 from slurmft.errors import ConfigError, JobSetupError
 
 log = logging.getLogger("slurmft.job")
 
 MAX_MIX_BLOWUP = 4  # a weighted mixture holds at most this many times the sources' total rows
-LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 MESSAGES = "messages"
 
 
@@ -54,11 +53,11 @@ def _load_source(source: DatasetSource, where: str):
     path = Path(source.path).expanduser()
     try:
         if path.exists():
-            builder = LOCAL_BUILDERS.get(path.suffix.lower())
+            builder = DATA_BUILDERS.get(path.suffix.lower())
             if builder is None:
                 raise JobSetupError(f"{where}: {source.path!r} is not a .json, .jsonl, .csv or .parquet file")
             return load_dataset(builder, data_files=str(path), split="train")
-        if source.path.startswith(("/", "./", "../", "~")) or path.suffix.lower() in LOCAL_BUILDERS:
+        if source.path.startswith(("/", "./", "../", "~")) or path.suffix.lower() in DATA_BUILDERS:
             raise JobSetupError(f"{where}: file {source.path!r} does not exist")
         return load_dataset(source.path, source.name, split=source.split)
     except JobSetupError:
