@@ -787,7 +787,7 @@ def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx
     ``weights=False`` when the job resumes: the checkpoint's strict load overwrites every parameter
     and persistent buffer, so reading the base weights would only be thrown away (70B: 140 GB read).
     The shards stay uninitialised until that load; the job never trains without one succeeding
-    (slurmft/job/fallback.py). The names and shapes are still checked.
+    (slurmft/job/checkpointing.py). The names and shapes are still checked.
     """
     mode = guarded(ctx, "choosing the precision", lambda: choose_precision(cfg, ctx.on_gpu))
     dtype, gather, reduce = mixed_precision_dtypes(cfg, mode)
