@@ -22,7 +22,7 @@ import yaml
 from slurmft import checkpoints
 from slurmft.config import RunConfig
 from slurmft.errors import JobSetupError
-from slurmft.job import checkpointing, cpu_fsdp, data, distributed, loading, preemption
+from slurmft.job import checkpointing, cpu_fsdp, data, distributed, inputs, loading, preemption
 from slurmft.job.callbacks import MetricsLog, PreemptionStop, StepLog, StopBeforeFirstStep
 from slurmft.job.checkpointing import CheckpointManager
 from slurmft.job.distributed import DistContext
@@ -94,14 +94,14 @@ def _prepare_inputs(cfg: RunConfig, ctx: DistContext) -> Inputs:
     Rank 0 (run first by ``main_first``) downloads the weights of a hub id; the other ranks fetch only the
     config files, so a shared HF_HOME gives them rank 0's snapshot, weights included (they then read their
     own slices), and a node-local cache is never filled with the whole checkpoint once per node (rank 0
-    then scatters the slices: loading._load_weights).
+    then scatters the slices: weights.load_weights).
     """
     _check_sft_keys(cfg)
-    model_dir = loading.resolve_model_dir(cfg.model, with_weights=ctx.is_main)
+    model_dir = inputs.resolve_model_dir(cfg.model, with_weights=ctx.is_main)
     if ctx.is_main:
-        loading.weight_files(model_dir)  # fail on missing weights before anything else waits
-    config = loading.load_model_config(model_dir, cfg.model, cfg.data.max_seq_length)
-    tokenizer = loading.load_tokenizer(loading.resolve_tokenizer_dir(cfg.model, model_dir), cfg)
+        inputs.weight_files(model_dir)  # fail on missing weights before anything else waits
+    config = inputs.load_model_config(model_dir, cfg.model, cfg.data.max_seq_length)
+    tokenizer = inputs.load_tokenizer(inputs.resolve_tokenizer_dir(cfg.model, model_dir), cfg)
     return Inputs(model_dir=model_dir, config=config, tokenizer=tokenizer)
 
 
