@@ -22,11 +22,18 @@ import yaml
 from slurmft import checkpoints
 from slurmft.config import RunConfig
 from slurmft.errors import JobSetupError
-from slurmft.job import checkpointing, cpu_fsdp, data, distributed, inputs, loading, preemption
+from slurmft.job import checkpointing, cpu_fsdp, data, distributed, loading, preemption
 from slurmft.job.callbacks import MetricsLog, PreemptionStop, StepLog, StopBeforeFirstStep
 from slurmft.job.checkpointing import CheckpointManager
 from slurmft.job.distributed import DistContext
 from slurmft.job.fsdp_report import FsdpReport
+from slurmft.job.inputs import (
+    load_model_config,
+    load_tokenizer,
+    resolve_model_dir,
+    resolve_tokenizer_dir,
+    weight_files,
+)
 from slurmft.job.rendezvous import JobEnv
 from slurmft.precision import resolve as resolve_precision
 from slurmft.rundir import RunPaths, atomic_write, planned_max_steps
@@ -97,11 +104,11 @@ def _prepare_inputs(cfg: RunConfig, ctx: DistContext) -> Inputs:
     then scatters the slices: weights.load_weights).
     """
     _check_sft_keys(cfg)
-    model_dir = inputs.resolve_model_dir(cfg.model, with_weights=ctx.is_main)
+    model_dir = resolve_model_dir(cfg.model, with_weights=ctx.is_main)
     if ctx.is_main:
-        inputs.weight_files(model_dir)  # fail on missing weights before anything else waits
-    config = inputs.load_model_config(model_dir, cfg.model, cfg.data.max_seq_length)
-    tokenizer = inputs.load_tokenizer(inputs.resolve_tokenizer_dir(cfg.model, model_dir), cfg)
+        weight_files(model_dir)  # fail on missing weights before anything else waits
+    config = load_model_config(model_dir, cfg.model, cfg.data.max_seq_length)
+    tokenizer = load_tokenizer(resolve_tokenizer_dir(cfg.model, model_dir), cfg)
     return Inputs(model_dir=model_dir, config=config, tokenizer=tokenizer)
 
 
