@@ -163,7 +163,7 @@ def throughput_worker(model_dir: Path, work: Path, repeat: int, out: Path) -> No
 
     from slurmft.checkpoints import fsync_tree
     from slurmft.config import RunConfig
-    from slurmft.job import cpu_fsdp, distributed, loading
+    from slurmft.job import cpu_fsdp, distributed, inputs, loading
     from slurmft.job.rendezvous import JobEnv
 
     ctx = distributed.init(JobEnv.from_environ())
@@ -175,7 +175,7 @@ def throughput_worker(model_dir: Path, work: Path, repeat: int, out: Path) -> No
         "train": {"max_steps": 1}, "checkpoint": {"every_steps": 1},
         "fsdp": {"activation_checkpointing": False},
     })
-    config = loading.load_model_config(model_dir, cfg.model, 64)
+    config = inputs.load_model_config(model_dir, cfg.model, 64)
     model = loading.build_sharded_model(cfg, config, model_dir if ctx.is_main else None, ctx).model
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT",
                                             auto_wrap_policy="NO_WRAP", cpu_ram_efficient_loading=False)

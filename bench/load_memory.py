@@ -127,6 +127,11 @@ def worker(method: str, model_dir: Path, out: Path) -> None:
     from slurmft.job import distributed, loading
     from slurmft.job.rendezvous import JobEnv
 
+    try:
+        from slurmft.job.inputs import load_model_config
+    except ImportError:  # v0.1 (PYTHONPATH): before the loader was split into rooms
+        from slurmft.job.loading import load_model_config
+
     ctx = distributed.init(JobEnv.from_environ())
     mesh = init_device_mesh("cpu", (ctx.world_size,))
     cfg = RunConfig.model_validate({
@@ -136,7 +141,7 @@ def worker(method: str, model_dir: Path, out: Path) -> None:
         "train": {"max_steps": 1}, "checkpoint": {"every_steps": 1},
         "fsdp": {"activation_checkpointing": False},
     })
-    config = loading.load_model_config(model_dir, cfg.model, 64)
+    config = load_model_config(model_dir, cfg.model, 64)
     gc.collect()
     dist.barrier()
     base = MemSampler.read()

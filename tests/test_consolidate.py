@@ -569,14 +569,14 @@ def test_parse_size_and_shard_plan() -> None:
 
 
 def test_dcp_key_mapping() -> None:
-    from slurmft.job.consolidate import hf_name
+    from slurmft.job.consolidate import model_name_of_dcp_key
 
-    assert hf_name("model.model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj.weight"
-    assert hf_name("model.lm_head.weight") == "lm_head.weight"
-    assert hf_name("model.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight") == (
+    assert model_name_of_dcp_key("model.model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj.weight"
+    assert model_name_of_dcp_key("model.lm_head.weight") == "lm_head.weight"
+    assert model_name_of_dcp_key("model.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight") == (
         "model.layers.0.mlp.up_proj.weight"
     )
-    assert hf_name("optimizer.state.0.exp_avg") is None
+    assert model_name_of_dcp_key("optimizer.state.0.exp_avg") is None
 
 
 if __name__ == "__main__":

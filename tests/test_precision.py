@@ -233,7 +233,7 @@ def _rs_worker(out_dir: str, mode: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from slurmft.job import distributed, loading
+    from slurmft.job import distributed, loading, parallelize
     from slurmft.job.rendezvous import JobEnv
     from slurmft.tiny import SIZES
 
@@ -254,9 +254,9 @@ def _rs_worker(out_dir: str, mode: str) -> None:
     config = LlamaConfig(**{k: getattr(size, k) for k in size.__dataclass_fields__}, tie_word_embeddings=False)
     mode_ = loading.choose_precision(cfg, on_gpu=False)
     dtype, gather, reduce = loading.mixed_precision_dtypes(cfg, mode_)
-    model = loading._build_meta(config, cfg, dtype, "sdpa")
-    loading._shard(model, cfg, ctx, loading._wrap_class_names(model, cfg), gather, reduce)
-    loading._materialize(model, ctx, offload=False)
+    model = parallelize.build_meta(config, cfg, dtype, "sdpa")
+    parallelize.shard(model, cfg, ctx, parallelize.wrap_class_names(model, cfg), gather, reduce)
+    parallelize.materialize(model, ctx, offload=False)
     torch.manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():

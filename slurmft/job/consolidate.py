@@ -57,7 +57,7 @@ from slurmft.checkpoints import (
 )
 from slurmft.config import RunConfig, read_run_config
 from slurmft.errors import CheckpointError, SlurmftError
-from slurmft.job.loading import DTYPES
+from slurmft.job.dtypes import DTYPES, SAFETENSORS_CODES
 from slurmft.rundir import MODEL_INDEX, RunPaths
 
 # accelerate's save_fsdp_model (SHARDED_STATE_DICT, FSDP2) writes the model of checkpoint-<step>/ to
@@ -69,12 +69,6 @@ DCP_CONTAINER = "model"
 
 SAFE_INDEX_NAME = MODEL_INDEX
 SHARD_NAME = "model-{index:05d}-of-{total:05d}.safetensors"
-
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}  # fmt: skip
 
 # Files that make up a tokenizer directory (copied verbatim, so the chat template the trainer used
 # is the one that ships).
@@ -221,7 +215,7 @@ class ShardPlan:
         offset = 0
         for t in self.tensors:
             entries[t.name] = {
-                "dtype": SAFETENSORS_DTYPES[t.dtype],
+                "dtype": SAFETENSORS_CODES[t.dtype],
                 "shape": list(t.shape),
                 "data_offsets": [offset, offset + t.nbytes],
             }
@@ -278,8 +272,8 @@ def model_layout(config: Any, trust_remote_code: bool = False) -> ModelLayout:
     return ModelLayout(type(model).__name__, expected, aliases)
 
 
-def hf_name(dcp_key: str) -> str | None:
-    """The Hugging Face name of a model key in the checkpoint, or None for non-model keys."""
+def model_name_of_dcp_key(dcp_key: str) -> str | None:
+    """The Hugging Face parameter name of a DCP key (``model.`` and wrapper segments removed), or None for non-model keys."""
     prefix = DCP_CONTAINER + "."
     if not dcp_key.startswith(prefix):
         return None
@@ -293,7 +287,7 @@ def plan_tensors(
     found: dict[str, tuple[str, TensorStorageMetadata]] = {}  # canonical name -> (dcp key, metadata)
     unknown, ignored = [], 0
     for key, md in metadata.state_dict_metadata.items():
-        name = hf_name(key)
+        name = model_name_of_dcp_key(key)
         if name is None or not isinstance(md, TensorStorageMetadata):
             ignored += 1  # non-tensor entries, anything saved outside the model container
             continue
@@ -327,7 +321,7 @@ def plan_tensors(
             continue
         source = md.properties.dtype
         target = dtype if source.is_floating_point else source  # never cast integer buffers
-        if target not in SAFETENSORS_DTYPES:
+        if target not in SAFETENSORS_CODES:
             problems.append(f"{key}: dtype {target} cannot be stored in safetensors")
             continue
         plans.append(TensorPlan(name, key, shape, source, target))

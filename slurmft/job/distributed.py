@@ -1,4 +1,4 @@
-"""The process group of one train job: device, a rendezvous that fails fast, and agreement on errors.
+"""The process group of one train job: device, a rendezvous that fails fast, and agreement among the ranks.
 
 Why our own rendezvous store: with ``env://`` a wrong MASTER_ADDR or a rank that never starts does
 not fail, it waits for the collective time-out (30 min by default, docs/design-notes.md). Rank 0 therefore
@@ -9,8 +9,10 @@ large model or a first-time dataset preparation on rank 0 can take that long). U
 agent already ran the rendezvous and owns the store, so we use it.
 
 Why :func:`agree`: a setup error on one rank while the others walk into a collective is a hang. Every
-setup phase ends with an all-gather of "my error or None"; if any rank failed, all raise the same
-:class:`~slurmft.errors.JobSetupError` and exit non-zero together.
+setup phase ends with an all-gather of "my error or None" (:func:`gather_errors`, which the checkpoint
+loads share, slurmft/job/checkpointing.py); if any rank failed, all raise the same
+:class:`~slurmft.errors.JobSetupError` and exit non-zero together. :func:`any_rank` is the boolean
+agreement (one all-reduce), e.g. on the preemption flag at a step boundary.
 """
 
 from __future__ import annotations
@@ -207,11 +209,16 @@ def init(env: JobEnv) -> DistContext:
     return ctx
 
 
-def agree(ctx: DistContext, error: str | None, phase: str) -> None:
-    """All ranks learn whether any rank failed ``phase``; if one did, every rank raises JobSetupError."""
+def gather_errors(ctx: DistContext, error: str | None) -> list[tuple[int, str]]:
+    """Every rank's error or None (one all-gather): the ``(rank, message)`` of each rank that failed, on every rank."""
     errors: list[str | None] = [None] * ctx.world_size
     dist.all_gather_object(errors, error)
-    failed = [(rank, msg) for rank, msg in enumerate(errors) if msg]
+    return [(rank, msg) for rank, msg in enumerate(errors) if msg]
+
+
+def agree(ctx: DistContext, error: str | None, phase: str) -> None:
+    """All ranks learn whether any rank failed ``phase``; if one did, every rank raises JobSetupError."""
+    failed = gather_errors(ctx, error)
     if not failed:
         return
     messages = list(dict.fromkeys(msg for _, msg in failed))  # same problem on several ranks: say it once
@@ -219,6 +226,13 @@ def agree(ctx: DistContext, error: str | None, phase: str) -> None:
     if len(messages) == 1:
         raise JobSetupError(messages[0] if len(failed) == ctx.world_size else f"{messages[0]} (rank {ranks})")
     raise JobSetupError(f"{phase} failed on rank(s) {ranks}", problems=messages)
+
+
+def any_rank(ctx: DistContext, local: bool) -> bool:
+    """True on every rank when ``local`` is true on any rank (all_reduce MAX): a collective."""
+    flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=ctx.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _attempt(fn: Callable[[], T]) -> tuple[T | None, str | None]:

@@ -19,18 +19,19 @@ from typing import Any
 
 from slurmft import checkpoints
 from slurmft.config import RunConfig, read_run_config
-from slurmft.errors import CheckpointError, JobSetupError, SlurmftError
-from slurmft.job import cpu_fsdp, data, distributed, fallback, loading, preemption
-from slurmft.job.callbacks import (
-    CompleteCheckpoints,
-    FsdpReport,
-    MetricsLog,
-    PreemptionStop,
-    StepLog,
-    StopBeforeFirstStep,
-    agree,
-)
+from slurmft.errors import JobSetupError, SlurmftError
+from slurmft.job import checkpointing, cpu_fsdp, data, distributed, loading, preemption
+from slurmft.job.callbacks import MetricsLog, PreemptionStop, StepLog, StopBeforeFirstStep
+from slurmft.job.checkpointing import CheckpointManager
 from slurmft.job.distributed import DistContext
+from slurmft.job.fsdp_report import FsdpReport
+from slurmft.job.inputs import (
+    load_model_config,
+    load_tokenizer,
+    resolve_model_dir,
+    resolve_tokenizer_dir,
+    weight_files,
+)
 from slurmft.job.rendezvous import JobEnv
 from slurmft.precision import resolve as resolve_precision
 from slurmft.rundir import RunPaths, atomic_write, planned_max_steps
@@ -94,42 +95,15 @@ def _prepare_inputs(cfg: RunConfig, ctx: DistContext) -> Inputs:
     Rank 0 (run first by ``main_first``) downloads the weights of a hub id; the other ranks fetch only the
     config files, so a shared HF_HOME gives them rank 0's snapshot, weights included (they then read their
     own slices), and a node-local cache is never filled with the whole checkpoint once per node (rank 0
-    then scatters the slices: loading._load_weights).
+    then scatters the slices: weights.load_weights).
     """
     _check_sft_keys(cfg)
-    model_dir = loading.resolve_model_dir(cfg.model, with_weights=ctx.is_main)
+    model_dir = resolve_model_dir(cfg.model, with_weights=ctx.is_main)
     if ctx.is_main:
-        loading.weight_files(model_dir)  # fail on missing weights before anything else waits
-    config = loading.load_model_config(model_dir, cfg.model, cfg.data.max_seq_length)
-    tokenizer = loading.load_tokenizer(loading.resolve_tokenizer_dir(cfg.model, model_dir), cfg)
+        weight_files(model_dir)  # fail on missing weights before anything else waits
+    config = load_model_config(model_dir, cfg.model, cfg.data.max_seq_length)
+    tokenizer = load_tokenizer(resolve_tokenizer_dir(cfg.model, model_dir), cfg)
     return Inputs(model_dir=model_dir, config=config, tokenizer=tokenizer)
-
-
-def _resume_candidates(paths: RunPaths, ctx: DistContext) -> list[Path]:
-    """Rank 0 lists the verified checkpoints, newest first, and removes torn saves; every rank learns the list.
-
-    A fresh start only when the run has no complete checkpoint at all: when every one is damaged
-    (or was set aside after a failed load), every rank raises a CheckpointError naming them.
-    """
-    import torch.distributed as dist
-
-    choice: list[list[str] | str] = [[]]
-    if ctx.is_main:
-        bad = [f"{path.name}: {why}" for path, why in checkpoints.damaged(paths.checkpoints)]
-        bad += [f"{path.name}: failed to load before (see its {checkpoints.LOAD_FAILED_NOTE})"
-                for path in checkpoints.unloadable(paths.checkpoints)]
-        for line in bad:
-            log.warning("skipping damaged checkpoint %s", line)
-        for path in checkpoints.prune(paths.checkpoints):  # torn and damaged ones; every verified one stays
-            log.warning("removed unusable checkpoint %s (a save that did not finish, or damaged)", path.name)
-        good = [str(path) for path in reversed(checkpoints.verified(paths.checkpoints))]
-        choice = [good if good or not bad else "\n".join(bad)]
-    dist.broadcast_object_list(choice, src=0)
-    if isinstance(choice[0], str):
-        raise CheckpointError(f"every checkpoint in {paths.checkpoints} is damaged; the job stops rather than train "
-                              "from step 0. Repair them, or move them out of that directory to start this run over",
-                              problems=choice[0].splitlines())
-    return [Path(c) for c in choice[0]]
 
 
 def sft_config(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> Any:
@@ -214,19 +188,6 @@ def optimizer_cls_and_kwargs(cfg: RunConfig, args: Any) -> tuple[type, dict[str,
                     "weight_decay": args.weight_decay, "bf16_stochastic_round": True}
 
 
-def check_resume_precision(checkpoint: Path, precision: str) -> None:
-    """A checkpoint resumes only in the precision it was saved in (its COMPLETE marker says which)."""
-    try:
-        saved = json.loads((checkpoint / checkpoints.COMPLETE_MARKER).read_text()).get("precision")
-    except (OSError, ValueError):
-        return
-    if saved and saved != precision:
-        raise JobSetupError(
-            f"train.precision: {checkpoint.name} was trained in {saved}, this run is set to {precision}; resume "
-            f"with train.precision={saved}, or start a new run (new output_dir) to change the precision"
-        )
-
-
 def plan_steps(cfg: RunConfig, sequences: int, world_size: int) -> dict[str, Any]:
     """train.epochs as optimizer steps, counted the way the Trainer batches the packed dataset.
 
@@ -302,7 +263,8 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                                      lambda: data.load_mixture(cfg.data, cfg.train.seed, inputs.tokenizer))
     args = distributed.guarded(ctx, "building the training options", lambda: sft_config(cfg, paths, ctx))
 
-    candidates = _resume_candidates(paths, ctx)  # newest first; empty: a fresh start
+    checkpointer = CheckpointManager(ctx, paths)
+    candidates = checkpointer.resume_candidates()  # newest first; empty: a fresh start
 
     t_load = time.time()  # resuming: the weights come from the checkpoint, the base weights are not read
     sharded = loading.build_sharded_model(cfg, inputs.config, inputs.model_dir, ctx, weights=not candidates)
@@ -317,17 +279,16 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
     info = {"job_id": env.job_id, "restart": env.restart_count}
     marker_info = {**info, "precision": sharded.precision}  # consolidate.dtype=auto and resume read it
     preempt = PreemptionStop(ctx)
-    saver = CompleteCheckpoints(ctx, sharded.model.config, getattr(sharded.model, "generation_config", None),
-                                inputs.tokenizer, cfg.checkpoint.keep_last, marker_info,
-                                lead_time_s=cfg.preemption.lead_time_s if env.launcher == "slurm" else None)
+    saving = checkpointer.callbacks(sharded.model.config, getattr(sharded.model, "generation_config", None),
+                                    inputs.tokenizer, cfg.checkpoint.keep_last, info, marker_info,
+                                    lead_time_s=cfg.preemption.lead_time_s if env.launcher == "slurm" else None)
     attn = sharded.attn_implementation  # what transformers really set up (build_sharded_model reads it back)
     report_info = {"dtype": str(sharded.dtype).removeprefix("torch."), "precision": sharded.precision,
                    "reduce_dtype": str(sharded.reduce_dtype).removeprefix("torch."),
                    "compute_dtype": str(sharded.compute_dtype).removeprefix("torch."), "attn_implementation": attn,
                    "attn_requested": cfg.model.attn_implementation, "wrap_class": sharded.wrap_class,
                    "num_params": sharded.num_params}
-    set_aside = fallback.SetAsideFailed(ctx, info)
-    callbacks = [saver, set_aside, preempt, MetricsLog(ctx, paths.metrics, info),
+    callbacks = [*saving, preempt, MetricsLog(ctx, paths.metrics, info),  # saving before preempt: its on_save first
                  FsdpReport(ctx, paths.fsdp_report, report_info)]
 
     from trl import SFTTrainer
@@ -339,8 +300,7 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
         trainer = SFTTrainer(model=sharded.model, args=args, train_dataset=dataset, processing_class=inputs.tokenizer,
                              callbacks=callbacks, optimizer_cls_and_kwargs=optimizer)
         _one_log_line(trainer, ctx)
-        saver.watch(trainer)
-        fallback.guard_loading(trainer, ctx)
+        checkpointer.attach(trainer)  # saves timed, checkpoint loads agreed by every rank
         return trainer
 
     trainer = new_trainer()
@@ -361,17 +321,16 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
     if ctx.is_main:
         log.info("resuming from %s" if candidates else "starting from step 0%s",
                  candidates[0].name if candidates else "")
-    if agree(ctx, preemption.requested()):  # the flag came during start-up: stop before loading anything more
+    if distributed.any_rank(ctx, preemption.requested()):  # the flag came during start-up: stop before loading anything more
         step = (checkpoints.step_of(candidates[0]) or 0) if candidates else 0
         return _stopped(paths, env, ctx, step, saved=False, t_start=t_start)
 
     def check_precision(checkpoint: Path) -> None:
         distributed.guarded(ctx, "checking the checkpoint's precision",
-                            lambda: check_resume_precision(checkpoint, sharded.precision))
+                            lambda: checkpointing.check_resume_precision(checkpoint, sharded.precision))
 
-    try:  # the newest checkpoint that loads on every rank; older ones when loading fails (slurmft/job/fallback.py)
-        trainer, _ = fallback.train_newest_loadable(trainer, new_trainer, candidates, ctx, set_aside, saver.protect,
-                                                    check_precision)
+    try:  # the newest checkpoint that loads on every rank; older ones when loading fails (slurmft/job/checkpointing.py)
+        trainer, _ = checkpointer.train(trainer, new_trainer, candidates, check_precision)
     except StopBeforeFirstStep:
         return _stopped(paths, env, ctx, preempt.stopped_at or 0, saved=False, t_start=t_start)
     step = trainer.state.global_step

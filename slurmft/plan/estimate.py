@@ -377,7 +377,7 @@ def _per_gpu(shape: ModelShape, k: _Knobs) -> dict[str, Any]:
 
 
 def reduce_scatter_units(shape: ModelShape, world_size: int) -> dict[str, int]:
-    """Elements of FSDP2's reduce-scatter input for each kind of unit slurmft wraps (loading._shard).
+    """Elements of FSDP2's reduce-scatter input for each kind of unit slurmft wraps (parallelize.shard).
 
     Units: each decoder layer; the input embeddings (untied); the final norm with the LM head (with
     the embeddings when tied). FSDP2 pads every tensor's dim 0 to a multiple of ``world_size`` in the

@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 from slurmft.config import RunConfig
-from slurmft.job import distributed, loading
+from slurmft.job import distributed, inputs, loading
 from slurmft.job.rendezvous import JobEnv
 
 
@@ -43,7 +43,7 @@ def check(model_dir: Path, ctx: distributed.DistContext, activation_checkpointin
     from transformers import AutoModelForCausalLM
 
     cfg = run_config(model_dir, activation_checkpointing)
-    config = loading.load_model_config(model_dir, cfg.model, 64)
+    config = inputs.load_model_config(model_dir, cfg.model, 64)
     sharded = loading.build_sharded_model(cfg, config, model_dir if ctx.is_main or how == "sliced" else None, ctx)
     model = sharded.model
     mismatched, checked, not_in_file, local, full = [], [], [], 0, 0

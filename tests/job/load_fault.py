@@ -24,7 +24,7 @@ import safetensors
 from load_check import run_config  # this script's directory is sys.path[0]
 
 from slurmft.errors import JobSetupError
-from slurmft.job import distributed, loading
+from slurmft.job import distributed, inputs, loading
 from slurmft.job.rendezvous import JobEnv
 
 
@@ -77,7 +77,7 @@ def main() -> None:
         real = safetensors.safe_open
         safetensors.safe_open = lambda path, **kw: _FailingFile(real(path, **kw), key)  # type: ignore[assignment]
     cfg = run_config(model_dir, activation_checkpointing=False)
-    config = loading.load_model_config(model_dir, cfg.model, 64)
+    config = inputs.load_model_config(model_dir, cfg.model, 64)
     for how in ("sliced", "scatter"):
         t0 = time.time()
         try:

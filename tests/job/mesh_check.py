@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from slurmft.job import distributed, loading
+from slurmft.job import distributed, weights
 from slurmft.job.rendezvous import JobEnv
 
 
@@ -64,11 +64,11 @@ def check(model_dir: Path, mesh: DeviceMesh, how: str, ctx: distributed.DistCont
 
     with torch.device("meta"):
         model = Net()
-    plan = loading._check_weights(model, model_dir) if ctx.is_main else None
+    plan = weights.check_weights(model, model_dir) if ctx.is_main else None
     fully_shard(model.proj, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
-    method, _ = loading._load_weights(model, plan, model_dir if ctx.is_main or how == "sliced" else None, ctx)
+    method, _ = weights.load_weights(model, plan, model_dir if ctx.is_main or how == "sliced" else None, ctx)
     problems = [] if method == how else [f"loaded by {method}, not {how}"]
     replicate = (Replicate(),) if mesh.ndim == 2 else ()
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:

@@ -10,7 +10,7 @@ import pytest
 
 from slurmft.config import DataConfig, DatasetSource, ModelConfig
 from slurmft.errors import JobSetupError
-from slurmft.job import data, loading
+from slurmft.job import data, inputs
 
 
 def _jsonl(path: Path, rows: list[dict]) -> Path:
@@ -63,11 +63,11 @@ def test_template_that_cannot_render_is_caught_early(tmp_path: Path, tiny_model:
 
 def test_model_files_are_checked(tmp_path: Path) -> None:
     with pytest.raises(JobSetupError, match="does not exist"):
-        loading.resolve_model_dir(ModelConfig(name_or_path=str(tmp_path / "nope")), with_weights=True)
+        inputs.resolve_model_dir(ModelConfig(name_or_path=str(tmp_path / "nope")), with_weights=True)
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(JobSetupError, match="only safetensors weights are read"):
-        loading.weight_files(tmp_path / "bin")
+        inputs.weight_files(tmp_path / "bin")
 
 
 def test_tiny_assets_are_deterministic(tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ def test_load_errors_read_in_one_line() -> None:
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from slurmft.job.fallback import reason
+    from slurmft.job.checkpointing import reason
 
     garbage = pickle.UnpicklingError("Weights only load failed. In PyTorch 2.6, we changed the default value ...\n"
                                      "WeightsUnpickler error: \n\nUnsupported operand 255\n\nCheck the documentation")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from slurmft.errors import JobSetupError
-from slurmft.job.loading import HSDP_DIM_NAMES, mesh_layout
+from slurmft.job.parallelize import HSDP_DIM_NAMES, mesh_layout
 from slurmft.job.rendezvous import JobEnv
 
 

@@ -1,0 +1,385 @@
+"""The job's checkpoints in one room: saving (complete, rotated), resuming, and falling back when one does not load.
+
+What the Trainer does when it saves (transformers 5.24): ``_save_checkpoint`` writes the sharded
+model and optimizer (accelerate's ``save_fsdp_model``/``save_fsdp_optimizer``, DCP), the scheduler,
+the rng state and ``trainer_state.json``, then rotates by mtime down to ``save_total_limit``, *before*
+anything says the save is whole: a save that dies afterwards could leave fewer than ``keep_last``
+usable checkpoints. So the Trainer's rotation is off, and :class:`CompleteCheckpoints` (``on_save``)
+fsyncs, waits for every rank, has rank 0 add config and tokenizer, write the ``COMPLETE`` marker
+(how long the save took, every file with its size) and rotate: only verified checkpoints count, the
+newest ``keep_last`` stay, torn or damaged ones go only while a verified one remains, and the one a
+fallback resumed from never goes. Which directories count is torch-free discovery, shared with the
+login side (slurmft/checkpoints.py).
+
+What the Trainer does when it resumes (``Trainer.train(resume_from_checkpoint=...)``): it reads
+``trainer_state.json``, prepares the model and a new optimizer with accelerate, then loads the
+sharded model and optimizer into them (accelerate 1.15 ``load_fsdp_model``/``load_fsdp_optimizer``:
+``dcp.load`` straight into the live DTensor shards), the scheduler, and, inside the epoch loop just
+before the first step, this rank's ``rng_state_<rank>.pth``. Why that is not enough: the size check
+of discovery cannot see a shard with the right length and wrong bytes, so every requeue fails on the
+same checkpoint; and a failure raises only on the ranks that hit it (DCP shares a read error among
+ranks, but a rank's own rng file or an unreadable scheduler does not), so the other ranks walk into
+the first all-gather and wait there for the collective time-out.
+
+What we do:
+
+- :func:`resume_candidates`: rank 0 lists the verified checkpoints, newest first, and removes torn
+  saves; every rank learns the list.
+- :func:`guard_loading` wraps the Trainer's four loading methods: each ends with an all-gather of
+  "my error or None" (:func:`slurmft.job.distributed.gather_errors`), so a failure on any rank raises
+  :class:`CheckpointLoadFailed` on every rank at the same point, before the first optimizer step;
+  :func:`check_trainer_state` does the same for ``trainer_state.json``, which ``train`` reads outside
+  those methods.
+- :func:`train_newest_loadable` tries the verified checkpoints newest first. After a failure it
+  drops that Trainer (its optimizer, scheduler and accelerate state) and builds a fresh one on the
+  same sharded model for the next older checkpoint. No rank ever trains a half-loaded model: a
+  resuming job's shards start uninitialised (it does not read the base weights, slurmft/job/loading.py)
+  and the failed load may have written part of the bad checkpoint into them (DCP copies in place),
+  but the retry's DCP load is strict (``DefaultLoadPlanner``, no partial load), so every parameter
+  and persistent buffer is overwritten by the older checkpoint before any step, and the optimizer
+  state is new; when no checkpoint loads, the job stops with a :class:`CheckpointError` naming each
+  one and why, rather than training from step 0 or from a partial load.
+- Once the fallback loaded (its first step begins), rank 0 sets the checkpoints that failed aside
+  (``unloadable-checkpoint-<step>/``, :func:`slurmft.checkpoints.set_aside`, :class:`SetAsideFailed`)
+  and the saver never rotates away the one it resumed from (:meth:`CompleteCheckpoints.protect`).
+  Setting aside matters beyond tidiness: left in place, the bad checkpoint would count towards
+  ``keep_last`` (rotation would delete the good one), a warning signal at its step would skip the
+  save ("already complete"), and every later requeue would fail on it again. Rotation then deletes
+  the set-aside directory like a damaged one: both the save's rotation and the resume's clean-up go
+  through the one :func:`slurmft.checkpoints.prune`.
+
+Why not validate by loading before ``train``: the optimizer does not exist until ``train`` prepares
+it, and loading model and optimizer once more just to check them doubles the resume read (at 70B,
+~830 GB). A fresh Trainer costs a second pass over the (cached) dataset preparation, and only on
+the rare failure path.
+
+:class:`CheckpointManager` is the door train.py uses: it owns the callbacks and the state they share
+(the checkpoint to protect, the failures to set aside). Adapter-only saves (LoRA) and asynchronous
+saves (the marker, the stop and rotation waiting for a save in flight) belong here.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import gc
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+from transformers import TrainerCallback
+
+from slurmft import checkpoints
+from slurmft.checkpoints import damaged, fsync_tree, mark_complete, prune
+from slurmft.errors import CheckpointError, JobSetupError
+from slurmft.job.distributed import DistContext, barrier, gather_errors
+from slurmft.rundir import RunPaths
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- saving
+class CompleteCheckpoints(TrainerCallback):
+    """After every save: fsync, all ranks barrier, rank 0 adds config + tokenizer, writes COMPLETE, rotates.
+
+    Rotation is ours (the Trainer's ``save_total_limit`` is off): the Trainer rotates by mtime *before*
+    the marker exists, so a save that dies afterwards could leave fewer than ``keep_last`` usable
+    checkpoints. Here only verified checkpoints count, the newest ``keep_last`` stay, and torn or
+    damaged ones go only while a verified one remains, and a checkpoint that a fallback resumed from
+    (:meth:`protect`, :func:`train_newest_loadable`) never goes. COMPLETE records how long the save took and
+    every file with its size; rank 0 warns when a save took more than half of ``lead_time_s`` (the
+    warning signal would leave too little time to save).
+    """
+
+    def __init__(self, ctx: DistContext, model_config: Any, generation_config: Any, tokenizer: Any,
+                 keep_last: int, info: dict[str, Any], lead_time_s: float | None = None) -> None:
+        self.ctx = ctx
+        self.model_config = model_config
+        self.generation_config = generation_config
+        self.tokenizer = tokenizer
+        self.keep_last = keep_last
+        self.info = info
+        self.lead_time_s = lead_time_s
+        self.save_started: float | None = None
+        self.last_save_s: float | None = None
+        self.protected: tuple[Path, ...] = ()
+
+    def protect(self, checkpoint: Path) -> None:
+        """Rotation never deletes ``checkpoint`` (this attempt fell back to it: the one known to load)."""
+        self.protected = (*self.protected, checkpoint)
+
+    def watch(self, trainer: Any) -> None:
+        """Time every save from the Trainer's first write (``_save_checkpoint``) to our marker."""
+        original = trainer._save_checkpoint
+
+        def timed_save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            self.save_started = time.time()
+            return original(*args, **kwargs)
+
+        trainer._save_checkpoint = timed_save_checkpoint
+
+    def on_save(self, args, state, control, **kwargs):
+        ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        fsync_tree(ckpt)  # this rank's shards, rng state (and rank 0's small files) are durable
+        barrier()  # every rank's files are on disk
+        if self.ctx.is_main:
+            config = copy.deepcopy(self.model_config)
+            config.use_cache = True  # turned off for training only
+            config.save_pretrained(ckpt)
+            if self.generation_config is not None:
+                self.generation_config.save_pretrained(ckpt)
+            self.tokenizer.save_pretrained(ckpt)
+            fsync_tree(ckpt)
+            started = self.save_started or time.time()
+            seconds = time.time() - started
+            mark_complete(ckpt, step=state.global_step, world_size=self.ctx.world_size, save_s=round(seconds, 3),
+                          **self.info)
+            self.last_save_s = seconds
+            for path, why in damaged(Path(args.output_dir)):
+                log.warning("removing damaged %s: %s", path.name, why)
+            prune(Path(args.output_dir), self.keep_last, self.protected)
+            log.info("checkpoint-%d complete (%.1fs)", state.global_step, seconds)
+            if self.lead_time_s and seconds > self.lead_time_s / 2:
+                log.warning("saving checkpoint-%d took %.1fs, more than half of preemption.lead_time_s (%gs): a "
+                            "warning signal may not leave enough time to save; raise preemption.lead_time_s",
+                            state.global_step, seconds, self.lead_time_s)
+        self.save_started = None
+        barrier()
+
+
+# ----------------------------------------------------------------------------- resuming
+def resume_candidates(paths: RunPaths, ctx: DistContext) -> list[Path]:
+    """Rank 0 lists the verified checkpoints, newest first, and removes torn saves; every rank learns the list.
+
+    A fresh start only when the run has no complete checkpoint at all: when every one is damaged
+    (or was set aside after a failed load), every rank raises a CheckpointError naming them.
+    """
+    import torch.distributed as dist
+
+    choice: list[list[str] | str] = [[]]
+    if ctx.is_main:
+        bad = [f"{path.name}: {why}" for path, why in checkpoints.damaged(paths.checkpoints)]
+        bad += [f"{path.name}: failed to load before (see its {checkpoints.LOAD_FAILED_NOTE})"
+                for path in checkpoints.unloadable(paths.checkpoints)]
+        for line in bad:
+            log.warning("skipping damaged checkpoint %s", line)
+        for path in checkpoints.prune(paths.checkpoints):  # torn and damaged ones; every verified one stays
+            log.warning("removed unusable checkpoint %s (a save that did not finish, or damaged)", path.name)
+        good = [str(path) for path in reversed(checkpoints.verified(paths.checkpoints))]
+        choice = [good if good or not bad else "\n".join(bad)]
+    dist.broadcast_object_list(choice, src=0)
+    if isinstance(choice[0], str):
+        raise CheckpointError(f"every checkpoint in {paths.checkpoints} is damaged; the job stops rather than train "
+                              "from step 0. Repair them, or move them out of that directory to start this run over",
+                              problems=choice[0].splitlines())
+    return [Path(c) for c in choice[0]]
+
+
+def check_resume_precision(checkpoint: Path, precision: str) -> None:
+    """A checkpoint resumes only in the precision it was saved in (its COMPLETE marker says which)."""
+    try:
+        saved = json.loads((checkpoint / checkpoints.COMPLETE_MARKER).read_text()).get("precision")
+    except (OSError, ValueError):
+        return
+    if saved and saved != precision:
+        raise JobSetupError(
+            f"train.precision: {checkpoint.name} was trained in {saved}, this run is set to {precision}; resume "
+            f"with train.precision={saved}, or start a new run (new output_dir) to change the precision"
+        )
+
+
+# The Trainer's methods that read a checkpoint when resuming, and what each one reads.
+LOADERS = {
+    "_load_from_checkpoint": "the model (pytorch_model_fsdp_0/)",
+    "_load_optimizer_and_scheduler": "the optimizer and scheduler (optimizer_0/, scheduler.pt)",
+    "_load_scaler": "the gradient scaler (scaler.pt)",
+    "_load_rng_state": "the random generator state (rng_state_<rank>.pth)",
+}
+_MAX_REASON = 300
+
+
+class CheckpointLoadFailed(Exception):
+    """Raised on every rank, at the same point, when loading ``checkpoint`` failed on any rank."""
+
+    def __init__(self, checkpoint: Path, problems: list[str]) -> None:
+        super().__init__(f"loading {checkpoint.name} failed: {'; '.join(problems)}")
+        self.checkpoint = checkpoint
+        self.problems = problems
+
+
+def reason(exc: BaseException) -> str:
+    """One line for a load error; a DCP error names the ranks whose read failed and their own errors."""
+    if isinstance(exc, CheckpointException):
+        return "; ".join(f"rank {rank}: {reason(inner)}" for rank, (inner, _) in sorted(exc.failures.items()))
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:  # torch.load of garbage: the useful line follows a long preamble
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    text = next((line.strip() for line in text.splitlines() if line.strip()), "(no message)")
+    if len(text) > _MAX_REASON // 2 and ". " in text:  # torch appends paragraphs of advice to the first sentence
+        text = text.split(". ", 1)[0] + "."
+    return f"{type(exc).__name__}: {text[:_MAX_REASON]}"
+
+
+def _agree_loaded(ctx: DistContext, checkpoint: Path, what: str, error: str | None) -> None:
+    """All-gather each rank's error; if any rank failed, every rank raises the same CheckpointLoadFailed."""
+    failed = gather_errors(ctx, error)
+    if not failed:
+        return
+    problems = []
+    for msg in dict.fromkeys(msg for _, msg in failed):
+        ranks = [rank for rank, m in failed if m == msg]
+        where = "" if len(ranks) == ctx.world_size else f" (on rank {', '.join(map(str, ranks))})"
+        problems.append(f"{what}: {msg}{where}")
+    raise CheckpointLoadFailed(checkpoint, problems)
+
+
+def _agreed(load: Callable[..., Any], what: str, ctx: DistContext) -> Callable[..., Any]:
+    @functools.wraps(load)
+    def load_and_agree(checkpoint: str | None, *args: Any, **kwargs: Any) -> Any:
+        if checkpoint is None:
+            return load(checkpoint, *args, **kwargs)
+        result, error = None, None
+        try:
+            result = load(checkpoint, *args, **kwargs)
+        except (Exception, CheckpointException) as exc:  # DCP's error derives from BaseException
+            error = reason(exc)
+        _agree_loaded(ctx, Path(checkpoint), what, error)
+        return result
+
+    return load_and_agree
+
+
+def guard_loading(trainer: Any, ctx: DistContext) -> None:
+    """Make each of the Trainer's checkpoint loads end with an agreement of every rank (see the module)."""
+    for name, what in LOADERS.items():
+        setattr(trainer, name, _agreed(getattr(trainer, name), what, ctx))
+
+
+def check_trainer_state(checkpoint: Path, ctx: DistContext) -> None:
+    """Every rank parses ``trainer_state.json`` (``train`` reads it before any guarded load) and agrees.
+
+    Its ``global_step`` must be the directory's step: another step means files of two saves.
+    """
+    from transformers import TrainerState
+
+    error = None
+    try:
+        state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+        if state.global_step != checkpoints.step_of(checkpoint):
+            error = f"it records global_step {state.global_step}, not {checkpoints.step_of(checkpoint)}"
+    except Exception as exc:
+        error = reason(exc)
+    _agree_loaded(ctx, checkpoint, "the trainer state (trainer_state.json)", error)
+
+
+class SetAsideFailed(TrainerCallback):
+    """At the first step after a fallback (everything loaded): rank 0 sets the checkpoints that failed aside.
+
+    Must come before :class:`~slurmft.job.callbacks.PreemptionStop` (which may stop at that step).
+    """
+
+    def __init__(self, ctx: DistContext, info: dict[str, Any]) -> None:
+        self.ctx = ctx
+        self.info = info
+        self.failed: list[CheckpointLoadFailed] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self.failed:
+            return control
+        if self.ctx.is_main:
+            for failure in self.failed:
+                aside = checkpoints.set_aside(failure.checkpoint, failure.problems, **self.info)
+                log.warning("set %s aside as %s (it failed to load; rotation removes it)",
+                            failure.checkpoint.name, aside.name)
+        self.failed = []
+        barrier()  # no rank looks for checkpoints while rank 0 renames
+        return control
+
+
+def train_newest_loadable(trainer: Any, rebuild: Callable[[], Any], candidates: list[Path], ctx: DistContext,
+                          set_aside: SetAsideFailed, protect: Callable[[Path], None],
+                          check: Callable[[Path], None] | None = None) -> tuple[Any, Path | None]:
+    """``trainer.train`` resuming from the newest of ``candidates`` (newest first) that loads on every rank.
+
+    On a :class:`CheckpointLoadFailed` the Trainer is dropped and ``rebuild()`` makes a fresh one for
+    the next older candidate; ``protect(path)`` tells the saver which checkpoint a fallback resumed
+    from (rotation keeps it) and ``check(path)`` runs before each try (e.g. the precision check).
+    Returns the Trainer that trained and the checkpoint it resumed from (None: fresh start, only
+    when there were no candidates). Raises :class:`CheckpointError` when none loads;
+    ``StopBeforeFirstStep`` passes through.
+    """
+    if not candidates:
+        trainer.train(resume_from_checkpoint=None)
+        return trainer, None
+    failures: list[CheckpointLoadFailed] = []
+    for checkpoint in candidates:
+        if check is not None:
+            check(checkpoint)
+        if failures:
+            trainer.accelerator.free_memory()
+            del trainer
+            gc.collect()  # the failed attempt's optimizer state goes before the new one is allocated
+            trainer = rebuild()
+            protect(checkpoint)
+            if ctx.is_main:
+                log.warning("falling back to %s", checkpoint.name)
+        try:
+            check_trainer_state(checkpoint, ctx)
+            set_aside.failed = list(failures)  # set aside at the first step, once this one loaded
+            trainer.train(resume_from_checkpoint=str(checkpoint))
+        except CheckpointLoadFailed as failure:
+            if ctx.is_main:
+                log.warning("could not load %s: %s", checkpoint.name, "; ".join(failure.problems))
+            failures.append(failure)
+            continue
+        return trainer, checkpoint
+    set_aside.failed = []  # nothing loaded: every checkpoint stays where it is, for a person to look at
+    raise CheckpointError(
+        f"no checkpoint in {candidates[0].parent} could be loaded (tried newest first); the job stops rather than "
+        "train from step 0. Repair them, or move them out of that directory to start this run over",
+        problems=[f"{f.checkpoint.name}: {'; '.join(f.problems)}" for f in failures],
+    )
+
+
+class CheckpointManager:
+    """The checkpoints of one attempt: the save callbacks, the guarded loads, resuming with fallback.
+
+    Made before the model (:meth:`resume_candidates` decides whether the base weights are read);
+    :meth:`callbacks` once the model and tokenizer exist; :meth:`attach` on every Trainer built
+    (a fallback builds a fresh one); :meth:`train` to train from the newest checkpoint that loads.
+    """
+
+    def __init__(self, ctx: DistContext, paths: RunPaths) -> None:
+        self.ctx = ctx
+        self.paths = paths
+        self.saver: CompleteCheckpoints | None = None
+        self.set_aside: SetAsideFailed | None = None
+
+    def resume_candidates(self) -> list[Path]:
+        """The verified checkpoints, newest first, on every rank (see :func:`resume_candidates`)."""
+        return resume_candidates(self.paths, self.ctx)
+
+    def callbacks(self, model_config: Any, generation_config: Any, tokenizer: Any, keep_last: int,
+                  info: dict[str, Any], marker_info: dict[str, Any],
+                  lead_time_s: float | None = None) -> list[TrainerCallback]:
+        """The saver and the set-aside, in their order; both must come before PreemptionStop."""
+        self.saver = CompleteCheckpoints(self.ctx, model_config, generation_config, tokenizer, keep_last, marker_info,
+                                         lead_time_s=lead_time_s)
+        self.set_aside = SetAsideFailed(self.ctx, info)
+        return [self.saver, self.set_aside]
+
+    def attach(self, trainer: Any) -> None:
+        """A new Trainer: its saves are timed, its checkpoint loads end with an agreement of every rank."""
+        assert self.saver is not None, "callbacks() first"
+        self.saver.watch(trainer)
+        guard_loading(trainer, self.ctx)
+
+    def train(self, trainer: Any, rebuild: Callable[[], Any], candidates: list[Path],
+              check: Callable[[Path], None] | None = None) -> tuple[Any, Path | None]:
+        """``trainer.train`` from the newest of ``candidates`` that loads (see :func:`train_newest_loadable`)."""
+        assert self.saver is not None and self.set_aside is not None, "callbacks() first"
+        return train_newest_loadable(trainer, rebuild, candidates, self.ctx, self.set_aside, self.saver.protect, check)

@@ -1,0 +1,149 @@
+"""The job's inputs: the model directory (local or a hub snapshot), its weight index, config and tokenizer.
+
+What transformers does: ``from_pretrained`` of a hub id downloads into HF_HOME on whichever rank calls
+it, and a missing or gated repository, an offline node, a ``.bin``-only checkpoint, a model shorter
+than ``data.max_seq_length`` or a tokenizer without a chat template surface as library tracebacks, on
+some ranks, in the middle of setup. Why that is not enough: the other ranks walk into the next
+collective and wait for its time-out, and the traceback does not say which field of run.yaml to change.
+
+What we do: :func:`resolve_model_dir` fetches only the files a rank needs (rank 0 the weights as
+well, the other ranks the config files; train.py runs it under ``main_first``, so a shared HF_HOME
+gives them rank 0's snapshot and a node-local one is never filled once per node), and every failure
+is a :class:`JobSetupError` naming the field (``model.name_or_path``, ``model.tokenizer``,
+``train.sft.chat_template_path``, ``data.assistant_only_loss``) and its fix, which ``main_first``
+turns into the same error on every rank. The weights themselves are read by slurmft/job/weights.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from slurmft import chat_template
+from slurmft.config import ModelConfig, RunConfig
+from slurmft.errors import JobSetupError
+
+log = logging.getLogger(__name__)
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+CONFIG_FILES = ["*.json", "*.jinja", "tokenizer*", "*.model", "*.txt", "*.tiktoken"]
+WEIGHT_FILES = ["*.safetensors", "*.safetensors.index.json"]
+
+
+# ----------------------------------------------------------------------------- locating files
+def _local_path(value: str, field: str) -> Path | None:
+    """The local directory ``value`` names, None for a hub id; JobSetupError for a missing local path."""
+    path = Path(value).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise JobSetupError(f"{field}: {value!r} is a file; give the model directory (with config.json)")
+        return path.resolve()
+    if value.startswith(("/", "./", "../", "~")) or value.count("/") > 1:
+        raise JobSetupError(
+            f"{field}: local directory {value!r} does not exist (give an existing directory with config.json "
+            "and *.safetensors, or a hub id like meta-llama/Llama-2-7b-hf)"
+        )
+    return None
+
+
+def _snapshot(repo_id: str, revision: str | None, patterns: list[str], field: str) -> Path:
+    """Download (or find in the cache) the files of a hub repository matching ``patterns``."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+    except Exception as exc:  # RepositoryNotFound, GatedRepo, LocalEntryNotFound (offline), HTTP errors
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise JobSetupError(
+            f"{field}: could not get {repo_id!r} from the Hugging Face hub ({type(exc).__name__}: {first}). "
+            "Check the id and revision; gated models need HF_TOKEN exported where you run 'slurmft submit'; "
+            "offline nodes need the model in HF_HOME's cache or a local directory."
+        ) from None
+
+
+def resolve_model_dir(model: ModelConfig, with_weights: bool) -> Path:
+    """Local directory holding config.json (and, when ``with_weights``, the safetensors files)."""
+    local = _local_path(model.name_or_path, "model.name_or_path")
+    if local is None:
+        patterns = CONFIG_FILES + (WEIGHT_FILES if with_weights else [])
+        local = _snapshot(model.name_or_path, model.revision, patterns, "model.name_or_path")
+    if not (local / "config.json").is_file():
+        raise JobSetupError(f"model.name_or_path: {local} has no config.json; it is not a Hugging Face model directory")
+    return local
+
+
+def resolve_tokenizer_dir(model: ModelConfig, model_dir: Path) -> Path:
+    """Local directory of the tokenizer (``model.tokenizer`` or the model's own)."""
+    if not model.tokenizer:
+        return model_dir
+    local = _local_path(model.tokenizer, "model.tokenizer")
+    return local if local is not None else _snapshot(model.tokenizer, None, CONFIG_FILES, "model.tokenizer")
+
+
+def weight_files(model_dir: Path) -> dict[str, str]:
+    """Checkpoint key -> safetensors file name (from the index, or the single file)."""
+    index = model_dir / SAFE_INDEX
+    if index.is_file():
+        try:
+            return dict(json.loads(index.read_text())["weight_map"])
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise JobSetupError(f"model.name_or_path: {index} is not a valid safetensors index ({exc})") from None
+    single = model_dir / SAFE_WEIGHTS
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as f:
+            return dict.fromkeys(f.keys(), SAFE_WEIGHTS)
+    others = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors"))
+    raise JobSetupError(
+        f"model.name_or_path: {model_dir} has no {SAFE_WEIGHTS} or {SAFE_INDEX}"
+        + (f" (found {', '.join(others)}: only safetensors weights are read; convert them with "
+           "save_pretrained(..., safe_serialization=True))" if others else "")
+    )
+
+
+# ----------------------------------------------------------------------------- config and tokenizer
+def load_model_config(model_dir: Path, model: ModelConfig, max_seq_length: int) -> Any:
+    """The transformers config, checked against data.max_seq_length."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=model.trust_remote_code)
+    except Exception as exc:
+        raise JobSetupError(f"model.name_or_path: cannot read {model_dir / 'config.json'}: {exc}") from None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    from slurmft.modelinfo import seq_length_problem
+
+    problem = seq_length_problem(max_seq_length, getattr(text, "max_position_embeddings", None))
+    if problem:
+        raise JobSetupError(problem)
+    return config
+
+
+def load_tokenizer(tokenizer_dir: Path, cfg: RunConfig) -> Any:
+    """The tokenizer, with a chat template TRL can train on (else a JobSetupError that says the fix)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=cfg.model.trust_remote_code)
+    except Exception as exc:
+        raise JobSetupError(f"model.tokenizer: cannot load a tokenizer from {tokenizer_dir}: {exc}") from None
+    template_path = cfg.train.sft.get("chat_template_path")
+    if template_path:
+        problem = chat_template.template_path_problem(str(template_path))
+        if problem:
+            raise JobSetupError(problem)
+        tokenizer.chat_template = Path(str(template_path)).expanduser().read_text()
+    if not tokenizer.chat_template:
+        raise JobSetupError(chat_template.no_template_message(tokenizer_dir))
+    if cfg.data.assistant_only_loss:
+        from trl.chat_template_utils import get_training_chat_template
+
+        try:
+            get_training_chat_template(tokenizer)
+        except ValueError:
+            raise JobSetupError(chat_template.no_markers_message(tokenizer_dir)) from None
+    return tokenizer
