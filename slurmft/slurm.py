@@ -14,8 +14,8 @@ cancelled). So every child gets :func:`child_env`: the variables that change *wh
 acted on* are removed; the ones that say *which cluster* (``SLURM_CONF``, ``SLURM_CLUSTERS``) stay,
 because the user's jobs live there. (``SQUEUE_FORMAT``/``SQUEUE_FORMAT2``/``SACCT_FORMAT`` lose to
 our explicit ``-O``/``-o`` on 22.05; they are removed anyway.) And every query asks for whole values
-with explicit delimiters: ``squeue -O Field:|`` (no size: no 20-character cut, checked on 22.05) and
-``sacct -P``; never the default columns.
+with an explicit delimiter, :data:`SEP`: ``squeue -O Field:SEP`` (no size: no 20-character cut,
+checked on 22.05) and ``sacct -P --delimiter=SEP``; never the default columns.
 
 One time-out policy: :data:`TIMEOUT_S` for every call, except the ``scontrol`` calls the batch shell
 makes after ``srun`` returned (:data:`BATCH_TIMEOUT_S`), when the job is already inside KillWait or
@@ -47,6 +47,9 @@ BATCH_TIMEOUT_S = 20
 STRIPPED_PREFIXES = ("SQUEUE_", "SACCT_", "SCANCEL_", "SCONTROL_")
 STRIPPED_NAMES = frozenset({"SLURM_TIME_FORMAT", "SLURM_BITSTR_LEN", "SLURM_TOPO_LEN"})
 
+#: Field delimiter of every query: ASCII unit separator. ``|`` is not enough: a job name or comment may
+#: hold one (``-J 'a|b'`` shifted the comment, so the run's tag no longer matched; checked on 22.05).
+SEP = "\x1f"
 SQUEUE_FIELDS = ("JobID", "State", "Reason", "TimeUsed", "RestartCnt", "Name", "Comment")
 SQUEUE_KEYS = ("job_id", "state", "reason", "elapsed", "restarts", "name", "comment")
 SACCT_FIELDS = ("JobID", "State", "Elapsed", "ExitCode", "Start", "End")
@@ -96,17 +99,17 @@ def call(args: list[str], timeout: float = TIMEOUT_S) -> Answer:
 
 # ------------------------------------------------------------------ squeue / sacct
 def squeue_args(user: str | None = None) -> list[str]:
-    """Every job slurmctld still knows of ``user``, whole values, ``|`` after each."""
+    """Every job slurmctld still knows of ``user``, whole values, :data:`SEP` after each."""
     return ["squeue", "-h", "-t", "all", f"--user={user or getpass.getuser()}",
-            "-O", ",".join(f"{f}:|" for f in SQUEUE_FIELDS)]
+            "-O", ",".join(f"{f}:{SEP}" for f in SQUEUE_FIELDS)]
 
 
 def parse_squeue(text: str) -> dict[str, dict[str, str]]:
     """``{job id: {job_id, state, reason, elapsed, restarts, name, comment}}`` from :func:`squeue_args`
-    output; the comment (last) may itself hold ``|``; other lines (a ``CLUSTER:`` header) are skipped."""
+    output; other lines (a ``CLUSTER:`` header) are skipped."""
     info = {}
     for line in text.splitlines():
-        parts = [p.strip() for p in line.rstrip().removesuffix("|").split("|", len(SQUEUE_FIELDS) - 1)]
+        parts = [p.strip() for p in line.rstrip("\n").removesuffix(SEP).split(SEP, len(SQUEUE_FIELDS) - 1)]
         if len(parts) == len(SQUEUE_FIELDS):
             row = dict(zip(SQUEUE_KEYS, parts, strict=True))
             info[row["job_id"]] = row
@@ -121,8 +124,8 @@ def squeue_jobs(user: str | None = None) -> dict[str, dict[str, str]] | None:
 
 
 def sacct_args(job_ids: list[str]) -> list[str]:
-    """Allocation lines only, ``|``-separated whole values."""
-    return ["sacct", "-n", "-X", "-P", "-j", ",".join(job_ids), "-o", ",".join(SACCT_FIELDS)]
+    """Allocation lines only, :data:`SEP`-separated whole values."""
+    return ["sacct", "-n", "-X", "-P", f"--delimiter={SEP}", "-j", ",".join(job_ids), "-o", ",".join(SACCT_FIELDS)]
 
 
 def parse_sacct(text: str) -> dict[str, dict[str, str]]:
@@ -130,8 +133,8 @@ def parse_sacct(text: str) -> dict[str, dict[str, str]]:
     its first word (``CANCELLED by 0`` -> ``CANCELLED``)."""
     info = {}
     for line in text.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) == len(SACCT_FIELDS) and parts[1].strip():
+        parts = [p.strip() for p in line.split(SEP)]  # not line.strip(): Python counts SEP as blank
+        if len(parts) == len(SACCT_FIELDS) and parts[1]:
             info[parts[0]] = {"state": parts[1].split()[0], "elapsed": parts[2], "exit_code": parts[3],
                               "start": parts[4], "end": parts[5]}
     return info
