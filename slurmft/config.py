@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import sys
 from enum import Enum
 from pathlib import Path
@@ -500,7 +499,9 @@ class RunConfig(_Section):
         """``auto`` resolved: slurm when sbatch is on PATH, else local."""
         if self.executor != Executor.AUTO:
             return self.executor
-        return Executor.SLURM if shutil.which("sbatch") else Executor.LOCAL
+        from slurmft.slurm import available
+
+        return Executor.SLURM if available("sbatch") else Executor.LOCAL
 
 
 def slurm_time_seconds(slurm_time: str) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 from runfixture import T0, attempt_records, local_run, preempted_run, record, slurm_rows, write_metrics
 
 from slurmft.rundir import RunPaths
+from slurmft.slurm_states import words
 from slurmft.watch.progress import (
     PREEMPTED_REQUEUED,
     REQUEUED_BY_SLURM,
@@ -123,6 +124,12 @@ def test_attempts_while_running_and_without_slurm(tmp_path: Path) -> None:
     pending = attempts(manifest, [r for r in records if r["restart"] < 2], slurm_rows(state="PENDING"),
                        markers=requeue_markers(paths))
     assert (pending[-1]["restart"], pending[-1]["first_step"], pending[-1]["reason"]) == (2, None, "waiting in the queue")
+    # suspended, starting, or a state word slurmft does not know: still live (no end), in the one table's words
+    for state in ("SUSPENDED", "CONFIGURING", "FROBNICATED"):
+        row = attempts(manifest, records, slurm_rows(state=state), markers=requeue_markers(paths))[-1]
+        assert (row["state"], row["reason"], row["end"]) == (state, words(state), None)
+    timeout = attempts(manifest, records, slurm_rows(state="TIMEOUT"), markers=requeue_markers(paths))[-1]
+    assert timeout["reason"] == "hit its time limit" and timeout["end"] is not None  # as `status` says it
 
 
 def test_attempts_across_a_resume_by_hand(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from cli_runner import cli
 from slurmft.checkpoints import mark_complete
 from slurmft.errors import ConfigError, RunDirError
 from slurmft.rundir import RunPaths, acquire_lock, new_manifest, release_lock, write_manifest
+from slurmft.slurm_states import words
 from slurmft.submit.resume import (
     Phase,
     check_overrides,
@@ -107,6 +108,93 @@ def test_words_point_to_resume_and_consolidate() -> None:
     assert "resume" not in describe("COMPLETED", "", "/runs/x", "train", newest_train=True)
     # a reason only explains a pending job: a cancelled one that slurmctld still lists keeps its state
     assert describe("CANCELLED", "DependencyNeverSatisfied", "/runs/x", "consolidate").startswith("cancelled")
+
+
+def test_words_of_a_suspended_or_held_job_say_what_continues_it() -> None:
+    words = describe("SUSPENDED", "None", "/runs/x", "train", newest_train=True, job_id="7")
+    assert words.startswith("suspended") and "`scontrol resume 7`" in words and "`slurmft cancel /runs/x`" in words
+    assert "slurmft resume" not in words  # it is not dead: nothing to resume
+    assert "`scontrol release 7`" in describe("REQUEUE_HOLD", "", "/runs/x", "train", True, "7")
+    assert describe("TIMEOUT", "", "/runs/x", "consolidate").startswith("hit its time limit")
+
+
+# ------------------------------------------------------------------ resume beside a live train job
+def _slurm_run(tmp_path: Path) -> RunPaths:
+    """A Slurm run directory with train job 7 and its consolidation 8, a complete checkpoint-6 of 12 steps."""
+    from slurmft.config import dump_config, load_config
+
+    paths = RunPaths.of(tmp_path / "run")
+    cfg = load_config(EXAMPLE, [f"output_dir={paths.root}", "train.max_steps=12", "checkpoint.every_steps=6"])
+    paths.root.mkdir()
+    paths.config.write_text(dump_config(cfg))
+    manifest = new_manifest("tiny", "slurm", paths.run_id)
+    manifest["jobs"] += [{"kind": "train", "job_id": "7", "attempt": 1},
+                         {"kind": "consolidate", "job_id": "8", "attempt": 1, "dependency": "afterok:7"}]
+    write_manifest(paths, manifest)
+    ckpt = paths.checkpoints / "checkpoint-6"
+    ckpt.mkdir(parents=True)
+    mark_complete(ckpt, step=6, world_size=2)
+    return paths
+
+
+def _squeue_says(monkeypatch: pytest.MonkeyPatch, train_state: str | None) -> list[list[str]]:
+    """squeue answers with train job 7 in ``train_state`` (None: squeue does not answer); every other Slurm
+    command (scancel, sbatch...) is recorded and fails."""
+    from slurmft import slurm
+
+    calls: list[list[str]] = []
+
+    def squeue(user: str | None = None) -> dict | None:
+        if train_state is None:
+            return None
+        row = {"reason": "None", "elapsed": "0:10", "restarts": "0", "name": "tiny", "comment": ""}
+        return {"7": {**row, "job_id": "7", "state": train_state},
+                "8": {**row, "job_id": "8", "state": "PENDING", "reason": "Dependency"}}
+
+    def call(args: list[str], timeout: float = 0) -> slurm.Answer:
+        calls.append(args)
+        return slurm.Answer(False, problem="not in this test")
+
+    monkeypatch.setattr(slurm, "squeue_jobs", squeue)
+    monkeypatch.setattr(slurm, "sacct_jobs", lambda ids: {})
+    monkeypatch.setattr(slurm, "call", call)
+    monkeypatch.setattr(slurm, "available", lambda cmd: True)
+    return calls
+
+
+@pytest.mark.parametrize("state", ["SUSPENDED", "CONFIGURING", "REQUEUE_HOLD", "STAGE_OUT", "SPECIAL_EXIT",
+                                   "FROBNICATED"])
+def test_resume_refuses_beside_a_live_train_job_and_submits_nothing(
+        state: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    paths = _slurm_run(tmp_path)
+    calls = _squeue_says(monkeypatch, state)
+    before = paths.manifest.read_text()
+    code, _, err = cli(["resume", str(paths.root)], capsys)
+    assert code == 2 and "train job(s) 7 still queued or running" in err and "nothing submitted" in err
+    assert f"Job 7: {words(state)}" in err.replace("\n", " ")
+    assert calls == [] and paths.manifest.read_text() == before  # no scancel of 8, no sbatch, nothing recorded
+
+
+def test_resume_refuses_when_squeue_does_not_answer(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    paths = _slurm_run(tmp_path)
+    calls = _squeue_says(monkeypatch, None)
+    before = paths.manifest.read_text()
+    code, _, err = cli(["resume", str(paths.root)], capsys)
+    assert code == 2 and "squeue did not answer" in err and "train job(s) 7" in err and "nothing is submitted" in err
+    assert calls == [] and paths.manifest.read_text() == before
+
+
+def test_cancel_cancels_a_suspended_train_job(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from slurmft import slurm
+
+    paths = _slurm_run(tmp_path)
+    calls = _squeue_says(monkeypatch, "SUSPENDED")
+    monkeypatch.setattr(slurm, "call", lambda args, timeout=0: calls.append(args) or slurm.Answer(True, code=0))
+    code, out, err = cli(["cancel", str(paths.root)], capsys)
+    assert code == 0, err
+    assert calls == [["scancel", "7", "8"]]
 
 
 # ------------------------------------------------------------------ the lock

@@ -41,6 +41,13 @@ def test_run_state_in_one_word() -> None:
     assert run_state(jobs("COMPLETED", "COMPLETED"), True) == "done"
     assert run_state(jobs("CANCELLED", "CANCELLED"), False) == "cancelled"
     assert run_state(jobs("UNKNOWN", "UNKNOWN"), True) == "done"  # Slurm forgot, the model is there
+    # every live state of slurmft.slurm_states counts, not only RUNNING/PENDING
+    assert run_state(jobs("SUSPENDED", "PENDING", "Dependency"), False) == "suspended"
+    assert run_state(jobs("CONFIGURING", "PENDING", "Dependency"), False) == "starting"
+    assert run_state(jobs("REQUEUE_HOLD", "PENDING", "Dependency"), False) == "held"
+    assert run_state(jobs("STAGE_OUT", "PENDING", "Dependency"), False) == "training"
+    assert run_state(jobs("FROBNICATED", "PENDING", "Dependency"), False) == "training"  # unknown: live
+    assert run_state(jobs("COMPLETED", "SUSPENDED"), False) == "consolidation suspended"
 
 
 def test_runs_without_an_answer_from_slurm_still_lists_every_run(tmp_path: Path) -> None:

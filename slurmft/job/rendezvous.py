@@ -10,9 +10,10 @@ import os
 import re
 import shlex
 import socket
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
+
+from slurmft import slurm
 
 PORT_BASE = 20000
 PORT_SPAN = 20000
@@ -26,17 +27,13 @@ def port_for_job(job_id: str) -> int:
 
 def first_host(nodelist: str) -> str:
     """First host name of a Slurm node list (``scontrol show hostnames``)."""
-    out = subprocess.run(
-        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True, timeout=60
-    )
-    return out.stdout.split()[0]
+    return slurm.hostnames(nodelist)[0]
 
 
 def node_addr(node: str) -> str:
-    """The NodeAddr Slurm itself uses to reach ``node`` (node names need not resolve)."""
-    out = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True, timeout=60)
-    match = re.search(r"\bNodeAddr=(\S+)", out.stdout)
-    return match.group(1) if out.returncode == 0 and match else node
+    """The NodeAddr Slurm itself uses to reach ``node`` (node names need not resolve); ``node`` itself
+    when scontrol does not say."""
+    return slurm.node_addr(node) or node
 
 
 def master_address(environ: dict[str, str] | None = None) -> tuple[str, int]:
@@ -147,12 +144,11 @@ def _main(argv: list[str]) -> int:
         return 2
     try:
         addr, port = master_address()
-    except (OSError, subprocess.SubprocessError, IndexError, ValueError) as exc:
+    except (OSError, slurm.SlurmCallError, IndexError, ValueError) as exc:
         # The batch script stops on a non-zero status; say which lookup failed and with what.
-        detail = exc.stderr.strip() if isinstance(exc, subprocess.CalledProcessError) and exc.stderr else exc
         nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST") or "?"
         print(f"[slurmft] cannot find the rendezvous address for node list {nodelist!r}: "
-              f"{type(exc).__name__}: {detail}", file=sys.stderr)
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print(f"export MASTER_ADDR={shlex.quote(addr)} MASTER_PORT={port}")
     return 0

@@ -27,20 +27,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from slurmft import slurm
 from slurmft.config import read_run_config
 from slurmft.rundir import RunPaths, atomic_write
 
 EXIT_REQUEUE_REFUSED = 3
 REQUEUE_TRIES = 3
-SCONTROL_TIMEOUT_S = 20
 
 
 class Ending(str, Enum):
@@ -71,8 +69,8 @@ class JobView:
     @classmethod
     def parse(cls, text: str) -> JobView | None:
         """From ``scontrol show job <id>`` output; None when a field is missing."""
-        fields = dict(re.findall(r"\b(JobState|Reason|Restarts)=(\S+)", text))
-        if set(fields) != {"JobState", "Reason", "Restarts"} or not fields["Restarts"].isdigit():
+        fields = slurm.parse_show(text)
+        if not all(fields.get(k) for k in ("JobState", "Reason", "Restarts")) or not fields["Restarts"].isdigit():
             return None
         return cls(fields["JobState"], fields["Reason"], int(fields["Restarts"]))
 
@@ -134,27 +132,19 @@ def decide(marker: dict | None, exit_code: int, restart: int, max_requeues: int,
 
 def job_view(job_id: str) -> tuple[JobView | None, str]:
     """``scontrol show job`` now, parsed; with the error text when that failed."""
-    try:
-        out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
-                             timeout=SCONTROL_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return None, str(exc)
-    view = JobView.parse(out.stdout) if out.returncode == 0 else None
-    return view, "" if view else (out.stderr.strip() or out.stdout.strip()[:200] or f"exit {out.returncode}")
+    answer = slurm.show_job(job_id, timeout=slurm.BATCH_TIMEOUT_S)
+    view = JobView.parse(answer.stdout) if answer.ok else None
+    return view, "" if view else (answer.problem or answer.stdout.strip()[:200] or "no JobState/Reason/Restarts")
 
 
 def requeue(job_id: str, tries: int = REQUEUE_TRIES, pause_s: float = 2.0) -> str:
     """``scontrol requeue`` with a time-out, retried; returns "" on success, else the last error."""
     error = ""
     for attempt in range(1, tries + 1):
-        try:
-            out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True,
-                                 timeout=SCONTROL_TIMEOUT_S)
-            if out.returncode == 0:
-                return ""
-            error = out.stderr.strip() or f"exit {out.returncode}"
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            error = str(exc)
+        answer = slurm.requeue(job_id, timeout=slurm.BATCH_TIMEOUT_S)
+        if answer.ok:
+            return ""
+        error = answer.problem
         print(f"[slurmft] scontrol requeue {job_id} failed (try {attempt}/{tries}): {error}", flush=True)
         if attempt < tries:
             time.sleep(pause_s)

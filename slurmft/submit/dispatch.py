@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slurmft import slurm
 from slurmft.config import Executor, RunConfig, dump_config
 from slurmft.errors import ConfigError, RunDirError, SubmissionError
 from slurmft.plan.render import (
@@ -179,7 +180,7 @@ def submit_run(
 
 def check_executor(executor: Executor) -> None:
     """Slurm needs sbatch here."""
-    if executor == Executor.SLURM and not shutil.which("sbatch"):
+    if executor == Executor.SLURM and not slurm.available("sbatch"):
         raise SubmissionError("executor is slurm but `sbatch` is not on PATH (set executor: local to run here)")
 
 
@@ -235,12 +236,7 @@ def _submit_slurm(
         cons = submit_consolidation(cfg, profile, paths, manifest, config_path, template_dir,
                                     dependency=train.job_id, run_attempt=attempt["attempt"])
     except SubmissionError as exc:
-        import subprocess
-
-        try:
-            cancelled = subprocess.run(["scancel", train.job_id], capture_output=True, timeout=60).returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
-            cancelled = False
+        cancelled = slurm.try_scancel([train.job_id])
         manifest["jobs"][-1]["cancelled_by_submit"] = cancelled
         write_manifest(paths, manifest)
         what = f"cancelled train job {train.job_id}" if cancelled else (

@@ -39,8 +39,9 @@ from slurmft.rundir import (
     start_attempt,
     write_manifest,
 )
-from slurmft.submit.cancel import scancel
-from slurmft.watch.status import LIVE, RunState, run_state
+from slurmft.slurm import scancel
+from slurmft.slurm_states import State, is_allocated, is_live, is_waiting, parse, words
+from slurmft.watch.status import SQUEUE_SILENT, RunState, describe, run_state
 
 # Keys a resume may change: where and how the job runs, never what it computes.
 ALLOWED_PREFIXES = ("cluster.", "preemption.", "consolidate.")
@@ -51,7 +52,7 @@ EXIT_REQUEUE_REFUSED = "3"  # slurmft.job.requeue.EXIT_REQUEUE_REFUSED, as sacct
 class Phase(str, Enum):
     """Where a run stands, as far as resuming goes."""
 
-    LIVE = "live"  # a train job is queued or running
+    LIVE = "live"  # a train job may still run: queued, starting, running, suspended, requeued, held
     FINISHED = "finished"  # trained to max_steps and consolidated
     TRAINED = "trained"  # trained to max_steps, no consolidated model
     RESUMABLE = "resumable"  # training stopped short of max_steps
@@ -84,27 +85,19 @@ def classify(live_train: list[str], trained_step: int | None, max_steps: int | N
 
 
 def ended_how(state: str, exit_code: str = "") -> str:
-    """Why a train job ended, in words, from its Slurm state and exit code (``N:S``)."""
+    """Why a train job ended, in words, from its Slurm state and exit code (``N:S``): the one table of
+    :mod:`slurmft.slurm_states`, plus what resume knows (the exit code, who cancels, max_steps)."""
     code, _, sig = (exit_code or "").partition(":")
-    if state == "FAILED" and code == EXIT_REQUEUE_REFUSED:
-        return ("saved after a warning signal, but the requeue budget (preemption.max_requeues) was used up "
-                "(exit 3)")
-    words = {
-        "CANCELLED": "cancelled (scancel)",
-        "TIMEOUT": "hit its time limit",
-        "NODE_FAIL": "a node failed",
-        "OUT_OF_MEMORY": "ran out of memory",
-        "PREEMPTED": "preempted (not requeued)",
-        "BOOT_FAIL": "a node failed to boot",
-        "DEADLINE": "reached its deadline",
-        "KILLED": "killed (the local run's processes are gone without a recorded state)",
-        "UNKNOWN": "unknown (Slurm no longer knows the job)",
-        "COMPLETED": "completed before max_steps",
-    }
-    if state == "FAILED":
+    known = parse(state)
+    if known == State.FAILED:
+        if code == EXIT_REQUEUE_REFUSED:
+            return ("saved after a warning signal, but the requeue budget (preemption.max_requeues) was used up "
+                    "(exit 3)")
         detail = f"exit code {code}" if code and code != "0" else (f"signal {sig}" if sig and sig != "0" else "")
-        return f"failed ({detail})" if detail else "failed"
-    return words.get(state, state.lower())
+        return f"{words(state)} ({detail})" if detail else words(state)
+    extra = {State.CANCELLED: " (scancel)", State.PREEMPTED: " (not requeued)",
+             State.COMPLETED: " before max_steps"}.get(known, "") if known else ""
+    return words(state) + extra
 
 
 def model_ready(paths: RunPaths, final_checkpoint: Path | None) -> bool:
@@ -161,8 +154,7 @@ def _stale_consolidations(state: RunState) -> list[str]:
     submitted by hand without a dependency is left alone. Adopted jobs count as chained."""
     chained = {j["job_id"] for j in state.manifest.get("jobs", [])
                if j["kind"] == "consolidate" and (j.get("dependency") or j.get("adopted"))}
-    return [r["job_id"] for r in state.rows
-            if r["job_id"] in chained and r["state"] in ("PENDING", "REQUEUED")]
+    return [r["job_id"] for r in state.rows if r["job_id"] in chained and is_waiting(r["state"])]
 
 
 def resume_run(
@@ -184,21 +176,29 @@ def resume_run(
     for job in state.adopted:
         say(f"found {job['kind']} job {job['job_id']} tagged with this run but missing from the manifest; adopted it")
     cfg = resume_config(paths, overrides, executor)
-    live_train = [r["job_id"] for r in state.rows if r["kind"] == "train" and r["state"] in {s.value for s in LIVE}]
+    train_rows = [r for r in state.rows if r["kind"] == "train"]
+    live_train = [r["job_id"] for r in train_rows if is_live(r["state"])]
+    if not state.squeue_answered and executor != "local" and not live_train:
+        raise RunDirError(f"{SQUEUE_SILENT}: cannot tell whether train job(s) "
+                          f"{', '.join(r['job_id'] for r in train_rows) or '(none recorded)'} of {paths.root} still "
+                          "run, so nothing is submitted; try again when squeue answers")
     latest = latest_complete(paths.checkpoints)
     step = step_of(latest) if latest else None
     max_steps = planned_max_steps(paths, cfg.train.max_steps, cfg.train.epochs)
     phase = classify(live_train, step, max_steps, model_ready(paths, latest))
     result = ResumeResult(phase, paths.root, executor, resumed_from=latest, step=step)
     if phase == Phase.LIVE:
+        how = ". ".join(f"Job {r['job_id']}: {describe(r['state'], r['reason'], str(paths.root), 'train', False, r['job_id'])}"
+                        for r in train_rows if r["job_id"] in live_train)
         raise RunDirError(f"{paths.root} is live: train job(s) {', '.join(live_train)} still queued or running; "
-                          "nothing to resume (follow it with `slurmft status`, or `slurmft cancel` it first)")
+                          f"nothing to resume, nothing submitted (follow it with `slurmft status`, or `slurmft "
+                          f"cancel` it first). {how}")
     if phase == Phase.FINISHED:
         return result
     if phase == Phase.TRAINED:
         raise RunDirError(f"training already reached train.max_steps ({max_steps}, {latest}) but there is "
                           f"no consolidated model: run `slurmft consolidate {paths.root}`")
-    running_cons = [r["job_id"] for r in state.rows if r["kind"] == "consolidate" and r["state"] == "RUNNING"]
+    running_cons = [r["job_id"] for r in state.rows if r["kind"] == "consolidate" and is_allocated(r["state"])]
     if running_cons:
         raise RunDirError(f"consolidation job(s) {', '.join(running_cons)} of {paths.root} are running; wait for them")
     if latest is not None:

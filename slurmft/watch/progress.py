@@ -27,11 +27,10 @@ import yaml
 from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, step_of
 from slurmft.rundir import MODEL_INDEX as SAFE_INDEX_NAME  # what consolidation writes last
 from slurmft.rundir import RunPaths, planned_max_steps
+from slurmft.slurm_states import State, is_live, parse, words
 
 # How many of the newest records the rate (steps/s, tokens/s) is measured over.
 RECENT = 20
-
-LIVE_STATES = frozenset({"PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING", "SUSPENDED"})
 
 # How an attempt ended, in words (the ``reason`` of an attempt row).
 PREEMPTED_REQUEUED = "preempted (warning signal), requeued"
@@ -42,21 +41,6 @@ TIME_LIMIT_REQUEUED = "time limit: saved, requeued"
 SLURM_REQUEUED_SAVED = "saved, then requeued by Slurm (scontrol requeue or preemption)"
 CANCELLED_SAVED = "cancelled (scancel) after saving; `slurmft resume` continues from that step"
 RESUMED_BY_HAND = "resumed by hand"
-ENDED_WORDS = {
-    "COMPLETED": "completed",
-    "TIMEOUT": "time limit",
-    "FAILED": "failed",
-    "NODE_FAIL": "failed (a node failed)",
-    "OUT_OF_MEMORY": "failed (out of memory)",
-    "BOOT_FAIL": "failed (a node did not boot)",
-    "CANCELLED": "cancelled",
-    "PREEMPTED": "preempted",
-    "DEADLINE": "time limit (deadline)",
-    "RUNNING": "running",
-    "COMPLETING": "running (finishing)",
-    "PENDING": "waiting in the queue",
-    "REQUEUED": "requeued, waiting to start again",
-}
 
 
 @dataclass
@@ -306,7 +290,7 @@ def attempts(manifest: dict[str, Any], metrics_records: list[dict[str, Any]], sl
                 if state in ("", "UNKNOWN") and max_steps is not None and last is not None and last >= max_steps:
                     state = "COMPLETED"
                 reason = _ended_words(state, marker is not None, marker)
-                live = state in LIVE_STATES
+                live = is_live(state)
                 if later_job:
                     reason = f"{reason}, {RESUMED_BY_HAND}" if reason else RESUMED_BY_HAND
             out.append({"job_id": jid, "restart": restart, "how": how, "state": state or "UNKNOWN",
@@ -355,9 +339,9 @@ def _requeued_words(marker: dict[str, Any] | None) -> str:
 def _ended_words(state: str, saved_for_requeue: bool, marker: dict[str, Any] | None = None) -> str:
     if marker is not None and state == "CANCELLED" and marker.get("ended") == "cancelled" and marker.get("saved"):
         return CANCELLED_SAVED
-    if saved_for_requeue and state in ("FAILED", "COMPLETED"):
-        return REQUEUE_REFUSED if state == "FAILED" else ENDED_WORDS["COMPLETED"]
-    return ENDED_WORDS.get(state, "unknown (Slurm no longer knows this job)" if state == "UNKNOWN" else state.lower())
+    if saved_for_requeue and parse(state) == State.FAILED:
+        return REQUEUE_REFUSED
+    return words(state)
 
 
 def lost_to_preemption(rows: list[dict[str, Any]]) -> dict[str, Any]:

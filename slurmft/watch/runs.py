@@ -14,10 +14,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from slurmft import slurm
 from slurmft.rundir import RunPaths, read_manifest
-from slurmft.watch.progress import LIVE_STATES, max_steps_of, model_info, read_metrics
+from slurmft.slurm_states import State, is_allocated, is_live, parse
+from slurmft.watch.progress import max_steps_of, model_info, read_metrics
 
 MAX_DEPTH = 3
+# A live train job's state in one word (any other live state: "training").
+TRAIN_WORD = {State.PENDING: "queued", State.CONFIGURING: "starting", State.REQUEUED: "requeued",
+              State.REQUEUE_FED: "requeued", State.REQUEUE_HOLD: "held", State.SPECIAL_EXIT: "held",
+              State.RESV_DEL_HOLD: "held", State.SUSPENDED: "suspended", State.STOPPED: "suspended"}
 # Folders inside a run directory that never hold another run (and can be large).
 SKIP = RunPaths(Path(".")).folders | {"__pycache__", "node_modules"}
 
@@ -54,12 +60,14 @@ def run_state(jobs: list[dict[str, Any]], has_model: bool) -> str:
     train = [j for j in jobs if j["kind"] == "train"]
     cons = [j for j in jobs if j["kind"] == "consolidate"]
     t = train[-1] if train else None
-    if t and t["state"] in LIVE_STATES:
-        return {"PENDING": "queued", "REQUEUED": "requeued"}.get(t["state"], "training")
-    if cons and cons[-1]["state"] in LIVE_STATES:
+    if t and is_live(t["state"]):
+        return TRAIN_WORD.get(parse(t["state"]) or State.RUNNING, "training")
+    if cons and is_live(cons[-1]["state"]):
         if cons[-1].get("reason") == "DependencyNeverSatisfied":
             return "stuck"
-        return "consolidating" if cons[-1]["state"] == "RUNNING" else "consolidation queued"
+        if parse(cons[-1]["state"]) in (State.SUSPENDED, State.STOPPED):
+            return "consolidation suspended"
+        return "consolidating" if is_allocated(cons[-1]["state"]) else "consolidation queued"
     if has_model:
         return "done"
     if t is None:
@@ -114,13 +122,11 @@ def run_lines(root: Path, now: float | None = None,
 def slurm_states(job_ids: list[str]) -> dict[str, dict[str, str]]:
     """{job id: {state, reason}}: one squeue call (the user's jobs), one sacct call for the ones squeue has
     forgotten."""
-    from slurmft.watch.status import sacct_info, squeue_info
-
-    queued = squeue_info() or {}
+    queued = slurm.squeue_jobs() or {}
     out = {jid: {"state": queued[jid]["state"], "reason": queued[jid]["reason"]} for jid in job_ids if jid in queued}
     missing = [j for j in job_ids if j not in out]
     if missing:
-        out.update({jid: {"state": i["state"], "reason": ""} for jid, i in (sacct_info(missing) or {}).items()})
+        out.update({jid: {"state": i["state"], "reason": ""} for jid, i in (slurm.sacct_jobs(missing) or {}).items()})
     return out
 
 

@@ -2,35 +2,12 @@
 
 from __future__ import annotations
 
-import getpass
-import shutil
-import subprocess
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
+from slurmft import slurm
 from slurmft.rundir import JOB_TAG_PREFIX, RunPaths, pid_alive, read_manifest, write_manifest
-
-
-class State(str, Enum):
-    """The job states slurmft reasons about (Slurm's names)."""
-
-    PENDING = "PENDING"
-    RUNNING = "RUNNING"
-    REQUEUED = "REQUEUED"
-    COMPLETING = "COMPLETING"
-    COMPLETED = "COMPLETED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-    TIMEOUT = "TIMEOUT"
-    PREEMPTED = "PREEMPTED"
-    NODE_FAIL = "NODE_FAIL"
-    OUT_OF_MEMORY = "OUT_OF_MEMORY"
-    KILLED = "KILLED"  # a local job whose process is gone without a recorded state
-    UNKNOWN = "UNKNOWN"
-
-
-LIVE = {State.PENDING, State.RUNNING, State.REQUEUED, State.COMPLETING}
+from slurmft.slurm_states import PAUSED_HINT, RELEASE_HINT, State, is_live, parse, words
 
 REASON_WORDS = {
     "Dependency": "waiting for the train job to finish successfully",
@@ -45,20 +22,9 @@ REASON_WORDS = {
     "None": "",
 }
 # Train-job endings that `slurmft resume` continues from the newest complete checkpoint.
-RESUMABLE_ENDINGS = {"FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-                     "DEADLINE", "UNKNOWN", "KILLED"}
-SQUEUE_FIELDS = ("JobID", "State", "Reason", "TimeUsed", "RestartCnt", "Name", "Comment")
-
-
-def _run(cmd: list[str]) -> str | None:
-    """stdout of a Slurm query; None when it is missing, fails or hangs (a busy controller)."""
-    if not shutil.which(cmd[0]):
-        return None
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    except (subprocess.TimeoutExpired, OSError):
-        return None
-    return out.stdout if out.returncode == 0 else None
+RESUMABLE_ENDINGS = frozenset({State.FAILED, State.CANCELLED, State.TIMEOUT, State.PREEMPTED, State.NODE_FAIL,
+                               State.OUT_OF_MEMORY, State.BOOT_FAIL, State.DEADLINE, State.UNKNOWN, State.KILLED})
+SQUEUE_SILENT = "squeue did not answer (is SLURM_CONF right? is slurmctld up?)"
 
 
 @dataclass
@@ -69,53 +35,22 @@ class SlurmView:
     acct: dict[str, dict[str, str]] = field(default_factory=dict)
     tagged: dict[str, dict[str, str]] = field(default_factory=dict)  # jobs carrying the run's tag
     problems: list[str] = field(default_factory=list)
-
-
-def squeue_info(user: str | None = None) -> dict[str, dict[str, str]] | None:
-    """Every job slurmctld still knows of ``user`` (queued, running, recently finished): one call."""
-    fmt = ",".join(f"{f}:|" for f in SQUEUE_FIELDS)
-    text = _run(["squeue", "-h", "-t", "all", f"--user={user or getpass.getuser()}", "-O", fmt])
-    if text is None:
-        return None
-    info = {}
-    for line in text.splitlines():
-        parts = [p.strip() for p in line.rstrip().removesuffix("|").split("|", len(SQUEUE_FIELDS) - 1)]
-        if len(parts) == len(SQUEUE_FIELDS):
-            row = dict(zip(("job_id", "state", "reason", "elapsed", "restarts", "name", "comment"), parts,
-                           strict=True))
-            info[row["job_id"]] = row
-    return info
-
-
-def sacct_info(job_ids: list[str]) -> dict[str, dict[str, str]] | None:
-    """Final state, exit code, start and end from accounting (allocation lines only): one call."""
-    if not job_ids:
-        return {}
-    text = _run(["sacct", "-n", "-X", "-P", "-j", ",".join(job_ids), "-o",
-                 "JobID,State,Elapsed,ExitCode,Start,End"])
-    if text is None:
-        return None
-    info = {}
-    for line in text.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) == 6:
-            info[parts[0]] = {"state": parts[1].split()[0], "elapsed": parts[2], "exit_code": parts[3],
-                              "start": parts[4], "end": parts[5]}
-    return info
+    squeue_answered: bool = True
 
 
 def slurm_view(manifest: dict[str, Any], job_tags: set[str] | frozenset[str] = frozenset()) -> SlurmView:
     """One squeue (every job of the user, so tagged jobs the manifest missed show up) and one sacct."""
     view = SlurmView()
     known = {j["job_id"] for j in manifest.get("jobs", []) if "pid" not in j}  # not the processes run here
-    queued = squeue_info()
+    queued = slurm.squeue_jobs()
     if queued is None:
-        view.problems.append("squeue did not answer (is SLURM_CONF right? is slurmctld up?)")
+        view.problems.append(SQUEUE_SILENT)
+        view.squeue_answered = False
         queued = {}
     ours = {jid for jid, row in queued.items() if row["comment"] in job_tags}
     view.queued = {jid: row for jid, row in queued.items() if jid in known or jid in ours}
     view.tagged = {jid: view.queued[jid] for jid in ours - known}
-    acct = sacct_info(sorted(known | set(view.tagged)))
+    acct = slurm.sacct_jobs(sorted(known | set(view.tagged)))
     if acct is None:
         view.problems.append("sacct did not answer (accounting off or slurmdbd down): states of finished jobs "
                              "are unknown")
@@ -149,7 +84,7 @@ def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView
             state = job.get("state") or (State.RUNNING.value if pid_alive(int(job["pid"])) else State.KILLED.value)
             rows.append({**_base(job), "state": state, "reason": "", "elapsed": str(job.get("elapsed_s", "")),
                          "exit_code": "", "restarts": 0, "start": "", "end": "",
-                         "words": describe(state, "", run_dir, job["kind"], jid == newest_train)})
+                         "words": describe(state, "", run_dir, job["kind"], jid == newest_train, jid)})
             continue
         q, a = view.queued.get(jid), view.acct.get(jid)
         if q:  # slurmctld is current; accounting may lag by a second
@@ -162,7 +97,7 @@ def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView
         rows.append({**_base(job), "state": state, "reason": reason, "elapsed": elapsed,
                      "exit_code": (a or {}).get("exit_code", ""), "restarts": int(restarts),
                      "start": (a or {}).get("start", ""), "end": (a or {}).get("end", ""),
-                     "words": describe(state, reason, run_dir, job["kind"], jid == newest_train)})
+                     "words": describe(state, reason, run_dir, job["kind"], jid == newest_train, jid)})
     return rows
 
 
@@ -173,31 +108,28 @@ def _base(job: dict[str, Any]) -> dict[str, Any]:
     return base
 
 
-def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", newest_train: bool = False) -> str:
-    """The state in words a user can act on."""
-    if state == "PENDING" and REASON_WORDS.get(reason):
+def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", newest_train: bool = False,
+             job_id: str = "JOB") -> str:
+    """The state in words a user can act on: :data:`slurmft.slurm_states.WORDS`, plus what to do next."""
+    known = parse(state)
+    if known == State.PENDING and REASON_WORDS.get(reason):
         return REASON_WORDS[reason].format(run=run_dir)
-    words = {
-        "PENDING": "waiting in the queue",
-        "RUNNING": "running",
-        "COMPLETED": "finished successfully",
-        "FAILED": "failed (see `slurmft logs`)",
-        "CANCELLED": "cancelled",
-        "TIMEOUT": "hit its time limit",
-        "PREEMPTED": "preempted",
-        "NODE_FAIL": "a node failed",
-        "OUT_OF_MEMORY": "ran out of memory",
-        "REQUEUED": "requeued; will start again under the same job id",
-        "KILLED": "ended without recording a state (killed, or the machine went down)",
-        "UNKNOWN": "Slurm does not know this job (neither squeue nor sacct: another cluster or SLURM_CONF? "
-        "accounting off and the job older than MinJobAge?)",
-    }.get(state, state.lower())
-    if kind == "train" and state in RESUMABLE_ENDINGS:
-        words += (f"; continue from the newest complete checkpoint with `slurmft resume {run_dir}`" if newest_train
-                  else "; a later `slurmft resume` continued the run")
-    elif kind == "consolidate" and state in RESUMABLE_ENDINGS - {"UNKNOWN"}:
-        words += f"; redo it with `slurmft consolidate {run_dir}`"
-    return words
+    text = words(state)
+    if known == State.FAILED:
+        text += " (see `slurmft logs`)"
+    elif known == State.UNKNOWN:
+        text += ("; neither squeue nor sacct has it (another cluster or SLURM_CONF? accounting off and the job "
+                 "older than MinJobAge?)")
+    elif known in (State.SUSPENDED, State.STOPPED):
+        text += "; " + PAUSED_HINT.format(job=job_id, run=run_dir)
+    elif known in (State.REQUEUE_HOLD, State.SPECIAL_EXIT, State.RESV_DEL_HOLD):
+        text += "; " + RELEASE_HINT.format(job=job_id)
+    if kind == "train" and known in RESUMABLE_ENDINGS:
+        text += (f"; continue from the newest complete checkpoint with `slurmft resume {run_dir}`" if newest_train
+                 else "; a later `slurmft resume` continued the run")
+    elif kind == "consolidate" and known in RESUMABLE_ENDINGS - {State.UNKNOWN}:
+        text += f"; redo it with `slurmft consolidate {run_dir}`"
+    return text
 
 
 @dataclass
@@ -209,11 +141,13 @@ class RunState:
     rows: list[dict[str, Any]]
     adopted: list[dict[str, Any]]
     problems: list[str]
+    squeue_answered: bool = True  # False: a job squeue would list may look unknown (or finished) here
 
     def live(self, include_completing: bool = True) -> list[str]:
-        """Job ids still queued or running (or, optionally, completing)."""
-        states = {s.value for s in LIVE} - (set() if include_completing else {State.COMPLETING.value})
-        return [r["job_id"] for r in self.rows if r["state"] in states]
+        """Job ids that may still run: queued, starting, running, suspended, requeued, held (and, optionally,
+        completing); a state word slurmft does not know counts as live."""
+        return [r["job_id"] for r in self.rows
+                if is_live(r["state"]) and (include_completing or parse(r["state"]) != State.COMPLETING)]
 
 
 def run_state(paths: RunPaths, adopt: bool = True) -> RunState:
@@ -232,4 +166,4 @@ def run_state(paths: RunPaths, adopt: bool = True) -> RunState:
             if not paths.lock.exists():
                 write_manifest(paths, manifest)
     rows = job_rows(manifest, str(paths.root), view)
-    return RunState(paths, manifest, rows, adopted, problems)
+    return RunState(paths, manifest, rows, adopted, problems, view.squeue_answered if view else True)

@@ -172,7 +172,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
 
     code, out, _ = slurmft.cli(["status", str(run)])
     assert code == 0 and "checkpoint-20" in out  # the damaged one is not offered
-    new = slurmft.submit.resume(run)
+    new = slurmft.resume(run)
     attempt = read_manifest(RunPaths.of(run))["attempts"][1]
     assert attempt["resumed_from_step"] == 20
     slurm_cluster.wait_state(new["train"], "COMPLETED", timeout=300)

@@ -32,7 +32,7 @@ def _start(slurmft, tmp_path: Path, tiny_model: Path, chat_data: Path, **section
 
 
 def _resume(slurmft, run: Path, *overrides: str) -> dict[str, str]:
-    return slurmft.submit.resume(run, *overrides)
+    return slurmft.resume(run, *overrides)
 
 
 def _never_satisfied(slurmft, slurm_cluster, job_id: str) -> None:

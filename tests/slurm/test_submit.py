@@ -33,7 +33,7 @@ def test_submit_runs_train_then_consolidation(slurm_cluster, tiny_model: Path, c
     slurm_cluster.wait_state(jobs["consolidate"], "COMPLETED", timeout=30, via="sacct")
     rows = slurmft.status_json(run)
     assert rows["train"]["state"] == rows["consolidate"]["state"] == "COMPLETED"
-    assert rows["consolidate"]["words"] == "finished successfully"
+    assert rows["consolidate"]["words"] == "completed"
     # the run directory holds everything
     manifest = read_manifest(RunPaths.of(run))
     assert [(j["kind"], j["job_id"]) for j in manifest["jobs"]] == [("train", jobs["train"]),

@@ -1,0 +1,204 @@
+"""The one adapter to Slurm's commands: every ``squeue``, ``sacct``, ``scancel`` and ``scontrol`` slurmft
+runs, and whether ``sbatch`` is here (submitit keeps all of its Slurm knowledge in ``slurm/slurm.py``;
+this is ours). The sbatch call itself stays submitit's.
+
+Why one place: each call used to carry its own time-out, its own error handling and its own idea of
+the output. The output is the subtle part. Slurm's commands read the user's environment:
+``SQUEUE_PARTITION`` (or ``SQUEUE_ACCOUNT``, ``SQUEUE_QOS``, ``SQUEUE_NAMES``...) silently filters what
+``squeue`` lists, so a run's live jobs vanish and look dead (checked on 22.05: ``SQUEUE_PARTITION=nope``
+hides every job even with an explicit ``-t all -u USER``); ``SLURM_TIME_FORMAT`` rewrites ``sacct``'s
+Start/End (``relative`` -> ``00:54:17``, ``%s`` -> epoch seconds); ``SQUEUE_SORT`` reorders; and
+``SCANCEL_*`` turns ``scancel JOB`` into something else (``SCANCEL_INTERACTIVE`` asks on the terminal,
+``SCANCEL_BATCH`` signals only the batch shell, ``SCANCEL_STATE``/``SCANCEL_USER`` filter what is
+cancelled). So every child gets :func:`child_env`: the variables that change *what is printed or
+acted on* are removed; the ones that say *which cluster* (``SLURM_CONF``, ``SLURM_CLUSTERS``) stay,
+because the user's jobs live there. (``SQUEUE_FORMAT``/``SQUEUE_FORMAT2``/``SACCT_FORMAT`` lose to
+our explicit ``-O``/``-o`` on 22.05; they are removed anyway.) And every query asks for whole values
+with an explicit delimiter, :data:`SEP`: ``squeue -O Field:SEP`` (no size: no 20-character cut,
+checked on 22.05) and ``sacct -P --delimiter=SEP``; never the default columns.
+
+One time-out policy: :data:`TIMEOUT_S` for every call, except the ``scontrol`` calls the batch shell
+makes after ``srun`` returned (:data:`BATCH_TIMEOUT_S`), when the job is already inside KillWait or
+past its time limit and a hung controller must not eat the rest. A command that is missing, hangs or
+fails gives an :class:`Answer` that says which, never a traceback.
+
+Torch-free and import-light: ``slurmft.job.requeue`` and ``slurmft.job.rendezvous`` use it from the
+batch shell before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from slurmft.errors import SubmissionError
+
+#: Seconds any Slurm command may take (a busy slurmctld answers slowly; a dead one never).
+TIMEOUT_S = 60
+#: Seconds for the batch shell's ``scontrol show job`` / ``scontrol requeue`` after ``srun`` returned.
+BATCH_TIMEOUT_S = 20
+
+#: Environment variables that change what Slurm's commands print or act on (prefixes, then names).
+STRIPPED_PREFIXES = ("SQUEUE_", "SACCT_", "SCANCEL_", "SCONTROL_")
+STRIPPED_NAMES = frozenset({"SLURM_TIME_FORMAT", "SLURM_BITSTR_LEN", "SLURM_TOPO_LEN"})
+
+#: Field delimiter of every query: ASCII unit separator. ``|`` is not enough: a job name or comment may
+#: hold one (``-J 'a|b'`` shifted the comment, so the run's tag no longer matched; checked on 22.05).
+SEP = "\x1f"
+SQUEUE_FIELDS = ("JobID", "State", "Reason", "TimeUsed", "RestartCnt", "Name", "Comment")
+SQUEUE_KEYS = ("job_id", "state", "reason", "elapsed", "restarts", "name", "comment")
+SACCT_FIELDS = ("JobID", "State", "Elapsed", "ExitCode", "Start", "End")
+
+
+class SlurmCallError(RuntimeError):
+    """A Slurm command that had to answer did not (missing, hung, failed); the message says which."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What one Slurm command did: ``ok`` with its ``stdout``, or ``problem`` in words."""
+
+    ok: bool
+    stdout: str = ""
+    stderr: str = ""
+    problem: str = ""
+    code: int | None = None  # the exit status; None when the command did not run or did not finish
+
+
+def child_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``environ`` (default: ours) without the variables that change Slurm's output or targets."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if not (k.startswith(STRIPPED_PREFIXES) or k in STRIPPED_NAMES)}
+
+
+def available(command: str) -> bool:
+    """``command`` (``sbatch``, ``squeue``...) is on PATH."""
+    return shutil.which(command) is not None
+
+
+def call(args: list[str], timeout: float = TIMEOUT_S) -> Answer:
+    """Run one Slurm command with :func:`child_env` and a time-out."""
+    if not available(args[0]):
+        return Answer(False, problem=f"{args[0]} is not on PATH")
+    try:
+        out = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=child_env(), check=False)
+    except subprocess.TimeoutExpired:
+        return Answer(False, problem=f"{' '.join(args)} did not answer within {timeout:g} s")
+    except OSError as exc:
+        return Answer(False, problem=f"could not run {args[0]}: {exc}")
+    if out.returncode != 0:
+        detail = out.stderr.strip() or out.stdout.strip()[:200] or f"exit {out.returncode}"
+        return Answer(False, out.stdout, out.stderr, detail, out.returncode)
+    return Answer(True, out.stdout, out.stderr, code=0)
+
+
+# ------------------------------------------------------------------ squeue / sacct
+def squeue_args(user: str | None = None) -> list[str]:
+    """Every job slurmctld still knows of ``user``, whole values, :data:`SEP` after each."""
+    return ["squeue", "-h", "-t", "all", f"--user={user or getpass.getuser()}",
+            "-O", ",".join(f"{f}:{SEP}" for f in SQUEUE_FIELDS)]
+
+
+def parse_squeue(text: str) -> dict[str, dict[str, str]]:
+    """``{job id: {job_id, state, reason, elapsed, restarts, name, comment}}`` from :func:`squeue_args`
+    output; other lines (a ``CLUSTER:`` header) are skipped."""
+    info = {}
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.rstrip("\n").removesuffix(SEP).split(SEP, len(SQUEUE_FIELDS) - 1)]
+        if len(parts) == len(SQUEUE_FIELDS):
+            row = dict(zip(SQUEUE_KEYS, parts, strict=True))
+            info[row["job_id"]] = row
+    return info
+
+
+def squeue_jobs(user: str | None = None) -> dict[str, dict[str, str]] | None:
+    """Every job slurmctld still knows of ``user`` (queued, running, recently finished), one call; None
+    when squeue is missing, hangs or fails."""
+    answer = call(squeue_args(user))
+    return parse_squeue(answer.stdout) if answer.ok else None
+
+
+def sacct_args(job_ids: list[str]) -> list[str]:
+    """Allocation lines only, :data:`SEP`-separated whole values."""
+    return ["sacct", "-n", "-X", "-P", f"--delimiter={SEP}", "-j", ",".join(job_ids), "-o", ",".join(SACCT_FIELDS)]
+
+
+def parse_sacct(text: str) -> dict[str, dict[str, str]]:
+    """``{job id: {state, elapsed, exit_code, start, end}}`` from :func:`sacct_args` output; the state is
+    its first word (``CANCELLED by 0`` -> ``CANCELLED``)."""
+    info = {}
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(SEP)]  # not line.strip(): Python counts SEP as blank
+        if len(parts) == len(SACCT_FIELDS) and parts[1]:
+            info[parts[0]] = {"state": parts[1].split()[0], "elapsed": parts[2], "exit_code": parts[3],
+                              "start": parts[4], "end": parts[5]}
+    return info
+
+
+def sacct_jobs(job_ids: list[str]) -> dict[str, dict[str, str]] | None:
+    """Final state, exit code, start and end from accounting, one call; None when sacct does not answer."""
+    if not job_ids:
+        return {}
+    answer = call(sacct_args(job_ids))
+    return parse_sacct(answer.stdout) if answer.ok else None
+
+
+# ------------------------------------------------------------------ scancel
+def scancel(job_ids: list[str]) -> None:
+    """``scancel`` these jobs (a suspended one too: Slurm 22.05 ends it CANCELLED), or raise a
+    SubmissionError saying why not (missing, hung, refused)."""
+    answer = call(["scancel", *job_ids])
+    if answer.ok:
+        return
+    if answer.code is not None:
+        raise SubmissionError(f"scancel {' '.join(job_ids)} failed: {answer.problem}")
+    raise SubmissionError(f"could not run scancel {' '.join(job_ids)}: {answer.problem}")
+
+
+def try_scancel(job_ids: list[str]) -> bool:
+    """``scancel``, True when it worked (for clean-up paths that report, not raise)."""
+    return call(["scancel", *job_ids]).ok
+
+
+# ------------------------------------------------------------------ scontrol
+def parse_show(text: str) -> dict[str, str]:
+    """``Key=Value`` pairs of ``scontrol show job|node`` text (the first of a repeated key wins; a value
+    runs to the next blank, which is how scontrol prints the fields we read)."""
+    fields: dict[str, str] = {}
+    for key, value in re.findall(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=(\S*)", text):
+        fields.setdefault(key, value)
+    return fields
+
+
+def show_job(job_id: str, timeout: float = TIMEOUT_S) -> Answer:
+    """``scontrol show job JOB``."""
+    return call(["scontrol", "show", "job", job_id], timeout=timeout)
+
+
+def requeue(job_id: str, timeout: float = TIMEOUT_S) -> Answer:
+    """``scontrol requeue JOB`` (one try; the caller decides about retries)."""
+    return call(["scontrol", "requeue", job_id], timeout=timeout)
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """Host names of a Slurm node list (``n[1-2]`` -> n1, n2); raises SlurmCallError when scontrol fails."""
+    answer = call(["scontrol", "show", "hostnames", nodelist])
+    if not answer.ok:
+        raise SlurmCallError(f"scontrol show hostnames {nodelist}: {answer.problem}")
+    names = answer.stdout.split()
+    if not names:
+        raise SlurmCallError(f"scontrol show hostnames {nodelist} printed no host")
+    return names
+
+
+def node_addr(node: str) -> str | None:
+    """The NodeAddr Slurm itself uses to reach ``node``; None when scontrol does not say."""
+    answer = call(["scontrol", "show", "node", node])
+    if not answer.ok:
+        return None
+    return parse_show(answer.stdout).get("NodeAddr") or None

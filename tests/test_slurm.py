@@ -1,0 +1,126 @@
+"""slurmft.slurm without a cluster: the parsers on recorded Slurm 22.05 output, the child environment,
+the time-out and the answers of a missing, failing or hanging command. The same calls against the real
+cluster, with the user's SQUEUE_*/SACCT_*/SLURM_TIME_FORMAT set to odd values: tests/slurm/test_slurm_adapter.py."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from slurmft import slurm
+from slurmft.errors import SubmissionError
+from slurmft.job.requeue import JobView
+
+S = slurm.SEP
+# squeue -h -t all --user=root -O JobID:SEP,State:SEP,... on the test cluster (22.05.8): a suspended job
+# whose name and comment hold "|", a pending dependent, a cancelled one, and a multi-cluster header.
+SQUEUE = (
+    f"3{S}SUSPENDED{S}None{S}0:01{S}0{S}it-a|b{S}slurmft-run:abc|x{S}\n"
+    f"4{S}PENDING{S}Dependency{S}0:00{S}0{S}wrap{S}(null){S}\n"
+    f"1{S}CANCELLED{S}None{S}0:02{S}0{S}wrap{S}(null){S}\n"
+    "CLUSTER: other\n"
+)
+# sacct -n -X -P --delimiter=SEP -j 3,4 -o JobID,State,Elapsed,ExitCode,Start,End
+SACCT = (
+    f"3{S}CANCELLED by 0{S}00:00:01{S}0:0{S}2026-12-02T00:57:38{S}2026-12-02T00:57:39\n"
+    f"4{S}PENDING{S}00:00:00{S}0:0{S}Unknown{S}Unknown\n"
+    f"5{S}FAILED{S}00:01:02{S}3:0{S}2026-12-02T00:57:38{S}\n"  # End empty: a trailing SEP must survive
+)
+SHOW_JOB = """JobId=3 JobName=it-a|b
+   UserId=root(0) GroupId=root(0) MCS_label=N/A
+   JobState=SUSPENDED Reason=None Dependency=(null)
+   Requeue=1 Restarts=0 BatchFlag=1 Reboot=0 ExitCode=0:0
+   RunTime=00:00:01 TimeLimit=365-00:00:00 TimeMin=N/A
+   SuspendTime=2026-12-02T00:57:39 SecsPreSuspend=1 LastSchedEval=2026-12-02T00:57:38 Scheduler=Backfill
+   Partition=debug AllocNode:Sid=localhost:7205
+   Comment=slurmft-run:abc|x
+   Power=
+"""
+
+
+def test_parse_squeue_keeps_whole_values_with_bars_in_them() -> None:
+    info = slurm.parse_squeue(SQUEUE)
+    assert list(info) == ["3", "4", "1"]
+    assert info["3"] == {"job_id": "3", "state": "SUSPENDED", "reason": "None", "elapsed": "0:01",
+                         "restarts": "0", "name": "it-a|b", "comment": "slurmft-run:abc|x"}
+    assert info["4"]["reason"] == "Dependency"
+
+
+def test_parse_sacct_takes_the_first_word_of_the_state_and_keeps_empty_fields() -> None:
+    info = slurm.parse_sacct(SACCT)
+    assert info["3"] == {"state": "CANCELLED", "elapsed": "00:00:01", "exit_code": "0:0",
+                         "start": "2026-12-02T00:57:38", "end": "2026-12-02T00:57:39"}
+    assert info["4"]["start"] == "Unknown" and info["5"]["exit_code"] == "3:0" and info["5"]["end"] == ""
+
+
+def test_parse_show_and_the_requeue_view() -> None:
+    fields = slurm.parse_show(SHOW_JOB)
+    assert fields["JobState"] == "SUSPENDED" and fields["Restarts"] == "0" and fields["Power"] == ""
+    assert fields["AllocNode:Sid"] == "localhost:7205" and fields["Comment"] == "slurmft-run:abc|x"
+    assert JobView.parse(SHOW_JOB) == JobView("SUSPENDED", "None", 0)
+    assert JobView.parse(SHOW_JOB.replace("Reason=None", "Reason=")) is None
+
+
+def test_queries_ask_for_delimited_whole_values() -> None:
+    squeue = slurm.squeue_args("alice")
+    assert squeue[:5] == ["squeue", "-h", "-t", "all", "--user=alice"]
+    assert squeue[-1] == ",".join(f"{f}:{S}" for f in slurm.SQUEUE_FIELDS)  # no size: no 20-character cut
+    sacct = slurm.sacct_args(["7", "8"])
+    assert "-P" in sacct and f"--delimiter={S}" in sacct and sacct[sacct.index("-j") + 1] == "7,8"
+
+
+def test_child_env_drops_what_changes_output_and_keeps_which_cluster() -> None:
+    env = {"SQUEUE_FORMAT": "%i", "SQUEUE_FORMAT2": "JobID:5", "SQUEUE_PARTITION": "nope", "SQUEUE_SORT": "-i",
+           "SACCT_FORMAT": "jobid%3", "SLURM_TIME_FORMAT": "relative", "SCANCEL_INTERACTIVE": "1",
+           "SCONTROL_ALL": "1", "SLURM_CONF": "/etc/slurm.conf", "SLURM_CLUSTERS": "a", "SLURM_JOB_ID": "7",
+           "PATH": "/bin"}
+    assert slurm.child_env(env) == {"SLURM_CONF": "/etc/slurm.conf", "SLURM_CLUSTERS": "a", "SLURM_JOB_ID": "7",
+                                    "PATH": "/bin"}
+
+
+def _fake(bin_dir: Path, name: str, body: str) -> None:
+    exe = bin_dir / name
+    exe.write_text(f"#!/bin/sh\n{body}\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+
+
+@pytest.fixture
+def fake_bin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A PATH holding only the fake commands a test writes (and sh)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", f"{bin_dir}:/bin:/usr/bin")
+    return bin_dir
+
+
+def test_missing_failing_and_hanging_commands_are_answers(fake_bin: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(fake_bin))  # nothing of Slurm here
+    assert slurm.squeue_jobs() is None and slurm.sacct_jobs(["1"]) is None and not slurm.available("sbatch")
+    assert slurm.call(["squeue"]).problem == "squeue is not on PATH"
+    with pytest.raises(SubmissionError, match=r"could not run scancel 7: scancel is not on PATH"):
+        slurm.scancel(["7"])
+    monkeypatch.setenv("PATH", f"{fake_bin}:/bin:/usr/bin")
+    _fake(fake_bin, "scancel", 'echo "scancel: error: Kill job error on job id 7: Invalid job id specified" >&2; exit 1')
+    with pytest.raises(SubmissionError, match=r"^scancel 7 failed: scancel: error: Kill job error"):
+        slurm.scancel(["7"])
+    assert not slurm.try_scancel(["7"])
+    _fake(fake_bin, "scontrol", "sleep 5")
+    answer = slurm.show_job("7", timeout=0.5)
+    assert not answer.ok and answer.code is None and "did not answer within 0.5 s" in answer.problem
+    _fake(fake_bin, "scontrol", 'echo "scontrol: error: Invalid node name specified" >&2; exit 1')
+    with pytest.raises(slurm.SlurmCallError, match="show hostnames n\\[1-2\\]: scontrol: error: Invalid"):
+        slurm.hostnames("n[1-2]")
+    assert slurm.node_addr("n1") is None
+
+
+def test_the_child_gets_the_cleaned_environment(fake_bin: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake(fake_bin, "squeue", 'echo "$SQUEUE_PARTITION-$SLURM_TIME_FORMAT-$SLURM_CONF" >&2; exit 0')
+    monkeypatch.setenv("SQUEUE_PARTITION", "nope")
+    monkeypatch.setenv("SLURM_TIME_FORMAT", "relative")
+    monkeypatch.setenv("SLURM_CONF", "/x/slurm.conf")
+    answer = slurm.call(["squeue"])
+    assert answer.ok and answer.stderr.strip() == "--/x/slurm.conf"
+    assert os.environ["SQUEUE_PARTITION"] == "nope"  # ours is left as it was
