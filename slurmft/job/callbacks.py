@@ -11,7 +11,6 @@ import copy
 import json
 import logging
 import os
-import resource
 import socket
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from transformers import TrainerCallback
 from slurmft.checkpoints import damaged, fsync_tree, latest_complete, mark_complete, prune, step_of
 from slurmft.job import preemption
 from slurmft.job.distributed import DistContext, barrier
+from slurmft.units import MiB, peak_rss_bytes
 
 log = logging.getLogger("slurmft.job")
 
@@ -159,7 +159,7 @@ class PreemptionStop(TrainerCallback):
 
 
 def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return peak_rss_bytes() / MiB
 
 
 class MetricsLog(TrainerCallback):
