@@ -132,7 +132,8 @@ def _echo_jobs(run_dir: Path, executor: str, jobs: dict[str, str]) -> None:
 
 def _estimate_warnings(cfg, profile) -> None:  # noqa: ANN001
     """Warn when preemption.lead_time_s is below the projected save time (never blocks)."""
-    from slurmft.plan.estimate import estimate, lead_time_warning
+    from slurmft.plan.estimate import estimate
+    from slurmft.plan.estimate_text import lead_time_warning
 
     try:
         result = estimate(cfg, profile)
@@ -145,7 +146,8 @@ def _estimate_warnings(cfg, profile) -> None:  # noqa: ANN001
 
 def _fit_problems(cfg, profile) -> list[str]:  # noqa: ANN001
     """Problems from the memory estimate; an estimate that cannot be made never blocks a submit."""
-    from slurmft.plan.estimate import estimate, fit_problems
+    from slurmft.plan.estimate import estimate
+    from slurmft.plan.estimate_text import fit_problems
 
     try:
         return fit_problems(estimate(cfg, profile))
@@ -161,7 +163,7 @@ def _fit_problems(cfg, profile) -> list[str]:  # noqa: ANN001
 def estimate(config: Path, overrides: tuple[str, ...], as_json: bool) -> None:
     """Will this run fit? Parameters, GPU memory per rank, CPU RAM per node at load, checkpoint size."""
     from slurmft.plan.estimate import estimate as run_estimate
-    from slurmft.plan.estimate import render_table
+    from slurmft.plan.estimate_text import render_table
 
     cfg, profile = _load(config, overrides)
     result = run_estimate(cfg, profile)
