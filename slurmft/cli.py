@@ -89,7 +89,7 @@ def validate(config: Path, overrides: tuple[str, ...]) -> None:
     """Check RUN.yaml (and its cluster profile) without writing or submitting anything."""
     cfg, profile = _load(config, overrides)
     report = _checks(cfg, config)
-    _estimate_warnings(cfg, profile)
+    _warn_lead_time(_estimate(cfg, profile)[0], cfg, profile)
     click.echo(f"{config}: ok (run {cfg.name}, executor {cfg.resolved_executor.value}, profile {profile.name}, "
                f"{cfg.resources.nodes} node(s) x {cfg.resources.ranks_per_node} rank(s))")
     for line in report.notes:
@@ -109,14 +109,17 @@ def submit(config: Path, overrides: tuple[str, ...], force: bool, template_dir: 
     cfg, profile = _load(config, overrides)
     check_submittable(cfg)
     _checks(cfg, config)
-    problems = _fit_problems(cfg, profile)
-    _estimate_warnings(cfg, profile)
+    result, why = _estimate(cfg, profile)
+    if why:
+        _err(f"note: no memory estimate ({why})")
+    problems = result["problems"] if result else []  # estimate_text.fit_problems, computed with it
+    _warn_lead_time(result, cfg, profile)
     if problems and not force:
         raise ConfigError("the run will not fit (see `slurmft estimate`); pass --force to submit anyway", problems)
     for p in problems:
         _err(f"warning (--force): {p}")
-    result = submit_run(cfg, profile, str(config.resolve()), template_dir, say=_err)
-    _echo_jobs(result.run_dir, result.executor, result.jobs)
+    submitted = submit_run(cfg, profile, str(config.resolve()), template_dir, say=_err)
+    _echo_jobs(submitted.run_dir, submitted.executor, submitted.jobs)
 
 
 def _echo_jobs(run_dir: Path, executor: str, jobs: dict[str, str]) -> None:
@@ -130,28 +133,25 @@ def _echo_jobs(run_dir: Path, executor: str, jobs: dict[str, str]) -> None:
         click.echo(f"model: {run_dir / 'model'}  (AutoModelForCausalLM.from_pretrained loads it)")
 
 
-def _estimate_warnings(cfg, profile) -> None:  # noqa: ANN001
-    """Warn when preemption.lead_time_s is below the projected save time (never blocks)."""
-    from slurmft.plan.estimate import estimate, lead_time_warning
+def _estimate(cfg, profile) -> tuple[dict | None, str | None]:  # noqa: ANN001
+    """The memory estimate, or (None, why) when it cannot be made: that never blocks a submit."""
+    from slurmft.plan.estimate import estimate
 
     try:
-        result = estimate(cfg, profile)
-    except SlurmftError:
-        return  # _fit_problems / validate already said why there is no estimate
+        return estimate(cfg, profile), None
+    except SlurmftError as exc:
+        return None, str(exc)
+
+
+def _warn_lead_time(result: dict | None, cfg, profile) -> None:  # noqa: ANN001
+    """Warn when preemption.lead_time_s is below the projected save time (never blocks)."""
+    from slurmft.plan.estimate_text import lead_time_warning
+
+    if result is None:
+        return  # submit already said why there is no estimate; validate stays quiet about it
     warning = lead_time_warning(result, cfg.resources.nodes, profile.checkpoint_write_gb_per_s)
     if warning:
         _err(f"warning: {warning}")
-
-
-def _fit_problems(cfg, profile) -> list[str]:  # noqa: ANN001
-    """Problems from the memory estimate; an estimate that cannot be made never blocks a submit."""
-    from slurmft.plan.estimate import estimate, fit_problems
-
-    try:
-        return fit_problems(estimate(cfg, profile))
-    except SlurmftError as exc:
-        _err(f"note: no memory estimate ({exc})")
-        return []
 
 
 @cli.command()
@@ -161,7 +161,7 @@ def _fit_problems(cfg, profile) -> list[str]:  # noqa: ANN001
 def estimate(config: Path, overrides: tuple[str, ...], as_json: bool) -> None:
     """Will this run fit? Parameters, GPU memory per rank, CPU RAM per node at load, checkpoint size."""
     from slurmft.plan.estimate import estimate as run_estimate
-    from slurmft.plan.estimate import render_table
+    from slurmft.plan.estimate_text import render_table
 
     cfg, profile = _load(config, overrides)
     result = run_estimate(cfg, profile)

@@ -11,12 +11,22 @@ import re
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from slurmft.errors import ConfigError, RunDirError
+from slurmft.precision import PRECISIONS
+from slurmft.units import SIZE_RE
 
 # ------------------------------------------------------------------ shell-safe value patterns
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -26,7 +36,6 @@ TIME_RE = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")  # [D-]HH[:MM[:SS]] or mi
 MEM_RE = re.compile(r"^\d+[KMGT]?$")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 PATH_RE = re.compile(r"^[A-Za-z0-9._/~+@=,-]+$")  # no spaces, quotes, $, `, ;, |, &, <, >
-SIZE_RE = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
 SECRET_KEY_RE = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|CREDENTIALS?)($|_)", re.I)
 SIGNALS = ("USR1", "USR2", "TERM", "INT", "URG")
 
@@ -66,6 +75,20 @@ def _check(pattern: re.Pattern[str], value: str, what: str) -> str:
         raise ValueError(f"{value!r} is not a valid {what}")
     return value
 
+
+def _matching(pattern: re.Pattern[str], what: str) -> AfterValidator:
+    """A validator that accepts strings matching ``pattern`` and names ``what`` was expected otherwise."""
+    return AfterValidator(lambda v: _check(pattern, v, what))
+
+
+# One type per kind of Slurm value, so every field of that kind says the same thing when it is wrong.
+SlurmWord = Annotated[str, _matching(SLURM_WORD_RE, "Slurm name (letters, digits, . _ -)")]
+SlurmTime = Annotated[str, _matching(TIME_RE, "Slurm time limit (use [D-]HH:MM:SS, e.g. 04:00:00 or 1-12:00:00)")]
+SlurmMem = Annotated[str, _matching(MEM_RE, "Slurm memory size (e.g. 0, 64G, 500000M)")]
+Size = Annotated[str, _matching(SIZE_RE, "size (e.g. 5GB, 500MB)")]
+
+#: train.precision's choices: ``auto`` and the modes of slurmft/precision.py, listed once there.
+PrecisionName = Literal[("auto", *PRECISIONS)]  # type: ignore[valid-type]
 
 IFNAME_RE = re.compile(r"^[A-Za-z0-9_.:@-]+$")
 
@@ -111,11 +134,11 @@ class ClusterConfig(_Section):
         description="Cluster profile: a name from configs/clusters/ (aws-efa, aws-efa-legacy, infiniband, "
         "ethernet, local-test) or a path to your own YAML profile.",
     )
-    partition: str | None = Field(None, description="Slurm partition (--partition).")
-    account: str | None = Field(None, description="Slurm account (--account).")
-    qos: str | None = Field(None, description="Slurm QOS (--qos).")
+    partition: SlurmWord | None = Field(None, description="Slurm partition (--partition).")
+    account: SlurmWord | None = Field(None, description="Slurm account (--account).")
+    qos: SlurmWord | None = Field(None, description="Slurm QOS (--qos).")
     constraint: str | None = Field(None, description="Slurm node constraint (--constraint), e.g. 'a100&ib'.")
-    time: str = Field("04:00:00", description="Wall-clock limit of the train job, [D-]HH:MM:SS.")
+    time: SlurmTime = Field("04:00:00", description="Wall-clock limit of the train job, [D-]HH:MM:SS.")
     env: dict[str, str] = Field(
         default_factory=dict,
         description="Extra environment variables for the job (added after the profile's; never secrets: "
@@ -135,20 +158,10 @@ class ClusterConfig(_Section):
         description="Override the rendezvous address (default: NodeAddr of the allocation's first node).",
     )
 
-    @field_validator("partition", "account", "qos")
-    @classmethod
-    def _slurm_word(cls, v: str | None) -> str | None:
-        return None if v is None else _check(SLURM_WORD_RE, v, "Slurm name (letters, digits, . _ -)")
-
     @field_validator("constraint")
     @classmethod
     def _constraint(cls, v: str | None) -> str | None:
         return None if v is None else _check(CONSTRAINT_RE, v, "Slurm constraint expression")
-
-    @field_validator("time")
-    @classmethod
-    def _time(cls, v: str) -> str:
-        return _check(TIME_RE, v, "Slurm time limit (use [D-]HH:MM:SS, e.g. 04:00:00 or 1-12:00:00)")
 
     @field_validator("env")
     @classmethod
@@ -198,13 +211,8 @@ class ResourcesConfig(_Section):
         None, ge=1, le=256, description="Ranks per node (default: gpus_per_node, or 1 without GPUs)."
     )
     cpus_per_task: int = Field(8, ge=1, le=1024, description="CPU cores per rank (--cpus-per-task).")
-    mem: str | None = Field(None, description="Memory per node (--mem), e.g. '0' for all, '500G'.")
+    mem: SlurmMem | None = Field(None, description="Memory per node (--mem), e.g. '0' for all, '500G'.")
     exclusive: bool = Field(True, description="Request whole nodes (--exclusive).")
-
-    @field_validator("mem")
-    @classmethod
-    def _mem(cls, v: str | None) -> str | None:
-        return None if v is None else _check(MEM_RE, v, "Slurm memory size (e.g. 0, 64G, 500000M)")
 
     @property
     def ranks_per_node(self) -> int:
@@ -233,9 +241,6 @@ class ModelConfig(_Section):
     )
     trust_remote_code: bool = Field(False, description="Allow custom model code from the hub.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
-
-
-FORMATS = ("auto", "messages", "sharegpt", "lima", "guanaco", "alpaca", "prompt_completion")
 
 
 class DatasetSource(_Section):
@@ -303,7 +308,7 @@ class TrainConfig(_Section):
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of steps used for warm-up.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    precision: Literal["auto", "bf16-mixed", "bf16-true", "fp32", "fp16-mixed"] = Field(
+    precision: PrecisionName = Field(
         "auto",
         description="bf16-mixed: fp32 sharded weights and AdamW state, bf16 compute, fp32 reduce (16 bytes/"
         "parameter). bf16-true: bf16 weights, gradients and AdamW state, bf16 compute and reduce (8 bytes/"
@@ -392,24 +397,9 @@ class ConsolidateResources(_Section):
     """The consolidation job's allocation (CPU is enough)."""
 
     cpus_per_task: int = Field(4, ge=1, le=1024, description="CPU cores.")
-    mem: str | None = Field("32G", description="Memory (--mem).")
-    time: str = Field("02:00:00", description="Time limit.")
-    partition: str | None = Field(None, description="Partition (default: the train job's).")
-
-    @field_validator("mem")
-    @classmethod
-    def _mem(cls, v: str | None) -> str | None:
-        return None if v is None else _check(MEM_RE, v, "Slurm memory size (e.g. 0, 64G, 500000M)")
-
-    @field_validator("time")
-    @classmethod
-    def _time(cls, v: str) -> str:
-        return _check(TIME_RE, v, "Slurm time limit (use [D-]HH:MM:SS)")
-
-    @field_validator("partition")
-    @classmethod
-    def _part(cls, v: str | None) -> str | None:
-        return None if v is None else _check(SLURM_WORD_RE, v, "Slurm name (letters, digits, . _ -)")
+    mem: SlurmMem | None = Field("32G", description="Memory (--mem).")
+    time: SlurmTime = Field("02:00:00", description="Time limit.")
+    partition: SlurmWord | None = Field(None, description="Partition (default: the train job's).")
 
 
 class ConsolidateConfig(_Section):
@@ -421,13 +411,8 @@ class ConsolidateConfig(_Section):
         description="Dtype of the saved model; auto = the training compute dtype (bfloat16 for bf16-mixed and "
         "bf16-true, float32 for fp32), as recorded in the checkpoint.",
     )
-    max_shard_size: str = Field("5GB", description="Largest safetensors file, e.g. 5GB, 500MB.")
+    max_shard_size: Size = Field("5GB", description="Largest safetensors file, e.g. 5GB, 500MB.")
     resources: ConsolidateResources = Field(default_factory=ConsolidateResources)
-
-    @field_validator("max_shard_size")
-    @classmethod
-    def _size(cls, v: str) -> str:
-        return _check(SIZE_RE, v, "size (e.g. 5GB, 500MB)")
 
 
 class RunConfig(_Section):

@@ -67,7 +67,6 @@ PRECISIONS: dict[str, Precision] = {
                   "fp32 sharded parameters and AdamW state, fp16 compute, fp32 gradient reduce"),
     )
 }
-PRECISION_NAMES = ("auto", *PRECISIONS)
 #: model.dtype (the compute dtype) -> the precision it meant before train.precision existed.
 FROM_MODEL_DTYPE = {"bfloat16": "bf16-mixed", "float16": "fp16-mixed", "float32": "fp32"}
 #: GPUs without bf16 arithmetic (compute capability < 8.0), by a word of the profile's gpu.type.

@@ -555,7 +555,8 @@ def test_cli(env: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
 
 # ------------------------------------------------------------------ pure helpers
 def test_parse_size_and_shard_plan() -> None:
-    from slurmft.job.consolidate import TensorPlan, parse_size, plan_shards
+    from slurmft.job.consolidate import TensorPlan, plan_shards
+    from slurmft.units import parse_size  # what consolidation splits max_shard_size with
 
     assert parse_size("5GB") == 5 * 10**9 and parse_size("500MB") == 5 * 10**8 and parse_size("2GiB") == 2**31
     with pytest.raises(ValueError):

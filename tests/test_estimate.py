@@ -22,6 +22,7 @@ from slurmft import modelinfo
 from slurmft.config import RunConfig, validate
 from slurmft.errors import ConfigError
 from slurmft.plan import estimate as E
+from slurmft.plan import estimate_text as T
 from slurmft.profiles import ClusterProfile
 
 REPO = Path(__file__).resolve().parent.parent
@@ -253,7 +254,7 @@ def test_seed_setting_fits():
     )
     assert g["fits"] and r["fits"] and g["total"] <= g["capacity"]
     assert g["capacity"] == 81920 * 2**20  # the A100-80GB's real 80 GiB
-    assert E.fit_problems(r) == []
+    assert T.fit_problems(r) == []
     assert r["verdict"].startswith("fits")
 
 
@@ -326,7 +327,7 @@ def test_seed_setting_without_fsdp_does_not_fit_with_reason():
     r = E.estimate(seed_config(fsdp__enabled=False, train__precision="bf16-true"), profile())
     assert not r["per_gpu"]["fits"] and not r["fits"]
     assert r["per_gpu"]["weights"] == 2 * r["parameters"]  # one GPU holds everything (bf16 weights in bf16-true)
-    problems = E.fit_problems(r)
+    problems = T.fit_problems(r)
     assert len(problems) == 1
     assert "GPU memory" in problems[0] and "fsdp.enabled=false" in problems[0]
     assert "set fsdp.enabled=true" in problems[0]  # the fix, with its estimate
@@ -337,7 +338,7 @@ def test_seed_setting_without_checkpointing_does_not_fit_and_says_so():
     r = E.estimate(seed_config(fsdp__activation_checkpointing=False, train__precision="bf16-true"), profile())
     assert not r["fits"]
     assert r["activations"]["without_checkpointing"] > 10 * r["activations"]["with_checkpointing"]
-    assert any("activation_checkpointing=true" in p for p in E.fit_problems(r))
+    assert any("activation_checkpointing=true" in p for p in T.fit_problems(r))
 
 
 def test_eager_attention_adds_the_quadratic_term():
@@ -487,7 +488,7 @@ def test_render_table_shows_both_layouts_and_the_recommendation():
     from rich.console import Console
 
     console = Console(record=True, width=200)
-    console.print(E.render_table(E.estimate(eight_b(), profile())))
+    console.print(T.render_table(E.estimate(eight_b(), profile())))
     text = console.export_text()
     assert "Layouts across nodes" in text and "FSDP (this run)" in text and "HSDP" in text
     assert "recommended: set fsdp.replicate_across_nodes=true" in text
@@ -500,7 +501,7 @@ def test_cpu_run_uses_fp32_and_node_ram_per_rank():
     r = E.estimate(cfg, profile("fake-gpu", 80, node_memory_gb=24))
     assert r["setup"]["device"] == "cpu" and r["setup"]["precision"] == "fp32"
     assert r["per_gpu"]["capacity"] == 12 * E.GB
-    assert not r["fits"] and "CPU memory per rank" in E.fit_problems(r)[0]
+    assert not r["fits"] and "CPU memory per rank" in T.fit_problems(r)[0]
 
 
 def test_render_table():
@@ -509,7 +510,7 @@ def test_render_table():
 
     r = E.estimate(seed_config(resources__nodes=1), profile())
     console = Console(record=True, width=140)
-    console.print(E.render_table(r))
+    console.print(T.render_table(r))
     text = console.export_text()
     assert "Per GPU" in text and "every rank loads" in text and "does not fit" in text
 

@@ -12,6 +12,7 @@ from slurmft.cli import main
 from slurmft.config import slurm_time_seconds, validate
 from slurmft.errors import ConfigError
 from slurmft.plan import estimate as E
+from slurmft.plan import estimate_text as T
 from slurmft.profiles import DEFAULT_CHECKPOINT_WRITE_GB_PER_S, load_profile
 
 EXAMPLE_70B = Path(__file__).resolve().parents[1] / "examples" / "llama2-70b-lima-guanaco.yaml"
@@ -45,13 +46,13 @@ def test_projected_save_time_and_the_warning_with_numbers() -> None:
     result = E.estimate(cfg, profile)
     want = result["checkpoint_bytes"] / (cfg.resources.nodes * 1e9)
     assert result["checkpoint_save_s"] == pytest.approx(want) and 300 < want < 500  # ~830 GB over 2 nodes
-    warning = E.lead_time_warning(result, cfg.resources.nodes, profile.checkpoint_write_gb_per_s)
+    warning = T.lead_time_warning(result, cfg.resources.nodes, profile.checkpoint_write_gb_per_s)
     assert warning is not None
     assert f"preemption.lead_time_s 60 s is below the projected checkpoint save time {want:.0f} s" in warning
     assert "2 node(s) x 1 GB/s per node" in warning
     fast = profile.model_copy(update={"checkpoint_write_gb_per_s": 10.0})
     quick = E.estimate(cfg, fast)
-    assert E.lead_time_warning(quick, cfg.resources.nodes, 10.0) is None  # ~41 s < 60 s
+    assert T.lead_time_warning(quick, cfg.resources.nodes, 10.0) is None  # ~41 s < 60 s
 
 
 def test_estimate_and_validate_show_it(capsys: pytest.CaptureFixture[str]) -> None:

@@ -21,6 +21,7 @@ from slurmft.errors import ConfigError
 from slurmft.plan import estimate as E
 from slurmft.precision import PRECISIONS, bf16_unsupported, reconcile
 from slurmft.profiles import ClusterProfile
+from slurmft.units import decimal_gb
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE_70B = REPO / "examples" / "llama2-70b-lima-guanaco.yaml"
@@ -198,7 +199,7 @@ def test_70b_example_in_bf16_mixed_counts_the_fp32_reduce_scatter_and_says_what_
     article = _estimate_cli("train.precision=bf16-mixed", "fsdp.reduce_dtype=bfloat16")
     assert article["per_gpu"]["reduce_scatter"] * 2 == g["reduce_scatter"]
     text = EXAMPLE_70B.read_text()
-    assert E._fmt(article["per_gpu"]["total"]) in text  # the comment quotes what the estimator says
+    assert decimal_gb(article["per_gpu"]["total"]) in text  # the comment quotes what the estimator says
 
 
 # ====================================================================== the fit table in docs/estimate.md

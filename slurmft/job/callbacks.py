@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from transformers import TrainerCallback
 from slurmft.checkpoints import latest_complete, step_of
 from slurmft.job import preemption
 from slurmft.job.distributed import DistContext, any_rank
+from slurmft.units import MiB, peak_rss_bytes
 
 log = logging.getLogger("slurmft.job")
 
@@ -85,7 +85,7 @@ class PreemptionStop(TrainerCallback):
 
 
 def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return peak_rss_bytes() / MiB
 
 
 class MetricsLog(TrainerCallback):

@@ -29,8 +29,6 @@ import contextlib
 import fcntl
 import json
 import os
-import re
-import resource
 import shutil
 import struct
 import sys
@@ -49,6 +47,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from slurmft.checkpoints import (
     COMPLETE_MARKER,
+    fsync_dir,
     is_complete,
     latest_complete,
     list_checkpoints,
@@ -59,6 +58,7 @@ from slurmft.config import RunConfig, read_run_config
 from slurmft.errors import CheckpointError, SlurmftError
 from slurmft.job.dtypes import DTYPES, SAFETENSORS_CODES
 from slurmft.rundir import MODEL_INDEX, RunPaths
+from slurmft.units import decimal_bytes, parse_size, peak_rss_bytes
 
 # accelerate's save_fsdp_model (SHARDED_STATE_DICT, FSDP2) writes the model of checkpoint-<step>/ to
 # pytorch_model_fsdp_0/ with dcp.save({"model": get_model_state_dict(model)}): DCP keys are
@@ -80,11 +80,6 @@ TOKENIZER_FILES = (
 TOKENIZER_DIRS = ("additional_chat_templates",)
 TOKENIZER_MARKERS = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*$")
-_SIZE_UNITS = {
-    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
-}  # fmt: skip
 # Room left on the filesystem beyond the model itself (config, tokenizer, filesystem slack).
 DISK_MARGIN_BYTES = 64 * 2**20
 
@@ -92,37 +87,6 @@ DISK_MARGIN_BYTES = 64 * 2**20
 def log(message: str) -> None:
     """One progress line; the consolidation job's stdout is its log file."""
     print(f"[slurmft.job.consolidate] {message}", flush=True)
-
-
-def parse_size(text: str) -> int:
-    """``"5GB"`` -> 5_000_000_000 (decimal units, binary with KiB/MiB/GiB, as transformers does)."""
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise ValueError(f"{text!r} is not a size like 5GB or 500MB")
-    size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
-    if size <= 0:
-        raise ValueError(f"size {text!r} must be positive")
-    return size
-
-
-def human_bytes(n: float) -> str:
-    """Bytes for a log line or an error message (decimal units, like max_shard_size)."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
-
-
-def peak_rss_bytes() -> int:
-    """High-water mark of this process's resident memory."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 # ------------------------------------------------------------------ which checkpoint
@@ -595,14 +559,6 @@ def _clean_leftovers(out: Path) -> None:
                 os.rename(child, out)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def replace_dir(tmp: Path, out: Path) -> None:
     """Put the finished ``tmp`` at ``out``; an existing ``out`` is only removed once ``tmp`` is there."""
     old = None
@@ -615,7 +571,7 @@ def replace_dir(tmp: Path, out: Path) -> None:
         if old is not None:
             os.rename(old, out)
         raise
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -625,8 +581,8 @@ def check_disk_space(parent: Path, needed: int) -> None:
     free = shutil.disk_usage(parent).free
     if needed + DISK_MARGIN_BYTES > free:
         raise CheckpointError(
-            f"not enough disk space for the consolidated model: needs {human_bytes(needed)}, "
-            f"{human_bytes(free)} free at {parent}",
+            f"not enough disk space for the consolidated model: needs {decimal_bytes(needed)}, "
+            f"{decimal_bytes(free)} free at {parent}",
             ["free space there, or write elsewhere with --out DIR"],
         )
 
@@ -683,7 +639,7 @@ def consolidate_run(
     total_bytes = sum(s.file_size for s in shards)
     log(
         f"{len(tensors)} tensors, {sum(_numel(t.shape) for t in tensors):,} parameters, "
-        f"{human_bytes(total_bytes)} in {len(shards)} file(s); config from {config_source}, "
+        f"{decimal_bytes(total_bytes)} in {len(shards)} file(s); config from {config_source}, "
         f"tokenizer from {tok_source}"
     )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -711,13 +667,13 @@ def consolidate_run(
                 t0 = time.monotonic()
                 write_shard(reader, shard, tmp / shard.filename, read_budget, advance)
                 log(
-                    f"wrote {shard.filename}: {len(shard.tensors)} tensors, {human_bytes(shard.file_size)} "
+                    f"wrote {shard.filename}: {len(shard.tensors)} tensors, {decimal_bytes(shard.file_size)} "
                     f"in {time.monotonic() - t0:.1f} s"
                 )
             write_index(tmp, shards)
             verify_output(tmp, shards, layout.expected)
             _verify_tokenizer(tmp, cfg, tokenizer_files)
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             replace_dir(tmp, out_dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -736,8 +692,8 @@ def consolidate_run(
         "peak_rss_bytes": peak_rss_bytes(),
     }
     log(
-        f"done: {out_dir} ({human_bytes(total_bytes)}, {summary['parameters']:,} parameters) in "
-        f"{summary['seconds']} s, peak RSS {human_bytes(summary['peak_rss_bytes'])}"
+        f"done: {out_dir} ({decimal_bytes(total_bytes)}, {summary['parameters']:,} parameters) in "
+        f"{summary['seconds']} s, peak RSS {decimal_bytes(summary['peak_rss_bytes'])}"
     )
     return summary
 

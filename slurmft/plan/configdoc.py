@@ -5,7 +5,10 @@ Regenerate: python -m slurmft.plan.configdoc > docs/config.md
 
 from __future__ import annotations
 
+import functools
 import json
+import operator
+import types
 import typing
 from typing import Any
 
@@ -25,7 +28,18 @@ def _submodel(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def _plain(annotation: Any) -> Any:
+    """The type a user writes: ``Annotated`` validators (config.SlurmTime, ...) dropped, ``X | None`` kept."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _plain(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return functools.reduce(operator.or_, [_plain(a) for a in typing.get_args(annotation)])
+    return annotation
+
+
 def _type_name(annotation: Any) -> str:
+    annotation = _plain(annotation)
     text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
     text = text or str(annotation).replace("typing.", "")
     return text.replace("slurmft.config.", "")

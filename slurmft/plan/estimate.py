@@ -1,9 +1,10 @@
 """`slurmft estimate`: will this run fit? GPU memory per rank and CPU RAM per node, before submitting.
 
-Everything here is arithmetic on the model's ``config.json`` and the run config: the login node never
-imports torch (``rich`` is imported only to draw the table). The formulas and their assumptions are
-written out in ``docs/estimate.md``; the same assumptions travel in every result under
-``assumptions`` so a reader of the JSON knows what was counted.
+Everything here is arithmetic on the model's ``config.json`` and the run config, in integers: the
+login node never imports torch. What a user reads (the fixes to try, the assumptions, the verdict and
+the rich table) is ``slurmft/plan/estimate_text.py``, which :func:`estimate` calls with the numbers it
+counted. The formulas and their assumptions are written out in ``docs/estimate.md``; the same
+assumptions travel in every result under ``assumptions`` so a reader of the JSON knows what was counted.
 
 Assumptions, in one place (each is repeated where it is used):
 
@@ -58,25 +59,22 @@ import json
 import math
 import re
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from slurmft.errors import ConfigError
 from slurmft.modelinfo import locate_model_config, read_model_config, seq_length_problem
+from slurmft.plan.estimate_text import Counted, assumptions, fit_problems, hsdp_advice, remedies, verdict
 from slurmft.precision import DTYPE_BYTES as PRECISION_DTYPE_BYTES
 from slurmft.precision import PRECISIONS, consolidated_dtype
 from slurmft.precision import reduce_dtype as resolve_reduce_dtype
 from slurmft.precision import resolve as resolve_mode
 from slurmft.profiles import runs_on_gpu
+from slurmft.units import GB, GiB, MiB
 
 if TYPE_CHECKING:  # the login side needs none of these at run time
-    from rich.console import RenderableType
-
     from slurmft.config import RunConfig
     from slurmft.profiles import ClusterProfile
-
-GB = 10**9
-GiB = 2**30
-MiB = 2**20
 
 #: Training-state bytes per parameter (the course-notes sizing rule), by precision.
 BYTES_PER_PARAM: dict[str, dict[str, int]] = {
@@ -88,7 +86,6 @@ BYTES_PER_PARAM: dict[str, dict[str, int]] = {
 }
 COMPUTE_BYTES = {name: p.compute_bytes for name, p in PRECISIONS.items()}
 MASTER_BYTES = 4  # fp32: what from_pretrained materialises by default (the every-rank / rank-0 strategies)
-ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32 (bf16-true: 4)
 CUDA_CONTEXT_BYTES = 1 * GiB
 FRAGMENTATION = 0.05
 RUNTIME_BYTES_GPU_RANK = 2 * GiB
@@ -318,6 +315,11 @@ class _Knobs:
         return PRECISION_DTYPE_BYTES[self.reduce_dtype]
 
     @property
+    def runtime_bytes_per_rank(self) -> int:
+        """CPU RAM each rank needs besides the model (Python, torch, CUDA libraries)."""
+        return RUNTIME_BYTES_GPU_RANK if self.on_gpu else RUNTIME_BYTES_CPU_RANK
+
+    @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
 
@@ -397,7 +399,6 @@ def reduce_scatter_units(shape: ModelShape, world_size: int) -> dict[str, int]:
     return units
 
 
-# --- HSDP (issue 11, item 10) ---------------------------------------------------------------
 def gradient_reductions_per_step(accumulation: int) -> int:
     """How often per optimizer step the gradients are reduced (reduce-scatter, plus HSDP's all-reduce).
 
@@ -443,22 +444,69 @@ def layouts(shape: ModelShape, n_params: int, k: _Knobs) -> dict[str, dict[str, 
     return out
 
 
-def hsdp_advice(result_layouts: dict[str, dict[str, Any]], k: _Knobs) -> str | None:
-    """A recommendation to switch layout, or None: HSDP when the training state fits one node."""
-    if not k.fsdp or k.nodes == 1:
-        return None
-    fsdp, hsdp = result_layouts["fsdp"], result_layouts["hsdp"]
-    traffic = (f"inter-node traffic {_fmt(hsdp['inter_node_bytes_per_step'])} per node per step instead of "
-               f"{_fmt(fsdp['inter_node_bytes_per_step'])}")
-    if not k.hsdp and hsdp["fits"]:
-        return (f"set fsdp.replicate_across_nodes=true (HSDP): the model's training state fits one node "
-                f"({_fmt(hsdp['per_gpu_total'])} per GPU sharded over its {k.ranks_per_node} ranks), so parameter "
-                f"all-gathers and gradient reduce-scatters stay inside the node and only one gradient all-reduce "
-                f"crosses the network; {traffic}")
-    return None
-# --- end HSDP ------------------------------------------------------------------------------
+def _largest_tensor_numel(shape: ModelShape) -> int:
+    return max(_numel(s) for s in shape.layer_tensors() + shape.root_tensors())
 
 
+def _total_if_fits(shape: ModelShape, k: _Knobs) -> int | None:
+    """The per-GPU total for settings ``k`` when it fits, else None (what the fixes ask)."""
+    plan = _per_gpu(shape, k)
+    return plan["total"] if plan["fits"] else None
+
+
+def _activations(shape: ModelShape, k: _Knobs, detail: dict[str, int]) -> dict[str, int]:
+    """This run's activation terms plus the totals with checkpointing flipped and with each attention kind."""
+    c = COMPUTE_BYTES[k.precision]
+    other = activation_bytes(shape, k.seq_len, k.micro_batch, c, not k.checkpointing, k.eager)["total"]
+    flash = activation_bytes(shape, k.seq_len, k.micro_batch, c, k.checkpointing, False)["total"]
+    eager = activation_bytes(shape, k.seq_len, k.micro_batch, c, k.checkpointing, True)["total"]
+    return {
+        **detail,
+        "with_checkpointing": detail["total"] if k.checkpointing else other,
+        "without_checkpointing": other if k.checkpointing else detail["total"],
+        "flash_or_sdpa": flash,
+        "eager": eager,
+    }
+
+
+def _cpu_ram_per_node(
+    shape: ModelShape, n_params: int, k: _Knobs, gpu: dict[str, Any], node_ram: int
+) -> dict[str, Any]:
+    """CPU RAM of node 0 (it hosts rank 0) at load, for each loading strategy, and while training."""
+    rpn = k.ranks_per_node
+    runtime = rpn * k.runtime_bytes_per_rank
+    full_fp32 = n_params * MASTER_BYTES
+    file_bytes = n_params * DTYPE_BYTES.get(str(shape.file_dtype).lower(), 2)
+    # Shards that live in RAM (CPU ranks, or FSDP CPU offload): every rank of the node holds one.
+    if not k.on_gpu:
+        resident = rpn * (gpu["total"] - gpu["overhead"])
+    elif k.cpu_offload:
+        resident = rpn * gpu["offloaded_to_cpu"]
+    else:
+        resident = 0
+    param_bytes = PRECISIONS[k.precision].param_bytes
+    shard_bytes = gpu["sharded_state_elements"] * param_bytes
+    load_resident = rpn * shard_bytes if (not k.on_gpu or k.cpu_offload) else 0
+    ours = file_bytes + _largest_tensor_numel(shape) * param_bytes + runtime + load_resident
+    training = runtime + resident
+    return {
+        "every_rank_loads": rpn * full_fp32 + runtime + load_resident,
+        "rank0_broadcast": full_fp32 + runtime + load_resident,
+        "slurmft": ours,
+        "training": training,
+        "capacity": node_ram,
+        "fits": max(ours, training) <= node_ram,
+        "runtime_allowance": runtime,
+        "safetensors_bytes": file_bytes,
+    }
+
+
+def projected_save(checkpoint_bytes: int, nodes: int, gb_per_s_per_node: float) -> float:
+    """Seconds to write one sharded checkpoint: every node writes its ranks' shards in parallel."""
+    return checkpoint_bytes / (nodes * gb_per_s_per_node * 1e9)
+
+
+# ====================================================================== the run's settings
 def resolve_precision(cfg: RunConfig, on_gpu: bool) -> str:
     """``train.precision`` (reconciled with ``model.dtype`` by the config) resolved: auto = bf16-mixed on
     GPUs, fp32 on CPU."""
@@ -480,45 +528,22 @@ def gpu_capacity_bytes(profile: ClusterProfile) -> tuple[int, str | None]:
     return stated, None
 
 
-def _largest_tensor_numel(shape: ModelShape) -> int:
-    return max(_numel(s) for s in shape.layer_tensors() + shape.root_tensors())
-
-
-def estimate(
-    cfg: RunConfig, profile: ClusterProfile, model_cfg: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """Memory plan of a run: parameters, per-GPU memory, per-node CPU RAM at load, checkpoint sizes.
-
-    Bytes are integers. ``per_gpu`` is the largest rank; ``cpu_ram_per_node`` is node 0 (it hosts rank
-    0, which reads the weights). ``assumptions`` lists what was counted; ``fit_problems`` turns a
-    result that does not fit into reasons with fixes.
-    """
-    source = None
-    if model_cfg is None:
-        source = str(locate_model_config(cfg.model.name_or_path, cfg.model.revision))
-        model_cfg = read_model_config(cfg.model.name_or_path, cfg.model.revision)
-    too_long = seq_length_problem(cfg.data.max_seq_length, model_cfg.get("max_position_embeddings"))
-    if too_long:  # the job refuses it, so no plan for it either
-        raise ConfigError(too_long)
-    shape = model_shape(model_cfg)
-    n_params = count_parameters(model_cfg)
-
+def _knobs(cfg: RunConfig, profile: ClusterProfile) -> tuple[_Knobs, str | None]:
+    """The settings the arithmetic reads, and the capacity note (a GPU's real size replaced its nominal one)."""
     on_gpu = runs_on_gpu(cfg, profile)
     precision = resolve_precision(cfg, on_gpu)
     rpn = cfg.resources.ranks_per_node
-    node_ram = int(profile.node_memory_gb * GB)
     if on_gpu:
         capacity, capacity_note = gpu_capacity_bytes(profile)
     else:
-        capacity, capacity_note = node_ram // rpn, None
-    eager = cfg.model.attn_implementation == "eager"
+        capacity, capacity_note = int(profile.node_memory_gb * GB) // rpn, None
     knobs = _Knobs(
         nodes=cfg.resources.nodes,
         ranks_per_node=rpn,
         fsdp=cfg.fsdp.enabled,
         cpu_offload=cfg.fsdp.cpu_offload,
         checkpointing=cfg.fsdp.activation_checkpointing,
-        eager=eager,
+        eager=cfg.model.attn_implementation == "eager",
         seq_len=cfg.data.max_seq_length,
         micro_batch=cfg.train.per_device_batch_size,
         precision=precision,
@@ -530,432 +555,129 @@ def estimate(
         reshard_after_forward=cfg.fsdp.reshard_after_forward,
         accumulation=cfg.train.gradient_accumulation_steps,
     )
-    gpu = _per_gpu(shape, knobs)
-    act_detail = gpu.pop("_activations_detail")
-    act_other = activation_bytes(
-        shape, knobs.seq_len, knobs.micro_batch, COMPUTE_BYTES[precision], not knobs.checkpointing, eager
-    )["total"]
-    act_flash = activation_bytes(
-        shape, knobs.seq_len, knobs.micro_batch, COMPUTE_BYTES[precision], knobs.checkpointing, False
-    )["total"]
-    act_eager = activation_bytes(
-        shape, knobs.seq_len, knobs.micro_batch, COMPUTE_BYTES[precision], knobs.checkpointing, True
-    )["total"]
+    return knobs, capacity_note
 
-    # ---- CPU RAM per node at load time (node 0 hosts rank 0)
-    runtime = rpn * (RUNTIME_BYTES_GPU_RANK if on_gpu else RUNTIME_BYTES_CPU_RANK)
-    full_fp32 = n_params * MASTER_BYTES
-    file_bytes_per_param = DTYPE_BYTES.get(str(shape.file_dtype).lower(), 2)
-    file_bytes = n_params * file_bytes_per_param
-    # Shards that live in RAM (CPU ranks, or FSDP CPU offload): every rank of the node holds one.
-    if not on_gpu:
-        resident = rpn * (gpu["total"] - gpu["overhead"])
-    elif knobs.cpu_offload:
-        resident = rpn * gpu["offloaded_to_cpu"]
-    else:
-        resident = 0
-    mode = PRECISIONS[precision]
-    shard_bytes = gpu["sharded_state_elements"] * mode.param_bytes
-    load_resident = rpn * shard_bytes if (not on_gpu or knobs.cpu_offload) else 0
-    every_rank = rpn * full_fp32 + runtime + load_resident
-    rank0 = full_fp32 + runtime + load_resident
-    ours = file_bytes + _largest_tensor_numel(shape) * mode.param_bytes + runtime + load_resident
-    training_ram = runtime + resident
-    cpu = {
-        "every_rank_loads": every_rank,
-        "rank0_broadcast": rank0,
-        "slurmft": ours,
-        "training": training_ram,
-        "capacity": node_ram,
-        "fits": max(ours, training_ram) <= node_ram,
-        "runtime_allowance": runtime,
-        "safetensors_bytes": file_bytes,
+
+def _counted(shape: ModelShape, k: _Knobs) -> Counted:
+    """The numbers the assumptions name, from the one place they are defined (this module)."""
+    return Counted(
+        model_type=shape.model_type,
+        model_type_supported=shape.model_type in SUPPORTED_MODEL_TYPES,
+        state_bytes=BYTES_PER_PARAM[k.precision],
+        reductions_per_step=gradient_reductions_per_step(k.accumulation),
+        cuda_context_bytes=CUDA_CONTEXT_BYTES,
+        fragmentation=FRAGMENTATION,
+        runtime_bytes_per_rank=k.runtime_bytes_per_rank,
+    )
+
+
+# ====================================================================== the result
+def _model_facts(cfg: RunConfig, source: str | None, shape: ModelShape) -> dict[str, Any]:
+    return {
+        "name_or_path": cfg.model.name_or_path,
+        "config_source": source,
+        "model_type": shape.model_type,
+        "hidden_size": shape.hidden,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "intermediate_size": shape.intermediate,
+        "vocab_size": shape.vocab,
+        "tie_word_embeddings": shape.tied,
+        "num_local_experts": shape.experts,
     }
 
-    checkpoint_bytes = n_params * (mode.param_bytes + 2 * PRECISION_DTYPE_BYTES[mode.optim_dtype])
-    save = projected_save(checkpoint_bytes, cfg.resources.nodes, profile.checkpoint_write_gb_per_s)
-    out_dtype = consolidated_dtype(cfg.consolidate.dtype, mode)
-    consolidated_bytes = n_params * DTYPE_BYTES[out_dtype]
 
-    # ---- what would make it fit (only computed when it does not)
-    remedies: list[str] = []
-    if not gpu["fits"]:
-        remedies = _remedies(shape, knobs)
+def _precision_facts(cfg: RunConfig, k: _Knobs) -> dict[str, Any]:
+    mode = PRECISIONS[k.precision]
+    return {
+        "name": k.precision,
+        "requested": cfg.train.precision,
+        "param_dtype": mode.param_dtype,
+        "compute_dtype": mode.compute_dtype,
+        "reduce_dtype": k.reduce_dtype,
+        "optimizer_state_dtype": mode.optim_dtype,
+        "bytes_per_parameter": sum(mode.state_bytes().values()),
+    }
+
+
+def _setup_facts(k: _Knobs, profile: ClusterProfile) -> dict[str, Any]:
+    return {
+        "nodes": k.nodes,
+        "ranks_per_node": k.ranks_per_node,
+        "world_size": k.world_size,
+        "device": "gpu" if k.on_gpu else "cpu",
+        "gpu_type": profile.gpu.type if k.on_gpu else None,
+        "profile": profile.name,
+        "precision": k.precision,
+        "fsdp": k.fsdp,
+        "shards": k.shards,
+        "replicate_across_nodes": k.hsdp and k.fsdp,
+        "replicas": k.nodes if (k.hsdp and k.fsdp) else 1,
+        "cpu_offload": k.cpu_offload,
+        "activation_checkpointing": k.checkpointing,
+        "attention": "eager" if k.eager else "flash/sdpa",
+        "seq_len": k.seq_len,
+        "micro_batch": k.micro_batch,
+        "gradient_accumulation_steps": k.accumulation,
+    }
+
+
+def estimate(
+    cfg: RunConfig, profile: ClusterProfile, model_cfg: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Memory plan of a run: parameters, per-GPU memory, per-node CPU RAM at load, checkpoint sizes.
+
+    Bytes are integers. ``per_gpu`` is the largest rank; ``cpu_ram_per_node`` is node 0 (it hosts rank
+    0, which reads the weights). ``assumptions`` lists what was counted; ``problems`` (from
+    ``estimate_text.fit_problems``) turns a result that does not fit into reasons with fixes.
+    """
+    source = None
+    if model_cfg is None:
+        source = str(locate_model_config(cfg.model.name_or_path, cfg.model.revision))
+        model_cfg = read_model_config(cfg.model.name_or_path, cfg.model.revision)
+    too_long = seq_length_problem(cfg.data.max_seq_length, model_cfg.get("max_position_embeddings"))
+    if too_long:  # the job refuses it, so no plan for it either
+        raise ConfigError(too_long)
+    shape = model_shape(model_cfg)
+    n_params = count_parameters(model_cfg)
+    knobs, capacity_note = _knobs(cfg, profile)
+
+    gpu = _per_gpu(shape, knobs)
+    activations = _activations(shape, knobs, gpu.pop("_activations_detail"))
+    cpu = _cpu_ram_per_node(shape, n_params, knobs, gpu, int(profile.node_memory_gb * GB))
+    mode = PRECISIONS[knobs.precision]
+    checkpoint_bytes = n_params * (mode.param_bytes + 2 * PRECISION_DTYPE_BYTES[mode.optim_dtype])
+    out_dtype = consolidated_dtype(cfg.consolidate.dtype, mode)
     both = layouts(shape, n_params, knobs)
 
-    assumptions = _assumptions(shape, knobs, capacity_note)
     result: dict[str, Any] = {
-        "model": {
-            "name_or_path": cfg.model.name_or_path,
-            "config_source": source,
-            "model_type": shape.model_type,
-            "hidden_size": shape.hidden,
-            "num_hidden_layers": shape.layers,
-            "num_attention_heads": shape.heads,
-            "num_key_value_heads": shape.kv_heads,
-            "head_dim": shape.head_dim,
-            "intermediate_size": shape.intermediate,
-            "vocab_size": shape.vocab,
-            "tie_word_embeddings": shape.tied,
-            "num_local_experts": shape.experts,
-        },
+        "model": _model_facts(cfg, source, shape),
         "parameters": n_params,
-        "precision": {
-            "name": precision,
-            "requested": cfg.train.precision,
-            "param_dtype": mode.param_dtype,
-            "compute_dtype": mode.compute_dtype,
-            "reduce_dtype": knobs.reduce_dtype,
-            "optimizer_state_dtype": mode.optim_dtype,
-            "bytes_per_parameter": sum(mode.state_bytes().values()),
-        },
-        "setup": {
-            "nodes": knobs.nodes,
-            "ranks_per_node": rpn,
-            "world_size": knobs.world_size,
-            "device": "gpu" if on_gpu else "cpu",
-            "gpu_type": profile.gpu.type if on_gpu else None,
-            "profile": profile.name,
-            "precision": precision,
-            "fsdp": knobs.fsdp,
-            "shards": knobs.shards,
-            "replicate_across_nodes": knobs.hsdp and knobs.fsdp,
-            "replicas": knobs.nodes if (knobs.hsdp and knobs.fsdp) else 1,
-            "cpu_offload": knobs.cpu_offload,
-            "activation_checkpointing": knobs.checkpointing,
-            "attention": "eager" if eager else "flash/sdpa",
-            "seq_len": knobs.seq_len,
-            "micro_batch": knobs.micro_batch,
-            "gradient_accumulation_steps": knobs.accumulation,
-        },
+        "precision": _precision_facts(cfg, knobs),
+        "setup": _setup_facts(knobs, profile),
         "per_gpu": gpu,
-        "activations": {
-            **act_detail,
-            "with_checkpointing": act_detail["total"] if knobs.checkpointing else act_other,
-            "without_checkpointing": act_other if knobs.checkpointing else act_detail["total"],
-            "flash_or_sdpa": act_flash,
-            "eager": act_eager,
-        },
+        "activations": activations,
         "cpu_ram_per_node": cpu,
         "checkpoint_bytes": checkpoint_bytes,
-        "checkpoint_save_s": save,
+        "checkpoint_save_s": projected_save(checkpoint_bytes, knobs.nodes, profile.checkpoint_write_gb_per_s),
         "lead_time_s": cfg.preemption.lead_time_s,
-        "consolidated_bytes": consolidated_bytes,
+        "consolidated_bytes": n_params * DTYPE_BYTES[out_dtype],
         "consolidated_dtype": out_dtype,
         "fits": bool(gpu["fits"] and cpu["fits"]),
-        "remedies": remedies,
+        # the words: what would make it fit (only when it does not), a better layout, what was counted
+        "remedies": [] if gpu["fits"] else remedies(knobs, partial(_total_if_fits, shape)),
         "layouts": both,
         "inter_node_bytes_per_step": both["hsdp" if knobs.hsdp else "fsdp"]["inter_node_bytes_per_step"],
         "recommendation": hsdp_advice(both, knobs) if gpu["fits"] else None,
-        "assumptions": assumptions,
+        "assumptions": assumptions(knobs, _counted(shape, knobs), capacity_note),
     }
     result["problems"] = fit_problems(result)
-    result["verdict"] = _verdict(result)
+    result["verdict"] = verdict(result)
     return result
-
-
-def _remedies(shape: ModelShape, k: _Knobs) -> list[str]:
-    """Single changes to the run config that would make the GPU memory fit, each with its estimate."""
-    out: list[str] = []
-
-    def fits(alt: _Knobs) -> int | None:
-        plan = _per_gpu(shape, alt)
-        return plan["total"] if plan["fits"] else None
-
-    if not k.fsdp and (t := fits(replace(k, fsdp=True))):
-        out.append(f"set fsdp.enabled=true (shards over {replace(k, fsdp=True).shards} ranks: {_fmt(t)} per GPU)")
-    if k.fsdp and k.hsdp and k.nodes > 1 and (t := fits(replace(k, hsdp=False))):
-        out.append(f"set fsdp.replicate_across_nodes=false (the training state does not fit one node; FSDP over all "
-                   f"{k.world_size} ranks: {_fmt(t)} per GPU)")
-    if k.precision != "bf16-true":
-        true_bf16 = replace(k, precision="bf16-true",
-                            reduce_dtype=resolve_reduce_dtype(PRECISIONS["bf16-true"], k.reduce_configured))
-        if t := fits(true_bf16):
-            out.append(
-                "set train.precision=bf16-true (bf16 weights, gradients and AdamW state: 8 bytes/parameter; "
-                f"{_fmt(t)} per GPU)"
-            )
-    if not k.checkpointing and (t := fits(replace(k, checkpointing=True))):
-        out.append(f"set fsdp.activation_checkpointing=true ({_fmt(t)} per GPU)")
-    if k.eager and (t := fits(replace(k, eager=False))):
-        out.append(f"use model.attn_implementation=sdpa or flash_attention_2 ({_fmt(t)} per GPU)")
-    if k.micro_batch > 1 and (t := fits(replace(k, micro_batch=1))):
-        out.append(
-            f"set train.per_device_batch_size=1 and raise train.gradient_accumulation_steps (fewer activations; "
-            f"gradients stay sharded between micro-batches: {_fmt(t)} per GPU)"
-        )
-    if k.on_gpu:
-        base = replace(k, fsdp=True, hsdp=False)  # more nodes only help when every rank holds a shard
-        for nodes in range(k.nodes + 1, 513):
-            if t := fits(replace(base, nodes=nodes)):
-                extra = "" if k.fsdp else " with fsdp.enabled=true"
-                extra += " and fsdp.replicate_across_nodes=false" if k.hsdp else ""
-                out.append(f"use resources.nodes={nodes}{extra} ({_fmt(t)} per GPU)")
-                break
-        if not k.cpu_offload and (t := fits(replace(k, fsdp=True, cpu_offload=True))):
-            out.append(f"set fsdp.cpu_offload=true (much slower; {_fmt(t)} per GPU)")
-    if not out:  # no single change is enough: name the levers that are not at their best yet
-        levers = [
-            "fsdp.enabled=true" if not k.fsdp else "",
-            "fsdp.activation_checkpointing=true" if not k.checkpointing else "",
-            "model.attn_implementation=sdpa" if k.eager else "",
-            "train.per_device_batch_size=1" if k.micro_batch > 1 else "",
-            "train.precision=bf16-true" if k.precision != "bf16-true" else "",
-            "a smaller data.max_seq_length",
-            "more resources.nodes" if k.on_gpu else "more resources.nodes or node RAM",
-        ]
-        out.append("no single change is enough; combine " + ", ".join(x for x in levers if x))
-    return out
-
-
-def _assumptions(shape: ModelShape, k: _Knobs, capacity_note: str | None) -> list[str]:
-    per = BYTES_PER_PARAM[k.precision]
-    lines = []
-    if shape.model_type not in SUPPORTED_MODEL_TYPES:
-        lines.append(f"model_type {shape.model_type!r} is counted as a Llama-style decoder")
-    lines.append(
-        f"training state ({k.precision}, AdamW): {per['weights']} weights + {per['gradients']} gradients + "
-        f"{per['optimizer']} optimizer = {sum(per.values())} bytes/parameter"
-        + (" (FSDP2 keeps fp32 sharded weights and gradients; the compute dtype only while gathered)"
-           if k.precision in ("bf16-mixed", "fp16-mixed") else "")
-        + (" (bf16 weights, gradients, exp_avg and exp_avg_sq)" if k.precision == "bf16-true" else "")
-    )
-    if k.fsdp and k.hsdp and k.nodes > 1:
-        lines.append(
-            f"HSDP (fsdp.replicate_across_nodes): each tensor split on dim 0 (padded) over the {k.ranks_per_node} "
-            f"ranks of a node and replicated on {k.nodes} nodes; the largest rank is shown"
-        )
-    elif k.fsdp:
-        lines.append(
-            f"FSDP full shard over {k.world_size} ranks: each tensor split on dim 0 (padded); the largest rank is shown"
-            + ("; fsdp.replicate_across_nodes on one node is the same" if k.hsdp else "")
-        )
-        lines.append(
-            f"FSDP reduce-scatter input: the largest wrapped unit's gradients, unsharded and padded, in "
-            f"{k.reduce_dtype} (fsdp.reduce_dtype)"
-        )
-        lines.append(
-            "FSDP working set: 2 layers' parameters (current + prefetched) + 1 layer's gradients unsharded, "
-            "root parameters (embeddings, final norm, LM head) + LM-head gradient unsharded, in the compute dtype"
-        )
-        lines.append(
-            f"gradient accumulation ({k.accumulation} micro-batch(es) per step) adds no memory: every micro-batch "
-            "reduce-scatters into the sharded gradients (no full gradient is kept between micro-batches)"
-        )
-    else:
-        lines.append(
-            "fsdp.enabled=false: every GPU holds all weights, gradients and optimizer states (DDP-like), "
-            "plus DDP gradient buckets (one more gradient copy)"
-        )
-    if k.cpu_offload and k.fsdp:
-        lines.append("fsdp.cpu_offload: sharded weights, gradients and optimizer states live in CPU RAM")
-    if k.fsdp and k.nodes > 1:
-        lines.append(
-            "inter-node bytes per node per optimizer step, NCCL rings: FSDP (W-1)/W x (parameter all-gathers in the "
-            "compute dtype, x2 with reshard_after_forward, every micro-batch + the gradient reduce-scatter); HSDP "
-            "2(N-1)/N x the gradient all-reduce; gradients reduced "
-            f"{gradient_reductions_per_step(k.accumulation)}x per step"
-        )
-    attn = (
-        "eager attention: K/V repeated to all heads, fp32 softmax of heads x seq x seq per layer"
-        if k.eager
-        else "flash-attention/SDPA: no seq x seq matrix, only the log-sum-exp is kept"
-    )
-    ckpt = (
-        "activation checkpointing: each layer's input kept, one layer recomputed in backward"
-        if k.checkpointing
-        else "no activation checkpointing: every layer's activations kept until backward"
-    )
-    lines += [
-        f"activations: seq {k.seq_len} x micro-batch {k.micro_batch}; {ckpt}; {attn}; "
-        "logits, their fp32 upcast and fp32 gradient counted",
-        (
-            f"allowance: {CUDA_CONTEXT_BYTES // MiB} MiB CUDA context/workspaces/NCCL + "
-            f"{FRAGMENTATION:.0%} allocator fragmentation"
-        )
-        if k.on_gpu
-        else (
-            f"CPU run: each rank's share is node RAM / {k.ranks_per_node} ranks; allowance "
-            f"{RUNTIME_BYTES_CPU_RANK // MiB} MiB runtime + {FRAGMENTATION:.0%} fragmentation"
-        ),
-        "CPU RAM at load: fp32 full copies for every-rank / rank-0 loading; slurmft = its worst case (scatter "
-        "fallback: safetensors memory-mapped on rank 0 + one tensor at a time; by default each rank reads its slice); "
-        f"+ {(RUNTIME_BYTES_GPU_RANK if k.on_gpu else RUNTIME_BYTES_CPU_RANK) // MiB} MiB runtime per rank",
-        f"checkpoint = parameters + 2 AdamW states in {PRECISIONS[k.precision].param_dtype} "
-        f"({PRECISIONS[k.precision].param_bytes * 3} bytes/parameter); consolidated = parameters x consolidate.dtype "
-        "(auto: the compute dtype)",
-    ]
-    if capacity_note:
-        lines.append(capacity_note)
-    return lines
-
-
-# ====================================================================== verdicts
-def projected_save(checkpoint_bytes: int, nodes: int, gb_per_s_per_node: float) -> float:
-    """Seconds to write one sharded checkpoint: every node writes its ranks' shards in parallel."""
-    return checkpoint_bytes / (nodes * gb_per_s_per_node * 1e9)
-
-
-def lead_time_warning(result: dict[str, Any], nodes: int, gb_per_s_per_node: float) -> str | None:
-    """A warning (with the numbers) when the warning signal would not leave time for one save."""
-    save, lead = result["checkpoint_save_s"], result["lead_time_s"]
-    if lead >= save:
-        return None
-    return (f"preemption.lead_time_s {lead} s is below the projected checkpoint save time {save:.0f} s "
-            f"({_fmt(result['checkpoint_bytes'])} / ({nodes} node(s) x {gb_per_s_per_node:g} GB/s per node, "
-            f"cluster profile checkpoint_write_gb_per_s)): a preemption or time limit would kill the save. Raise "
-            f"preemption.lead_time_s to at least {int(save * 2) + 30} (twice the save, plus start-up of a step)")
-
-
-def _fmt(n: int | float) -> str:
-    n = float(n)
-    if abs(n) >= 10**12:
-        return f"{n / 10**12:,.2f} TB"
-    if abs(n) >= GB:
-        return f"{n / GB:,.1f} GB"
-    return f"{n / 10**6:,.0f} MB"
-
-
-def fit_problems(result: dict[str, Any]) -> list[str]:
-    """Why the run does not fit, one human line per resource (empty when it fits)."""
-    problems = []
-    g = result["per_gpu"]
-    setup = result.get("setup", {})
-    on_gpu = setup.get("device", "gpu") == "gpu"
-    if not g["fits"]:
-        unit = f"per GPU ({setup.get('gpu_type')})" if on_gpu else "per CPU rank"
-        parts = ", ".join(
-            f"{k} {_fmt(g[k])}"
-            for k in ("weights", "gradients", "optimizer", "comm_buffers", "reduce_scatter", "activations", "overhead")
-            if g.get(k)
-        )
-        msg = f"GPU memory: needs {_fmt(g['total'])} {unit} but has {_fmt(g['capacity'])} ({parts})"
-        if not on_gpu:
-            msg = msg.replace("GPU memory", "CPU memory per rank")
-        if not setup.get("fsdp", True):
-            msg += "; fsdp.enabled=false keeps a full copy of weights, gradients and optimizer on every GPU"
-        remedies = result.get("remedies") or []
-        if remedies:
-            msg += "; to fix: " + "; or ".join(remedies)
-        problems.append(msg)
-    c = result["cpu_ram_per_node"]
-    if not c["fits"]:
-        need = max(c["slurmft"], c.get("training", 0))
-        problems.append(
-            f"CPU RAM: node 0 needs {_fmt(need)} (loading {_fmt(c['slurmft'])}, training {_fmt(c.get('training', 0))}) "
-            f"but a node has {_fmt(c['capacity'])}; use more nodes or a profile with more node_memory_gb"
-        )
-    return problems
-
-
-def _verdict(result: dict[str, Any]) -> str:
-    g = result["per_gpu"]
-    pct = 100 * g["total"] / g["capacity"] if g["capacity"] else float("inf")
-    if result["fits"]:
-        tight = (
-            " - tight: under 5% headroom, little room for a longer sequence or a larger micro-batch"
-            if pct > 95
-            else ""
-        )
-        return f"fits: {_fmt(g['total'])} of {_fmt(g['capacity'])} per rank ({pct:.0f}%){tight}"
-    return "does not fit: " + " | ".join(result["problems"])
 
 
 def to_json(result: dict[str, Any]) -> str:
     """The result as indented JSON (bytes stay integers)."""
     return json.dumps(result, indent=2, sort_keys=False)
-
-
-# ====================================================================== the table
-def render_table(result: dict[str, Any]) -> RenderableType:
-    """A rich renderable for humans: model, per-GPU memory, CPU RAM at load, disk, verdict."""
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    s, g, c, m = result["setup"], result["per_gpu"], result["cpu_ram_per_node"], result["model"]
-    head = Text.assemble(
-        (f"{m['name_or_path']}", "bold"),
-        f"  {result['parameters'] / 1e9:.2f}B parameters ({result['parameters']:,})  "
-        f"{m['num_hidden_layers']} layers, hidden {m['hidden_size']}, heads {m['num_attention_heads']}"
-        f"/{m['num_key_value_heads']} kv, vocab {m['vocab_size']}\n",
-        f"{s['nodes']} node(s) x {s['ranks_per_node']} ranks on {s['gpu_type'] or 'CPU'} "
-        f"({s['profile']}), {s['precision']}, "
-        + ((f"HSDP: sharded over {s['shards']} per node, {s['replicas']} replicas" if s["replicas"] > 1 else
-            f"FSDP full shard over {s['shards']}") if s["fsdp"] else "no FSDP (full copy per rank)")
-        + (", CPU offload" if s["cpu_offload"] else "")
-        + f", activation checkpointing {'on' if s['activation_checkpointing'] else 'off'}, "
-        f"{s['attention']} attention, seq {s['seq_len']} x micro-batch {s['micro_batch']}",
-    )
-
-    t = Table(title="Per GPU" if s["device"] == "gpu" else "Per rank (CPU)", title_justify="left")
-    t.add_column("component")
-    t.add_column("bytes", justify="right")
-    t.add_column("note", style="dim")
-    rows = [
-        ("weights", g["weights"], ("sharded" if s["fsdp"] else "full copy")
-         + (", bf16" if s["precision"] == "bf16-true" else ", fp32")),
-        ("gradients", g["gradients"], "bf16" if s["precision"] == "bf16-true" else "fp32"),
-        ("optimizer (AdamW)", g["optimizer"], "2 bf16 states" if s["precision"] == "bf16-true" else "2 fp32 states"),
-        ("reduce-scatter buffer", g.get("reduce_scatter", 0),
-         f"largest unit's gradients in {result['precision']['reduce_dtype']}" if s["fsdp"] else ""),
-        ("gathered / comm buffers", g["comm_buffers"], "FSDP all-gather" if s["fsdp"] else "DDP buckets"),
-        (
-            "activations",
-            g["activations"],
-            f"without ckpt {_fmt(result['activations']['without_checkpointing'])}"
-            if s["activation_checkpointing"]
-            else f"with ckpt {_fmt(result['activations']['with_checkpointing'])}",
-        ),
-        ("overhead allowance", g["overhead"], "context + fragmentation"),
-    ]
-    for name, val, note in rows:
-        t.add_row(name, _fmt(val), note)
-    style = "green" if g["fits"] else "red"
-    t.add_row(
-        Text("total", style="bold"),
-        Text(_fmt(g["total"]), style=f"bold {style}"),
-        f"capacity {_fmt(g['capacity'])}",
-    )
-
-    r = Table(title="CPU RAM per node at load (node 0)", title_justify="left")
-    r.add_column("strategy")
-    r.add_column("bytes", justify="right")
-    r.add_column("vs node RAM", justify="right")
-    for name, key in (
-        ("every rank loads", "every_rank_loads"),
-        ("rank 0 loads + broadcast", "rank0_broadcast"),
-        ("slurmft (mmap + shard broadcast)", "slurmft"),
-    ):
-        ok = c[key] <= c["capacity"]
-        r.add_row(name, _fmt(c[key]), Text("ok" if ok else "too much", style="green" if ok else "red"))
-    r.add_row("node capacity", _fmt(c["capacity"]), "")
-
-    d = Table(title="Disk", title_justify="left")
-    d.add_column("what")
-    d.add_column("bytes", justify="right")
-    d.add_row("sharded checkpoint (model + optimizer), each", _fmt(result["checkpoint_bytes"]))
-    d.add_row(f"projected save time (preemption.lead_time_s {result['lead_time_s']} s)",
-              f"{result['checkpoint_save_s']:.1f} s")
-    d.add_row(f"consolidated model ({result['consolidated_dtype']})", _fmt(result["consolidated_bytes"]))
-
-    lay = Table(title="Layouts across nodes (HSDP: fsdp.replicate_across_nodes)", title_justify="left")
-    for col, justify in (("layout", "left"), ("shards x replicas", "right"), ("per GPU", "right"),
-                         ("inter-node bytes/node/step", "right")):
-        lay.add_column(col, justify=justify)  # type: ignore[arg-type]
-    for name, label in (("fsdp", "FSDP"), ("hsdp", "HSDP")):
-        row = result["layouts"][name]
-        chosen = (name == "hsdp") == s["replicate_across_nodes"]
-        lay.add_row(label + (" (this run)" if chosen else ""), f"{row['shards']} x {row['replicas']}",
-                    Text(_fmt(row["per_gpu_total"]), style="green" if row["fits"] else "red"),
-                    _fmt(row["inter_node_bytes_per_step"]))
-
-    verdict = Text(result["verdict"], style="bold green" if result["fits"] else "bold red")
-    parts = [head, t, r, d]
-    if s["fsdp"] and s["nodes"] > 1:
-        parts.append(lay)
-    parts.append(verdict)
-    if result.get("recommendation"):
-        parts.append(Text("recommended: " + result["recommendation"], style="bold yellow"))
-    notes = Text("\n".join(f"- {a}" for a in result["assumptions"]), style="dim")
-    return Group(*parts, Text("assumptions:", style="dim"), notes)

@@ -28,6 +28,7 @@ from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, step_of
 from slurmft.rundir import MODEL_INDEX as SAFE_INDEX_NAME  # what consolidation writes last
 from slurmft.rundir import RunPaths, planned_max_steps
 from slurmft.slurm_states import State, is_live, parse, words
+from slurmft.units import binary_bytes, fmt_duration
 
 # How many of the newest records the rate (steps/s, tokens/s) is measured over.
 RECENT = 20
@@ -385,29 +386,6 @@ def overview(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dict[st
             "model": model_info(paths), "lost": lost_to_preemption(rows)}
 
 
-def fmt_duration(seconds: float | None) -> str:
-    """``1h02m``, ``3m05s``, ``12s``; ``-`` for None."""
-    if seconds is None:
-        return "-"
-    s = int(round(seconds))
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    if s >= 60:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s}s"
-
-
-def fmt_bytes(n: float | None) -> str:
-    """Human bytes (binary units)."""
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def overview_lines(ov: dict[str, Any]) -> list[str]:
     """:func:`overview` in words, for ``slurmft status`` without ``--json``."""
     p, ck = ov["progress"], ov["checkpoint"]
@@ -420,7 +398,7 @@ def overview_lines(ov: dict[str, Any]) -> list[str]:
         lines = [f"progress: step {p['step']}/{p['max_steps'] or '?'}, loss {loss}{tps}{eta}"]
         if p["problem"]:
             lines.append(f"  note: {p['problem']}")
-    lines.append(f"checkpoint: step {ck['step']}, {fmt_duration(ck['age_s'])} old, {fmt_bytes(ck['bytes'])} "
+    lines.append(f"checkpoint: step {ck['step']}, {fmt_duration(ck['age_s'])} old, {binary_bytes(ck['bytes'])} "
                  f"({ck['path']})" if ck else "checkpoint: none complete yet")
     lines.append("attempts:")
     for k, a in enumerate(ov["attempts"], start=1):

@@ -21,11 +21,10 @@ import yaml
 from slurmft import __version__
 from slurmft.errors import RunDirError
 from slurmft.rundir import RunPaths, atomic_write, read_manifest
+from slurmft.units import binary_bytes, fmt_duration
 from slurmft.watch.progress import (
     attempts,
     checkpoint_info,
-    fmt_bytes,
-    fmt_duration,
     lost_to_preemption,
     max_steps_of,
     model_info,
@@ -198,14 +197,14 @@ def render(s: dict[str, Any], plot_name: str | None) -> str:
     if s["ranks"]:
         L += ["Per rank, at the start of training of the newest attempt (fsdp_report/):", "",
               "| rank | device | peak RSS | parameters held |", "|---|---|---|---|"]
-        L += [f"| {r['rank']} | {r['device'] or '-'} | {_mib(r['peak_rss_mib'])} | {fmt_bytes(r['local_bytes'])} |"
+        L += [f"| {r['rank']} | {r['device'] or '-'} | {_mib(r['peak_rss_mib'])} | {binary_bytes(r['local_bytes'])} |"
               for r in s["ranks"]]
         L.append("")
     ck = s["checkpoint"]
     L += ["## Model", "",
           f"Consolidated model: `{s['model']}` (`AutoModelForCausalLM.from_pretrained` loads it)." if s["model"]
           else "No consolidated model yet (`model/model.safetensors.index.json` is missing).", "",
-          f"Newest complete checkpoint: `{ck['path']}` (step {ck['step']}, {fmt_bytes(ck['bytes'])})." if ck
+          f"Newest complete checkpoint: `{ck['path']}` (step {ck['step']}, {binary_bytes(ck['bytes'])})." if ck
           else "No complete checkpoint.", ""]
     if plot_name:
         L += [f"![loss and learning rate]({plot_name})", ""]
@@ -217,7 +216,7 @@ def _dash(v: Any) -> str:
 
 
 def _mib(v: float | None) -> str:
-    return "-" if v is None else fmt_bytes(v * 2**20)
+    return "-" if v is None else binary_bytes(v * 2**20)
 
 
 def write_report(run_dir: str | Path, slurm_rows: list[dict[str, Any]] | None = None) -> Path:

@@ -17,6 +17,7 @@ from typing import Any
 from slurmft import slurm
 from slurmft.rundir import RunPaths, read_manifest
 from slurmft.slurm_states import State, is_allocated, is_live, parse
+from slurmft.units import fmt_age
 from slurmft.watch.progress import max_steps_of, model_info, read_metrics
 
 MAX_DEPTH = 3
@@ -128,17 +129,6 @@ def slurm_states(job_ids: list[str]) -> dict[str, dict[str, str]]:
     if missing:
         out.update({jid: {"state": i["state"], "reason": ""} for jid, i in (slurm.sacct_jobs(missing) or {}).items()})
     return out
-
-
-def fmt_age(seconds: float | None) -> str:
-    """``42s``, ``5m``, ``3h``, ``2d`` ago."""
-    if seconds is None:
-        return "-"
-    s = max(0, int(seconds))
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= size:
-            return f"{s // size}{unit}"
-    return f"{s}s"
 
 
 def format_rows(rows: list[dict[str, Any]], root: Path) -> list[str]:
