@@ -26,7 +26,7 @@ TINY = dict(
 
 
 # ====================================================================== finding config.json
-def test_load_model_config_local_dir_and_file(tmp_path):
+def test_read_model_config_local_dir_and_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     assert modelinfo.read_model_config(str(tmp_path))["hidden_size"] == 256
     assert modelinfo.read_model_config(str(tmp_path / "config.json"))["hidden_size"] == 256
@@ -46,7 +46,7 @@ def test_load_model_config_local_dir_and_file(tmp_path):
         ("Llama-2-7b-hf", 4096),
     ],
 )
-def test_load_model_config_shipped_names_and_hub_ids(name, hidden, monkeypatch, tmp_path):
+def test_read_model_config_shipped_names_and_hub_ids(name, hidden, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     cfg = modelinfo.read_model_config(name)
     assert cfg["hidden_size"] == hidden
@@ -61,7 +61,7 @@ def _fake_hub_cache(root: Path, repo_id: str, cfg: dict[str, Any], commit: str =
     (repo / "refs" / "main").write_text(commit)
 
 
-def test_load_model_config_from_hub_cache(monkeypatch, tmp_path):
+def test_read_model_config_from_hub_cache(monkeypatch, tmp_path):
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     _fake_hub_cache(tmp_path / "hf" / "hub", "someorg/tiny", TINY)
@@ -72,7 +72,7 @@ def test_load_model_config_from_hub_cache(monkeypatch, tmp_path):
     assert modelinfo.read_model_config("someorg/tiny", revision="b" * 40)["hidden_size"] == 512
 
 
-def test_load_model_config_not_found_names_the_field_and_the_fix(monkeypatch, tmp_path):
+def test_read_model_config_not_found_names_the_field_and_the_fix(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(ConfigError) as exc:
         modelinfo.read_model_config("nobody/nothing")

@@ -13,7 +13,7 @@ from runfixture import local_run, preempted_run
 from slurmft.cli import main
 from slurmft.errors import RunDirError
 from slurmft.watch.logs import log_attempts, rank_lines, select_lines, split_attempts
-from slurmft.watch.runs import find_runs, run_lines, run_state
+from slurmft.watch.runs import find_runs, run_lines, run_word
 
 
 def test_find_runs_searches_a_few_levels_and_skips_run_internals(tmp_path: Path) -> None:
@@ -28,26 +28,26 @@ def test_find_runs_searches_a_few_levels_and_skips_run_internals(tmp_path: Path)
     assert find_runs(a) == [a]
 
 
-def test_run_state_in_one_word() -> None:
+def test_run_word() -> None:
     def jobs(train: str, cons: str | None = None, reason: str = "") -> list[dict[str, str]]:
         out = [{"kind": "train", "state": train, "reason": ""}]
         return out + ([{"kind": "consolidate", "state": cons, "reason": reason}] if cons else [])
 
-    assert run_state(jobs("RUNNING", "PENDING", "Dependency"), False) == "training"
-    assert run_state(jobs("PENDING", "PENDING"), False) == "queued"
-    assert run_state(jobs("REQUEUED"), False) == "requeued"
-    assert run_state(jobs("COMPLETED", "RUNNING"), False) == "consolidating"
-    assert run_state(jobs("FAILED", "PENDING", "DependencyNeverSatisfied"), False) == "stuck"
-    assert run_state(jobs("COMPLETED", "COMPLETED"), True) == "done"
-    assert run_state(jobs("CANCELLED", "CANCELLED"), False) == "cancelled"
-    assert run_state(jobs("UNKNOWN", "UNKNOWN"), True) == "done"  # Slurm forgot, the model is there
+    assert run_word(jobs("RUNNING", "PENDING", "Dependency"), False) == "training"
+    assert run_word(jobs("PENDING", "PENDING"), False) == "queued"
+    assert run_word(jobs("REQUEUED"), False) == "requeued"
+    assert run_word(jobs("COMPLETED", "RUNNING"), False) == "consolidating"
+    assert run_word(jobs("FAILED", "PENDING", "DependencyNeverSatisfied"), False) == "stuck"
+    assert run_word(jobs("COMPLETED", "COMPLETED"), True) == "done"
+    assert run_word(jobs("CANCELLED", "CANCELLED"), False) == "cancelled"
+    assert run_word(jobs("UNKNOWN", "UNKNOWN"), True) == "done"  # Slurm forgot, the model is there
     # every live state of slurmft.slurm_states counts, not only RUNNING/PENDING
-    assert run_state(jobs("SUSPENDED", "PENDING", "Dependency"), False) == "suspended"
-    assert run_state(jobs("CONFIGURING", "PENDING", "Dependency"), False) == "starting"
-    assert run_state(jobs("REQUEUE_HOLD", "PENDING", "Dependency"), False) == "held"
-    assert run_state(jobs("STAGE_OUT", "PENDING", "Dependency"), False) == "training"
-    assert run_state(jobs("FROBNICATED", "PENDING", "Dependency"), False) == "training"  # unknown: live
-    assert run_state(jobs("COMPLETED", "SUSPENDED"), False) == "consolidation suspended"
+    assert run_word(jobs("SUSPENDED", "PENDING", "Dependency"), False) == "suspended"
+    assert run_word(jobs("CONFIGURING", "PENDING", "Dependency"), False) == "starting"
+    assert run_word(jobs("REQUEUE_HOLD", "PENDING", "Dependency"), False) == "held"
+    assert run_word(jobs("STAGE_OUT", "PENDING", "Dependency"), False) == "training"
+    assert run_word(jobs("FROBNICATED", "PENDING", "Dependency"), False) == "training"  # unknown: live
+    assert run_word(jobs("COMPLETED", "SUSPENDED"), False) == "consolidation suspended"
 
 
 def test_runs_without_an_answer_from_slurm_still_lists_every_run(tmp_path: Path) -> None:

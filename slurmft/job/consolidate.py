@@ -427,7 +427,7 @@ def _has_tokenizer(directory: Path) -> bool:
     return any((directory / name).is_file() for name in TOKENIZER_MARKERS)
 
 
-def load_model_config(cfg: RunConfig, ckpt: Path) -> tuple[Any, str]:
+def config_for_export(cfg: RunConfig, ckpt: Path) -> tuple[Any, str]:
     """The model config (the checkpoint's copy if the trainer wrote one) and where it came from."""
     from transformers import AutoConfig
 
@@ -631,7 +631,7 @@ def consolidate_run(
     # Every check that can fail, before the first byte is written.
     model_dir = ckpt / MODEL_DCP_DIR
     metadata = read_dcp_metadata(model_dir)
-    config, config_source = load_model_config(cfg, ckpt)
+    config, config_source = config_for_export(cfg, ckpt)
     layout = model_layout(config, cfg.model.trust_remote_code)
     tensors = plan_tensors(metadata, layout.expected, layout.aliases, dtype)
     shards = plan_shards(tensors, max_shard_bytes)

@@ -11,7 +11,7 @@ import re
 import shlex
 import socket
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from slurmft import slurm
 
@@ -132,10 +132,6 @@ class JobEnv:
             LOCAL_WORLD_SIZE=str(self.local_world_size), NODE_RANK=str(self.node_rank),
             MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port),
         )
-
-    def as_dict(self) -> dict[str, object]:
-        """Plain dict, for logs."""
-        return asdict(self)
 
 
 def _main(argv: list[str]) -> int:

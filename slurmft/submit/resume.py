@@ -29,6 +29,7 @@ from slurmft.config import (
     read_run_config,
 )
 from slurmft.errors import ConfigError, RunDirError, SubmissionError
+from slurmft.job.requeue import EXIT_REQUEUE_REFUSED  # torch-free: the batch shell runs it
 from slurmft.rundir import (
     MODEL_INDEX,
     RunPaths,
@@ -46,7 +47,6 @@ from slurmft.watch.status import SQUEUE_SILENT, RunState, describe, run_state
 # Keys a resume may change: where and how the job runs, never what it computes.
 ALLOWED_PREFIXES = ("cluster.", "preemption.", "consolidate.")
 ALLOWED_KEYS = ("checkpoint.keep_last", "resources.cpus_per_task", "resources.mem", "resources.exclusive")
-EXIT_REQUEUE_REFUSED = "3"  # slurmft.job.requeue.EXIT_REQUEUE_REFUSED, as sacct's ExitCode shows it
 
 
 class Phase(str, Enum):
@@ -90,9 +90,9 @@ def ended_how(state: str, exit_code: str = "") -> str:
     code, _, sig = (exit_code or "").partition(":")
     known = parse(state)
     if known == State.FAILED:
-        if code == EXIT_REQUEUE_REFUSED:
+        if code == str(EXIT_REQUEUE_REFUSED):  # sacct's ExitCode is "N:S"
             return ("saved after a warning signal, but the requeue budget (preemption.max_requeues) was used up "
-                    "(exit 3)")
+                    f"(exit {EXIT_REQUEUE_REFUSED})")
         detail = f"exit code {code}" if code and code != "0" else (f"signal {sig}" if sig and sig != "0" else "")
         return f"{words(state)} ({detail})" if detail else words(state)
     extra = {State.CANCELLED: " (scancel)", State.PREEMPTED: " (not requeued)",

@@ -51,7 +51,7 @@ def find_runs(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
     return found
 
 
-def run_state(jobs: list[dict[str, Any]], has_model: bool) -> str:
+def run_word(jobs: list[dict[str, Any]], has_model: bool) -> str:
     """The run's state in one word from its jobs' ``{kind, state, reason}`` (newest last).
 
     A live train job says where training is; a live consolidation job says the run is being
@@ -114,7 +114,7 @@ def run_lines(root: Path, now: float | None = None,
             except OSError:
                 t_last = None
         rows.append({"path": str(paths.root), "name": (manifest or {}).get("name", paths.root.name),
-                     "state": "broken" if manifest is None else run_state(jobs, model_info(paths) is not None),
+                     "state": "broken" if manifest is None else run_word(jobs, model_info(paths) is not None),
                      "step": last.get("step"), "max_steps": max_steps_of(paths), "loss": last.get("loss"),
                      "age_s": round(now - t_last, 1) if t_last else None, "problem": problem})
     return rows
