@@ -205,7 +205,7 @@ def chat_data() -> Path:
     return REPO_ROOT / "examples" / "tiny" / "data" / "lima.jsonl"
 
 
-# The tiny example on the local executor, uninterrupted: test_local_submit checks it, test_local_resume
+# The tiny example on the local executor, uninterrupted: tests/test_dispatch_local.py checks it, tests/test_resume_local.py
 # compares its killed-and-resumed run against it (one reference run per session, not one per test).
 LOCAL_EXAMPLE = REPO_ROOT / "examples" / "tiny" / "run.yaml"
 LOCAL_ARGS = ["train.max_steps=18", "checkpoint.every_steps=6"]

@@ -3,7 +3,7 @@
 gloo carries the object collectives and barriers, also beside NCCL. Its GLOO_SOCKET_IFNAME takes
 interface names only; NCCL_SOCKET_IFNAME's ``^docker,lo`` fails at process-group creation
 ("Unable to find address for: ^docker", checked with torch 2.13). The real-cluster profiles leave it
-to the job (the interface that reaches MASTER_ADDR, tests/test_job_light.py); the local test cluster
+to the job (the interface that reaches MASTER_ADDR, tests/test_rendezvous.py); the local test cluster
 pins loopback.
 """
 

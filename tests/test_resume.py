@@ -1,6 +1,6 @@
 """`slurmft resume` / `slurmft consolidate` without a cluster: the pure decisions, the manifest, the lock,
 and the refusals that must leave everything untouched. The real endings are in tests/slurm/test_slurm_resume.py
-and tests/test_local_resume.py."""
+and tests/test_resume_local.py."""
 
 from __future__ import annotations
 

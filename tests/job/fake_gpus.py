@@ -1,6 +1,6 @@
 """Run the train entrypoint on a CPU-only machine as if ``SLURMFT_FAKE_GPU_COUNT`` CUDA devices were visible.
 
-For tests/job/test_device.py only. This torch build has no CUDA and no NCCL, so three things are
+For tests/job/test_distributed.py only. This torch build has no CUDA and no NCCL, so three things are
 replaced: ``torch.cuda.is_available``/``device_count`` (what a rank would see), ``torch.cuda.set_device``
 (nothing to select), and the GPU backend string (gloo instead of NCCL). The device choice, the
 rendezvous, the agreement on errors and the exit path are slurmft's real code.

@@ -1,4 +1,4 @@
-"""Run under torchrun by test_loading.py: load models with slurmft's sharded loader and verify them.
+"""Run under torchrun by test_weights.py: load models with slurmft's sharded loader and verify them.
 
 For each model directory: every parameter must come from a tensor of the file and every tensor of the
 file must reach a parameter (a tied head counts once), each gathered parameter must equal the

@@ -1,4 +1,4 @@
-"""Run under torchrun by test_loading.py: a weight read that fails on rank 0 only, mid-load.
+"""Run under torchrun by test_weights.py: a weight read that fails on rank 0 only, mid-load.
 
 Rank 0's safetensors reads of ``KEY``'s data raise ``OSError(EIO)`` (what a flaky network filesystem
 returns); its header stays readable, so rank 0's check against the headers passes and the failure comes

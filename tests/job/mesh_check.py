@@ -1,4 +1,4 @@
-"""Run under torchrun (4 ranks) by test_loading.py: the weight loader on meshes built here, not by slurmft.
+"""Run under torchrun (4 ranks) by test_weights.py: the weight loader on meshes built here, not by slurmft.
 
 A small module (an embedding with 1001 rows, linears with 7 and 3 rows, a persistent plain buffer) is
 sharded with FSDP2 on a 1-D mesh of 4 (``Shard(0)``: 3 rows over 4 ranks leaves one rank none) and on

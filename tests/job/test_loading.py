@@ -1,91 +1,121 @@
-"""The sharded loader gives every rank exactly its slice of the checkpoint (two CPU ranks)."""
+"""The attention choice (slurmft.job.loading.choose_attention) and the packing note, single process.
+
+There is no GPU here: ``on_gpu=True`` is passed in, and transformers' availability check
+(``transformers.utils.is_flash_attn_2_available``) and the import of flash-attn are replaced by the
+outcomes a GPU node can have. The fallback at model construction runs real transformers on the meta
+device (flash-attention cannot be set up on this machine, so transformers really refuses it).
+"""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import importlib.util
+import logging
+from typing import Any
 
 import pytest
+import transformers.utils
 
-from .helpers import launch
+from slurmft.config import validate
+from slurmft.errors import JobSetupError
+from slurmft.job import loading
 
-pytestmark = pytest.mark.train
+
+@pytest.fixture
+def node(monkeypatch: pytest.MonkeyPatch):
+    """Set what a GPU node's environment says: transformers' verdict, installed or not, import outcome."""
+    calls: list[bool] = []
+
+    def set_node(available: bool, installed: bool = True, import_error: Exception | None = None) -> list[bool]:
+        def is_available(*args: Any, **kwargs: Any) -> bool:
+            calls.append(available)
+            return available
+
+        def do_import() -> object:
+            if import_error is not None:
+                raise import_error
+            return object()
+
+        real_find_spec = importlib.util.find_spec
+        monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", is_available)
+        monkeypatch.setattr(loading, "_import_flash_attn", do_import)
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: (object() if installed else None) if name == "flash_attn"
+                            else real_find_spec(name, *a))
+        return calls
+
+    return set_node
 
 
-def _odd_tied_model(path: Path, dtype: str = "float32") -> Path:
-    """Row counts not divisible by 2 (vocab 1001, intermediate 171) and tied embeddings: uneven shards."""
+def test_no_gpu_means_sdpa_and_an_explicit_request_is_refused() -> None:
+    attn, why = loading.choose_attention("auto", on_gpu=False)
+    assert attn == "sdpa" and why.startswith("no CUDA device") and "pip install" not in why
+    assert loading.choose_attention("eager", on_gpu=False)[0] == "eager"
+    with pytest.raises(JobSetupError, match="flash_attention_2 but no CUDA device"):
+        loading.choose_attention("flash_attention_2", on_gpu=False)
+
+
+def test_flash_when_transformers_accepts_it(node) -> None:
+    calls = node(available=True)
+    for requested in ("auto", "flash_attention_2"):
+        assert loading.choose_attention(requested, on_gpu=True)[0] == "flash_attention_2"
+    assert calls  # the decision came from transformers' own check
+
+
+def test_installed_but_rejected_by_transformers_falls_back_to_sdpa(node) -> None:
+    """An old or mismatched flash-attn that imports fine but transformers rejects: SDPA, not a setup error."""
+    node(available=False, installed=True)
+    attn, why = loading.choose_attention("auto", on_gpu=True)
+    assert attn == "sdpa"
+    assert "installed but transformers rejects it" in why and "pip install 'slurmft[flash]'" in why
+    with pytest.raises(JobSetupError, match=r"flash_attention_2 but flash-attn is installed but transformers "
+                                            r"rejects it.*pip install 'slurmft\[flash\]'.*auto"):
+        loading.choose_attention("flash_attention_2", on_gpu=True)
+
+
+def test_accepted_but_broken_import_falls_back_to_sdpa(node) -> None:
+    node(available=True, import_error=ImportError("flash_attn_2_cuda.so: undefined symbol: _ZN3c10"))
+    attn, why = loading.choose_attention("auto", on_gpu=True)
+    assert attn == "sdpa" and "does not import (ImportError: flash_attn_2_cuda.so: undefined symbol" in why
+    with pytest.raises(JobSetupError, match="does not import"):
+        loading.choose_attention("flash_attention_2", on_gpu=True)
+
+
+def test_not_installed(node) -> None:
+    node(available=False, installed=False)
+    attn, why = loading.choose_attention("auto", on_gpu=True)
+    assert attn == "sdpa" and why.startswith("flash-attn is not installed") and "slurmft[flash]" in why
+
+
+def test_packing_note_only_for_padding_free_rows_without_flash_on_a_gpu() -> None:
+    note = loading.packing_attention_note("sdpa", padding_free=True, row_tokens=8192, on_gpu=True)
+    assert note is not None
+    assert "up to 8192 tokens" in note and "block-diagonal mask" in note and "2048+" in note
+    assert "pip install 'slurmft[flash]'" in note
+    assert loading.packing_attention_note("flash_attention_2", True, 8192, True) is None
+    assert loading.packing_attention_note("sdpa", False, 8192, True) is None  # no packing: no mask over a row
+    assert loading.packing_attention_note("sdpa", True, 8192, False) is None  # CPU: flash-attn is no fix there
+
+
+def _run_config(attn: str):
+    return validate({"name": "t", "output_dir": "/tmp/slurmft-attn", "model": {"name_or_path": "x",
+                     "attn_implementation": attn}, "data": {"datasets": [{"path": "d.jsonl"}]}})
+
+
+def _llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+
+
+def test_model_construction_that_refuses_flash_falls_back_for_auto(caplog: pytest.LogCaptureFixture) -> None:
+    """transformers itself refuses flash_attention_2 here (no flash-attn, no GPU): auto builds with SDPA."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=1001, hidden_size=64, intermediate_size=171, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=True)
-    torch.manual_seed(1)
-    LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(path)
-    return path
-
-
-def _tensor_bytes(model_dir: Path) -> int:
-    from safetensors import safe_open
-
-    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
-        return sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())  # noqa: SIM118
-
-
-def test_loaded_shards_equal_the_checkpoint(tiny_model: Path, job_env: dict[str, str], tmp_path: Path) -> None:
-    """Sliced reads (every rank sees the files) and the scatter fallback (only rank 0 does), fp32 and bf16 files."""
-    odd, odd_bf16 = _odd_tied_model(tmp_path / "odd"), _odd_tied_model(tmp_path / "oddbf16", "bfloat16")
-    runs = [(tiny_model, "sliced"), (odd, "sliced"), (odd, "scatter"), (odd_bf16, "sliced"), (odd_bf16, "scatter")]
-    out = tmp_path / "out"
-    out.mkdir()
-    script = Path(__file__).with_name("load_check.py")
-    rc, log = launch(out, job_env, target=[str(script), str(out), *(f"{d}:{how}" for d, how in runs)]).wait(timeout=240)
-    assert rc == 0, log[-4000:]
-    for model_dir, how in runs:
-        results = [json.loads((out / f"{model_dir.name}.{how}.rank{r}.json").read_text()) for r in (0, 1)]
-        main = results[0]
-        assert main["unchecked_keys"] == [] and main["params_not_in_file"] == [], main  # every key, both ways
-        assert main["checked"] in (main["file_keys"], main["file_keys"] - main["tied"]), main
-        assert main["mismatched"] == [], main  # bit for bit (a bf16 file: its exact float32 upcast)
-        assert main["max_abs_logit_diff"] < 1e-4, main
-        for res in results:
-            assert res["load_method"] == how
-            assert res["bad_rotary"] == []
-            assert 0.45 <= res["local_fraction"] <= 0.55
-        read = [res["bytes_read"] for res in results]
-        if how == "sliced":  # each rank read its own rows, nobody more: together exactly the file's tensors once
-            assert sum(read) == _tensor_bytes(model_dir) and all(0.4 <= r / sum(read) <= 0.6 for r in read), read
-        else:
-            assert read == [_tensor_bytes(model_dir), 0], read
-    assert json.loads((out / "odd.sliced.rank0.json").read_text())["tied"] is True
-
-
-def test_a_read_failure_on_rank_0_ends_every_rank_promptly(tiny_model: Path, job_env: dict[str, str],
-                                                          tmp_path: Path) -> None:
-    """Rank 0's read of one tensor fails mid-load (EIO): both ranks raise its error, in seconds, both ways."""
-    key = "model.layers.2.mlp.down_proj.weight"  # half-way through the load
-    out = tmp_path / "out"
-    out.mkdir()
-    env = {**job_env, "SLURMFT_COLLECTIVE_TIMEOUT": "600"}  # a rank left waiting would outlast the test
-    script = Path(__file__).with_name("load_fault.py")
-    rc, log = launch(out, env, target=[str(script), str(out), str(tiny_model), key]).wait(timeout=120)
-    assert rc == 0, log[-4000:]
-    for how in ("sliced", "scatter"):
-        results = [json.loads((out / f"{how}.rank{r}.json").read_text()) for r in (0, 1)]
-        errors = {res["error"] for res in results}
-        assert len(errors) == 1, results  # the same error on every rank
-        error = errors.pop()
-        assert "rank 0 could not read" in error and key in error and str(tiny_model / "model.safetensors") in error
-        assert "Input/output error" in error
-        assert all(res["seconds"] < 30 for res in results), results
-
-
-def test_each_rank_holds_its_slice_on_1d_and_hsdp_meshes(job_env: dict[str, str], tmp_path: Path) -> None:
-    """4 ranks: Shard(0) over 4 (a rank with no rows) and (Replicate, Shard(0)) on 2 x 2, sliced and scattered."""
-    out = tmp_path / "out"
-    out.mkdir()
-    script = Path(__file__).with_name("mesh_check.py")
-    rc, log = launch(out, job_env, nproc=4, target=[str(script), str(out)]).wait(timeout=180)
-    assert rc == 0, log[-4000:]
-    for rank in range(4):
-        assert json.loads((out / f"rank{rank}.json").read_text())["problems"] == [], rank
+    with caplog.at_level(logging.WARNING, logger="slurmft.job"):
+        model = loading._build_meta_checked(_llama_config(), _run_config("auto"), torch.float32, "flash_attention_2")
+    assert model.config._attn_implementation == "sdpa"
+    assert "refused flash_attention_2" in caplog.text and "falling back to sdpa" in caplog.text
+    with pytest.raises(JobSetupError, match="cannot build the model"):
+        loading._build_meta_checked(_llama_config(), _run_config("flash_attention_2"), torch.float32,
+                                    "flash_attention_2")

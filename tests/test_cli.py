@@ -1,4 +1,4 @@
-"""Bad input: each malformed config exits non-zero with one readable message naming the field,
+"""slurmft.cli on bad input: each malformed config exits non-zero with one readable message naming the field,
 prints no traceback, submits nothing and leaves no run directory."""
 
 from __future__ import annotations

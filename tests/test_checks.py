@@ -1,4 +1,4 @@
-"""The first hour of a new user (issue 12): what `validate` catches before the queue wait, names users
+"""slurmft.plan.checks, or the first hour of a new user: what `validate` catches before the queue wait, names users
 bring from other tools, YAML traps, paths, the job's Python, logs, epochs and data formats.
 
 Every test here runs the real CLI (``slurmft.cli.main``) or the real shared code on real files: a

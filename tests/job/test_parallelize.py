@@ -1,5 +1,5 @@
 """HSDP's device mesh from the job's environment (no processes). Which rows each rank loads under a 2-D
-mesh: tests/job/test_loading.py::test_each_rank_holds_its_slice_on_1d_and_hsdp_meshes.
+mesh: tests/job/test_weights.py::test_each_rank_holds_its_slice_on_1d_and_hsdp_meshes.
 
 The two-node run itself (mesh, placements, losses equal to plain FSDP, checkpoint, resume and
 consolidation) is tests/slurm/test_hsdp.py, on the real cluster.

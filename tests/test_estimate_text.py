@@ -1,4 +1,4 @@
-"""Save time against lead time, on the login side: a lead time as long as the job is refused, and a lead
+"""slurmft.plan.estimate_text.lead_time_warning and its callers: save time against lead time, on the login side: a lead time as long as the job is refused, and a lead
 time below the projected checkpoint save time (estimate's checkpoint bytes / (nodes x the profile's
 per-node write bandwidth)) is a warning with the numbers, from `validate`, `submit` and `estimate`."""
 

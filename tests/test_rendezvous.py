@@ -1,0 +1,79 @@
+"""slurmft.job.rendezvous (torch-free): ranks, world, port, address and gloo interface from the environment."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from slurmft.job.rendezvous import JobEnv, interface_for, master_address, port_for_job
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_slurm_environment_gives_rank_and_world() -> None:
+    env = JobEnv.from_environ({
+        "SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+        "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "8(x2)", "SLURM_JOB_ID": "12345",
+        "SLURM_RESTART_COUNT": "2", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "23456",
+    })
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank) == (9, 16, 1, 8, 1)
+    assert (env.num_nodes, env.job_id, env.restart_count, env.launcher) == (2, "12345", 2, "slurm")
+    assert (env.master_addr, env.master_port) == ("10.0.0.7", 23456)
+
+
+def test_submitit_local_environment() -> None:
+    env = JobEnv.from_environ({"SUBMITIT_LOCAL_GLOBALID": "1", "SUBMITIT_LOCAL_NTASKS": "2",
+                               "SUBMITIT_LOCAL_LOCALID": "1", "SUBMITIT_LOCAL_JOB_ID": "777",
+                               "MASTER_PORT": "29999"})
+    assert (env.rank, env.world_size, env.master_addr, env.master_port, env.launcher) == (
+        1, 2, "127.0.0.1", 29999, "local")
+
+
+def test_port_is_derived_from_the_job_id_and_in_range() -> None:
+    # Jobs that share a node get different ports: a run of consecutive job ids never collides.
+    ports = [port_for_job(str(j)) for j in range(1_000_000, 1_005_000)]
+    assert len(set(ports)) == len(ports)
+    assert all(20000 <= p < 40000 for p in [*ports, *(port_for_job(str(j)) for j in (0, 1, 19999, 20000, 10**9))])
+    assert port_for_job("12345_7") != port_for_job("12345_8")  # array tasks are jobs of their own
+
+
+def test_port_is_the_same_in_every_process() -> None:
+    """The batch script (rendezvous exports) and each rank compute the port apart: it must not depend
+    on the process (e.g. on Python's per-process string hashing)."""
+    code = "from slurmft.job.rendezvous import port_for_job; print(port_for_job('4242'))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    seen = {subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONHASHSEED": seed}, capture_output=True,
+                           text=True, check=True).stdout.strip() for seed in ("1", "2", "3")}
+    assert len(seen) == 1
+
+
+def test_ranks_and_batch_script_agree_on_the_port() -> None:
+    """A rank without MASTER_PORT (an srun that did not get the export) derives what the batch script did."""
+    batch_addr, batch_port = master_address({"SLURM_JOB_ID": "31337"})
+    rank = JobEnv.from_environ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "31337",
+                                "MASTER_ADDR": "10.1.2.3"})
+    assert rank.master_port == batch_port and batch_addr == "127.0.0.1"  # no node list: one machine
+
+
+def test_gloo_interface_is_the_one_that_reaches_the_address() -> None:
+    """GLOO_SOCKET_IFNAME when no profile sets one: the interface holding the source address towards MASTER_ADDR."""
+    import socket
+
+    import psutil
+
+    assert interface_for("127.0.0.1") == "lo"
+    own = [(name, a.address) for name, addrs in psutil.net_if_addrs().items() for a in addrs
+           if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    for name, address in own:  # rank 0's own node: MASTER_ADDR is one of its addresses
+        assert interface_for(address) == name
+    assert interface_for("no-such-host.invalid") is None
+
+
+def test_master_address_override_wins() -> None:
+    addr, port = master_address({"SLURMFT_MASTER_ADDR": "ib0-node1", "SLURM_JOB_ID": "5"})
+    assert addr == "ib0-node1"
+    assert port == master_address({"SLURM_JOB_ID": "5"})[1]  # the address override leaves the job's port
+    assert master_address({"SLURMFT_MASTER_ADDR": "ib0-node1", "SLURMFT_MASTER_PORT": "31000",
+                           "SLURM_JOB_ID": "5"}) == ("ib0-node1", 31000)
