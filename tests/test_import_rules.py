@@ -7,7 +7,8 @@ function-local ones included: a circle through a local import is still two rooms
 - the ground floor (slurmft/*.py but cli) imports no wing and not the job;
 - no module imports itself back through others.
 
-The rules are checked on the source (an AST walk), so they hold for code paths no test runs.
+The rules are checked on the source (an AST walk), so they hold for code paths no test runs. Imports
+under ``if TYPE_CHECKING:`` do not count: they are read by type checkers only, never run.
 """
 
 from __future__ import annotations
@@ -37,13 +38,33 @@ def module_name(path: Path, package: Path) -> str:
     return ".".join(parts)
 
 
+def _type_checking_only(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of the tree except the bodies of ``if TYPE_CHECKING:`` (annotations only, never run)."""
+    out, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if _type_checking_only(node):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
 def imports_of(path: Path, package: Path) -> set[str]:
     """Every slurmft module ``path`` imports, at any depth of the file (``from slurmft import x`` -> slurmft.x)."""
     name = module_name(path, package)
     is_pkg = path.name == "__init__.py"
     known = {module_name(p, package) for p in package.rglob("*.py")}
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in runtime_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.split(".")[0] == package.name}
         elif isinstance(node, ast.ImportFrom):
@@ -157,6 +178,13 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
 ])
 def test_the_checker_sees_a_broken_rule(tmp_path: Path, files: dict[str, str], broken: str) -> None:
     assert broken in broken_rules(_tree(tmp_path, files))
+
+
+def test_a_type_checking_import_is_no_arrow(tmp_path: Path) -> None:
+    pkg = _tree(tmp_path, {"plan/checks.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                             "    from slurmft.submit.dispatch import x\nelse:\n    import slurmft.watch.status\n",
+                           "submit/dispatch.py": "", "watch/status.py": ""})
+    assert broken_rules(pkg) == ["slurmft.plan.checks (plan) imports slurmft.watch.status (watch)"]
 
 
 def test_the_checker_sees_a_circle_through_a_local_import(tmp_path: Path) -> None:

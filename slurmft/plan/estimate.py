@@ -292,7 +292,9 @@ def activation_bytes(
 
 
 @dataclass(frozen=True)
-class _Knobs:
+class Settings:
+    """The run's settings the arithmetic and its words (estimate_text) read, resolved from config and profile."""
+
     nodes: int
     ranks_per_node: int
     fsdp: bool
@@ -331,7 +333,7 @@ class _Knobs:
         return self.ranks_per_node if self.hsdp else self.world_size
 
 
-def _per_gpu(shape: ModelShape, k: _Knobs) -> dict[str, Any]:
+def _per_gpu(shape: ModelShape, k: Settings) -> dict[str, Any]:
     """Memory of the largest rank (a GPU, or a CPU rank's share of RAM) for the given settings."""
     per = BYTES_PER_PARAM[k.precision]
     c = COMPUTE_BYTES[k.precision]
@@ -409,7 +411,7 @@ def gradient_reductions_per_step(accumulation: int) -> int:
     return accumulation
 
 
-def inter_node_bytes(n_params: int, k: _Knobs) -> int:
+def inter_node_bytes(n_params: int, k: Settings) -> int:
     """Bytes each node sends over the inter-node network per optimizer step, for the layout in ``k``.
 
     NCCL's ring algorithms, each ring entering and leaving every node once:
@@ -433,7 +435,7 @@ def inter_node_bytes(n_params: int, k: _Knobs) -> int:
     return math.ceil((w - 1) / w * n_params * (gathers * compute + reductions * reduce))
 
 
-def layouts(shape: ModelShape, n_params: int, k: _Knobs) -> dict[str, dict[str, Any]]:
+def layouts(shape: ModelShape, n_params: int, k: Settings) -> dict[str, dict[str, Any]]:
     """Both FSDP layouts of the same run side by side: memory per GPU and bytes over the inter-node link."""
     out = {}
     for name, hsdp in (("fsdp", False), ("hsdp", True)):
@@ -448,13 +450,13 @@ def _largest_tensor_numel(shape: ModelShape) -> int:
     return max(_numel(s) for s in shape.layer_tensors() + shape.root_tensors())
 
 
-def _total_if_fits(shape: ModelShape, k: _Knobs) -> int | None:
+def _total_if_fits(shape: ModelShape, k: Settings) -> int | None:
     """The per-GPU total for settings ``k`` when it fits, else None (what the fixes ask)."""
     plan = _per_gpu(shape, k)
     return plan["total"] if plan["fits"] else None
 
 
-def _activations(shape: ModelShape, k: _Knobs, detail: dict[str, int]) -> dict[str, int]:
+def _activations(shape: ModelShape, k: Settings, detail: dict[str, int]) -> dict[str, int]:
     """This run's activation terms plus the totals with checkpointing flipped and with each attention kind."""
     c = COMPUTE_BYTES[k.precision]
     other = activation_bytes(shape, k.seq_len, k.micro_batch, c, not k.checkpointing, k.eager)["total"]
@@ -470,7 +472,7 @@ def _activations(shape: ModelShape, k: _Knobs, detail: dict[str, int]) -> dict[s
 
 
 def _cpu_ram_per_node(
-    shape: ModelShape, n_params: int, k: _Knobs, gpu: dict[str, Any], node_ram: int
+    shape: ModelShape, n_params: int, k: Settings, gpu: dict[str, Any], node_ram: int
 ) -> dict[str, Any]:
     """CPU RAM of node 0 (it hosts rank 0) at load, for each loading strategy, and while training."""
     rpn = k.ranks_per_node
@@ -528,7 +530,7 @@ def gpu_capacity_bytes(profile: ClusterProfile) -> tuple[int, str | None]:
     return stated, None
 
 
-def _knobs(cfg: RunConfig, profile: ClusterProfile) -> tuple[_Knobs, str | None]:
+def _knobs(cfg: RunConfig, profile: ClusterProfile) -> tuple[Settings, str | None]:
     """The settings the arithmetic reads, and the capacity note (a GPU's real size replaced its nominal one)."""
     on_gpu = runs_on_gpu(cfg, profile)
     precision = resolve_precision(cfg, on_gpu)
@@ -537,7 +539,7 @@ def _knobs(cfg: RunConfig, profile: ClusterProfile) -> tuple[_Knobs, str | None]
         capacity, capacity_note = gpu_capacity_bytes(profile)
     else:
         capacity, capacity_note = int(profile.node_memory_gb * GB) // rpn, None
-    knobs = _Knobs(
+    knobs = Settings(
         nodes=cfg.resources.nodes,
         ranks_per_node=rpn,
         fsdp=cfg.fsdp.enabled,
@@ -558,7 +560,7 @@ def _knobs(cfg: RunConfig, profile: ClusterProfile) -> tuple[_Knobs, str | None]
     return knobs, capacity_note
 
 
-def _counted(shape: ModelShape, k: _Knobs) -> Counted:
+def _counted(shape: ModelShape, k: Settings) -> Counted:
     """The numbers the assumptions name, from the one place they are defined (this module)."""
     return Counted(
         model_type=shape.model_type,
@@ -589,7 +591,7 @@ def _model_facts(cfg: RunConfig, source: str | None, shape: ModelShape) -> dict[
     }
 
 
-def _precision_facts(cfg: RunConfig, k: _Knobs) -> dict[str, Any]:
+def _precision_facts(cfg: RunConfig, k: Settings) -> dict[str, Any]:
     mode = PRECISIONS[k.precision]
     return {
         "name": k.precision,
@@ -602,7 +604,7 @@ def _precision_facts(cfg: RunConfig, k: _Knobs) -> dict[str, Any]:
     }
 
 
-def _setup_facts(k: _Knobs, profile: ClusterProfile) -> dict[str, Any]:
+def _setup_facts(k: Settings, profile: ClusterProfile) -> dict[str, Any]:
     return {
         "nodes": k.nodes,
         "ranks_per_node": k.ranks_per_node,

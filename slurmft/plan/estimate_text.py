@@ -12,42 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from slurmft.precision import PRECISIONS
 from slurmft.precision import reduce_dtype as resolve_reduce_dtype
 from slurmft.units import MiB, decimal_gb
 
-if TYPE_CHECKING:  # rich is imported only to draw the table
+if TYPE_CHECKING:  # rich is imported only to draw the table; the settings are estimate.py's (typing only)
     from rich.console import RenderableType
 
-
-class Settings(Protocol):
-    """The run's settings as the words read them (estimate.py's ``_Knobs`` is one; ``replace`` makes others)."""
-
-    nodes: int
-    ranks_per_node: int
-    fsdp: bool
-    hsdp: bool
-    cpu_offload: bool
-    checkpointing: bool
-    eager: bool
-    seq_len: int
-    micro_batch: int
-    precision: str
-    on_gpu: bool
-    reduce_dtype: str
-    reduce_configured: str | None
-    accumulation: int
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def shards(self) -> int: ...
+    from slurmft.plan.estimate import Settings
 
 
-K = TypeVar("K", bound=Settings)
 
 
 @dataclass(frozen=True)
@@ -64,7 +40,7 @@ class Counted:
 
 
 # ====================================================================== advice
-def remedies(k: K, fits: Callable[[K], int | None]) -> list[str]:
+def remedies(k: Settings, fits: Callable[[Settings], int | None]) -> list[str]:
     """Single changes to the run config that would make the GPU memory fit, each with its estimate.
 
     ``fits(alt)`` is the arithmetic's answer for the changed settings: the per-GPU total when it fits,
