@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 from slurmft.errors import ConfigError
 from slurmft.modelinfo import locate_model_config, read_model_config, seq_length_problem
 from slurmft.plan.estimate_text import Counted, assumptions, fit_problems, hsdp_advice, remedies, verdict
+from slurmft.plan.settings import RUNTIME_BYTES_CPU_RANK, Settings
 from slurmft.precision import DTYPE_BYTES as PRECISION_DTYPE_BYTES
 from slurmft.precision import PRECISIONS, consolidated_dtype
 from slurmft.precision import reduce_dtype as resolve_reduce_dtype
@@ -88,8 +89,6 @@ COMPUTE_BYTES = {name: p.compute_bytes for name, p in PRECISIONS.items()}
 MASTER_BYTES = 4  # fp32: what from_pretrained materialises by default (the every-rank / rank-0 strategies)
 CUDA_CONTEXT_BYTES = 1 * GiB
 FRAGMENTATION = 0.05
-RUNTIME_BYTES_GPU_RANK = 2 * GiB
-RUNTIME_BYTES_CPU_RANK = GiB // 2
 DTYPE_BYTES = {
     "float32": 4,
     "float": 4,
@@ -289,48 +288,6 @@ def activation_bytes(
         "attention_mask": mask,
         "total": layers + head + mask,
     }
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The run's settings the arithmetic and its words (estimate_text) read, resolved from config and profile."""
-
-    nodes: int
-    ranks_per_node: int
-    fsdp: bool
-    cpu_offload: bool
-    checkpointing: bool
-    eager: bool
-    seq_len: int
-    micro_batch: int
-    precision: str
-    on_gpu: bool
-    capacity: int
-    reduce_dtype: str = "float32"
-    reduce_configured: str | None = None  # fsdp.reduce_dtype as written (None: follows the precision)
-    hsdp: bool = False  # fsdp.replicate_across_nodes
-    reshard_after_forward: bool = True
-    accumulation: int = 1  # train.gradient_accumulation_steps: no memory term (gradients stay sharded)
-
-    @property
-    def reduce_bytes(self) -> int:
-        return PRECISION_DTYPE_BYTES[self.reduce_dtype]
-
-    @property
-    def runtime_bytes_per_rank(self) -> int:
-        """CPU RAM each rank needs besides the model (Python, torch, CUDA libraries)."""
-        return RUNTIME_BYTES_GPU_RANK if self.on_gpu else RUNTIME_BYTES_CPU_RANK
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.ranks_per_node
-
-    @property
-    def shards(self) -> int:
-        """Ranks one tensor is split over: every rank (FSDP), the ranks of one node (HSDP), or 1 (no FSDP)."""
-        if not self.fsdp:
-            return 1
-        return self.ranks_per_node if self.hsdp else self.world_size
 
 
 def _per_gpu(shape: ModelShape, k: Settings) -> dict[str, Any]:

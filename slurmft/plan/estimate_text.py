@@ -14,14 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from slurmft.plan.settings import Settings
 from slurmft.precision import PRECISIONS
 from slurmft.precision import reduce_dtype as resolve_reduce_dtype
 from slurmft.units import MiB, decimal_gb
 
-if TYPE_CHECKING:  # rich is imported only to draw the table; the settings are estimate.py's (typing only)
+if TYPE_CHECKING:  # rich is imported only to draw the table
     from rich.console import RenderableType
-
-    from slurmft.plan.estimate import Settings
 
 
 

@@ -1,0 +1,55 @@
+"""The run's settings as ``slurmft estimate`` reads them: one record the arithmetic (``estimate.py``) and its
+words (``estimate_text.py``, which tries changed copies of it for the remedies) both take, so neither
+imports the other back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slurmft.precision import DTYPE_BYTES as PRECISION_DTYPE_BYTES
+from slurmft.units import GiB
+
+RUNTIME_BYTES_GPU_RANK = 2 * GiB  # Python, torch, CUDA libraries per GPU rank
+RUNTIME_BYTES_CPU_RANK = GiB // 2
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The run's settings the arithmetic and its words (estimate_text) read, resolved from config and profile."""
+
+    nodes: int
+    ranks_per_node: int
+    fsdp: bool
+    cpu_offload: bool
+    checkpointing: bool
+    eager: bool
+    seq_len: int
+    micro_batch: int
+    precision: str
+    on_gpu: bool
+    capacity: int
+    reduce_dtype: str = "float32"
+    reduce_configured: str | None = None  # fsdp.reduce_dtype as written (None: follows the precision)
+    hsdp: bool = False  # fsdp.replicate_across_nodes
+    reshard_after_forward: bool = True
+    accumulation: int = 1  # train.gradient_accumulation_steps: no memory term (gradients stay sharded)
+
+    @property
+    def reduce_bytes(self) -> int:
+        return PRECISION_DTYPE_BYTES[self.reduce_dtype]
+
+    @property
+    def runtime_bytes_per_rank(self) -> int:
+        """CPU RAM each rank needs besides the model (Python, torch, CUDA libraries)."""
+        return RUNTIME_BYTES_GPU_RANK if self.on_gpu else RUNTIME_BYTES_CPU_RANK
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def shards(self) -> int:
+        """Ranks one tensor is split over: every rank (FSDP), the ranks of one node (HSDP), or 1 (no FSDP)."""
+        if not self.fsdp:
+            return 1
+        return self.ranks_per_node if self.hsdp else self.world_size
