@@ -185,8 +185,8 @@ def render(s: dict[str, Any], plot_name: str | None) -> str:
     p = s["progress"]
     L += ["## Results", "", "| | |", "|---|---|",
           f"| steps | {_dash(p['step'])} / {_dash(p['max_steps'])} ({s['logged_steps']} logged) |",
-          f"| final loss | {_dash(s['final_loss'])} (step {_dash(s['final_step'])}); "
-          f"mean of the last 10 logged: {_dash(s['mean_loss_last10'])} |",
+          f"| final loss | {_loss(s['final_loss'])} (step {_dash(s['final_step'])}); "
+          f"mean of the last 10 logged: {_loss(s['mean_loss_last10'])} |",
           f"| tokens/s | {_dash(s['tokens_per_s_mean'])} (mean over logged steps); "
           f"{_dash(s['tokens_seen'])} tokens seen |", ""]
     if p["problem"]:
@@ -213,6 +213,11 @@ def render(s: dict[str, Any], plot_name: str | None) -> str:
 
 def _dash(v: Any) -> str:
     return "-" if v is None else str(v)
+
+
+def _loss(v: Any) -> str:
+    """A loss as the console prints it (four decimals); metrics.jsonl keeps the full value."""
+    return f"{v:.4f}" if isinstance(v, (int, float)) else _dash(v)
 
 
 def _mib(v: float | None) -> str:
