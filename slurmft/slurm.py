@@ -17,6 +17,26 @@ our explicit ``-O``/``-o`` on 22.05; they are removed anyway.) And every query a
 with an explicit delimiter, :data:`SEP`: ``squeue -O Field:SEP`` (no size: no 20-character cut,
 checked on 22.05) and ``sacct -P --delimiter=SEP``; never the default columns.
 
+Slurm versions: the oldest supported is 22.05 (Debian 12's 22.05.8); CI runs the real-cluster tests on
+it and on 24.11 (Debian 13's 24.11.5), and tests/test_slurm.py parses output recorded from both
+(tests/data/slurm/). What changed between them, and how this adapter stays out of its way:
+
+- ``squeue -O`` and ``sacct -P`` columns, states and exit codes (``<exit>:<signal>``, e.g. ``3:0``,
+  ``0:15``) print the same on 22.05 and 24.11 (recorded); slurmft never uses squeue's ``%s`` (gone in
+  23.02) nor the JSON output (job states became lists in 23.11, ``nodes`` an object in 24.05).
+- ``scontrol show job``: :func:`parse_show` takes a value up to the next blank, so 25.11 dropping the
+  space after ``Comment=`` changes nothing; slurmft reads the comment from squeue anyway.
+- A job that is gone: 26.05 prints "Job ... not found" on stderr, older versions "Invalid job id" on
+  stderr (22.05, 24.11, recorded); either way the call fails and :attr:`Answer.problem` carries stderr
+  before stdout.
+- The requeue delay: how long a requeued job waits before it may start again is ``requeue_delay`` in
+  SchedulerParameters on 25.11, and ``cred_expire`` (AuthInfo, default 120 s) before it:
+  :func:`requeue_delay_s` reads whichever ``scontrol show config`` has.
+- The job environment: ``SLURM_JOB_START_TIME`` exists only from 23.02 on, so nothing of slurmft reads
+  it. 23.11's ``srun`` reads ``SLURM_CPUS_PER_TASK`` again (as 22.05 does) and sbatch exports
+  ``SLURM_TRES_PER_TASK=cpu:N``; the rendered ``srun`` lines pass no ``--cpus-per-task`` of their own,
+  so the two always agree (the submit test runs them on 24.11).
+
 One time-out policy: :data:`TIMEOUT_S` for every call, except the ``scontrol`` calls the batch shell
 makes after ``srun`` returned (:data:`BATCH_TIMEOUT_S`), when the job is already inside KillWait or
 past its time limit and a hung controller must not eat the rest. A command that is missing, hangs or
@@ -166,6 +186,45 @@ def try_scancel(job_ids: list[str]) -> bool:
 
 
 # ------------------------------------------------------------------ scontrol
+#: The requeue delay before ``requeue_delay`` (25.11) existed: ``cred_expire``'s default, in seconds.
+DEFAULT_CRED_EXPIRE_S = 120
+
+
+def parse_config(text: str) -> dict[str, str]:
+    """``scontrol show config``'s ``Key = Value`` lines (the value may hold blanks)."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(" = ")
+        if sep and key.strip() and " " not in key.strip():
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def _options(value: str) -> dict[str, str]:
+    """``a=1,b,c=x`` -> {a: 1, b: "", c: x}."""
+    if value in ("", "(null)"):
+        return {}
+    return dict(item.partition("=")[::2] for item in value.split(",") if item)
+
+
+def requeue_delay_s(config: Mapping[str, str]) -> int:
+    """Seconds a requeued job waits before it may start again, from :func:`parse_config`'s fields:
+    SchedulerParameters' ``requeue_delay`` (25.11), else AuthInfo's ``cred_expire`` (which sets the delay
+    up to 25.05), else cred_expire's default. On the test cluster (cred_expire=10): about 12 s measured."""
+    for key, option in (("SchedulerParameters", "requeue_delay"), ("AuthInfo", "cred_expire")):
+        value = _options(config.get(key, "")).get(option, "")
+        if value.isdigit():
+            return int(value)
+    return DEFAULT_CRED_EXPIRE_S
+
+
+def version(text: str) -> tuple[int, int] | None:
+    """(major, minor) from ``sinfo --version`` / ``scontrol --version`` (``slurm 22.05.8``,
+    ``slurm-wlm 24.11.5``); None when it says something else."""
+    match = re.search(r"(\d+)\.(\d+)\.\d+", text)
+    return (int(match[1]), int(match[2])) if match else None
+
+
 def parse_show(text: str) -> dict[str, str]:
     """``Key=Value`` pairs of ``scontrol show job|node`` text (the first of a repeated key wins; a value
     runs to the next blank, which is how scontrol prints the fields we read)."""
