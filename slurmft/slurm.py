@@ -32,10 +32,13 @@ it and on 24.11 (Debian 13's 24.11.5), and tests/test_slurm.py parses output rec
 - The requeue delay: how long a requeued job waits before it may start again is ``requeue_delay`` in
   SchedulerParameters on 25.11, and ``cred_expire`` (AuthInfo, default 120 s) before it:
   :func:`requeue_delay_s` reads whichever ``scontrol show config`` has.
-- The job environment: ``SLURM_JOB_START_TIME`` exists only from 23.02 on, so nothing of slurmft reads
-  it. 23.11's ``srun`` reads ``SLURM_CPUS_PER_TASK`` again (as 22.05 does) and sbatch exports
-  ``SLURM_TRES_PER_TASK=cpu:N``; the rendered ``srun`` lines pass no ``--cpus-per-task`` of their own,
-  so the two always agree (the submit test runs them on 24.11).
+- The job environment: ``SLURM_JOB_START_TIME`` exists only from 23.02 on (set on 24.11, absent on
+  22.05), so nothing of slurmft reads it. From 23.11 sbatch also exports ``SLURM_TRES_PER_TASK=cpu=N``
+  beside ``SLURM_CPUS_PER_TASK=N``, and a plain ``srun`` whose environment has them disagree stops
+  ("fatal: cpus-per-task set by two different environment variables", measured on 24.11 with
+  ``SLURM_CPUS_PER_TASK=3`` in a ``--cpus-per-task=2`` job). The rendered ``srun`` lines pass
+  ``--cpus-per-task`` themselves (slurmft/plan/render.py), and the option wins over both variables:
+  the same job's ``srun --cpus-per-task=2`` exited 0.
 
 One time-out policy: :data:`TIMEOUT_S` for every call, except the ``scontrol`` calls the batch shell
 makes after ``srun`` returned (:data:`BATCH_TIMEOUT_S`), when the job is already inside KillWait or

@@ -172,6 +172,33 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                              ids=[f"slurm{v}" for v in versions])
 
 
+# Outcomes of the tests that run on every Slurm version: {test name: {version id: outcome}}.
+_EVERY_SLURM: dict[str, dict[str, str]] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Note each every_slurm test's outcome per version (on the xdist controller too: reports travel)."""
+    if "every_slurm" not in report.keywords or "[slurm" not in report.nodeid:
+        return
+    if report.when == "call" or report.outcome != "passed":  # a failed setup or teardown counts too
+        # xdist's --dist loadgroup appends "@<group>" to the node id
+        name, _, version = report.nodeid.partition("@")[0].rpartition("[")
+        version = version.rstrip("]")
+        outcomes = _EVERY_SLURM.setdefault(name, {})
+        if outcomes.get(version) in (None, "passed"):
+            outcomes[version] = report.outcome
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line per test that runs on every Slurm version: its outcome on each (the CI log must show them)."""
+    if not _EVERY_SLURM:
+        return
+    terminalreporter.section("tests on every Slurm version")
+    for name, outcomes in sorted(_EVERY_SLURM.items()):
+        cells = "  ".join(f"{v}: {outcomes.get(f'slurm{v}', 'not run'):7}" for v in SLURM_VERSIONS)
+        terminalreporter.write_line(f"{cells}  {name}")
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[SlurmCluster]:
     """The real local two-node Slurm cluster of one version (the parameter), up for the whole session or

@@ -202,7 +202,8 @@ ensure_rootfs() {  # build $ROOTFS once (mmdebstrap, Debian's packages); kept fo
   [ "$(id -u)" -eq 0 ] || die "the $SUITE root file system needs root (mmdebstrap, chroot, mount)"
   if ! command -v mmdebstrap >/dev/null; then
     log "installing mmdebstrap"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends mmdebstrap \
+    { DEBIAN_FRONTEND=noninteractive apt-get update -q \
+      && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends mmdebstrap; } \
       >"$DIR/apt-install.log" 2>&1 || die "apt-get install mmdebstrap failed (log: $DIR/apt-install.log)"
   fi
   # never under a stale one that a process may still have bind mounts in: build beside it
