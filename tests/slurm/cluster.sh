@@ -11,8 +11,9 @@
 #
 # Daemons: munged (private socket), mariadbd + slurmdbd (so sacct works), slurmctld, and two slurmd
 # (n1, n2; NodeHostname=localhost, NodeAddr 127.0.0.2 and 127.0.0.1), each node with 32 CPUs, 128000 MB and 8 fake
-# GPUs (gres File= symlinks to /dev/null). Nothing is written outside $SLURMFT_CLUSTER_DIR: clients
-# find the cluster through SLURM_CONF, never /etc/slurm/slurm.conf.
+# GPUs (gres File= symlinks to /dev/null). Nothing is written outside the cluster's directory (and, for
+# trixie, the root file system cache): clients find the cluster through SLURM_CONF, never
+# /etc/slurm/slurm.conf.
 #
 # Knobs (environment):
 #   SLURMFT_CLUSTER_DIR      everything lives here (trixie: in DIR-trixie)          (/tmp/slurmft-cluster)
@@ -24,14 +25,16 @@
 #   SLURMFT_ROOTFS_CACHE     where the trixie root file system is built once and kept   (/var/cache/slurmft)
 #
 # trixie: Debian 13's libc is newer than Debian 12's, so its Slurm cannot be installed beside 22.05. The
-# first `up` builds a root file system with mmdebstrap from Debian's packages (2m14s measured on a loaded
-# 2-core machine, 567 MB; later `up`s reuse it). Every Slurm and munge command, daemons included, runs
+# first `up` builds a root file system with mmdebstrap from Debian's packages (93-134 s measured on a
+# loaded 2-core machine, 567 MB; later `up`s reuse it and start in about 17 s). Every Slurm and munge command, daemons included, runs
 # there through $DIR/bin (first on PATH, see `env`): each name links to bin/in-root, which enters a
 # private mount namespace, bind-mounts the host's /tmp, /root, /home, /work, /opt, /usr/local (the
 # job's Python and the tests' files, at the same paths) and this checkout, and runs the root file
 # system's command by chroot in the caller's working directory. The binds vanish with the last
-# process; nothing stays mounted. MariaDB is the host's (10.11): Debian 13's slurmdbd 24.11 against
-# its own MariaDB 11.8 stopped at start-up with error 5027 (see start_cluster).
+# process; nothing stays mounted. The job's Python must lie under one of those directories (checked).
+# MariaDB is the host's (10.11): Debian 13's slurmdbd 24.11 against its own MariaDB 11.8 stopped at
+# start-up with error 5027 (docs/design-notes.md, issue 22).
+#
 # No systemd: every daemon is started here, in the foreground of its own session, and its pid is
 # recorded under run/; `down` kills only those pids (after checking the process name).
 set -euo pipefail
@@ -256,6 +259,15 @@ exec unshare --mount --propagation private /bin/sh -c '
 EOF
 }
 
+check_python() {  # the job's Python (the one on PATH) must be visible in the root file system
+  local py d
+  py=$(readlink -f "$(command -v python3 || command -v python || echo /nonexistent)")
+  for d in $(bind_dirs); do
+    case $py in "$d"/*) return 0 ;; esac
+  done
+  die "the job's Python ($py) is outside what bin/in-root binds into $ROOTFS ($(bind_dirs)): use a Python under one of them (a venv, pyenv)"
+}
+
 install_bin() {  # $DIR/bin: in-root and one link per command it runs there
   local c d
   for d in $(bind_dirs); do mkdir -p "$ROOTFS$d"; done
@@ -466,6 +478,7 @@ start_cluster() {
   render_slurmdbd_conf >"$ETC/slurmdbd.conf"
   if [ "$SUITE" != bookworm ]; then
     render_cgroup_conf >"$ETC/cgroup.conf"
+    check_python
     install_bin
     # the wrappers work (mounts, chroot): fail here, with the reason, rather than in every command
     "$BIN/srun" --version >/dev/null 2>&1 || die "$BIN/srun does not run in $ROOTFS"

@@ -40,6 +40,7 @@ def _calls(path: Path) -> list[str]:
     return [line.split()[0] for line in path.read_text().splitlines()]
 
 
+@pytest.mark.every_slurm
 def test_preempted_twice_status_plot_report_logs(slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path: Path,
                                                  slurmft, slurm_calls: Path) -> None:
     path = slurmft.write_config(tmp_path, tiny_model, chat_data, train={"max_steps": 40},
@@ -112,6 +113,7 @@ def test_preempted_twice_status_plot_report_logs(slurm_cluster, tiny_model: Path
     assert len(re.findall(r"^\[slurmft\] job=\d+ restart=", log, re.M)) == 3
 
 
+@pytest.mark.every_slurm
 def test_runs_lists_every_run_with_one_squeue_and_one_sacct(slurm_cluster, tiny_model: Path, chat_data: Path,
                                                               tmp_path: Path, slurmft, slurm_calls: Path) -> None:
     root = tmp_path / "runs"
