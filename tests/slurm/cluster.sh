@@ -25,7 +25,7 @@
 #   SLURMFT_ROOTFS_CACHE     where the trixie root file system is built once and kept   (/var/cache/slurmft)
 #
 # trixie: Debian 13's libc is newer than Debian 12's, so its Slurm cannot be installed beside 22.05. The
-# first `up` builds a root file system with mmdebstrap from Debian's packages (93-134 s measured on a
+# first `up` builds a root file system with mmdebstrap from Debian's packages (59-134 s measured on a
 # loaded 2-core machine, 567 MB; later `up`s reuse it and start in about 17 s). Every Slurm and munge command, daemons included, runs
 # there through $DIR/bin (first on PATH, see `env`): each name links to bin/in-root, which enters a
 # private mount namespace, bind-mounts the host's /tmp, /root, /home, /work, /opt, /usr/local (the
@@ -203,6 +203,12 @@ ensure_rootfs() {  # build $ROOTFS once (mmdebstrap, Debian's packages); kept fo
   have=$(cat "$ROOTFS/etc/slurmft-rootfs" 2>/dev/null || true)
   [ "$have" = "$want" ] && return 0
   [ "$(id -u)" -eq 0 ] || die "the $SUITE root file system needs root (mmdebstrap, chroot, mount)"
+  # one build at a time (two clusters' `up` may share the cache); the other one finds it built
+  mkdir -p "$(dirname "$ROOTFS")"
+  exec 8>"$(dirname "$ROOTFS")/.lock-$SUITE"
+  flock -w 900 8 || die "another build holds $(dirname "$ROOTFS")/.lock-$SUITE"
+  have=$(cat "$ROOTFS/etc/slurmft-rootfs" 2>/dev/null || true)
+  if [ "$have" = "$want" ]; then exec 8>&-; return 0; fi
   if ! command -v mmdebstrap >/dev/null; then
     log "installing mmdebstrap"
     { DEBIAN_FRONTEND=noninteractive apt-get update -q \
@@ -210,8 +216,7 @@ ensure_rootfs() {  # build $ROOTFS once (mmdebstrap, Debian's packages); kept fo
       >"$DIR/apt-install.log" 2>&1 || die "apt-get install mmdebstrap failed (log: $DIR/apt-install.log)"
   fi
   # never under a stale one that a process may still have bind mounts in: build beside it
-  tmp=$(mktemp -d "$(dirname "$ROOTFS")/.rootfs-$SUITE.XXXXXX" 2>/dev/null) \
-    || { mkdir -p "$(dirname "$ROOTFS")" && tmp=$(mktemp -d "$(dirname "$ROOTFS")/.rootfs-$SUITE.XXXXXX"); }
+  tmp=$(mktemp -d "$(dirname "$ROOTFS")/.rootfs-$SUITE.XXXXXX")
   log "building the Debian $SUITE root file system in $ROOTFS (mmdebstrap; a few minutes, once)"
   local pkgs=${ROOTFS_PACKAGES[*]}
   if ! mmdebstrap --variant=essential --include="${pkgs// /,}" "$SUITE" "$tmp" \
@@ -227,6 +232,7 @@ ensure_rootfs() {  # build $ROOTFS once (mmdebstrap, Debian's packages); kept fo
     rm -rf --one-file-system "$ROOTFS"
   fi
   mv "$tmp" "$ROOTFS"
+  exec 8>&-
   log "built $ROOTFS ($(chroot "$ROOTFS" slurmctld -V))"
 }
 

@@ -14,7 +14,7 @@ from slurmft import slurm
 from slurmft.job.requeue import JobView
 from slurmft.rundir import RunPaths, read_manifest
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.every_slurm]
 
 ODD = {"SQUEUE_FORMAT": "%i", "SQUEUE_FORMAT2": "JobID:3", "SQUEUE_PARTITION": "nope", "SQUEUE_SORT": "-i",
        "SQUEUE_STATES": "PD", "SACCT_FORMAT": "jobid%3", "SLURM_TIME_FORMAT": "relative",
@@ -22,7 +22,6 @@ ODD = {"SQUEUE_FORMAT": "%i", "SQUEUE_FORMAT2": "JobID:3", "SQUEUE_PARTITION": "
 STABLE = ("job_id", "state", "reason", "restarts", "name", "comment")  # not elapsed: time passes
 
 
-@pytest.mark.every_slurm  # 4 s: the raw commands of each version do change with ODD
 def test_the_users_slurm_environment_changes_nothing_we_parse(slurm_cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     job = slurm_cluster.sbatch("-o", "/dev/null", "-J", "odd|name", "--comment", "slurmft-run:x|y", "--wrap", "sleep 30")
     try:
