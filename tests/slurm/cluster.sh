@@ -547,7 +547,11 @@ cmd_up() {
   cmd_env_hint
 }
 
-cmd_env_hint() { log "use it with:  eval \"\$(bash ${BASH_SOURCE[0]} env)\""; }
+cmd_env_hint() {
+  local suite=""
+  [ "$SUITE" = bookworm ] || suite="SLURMFT_CLUSTER_SUITE=$SUITE "
+  log "use it with:  eval \"\$(${suite}bash ${BASH_SOURCE[0]} env)\""
+}
 
 cmd_down() {
   if [ ! -d "$RUN" ]; then
