@@ -352,7 +352,7 @@ def doctor(config: Path | None, overrides: tuple[str, ...], as_json: bool, probe
 
     if probe and config is None:
         raise click.UsageError("--job needs RUN.yaml (the probe runs with the run's nodes, profile and setup)")
-    cfg = profile = run = None
+    cfg = profile = run = result = None
     if config is not None:
         cfg, profile = _load(config, overrides)
         result, why = _estimate(cfg, profile)
@@ -363,7 +363,7 @@ def doctor(config: Path | None, overrides: tuple[str, ...], as_json: bool, probe
     if probe:
         from slurmft.submit.probe import run_probe
 
-        lines += run_probe(cfg, profile, str(config.resolve()), template_dir, say=_err)
+        lines += run_probe(cfg, profile, str(config.resolve()), template_dir, result, say=_err)
     if as_json:
         click.echo(json.dumps({"lines": [line.as_dict() for line in lines], "exit_code": exit_code(lines)}, indent=2))
     else:

@@ -185,6 +185,19 @@ def requeue(job_id: str, timeout: float = TIMEOUT_S) -> Answer:
     return call(["scontrol", "requeue", job_id], timeout=timeout)
 
 
+def set_time_limit(job_id: str, minutes: int, timeout: float = TIMEOUT_S) -> Answer:
+    """``scontrol update JobId=JOB TimeLimit=MINUTES`` (a user may lower the limit of their own job; the
+    doctor's probe does, to bring its warning signal forward)."""
+    return call(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={minutes}"], timeout=timeout)
+
+
+def sbatch_script(script: str) -> Answer:
+    """``sbatch --parsable SCRIPT``: the doctor's probe job only. A run's jobs are submitted through
+    submitit (slurmft.submit.dispatch), which pairs each job with its pickled callable; the probe has
+    none. ``stdout`` holds ``JOBID[;CLUSTER]``."""
+    return call(["sbatch", "--parsable", script])
+
+
 def hostnames(nodelist: str) -> list[str]:
     """Host names of a Slurm node list (``n[1-2]`` -> n1, n2); raises SlurmCallError when scontrol fails."""
     answer = call(["scontrol", "show", "hostnames", nodelist])

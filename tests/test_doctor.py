@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 
 from slurmft import slurm
-from slurmft.plan.doctor import NOT_REPORTED, Level, RunFacts, diagnose, exit_code, format_lines
+from slurmft.plan.doctor import (
+    NOT_REPORTED,
+    Level,
+    ProbeExpect,
+    RunFacts,
+    diagnose,
+    exit_code,
+    format_lines,
+    probe_lines,
+)
 
 DATA = Path(__file__).parent / "data" / "slurm"
 
@@ -166,3 +175,75 @@ def test_every_line_has_a_level_and_every_problem_a_fix(version: str) -> None:
     for line in diagnose(facts(version), run(save_s=500.0, lead_time_s=60)):
         assert line.level in Level
         assert line.level is Level.OK or line.fix, line
+
+
+# ------------------------------------------------------------------ doctor --job: the probe's verdicts
+PROBE = Path(__file__).parent / "data" / "probe" / "b-signal"
+
+
+def probe_files() -> tuple[dict[int, dict], dict]:
+    import json
+
+    ranks = {r: json.loads((PROBE / f"rank-{r}.json").read_text()) for r in (0, 1)}
+    return ranks, json.loads((PROBE / "batch.json").read_text())
+
+
+def expect(**changes: object) -> ProbeExpect:
+    base = ProbeExpect(nodes=2, world=2, vars={"GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1",
+                                               "TOKENIZERS_PARALLELISM": "false"},
+                       signal_name="USR2", signal_text="--signal=B:USR2@300", batch_only=True, run_dir="/tmp/doc",
+                       run_dir_bytes=10**8, model_bytes=10**7, wants_gpus=False, profile="local-test")
+    return dataclasses.replace(base, **changes)
+
+
+def probe_by_check(ranks: dict, batch: dict | None, exp: ProbeExpect) -> dict:
+    return by_check(probe_lines(ranks, batch, exp, "7", "COMPLETED", "/x/probe.log"))
+
+
+def test_probe_of_a_b_signal_render_fails_on_the_signal_only() -> None:
+    ranks, batch = probe_files()
+    lines = probe_by_check(ranks, batch, expect())
+    sig = lines.pop("warning signal")
+    assert sig.level is Level.PROBLEM and "batch shell only" in sig.text and "drop 'B:'" in sig.fix
+    assert {c: line.level for c, line in lines.items() if line.level is not Level.OK} == {}
+    assert {"probe", "python [n1]", "python [n2]", "profile variables", "run dir [n1]", "run dir [n2]", "HF_HOME [n1]",
+            "HF_HOME [n2]", "scontrol in batch", "MASTER_ADDR", "all-reduce"} <= set(lines)
+    assert "bus bandwidth 0.163 GB/s" in lines["all-reduce"].text
+
+
+def test_probe_where_every_rank_got_the_signal_passes() -> None:
+    ranks, batch = probe_files()
+    for r in ranks.values():
+        r["signal"].update(got="USR2", after_ready_s=12.0, batch_got=False)
+    lines = probe_lines(ranks, batch, expect(signal_text="--signal=USR2@300", batch_only=False), "7", "COMPLETED", "l")
+    assert exit_code(lines) == 0, format_lines(lines)
+    assert "reached all 2 rank(s)" in by_check(lines)["warning signal"].text
+
+
+def test_probe_catches_an_unshared_run_dir_an_unreached_master_and_a_missing_stack() -> None:
+    ranks, batch = probe_files()
+    ranks[1]["run_dir"]["saw"] = ["n2"]  # n2 does not see n1's file
+    ranks[0]["master"].update(ok=False, error="RuntimeError: connection refused")
+    ranks[0]["versions"]["trl"] = None
+    lines = probe_by_check(ranks, batch, expect())
+    assert lines["run dir [n2]"].level is Level.PROBLEM and "not seen on n2" in lines["run dir [n2]"].text
+    assert "every node shares" in lines["run dir [n2]"].fix
+    assert lines["run dir [n1]"].level is Level.OK
+    assert lines["MASTER_ADDR"].level is Level.PROBLEM and "connection refused" in lines["MASTER_ADDR"].text
+    assert lines["python [n1]"].level is Level.PROBLEM and "missing: trl" in lines["python [n1]"].text
+
+
+def test_probe_with_a_missing_rank_or_no_rank_is_a_problem() -> None:
+    ranks, batch = probe_files()
+    del ranks[1]
+    assert probe_by_check(ranks, batch, expect())["probe"].level is Level.PROBLEM
+    only = probe_lines({}, None, expect(), "7", "FAILED", "/x/probe.log")
+    assert len(only) == 1 and only[0].level is Level.PROBLEM and "/x/probe.log" in only[0].text
+
+
+def test_probe_variables_the_ranks_see_otherwise_and_too_little_space() -> None:
+    ranks, batch = probe_files()
+    ranks[1]["vars"]["GLOO_SOCKET_IFNAME"] = "eth0"
+    lines = probe_by_check(ranks, batch, expect(run_dir_bytes=10**15))
+    assert lines["profile variables"].level is Level.WARNING and "'eth0' on n2" in lines["profile variables"].text
+    assert lines["run dir [n1]"].level is Level.PROBLEM and "keep_last" in lines["run dir [n1]"].fix

@@ -361,3 +361,192 @@ def format_lines(lines: list[Line]) -> list[str]:
         if line.fix and line.level is not Level.OK:
             out.append(f"{'':<8} fix: {line.fix}")
     return out
+
+
+# ------------------------------------------------------------------ doctor --job: what the probe job found
+@dataclass(frozen=True)
+class ProbeExpect:
+    """What the probe's answers are held against (from the run config, its profile and its estimate)."""
+
+    nodes: int
+    world: int
+    vars: dict[str, str]  # every profile / cluster.env variable and the value the script exports
+    signal_name: str
+    signal_text: str  # the train script's --signal directive as rendered
+    batch_only: bool
+    run_dir: str
+    run_dir_bytes: int | None  # checkpoints kept plus the consolidated model
+    model_bytes: int | None  # the consolidated model, what HF_HOME holds of it
+    wants_gpus: bool
+    profile: str
+
+
+def probe_expect(cfg: RunConfig, profile: ClusterProfile, estimate: dict[str, Any] | None, signal_name: str,
+                 signal_text: str, batch_only: bool, run_dir: str) -> ProbeExpect:
+    ckpt = estimate["checkpoint_bytes"] if estimate else None
+    model = estimate["consolidated_bytes"] if estimate else None
+    return ProbeExpect(
+        nodes=cfg.resources.nodes, world=cfg.resources.nodes * cfg.resources.ranks_per_node,
+        vars={**{k: v.value for k, v in profile.env.items()}, **cfg.cluster.env},
+        signal_name=signal_name, signal_text=signal_text, batch_only=batch_only, run_dir=run_dir,
+        run_dir_bytes=None if ckpt is None else ckpt * (cfg.checkpoint.keep_last + 1) + (model or 0),
+        model_bytes=model, wants_gpus=bool(cfg.resources.gpus_per_node and profile.gres_gpu and profile.name != "local-test"),
+        profile=profile.name,
+    )
+
+
+TRAINING_STACK = ("torch", "transformers", "accelerate", "trl", "datasets")
+
+
+def _gb(n: int | None) -> str:
+    return "?" if n is None else f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def _node_reports(ranks: dict[int, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """One report per node: its local rank 0's (which checked the node's files and versions)."""
+    return {r["node"]: r for r in sorted(ranks.values(), key=lambda r: r["rank"]) if r.get("local_rank") == 0}
+
+
+def _probe_stack(nodes: dict[str, dict[str, Any]]) -> list[Line]:
+    lines = []
+    seen = set()
+    for node, r in nodes.items():
+        v = r.get("versions", {})
+        stack = ", ".join(f"{k} {v.get(k) or '-'}" for k in (*TRAINING_STACK, "flash-attn"))
+        cuda = r.get("cuda", {})
+        gpu = f"; CUDA {cuda.get('version')}, NCCL {cuda.get('nccl')}, {cuda.get('devices')} GPU(s)" if cuda.get("available") else ""
+        missing = [k for k in TRAINING_STACK if not v.get(k)]
+        text = f"{r.get('python')} (Python {r.get('python_version')}): {stack}{gpu}"
+        if missing:
+            lines.append(Line(f"python [{node}]", Level.PROBLEM, text + f"; missing: {', '.join(missing)}",
+                              "point cluster.python at the environment that has slurmft's training stack, or "
+                              "activate it in cluster.setup"))
+        else:
+            lines.append(Line(f"python [{node}]", Level.OK, text))
+        seen.add((r.get("python"), tuple(sorted((k, str(x)) for k, x in v.items()))))
+    if len(seen) > 1:
+        lines.append(Line("python", Level.WARNING, "the nodes run different Pythons or package versions",
+                          "use one environment on a shared filesystem (cluster.python)"))
+    return lines
+
+
+def _probe_vars(ranks: dict[int, dict[str, Any]], expect: ProbeExpect) -> list[Line]:
+    wrong = sorted({(k, str(r["vars"].get(k)), r["node"]) for r in ranks.values() for k, v in expect.vars.items()
+                    if r.get("vars", {}).get(k) != v})
+    if not expect.vars:
+        return [Line("profile variables", Level.OK, f"profile {expect.profile} sets none")]
+    if wrong:
+        shown = "; ".join(f"{k}={v!r} on {n} (profile: {expect.vars[k]!r})" for k, v, n in wrong[:6])
+        return [Line("profile variables", Level.WARNING, f"ranks see other values: {shown}",
+                     "cluster.setup or the site's environment overrides them; set them in cluster.env if the run "
+                     "needs the profile's value")]
+    return [Line("profile variables", Level.OK, f"every rank sees the profile's {', '.join(expect.vars)}")]
+
+
+def _probe_shared(nodes: dict[str, dict[str, Any]], key: str, label: str, need: tuple[int | None, str],
+                  level_unshared: Level, fix: str) -> list[Line]:
+    """Each node's token in ``key``'s directory, read by the others, and its free space against ``need``
+    (bytes, and what they are for)."""
+    names = sorted(nodes)
+    lines = []
+    for node, r in nodes.items():
+        fact = r.get(key) or {}
+        path = fact.get("path", "?")
+        if "error" in fact:
+            lines.append(Line(f"{label} [{node}]", Level.PROBLEM, f"cannot write into {path} on {node}: {fact['error']}", fix))
+            continue
+        unseen = [n for n in names if n not in fact.get("saw", [])]
+        free = fact.get("free_bytes")
+        space = f"{_gb(free)} free" + (f", {need[1]} ~{_gb(need[0])}" if need[0] else "")
+        if unseen and len(names) > 1:
+            lines.append(Line(f"{label} [{node}]", level_unshared,
+                              f"{path}: files written on {', '.join(unseen)} are not seen on {node}: not one shared "
+                              f"filesystem ({space})", fix))
+        elif need[0] and free is not None and free < need[0]:
+            lines.append(Line(f"{label} [{node}]", Level.PROBLEM, f"{path}: {space}",
+                              f"free space on {path}, or lower checkpoint.keep_last"))
+        else:
+            shared = "shared by every node" if len(names) > 1 else "one node: sharing not tested"
+            lines.append(Line(f"{label} [{node}]", Level.OK, f"{path}: {shared}; {space}"))
+    return lines
+
+
+def _probe_signal(ranks: dict[int, dict[str, Any]], batch: dict[str, Any] | None, expect: ProbeExpect) -> list[Line]:
+    got = {r["rank"]: (r.get("signal") or {}).get("got") for r in ranks.values()}
+    missed = sorted(r for r, name in got.items() if name != expect.signal_name)
+    batch_got = any((r.get("signal") or {}).get("batch_got") for r in ranks.values())
+    limit = (batch or {}).get("time_limit") or {}
+    if not missed:
+        after = max(((r.get("signal") or {}).get("after_ready_s") or 0) for r in ranks.values())
+        return [Line("warning signal", Level.OK, f"{expect.signal_text} reached all {len(got)} rank(s) (within "
+                                                 f"{after:.0f} s of the probe's shortened time limit)")]
+    if batch_got:
+        return [Line("warning signal", Level.PROBLEM,
+                     f"{expect.signal_text} reached the batch shell only, not rank(s) {missed}: the ranks never save "
+                     "before the time limit, and the job dies at SIGKILL",
+                     "drop 'B:' from the --signal directive of your train template (Slurm then signals the ranks)"
+                     if expect.batch_only else "let Slurm signal the job steps (a --signal directive without B:)")]
+    if limit and not limit.get("ok"):
+        return [Line("warning signal", Level.WARNING, f"the probe could not bring its warning signal forward "
+                                                      f"(scontrol update TimeLimit: {limit.get('problem')}); not tested",
+                     "ask the admin whether users may lower their jobs' time limit, or test with a short cluster.time")]
+    waited = max(((r.get("signal") or {}).get("waited_s") or 0) for r in ranks.values())
+    return [Line("warning signal", Level.PROBLEM,
+                 f"{expect.signal_text}: rank(s) {missed} got no {expect.signal_name} within {waited:.0f} s "
+                 f"(they got: {sorted({str(v) for v in got.values()})})",
+                 "check that srun starts the ranks directly (no wrapper that swallows signals) and that "
+                 "preemption.signal is a signal Slurm may send")]
+
+
+def probe_lines(ranks: dict[int, dict[str, Any]], batch: dict[str, Any] | None, expect: ProbeExpect,
+                job: str, state: str, log: str) -> list[Line]:
+    """Every line of ``doctor --job`` from the probe's files (``rank-N.json``, ``batch.json``)."""
+    missing = [r for r in range(expect.world) if r not in ranks]
+    nodes = _node_reports(ranks)
+    head = f"probe job {job} ({state}) on {', '.join(sorted(nodes)) or 'no node that reported'}"
+    if not ranks:
+        return [Line("probe", Level.PROBLEM, f"{head}: no rank reported (log: {log})",
+                     "read the log: cluster.setup or cluster.python may fail on the nodes")]
+    lines = [Line("probe", Level.PROBLEM if missing else Level.OK,
+                  head + (f": no report from rank(s) {missing} (log: {log})" if missing else ""),
+                  "read the log: the missing ranks failed or were killed" if missing else "")]
+    lines += _probe_stack(nodes)
+    if expect.wants_gpus and not any((r.get("cuda") or {}).get("available") for r in nodes.values()):
+        lines.append(Line("gpus", Level.PROBLEM, "no rank sees a GPU (torch.cuda.is_available() is False)",
+                          "check the job's CUDA setup (cluster.setup: module load cuda) and that torch is a CUDA build"))
+    lines += _probe_vars(ranks, expect)
+    lines += _probe_shared(nodes, "run_dir", "run dir", (expect.run_dir_bytes, "checkpoints and model need"), Level.PROBLEM,
+                           "set output_dir to a path on a filesystem every node shares (not /tmp or a node-local disk)")
+    lines += _probe_shared(nodes, "hf_home", "HF_HOME", (expect.model_bytes, "the model needs"), Level.WARNING,
+                           "set HF_HOME (cluster.env) to a shared directory, or every node downloads on its own")
+    sc = (batch or {}).get("scontrol")
+    if sc is None:
+        lines.append(Line("scontrol in batch", Level.WARNING, "the batch side did not report (see the log)"))
+    elif sc.get("ok"):
+        lines.append(Line("scontrol in batch", Level.OK, "scontrol show job answers inside the batch script"))
+    else:
+        lines.append(Line("scontrol in batch", Level.PROBLEM, f"scontrol failed inside the batch script: {sc.get('problem')}",
+                          "the requeue needs scontrol in the batch script: make it reachable there (cluster.setup)"))
+    bad = {r["node"]: (r.get("master") or {}).get("error") for r in ranks.values() if not (r.get("master") or {}).get("ok")}
+    master = next(iter(ranks.values())).get("master") or {}
+    if bad:
+        lines.append(Line("MASTER_ADDR", Level.PROBLEM, f"{master.get('addr')}:{master.get('port')} not reached from "
+                                                        f"{', '.join(sorted(bad))}: {next(iter(bad.values()))}",
+                          "set cluster.master_addr to an address every node reaches, or the profile's interface "
+                          "variables (NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME)"))
+    else:
+        lines.append(Line("MASTER_ADDR", Level.OK, f"{master.get('addr')}:{master.get('port')} reached from every node"))
+    ar = next((r.get("allreduce") for r in ranks.values() if r.get("rank") == 0 and r.get("allreduce")), None)
+    if ar:
+        bw = ar.get("busbw_gb_s")
+        lines.append(Line("all-reduce", Level.OK, f"{ar['backend']}, {ar['world']} ranks, {_gb(ar['bytes'])}: "
+                                                  f"{ar['seconds']} s" + (f", bus bandwidth {bw} GB/s" if bw else "")))
+    lines += _probe_signal(ranks, batch, expect)
+    efa = [n for n, r in nodes.items() if r.get("fi_info_efa")]
+    if expect.profile == "local-test" and any((r.get("cuda") or {}).get("available") for r in nodes.values()):
+        lines.append(Line("profile", Level.WARNING, "the nodes have GPUs but the profile is local-test (CPU ranks)",
+                          "set cluster.profile to your network's profile (`slurmft profiles`)"))
+    elif efa and "efa" not in expect.profile:
+        lines.append(Line("profile", Level.WARNING, f"{', '.join(efa)} have EFA (fi_info -p efa)",
+                          "set cluster.profile to aws-efa"))
+    return lines
