@@ -168,7 +168,7 @@ def rank_main(args: argparse.Namespace) -> int:
 
         with contextlib.suppress(slurm.SlurmCallError):
             nodes = slurm.hostnames(env.get("SLURM_JOB_NODELIST", node))
-        time.sleep(5)
+        time.sleep(5)  # no barrier without a process group: give the other nodes' tokens time to appear
     if local == 0:
         for key in ("run_dir", "hf_home"):
             if "error" not in report[key]:
@@ -176,11 +176,11 @@ def rank_main(args: argparse.Namespace) -> int:
     if dist.is_initialized():
         dist.barrier()  # every node has read before anyone removes its token
         dist.destroy_process_group()
-    if local == 0:
-        from slurmft.rundir import ProbePaths
+        if local == 0:  # without that barrier the tokens stay; the login side removes those it can see
+            from slurmft.rundir import ProbePaths
 
-        for key in ("run_dir", "hf_home"):
-            ProbePaths.token(Path(report[key]["path"]), job_id, node).unlink(missing_ok=True)
+            for key in ("run_dir", "hf_home"):
+                ProbePaths.token(Path(report[key]["path"]), job_id, node).unlink(missing_ok=True)
 
     paths.ready(rank).write_text(node)
     ready_at = time.time()

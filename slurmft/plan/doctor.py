@@ -273,8 +273,8 @@ def check_time_limit(run: RunFacts | None, name: str | None, part: dict[str, str
     return [Line("MaxTime", Level.OK, f"cluster.time {run.time_s} s fits MaxTime={raw} of {name}")]
 
 
-def check_gpus(facts: ClusterFacts, run: RunFacts | None, name: str | None) -> list[Line]:
-    if run is None or not run.requests_gpus:
+def check_gpus(facts: ClusterFacts, run: RunFacts | None, name: str | None, part: dict[str, str] | None) -> list[Line]:
+    if run is None or not run.requests_gpus or part is None:  # no partition: already a problem
         return []
     if facts.gpus_per_node is None:
         return [Line("gpus", Level.WARNING, f"GPUs per node of {name}: {NOT_REPORTED} (sinfo -o %G)")]
@@ -343,7 +343,7 @@ def diagnose(facts: ClusterFacts, run: RunFacts | None) -> list[Line]:
         *check_user_signal(facts, part),
         *check_requeue_delay(facts),
         *check_time_limit(run, name, part),
-        *check_gpus(facts, run, name),
+        *check_gpus(facts, run, name, part),
         *check_save(facts, run, name, part),
     ]
 
@@ -478,8 +478,8 @@ def _probe_signal(ranks: dict[int, dict[str, Any]], batch: dict[str, Any] | None
     limit = (batch or {}).get("time_limit") or {}
     if not missed:
         after = max(((r.get("signal") or {}).get("after_ready_s") or 0) for r in ranks.values())
-        return [Line("warning signal", Level.OK, f"{expect.signal_text} reached all {len(got)} rank(s) (within "
-                                                 f"{after:.0f} s of the probe's shortened time limit)")]
+        return [Line("warning signal", Level.OK, f"{expect.signal_text} reached all {len(got)} rank(s), sent by Slurm "
+                                                 f"{after:.0f} s after the ranks were ready")]
     if batch_got:
         return [Line("warning signal", Level.PROBLEM,
                      f"{expect.signal_text} reached the batch shell only, not rank(s) {missed}: the ranks never save "

@@ -68,6 +68,17 @@ def _json(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def _remove_tokens(ranks: dict[int, dict[str, Any]], job_id: str) -> None:
+    """The token files a probe's ranks left behind (they do when their process group failed), where the
+    login node sees them."""
+    nodes = {r.get("node", "") for r in ranks.values()}
+    for report in ranks.values():
+        for key in ("run_dir", "hf_home"):
+            path = (report.get(key) or {}).get("path")
+            for node in nodes if path else ():
+                ProbePaths.token(Path(path), job_id, node).unlink(missing_ok=True)
+
+
 def run_probe(cfg: RunConfig, profile: ClusterProfile, config_path: str, template_dir: str | None,
               estimate: dict[str, Any] | None, say: Callable[[str], None]) -> list[Line]:
     """Submit the probe with the run's shape, wait for it, and turn its files into doctor lines."""
@@ -96,6 +107,7 @@ def run_probe(cfg: RunConfig, profile: ClusterProfile, config_path: str, templat
             ranks[rank] = report
     expect = probe_expect(cfg, profile, estimate, signal.name, signal.text, signal.batch_only, str(target))
     lines = probe_lines(ranks, _json(probe.batch_report), expect, job_id, state, str(probe.log))
+    _remove_tokens(ranks, job_id)
     if exit_code(lines) == 0:
         shutil.rmtree(probe.root, ignore_errors=True)
     else:
