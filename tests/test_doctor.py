@@ -45,29 +45,6 @@ def by_check(lines: list) -> dict:
     return {line.check: line for line in lines}
 
 
-# ------------------------------------------------------------------ parsers, two versions
-def test_parse_config_of_both_versions() -> None:
-    old = slurm.parse_config((DATA / "22.05" / "show-config.txt").read_text())
-    new = slurm.parse_config((DATA / "25.11" / "show-config.txt").read_text())
-    assert (old["SLURM_VERSION"], old["KillWait"], old["AccountingStoreFlags"]) == ("22.05.8", "5 sec", "job_comment")
-    assert slurm.option(old["AuthInfo"], "cred_expire") == "10"
-    assert "PreemptParameters" not in old  # 22.05 does not print it
-    assert (new["SLURM_VERSION"], new["KillWait"], new["PreemptParameters"]) == ("25.11.7", "30 sec", "send_user_signal")
-    assert slurm.option(new["SchedulerParameters"], "requeue_delay") == "60"
-    assert "Slurmctld(primary) at head01 is UP" not in new and new["SlurmctldHost[0]"] == "head01(10.1.0.2)"
-
-
-def test_parse_partitions_and_gres() -> None:
-    old = slurm.parse_partitions((DATA / "22.05" / "show-partition.txt").read_text())
-    new = slurm.parse_partitions((DATA / "25.11" / "show-partition.txt").read_text())
-    assert {n: (f["GraceTime"], f["MaxTime"], f["PreemptMode"]) for n, f in old.items()} == {
-        "debug": ("0", "UNLIMITED", "OFF")}
-    assert {n: (f["GraceTime"], f["MaxTime"], f["PreemptMode"]) for n, f in new.items()} == {
-        "gpu": ("120", "2-00:00:00", "REQUEUE"), "lowprio": ("0", "04:00:00", "CANCEL")}
-    assert slurm.parse_gres_gpus("gpu:8\n(null)\ngpu:h100:8(S:0-1)\ngpu:a100:4,gpu:v100:2\n") == [8, 0, 8, 6]
-    assert (slurm.seconds("30 sec"), slurm.seconds("7"), slurm.seconds("INFINITE"), slurm.seconds(None)) == (30, 7, None, None)
-
-
 # ------------------------------------------------------------------ verdicts
 def test_the_test_cluster_without_a_run_is_all_ok() -> None:
     lines = diagnose(facts("22.05"), None)
