@@ -41,10 +41,13 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def own_master_port(monkeypatch: pytest.MonkeyPatch) -> None:
+def probe_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """MASTER_PORT derives from the job id; a second cluster on this machine starts at job 1 again, so its
-    probe would share a port with the first cluster's job 1. A free port of our own (sbatch passes it on)."""
+    probe would share a port with the first cluster's job 1: a free port of our own (sbatch passes the
+    environment on). And HOME in tmp_path: the probe's directory (kept when something is a problem) and the
+    ranks' default HF_HOME go there, not into the real home."""
     monkeypatch.setenv("SLURMFT_MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
 
 
 def doctor_json(slurmft, *args: str) -> tuple[int, dict[str, dict]]:  # noqa: ANN001 - the SlurmftDriver fixture
@@ -55,7 +58,7 @@ def doctor_json(slurmft, *args: str) -> tuple[int, dict[str, dict]]:  # noqa: AN
 
 
 def test_doctor_and_its_probe_on_the_test_cluster(slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path: Path,
-                                                  slurmft, own_master_port: None) -> None:
+                                                  slurmft, probe_env: None) -> None:
     path = slurmft.write_config(tmp_path, tiny_model, chat_data)
     code, lines = doctor_json(slurmft, str(path))
     assert code == 0 and set(lines) == LOGIN_CHECKS, lines
@@ -66,6 +69,8 @@ def test_doctor_and_its_probe_on_the_test_cluster(slurm_cluster, tiny_model: Pat
     assert "shared by every node" in lines["run dir [n2]"]["text"]
     assert "bus bandwidth" in lines["all-reduce"]["text"]
     assert not (tmp_path / "run").exists()  # the probe writes nothing into the output_dir (submit would refuse it)
+    assert list((tmp_path / "home" / ".cache" / "slurmft" / "doctor").iterdir()) == []  # removed: all ok
+    assert lines["HF_HOME [n1]"]["text"].startswith(str(tmp_path / "home" / ".cache" / "huggingface"))
 
 
 @pytest.fixture
@@ -91,7 +96,7 @@ def misconfigured_cluster(slurm_cluster, monkeypatch: pytest.MonkeyPatch) -> Ite
 
 
 def test_doctor_catches_a_misconfigured_cluster_and_a_b_signal(misconfigured_cluster: Path, chat_data: Path,
-                                                               tmp_path: Path, slurmft, own_master_port: None) -> None:
+                                                               tmp_path: Path, slurmft, probe_env: None) -> None:
     model = tmp_path / "big-model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(BIG_MODEL))
@@ -116,3 +121,5 @@ def test_doctor_catches_a_misconfigured_cluster_and_a_b_signal(misconfigured_clu
     # what is right on that cluster stays ok: the probe answered every check
     assert set(lines) >= PROBE_CHECKS and lines["MASTER_ADDR"]["level"] == "ok"
     assert lines["scontrol in batch"]["level"] == "ok" and lines["lead time"]["level"] == "ok"
+    kept = list((tmp_path / "home" / ".cache" / "slurmft" / "doctor").glob("it-*/probe.log"))
+    assert len(kept) == 1  # a probe with problems keeps its directory and log for a look
