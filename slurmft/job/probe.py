@@ -73,6 +73,19 @@ def _versions() -> dict[str, str | None]:
     return out
 
 
+def _has_efa() -> bool | None:
+    """``fi_info -p efa`` succeeds (libfabric sees EFA: a profile suggestion); None without fi_info."""
+    import subprocess
+
+    fi = shutil.which("fi_info")
+    if fi is None:
+        return None
+    try:
+        return subprocess.run([fi, "-p", "efa"], capture_output=True, timeout=20, check=False).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 def _token_write(directory: Path, job_id: str, node: str, make: bool) -> dict[str, Any]:
     """Write this node's token into ``directory``; its path, free bytes, or the error."""
     from slurmft.rundir import ProbePaths
@@ -133,8 +146,7 @@ def rank_main(args: argparse.Namespace) -> int:
         report["run_dir"] = _token_write(Path(args.run_dir), job_id, node, make=False)
         hf_home = Path(env.get("HF_HOME") or Path.home() / ".cache" / "huggingface")
         report["hf_home"] = _token_write(hf_home, job_id, node, make=True)
-        fi = shutil.which("fi_info")  # libfabric: does this node have EFA (a profile suggestion)?
-        report["fi_info_efa"] = None if fi is None else os.system(f"{fi} -p efa >/dev/null 2>&1") == 0
+        report["fi_info_efa"] = _has_efa()
 
     from datetime import timedelta
 

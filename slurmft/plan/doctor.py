@@ -222,6 +222,8 @@ def check_preemption(facts: ClusterFacts, name: str | None, part: dict[str, str]
                                                   "does not know", "ask the admin what a preemption does to a job")]
     level, text = words
     key = next(k for k in MODE_WORDS if k in mode.upper().split(","))
+    if ptype == "preempt/qos":  # the preemptor's QOS may set its own mode: not visible from scontrol
+        text += "; with preempt/qos a QOS may set another PreemptMode (`sacctmgr show qos format=name,preemptmode`)"
     return [Line("preemption", level, f"PreemptType={ptype}, PreemptMode={mode} on {name}: {text}", MODE_FIX.get(key, ""))]
 
 
