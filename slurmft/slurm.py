@@ -1,6 +1,9 @@
 """The one adapter to Slurm's commands: every ``squeue``, ``sacct``, ``scancel`` and ``scontrol`` slurmft
 runs, and whether ``sbatch`` is here (submitit keeps all of its Slurm knowledge in ``slurm/slurm.py``;
-this is ours). The sbatch call itself stays submitit's.
+this is ours). The sbatch call of a run's jobs stays submitit's; only ``slurmft doctor --job``'s probe,
+which has no submitit pickle, is submitted here (:func:`sbatch_script`). ``slurmft doctor`` also reads the
+cluster's settings here (``scontrol show config``/``partition``, ``sinfo``, :func:`cluster_facts`), with
+parsers tested on recorded output of two Slurm versions.
 
 Why one place: each call used to carry its own time-out, its own error handling and its own idea of
 the output. The output is the subtle part. Slurm's commands read the user's environment:
