@@ -1,6 +1,9 @@
 """The one adapter to Slurm's commands: every ``squeue``, ``sacct``, ``scancel`` and ``scontrol`` slurmft
 runs, and whether ``sbatch`` is here (submitit keeps all of its Slurm knowledge in ``slurm/slurm.py``;
-this is ours). The sbatch call itself stays submitit's.
+this is ours). The sbatch call of a run's jobs stays submitit's; only ``slurmft doctor --job``'s probe,
+which has no submitit pickle, is submitted here (:func:`sbatch_script`). ``slurmft doctor`` also reads the
+cluster's settings here (``scontrol show config``/``partition``, ``sinfo``, :func:`cluster_facts`), with
+parsers tested on recorded output of two Slurm versions.
 
 Why one place: each call used to carry its own time-out, its own error handling and its own idea of
 the output. The output is the subtle part. Slurm's commands read the user's environment:
@@ -185,6 +188,19 @@ def requeue(job_id: str, timeout: float = TIMEOUT_S) -> Answer:
     return call(["scontrol", "requeue", job_id], timeout=timeout)
 
 
+def set_time_limit(job_id: str, minutes: int, timeout: float = TIMEOUT_S) -> Answer:
+    """``scontrol update JobId=JOB TimeLimit=MINUTES`` (a user may lower the limit of their own job; the
+    doctor's probe does, to bring its warning signal forward)."""
+    return call(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={minutes}"], timeout=timeout)
+
+
+def sbatch_script(script: str) -> Answer:
+    """``sbatch --parsable SCRIPT``: the doctor's probe job only. A run's jobs are submitted through
+    submitit (slurmft.submit.dispatch), which pairs each job with its pickled callable; the probe has
+    none. ``stdout`` holds ``JOBID[;CLUSTER]``."""
+    return call(["sbatch", "--parsable", script])
+
+
 def hostnames(nodelist: str) -> list[str]:
     """Host names of a Slurm node list (``n[1-2]`` -> n1, n2); raises SlurmCallError when scontrol fails."""
     answer = call(["scontrol", "show", "hostnames", nodelist])
@@ -202,3 +218,98 @@ def node_addr(node: str) -> str | None:
     if not answer.ok:
         return None
     return parse_show(answer.stdout).get("NodeAddr") or None
+
+
+# ------------------------------------------------------------------ the cluster's settings (slurmft doctor)
+#: What a Slurm field prints when it is unset.
+UNSET = frozenset({"", "(null)", "N/A", "NONE", "none"})
+
+
+def parse_config(text: str) -> dict[str, str]:
+    """``{key: value}`` of ``scontrol show config`` (``Key   = Value`` lines). The first of a repeated key
+    wins: the plugin sections printed after the main block (``Cgroup Support Configuration:``...) reuse
+    names. Lines without `` = `` (headers, ``Slurmctld(primary) at host is UP``) are skipped."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        key = key.strip()
+        if sep and key and " " not in key:
+            fields.setdefault(key, value.strip())
+    return fields
+
+
+def parse_partitions(text: str) -> dict[str, dict[str, str]]:
+    """``{partition: {field: value}}`` of ``scontrol show partition`` (each record opens with PartitionName=)."""
+    out: dict[str, dict[str, str]] = {}
+    for record in re.split(r"(?m)^(?=PartitionName=)", text):
+        fields = parse_show(record)
+        if fields.get("PartitionName"):
+            out[fields["PartitionName"]] = fields
+    return out
+
+
+def parse_gres_gpus(text: str) -> list[int]:
+    """GPUs per node of each node configuration ``sinfo -o %G`` prints (``gpu:8``, ``gpu:h100:8(S:0-1)``,
+    ``gpu:a100:4,gpu:v100:2`` -> 6); a configuration without GPUs counts 0."""
+    counts = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line:
+            counts.append(sum(int(n) for n in re.findall(r"(?:^|,)gpu(?::[^:,()]+)?:(\d+)", line)))
+    return counts
+
+
+def seconds(value: str | None) -> int | None:
+    """``30 sec`` / ``30`` -> 30; None for anything else (unset, ``INFINITE``)."""
+    match = re.fullmatch(r"\s*(\d+)(?:\s*sec)?\s*", value or "")
+    return int(match.group(1)) if match else None
+
+
+def option(values: str | None, name: str) -> str | None:
+    """One ``name=value`` (or bare ``name``: ``""``) of a comma-separated parameter list such as
+    SchedulerParameters or AuthInfo; None when absent."""
+    for item in (values or "").split(","):
+        key, _, val = item.strip().partition("=")
+        if key.lower() == name.lower():
+            return val
+    return None
+
+
+@dataclass(frozen=True)
+class ClusterFacts:
+    """What the login node can learn of the cluster in a few seconds. A field is None when Slurm did not
+    answer; the matching ``*_problem`` says why."""
+
+    client_version: str | None
+    config: dict[str, str] | None
+    config_problem: str
+    partitions: dict[str, dict[str, str]] | None
+    partitions_problem: str
+    partition: str | None  # the run's (cluster.partition) or the cluster's default one
+    gpus_per_node: list[int] | None  # one count per node configuration of that partition
+    accounting_problem: str | None  # None: sacct answered
+
+
+def cluster_facts(partition: str | None) -> ClusterFacts:
+    """Ask scontrol, sinfo and sacct; never raise (a missing or failing command becomes a ``*_problem``)."""
+    version = call(["scontrol", "--version"])
+    config = call(["scontrol", "show", "config"])
+    parts = call(["scontrol", "show", "partition"])
+    partitions = parse_partitions(parts.stdout) if parts.ok else None
+    if partition is None and partitions:
+        partition = next((n for n, f in partitions.items() if f.get("Default") == "YES"), None)
+    gpus = None
+    if partition and partitions and partition in partitions:
+        gres = call(["sinfo", "-h", "-p", partition, "-o", "%G"])
+        gpus = parse_gres_gpus(gres.stdout) if gres.ok else None
+    acct = call(["sacct", "-n", "-X", "-j", "1", "-o", "JobID"])
+    return ClusterFacts(
+        client_version=version.stdout.split()[-1] if version.ok and version.stdout.split() else None,
+        config=parse_config(config.stdout) if config.ok else None,
+        config_problem=config.problem,
+        partitions=partitions,
+        partitions_problem=parts.problem,
+        partition=partition,
+        gpus_per_node=gpus,
+        accounting_problem=None if acct.ok else acct.problem,
+    )

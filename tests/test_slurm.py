@@ -124,3 +124,30 @@ def test_the_child_gets_the_cleaned_environment(fake_bin: Path, monkeypatch: pyt
     answer = slurm.call(["squeue"])
     assert answer.ok and answer.stderr.strip() == "--/x/slurm.conf"
     assert os.environ["SQUEUE_PARTITION"] == "nope"  # ours is left as it was
+
+
+# ------------------------------------------------------------------ scontrol show config/partition, sinfo gres (doctor)
+# Recorded 22.05.8 output of the test cluster and a 25.11 sample written from Slurm's source: tests/data/slurm/README.md.
+DOCTOR_DATA = Path(__file__).parent / "data" / "slurm"
+
+
+def test_parse_config_of_both_versions() -> None:
+    old = slurm.parse_config((DOCTOR_DATA / "22.05" / "show-config.txt").read_text())
+    new = slurm.parse_config((DOCTOR_DATA / "25.11" / "show-config.txt").read_text())
+    assert (old["SLURM_VERSION"], old["KillWait"], old["AccountingStoreFlags"]) == ("22.05.8", "5 sec", "job_comment")
+    assert slurm.option(old["AuthInfo"], "cred_expire") == "10"
+    assert "PreemptParameters" not in old  # 22.05 does not print it
+    assert (new["SLURM_VERSION"], new["KillWait"], new["PreemptParameters"]) == ("25.11.7", "30 sec", "send_user_signal")
+    assert slurm.option(new["SchedulerParameters"], "requeue_delay") == "60"
+    assert "Slurmctld(primary) at head01 is UP" not in new and new["SlurmctldHost[0]"] == "head01(10.1.0.2)"
+
+
+def test_parse_partitions_and_gres() -> None:
+    old = slurm.parse_partitions((DOCTOR_DATA / "22.05" / "show-partition.txt").read_text())
+    new = slurm.parse_partitions((DOCTOR_DATA / "25.11" / "show-partition.txt").read_text())
+    assert {n: (f["GraceTime"], f["MaxTime"], f["PreemptMode"]) for n, f in old.items()} == {
+        "debug": ("0", "UNLIMITED", "OFF")}
+    assert {n: (f["GraceTime"], f["MaxTime"], f["PreemptMode"]) for n, f in new.items()} == {
+        "gpu": ("120", "2-00:00:00", "REQUEUE"), "lowprio": ("0", "04:00:00", "CANCEL")}
+    assert slurm.parse_gres_gpus("gpu:8\n(null)\ngpu:h100:8(S:0-1)\ngpu:a100:4,gpu:v100:2\n") == [8, 0, 8, 6]
+    assert (slurm.seconds("30 sec"), slurm.seconds("7"), slurm.seconds("INFINITE"), slurm.seconds(None)) == (30, 7, None, None)

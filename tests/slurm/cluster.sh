@@ -17,6 +17,12 @@
 #   SLURMFT_CLUSTER_DIR      everything lives here                    (/tmp/slurmft-cluster)
 #   SLURMFT_CLUSTER_PORT     slurmctld port; n1, n2, slurmdbd, mariadb use +1..+4   (16817)
 #   SLURMFT_CLUSTER_TIMEOUT  seconds to wait for each daemon and for the idle nodes (60)
+#   SLURMFT_CLUSTER_KILLWAIT seconds between SIGTERM and SIGKILL (KillWait)              (5)
+#   SLURMFT_CLUSTER_STORE_FLAGS  AccountingStoreFlags; empty: the line is left out   (job_comment)
+#   SLURMFT_CLUSTER_NODE_LOCAL   a directory each slurmd (and so each node's jobs) sees as its own
+#                            private tmpfs, like a node-local disk; empty: none (needs root: unshare -m)
+# The last three exist for `slurmft doctor`'s test of a misconfigured cluster (tests/slurm/test_doctor.py),
+# run as a second instance (own directory and port) so the shared cluster stays as it is.
 #
 # No systemd: every daemon is started here, in the foreground of its own session, and its pid is
 # recorded under run/; `down` kills only those pids (after checking the process name).
@@ -26,6 +32,10 @@ DIR=${SLURMFT_CLUSTER_DIR:-/tmp/slurmft-cluster}
 case $DIR in /*) ;; *) DIR=$PWD/$DIR ;; esac
 PORT=${SLURMFT_CLUSTER_PORT:-16817}
 TIMEOUT=${SLURMFT_CLUSTER_TIMEOUT:-60}
+KILLWAIT=${SLURMFT_CLUSTER_KILLWAIT:-5}
+STORE_FLAGS=${SLURMFT_CLUSTER_STORE_FLAGS-job_comment}
+NODE_LOCAL=${SLURMFT_CLUSTER_NODE_LOCAL:-}
+case $NODE_LOCAL in /* | "") ;; *) NODE_LOCAL=$PWD/$NODE_LOCAL ;; esac
 
 CLUSTER_NAME=slurmft
 NODES=(n1 n2)
@@ -197,7 +207,7 @@ SlurmdParameters=config_overrides
 ReturnToService=2
 GresTypes=gpu
 MinJobAge=300
-KillWait=5
+KillWait=$KILLWAIT
 InactiveLimit=0
 Waittime=0
 AccountingStorageType=accounting_storage/slurmdbd
@@ -207,9 +217,11 @@ AccountingStoragePort=$DBD_PORT
 AccountingStoragePass=$MUNGE_SOCKET
 JobAcctGatherType=jobacct_gather/linux
 JobCompType=jobcomp/none
-# slurmft tags every job with --comment=slurmft:<run id>; keep it in accounting too
-AccountingStoreFlags=job_comment
 EOF
+  if [ -n "$STORE_FLAGS" ]; then
+    echo "# slurmft tags every job with --comment=slurmft:<run id>; keep it in accounting too"
+    echo "AccountingStoreFlags=$STORE_FLAGS"
+  fi
   for node in "${NODES[@]}"; do
     # n1 (the first node: rank 0, the rendezvous host) answers on 127.0.0.2, so a test can tell
     # the NodeAddr that slurmft reads from `scontrol` apart from a 127.0.0.1 fallback.
@@ -248,7 +260,8 @@ EOF
 }
 
 config_current() {  # the files on disk are what this script would write now
-  cmp -s "$CONF" <(render_slurm_conf) \
+  [ "$(cat "$ETC/node-local" 2>/dev/null)" = "$NODE_LOCAL" ] \
+    && cmp -s "$CONF" <(render_slurm_conf) \
     && cmp -s "$ETC/gres.conf" <(render_gres_conf) \
     && cmp -s "$ETC/slurmdbd.conf" <(render_slurmdbd_conf)
 }
@@ -351,6 +364,7 @@ start_cluster() {
   render_slurm_conf >"$CONF"
   render_gres_conf >"$ETC/gres.conf"
   render_slurmdbd_conf >"$ETC/slurmdbd.conf"
+  echo "$NODE_LOCAL" >"$ETC/node-local"
   chmod 600 "$ETC/slurmdbd.conf"  # slurmdbd refuses a readable one
   for ((i = 0; i < NODE_GPUS; i++)); do ln -s /dev/null "$DEV_DIR/nvidia$i"; done
 
@@ -386,7 +400,19 @@ start_cluster() {
   wait_for "slurmctld on port $CTLD_PORT" slurmctld ctld_ok
   log "slurmctld up (127.0.0.1:$CTLD_PORT)"
 
-  for node in "${NODES[@]}"; do spawn "slurmd-$node" slurmd -D -f "$CONF" -N "$node"; done
+  for node in "${NODES[@]}"; do
+    if [ -n "$NODE_LOCAL" ]; then
+      # its own mount namespace with a private tmpfs on NODE_LOCAL: what this node's jobs write there,
+      # no other node (and not the login side) sees; `exec` keeps the pid slurmd's
+      mkdir -p "$NODE_LOCAL"
+      # shellcheck disable=SC2016  # $1..$3 are the inner shell's
+      spawn "slurmd-$node" unshare -m --propagation private sh -c \
+        'mount -t tmpfs -o size=64m slurmft-node-local "$1" && exec slurmd -D -f "$2" -N "$3"' sh \
+        "$NODE_LOCAL" "$CONF" "$node"
+    else
+      spawn "slurmd-$node" slurmd -D -f "$CONF" -N "$node"
+    fi
+  done
   wait_for "n1 and n2 to be idle" slurmd-n2 both_idle
   log "slurmd n1 (:$N1_PORT) and n2 (:$N2_PORT) idle"
 
