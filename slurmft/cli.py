@@ -57,6 +57,7 @@ def cli() -> None:
     slurmft resume RUN_DIR             continue a run that died, from its newest checkpoint
     slurmft consolidate RUN_DIR        (re)export a checkpoint as a Hugging Face model
     slurmft estimate run.yaml          will it fit? GPU and CPU memory per rank
+    slurmft doctor [run.yaml]          can this run survive on this cluster? (--job: probe the nodes)
 
     Overrides use dotted keys: slurmft submit run.yaml resources.nodes=4 train.max_steps=10
     """
@@ -334,6 +335,41 @@ def consolidate(run_dir: Path, checkpoint: str | None, out: str | None, here: bo
         return
     job_id = consolidation.submit(paths, request, template_dir, _err)
     click.echo(f"consolidate job: {job_id}  ({request.checkpoint.name} -> {request.out})")
+
+
+@cli.command()
+@click.argument("config", required=False, type=click.Path(dir_okay=False, path_type=Path), metavar="[RUN.yaml]")
+@OVERRIDES
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--job", "probe", is_flag=True, help="Also submit a short probe job with the run's nodes and profile.")
+@click.option("--template-dir", type=click.Path(file_okay=False, exists=True), help="Your own templates first.")
+def doctor(config: Path | None, overrides: tuple[str, ...], as_json: bool, probe: bool, template_dir: str | None) -> int:
+    """Ask the cluster whether this run can survive on it: Slurm's preemption, KillWait, GraceTime and
+    accounting settings against the run's projected save; with --job, a probe job on the run's nodes.
+    Exit 0 when nothing is a problem, 1 otherwise."""
+    from slurmft import slurm
+    from slurmft.plan.doctor import diagnose, exit_code, format_lines, run_facts
+
+    if probe and config is None:
+        raise click.UsageError("--job needs RUN.yaml (the probe runs with the run's nodes, profile and setup)")
+    cfg = profile = run = result = None
+    if config is not None:
+        cfg, profile = _load(config, overrides)
+        result, why = _estimate(cfg, profile)
+        run = run_facts(cfg, profile, result, why or "")
+    elif overrides:
+        raise click.UsageError("KEY=VALUE overrides need RUN.yaml")
+    lines = diagnose(slurm.cluster_facts(run.partition if run else None), run)
+    if probe:
+        from slurmft.submit.probe import run_probe
+
+        lines += run_probe(cfg, profile, str(config.resolve()), template_dir, result, say=_err)
+    if as_json:
+        click.echo(json.dumps({"lines": [line.as_dict() for line in lines], "exit_code": exit_code(lines)}, indent=2))
+    else:
+        for text in format_lines(lines):
+            click.echo(text)
+    return exit_code(lines)
 
 
 @cli.command()

@@ -154,6 +154,45 @@ class RunPaths:
                                            self.requeue_marker_dir, self.fsdp_report, self.tensorboard))
 
 
+@dataclass(frozen=True)
+class ProbePaths:
+    """Every path of one ``slurmft doctor --job`` probe: its own directory (not a run directory: a probe must
+    not leave files in an output_dir that ``submit`` then refuses as foreign), and the token files the
+    nodes write into the directories whose sharing is checked."""
+
+    root: Path
+
+    @property
+    def script(self) -> Path:
+        return self.root / "probe.sbatch"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "probe.log"
+
+    def ready(self, rank: int) -> Path:
+        """Written by a rank once its checks ran and its signal handler is in place."""
+        return self.root / f"ready-{rank}"
+
+    def rank_report(self, rank: int) -> Path:
+        return self.root / f"rank-{rank}.json"
+
+    @property
+    def batch_report(self) -> Path:
+        """What the batch shell's side found (scontrol, the time limit it set)."""
+        return self.root / "batch.json"
+
+    @property
+    def batch_signal(self) -> Path:
+        """Touched by the batch shell's trap when the warning signal reached it."""
+        return self.root / "batch-signal"
+
+    @staticmethod
+    def token(directory: Path, job_id: str, node: str) -> Path:
+        """The file a node writes into ``directory`` (the run dir's, HF_HOME) and every other node reads."""
+        return directory / f".slurmft-doctor-{job_id}-{node}"
+
+
 def atomic_write(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` via a temporary file and rename (readers never see half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)

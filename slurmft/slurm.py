@@ -1,6 +1,9 @@
 """The one adapter to Slurm's commands: every ``squeue``, ``sacct``, ``scancel`` and ``scontrol`` slurmft
 runs, and whether ``sbatch`` is here (submitit keeps all of its Slurm knowledge in ``slurm/slurm.py``;
-this is ours). The sbatch call itself stays submitit's.
+this is ours). The sbatch call of a run's jobs stays submitit's; only ``slurmft doctor --job``'s probe,
+which has no submitit pickle, is submitted here (:func:`sbatch_script`). ``slurmft doctor`` also reads the
+cluster's settings here (``scontrol show config``/``partition``, ``sinfo``, :func:`cluster_facts`), with
+parsers tested on recorded output of two Slurm versions.
 
 Why one place: each call used to carry its own time-out, its own error handling and its own idea of
 the output. The output is the subtle part. Slurm's commands read the user's environment:
@@ -30,8 +33,9 @@ it and on 24.11 (Debian 13's 24.11.5), and tests/test_slurm.py parses output rec
   stderr (22.05, 24.11, recorded); either way the call fails and :attr:`Answer.problem` carries stderr
   before stdout.
 - The requeue delay: how long a requeued job waits before it may start again is ``requeue_delay`` in
-  SchedulerParameters on 25.11, and ``cred_expire`` (AuthInfo, default 120 s) before it:
-  :func:`requeue_delay_s` reads whichever ``scontrol show config`` has.
+  SchedulerParameters on 25.11, and ``cred_expire`` (AuthInfo, default 120 s) before it; ``slurmft
+  doctor`` reads whichever ``scontrol show config`` has (:func:`parse_config`, :func:`option`;
+  slurmft/plan/doctor.py ``check_requeue_delay``).
 - The job environment: ``SLURM_JOB_START_TIME`` exists only from 23.02 on (set on 24.11, absent on
   22.05), so nothing of slurmft reads it. From 23.11 sbatch also exports ``SLURM_TRES_PER_TASK=cpu=N``
   beside ``SLURM_CPUS_PER_TASK=N``, and a plain ``srun`` whose environment has them disagree stops
@@ -189,45 +193,6 @@ def try_scancel(job_ids: list[str]) -> bool:
 
 
 # ------------------------------------------------------------------ scontrol
-#: The requeue delay before ``requeue_delay`` (25.11) existed: ``cred_expire``'s default, in seconds.
-DEFAULT_CRED_EXPIRE_S = 120
-
-
-def parse_config(text: str) -> dict[str, str]:
-    """``scontrol show config``'s ``Key = Value`` lines (the value may hold blanks)."""
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(" = ")
-        if sep and key.strip() and " " not in key.strip():
-            fields.setdefault(key.strip(), value.strip())
-    return fields
-
-
-def _options(value: str) -> dict[str, str]:
-    """``a=1,b,c=x`` -> {a: 1, b: "", c: x}."""
-    if value in ("", "(null)"):
-        return {}
-    return dict(item.partition("=")[::2] for item in value.split(",") if item)
-
-
-def requeue_delay_s(config: Mapping[str, str]) -> int:
-    """Seconds a requeued job waits before it may start again, from :func:`parse_config`'s fields:
-    SchedulerParameters' ``requeue_delay`` (25.11), else AuthInfo's ``cred_expire`` (which sets the delay
-    up to 25.05), else cred_expire's default. On the test cluster (cred_expire=10): about 12 s measured."""
-    for key, option in (("SchedulerParameters", "requeue_delay"), ("AuthInfo", "cred_expire")):
-        value = _options(config.get(key, "")).get(option, "")
-        if value.isdigit():
-            return int(value)
-    return DEFAULT_CRED_EXPIRE_S
-
-
-def version(text: str) -> tuple[int, int] | None:
-    """(major, minor) from ``sinfo --version`` / ``scontrol --version`` (``slurm 22.05.8``,
-    ``slurm-wlm 24.11.5``); None when it says something else."""
-    match = re.search(r"(\d+)\.(\d+)\.\d+", text)
-    return (int(match[1]), int(match[2])) if match else None
-
-
 def parse_show(text: str) -> dict[str, str]:
     """``Key=Value`` pairs of ``scontrol show job|node`` text (the first of a repeated key wins; a value
     runs to the next blank, which is how scontrol prints the fields we read)."""
@@ -247,6 +212,19 @@ def requeue(job_id: str, timeout: float = TIMEOUT_S) -> Answer:
     return call(["scontrol", "requeue", job_id], timeout=timeout)
 
 
+def set_time_limit(job_id: str, minutes: int, timeout: float = TIMEOUT_S) -> Answer:
+    """``scontrol update JobId=JOB TimeLimit=MINUTES`` (a user may lower the limit of their own job; the
+    doctor's probe does, to bring its warning signal forward)."""
+    return call(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={minutes}"], timeout=timeout)
+
+
+def sbatch_script(script: str) -> Answer:
+    """``sbatch --parsable SCRIPT``: the doctor's probe job only. A run's jobs are submitted through
+    submitit (slurmft.submit.dispatch), which pairs each job with its pickled callable; the probe has
+    none. ``stdout`` holds ``JOBID[;CLUSTER]``."""
+    return call(["sbatch", "--parsable", script])
+
+
 def hostnames(nodelist: str) -> list[str]:
     """Host names of a Slurm node list (``n[1-2]`` -> n1, n2); raises SlurmCallError when scontrol fails."""
     answer = call(["scontrol", "show", "hostnames", nodelist])
@@ -264,3 +242,98 @@ def node_addr(node: str) -> str | None:
     if not answer.ok:
         return None
     return parse_show(answer.stdout).get("NodeAddr") or None
+
+
+# ------------------------------------------------------------------ the cluster's settings (slurmft doctor)
+#: What a Slurm field prints when it is unset.
+UNSET = frozenset({"", "(null)", "N/A", "NONE", "none"})
+
+
+def parse_config(text: str) -> dict[str, str]:
+    """``{key: value}`` of ``scontrol show config`` (``Key   = Value`` lines). The first of a repeated key
+    wins: the plugin sections printed after the main block (``Cgroup Support Configuration:``...) reuse
+    names. Lines without `` = `` (headers, ``Slurmctld(primary) at host is UP``) are skipped."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        key = key.strip()
+        if sep and key and " " not in key:
+            fields.setdefault(key, value.strip())
+    return fields
+
+
+def parse_partitions(text: str) -> dict[str, dict[str, str]]:
+    """``{partition: {field: value}}`` of ``scontrol show partition`` (each record opens with PartitionName=)."""
+    out: dict[str, dict[str, str]] = {}
+    for record in re.split(r"(?m)^(?=PartitionName=)", text):
+        fields = parse_show(record)
+        if fields.get("PartitionName"):
+            out[fields["PartitionName"]] = fields
+    return out
+
+
+def parse_gres_gpus(text: str) -> list[int]:
+    """GPUs per node of each node configuration ``sinfo -o %G`` prints (``gpu:8``, ``gpu:h100:8(S:0-1)``,
+    ``gpu:a100:4,gpu:v100:2`` -> 6); a configuration without GPUs counts 0."""
+    counts = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line:
+            counts.append(sum(int(n) for n in re.findall(r"(?:^|,)gpu(?::[^:,()]+)?:(\d+)", line)))
+    return counts
+
+
+def seconds(value: str | None) -> int | None:
+    """``30 sec`` / ``30`` -> 30; None for anything else (unset, ``INFINITE``)."""
+    match = re.fullmatch(r"\s*(\d+)(?:\s*sec)?\s*", value or "")
+    return int(match.group(1)) if match else None
+
+
+def option(values: str | None, name: str) -> str | None:
+    """One ``name=value`` (or bare ``name``: ``""``) of a comma-separated parameter list such as
+    SchedulerParameters or AuthInfo; None when absent."""
+    for item in (values or "").split(","):
+        key, _, val = item.strip().partition("=")
+        if key.lower() == name.lower():
+            return val
+    return None
+
+
+@dataclass(frozen=True)
+class ClusterFacts:
+    """What the login node can learn of the cluster in a few seconds. A field is None when Slurm did not
+    answer; the matching ``*_problem`` says why."""
+
+    client_version: str | None
+    config: dict[str, str] | None
+    config_problem: str
+    partitions: dict[str, dict[str, str]] | None
+    partitions_problem: str
+    partition: str | None  # the run's (cluster.partition) or the cluster's default one
+    gpus_per_node: list[int] | None  # one count per node configuration of that partition
+    accounting_problem: str | None  # None: sacct answered
+
+
+def cluster_facts(partition: str | None) -> ClusterFacts:
+    """Ask scontrol, sinfo and sacct; never raise (a missing or failing command becomes a ``*_problem``)."""
+    version = call(["scontrol", "--version"])
+    config = call(["scontrol", "show", "config"])
+    parts = call(["scontrol", "show", "partition"])
+    partitions = parse_partitions(parts.stdout) if parts.ok else None
+    if partition is None and partitions:
+        partition = next((n for n, f in partitions.items() if f.get("Default") == "YES"), None)
+    gpus = None
+    if partition and partitions and partition in partitions:
+        gres = call(["sinfo", "-h", "-p", partition, "-o", "%G"])
+        gpus = parse_gres_gpus(gres.stdout) if gres.ok else None
+    acct = call(["sacct", "-n", "-X", "-j", "1", "-o", "JobID"])
+    return ClusterFacts(
+        client_version=version.stdout.split()[-1] if version.ok and version.stdout.split() else None,
+        config=parse_config(config.stdout) if config.ok else None,
+        config_problem=config.problem,
+        partitions=partitions,
+        partitions_problem=parts.problem,
+        partition=partition,
+        gpus_per_node=gpus,
+        accounting_problem=None if acct.ok else acct.problem,
+    )

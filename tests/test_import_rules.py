@@ -137,6 +137,9 @@ def test_the_wings_exist_and_hold_their_modules() -> None:
     g = graph(PACKAGE)
     assert {area(m) for m in g} == {"ground", "cli", *WINGS}
     assert {"slurmft.plan.checks", "slurmft.submit.dispatch", "slurmft.watch.status", "slurmft.job.train"} <= set(g)
+    # slurmft doctor: the verdicts are plan (pure), the probe's submission submit, its ranks the job
+    assert (area("slurmft.plan.doctor"), area("slurmft.submit.probe"), area("slurmft.job.probe")) == ("plan", "submit", "job")
+    assert {"slurmft.plan.doctor", "slurmft.submit.probe", "slurmft.job.probe"} <= set(g)
 
 
 def test_no_arrow_runs_the_wrong_way() -> None:

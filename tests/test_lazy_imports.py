@@ -48,3 +48,25 @@ def test_watching_commands_import_no_training_stack(tmp_path: Path) -> None:
         assert out.returncode == 0, (args, out.stderr)
         assert "HEAVY []" in out.stdout, (args, out.stdout[-500:])
     assert (run / "loss.png").stat().st_size > 0 and (run / "report.md").is_file()
+
+
+def test_doctor_imports_no_training_stack_and_answers_without_slurm() -> None:
+    """doctor (login side) with no Slurm on PATH: problems in words, exit 1, never a traceback or torch."""
+    probe = PROBE.replace("assert not exc.code, exc.code", "assert exc.code == 1, exc.code")
+    out = subprocess.run([sys.executable, "-c", probe.format(heavy=HEAVY), "doctor", str(CONFIG)], capture_output=True,
+                         text=True, env={**os.environ, "PATH": "/nonexistent"})
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY []" in out.stdout, out.stdout[-500:]
+    assert "problem  slurm: scontrol show config failed: scontrol is not on PATH" in out.stdout
+    assert "Traceback" not in out.stderr
+
+
+def test_doctor_job_renders_its_probe_without_the_training_stack(tmp_path: Path) -> None:
+    """doctor --job renders the probe and calls sbatch (missing here: a problem line), all without torch."""
+    probe = PROBE.replace("assert not exc.code, exc.code", "assert exc.code == 1, exc.code")
+    out = subprocess.run([sys.executable, "-c", probe.format(heavy=HEAVY), "doctor", "--job", str(CONFIG)],
+                         capture_output=True, text=True, env={**os.environ, "PATH": "/nonexistent", "HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY []" in out.stdout, out.stdout[-500:]
+    assert "problem  probe: sbatch refused the probe job: sbatch is not on PATH" in out.stdout
+    assert len(list(tmp_path.glob(".cache/slurmft/doctor/golden-2x8-*/probe.sbatch"))) == 1  # kept for a look

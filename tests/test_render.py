@@ -117,3 +117,58 @@ def test_shellcheck_clean(tmp_path: Path) -> None:
         script.write_text(text)
         out = subprocess.run(["shellcheck", "-S", "warning", str(script)], capture_output=True, text=True)
         assert out.returncode == 0, out.stdout
+
+
+# ------------------------------------------------------------------ the doctor's probe job (slurmft doctor --job)
+def probe_for(template_dir: str | None = None) -> str:
+    from slurmft.plan.render import PROBE_TEMPLATE, build_probe_context, signal_directive
+
+    cfg = load_config(GOLDEN_CFG)
+    signal = signal_directive(scripts_for(GOLDEN_CFG, template_dir=template_dir)["train"])
+    assert signal is not None
+    ctx = build_probe_context(cfg, load_profile(cfg.cluster.profile), Path("/shared/home/.cache/slurmft/doctor/golden"),
+                              signal, Path("/shared/runs"), "golden-2x8-aws-efa.yaml")
+    return render(PROBE_TEMPLATE, ctx)
+
+
+def test_probe_matches_golden_and_is_clean_bash(tmp_path: Path) -> None:
+    text = probe_for()
+    golden = GOLDEN / "probe-2x8-aws-efa.sbatch"
+    if os.environ.get("SLURMFT_UPDATE_GOLDEN"):
+        golden.write_text(text)
+        pytest.fail(f"SLURMFT_UPDATE_GOLDEN is set: wrote {golden}; review the diff, then run again without it")
+    assert text == golden.read_text(), f"rendered probe differs from {golden} (SLURMFT_UPDATE_GOLDEN=1 to refresh)"
+    script = tmp_path / "probe.sh"
+    script.write_text(text)
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    if shutil.which("shellcheck"):  # test_shellcheck_clean says when a missing shellcheck is a failure
+        out = subprocess.run(["shellcheck", "-S", "warning", str(script)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout
+
+
+def test_probe_has_the_runs_shape_and_its_train_signal(tmp_path: Path) -> None:
+    text = probe_for()
+    for directive in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--cpus-per-task=12", "--partition=p4d",
+                      "--account=ml-team", "--signal=USR2@180", "--time=6"):
+        assert f"#SBATCH {directive}\n" in text, directive
+    assert "module load cuda/12.1" in text and "export FI_EFA_USE_HUGE_PAGE=0" in text
+    assert "/opt/venv/bin/python -m slurmft.job.probe rank" in text and "--lead=180" in text
+    # a user template that renders --signal=B: reaches the probe as written (the probe then shows it failing)
+    (tmp_path / "partials").mkdir()
+    (tmp_path / "partials" / "directives.j2").write_text(
+        '{% for directive in directives %}\n#SBATCH {{ directive | replace("--signal=", "--signal=B:") }}\n{% endfor %}\n')
+    assert "#SBATCH --signal=B:USR2@180\n" in probe_for(str(tmp_path))
+
+
+@pytest.mark.parametrize(("script", "expected"), [
+    ("#SBATCH --signal=USR2@300\n", ("USR2", 300, False)),
+    ("#SBATCH --signal=B:SIGUSR1@90\n", ("USR1", 90, True)),
+    ("#SBATCH --signal=R:USR2\n", ("USR2", 60, False)),
+    ("#SBATCH --signal=USR2@300\n#SBATCH --signal=B:USR2@120\n", ("USR2", 120, True)),  # the last one wins
+])
+def test_signal_directive(script: str, expected: tuple[str, int, bool]) -> None:
+    from slurmft.plan.render import signal_directive
+
+    found = signal_directive("#!/bin/bash\n" + script + "srun x\n")
+    assert found is not None and (found.name, found.lead_s, found.batch_only) == expected
+    assert signal_directive("#!/bin/bash\n# --signal=USR2@1 in a comment\n") is None

@@ -191,6 +191,11 @@ def assumptions(k: Settings, counted: Counted, capacity_note: str | None) -> lis
 
 
 # ====================================================================== verdicts
+def lead_time_needed(save_s: float) -> int:
+    """The preemption.lead_time_s to ask for: twice the projected save, plus start-up of a step."""
+    return int(save_s * 2) + 30
+
+
 def lead_time_warning(result: dict[str, Any], nodes: int, gb_per_s_per_node: float) -> str | None:
     """A warning (with the numbers) when the warning signal would not leave time for one save."""
     save, lead = result["checkpoint_save_s"], result["lead_time_s"]
@@ -199,7 +204,7 @@ def lead_time_warning(result: dict[str, Any], nodes: int, gb_per_s_per_node: flo
     return (f"preemption.lead_time_s {lead} s is below the projected checkpoint save time {save:.0f} s "
             f"({decimal_gb(result['checkpoint_bytes'])} / ({nodes} node(s) x {gb_per_s_per_node:g} GB/s per node, "
             f"cluster profile checkpoint_write_gb_per_s)): a preemption or time limit would kill the save. Raise "
-            f"preemption.lead_time_s to at least {int(save * 2) + 30} (twice the save, plus start-up of a step)")
+            f"preemption.lead_time_s to at least {lead_time_needed(save)} (twice the save, plus start-up of a step)")
 
 
 def fit_problems(result: dict[str, Any]) -> list[str]:

@@ -7,7 +7,9 @@ never an empty string.
 
 from __future__ import annotations
 
+import re
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -233,3 +235,74 @@ def render_scripts(
         ctx = build_consolidate_context(cfg, profile, paths, command, config_path)
         scripts["consolidate"] = render(CONSOLIDATE_TEMPLATE, ctx, template_dir)
     return scripts
+
+
+# ------------------------------------------------------------------ the doctor's probe job
+PROBE_TEMPLATE = "probe.sbatch.j2"
+_SIGNAL_DIRECTIVE = re.compile(r"^#SBATCH\s+(--signal[= ]\S+)", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class SignalDirective:
+    """The ``--signal`` a rendered train script asks Slurm for, as written (the last one wins in sbatch)."""
+
+    text: str  # the directive itself, already quoted as the script has it
+    batch_only: bool  # ``B:``: Slurm signals the batch shell only, never the ranks
+    name: str  # USR2
+    lead_s: int
+
+
+def signal_directive(train_script: str) -> SignalDirective | None:
+    """The train script's ``#SBATCH --signal=[{R|B}:]SIG[@TIME]`` (None when it has none)."""
+    found = _SIGNAL_DIRECTIVE.findall(train_script)
+    if not found:
+        return None
+    text = found[-1]
+    value = shlex.split(text.replace("--signal", "", 1).lstrip("= "))[0]
+    flags, _, rest = value.rpartition(":")
+    name, _, lead = rest.partition("@")
+    return SignalDirective(text, "B" in flags.upper(), name.upper().removeprefix("SIG"), int(lead or 60))
+
+
+def build_probe_context(
+    cfg: RunConfig, profile: ClusterProfile, probe_root: Path, signal: SignalDirective, run_dir_target: Path,
+    config_path: str = "",
+) -> dict[str, Any]:
+    """Everything the probe template places, already quoted: the run's nodes, ranks, GPUs, profile
+    variables, setup and Python, the train script's own ``--signal``, and a time limit a few minutes past
+    its lead time (the probe shortens it once its ranks are ready; slurmft/job/probe.py)."""
+    from slurmft.rundir import ProbePaths
+
+    probe = ProbePaths(probe_root)
+    res = cfg.resources
+    directives = [_flag("job-name", f"{cfg.name}-doctor"), _flag("nodes", res.nodes),
+                  _flag("ntasks-per-node", res.ranks_per_node)]
+    if res.gpus_per_node and profile.gres_gpu:
+        directives.append(_flag("gpus-per-node", res.gpus_per_node))
+    directives.append(_flag("cpus-per-task", res.cpus_per_task))
+    if res.mem is not None:
+        directives.append(_flag("mem", res.mem))
+    directives.append(_flag("time", signal.lead_s // 60 + 3))
+    for name in ("partition", "account", "qos", "constraint"):
+        value = getattr(cfg.cluster, name)
+        if value:
+            directives.append(_flag(name, value))
+    directives += [signal.text, _flag("output", probe.log), _flag("error", probe.log)]
+    env_keys = [*profile.env, *cfg.cluster.env]
+    extra = {"SLURMFT_MASTER_ADDR": cfg.cluster.master_addr} if cfg.cluster.master_addr else {}
+    srun = ["--unbuffered", "--label", f"--ntasks-per-node={res.ranks_per_node}", f"--cpus-per-task={res.cpus_per_task}"]
+    if res.gpus_per_node and profile.gres_gpu:
+        srun.append("--gpu-bind=none")
+    python = python_for(cfg)
+    rank = [f"--signal={signal.name}", f"--run-dir={run_dir_target}", f"--vars={','.join(env_keys)}"]
+    paths = RunPaths.of(cfg.output_dir)
+    return {
+        **_common(cfg, paths, "doctor probe", config_path),
+        "directives": directives,
+        "env": _env_list(cfg, profile, extra),
+        "srun_args": " ".join(q(a) for a in srun),
+        "rank_command": f"{python} -m slurmft.job.probe rank {q(probe.root)} " + " ".join(q(a) for a in rank),
+        "batch_command": f"{python} -m slurmft.job.probe batch {q(probe.root)} --lead={signal.lead_s}",
+        "batch_signal_file": q(probe.batch_signal),
+        "warning_signal": q(signal.name),
+    }

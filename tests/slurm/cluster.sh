@@ -23,17 +23,23 @@
 #   SLURMFT_CLUSTER_SUITE    whose Slurm: bookworm (this Debian 12 machine's packages, Slurm 22.05.8)
 #                            or trixie (Debian 13's, Slurm 24.11.5, in a root file system)  (bookworm)
 #   SLURMFT_ROOTFS_CACHE     where the trixie root file system is built once and kept   (/var/cache/slurmft)
+#   SLURMFT_CLUSTER_KILLWAIT seconds between SIGTERM and SIGKILL (KillWait)              (5)
+#   SLURMFT_CLUSTER_STORE_FLAGS  AccountingStoreFlags; empty: the line is left out   (job_comment)
+#   SLURMFT_CLUSTER_NODE_LOCAL   a directory each slurmd (and so each node's jobs) sees as its own
+#                            private tmpfs, like a node-local disk; empty: none (needs root: unshare -m)
+# The last three exist for `slurmft doctor`'s test of a misconfigured cluster (tests/slurm/test_doctor.py),
+# run as a second instance (own directory and port) so the shared cluster stays as it is.
 #
 # trixie: Debian 13's libc is newer than Debian 12's, so its Slurm cannot be installed beside 22.05. The
 # first `up` builds a root file system with mmdebstrap from Debian's packages (59-134 s measured on a
-# loaded 2-core machine, 567 MB; later `up`s reuse it and start in about 17 s). Every Slurm and munge command, daemons included, runs
-# there through $DIR/bin (first on PATH, see `env`): each name links to bin/in-root, which enters a
-# private mount namespace, bind-mounts the host's /tmp, /root, /home, /work, /opt, /usr/local (the
-# job's Python and the tests' files, at the same paths) and this checkout, and runs the root file
-# system's command by chroot in the caller's working directory. The binds vanish with the last
+# loaded 2-core machine, 567 MB; later `up`s reuse it and start in about 17 s). Every Slurm and munge
+# command, daemons included, runs there through $DIR/bin (first on PATH, see `env`): each name links
+# to bin/in-root, which enters a private mount namespace, bind-mounts the host's /tmp, /root, /home,
+# /work, /opt, /usr/local (the job's Python and the tests' files, at the same paths) and this checkout,
+# and runs the root file system's command by chroot in the caller's working directory. The binds vanish with the last
 # process; nothing stays mounted. The job's Python must lie under one of those directories (checked).
 # MariaDB is the host's (10.11): Debian 13's slurmdbd 24.11 against its own MariaDB 11.8 stopped at
-# start-up with error 5027 (docs/design-notes.md, issue 22).
+# start-up with error 5027 (docs/design-notes.md, issue 22). SLURMFT_CLUSTER_NODE_LOCAL is bookworm only.
 #
 # No systemd: every daemon is started here, in the foreground of its own session, and its pid is
 # recorded under run/; `down` kills only those pids (after checking the process name).
@@ -51,6 +57,15 @@ case $SUITE in
 esac
 ROOTFS=${SLURMFT_ROOTFS_CACHE:-/var/cache/slurmft}/rootfs-$SUITE
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+KILLWAIT=${SLURMFT_CLUSTER_KILLWAIT:-5}
+STORE_FLAGS=${SLURMFT_CLUSTER_STORE_FLAGS-job_comment}
+NODE_LOCAL=${SLURMFT_CLUSTER_NODE_LOCAL:-}
+case $NODE_LOCAL in /* | "") ;; *) NODE_LOCAL=$PWD/$NODE_LOCAL ;; esac
+# in-root's non-recursive binds would hide the node-local tmpfs from the root file system
+if [ -n "$NODE_LOCAL" ] && [ "$SUITE" != bookworm ]; then
+  echo "SLURMFT_CLUSTER_NODE_LOCAL works with SLURMFT_CLUSTER_SUITE=bookworm only" >&2
+  exit 2
+fi
 
 CLUSTER_NAME=slurmft
 NODES=(n1 n2)
@@ -320,7 +335,7 @@ SlurmdParameters=config_overrides
 ReturnToService=2
 GresTypes=gpu
 MinJobAge=300
-KillWait=5
+KillWait=$KILLWAIT
 InactiveLimit=0
 Waittime=0
 AccountingStorageType=accounting_storage/slurmdbd
@@ -330,9 +345,11 @@ AccountingStoragePort=$DBD_PORT
 AccountingStoragePass=$MUNGE_SOCKET
 JobAcctGatherType=jobacct_gather/linux
 JobCompType=jobcomp/none
-# slurmft tags every job with --comment=slurmft:<run id>; keep it in accounting too
-AccountingStoreFlags=job_comment
 EOF
+  if [ -n "$STORE_FLAGS" ]; then
+    echo "# slurmft tags every job with --comment=slurmft:<run id>; keep it in accounting too"
+    echo "AccountingStoreFlags=$STORE_FLAGS"
+  fi
   for node in "${NODES[@]}"; do
     # n1 (the first node: rank 0, the rendezvous host) answers on 127.0.0.2, so a test can tell
     # the NodeAddr that slurmft reads from `scontrol` apart from a 127.0.0.1 fallback.
@@ -377,7 +394,8 @@ EOF
 }
 
 config_current() {  # the files on disk are what this script would write now
-  cmp -s "$CONF" <(render_slurm_conf) \
+  [ "$(cat "$ETC/node-local" 2>/dev/null)" = "$NODE_LOCAL" ] \
+    && cmp -s "$CONF" <(render_slurm_conf) \
     && cmp -s "$ETC/gres.conf" <(render_gres_conf) \
     && cmp -s "$ETC/slurmdbd.conf" <(render_slurmdbd_conf) \
     && { [ "$SUITE" = bookworm ] || { cmp -s "$ETC/cgroup.conf" <(render_cgroup_conf) \
@@ -489,6 +507,7 @@ start_cluster() {
     # the wrappers work (mounts, chroot): fail here, with the reason, rather than in every command
     "$BIN/srun" --version >/dev/null 2>&1 || die "$BIN/srun does not run in $ROOTFS"
   fi
+  echo "$NODE_LOCAL" >"$ETC/node-local"
   chmod 600 "$ETC/slurmdbd.conf"  # slurmdbd refuses a readable one
   for ((i = 0; i < NODE_GPUS; i++)); do ln -s /dev/null "$DEV_DIR/nvidia$i"; done
 
@@ -524,7 +543,19 @@ start_cluster() {
   wait_for "slurmctld on port $CTLD_PORT" slurmctld ctld_ok
   log "slurmctld up (127.0.0.1:$CTLD_PORT)"
 
-  for node in "${NODES[@]}"; do spawn "slurmd-$node" slurmd -D -f "$CONF" -N "$node"; done
+  for node in "${NODES[@]}"; do
+    if [ -n "$NODE_LOCAL" ]; then
+      # its own mount namespace with a private tmpfs on NODE_LOCAL: what this node's jobs write there,
+      # no other node (and not the login side) sees; `exec` keeps the pid slurmd's
+      mkdir -p "$NODE_LOCAL"
+      # shellcheck disable=SC2016  # $1..$3 are the inner shell's
+      spawn "slurmd-$node" unshare -m --propagation private sh -c \
+        'mount -t tmpfs -o size=64m slurmft-node-local "$1" && exec slurmd -D -f "$2" -N "$3"' sh \
+        "$NODE_LOCAL" "$CONF" "$node"
+    else
+      spawn "slurmd-$node" slurmd -D -f "$CONF" -N "$node"
+    fi
+  done
   wait_for "n1 and n2 to be idle" slurmd-n2 both_idle
   log "slurmd n1 (:$N1_PORT) and n2 (:$N2_PORT) idle"
 

@@ -1,0 +1,226 @@
+"""slurmft.plan.doctor and the parsers it reads (slurmft.slurm), without a cluster: recorded Slurm 22.05.8 output
+of the test cluster and a 25.11 sample written from Slurm's source (tests/data/slurm/README.md says which is
+which). The same checks against the real cluster, healthy and misconfigured: tests/slurm/test_doctor.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from slurmft import slurm
+from slurmft.plan.doctor import (
+    NOT_REPORTED,
+    Level,
+    ProbeExpect,
+    RunFacts,
+    diagnose,
+    exit_code,
+    format_lines,
+    probe_lines,
+)
+
+DATA = Path(__file__).parent / "data" / "slurm"
+
+
+def facts(version: str, partition: str | None = None, **changes: object) -> slurm.ClusterFacts:
+    """ClusterFacts as ``slurm.cluster_facts`` builds them, from the recorded files of one version."""
+    parts = slurm.parse_partitions((DATA / version / "show-partition.txt").read_text())
+    default = next(n for n, f in parts.items() if f.get("Default") == "YES")
+    base = slurm.ClusterFacts(
+        client_version=version + ".0", config=slurm.parse_config((DATA / version / "show-config.txt").read_text()),
+        config_problem="", partitions=parts, partitions_problem="", partition=partition or default,
+        gpus_per_node=slurm.parse_gres_gpus((DATA / version / "sinfo-gres.txt").read_text()), accounting_problem=None)
+    return dataclasses.replace(base, **changes)
+
+
+def run(**changes: object) -> RunFacts:
+    base = RunFacts(partition=None, time_s=3600, gpus_per_node=8, requests_gpus=True, lead_time_s=300,
+                    every_steps=50, save_s=85.0)
+    return dataclasses.replace(base, **changes)
+
+
+def by_check(lines: list) -> dict:
+    return {line.check: line for line in lines}
+
+
+# ------------------------------------------------------------------ verdicts
+def test_the_test_cluster_without_a_run_is_all_ok() -> None:
+    lines = diagnose(facts("22.05"), None)
+    assert [line.level for line in lines] == [Level.OK] * len(lines), format_lines(lines)
+    assert "waits 10 s" in by_check(lines)["requeue delay"].text
+    assert exit_code(lines) == 0
+
+
+def test_a_short_kill_wait_is_a_problem_with_its_fix() -> None:
+    lines = by_check(diagnose(facts("22.05"), run(save_s=85.0)))
+    kill = lines["KillWait"]
+    assert kill.level is Level.PROBLEM
+    assert "5 s after SIGTERM" in kill.text and "~85 s" in kill.text and "up to 50 steps" in kill.text
+    assert "KillWait >= 120" in kill.fix
+    assert lines["lead time"].level is Level.OK
+    assert exit_code(list(lines.values())) == 1
+
+
+def test_a_save_that_fits_is_ok() -> None:
+    lines = by_check(diagnose(facts("22.05"), run(save_s=3.0)))
+    assert lines["KillWait"].level is Level.OK and lines["lead time"].level is Level.OK
+
+
+def test_preemption_grace_time_against_the_save() -> None:
+    # gpu: REQUEUE, GraceTime 120 + KillWait 30 = 150 s
+    ok = by_check(diagnose(facts("25.11"), run(partition="gpu", save_s=85.0)))
+    assert ok["GraceTime"].level is Level.OK and "150 s" in ok["GraceTime"].text
+    assert ok["preemption"].level is Level.OK and "requeues the same job id" in ok["preemption"].text
+    assert ok["preempt signal"].level is Level.OK
+    # lowprio: CANCEL, GraceTime 0 -> 30 s after SIGTERM, the issue's sentence
+    bad = by_check(diagnose(facts("25.11", "lowprio"), run(partition="lowprio", save_s=85.0)))
+    grace = bad["GraceTime"]
+    assert grace.level is Level.PROBLEM
+    assert "a preemption on partition lowprio kills the job 30 s after SIGTERM" in grace.text
+    assert "~85 s" in grace.text and "up to 50 steps" in grace.text
+    assert "GraceTime >= 90 on lowprio" in grace.fix  # 120 s needed, KillWait gives 30
+    assert bad["preemption"].level is Level.WARNING and "CANCELLED" in bad["preemption"].text
+    assert "slurmft resume" in bad["preemption"].fix
+
+
+def test_suspend_mode_says_what_it_means() -> None:
+    f = facts("25.11")
+    f.partitions["gpu"]["PreemptMode"] = "GANG,SUSPEND"
+    line = by_check(diagnose(f, run(partition="gpu", save_s=1.0)))["preemption"]
+    assert line.level is Level.WARNING and "paused" in line.text
+
+
+def test_accounting_without_job_comment_is_a_problem() -> None:
+    lines = by_check(diagnose(facts("25.11"), run(partition="gpu", save_s=1.0)))
+    assert lines["job_comment"].level is Level.PROBLEM
+    assert "AccountingStoreFlags=job_script,job_env" in lines["job_comment"].text
+    assert "job_comment" in lines["job_comment"].fix
+
+
+def test_accounting_that_does_not_answer_is_a_problem() -> None:
+    line = by_check(diagnose(facts("22.05", accounting_problem="sacct is not on PATH"), None))["accounting"]
+    assert line.level is Level.PROBLEM and "sacct is not on PATH" in line.text
+
+
+def test_requeue_delay_from_each_source() -> None:
+    assert "waits 60 s" in by_check(diagnose(facts("25.11"), None))["requeue delay"].text  # requeue_delay
+    f = facts("25.11")
+    f.config["SchedulerParameters"] = "bf_continue"
+    assert "waits 120 s" in by_check(diagnose(f, None))["requeue delay"].text  # AuthInfo=(null): the default
+
+
+def test_time_and_gpus_beyond_the_partition() -> None:
+    lines = by_check(diagnose(facts("25.11", "lowprio"), run(partition="lowprio", time_s=8 * 3600, gpus_per_node=16)))
+    assert lines["MaxTime"].level is Level.PROBLEM and "04:00:00" in lines["MaxTime"].fix
+    assert lines["gpus"].level is Level.PROBLEM and "at most 8" in lines["gpus"].fix
+
+
+def test_a_partition_that_does_not_exist() -> None:
+    line = by_check(diagnose(facts("25.11"), run(partition="nope")))["partition"]
+    assert line.level is Level.PROBLEM and "gpu, lowprio" in line.fix
+
+
+def test_fields_this_slurm_does_not_print_are_said_so() -> None:
+    f = facts("22.05")
+    for key in ("KillWait", "AccountingStoreFlags", "MinJobAge", "AuthInfo"):
+        del f.config[key]
+    del f.partitions["debug"]["MaxTime"]
+    lines = by_check(diagnose(f, run(save_s=85.0)))
+    for check in ("KillWait", "job_comment", "MinJobAge", "requeue delay", "MaxTime"):
+        assert lines[check].level is Level.WARNING and NOT_REPORTED in lines[check].text, check
+
+
+def test_send_user_signal_missing_is_a_warning_with_the_version_spelling() -> None:
+    f = facts("25.11")
+    f.config["PreemptParameters"] = "(null)"
+    line = by_check(diagnose(f, run(partition="gpu", save_s=1.0)))["preempt signal"]
+    assert line.level is Level.WARNING and "PreemptParameters=send_user_signal" in line.fix
+
+
+def test_no_answer_from_scontrol_is_one_problem_not_a_traceback() -> None:
+    f = facts("22.05", config=None, config_problem="scontrol is not on PATH", partitions=None,
+              partitions_problem="scontrol is not on PATH", gpus_per_node=None)
+    lines = diagnose(f, run(save_s=85.0))
+    assert exit_code(lines) == 1
+    assert any("scontrol is not on PATH" in line.text for line in lines)
+
+
+@pytest.mark.parametrize("version", ["22.05", "25.11"])
+def test_every_line_has_a_level_and_every_problem_a_fix(version: str) -> None:
+    for line in diagnose(facts(version), run(save_s=500.0, lead_time_s=60)):
+        assert line.level in Level
+        assert line.level is Level.OK or line.fix, line
+
+
+# ------------------------------------------------------------------ doctor --job: the probe's verdicts
+PROBE = Path(__file__).parent / "data" / "probe" / "b-signal"
+
+
+def probe_files() -> tuple[dict[int, dict], dict]:
+    import json
+
+    ranks = {r: json.loads((PROBE / f"rank-{r}.json").read_text()) for r in (0, 1)}
+    return ranks, json.loads((PROBE / "batch.json").read_text())
+
+
+def expect(**changes: object) -> ProbeExpect:
+    base = ProbeExpect(nodes=2, world=2, vars={"GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1",
+                                               "TOKENIZERS_PARALLELISM": "false"},
+                       signal_name="USR2", signal_text="--signal=B:USR2@300", batch_only=True, run_dir="/tmp/doc",
+                       run_dir_bytes=10**8, model_bytes=10**7, wants_gpus=False, profile="local-test")
+    return dataclasses.replace(base, **changes)
+
+
+def probe_by_check(ranks: dict, batch: dict | None, exp: ProbeExpect) -> dict:
+    return by_check(probe_lines(ranks, batch, exp, "7", "COMPLETED", "/x/probe.log"))
+
+
+def test_probe_of_a_b_signal_render_fails_on_the_signal_only() -> None:
+    ranks, batch = probe_files()
+    lines = probe_by_check(ranks, batch, expect())
+    sig = lines.pop("warning signal")
+    assert sig.level is Level.PROBLEM and "batch shell only" in sig.text and "drop 'B:'" in sig.fix
+    assert {c: line.level for c, line in lines.items() if line.level is not Level.OK} == {}
+    assert {"probe", "python [n1]", "python [n2]", "profile variables", "run dir [n1]", "run dir [n2]", "HF_HOME [n1]",
+            "HF_HOME [n2]", "scontrol in batch", "MASTER_ADDR", "all-reduce"} <= set(lines)
+    assert "bus bandwidth 0.163 GB/s" in lines["all-reduce"].text
+
+
+def test_probe_where_every_rank_got_the_signal_passes() -> None:
+    ranks, batch = probe_files()
+    for r in ranks.values():
+        r["signal"].update(got="USR2", after_ready_s=12.0, batch_got=False)
+    lines = probe_lines(ranks, batch, expect(signal_text="--signal=USR2@300", batch_only=False), "7", "COMPLETED", "l")
+    assert exit_code(lines) == 0, format_lines(lines)
+    assert "reached all 2 rank(s)" in by_check(lines)["warning signal"].text
+
+
+def test_probe_catches_an_unshared_run_dir_an_unreached_master_and_a_missing_stack() -> None:
+    ranks, batch = probe_files()
+    ranks[1]["run_dir"]["saw"] = ["n2"]  # n2 does not see n1's file
+    ranks[0]["master"].update(ok=False, error="RuntimeError: connection refused")
+    ranks[0]["versions"]["trl"] = None
+    lines = probe_by_check(ranks, batch, expect())
+    assert lines["run dir [n2]"].level is Level.PROBLEM and "not seen on n2" in lines["run dir [n2]"].text
+    assert "every node shares" in lines["run dir [n2]"].fix
+    assert lines["run dir [n1]"].level is Level.OK
+    assert lines["MASTER_ADDR"].level is Level.PROBLEM and "connection refused" in lines["MASTER_ADDR"].text
+    assert lines["python [n1]"].level is Level.PROBLEM and "missing: trl" in lines["python [n1]"].text
+
+
+def test_probe_with_a_missing_rank_or_no_rank_is_a_problem() -> None:
+    ranks, batch = probe_files()
+    del ranks[1]
+    assert probe_by_check(ranks, batch, expect())["probe"].level is Level.PROBLEM
+    only = probe_lines({}, None, expect(), "7", "FAILED", "/x/probe.log")
+    assert len(only) == 1 and only[0].level is Level.PROBLEM and "/x/probe.log" in only[0].text
+
+
+def test_probe_variables_the_ranks_see_otherwise_and_too_little_space() -> None:
+    ranks, batch = probe_files()
+    ranks[1]["vars"]["GLOO_SOCKET_IFNAME"] = "eth0"
+    lines = probe_by_check(ranks, batch, expect(run_dir_bytes=10**15))
+    assert lines["profile variables"].level is Level.WARNING and "'eth0' on n2" in lines["profile variables"].text
+    assert lines["run dir [n1]"].level is Level.PROBLEM and "keep_last" in lines["run dir [n1]"].fix
