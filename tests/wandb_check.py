@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+#: W&B's own folders, pointed into the test's tmp_path (not the home directory of whoever runs the tests)
+WANDB_HOME = ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")
+
 
 def wandb_offline_runs(run: Path) -> list[dict]:
     """Every offline W&B run directory under ``RUN/wandb`` (oldest first: the names start with the time), read

@@ -15,7 +15,7 @@ import pytest
 
 from slurmft.rundir import RunPaths
 from slurmft.trackers import read_tracker
-from tests.wandb_check import wandb_offline_runs
+from tests.wandb_check import WANDB_HOME, wandb_offline_runs
 
 WANDB_VARS = ("WANDB_RUN_ID", "WANDB_RESUME", "WANDB_NAME", "WANDB_DIR")
 
@@ -42,7 +42,7 @@ def test_three_attempts_one_run_each_step_once_and_a_dead_service(tmp_path: Path
 
     for key in WANDB_VARS:
         monkeypatch.setenv(key, "")  # unset for slurmft (an empty value counts as unset); restored afterwards
-    for key in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+    for key in WANDB_HOME:
         monkeypatch.setenv(key, str(tmp_path / "wandb-home" / key))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_RUN_ID", "my-own-id")  # the user's

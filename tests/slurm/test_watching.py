@@ -24,14 +24,13 @@ from runfixture import local_run
 from slurmft.rundir import RunPaths, read_manifest
 from tests.export_check import assert_export_matches_checkpoint
 from tests.slurm.jobs import metrics, rank_pid, wait_for
-from tests.wandb_check import wandb_offline_runs
+from tests.wandb_check import WANDB_HOME, wandb_offline_runs
 
 pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[2]
 # W&B with no network; a key in the environment as users keep it (it must reach no file of the run)
 WANDB_OFFLINE = {"WANDB_MODE": "offline", "WANDB_API_KEY": "wandbTopSecretValue0123456789abcdef01234567"}
-WANDB_HOME = ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")  # not the user's home directory
 
 
 def _wait(what: str, predicate, timeout: float = 240):  # noqa: ANN001, ANN201
