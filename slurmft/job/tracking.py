@@ -36,6 +36,7 @@ from typing import Any
 from transformers.integrations import WandbCallback
 from transformers.integrations.integration_utils import rewrite_logs
 
+from slurmft.errors import RunDirError
 from slurmft.rundir import RunPaths, read_manifest
 from slurmft.trackers import default_wandb_id, record_attempt, recorded_wandb_id, wandb_environment
 from slurmft.watch.progress import read_metrics
@@ -54,7 +55,7 @@ def use_one_wandb_run(paths: RunPaths, name: str) -> str:
     """
     try:
         created = read_manifest(paths).get("created")
-    except Exception:  # noqa: BLE001 - a run started by hand may have no manifest: the path's id alone
+    except RunDirError:  # a run started by hand may have no manifest: the path's id alone
         created = None
     run_id = recorded_wandb_id(paths) or default_wandb_id(paths, created)
     os.environ.update(wandb_environment(os.environ, run_id, name, paths.root))

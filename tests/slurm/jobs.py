@@ -52,4 +52,3 @@ def rank_pids(job_id: str) -> dict[int, int]:
 def rank_pid(job_id: str, rank: int) -> int | None:
     """PID of one rank's Python process of a Slurm job running on this machine (None: not there yet)."""
     return rank_pids(job_id).get(rank)
-
