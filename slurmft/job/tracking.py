@@ -9,8 +9,9 @@ Why that is not enough across attempts:
 - each attempt is a new process, so a new W&B run (fixed by the id and ``resume=allow``:
   :func:`use_one_wandb_run`, the rules in slurmft/trackers.py);
 - W&B numbers rows from its own counter, which restarts at 0 in every offline attempt (it cannot ask
-  the server where the run stopped): the rows of a second attempt would be numbered below the
-  first's, and W&B drops rows below its last step. We log every row at ``step=global_step``;
+  the server where the run stopped), so a second attempt's rows would be numbered below the first's,
+  and W&B's steps only go up (``log(step=s)`` below the current step is dropped: measured in one
+  process). We log every row at ``step=global_step``, so the attempts' rows line up in one run;
 - a fallback to an older checkpoint (the newest one was damaged) trains some steps again, and W&B
   would be sent them twice (offline, W&B cannot know). We skip every step at or below the last step
   an earlier attempt logged (the last line of ``metrics.jsonl``: ``MetricsLog`` writes each step
@@ -20,8 +21,9 @@ Why that is not enough across attempts:
   every process of the step, wandb's service process ``wandb-core`` included, and it exits at once:
   the next ``wandb.log`` raises ``ConnectionResetError`` (measured, wandb 0.31), which inside the
   Trainer's ``on_log`` would kill rank 0 before the preemption save. Every W&B call here is guarded:
-  the first failure is logged once, W&B is torn down, training and the save go on (the steps of that
-  attempt after the SIGTERM are missing from W&B; ``metrics.jsonl`` keeps them). The warning signal
+  the first failure is logged once, W&B is torn down, training and the save go on (the rows the service
+  had not written and the steps after the SIGTERM are missing from W&B: ``scancel`` at step 21 left
+  steps 1..17 on the test cluster; ``metrics.jsonl`` keeps them all). The warning signal
   (USR2) does not stop ``wandb-core`` (measured): a run stopped by it keeps every step in W&B.
 """
 

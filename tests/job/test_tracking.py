@@ -15,7 +15,7 @@ import pytest
 
 from slurmft.rundir import RunPaths
 from slurmft.trackers import read_tracker
-from tests.wandb_check import WANDB_HOME, wandb_offline_runs
+from tests.tracker_check import WANDB_HOME, wandb_offline_runs
 
 WANDB_VARS = ("WANDB_RUN_ID", "WANDB_RESUME", "WANDB_NAME", "WANDB_DIR")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from slurmft.rundir import RunPaths, read_manifest
-from tests.wandb_check import WANDB_HOME, wandb_offline_runs
+from tests.tracker_check import WANDB_HOME, wandb_offline_runs
 
 pytestmark = pytest.mark.slurm
 

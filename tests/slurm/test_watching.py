@@ -4,7 +4,8 @@ id, resumes exactly there and is consolidated once; it shows three
 attempts in `status`, two markers in `slurmft plot`, a report that matches metrics.jsonl, one loss line per
 step in the log; `status` and `runs` ask squeue and sacct at most once each (the calls are counted by
 shims that exec the real commands). With `report_to: [wandb]` and WANDB_MODE=offline, the three attempts
-write three offline W&B directories of one run id whose rows are steps 1..40, once each, in order."""
+write three offline W&B directories of one run id whose rows are steps 1..40, once each, in order; with
+`tensorboard` as well, three event files in the one `tensorboard/` directory, steps 1..40 once each."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,7 @@ from runfixture import local_run
 from slurmft.rundir import RunPaths, read_manifest
 from tests.export_check import assert_export_matches_checkpoint
 from tests.slurm.jobs import metrics, rank_pid, wait_for
-from tests.wandb_check import WANDB_HOME, wandb_offline_runs
+from tests.tracker_check import WANDB_HOME, tensorboard_steps, wandb_offline_runs
 
 pytestmark = pytest.mark.slurm
 
@@ -52,7 +54,7 @@ def test_preempted_twice_status_plot_report_logs_wandb(slurm_cluster, tiny_model
     for key, value in {**WANDB_OFFLINE, **{k: str(tmp_path / "wandb-home" / k) for k in WANDB_HOME}}.items():
         monkeypatch.setenv(key, value)  # in the submitting shell: the job inherits it (sbatch --export=ALL)
     monkeypatch.delenv("WANDB_RUN_ID", raising=False)
-    path = slurmft.write_config(tmp_path, tiny_model, chat_data, train={"max_steps": 40, "report_to": ["wandb"]},
+    path = slurmft.write_config(tmp_path, tiny_model, chat_data, train={"max_steps": 40, "report_to": ["wandb", "tensorboard"]},
                                 checkpoint={"every_steps": 20}, preemption={"lead_time_s": 30, "max_requeues": 3})
     jobs = slurmft.submit(path)
     run, job = tmp_path / "run", jobs["train"]
@@ -142,6 +144,10 @@ def test_preempted_twice_status_plot_report_logs_wandb(slurm_cluster, tiny_model
     assert "Would sync 3 run(s)" in sync.stdout + sync.stderr, sync.stdout + sync.stderr
     for file in run.rglob("*"):
         assert not file.is_file() or WANDB_OFFLINE["WANDB_API_KEY"].encode() not in file.read_bytes(), file
+
+    # TensorBoard: each attempt's event file in the one RUN/tensorboard/, together steps 1..40 once each
+    bounds = [0, *stops, 40]
+    assert tensorboard_steps(run / "tensorboard") == [list(range(a + 1, b + 1)) for a, b in pairwise(bounds)]
 
 
 def test_runs_lists_every_run_with_one_squeue_and_one_sacct(slurm_cluster, tiny_model: Path, chat_data: Path,

@@ -1,8 +1,10 @@
-"""Reading what W&B wrote offline, with wandb's own reader (tests of slurmft/job/tracking.py, on CPU and Slurm)."""
+"""Reading what the trackers wrote: W&B offline runs with wandb's own reader, TensorBoard event files with
+tensorboardX's protocol buffers (tests of slurmft/job/tracking.py and of report_to, on CPU and Slurm)."""
 
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -27,4 +29,22 @@ def wandb_offline_runs(run: Path) -> list[dict]:
         rows = [r["history"]["item"] for r in records if r.get("type") == "history"]
         out.append({"dir": folder, "id": heads[0]["run_id"] if heads else None,
                     "resume": heads[0].get("resume", False) if heads else None, "rows": rows})
+    return out
+
+
+def tensorboard_steps(folder: Path, tag: str = "train/loss") -> list[list[int]]:
+    """The steps of one scalar in each TensorBoard event file of ``folder`` (oldest file first: the names
+    carry their creation time). An event file is a TFRecord stream: length (8 bytes), its CRC (4), the
+    serialized ``Event``, its CRC (4)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    out = []
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data, pos, steps = path.read_bytes(), 0, []
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            steps += [event.step for value in event.summary.value if value.tag == tag]
+        out.append(steps)
     return out
