@@ -322,7 +322,9 @@ class TrainConfig(_Section):
     )
     seed: int = Field(42, ge=0, description="Random seed.")
     logging_steps: int = Field(1, ge=1, description="Log metrics every N steps.")
-    report_to: list[str] = Field(default_factory=list, description="Extra loggers: tensorboard, wandb.")
+    report_to: list[str] = Field(default_factory=list, description=(
+        "Extra loggers: tensorboard (into RUN_DIR/tensorboard), wandb (one W&B run across every requeue and "
+        "resume; docs/watching.md)."))
     sft: dict[str, Any] = Field(default_factory=dict, description="Extra keys passed to trl.SFTConfig as-is.")
 
     @field_validator("lr_scheduler")

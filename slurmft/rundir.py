@@ -138,6 +138,18 @@ class RunPaths:
         return self.root / "tensorboard"
 
     @property
+    def wandb(self) -> Path:
+        """What W&B writes when ``WANDB_DIR`` is the run directory (slurmft's default): ``offline-run-<time>-<id>/``
+        (or ``run-<time>-<id>/`` online), one per attempt, all carrying the run's one W&B id (slurmft/trackers.py)."""
+        return self.root / "wandb"
+
+    @property
+    def tracker(self) -> Path:
+        """The experiment-tracker run this run logs to (``train.report_to: [wandb]``): its id, project, URL and
+        each attempt's W&B directory, written by the job's rank 0 (slurmft/trackers.py); ``status`` shows it."""
+        return self.root / "tracker.json"
+
+    @property
     def report(self) -> Path:
         """The run report written by consolidation (``slurmft report`` rewrites it)."""
         return self.root / "report.md"
@@ -151,7 +163,8 @@ class RunPaths:
     def folders(self) -> frozenset[str]:
         """Names of the folders slurmft makes inside a run directory (none of them holds another run)."""
         return frozenset(p.name for p in (self.scripts, self.logs, self.submitit, self.checkpoints, self.model,
-                                           self.requeue_marker_dir, self.fsdp_report, self.tensorboard))
+                                           self.requeue_marker_dir, self.fsdp_report, self.tensorboard,
+                                           self.wandb))
 
 
 @dataclass(frozen=True)

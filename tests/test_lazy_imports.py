@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 CONFIG = Path(__file__).parent / "data" / "golden-2x8-aws-efa.yaml"
-HEAVY = ["torch", "transformers", "accelerate", "trl", "datasets", "safetensors"]
+HEAVY = ["torch", "transformers", "accelerate", "trl", "datasets", "safetensors", "wandb"]
 
 PROBE = """
 import sys

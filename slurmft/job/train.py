@@ -20,7 +20,7 @@ from typing import Any
 from slurmft import checkpoints
 from slurmft.config import RunConfig, read_run_config
 from slurmft.errors import JobSetupError, SlurmftError
-from slurmft.job import checkpointing, cpu_fsdp, data, distributed, loading, preemption
+from slurmft.job import checkpointing, cpu_fsdp, data, distributed, loading, preemption, tracking
 from slurmft.job.callbacks import MetricsLog, PreemptionStop, StepLog, StopBeforeFirstStep
 from slurmft.job.checkpointing import CheckpointManager
 from slurmft.job.distributed import DistContext
@@ -160,8 +160,11 @@ def sft_config(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> Any:
             "cpu_ram_efficient_loading": False,
         },
     }
-    if "tensorboard" in t.report_to:
+    if "tensorboard" in t.report_to:  # one directory for every attempt: TensorBoard shows one run
         os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(paths.tensorboard))
+    if "wandb" in t.report_to:  # one W&B run for every attempt (slurmft/job/tracking.py)
+        tracking.use_one_wandb_run(paths, cfg.name)
+        kwargs["run_name"] = os.environ["WANDB_NAME"]  # WandbCallback passes it to wandb.init, over WANDB_NAME
     kwargs.update(t.sft)
     try:
         return SFTConfig(**kwargs)
@@ -290,6 +293,8 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                    "num_params": sharded.num_params}
     callbacks = [*saving, preempt, MetricsLog(ctx, paths.metrics, info),  # saving before preempt: its on_save first
                  FsdpReport(ctx, paths.fsdp_report, report_info)]
+    # after MetricsLog: a step is in metrics.jsonl before W&B gets it (what the next attempt skips)
+    wandb_run = tracking.OneWandbRun(paths, info) if "wandb" in cfg.train.report_to else None
 
     from trl import SFTTrainer
 
@@ -300,6 +305,7 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
         trainer = SFTTrainer(model=sharded.model, args=args, train_dataset=dataset, processing_class=inputs.tokenizer,
                              callbacks=callbacks, optimizer_cls_and_kwargs=optimizer)
         _one_log_line(trainer, ctx)
+        tracking.attach(trainer, wandb_run)
         checkpointer.attach(trainer)  # saves timed, checkpoint loads agreed by every rank
         return trainer
 

@@ -28,6 +28,7 @@ from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, step_of
 from slurmft.rundir import MODEL_INDEX as SAFE_INDEX_NAME  # what consolidation writes last
 from slurmft.rundir import RunPaths, planned_max_steps
 from slurmft.slurm_states import State, is_live, parse, words
+from slurmft.trackers import read_tracker, tracker_lines
 from slurmft.units import binary_bytes, fmt_duration
 
 # How many of the newest records the rate (steps/s, tokens/s) is measured over.
@@ -374,7 +375,8 @@ def lost_to_preemption(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def overview(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dict[str, Any]],
              max_steps: int | None = None) -> dict[str, Any]:
-    """What ``slurmft status --json`` adds beside ``jobs``: ``{progress, checkpoint, attempts, model, lost}``.
+    """What ``slurmft status --json`` adds beside ``jobs``: ``{progress, checkpoint, attempts, model, lost, tracker}``
+    (``tracker``: ``tracker.json``, the W&B run every attempt logs to, or None).
 
     ``slurm_rows`` are :func:`slurmft.watch.status.job_rows` of ``manifest`` (no Slurm call here);
     ``max_steps`` defaults to the run config's ``train.max_steps``.
@@ -383,7 +385,7 @@ def overview(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dict[st
     metrics = read_metrics(paths.metrics)
     rows = attempts(manifest, metrics.records, slurm_rows, markers=requeue_markers(paths), max_steps=max_steps)
     return {"progress": progress_of(metrics, max_steps), "checkpoint": checkpoint_info(paths), "attempts": rows,
-            "model": model_info(paths), "lost": lost_to_preemption(rows)}
+            "model": model_info(paths), "lost": lost_to_preemption(rows), "tracker": read_tracker(paths)}
 
 
 def overview_lines(ov: dict[str, Any]) -> list[str]:
@@ -413,4 +415,4 @@ def overview_lines(ov: dict[str, Any]) -> list[str]:
         lines.append(f"lost to restarts: {lost['recomputed_steps']} step(s) again, "
                      f"{fmt_duration(lost['gap_s'])} between attempts")
     lines.append(f"model: {ov['model']}" if ov["model"] else "model: not consolidated yet")
-    return lines
+    return lines + tracker_lines(ov.get("tracker"))

@@ -21,6 +21,7 @@ import yaml
 from slurmft import __version__
 from slurmft.errors import RunDirError
 from slurmft.rundir import RunPaths, atomic_write, read_manifest
+from slurmft.trackers import read_tracker, sync_command, tracker_lines
 from slurmft.units import binary_bytes, fmt_duration
 from slurmft.watch.progress import (
     attempts,
@@ -109,6 +110,7 @@ def summary(paths: RunPaths, slurm_rows: list[dict[str, Any]] | None = None) -> 
         "checkpoint": checkpoint_info(paths),
         "model": model_info(paths),
         "nodes": _nodes_by_attempt(paths),
+        "tracker": read_tracker(paths),
     }
 
 
@@ -191,6 +193,11 @@ def render(s: dict[str, Any], plot_name: str | None) -> str:
           f"{_dash(s['tokens_seen'])} tokens seen |", ""]
     if p["problem"]:
         L += [f"> metrics: {p['problem']}", ""]
+    if s["tracker"]:
+        L += [tracker_lines(s["tracker"])[0], ""]
+        sync = sync_command(s["tracker"])
+        if sync:
+            L += [f"Upload the offline attempts into that one W&B run: `{sync}`", ""]
     L += ["## Memory", "",
           f"Peak over the run, worst rank (from metrics.jsonl): RSS {_mib(s['peak_rss_mib_worst_rank'])}, "
           f"GPU {_mib(s['peak_gpu_mem_mib_worst_rank'])}.", ""]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from slurmft.rundir import RunPaths, read_manifest
+from tests.tracker_check import WANDB_HOME, wandb_offline_runs
 
 pytestmark = pytest.mark.slurm
 
@@ -158,8 +159,14 @@ def test_chaos_three_seeded_warning_signals(slurm_cluster, reference: Path, tiny
 
 
 def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
-        slurm_cluster, reference: Path, tiny_model: Path, chat_data: Path, tmp_path: Path, slurmft) -> None:
-    run, jobs = _start(slurmft, tmp_path, tiny_model, chat_data, train={"max_steps": 40})
+        slurm_cluster, reference: Path, tiny_model: Path, chat_data: Path, tmp_path: Path, slurmft,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also W&B, offline, under the user's own WANDB_RUN_ID (exported for submit and resume): the resumed job
+    logs into that run and does not send again the steps the fallback trains a second time."""
+    for key, value in {"WANDB_MODE": "offline", "WANDB_RUN_ID": "my-own-wandb-run",
+                       **{k: str(tmp_path / "wandb-home" / k) for k in WANDB_HOME}}.items():
+        monkeypatch.setenv(key, value)
+    run, jobs = _start(slurmft, tmp_path, tiny_model, chat_data, train={"max_steps": 40, "report_to": ["wandb"]})
     slurmft.wait_for("checkpoint-20", lambda: slurmft.complete(run, 20))
     subprocess.run(["scancel", jobs["train"]], check=True)  # saves at the next step, stays cancelled
     slurm_cluster.wait_state(jobs["train"], "CANCELLED", timeout=120)
@@ -183,6 +190,17 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
             f"bytes, COMPLETE says {size}") in log
     assert "resuming from checkpoint-20" in log
     assert min(m["step"] for m in slurmft.metrics(run) if m["job_id"] == new["train"]) == 21
+
+    # scancel's SIGTERM also ended W&B's service in the first job: its rows stop at or before the step it
+    # saved; the resumed job (steps 21..40) sends only the steps after that one, into the user's run
+    offline = wandb_offline_runs(run)
+    assert [(o["dir"].name.endswith("-my-own-wandb-run"), o["id"]) for o in offline] == [(True, "my-own-wandb-run")] * 2
+    first, second = ([row["_step"] for row in o["rows"]] for o in offline)
+    assert first == list(range(1, len(first) + 1)) and 10 < len(first) <= newest
+    assert second == list(range(newest + 1, 41))
+    record = json.loads((run / "tracker.json").read_text())["wandb"]
+    assert record["id"] == "my-own-wandb-run"
+    assert [(a["job_id"], a["first_step"]) for a in record["attempts"]] == [(jobs["train"], 1), (new["train"], newest + 1)]
 
 
 def test_time_limit_saves_requeues_and_finishes(slurm_cluster, tiny_model: Path, chat_data: Path,

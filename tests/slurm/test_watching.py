@@ -3,7 +3,9 @@
 id, resumes exactly there and is consolidated once; it shows three
 attempts in `status`, two markers in `slurmft plot`, a report that matches metrics.jsonl, one loss line per
 step in the log; `status` and `runs` ask squeue and sacct at most once each (the calls are counted by
-shims that exec the real commands)."""
+shims that exec the real commands). With `report_to: [wandb]` and WANDB_MODE=offline, the three attempts
+write three offline W&B directories of one run id whose rows are steps 1..40, once each, in order; with
+`tensorboard` as well, three event files in the one `tensorboard/` directory, steps 1..40 once each."""
 
 from __future__ import annotations
 
@@ -13,18 +15,24 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
 from runfixture import local_run
 
+from slurmft.rundir import RunPaths, read_manifest
 from tests.export_check import assert_export_matches_checkpoint
 from tests.slurm.jobs import metrics, rank_pid, wait_for
+from tests.tracker_check import WANDB_HOME, tensorboard_steps, wandb_offline_runs
 
 pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[2]
+# W&B with no network; a key in the environment as users keep it (it must reach no file of the run)
+WANDB_OFFLINE = {"WANDB_MODE": "offline", "WANDB_API_KEY": "wandbTopSecretValue0123456789abcdef01234567"}
 
 
 def _wait(what: str, predicate, timeout: float = 240):  # noqa: ANN001, ANN201
@@ -41,9 +49,13 @@ def _calls(path: Path) -> list[str]:
 
 
 @pytest.mark.every_slurm
-def test_preempted_twice_status_plot_report_logs(slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path: Path,
-                                                 slurmft, slurm_calls: Path) -> None:
-    path = slurmft.write_config(tmp_path, tiny_model, chat_data, train={"max_steps": 40},
+def test_preempted_twice_status_plot_report_logs_wandb(slurm_cluster, tiny_model: Path, chat_data: Path,
+                                                       tmp_path: Path, slurmft, slurm_calls: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in {**WANDB_OFFLINE, **{k: str(tmp_path / "wandb-home" / k) for k in WANDB_HOME}}.items():
+        monkeypatch.setenv(key, value)  # in the submitting shell: the job inherits it (sbatch --export=ALL)
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    path = slurmft.write_config(tmp_path, tiny_model, chat_data, train={"max_steps": 40, "report_to": ["wandb", "tensorboard"]},
                                 checkpoint={"every_steps": 20}, preemption={"lead_time_s": 30, "max_requeues": 3})
     jobs = slurmft.submit(path)
     run, job = tmp_path / "run", jobs["train"]
@@ -111,6 +123,32 @@ def test_preempted_twice_status_plot_report_logs(slurm_cluster, tiny_model: Path
     ones = [s for s in range(1, 41) if len(re.findall(rf"^1: .*\bstep {s}/40 +loss", log, re.M))]
     assert ones == []  # rank 1 (node n2) never prints the per-step line
     assert len(re.findall(r"^\[slurmft\] job=\d+ restart=", log, re.M)) == 3
+
+    # W&B, offline: one directory per attempt, one run id (the run's), steps 1..40 once each, in order,
+    # with metrics.jsonl's losses; status and the report name the run; the API key reached no file
+    wandb_id = f"{RunPaths.of(run).run_id}-{int(read_manifest(RunPaths.of(run))['created'])}"
+    offline = wandb_offline_runs(run)
+    assert [(o["dir"].name.endswith(f"-{wandb_id}"), o["id"], o["resume"]) for o in offline] == [(True, wandb_id, True)] * 3
+    steps = [row["_step"] for o in offline for row in o["rows"]]
+    assert steps == list(range(1, 41))
+    assert all(row["train/global_step"] == row["_step"] for o in offline for row in o["rows"])
+    assert [len(o["rows"]) for o in offline] == [stops[0], stops[1] - stops[0], 40 - stops[1]]
+    loss = {m["step"]: m["loss"] for m in rows}
+    assert {row["_step"]: row["train/loss"] for o in offline for row in o["rows"]} == loss
+    assert status["tracker"]["wandb"]["id"] == wandb_id
+    code, out, _ = slurmft.cli(["status", str(run)])
+    assert code == 0 and f"W&B: run {wandb_id} in huggingface (3 attempt(s), 3 offline)" in out
+    assert f"wandb sync {run / 'wandb'}/offline-run-*-{wandb_id}" in out
+    assert f"W&B: run {wandb_id}" in report
+    sync = subprocess.run([sys.executable, "-m", "wandb", "sync", "--dry-run", *map(str, (run / "wandb").glob(
+        f"offline-run-*-{wandb_id}"))], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert "Would sync 3 run(s)" in sync.stdout + sync.stderr, sync.stdout + sync.stderr
+    for file in run.rglob("*"):
+        assert not file.is_file() or WANDB_OFFLINE["WANDB_API_KEY"].encode() not in file.read_bytes(), file
+
+    # TensorBoard: each attempt's event file in the one RUN/tensorboard/, together steps 1..40 once each
+    bounds = [0, *stops, 40]
+    assert tensorboard_steps(run / "tensorboard") == [list(range(a + 1, b + 1)) for a, b in pairwise(bounds)]
 
 
 @pytest.mark.every_slurm
