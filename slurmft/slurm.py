@@ -20,6 +20,30 @@ our explicit ``-O``/``-o`` on 22.05; they are removed anyway.) And every query a
 with an explicit delimiter, :data:`SEP`: ``squeue -O Field:SEP`` (no size: no 20-character cut,
 checked on 22.05) and ``sacct -P --delimiter=SEP``; never the default columns.
 
+Slurm versions: the oldest supported is 22.05 (Debian 12's 22.05.8); CI runs the real-cluster tests on
+it and on 24.11 (Debian 13's 24.11.5), and tests/test_slurm.py parses output recorded from both
+(tests/data/slurm/). What changed between them, and how this adapter stays out of its way:
+
+- ``squeue -O`` and ``sacct -P`` columns, states and exit codes (``<exit>:<signal>``, e.g. ``3:0``,
+  ``0:15``) print the same on 22.05 and 24.11 (recorded); slurmft never uses squeue's ``%s`` (gone in
+  23.02) nor the JSON output (job states became lists in 23.11, ``nodes`` an object in 24.05).
+- ``scontrol show job``: :func:`parse_show` takes a value up to the next blank, so 25.11 dropping the
+  space after ``Comment=`` changes nothing; slurmft reads the comment from squeue anyway.
+- A job that is gone: 26.05 prints "Job ... not found" on stderr, older versions "Invalid job id" on
+  stderr (22.05, 24.11, recorded); either way the call fails and :attr:`Answer.problem` carries stderr
+  before stdout.
+- The requeue delay: how long a requeued job waits before it may start again is ``requeue_delay`` in
+  SchedulerParameters on 25.11, and ``cred_expire`` (AuthInfo, default 120 s) before it; ``slurmft
+  doctor`` reads whichever ``scontrol show config`` has (:func:`parse_config`, :func:`option`;
+  slurmft/plan/doctor.py ``check_requeue_delay``).
+- The job environment: ``SLURM_JOB_START_TIME`` exists only from 23.02 on (set on 24.11, absent on
+  22.05), so nothing of slurmft reads it. From 23.11 sbatch also exports ``SLURM_TRES_PER_TASK=cpu=N``
+  beside ``SLURM_CPUS_PER_TASK=N``, and a plain ``srun`` whose environment has them disagree stops
+  ("fatal: cpus-per-task set by two different environment variables", measured on 24.11 with
+  ``SLURM_CPUS_PER_TASK=3`` in a ``--cpus-per-task=2`` job). The rendered ``srun`` lines pass
+  ``--cpus-per-task`` themselves (slurmft/plan/render.py), and the option wins over both variables:
+  the same job's ``srun --cpus-per-task=2`` exited 0.
+
 One time-out policy: :data:`TIMEOUT_S` for every call, except the ``scontrol`` calls the batch shell
 makes after ``srun`` returned (:data:`BATCH_TIMEOUT_S`), when the job is already inside KillWait or
 past its time limit and a hung controller must not eat the rest. A command that is missing, hangs or

@@ -4,7 +4,9 @@
 machine, 8 fake GPUs each, slurmdbd so ``sacct`` works). It is started once per test session and
 stopped at its end, unless ``SLURMFT_KEEP_CLUSTER=1`` (handy while iterating: the next session then
 finds it healthy and starts in well under a second). Tests that use it are marked
-``@pytest.mark.slurm``.
+``@pytest.mark.slurm``. Every such test runs on Slurm 22.05 (this Debian 12 machine's); the ones also
+marked ``@pytest.mark.every_slurm`` run on Slurm 24.11 (Debian 13's, in a root file system) too, as
+``test_x[slurm22.05]`` and ``test_x[slurm24.11]``: one cluster at a time, 22.05 first.
 
 There is no skip: if Slurm cannot be installed or started, every test that needs it fails with the
 daemon logs, because CI requires the real cluster.
@@ -26,6 +28,9 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_SH = REPO_ROOT / "tests" / "slurm" / "cluster.sh"
+# The Slurm versions tested, oldest first, and the Debian suite whose packages give each
+# (cluster.sh's SLURMFT_CLUSTER_SUITE).
+SLURM_VERSIONS = {"22.05": "bookworm", "24.11": "trixie"}
 
 # A job in one of these states will not change again by itself.
 TERMINAL_STATES = frozenset(
@@ -39,10 +44,11 @@ def _run(args: list[str], timeout: float = 30) -> subprocess.CompletedProcess[st
 
 @dataclass
 class SlurmCluster:
-    """Handle on the running test cluster; ``SLURM_CONF`` is already in ``os.environ``."""
+    """Handle on the running test cluster; ``SLURM_CONF`` (and for 24.11 ``PATH``) already in ``os.environ``."""
 
     conf: Path
     dir: Path
+    version: str  # "22.05", "24.11": which of SLURM_VERSIONS
 
     def slurm(self, *args: str, timeout: float = 30) -> str:
         """Run a Slurm command; return its stdout, raise with its stderr when it fails."""
@@ -127,8 +133,9 @@ class SlurmCluster:
         return "\n".join(parts)
 
 
-def _cluster_env() -> dict[str, str]:
-    proc = _run(["bash", str(CLUSTER_SH), "env"])
+def _cluster_env(suite_env: dict[str, str]) -> dict[str, str]:
+    proc = subprocess.run(["bash", str(CLUSTER_SH), "env"], capture_output=True, text=True, timeout=30,
+                          check=False, env=suite_env)
     env = {}
     for line in proc.stdout.splitlines():
         words = shlex.split(line)
@@ -148,18 +155,62 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     limits). The two local-executor tests share one uninterrupted run (``local_tiny_run``).
     """
     for item in items:
+        if "slurm_cluster" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("slurm"):
+            raise pytest.UsageError(f"{item.nodeid} uses slurm_cluster but is not marked slurm")
         if item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.xdist_group("slurm"))
         elif "local_tiny_run" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("local-tiny"))
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``slurm_cluster`` (and every fixture built on it) once per Slurm version the test runs on."""
+    if "slurm_cluster" in metafunc.fixturenames:
+        every = metafunc.definition.get_closest_marker("every_slurm") is not None
+        versions = list(SLURM_VERSIONS) if every else [next(iter(SLURM_VERSIONS))]
+        metafunc.parametrize("slurm_cluster", versions, indirect=True, scope="session",
+                             ids=[f"slurm{v}" for v in versions])
+
+
+# Outcomes of the tests that run on every Slurm version: {test name: {version id: outcome}}.
+_EVERY_SLURM: dict[str, dict[str, str]] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Note each every_slurm test's outcome per version (on the xdist controller too: reports travel)."""
+    if "every_slurm" not in report.keywords or "[slurm" not in report.nodeid:
+        return
+    if report.when == "call" or report.outcome != "passed":  # a failed setup or teardown counts too
+        # xdist's --dist loadgroup appends "@<group>" to the node id
+        name, _, version = report.nodeid.partition("@")[0].rpartition("[")
+        version = version.rstrip("]")
+        outcomes = _EVERY_SLURM.setdefault(name, {})
+        if outcomes.get(version) in (None, "passed"):
+            outcomes[version] = report.outcome
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line per test that runs on every Slurm version: its outcome on each (the CI log must show them)."""
+    if not _EVERY_SLURM:
+        return
+    terminalreporter.section("tests on every Slurm version")
+    for name, outcomes in sorted(_EVERY_SLURM.items()):
+        cells = "  ".join(f"{v}: {outcomes.get(f'slurm{v}', 'not run'):7}" for v in SLURM_VERSIONS)
+        terminalreporter.write_line(f"{cells}  {name}")
+
+
 @pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[SlurmCluster]:
-    """The real local two-node Slurm cluster, up for the whole session."""
+def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[SlurmCluster]:
+    """The real local two-node Slurm cluster of one version (the parameter), up for the whole session or
+    until the tests of the next version start (pytest finishes a session fixture when its parameter
+    changes)."""
+    version = request.param
+    suite_env = {**os.environ, "SLURMFT_CLUSTER_SUITE": SLURM_VERSIONS[version]}
     try:
-        # A fresh machine installs the Debian packages first: allow for apt.
-        up = _run(["bash", str(CLUSTER_SH), "up"], timeout=1200)
+        # A fresh machine installs the Debian packages first (24.11: builds its root file system): allow
+        # for apt.
+        up = subprocess.run(["bash", str(CLUSTER_SH), "up"], capture_output=True, text=True, timeout=1200,
+                            check=False, env=suite_env)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(
             f"{CLUSTER_SH} up timed out after {exc.timeout}s\n{exc.stdout}\n{exc.stderr}", pytrace=False
@@ -172,21 +223,28 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         )
     print(up.stdout, end="")
 
-    env = _cluster_env()
-    if "SLURM_CONF" not in env or "SLURMFT_CLUSTER_DIR" not in env:
-        pytest.fail(f"{CLUSTER_SH} env printed no SLURM_CONF/SLURMFT_CLUSTER_DIR: {env}", pytrace=False)
-    cluster = SlurmCluster(conf=Path(env["SLURM_CONF"]), dir=Path(env["SLURMFT_CLUSTER_DIR"]))
-    previous = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(cluster.conf)
+    env = _cluster_env(suite_env)
+    if "SLURM_CONF" not in env:
+        pytest.fail(f"{CLUSTER_SH} env printed no SLURM_CONF: {env}", pytrace=False)
+    conf = Path(env["SLURM_CONF"])
+    cluster = SlurmCluster(conf=conf, dir=conf.parent.parent, version=version)
+    applied = {key: env[key] for key in ("SLURM_CONF", "PATH") if key in env}
+    previous = {key: os.environ.get(key) for key in applied}
+    os.environ.update(applied)
     try:
+        sinfo = cluster.slurm("sinfo", "--version").strip()
+        if sinfo.split()[-1].rsplit(".", 1)[0] != version:
+            pytest.fail(f"asked for Slurm {version}, `sinfo --version` says {sinfo!r}", pytrace=False)
         yield cluster
     finally:
-        if previous is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = previous
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         if os.environ.get("SLURMFT_KEEP_CLUSTER") != "1":
-            down = _run(["bash", str(CLUSTER_SH), "down"], timeout=120)
+            down = subprocess.run(["bash", str(CLUSTER_SH), "down"], capture_output=True, text=True, timeout=120,
+                                  check=False, env=suite_env)
             if down.returncode != 0:
                 warnings.warn(f"{CLUSTER_SH} down exited {down.returncode}: {down.stderr}", stacklevel=1)
 

@@ -151,3 +151,91 @@ def test_parse_partitions_and_gres() -> None:
         "gpu": ("120", "2-00:00:00", "REQUEUE"), "lowprio": ("0", "04:00:00", "CANCEL")}
     assert slurm.parse_gres_gpus("gpu:8\n(null)\ngpu:h100:8(S:0-1)\ngpu:a100:4,gpu:v100:2\n") == [8, 0, 8, 6]
     assert (slurm.seconds("30 sec"), slurm.seconds("7"), slurm.seconds("INFINITE"), slurm.seconds(None)) == (30, 7, None, None)
+
+
+# ------------------------------------------------------------------ recorded output of each version
+# tests/data/slurm/<version>/, written by tests/slurm/record.py on the test cluster of that version. The same
+# expectations hold for every version: that is the point.
+RECORDED = Path(__file__).parent / "data" / "slurm"
+VERSIONS = ("22.05", "24.11")
+
+
+def _recorded(version: str, name: str) -> str:
+    return (RECORDED / version / name).read_text()
+
+
+def _jobs(version: str) -> tuple[str, str, str, str]:
+    rec, dep, exit3, term = _recorded(version, "jobs.txt").split()
+    return rec, dep, exit3, term
+
+
+RECORDINGS = ("jobs.txt", "sacct.txt", "show-config.txt", "show-job-gone.txt", "show-job-pending.txt",
+              "show-job-requeued.txt", "squeue.txt", "version.txt")
+
+
+def test_every_tested_version_is_recorded() -> None:
+    for version in VERSIONS:
+        assert {p.name for p in (RECORDED / version).iterdir()} >= set(RECORDINGS), version
+        assert _recorded(version, "version.txt").split()[-1].startswith(f"{version}.")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_recorded_squeue(version: str) -> None:
+    rec, dep, exit3, term = _jobs(version)
+    info = slurm.parse_squeue(_recorded(version, "squeue.txt"))
+    assert {k: v for k, v in info[rec].items() if k != "elapsed"} == {
+        "job_id": rec, "state": "RUNNING", "reason": "None", "restarts": "1", "name": "rec|name",
+        "comment": "slurmft-run:rec|x"}
+    assert (info[dep]["state"], info[dep]["reason"], info[dep]["comment"]) == ("PENDING", "Dependency", "(null)")
+    assert info[exit3]["state"] == info[term]["state"] == "FAILED"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_recorded_sacct_states_and_exit_codes(version: str) -> None:
+    from slurmft.submit.resume import ended_how
+
+    rec, dep, exit3, term = _jobs(version)
+    info = slurm.parse_sacct(_recorded(version, "sacct.txt"))
+    assert (info[rec]["state"], info[rec]["end"]) == ("RUNNING", "Unknown") and info[rec]["start"].startswith("20")
+    assert (info[dep]["state"], info[dep]["start"]) == ("PENDING", "Unknown")
+    assert (info[exit3]["state"], info[exit3]["exit_code"]) == ("FAILED", "3:0")  # <exit>:<signal>
+    assert (info[term]["state"], info[term]["exit_code"]) == ("FAILED", "0:15")
+    # exit 3 is EXIT_REQUEUE_REFUSED, what the batch shell exits with when the requeue budget is used up
+    assert "requeue budget" in ended_how("FAILED", info[exit3]["exit_code"])
+    assert ended_how("FAILED", info[term]["exit_code"]).endswith("(signal 15)")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_recorded_scontrol_show_job(version: str) -> None:
+    requeued = _recorded(version, "show-job-requeued.txt")
+    assert JobView.parse(requeued) == JobView("RUNNING", "None", 1)
+    fields = slurm.parse_show(requeued)
+    assert fields["JobName"] == "rec|name" and fields["Comment"] == "slurmft-run:rec|x" and fields["NodeList"] == "n1"
+    assert JobView.parse(_recorded(version, "show-job-pending.txt")) == JobView("PENDING", "Dependency", 0)
+    # 25.11 drops the blank after Comment= (22.05 and 24.11 print one): the same fields either way
+    assert slurm.parse_show(requeued.replace("Comment=slurmft-run:rec|x \n", "Comment=slurmft-run:rec|x\n")) == fields
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_recorded_unknown_job_fails_with_the_reason_on_stderr(version: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    code, out, err = _recorded(version, "show-job-gone.txt").split("\n", 2)
+    out, err = out.removeprefix("stdout: "), err.removeprefix("stderr: ").strip()
+    assert code != "exit 0" and out == "" and "Invalid job id" in err
+    # the adapter reports it, from stderr (as 26.05's "Job ... not found" is too) or from stdout
+    for where in ("stderr", "stdout"):
+        fake_bin = tmp_path / where
+        fake_bin.mkdir()
+        _fake(fake_bin, "scontrol", f"echo '{err}' {'>&2' if where == 'stderr' else ''}; exit 1")
+        monkeypatch.setenv("PATH", f"{fake_bin}:{os.environ['PATH']}")
+        answer = slurm.show_job("999999")
+        assert not answer.ok and answer.code == 1 and answer.problem == err
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_recorded_config_of_each_version(version: str) -> None:
+    config = slurm.parse_config(_recorded(version, "show-config.txt"))
+    assert config["SLURM_VERSION"].startswith(f"{version}.") and config["ClusterName"] == "slurmft"
+    # the requeue delay: cred_expire (cluster.sh sets 10) up to 25.05; requeue_delay exists from 25.11 only
+    assert slurm.option(config["AuthInfo"], "cred_expire") == "10"
+    assert slurm.option(config["SchedulerParameters"], "requeue_delay") is None

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A self-contained two-node Slurm 22.05 cluster on this one machine, for slurmft's tests.
+# A self-contained two-node Slurm cluster on this one machine, for slurmft's tests: Slurm 22.05 from
+# this Debian 12 machine's own packages, or Slurm 24.11 from a Debian 13 root file system.
 #
 #   bash tests/slurm/cluster.sh up      install the Debian packages if missing, start everything,
 #                                       wait until n1 and n2 are idle (a no-op when already healthy)
@@ -10,13 +11,18 @@
 #
 # Daemons: munged (private socket), mariadbd + slurmdbd (so sacct works), slurmctld, and two slurmd
 # (n1, n2; NodeHostname=localhost, NodeAddr 127.0.0.2 and 127.0.0.1), each node with 32 CPUs, 128000 MB and 8 fake
-# GPUs (gres File= symlinks to /dev/null). Nothing is written outside $SLURMFT_CLUSTER_DIR: clients
-# find the cluster through SLURM_CONF, never /etc/slurm/slurm.conf.
+# GPUs (gres File= symlinks to /dev/null). Nothing is written outside the cluster's directory (and, for
+# trixie, the root file system cache): clients find the cluster through SLURM_CONF, never
+# /etc/slurm/slurm.conf.
 #
 # Knobs (environment):
-#   SLURMFT_CLUSTER_DIR      everything lives here                    (/tmp/slurmft-cluster)
-#   SLURMFT_CLUSTER_PORT     slurmctld port; n1, n2, slurmdbd, mariadb use +1..+4   (16817)
+#   SLURMFT_CLUSTER_DIR      everything lives here (trixie: in DIR-trixie)          (/tmp/slurmft-cluster)
+#   SLURMFT_CLUSTER_PORT     slurmctld port; n1, n2, slurmdbd, mariadb use +1..+4; trixie adds 10 to
+#                            each, so the two versions run side by side from the same knobs   (16817)
 #   SLURMFT_CLUSTER_TIMEOUT  seconds to wait for each daemon and for the idle nodes (60)
+#   SLURMFT_CLUSTER_SUITE    whose Slurm: bookworm (this Debian 12 machine's packages, Slurm 22.05.8)
+#                            or trixie (Debian 13's, Slurm 24.11.5, in a root file system)  (bookworm)
+#   SLURMFT_ROOTFS_CACHE     where the trixie root file system is built once and kept   (/var/cache/slurmft)
 #   SLURMFT_CLUSTER_KILLWAIT seconds between SIGTERM and SIGKILL (KillWait)              (5)
 #   SLURMFT_CLUSTER_STORE_FLAGS  AccountingStoreFlags; empty: the line is left out   (job_comment)
 #   SLURMFT_CLUSTER_NODE_LOCAL   a directory each slurmd (and so each node's jobs) sees as its own
@@ -24,18 +30,42 @@
 # The last three exist for `slurmft doctor`'s test of a misconfigured cluster (tests/slurm/test_doctor.py),
 # run as a second instance (own directory and port) so the shared cluster stays as it is.
 #
+# trixie: Debian 13's libc is newer than Debian 12's, so its Slurm cannot be installed beside 22.05. The
+# first `up` builds a root file system with mmdebstrap from Debian's packages (59-134 s measured on a
+# loaded 2-core machine, 567 MB; later `up`s reuse it and start in about 17 s). Every Slurm and munge
+# command, daemons included, runs there through $DIR/bin (first on PATH, see `env`): each name links
+# to bin/in-root, which enters a private mount namespace, bind-mounts the host's /tmp, /root, /home,
+# /work, /opt, /usr/local (the job's Python and the tests' files, at the same paths) and this checkout,
+# and runs the root file system's command by chroot in the caller's working directory. The binds vanish with the last
+# process; nothing stays mounted. The job's Python must lie under one of those directories (checked).
+# MariaDB is the host's (10.11): Debian 13's slurmdbd 24.11 against its own MariaDB 11.8 stopped at
+# start-up with error 5027 (docs/design-notes.md, issue 22). SLURMFT_CLUSTER_NODE_LOCAL is bookworm only.
+#
 # No systemd: every daemon is started here, in the foreground of its own session, and its pid is
 # recorded under run/; `down` kills only those pids (after checking the process name).
 set -euo pipefail
 
-DIR=${SLURMFT_CLUSTER_DIR:-/tmp/slurmft-cluster}
-case $DIR in /*) ;; *) DIR=$PWD/$DIR ;; esac
-PORT=${SLURMFT_CLUSTER_PORT:-16817}
+BASE_DIR=${SLURMFT_CLUSTER_DIR:-/tmp/slurmft-cluster}
+case $BASE_DIR in /*) ;; *) BASE_DIR=$PWD/$BASE_DIR ;; esac
+BASE_PORT=${SLURMFT_CLUSTER_PORT:-16817}
 TIMEOUT=${SLURMFT_CLUSTER_TIMEOUT:-60}
+SUITE=${SLURMFT_CLUSTER_SUITE:-bookworm}
+case $SUITE in
+  bookworm) DIR=$BASE_DIR PORT=$BASE_PORT ;;
+  trixie) DIR=$BASE_DIR-trixie PORT=$((BASE_PORT + 10)) ;;
+  *) echo "SLURMFT_CLUSTER_SUITE must be bookworm or trixie, not $SUITE" >&2; exit 2 ;;
+esac
+ROOTFS=${SLURMFT_ROOTFS_CACHE:-/var/cache/slurmft}/rootfs-$SUITE
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 KILLWAIT=${SLURMFT_CLUSTER_KILLWAIT:-5}
 STORE_FLAGS=${SLURMFT_CLUSTER_STORE_FLAGS-job_comment}
 NODE_LOCAL=${SLURMFT_CLUSTER_NODE_LOCAL:-}
 case $NODE_LOCAL in /* | "") ;; *) NODE_LOCAL=$PWD/$NODE_LOCAL ;; esac
+# in-root's non-recursive binds would hide the node-local tmpfs from the root file system
+if [ -n "$NODE_LOCAL" ] && [ "$SUITE" != bookworm ]; then
+  echo "SLURMFT_CLUSTER_NODE_LOCAL works with SLURMFT_CLUSTER_SUITE=bookworm only" >&2
+  exit 2
+fi
 
 CLUSTER_NAME=slurmft
 NODES=(n1 n2)
@@ -43,6 +73,14 @@ NODE_CPUS=32
 NODE_MEM_MB=128000
 NODE_GPUS=8
 PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server)
+# The trixie root file system: Slurm and munge, and the shared libraries a CPython build (the host's,
+# bind-mounted) loads that Debian 13's essential set lacks (libffi.so.8 for ctypes, libnsl.so.2).
+ROOTFS_PACKAGES=(slurmctld slurmd slurmdbd slurm-client munge libffi8 libnsl2 libsqlite3-0 libbz2-1.0
+                 liblzma5 libssl3t64 zlib1g libgomp1 libstdc++6 procps)
+# What bin/ runs in the root file system: Slurm's commands and daemons, and munge (the key and socket
+# are shared, but its version should be the root file system's).
+ROOTFS_COMMANDS=(sbatch srun salloc squeue sacct sacctmgr scancel scontrol sinfo sstat
+                 slurmctld slurmd slurmdbd munged munge unmunge)
 
 CTLD_PORT=$PORT
 N1_PORT=$((PORT + 1))
@@ -58,6 +96,7 @@ MUNGE_DIR=$DIR/munge
 DB_DIR=$DIR/db
 DEV_DIR=$DIR/fakedev
 CONF=$ETC/slurm.conf
+BIN=$DIR/bin
 MUNGE_SOCKET=$MUNGE_DIR/munge.socket
 DB_SOCKET=$DB_DIR/mysql.sock
 DB_PASSWORD=slurmft-test-only
@@ -67,6 +106,7 @@ DB_PASSWORD=slurmft-test-only
 DAEMONS=(slurmd-n1:slurmd slurmd-n2:slurmd slurmctld:slurmctld slurmdbd:slurmdbd mariadb:mariadbd munged:munged)
 
 export SLURM_CONF=$CONF
+[ "$SUITE" = bookworm ] || export PATH=$BIN:$PATH
 
 START_US=${EPOCHREALTIME/./}
 log() {
@@ -171,6 +211,94 @@ ensure_packages() {
   log "installed ${missing[*]}"
 }
 
+# ------------------------------------------------------------------------------ trixie root file system
+ensure_rootfs() {  # build $ROOTFS once (mmdebstrap, Debian's packages); kept for later `up`s
+  local want have tmp
+  want="$SUITE ${ROOTFS_PACKAGES[*]}"
+  have=$(cat "$ROOTFS/etc/slurmft-rootfs" 2>/dev/null || true)
+  [ "$have" = "$want" ] && return 0
+  [ "$(id -u)" -eq 0 ] || die "the $SUITE root file system needs root (mmdebstrap, chroot, mount)"
+  # one build at a time (two clusters' `up` may share the cache); the other one finds it built
+  mkdir -p "$(dirname "$ROOTFS")"
+  exec 8>"$(dirname "$ROOTFS")/.lock-$SUITE"
+  flock -w 900 8 || die "another build holds $(dirname "$ROOTFS")/.lock-$SUITE"
+  have=$(cat "$ROOTFS/etc/slurmft-rootfs" 2>/dev/null || true)
+  if [ "$have" = "$want" ]; then exec 8>&-; return 0; fi
+  if ! command -v mmdebstrap >/dev/null; then
+    log "installing mmdebstrap"
+    { DEBIAN_FRONTEND=noninteractive apt-get update -q \
+      && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends mmdebstrap; } \
+      >"$DIR/apt-install.log" 2>&1 || die "apt-get install mmdebstrap failed (log: $DIR/apt-install.log)"
+  fi
+  # never under a stale one that a process may still have bind mounts in: build beside it
+  tmp=$(mktemp -d "$(dirname "$ROOTFS")/.rootfs-$SUITE.XXXXXX")
+  log "building the Debian $SUITE root file system in $ROOTFS (mmdebstrap; a few minutes, once)"
+  local pkgs=${ROOTFS_PACKAGES[*]}
+  if ! mmdebstrap --variant=essential --include="${pkgs// /,}" "$SUITE" "$tmp" \
+       http://deb.debian.org/debian >"$DIR/mmdebstrap.log" 2>&1; then
+    tail -n 30 "$DIR/mmdebstrap.log" >&2
+    rm -rf --one-file-system "$tmp"
+    die "mmdebstrap $SUITE failed (log: $DIR/mmdebstrap.log)"
+  fi
+  cp /etc/hosts "$tmp/etc/hosts"  # NodeHostname=localhost
+  echo "$want" >"$tmp/etc/slurmft-rootfs"
+  if [ -e "$ROOTFS" ]; then
+    grep -q " $ROOTFS/" /proc/mounts && die "something is mounted under the stale $ROOTFS; not replacing it"
+    rm -rf --one-file-system "$ROOTFS"
+  fi
+  mv "$tmp" "$ROOTFS"
+  exec 8>&-
+  log "built $ROOTFS ($(chroot "$ROOTFS" slurmctld -V))"
+}
+
+bind_dirs() {  # the host directories bin/in-root mounts at the same path in the root file system
+  local d dirs=()
+  for d in /tmp /root /home /work /opt /usr/local; do [ -d "$d" ] && dirs+=("$d"); done
+  for d in "$REPO" "$DIR"; do
+    case "$d/" in /tmp/* | /root/* | /home/* | /work/* | /opt/* | /usr/local/*) ;; *) dirs+=("$d") ;; esac
+  done
+  echo "${dirs[*]}"
+}
+
+render_in_root() {
+  cat <<EOF
+#!/bin/sh
+# Generated by tests/slurm/cluster.sh: run the command this link is named after in the Debian $SUITE root
+# file system $ROOTFS, in the caller's working directory.
+name=\${0##*/}
+if [ -e /etc/slurmft-rootfs ]; then  # already inside (a job, a daemon): the root file system's command
+  for d in /usr/bin /usr/sbin /bin /sbin; do [ -x "\$d/\$name" ] && exec "\$d/\$name" "\$@"; done
+  echo "\$name: not in the $SUITE root file system" >&2
+  exit 127
+fi
+# A private mount namespace: the binds end with the last process that uses them.
+exec unshare --mount --propagation private /bin/sh -c '
+  for d in $(bind_dirs); do mount --bind "\$d" "$ROOTFS\$d" || exit 126; done
+  mount --bind /proc "$ROOTFS/proc" && mount --bind /sys "$ROOTFS/sys" && mount --rbind /dev "$ROOTFS/dev" || exit 126
+  exec chroot "$ROOTFS" /bin/sh -c "cd \"\\\$0\" 2>/dev/null || cd /; exec \"\\\$@\"" "\$@"
+' in-root "\$PWD" "$BIN/\$name" "\$@"
+EOF
+}
+
+check_python() {  # the job's Python (the one on PATH) must be visible in the root file system
+  local py d
+  py=$(readlink -f "$(command -v python3 || command -v python || echo /nonexistent)")
+  for d in $(bind_dirs); do
+    case $py in "$d"/*) return 0 ;; esac
+  done
+  die "the job's Python ($py) is outside what bin/in-root binds into $ROOTFS ($(bind_dirs)): use a Python under one of them (a venv, pyenv)"
+}
+
+install_bin() {  # $DIR/bin: in-root and one link per command it runs there
+  local c d
+  for d in $(bind_dirs); do mkdir -p "$ROOTFS$d"; done
+  rm -rf "$BIN"
+  mkdir -p "$BIN"
+  render_in_root >"$BIN/in-root"
+  chmod 755 "$BIN/in-root"
+  for c in "${ROOTFS_COMMANDS[@]}"; do ln -s in-root "$BIN/$c"; done
+}
+
 # ------------------------------------------------------------------------------ configuration
 render_slurm_conf() {
   local node port addr
@@ -239,6 +367,12 @@ render_gres_conf() {
   echo "NodeName=n[1-2] Name=gpu File=$DEV_DIR/nvidia[0-$((NODE_GPUS - 1))]"
 }
 
+render_cgroup_conf() {
+  # slurmd 24.11 with proctrack/linuxproc alone still starts the cgroup plugin and stops with "Unable
+  # to initialize cgroup plugin" in a chroot; 22.05 reads no cgroup.conf with this configuration.
+  echo "CgroupPlugin=disabled"
+}
+
 render_slurmdbd_conf() {
   cat <<EOF
 AuthType=auth/munge
@@ -263,7 +397,9 @@ config_current() {  # the files on disk are what this script would write now
   [ "$(cat "$ETC/node-local" 2>/dev/null)" = "$NODE_LOCAL" ] \
     && cmp -s "$CONF" <(render_slurm_conf) \
     && cmp -s "$ETC/gres.conf" <(render_gres_conf) \
-    && cmp -s "$ETC/slurmdbd.conf" <(render_slurmdbd_conf)
+    && cmp -s "$ETC/slurmdbd.conf" <(render_slurmdbd_conf) \
+    && { [ "$SUITE" = bookworm ] || { cmp -s "$ETC/cgroup.conf" <(render_cgroup_conf) \
+                                      && cmp -s "$BIN/in-root" <(render_in_root); }; }
 }
 
 # ------------------------------------------------------------------------------ health
@@ -364,6 +500,13 @@ start_cluster() {
   render_slurm_conf >"$CONF"
   render_gres_conf >"$ETC/gres.conf"
   render_slurmdbd_conf >"$ETC/slurmdbd.conf"
+  if [ "$SUITE" != bookworm ]; then
+    render_cgroup_conf >"$ETC/cgroup.conf"
+    check_python
+    install_bin
+    # the wrappers work (mounts, chroot): fail here, with the reason, rather than in every command
+    "$BIN/srun" --version >/dev/null 2>&1 || die "$BIN/srun does not run in $ROOTFS"
+  fi
   echo "$NODE_LOCAL" >"$ETC/node-local"
   chmod 600 "$ETC/slurmdbd.conf"  # slurmdbd refuses a readable one
   for ((i = 0; i < NODE_GPUS; i++)); do ln -s /dev/null "$DEV_DIR/nvidia$i"; done
@@ -429,12 +572,17 @@ cmd_up() {
     return 0
   fi
   ensure_packages
+  [ "$SUITE" = bookworm ] || ensure_rootfs
   start_cluster
   log "cluster ready: $(timeout 10 sinfo -h -N -o '%N:%T:%c cpus:%m MB:%G' | tr '\n' ' ')"
   cmd_env_hint
 }
 
-cmd_env_hint() { log "use it with:  eval \"\$(bash ${BASH_SOURCE[0]} env)\""; }
+cmd_env_hint() {
+  local suite=""
+  [ "$SUITE" = bookworm ] || suite="SLURMFT_CLUSTER_SUITE=$SUITE "
+  log "use it with:  eval \"\$(${suite}bash ${BASH_SOURCE[0]} env)\""
+}
 
 cmd_down() {
   if [ ! -d "$RUN" ]; then
@@ -447,8 +595,12 @@ cmd_down() {
 
 cmd_env() {
   printf 'export SLURM_CONF=%q\n' "$CONF"
-  printf 'export SLURMFT_CLUSTER_DIR=%q\n' "$DIR"
-  printf 'export SLURMFT_CLUSTER_PORT=%q\n' "$PORT"
+  printf 'export SLURMFT_CLUSTER_DIR=%q\n' "$BASE_DIR"
+  printf 'export SLURMFT_CLUSTER_PORT=%q\n' "$BASE_PORT"
+  if [ "$SUITE" != bookworm ]; then
+    printf 'export SLURMFT_CLUSTER_SUITE=%q\n' "$SUITE"
+    printf 'export PATH=%q\n' "$PATH"  # $BIN first: Slurm's commands are the root file system's
+  fi
 }
 
 cmd_status() {

@@ -7,6 +7,9 @@ from collections import Counter
 
 import pytest
 
+from slurmft import slurm
+from slurmft.plan.doctor import check_requeue_delay
+
 pytestmark = pytest.mark.slurm
 
 ALL_GPUS = "0,1,2,3,4,5,6,7"
@@ -75,6 +78,7 @@ def test_afterok_of_failed_job_is_never_satisfied(slurm_cluster, tmp_path):
     assert not (tmp_path / "never.out").exists()
 
 
+@pytest.mark.every_slurm
 def test_requeue_keeps_job_id_and_bumps_restart_count(slurm_cluster, tmp_path):
     out = tmp_path / "requeue.out"
     # The first run waits to be requeued; the second one finishes at once.
@@ -88,8 +92,11 @@ def test_requeue_keeps_job_id_and_bumps_restart_count(slurm_cluster, tmp_path):
     while not (out.exists() and "restart=0" in out.read_text()):
         assert time.monotonic() < deadline, f"the first run printed nothing\n{slurm_cluster.describe(job)}"
         time.sleep(0.2)
+    # A requeued job waits before it may start again: cred_expire (10 s here) up to 25.05, requeue_delay
+    # from 25.11 on; `slurmft doctor` reads whichever the live cluster's configuration has.
+    [line] = check_requeue_delay(slurm.cluster_facts(None))
+    assert line.text.startswith("a requeued attempt waits 10 s before it may start again (AuthInfo cred_expire)")
     slurm_cluster.slurm("scontrol", "requeue", job)
-    # A requeued job waits cred_expire (10 s here) before it may start again.
     slurm_cluster.wait_state(job, "COMPLETED", timeout=45)
     # slurmstepd also writes "*** JOB N ON n1 CANCELLED ... DUE TO JOB REQUEUE ***" there
     runs = [line for line in out.read_text().splitlines() if line.startswith("job=")]

@@ -48,6 +48,7 @@ def _calls(path: Path) -> list[str]:
     return [line.split()[0] for line in path.read_text().splitlines()]
 
 
+@pytest.mark.every_slurm
 def test_preempted_twice_status_plot_report_logs_wandb(slurm_cluster, tiny_model: Path, chat_data: Path,
                                                        tmp_path: Path, slurmft, slurm_calls: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,6 +151,7 @@ def test_preempted_twice_status_plot_report_logs_wandb(slurm_cluster, tiny_model
     assert tensorboard_steps(run / "tensorboard") == [list(range(a + 1, b + 1)) for a, b in pairwise(bounds)]
 
 
+@pytest.mark.every_slurm
 def test_runs_lists_every_run_with_one_squeue_and_one_sacct(slurm_cluster, tiny_model: Path, chat_data: Path,
                                                               tmp_path: Path, slurmft, slurm_calls: Path) -> None:
     root = tmp_path / "runs"
