@@ -22,7 +22,7 @@ import pytest
 
 from slurmft.tiny import ARCHITECTURES
 
-from .helpers import launch, read_metrics, write_run
+from .helpers import launch_like_srun, read_metrics, write_run
 
 pytestmark = pytest.mark.train
 
@@ -31,35 +31,52 @@ RUN_ARGS = [f"train.max_steps={STEPS}", f"checkpoint.every_steps={EVERY}", "chec
             "data.max_seq_length=128", "train.per_device_batch_size=1", "fsdp.activation_checkpointing=false"]
 
 
-@pytest.fixture(scope="session")
-def arch_tokenizer() -> Any:
-    from slurmft.tiny import SIZES, build_tokenizer
-
-    return build_tokenizer(SIZES["tiny"].vocab_size)
+RUN_MANY = Path(__file__).resolve().parent / "run_many.py"
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
-def arch_runs(request: pytest.FixtureRequest, arch_tokenizer: Any, job_env: dict[str, str],
-              tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path, Path]:
-    """(model type, base model dir, uninterrupted run, run resumed from checkpoint-2 and consolidated)."""
+@pytest.fixture(scope="module")
+def arch_runs(job_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, Path]]:
+    """model type -> (base model dir, uninterrupted run, run resumed from checkpoint-2 and consolidated).
+
+    Two launches for all of them (tests/job/run_many.py: one start-up per rank, not one per run): the
+    uninterrupted runs, then the copies cut back to checkpoint-2, which resume.
+    """
     from slurmft.job.consolidate import consolidate_run
-    from slurmft.tiny import build_arch
+    from slurmft.tiny import SIZES, build_arch, build_tokenizer
 
+    root = tmp_path_factory.mktemp("arch")
+    tokenizer = build_tokenizer(SIZES["tiny"].vocab_size)
+    runs = {}
+    for arch in ARCHITECTURES:
+        model = build_arch(root / arch / "model", arch, tokenizer)
+        runs[arch] = (model, write_run(root / arch / "run", model, RUN_ARGS), root / arch / "resumed")
+    rc, out = launch_like_srun(root / "first", job_env, program=[str(RUN_MANY)],
+                               args=[str(r) for _, r, _ in runs.values()]).wait(timeout=900)
+    for _, run, resumed in runs.values():
+        if list(run.parent.glob("run.failed.rank*")):
+            continue
+        shutil.copytree(run, resumed, ignore=shutil.ignore_patterns(f"checkpoint-{STEPS}", "model", "fsdp_report"))
+        (resumed / "config.yaml").write_text((run / "config.yaml").read_text().replace(str(run), str(resumed)))
+        kept = [m for m in read_metrics(run) if m["step"] <= EVERY]
+        (resumed / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in kept))
+    second = [str(r) for _, _, r in runs.values() if r.is_dir()]
+    rc2, out2 = launch_like_srun(root / "second", job_env, program=[str(RUN_MANY)], args=second).wait(timeout=900)
+    (root / "launch.log").write_text(out + out2)
+    for _, _, resumed in runs.values():
+        if resumed.is_dir() and not list(resumed.parent.glob("resumed.failed.rank*")):
+            consolidate_run(str(resumed))
+    return runs
+
+
+@pytest.fixture(params=sorted(ARCHITECTURES))
+def arch_run(request: pytest.FixtureRequest, arch_runs: dict[str, tuple[Path, Path, Path]]
+             ) -> tuple[str, Path, Path, Path]:
     arch = request.param
-    root = tmp_path_factory.mktemp(arch)
-    model = build_arch(root / "model", arch, arch_tokenizer)
-    run = write_run(root / "run", model, RUN_ARGS)
-    rc, out = launch(run, job_env).wait(timeout=300)
-    assert rc == 0, out[-6000:]
-    resumed = root / "resumed"
-    shutil.copytree(run, resumed, ignore=shutil.ignore_patterns(f"checkpoint-{STEPS}", "model", "fsdp_report"))
-    (resumed / "config.yaml").write_text((run / "config.yaml").read_text().replace(str(run), str(resumed)))
-    kept = [m for m in read_metrics(run) if m["step"] <= EVERY]
-    (resumed / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in kept))
-    rc, out = launch(resumed, job_env).wait(timeout=300)
-    assert rc == 0, out[-6000:]
-    assert f"resuming from checkpoint-{EVERY}" in out
-    consolidate_run(str(resumed))
+    model, run, resumed = arch_runs[arch]
+    for path in sorted(run.parent.glob("*.failed.rank*")):
+        pytest.fail(f"{arch}: {path.name}: {path.read_text()[-4000:]}")
+    log = (run.parent.parent / "launch.log").read_text()
+    assert log.count(f"resuming from checkpoint-{EVERY}") == sum(1 for a in ARCHITECTURES), log[-3000:]
     return arch, model, run, resumed
 
 
@@ -91,17 +108,17 @@ def _keys(directory: Path) -> set[str]:
 
 
 def test_architecture_trains_sharded_resumes_bitwise_and_exports_what_save_pretrained_writes(
-        arch_runs: tuple[str, Path, Path, Path]) -> None:
+        arch_run: tuple[str, Path, Path, Path]) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    arch, model_dir, run, resumed = arch_runs
+    arch, model_dir, run, resumed = arch_run
     for rank in (0, 1):
         rep = json.loads((run / "fsdp_report" / f"rank{rank}.json").read_text())
         assert rep["param_types"] == ["DTensor"] and rep["num_dtensors"] == rep["num_tensors"] > 0, rep
         assert rep["local_bytes"] < rep["full_bytes"], rep
     steps = [m["step"] for m in read_metrics(resumed)]
-    assert steps == list(range(1, STEPS + 1)), steps
+    assert steps == list(range(1, STEPS + 1)), steps  # 1-2 copied, 3-4 after the resume (a fresh start repeats 1-2)
 
     a = _dcp(run / "checkpoints" / f"checkpoint-{STEPS}")
     b = _dcp(resumed / "checkpoints" / f"checkpoint-{STEPS}")
@@ -119,3 +136,23 @@ def test_architecture_trains_sharded_resumes_bitwise_and_exports_what_save_pretr
     initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     assert any(not torch.equal(initial[n], t) for n, t in base.items()), f"{arch}: the export is the base model"
     assert _keys(resumed / "model") == _keys(model_dir), arch
+
+
+def test_parameter_count_from_headers_and_from_config_json(arch_run: tuple[str, Path, Path, Path]) -> None:
+    """``estimate``'s count: from the safetensors headers, every tensor the instantiated model saves; from
+    config.json alone (the family's arithmetic), within 0.5 % of its parameters (exact for these)."""
+    from transformers import AutoModelForCausalLM
+
+    from slurmft.plan.estimate import count_parameters, model_shape
+    from slurmft.plan.paramcount import FAMILIES, header_shapes
+
+    arch, model_dir, _, _ = arch_run
+    config = json.loads((model_dir / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    params = sum(p.numel() for p in model.parameters())  # a tied head once
+    saved = {id(t): t.numel() for t in model.state_dict().values()}  # + persistent buffers (DeepSeek's bias)
+    headers = header_shapes(model_dir)
+    assert headers is not None and model_shape(config, headers).count_source == "safetensors headers"
+    assert count_parameters(config, headers) == sum(saved.values()), arch
+    assert arch in FAMILIES and model_shape(config).count_source == "config.json"
+    assert abs(count_parameters(config) - params) <= 0.005 * params, (arch, count_parameters(config), params)
