@@ -83,7 +83,8 @@ ARCHITECTURES: dict[str, dict[str, object]] = {
     "qwen3_moe": {**_MOE, "num_experts": 4, "decoder_sparse_step": 1},
     "deepseek_v3": {**_MOE, "n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
                     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-                    "v_head_dim": 16, "n_group": 1, "topk_group": 1},
+                    "v_head_dim": 16, "n_group": 1, "topk_group": 1,
+                    "head_dim": 8, "num_key_value_heads": 4},  # as DeepSeek-V3: rotary dims = qk_rope_head_dim, MHA
     "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2,
                 "layer_types": ["sliding_attention", "full_attention"]},
 }
@@ -188,7 +189,7 @@ def build_arch(out_dir: str | os.PathLike[str], model_type: str, tokenizer: obje
     out.mkdir(parents=True, exist_ok=True)
     tok = tokenizer if tokenizer is not None else build_tokenizer(SIZES["tiny"].vocab_size)
     config = AutoConfig.for_model(
-        model_type, **ARCH_COMMON, **ARCHITECTURES[model_type], vocab_size=len(tok),  # type: ignore[arg-type]
+        model_type, **{**ARCH_COMMON, **ARCHITECTURES[model_type]}, vocab_size=len(tok),  # type: ignore[arg-type]
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,  # type: ignore[attr-defined]
     )
     torch.manual_seed(SEED)

@@ -30,8 +30,8 @@ def test_moe_preempted_once_ends_bitwise_equal_to_its_uninterrupted_run(
         slurm_cluster, mixtral: Path, chat_data: Path, tmp_path: Path, slurmft) -> None:
     runs = {}
     for name in ("uninterrupted", "preempted"):
-        path = slurmft.write_config(tmp_path / name, mixtral, chat_data, train=TRAIN, checkpoint=CHECKPOINT,
-                                    model={"attn_implementation": "auto"})
+        (tmp_path / name).mkdir()
+        path = slurmft.write_config(tmp_path / name, mixtral, chat_data, train=TRAIN, checkpoint=CHECKPOINT)
         runs[name] = (tmp_path / name / "run", slurmft.submit(path))
     run, jobs = runs["preempted"]
     job = jobs["train"]
