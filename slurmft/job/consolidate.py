@@ -8,13 +8,21 @@ read; then one tensor (or a group of small ones no larger than the largest tenso
 with ``dcp.load(..., no_dist=True)``, cast to the target dtype and appended to its shard file. Peak
 memory is about the largest tensor (0.13x the model on a 170M-parameter Llama), not the model.
 
+Why through transformers' conversion mapping: a model whose layout differs from its checkpoint's (fused
+mixture-of-experts tensors, renamed modules: slurmft/job/conversion.py) must be exported in the layout
+``save_pretrained`` writes, or vLLM, llama.cpp's converters and ``from_pretrained`` read it wrongly or
+not at all. The export plan groups the model's tensors by transformers' reversed converters; a group
+(one layer's ``gate_up_proj``) is read once, converted by ``revert_weight_conversion`` into its
+per-expert tensors, and handed out until its last one is written: memory stays about one group, the
+largest fused tensor plus its converted copy.
+
 Why verification against a meta-device model: a checkpoint whose keys do not match the architecture
 would otherwise produce a directory that ``from_pretrained`` loads with randomly initialised,
 silently "missing" weights. Every check that can fail runs before the first byte is written; the
 output is written into a hidden sibling directory and renamed into place only once complete, so a
 failure (full disk, bad key, kill) never leaves a half-written ``model/`` behind.
 
-Layout written, as ``save_pretrained`` writes a sharded model: ``model-0000N-of-0000M.safetensors``
+Layout written, as ``save_pretrained`` writes a sharded model (tensor names included): ``model-0000N-of-0000M.safetensors``
 shards split at ``max_shard_size`` plus ``model.safetensors.index.json`` (always, even for one
 shard, so deployments can rely on one layout); ``config.json`` (``dtype`` = the saved dtype),
 ``generation_config.json`` and the tokenizer files.

@@ -11,7 +11,10 @@ What we do, once the model is sharded on the meta device and its shards allocate
 
 1. rank 0 checks every parameter name, shape and dtype against the safetensors headers
    (:func:`check_weights`; a mismatch is a :class:`JobSetupError` on every rank, before any
-   collective that could hang), and sends the :class:`WeightPlan` to every rank;
+   collective that could hang), and sends the :class:`WeightPlan` to every rank. Checkpoint keys
+   are matched onto parameters by transformers' own conversion mapping (slurmft/job/conversion.py):
+   a fused mixture-of-experts parameter is built from its per-expert tensors, and a rank's
+   ``Shard(0)`` slice of it reads only the experts in that slice;
 2. every rank checks that it sees every weight file with the size rank 0 saw (one all-gather), then
    reads only the part of each tensor its DTensor holds from the memory-mapped files, in the file's
    dtype, and casts it into its shard. The part comes from the tensor's mesh and placements
