@@ -39,6 +39,7 @@ pass through as renamings of themselves.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,6 +135,11 @@ def plan_loading(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]],
     for group, (converter, keys) in groups.items():
         ordered = tuple(tuple(keys.get(p, ())) for p in converter.source_patterns)
         sources = Sources(ordered, copy.deepcopy(converter), group, _expert_rows(converter))
+        if sources.expert_rows and group in targets:
+            missing = _missing_experts(converter.source_patterns, ordered, targets[group][0])
+            if missing:
+                plan.problems += [f"{key}: missing from the checkpoint (it is part of {group})" for key in missing]
+                continue
         try:
             fake = {p: [torch.empty(shapes[k], device="meta") for k in ks] for p, ks in zip(
                 converter.source_patterns, ordered, strict=True) if ks}
@@ -155,6 +161,24 @@ def plan_loading(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]],
             plan.sources[name] = Sources(ordered, sources.converter, group,
                                          sources.expert_rows and len(produced) == 1)
     return plan
+
+
+def _missing_experts(patterns: list[str], keys: tuple[tuple[str, ...], ...], experts: int) -> list[str]:
+    """The per-expert checkpoint keys a fused tensor of ``experts`` rows needs and the checkpoint lacks,
+    named after the keys that are there (``...experts.2.w1.weight``)."""
+    missing = []
+    for pattern, found in zip(patterns, keys, strict=True):
+        if not found:
+            missing.append(f"every {pattern.strip('.')}")
+            continue
+        index = re.compile(re.escape(pattern.strip(".")).replace(r"\*", r"(\d+)"))
+        match = index.search(found[0])
+        if match is None:
+            continue
+        have = {int(m.group(1)) for k in found if (m := index.search(k))}
+        start, end = match.span(1)
+        missing += [found[0][:start] + str(i) + found[0][end:] for i in range(experts) if i not in have]
+    return missing
 
 
 def read_region(sources: Sources, name: str, region: Region | None,

@@ -108,7 +108,8 @@ def check_weights(model: torch.nn.Module, model_dir: Path) -> WeightPlan:
     problems += [f"{key}: listed in the safetensors index but not in its file" for key in files if key not in shapes]
     plan = []
     for key in required:
-        if key not in mapped.sources and not any(p.startswith(key + ":") for p in mapped.problems):
+        if key not in mapped.sources and not any(p.startswith(key + ":") or p.endswith(f"(it is part of {key})")
+                                                 for p in mapped.problems):
             problems.append(f"{key}: missing from the checkpoint")
     for name in [n for n in targets if n in mapped.sources]:  # parameters, then the persistent buffers saved
         sources = mapped.sources[name]
