@@ -81,7 +81,8 @@ def test_a_read_failure_on_rank_0_ends_every_rank_promptly(tiny_model: Path, job
 
 
 def test_each_rank_holds_its_slice_on_1d_and_hsdp_meshes(job_env: dict[str, str], tmp_path: Path) -> None:
-    """4 ranks: Shard(0) over 4 (a rank with no rows) and (Replicate, Shard(0)) on 2 x 2, sliced and scattered."""
+    """4 ranks: Shard(0) over 4 (a rank with no rows) and (Replicate, Shard(0)) on 2 x 2, sliced and scattered;
+    a plain module and a tiny Mixtral (fused experts read from per-expert tensors: tests/job/mesh_check.py)."""
     out = tmp_path / "out"
     out.mkdir()
     script = Path(__file__).with_name("mesh_check.py")
