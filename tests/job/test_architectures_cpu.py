@@ -138,21 +138,34 @@ def test_architecture_trains_sharded_resumes_bitwise_and_exports_what_save_pretr
     assert _keys(resumed / "model") == _keys(model_dir), arch
 
 
-def test_parameter_count_from_headers_and_from_config_json(arch_run: tuple[str, Path, Path, Path]) -> None:
-    """``estimate``'s count: from the safetensors headers, every tensor the instantiated model saves; from
-    config.json alone (the family's arithmetic), within 0.5 % of its parameters (exact for these)."""
+def test_parameter_count_from_headers_and_from_config_json(arch_run: tuple[str, Path, Path, Path], tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``slurmft estimate``'s count: from the safetensors headers, every tensor the instantiated model saves;
+    from config.json alone (the family's arithmetic), within 0.5 % of its parameters (exact for these)."""
+    from cli_runner import cli
     from transformers import AutoModelForCausalLM
 
-    from slurmft.plan.estimate import count_parameters, model_shape
-    from slurmft.plan.paramcount import FAMILIES, header_shapes
+    from slurmft.plan.paramcount import FAMILIES
 
-    arch, model_dir, _, _ = arch_run
-    config = json.loads((model_dir / "config.json").read_text())
+    arch, model_dir, run, _ = arch_run
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     params = sum(p.numel() for p in model.parameters())  # a tied head once
-    saved = {id(t): t.numel() for t in model.state_dict().values()}  # + persistent buffers (DeepSeek's bias)
-    headers = header_shapes(model_dir)
-    assert headers is not None and model_shape(config, headers).count_source == "safetensors headers"
-    assert count_parameters(config, headers) == sum(saved.values()), arch
-    assert arch in FAMILIES and model_shape(config).count_source == "config.json"
-    assert abs(count_parameters(config) - params) <= 0.005 * params, (arch, count_parameters(config), params)
+    saved = sum({id(t): t.numel() for t in model.state_dict().values()}.values())  # + persistent buffers
+
+    code, out, err = cli(["estimate", str(run / "config.yaml"), "--json"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["model"]["parameters_from"] == "safetensors headers" and result["parameters"] == saved, arch
+    assert "parameters counted from the safetensors headers of the weights (exact)" in result["assumptions"]
+
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    shutil.copy(model_dir / "config.json", config_only / "config.json")
+    code, out, err = cli(["estimate", str(run / "config.yaml"), f"model.name_or_path={config_only}", "--json"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert arch in FAMILIES and result["model"]["parameters_from"] == "config.json"
+    assert result["model"]["family"] == FAMILIES[arch]
+    assert abs(result["parameters"] - params) <= 0.005 * params, (arch, result["parameters"], params)
+    if model.config.to_dict().get("num_experts_per_tok"):
+        assert any(line.startswith("MoE activations:") for line in result["assumptions"]), result["assumptions"]
