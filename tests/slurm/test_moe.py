@@ -17,6 +17,7 @@ pytestmark = pytest.mark.slurm
 
 TRAIN = {"max_steps": 8}
 CHECKPOINT = {"every_steps": 4, "keep_last": 2}
+RESOURCES = {"nodes": 1, "gpus_per_node": 2}  # 2 ranks on one node: the two runs share the cluster's two nodes
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,8 @@ def test_moe_preempted_once_ends_bitwise_equal_to_its_uninterrupted_run(
     runs = {}
     for name in ("uninterrupted", "preempted"):
         (tmp_path / name).mkdir()
-        path = slurmft.write_config(tmp_path / name, mixtral, chat_data, train=TRAIN, checkpoint=CHECKPOINT)
+        path = slurmft.write_config(tmp_path / name, mixtral, chat_data, train=TRAIN, checkpoint=CHECKPOINT,
+                                    resources=RESOURCES)
         runs[name] = (tmp_path / name / "run", slurmft.submit(path))
     run, jobs = runs["preempted"]
     job = jobs["train"]
