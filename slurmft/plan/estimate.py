@@ -8,8 +8,10 @@ assumptions travel in every result under ``assumptions`` so a reader of the JSON
 
 Assumptions, in one place (each is repeated where it is used):
 
-* Parameters: a Llama/Mistral/Qwen-style decoder (RMSNorm, SwiGLU MLP, grouped KV heads, optional
-  attention/MLP biases, Qwen3 q/k norms, Mixtral experts); tied embeddings counted once.
+* Parameters: every tensor of the safetensors headers when the weights are at hand (exact), else the
+  arithmetic of the model type's family from config.json (slurmft/plan/paramcount.py: dense, Gemma-2/3,
+  OLMo-2, MoE with and without shared experts, DeepSeek MLA, gpt-oss); tied embeddings counted once.
+* MoE activations: each token through ``num_experts_per_tok`` experts (balanced routing assumed).
 * Training state per parameter, by ``train.precision`` (slurmft/precision.py): fp32 + AdamW = 4
   weights + 4 gradients + 8 optimizer (exp_avg, exp_avg_sq) = 16 bytes. bf16/fp16 mixed precision is
   split the way FSDP2 holds it (measured in tests/test_estimate.py): sharded parameters and gradients

@@ -118,8 +118,8 @@ def assumptions(k: Settings, counted: Counted, capacity_note: str | None) -> lis
         lines.append(f"parameters counted from the {counted.count_source} of the weights (exact)")
     elif not counted.model_type_supported:
         lines.append(f"model_type {counted.model_type!r} is not a family slurmft knows: parameters counted from "
-                     "config.json as a Llama-style decoder (download the weights, or their *.safetensors headers' "
-                     "files, for an exact count)")
+                     "config.json as a Llama-style decoder (with the weights in a local directory or in HF_HOME's "
+                     "cache the count is exact, from their safetensors headers)")
     else:
         lines.append(f"parameters counted from config.json as a {counted.family}")
     lines += list(counted.approximations)
