@@ -7,7 +7,8 @@ reads its slice; rank 0 reads and scatters), and each rank's local tensor is com
 its rows of the file cut independently (``torch.chunk`` by the rank's coordinate on the shard dimension).
 The same for a tiny Mixtral (six experts: 2, 2, 2 and none on the 1-D mesh of 4), whose checkpoint keeps one
 tensor per expert while the model has fused ones: each rank's slice of ``mlp.experts.gate_up_proj`` (read
-from only its experts' tensors) must equal its rows of what transformers' own ``from_pretrained`` builds.
+from only its experts' tensors) must equal its rows of what transformers' own ``from_pretrained`` builds, and
+the bytes a rank reads (sliced) are exactly those of its slices.
 Every rank writes ``OUT/rank<r>.json`` with the mismatches it found.
 
     python -m torch.distributed.run --standalone --nproc_per_node 4 tests/job/mesh_check.py OUT
@@ -111,8 +112,11 @@ def check_moe(model_dir: Path, mesh: DeviceMesh, how: str, ctx: distributed.Dist
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
-    method, _ = weights.load_weights(model, plan, model_dir if ctx.is_main or how == "sliced" else None, ctx)
+    method, read = weights.load_weights(model, plan, model_dir if ctx.is_main or how == "sliced" else None, ctx)
     problems = [] if method == how else [f"moe loaded by {method}, not {how}"]
+    local_bytes = sum(p.to_local().numel() for p in model.parameters()) * 2  # bf16 in the file
+    if how == "sliced" and read != local_bytes:  # only this rank's experts' tensors were read, nothing more
+        problems.append(f"moe: read {read} bytes, its slices hold {local_bytes}")
     reference = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
     names = [n for n, _ in model.named_parameters()]
     if "model.layers.0.mlp.experts.gate_up_proj" not in names:
