@@ -237,7 +237,7 @@ class ModelConfig(_Section):
         "both to disagreeing values is an error.",
     )
     attn_implementation: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
-        "auto", description="auto = flash_attention_2 on a GPU when transformers accepts the installed flash-attn (is_flash_attn_2_available) and it imports, else sdpa (logged). flash_attention_2 = that or a setup error."
+        "auto", description="auto = flash_attention_2 on a GPU when the architecture supports it, transformers accepts the installed flash-attn (is_flash_attn_2_available) and it imports, else sdpa where the architecture supports it, else eager (logged, with why). flash_attention_2 = that or a setup error; an explicit choice the architecture refuses is refused by validate."
     )
     trust_remote_code: bool = Field(False, description="Allow custom model code from the hub.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")

@@ -6,10 +6,12 @@ a ChatML-style chat template whose assistant turns sit inside ``{% generation %}
 ``assistant_only_loss`` can mask everything else. Weights are random but seeded, so two builds are
 byte-identical.
 
-``python -m slurmft.tiny OUT_DIR [--size tiny|150m|1b] [--dtype float32|bfloat16]`` writes a
-directory that ``from_pretrained`` (and the slurmft job) load like any hub snapshot:
+``python -m slurmft.tiny OUT_DIR [--size tiny|150m|1b] [--dtype float32|bfloat16] [--arch MODEL_TYPE]``
+writes a directory that ``from_pretrained`` (and the slurmft job) load like any hub snapshot:
 ``config.json``, ``generation_config.json``, ``model.safetensors``, ``tokenizer.json``,
-``tokenizer_config.json``, ``chat_template.jinja``.
+``tokenizer_config.json``, ``chat_template.jinja``. ``--arch`` builds one of :data:`ARCHITECTURES`
+instead of the Llama (transformers' own ``AutoConfig.for_model`` at a tiny size, saved by its own
+``save_pretrained``, so the files have the layout a hub checkpoint of that architecture has).
 """
 
 from __future__ import annotations
@@ -61,6 +63,30 @@ SIZES = {
     "150m": Size(8192, 1024, 2816, 12, 16, 16, 2048),
     # ~1.1B parameters (TinyLlama-like shape): the GPU smoke test's model.
     "1b": Size(8192, 2048, 5632, 22, 32, 4, 4096),
+}
+
+
+# Tiny shapes of architectures transformers ships, for AutoConfig.for_model(model_type, **COMMON, **extra):
+# the list docs/first-run.md names as tested (tests/job/test_architectures_cpu.py trains each of them).
+ARCH_COMMON = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512}
+_MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
+ARCHITECTURES: dict[str, dict[str, object]] = {
+    "qwen3": {},
+    "mistral": {},
+    "olmo2": {},
+    "granite": {},
+    "gemma": {"tie_word_embeddings": True},
+    "gemma2": {"tie_word_embeddings": True},
+    "gemma3_text": {"tie_word_embeddings": True},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {**_MOE, "num_experts": 4, "decoder_sparse_step": 1},
+    "deepseek_v3": {**_MOE, "n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                    "v_head_dim": 16, "n_group": 1, "topk_group": 1,
+                    "head_dim": 8, "num_key_value_heads": 4},  # as DeepSeek-V3: rotary dims = qk_rope_head_dim, MHA
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2,
+                "layer_types": ["sliding_attention", "full_attention"]},
 }
 
 
@@ -152,14 +178,41 @@ def build(out_dir: str | os.PathLike[str], size: str = "tiny", dtype: str = "flo
     return out
 
 
+def build_arch(out_dir: str | os.PathLike[str], model_type: str, tokenizer: object | None = None) -> Path:
+    """Write a tiny random model of ``model_type`` (one of :data:`ARCHITECTURES`) and the tiny tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {model_type!r}; use one of {', '.join(ARCHITECTURES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = tokenizer if tokenizer is not None else build_tokenizer(SIZES["tiny"].vocab_size)
+    config = AutoConfig.for_model(
+        model_type, **{**ARCH_COMMON, **ARCHITECTURES[model_type]}, vocab_size=len(tok),  # type: ignore[arg-type]
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,  # type: ignore[attr-defined]
+    )
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tok.pad_token_id  # type: ignore[attr-defined]
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)  # type: ignore[attr-defined]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point."""
     ap = argparse.ArgumentParser(prog="python -m slurmft.tiny", description=__doc__.split("\n")[0])
     ap.add_argument("out_dir", help="directory to write (created)")
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--arch", choices=sorted(ARCHITECTURES), help="another architecture, at tiny size (float32)")
     args = ap.parse_args(argv)
     t0 = time.time()
+    if args.arch:
+        out = build_arch(args.out_dir, args.arch)
+        print(f"wrote a tiny {args.arch} and tokenizer to {out} in {time.time() - t0:.1f}s")
+        return 0
     out = build(args.out_dir, args.size, args.dtype)
     n_bytes = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     print(f"wrote {args.size} Llama ({n_bytes / 2**20:.1f} MiB of {args.dtype} safetensors) and tokenizer "

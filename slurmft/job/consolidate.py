@@ -8,13 +8,21 @@ read; then one tensor (or a group of small ones no larger than the largest tenso
 with ``dcp.load(..., no_dist=True)``, cast to the target dtype and appended to its shard file. Peak
 memory is about the largest tensor (0.13x the model on a 170M-parameter Llama), not the model.
 
+Why through transformers' conversion mapping: a model whose layout differs from its checkpoint's (fused
+mixture-of-experts tensors, renamed modules: slurmft/job/conversion.py) must be exported in the layout
+``save_pretrained`` writes, or vLLM, llama.cpp's converters and ``from_pretrained`` read it wrongly or
+not at all. The export plan groups the model's tensors by transformers' reversed converters; a group
+(one layer's ``gate_up_proj``) is read once, converted by ``revert_weight_conversion`` into its
+per-expert tensors, and handed out until its last one is written: memory stays about one group, the
+largest fused tensor plus its converted copy.
+
 Why verification against a meta-device model: a checkpoint whose keys do not match the architecture
 would otherwise produce a directory that ``from_pretrained`` loads with randomly initialised,
 silently "missing" weights. Every check that can fail runs before the first byte is written; the
 output is written into a hidden sibling directory and renamed into place only once complete, so a
 failure (full disk, bad key, kill) never leaves a half-written ``model/`` behind.
 
-Layout written, as ``save_pretrained`` writes a sharded model: ``model-0000N-of-0000M.safetensors``
+Layout written, as ``save_pretrained`` writes a sharded model (tensor names included): ``model-0000N-of-0000M.safetensors``
 shards split at ``max_shard_size`` plus ``model.safetensors.index.json`` (always, even for one
 shard, so deployments can rely on one layout); ``config.json`` (``dtype`` = the saved dtype),
 ``generation_config.json`` and the tokenizer files.
@@ -145,10 +153,11 @@ class TensorPlan:
     """One output tensor: where it comes from in the checkpoint and how it is stored."""
 
     name: str  # Hugging Face name in the output
-    key: str  # DCP key in the checkpoint
+    key: str  # DCP key in the checkpoint (of a converted tensor: the first of ``group``)
     shape: tuple[int, ...]
     source_dtype: torch.dtype
     dtype: torch.dtype
+    group: tuple[tuple[str, str], ...] = ()  # converted: (DCP key, model name) of every tensor it is made from
 
     @property
     def nbytes(self) -> int:
@@ -208,6 +217,7 @@ class ModelLayout:
     architecture: str
     expected: dict[str, tuple[int, ...]]  # name -> shape, tied duplicates removed
     aliases: dict[str, str]  # tied name -> the name it is stored under (lm_head -> embed_tokens)
+    model: Any = None  # the meta-device model: transformers' conversion mapping is read off it
 
 
 def model_layout(config: Any, trust_remote_code: bool = False) -> ModelLayout:
@@ -233,7 +243,7 @@ def model_layout(config: Any, trust_remote_code: bool = False) -> ModelLayout:
             expected[name] = tuple(tensor.shape)
         else:
             aliases[name] = canonical
-    return ModelLayout(type(model).__name__, expected, aliases)
+    return ModelLayout(type(model).__name__, expected, aliases, model)
 
 
 def model_name_of_dcp_key(dcp_key: str) -> str | None:
@@ -298,6 +308,28 @@ def plan_tensors(
     return plans
 
 
+def plan_export(tensors: list[TensorPlan], model: Any) -> list[TensorPlan]:
+    """The model's tensors (``plan_tensors``) -> the tensors ``save_pretrained`` writes, by transformers'
+    reversed conversion mapping (slurmft/job/conversion.py): a fused expert tensor becomes one tensor per
+    expert and projection, a renamed one gets its checkpoint name back. Names and shapes come from running
+    the conversion on meta tensors; the outputs of one group stay together, in the group's order."""
+    from slurmft.job.conversion import export_groups, export_tensors
+
+    by_name = {t.name: t for t in tensors}
+    out: list[TensorPlan] = []
+    for names in export_groups(model, [t.name for t in tensors]):
+        fake = {n: torch.empty(by_name[n].shape, dtype=by_name[n].source_dtype, device="meta") for n in names}
+        produced = export_tensors(model, fake)
+        first = by_name[names[0]]
+        if len(names) == 1 and len(produced) == 1 and tuple(next(iter(produced.values())).shape) == first.shape:
+            out.append(TensorPlan(next(iter(produced)), first.key, first.shape, first.source_dtype, first.dtype))
+            continue
+        group = tuple((by_name[n].key, n) for n in names)
+        out += [TensorPlan(name, first.key, tuple(t.shape), first.source_dtype, first.dtype, group)
+                for name, t in produced.items()]
+    return out
+
+
 def plan_shards(tensors: list[TensorPlan], max_shard_bytes: int) -> list[ShardPlan]:
     """Split tensors into files of at most ``max_shard_bytes`` (a larger tensor gets its own file), in
     order, named ``model-0000N-of-0000M.safetensors`` (always with an index, even for one file, so a
@@ -350,8 +382,48 @@ def _read_groups(tensors: list[TensorPlan], budget: int) -> Iterator[list[Tensor
         yield group
 
 
+class TensorSource:
+    """Reads the planned tensors from the checkpoint: plain ones as they are, converted ones by converting
+    their group once (one layer's fused experts -> its per-expert tensors) and handing out its outputs
+    until the last one is written, so memory stays about one group (the largest tensor, twice)."""
+
+    def __init__(self, reader: FileSystemReader, tensors: list[TensorPlan], model: Any) -> None:
+        self.reader, self.model = reader, model
+        self.remaining: dict[tuple[tuple[str, str], ...], int] = {}
+        for t in tensors:
+            if t.group:
+                self.remaining[t.group] = self.remaining.get(t.group, 0) + 1
+        self.converted: dict[tuple[tuple[str, str], ...], dict[str, torch.Tensor]] = {}
+
+    def _load(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+        buffers = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(buffers, storage_reader=self.reader, no_dist=True)
+        return buffers
+
+    def read(self, batch: list[TensorPlan]) -> Iterator[tuple[TensorPlan, torch.Tensor]]:
+        """Each tensor of ``batch`` (as stored in the checkpoint's dtype), in order."""
+        plain = self._load({t.key: (t.shape, t.source_dtype) for t in batch if not t.group})
+        for t in batch:
+            if not t.group:
+                yield t, plain.pop(t.key)
+                continue
+            if t.group not in self.converted:
+                from slurmft.job.conversion import export_tensors
+
+                shapes = self.reader.read_metadata().state_dict_metadata
+                loaded = self._load({key: (tuple(shapes[key].size), t.source_dtype)  # type: ignore[union-attr]
+                                     for key, _ in t.group})
+                self.converted[t.group] = export_tensors(self.model, {name: loaded.pop(key) for key, name in t.group})
+            yield t, self.converted[t.group].pop(t.name)
+            self.remaining[t.group] -= 1
+            if not self.remaining[t.group]:
+                del self.converted[t.group]
+
+
 def write_shard(
-    reader: FileSystemReader, shard: ShardPlan, path: Path, read_budget: int,
+    source: TensorSource, shard: ShardPlan, path: Path, read_budget: int,
     progress: Callable[[int], None] | None = None,
 ) -> None:
     """Write one safetensors file: header first, then each tensor as it is read and cast.
@@ -361,15 +433,12 @@ def write_shard(
     with open(path, "wb") as f:
         f.write(shard.header())
         for group in _read_groups(shard.tensors, read_budget):
-            buffers = {t.key: torch.empty(t.shape, dtype=t.source_dtype) for t in group}
-            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(buffers, storage_reader=reader, no_dist=True)
-            for t in group:
-                data = buffers.pop(t.key).to(t.dtype).contiguous().reshape(-1)
+            for t, tensor in source.read(group):
+                data = tensor.to(t.dtype).contiguous().reshape(-1)
+                del tensor
                 raw = data.view(torch.uint8).numpy()
                 if raw.nbytes != t.nbytes:  # our bug, not the user's
-                    raise RuntimeError(f"{t.key}: read {raw.nbytes} bytes, planned {t.nbytes}")
+                    raise RuntimeError(f"{t.name}: read {raw.nbytes} bytes, planned {t.nbytes}")
                 f.write(raw)
                 if progress is not None:
                     progress(raw.nbytes)
@@ -633,7 +702,7 @@ def consolidate_run(
     metadata = read_dcp_metadata(model_dir)
     config, config_source = config_for_export(cfg, ckpt)
     layout = model_layout(config, cfg.model.trust_remote_code)
-    tensors = plan_tensors(metadata, layout.expected, layout.aliases, dtype)
+    tensors = plan_export(plan_tensors(metadata, layout.expected, layout.aliases, dtype), layout.model)
     shards = plan_shards(tensors, max_shard_bytes)
     tok_source = tokenizer_source(cfg, ckpt)
     total_bytes = sum(s.file_size for s in shards)
@@ -654,7 +723,7 @@ def consolidate_run(
         try:
             write_model_config(config, tmp, dtype_name, layout.architecture, [ckpt, config_source])
             tokenizer_files = write_tokenizer(tok_source, tmp, cfg)
-            reader = _CachedMetadataReader(model_dir, metadata)
+            source = TensorSource(_CachedMetadataReader(model_dir, metadata), tensors, layout.model)
             read_budget = max(t.source_nbytes for t in tensors)
             done = [0]
 
@@ -665,13 +734,13 @@ def consolidate_run(
 
             for shard in shards:
                 t0 = time.monotonic()
-                write_shard(reader, shard, tmp / shard.filename, read_budget, advance)
+                write_shard(source, shard, tmp / shard.filename, read_budget, advance)
                 log(
                     f"wrote {shard.filename}: {len(shard.tensors)} tensors, {decimal_bytes(shard.file_size)} "
                     f"in {time.monotonic() - t0:.1f} s"
                 )
             write_index(tmp, shards)
-            verify_output(tmp, shards, layout.expected)
+            verify_output(tmp, shards, {t.name: t.shape for t in tensors})
             _verify_tokenizer(tmp, cfg, tokenizer_files)
             fsync_dir(tmp)
             replace_dir(tmp, out_dir)

@@ -57,6 +57,8 @@ from typing import Any
 
 import torch
 
+from slurmft import attention
+from slurmft.attention import Support
 from slurmft.checkpoints import strip_wrappers
 from slurmft.config import RunConfig
 from slurmft.errors import JobSetupError
@@ -118,25 +120,45 @@ def flash_attention_problem(on_gpu: bool) -> str | None:
 FLASH_FIX = "pip install 'slurmft[flash]' (a flash-attn built for this torch and CUDA)"
 
 
-def choose_attention(requested: str, on_gpu: bool) -> tuple[str, str]:
-    """(attn_implementation, why): flash_attention_2 when transformers can use it on a GPU, else sdpa.
+def architecture_support(config: Any) -> Support | None:
+    """What the transformers class this config builds declares (``_supports_sdpa``, ``_supports_flash_attn``);
+    None for custom code (then transformers itself decides when the model is built)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    ``auto`` falls back to SDPA with the reason (the run works, slower). An explicit
-    ``flash_attention_2`` is honoured or refused with a JobSetupError, never silently replaced: the
-    user asked for it, and SDPA with packing can cost several times the GPU hours.
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (KeyError, ValueError):
+        return None
+    return Support(str(getattr(config, "model_type", cls.__name__)), bool(getattr(cls, "_supports_sdpa", False)),
+                   bool(getattr(cls, "_supports_flash_attn", False)))
+
+
+def choose_attention(requested: str, on_gpu: bool, support: Support | None = None) -> tuple[str, str]:
+    """(attn_implementation, why): flash_attention_2 when the architecture and this node allow it, else SDPA
+    where the architecture supports it, else eager (slurmft/attention.py decides; this adds the node's side).
+
+    ``auto`` falls back with the reason (the run works, slower). An explicit ``flash_attention_2`` is
+    honoured or refused with a JobSetupError, never silently replaced: the user asked for it, and SDPA
+    with packing can cost several times the GPU hours. An explicit choice the architecture refuses is
+    the same error ``slurmft validate`` prints when the config is local.
     """
-    if requested not in ("auto", "flash_attention_2"):
+    refused = attention.refusal(requested, support)
+    if refused:
+        raise JobSetupError(refused)
+    if requested not in ("auto", attention.FLASH):
         return requested, "set by model.attn_implementation"
-    problem = flash_attention_problem(on_gpu)
-    if problem is None:
-        return "flash_attention_2", "transformers can use flash-attn 2 on this CUDA device"
-    if requested == "flash_attention_2":
+    problem = flash_attention_problem(on_gpu) if support is None or support.flash else None
+    if requested == attention.FLASH:
+        if problem is None:
+            return attention.FLASH, "transformers can use flash-attn 2 on this CUDA device"
         raise JobSetupError(
             f"model.attn_implementation=flash_attention_2 but {problem}; {FLASH_FIX}, or set "
             "model.attn_implementation=auto (falls back to PyTorch SDPA) or sdpa"
         )
-    fix = "" if problem == "no CUDA device" else f"; for flash-attention: {FLASH_FIX}"
-    return "sdpa", f"{problem}; falling back to PyTorch SDPA{fix}"
+    attn, why = attention.choose("auto", support, problem)
+    if problem and problem != "no CUDA device" and attn != attention.FLASH:
+        why += f"; for flash-attention: {FLASH_FIX}"
+    return attn, why
 
 
 def packing_attention_note(attn: str, padding_free: bool, row_tokens: int, on_gpu: bool) -> str | None:
@@ -187,10 +209,11 @@ def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx
     mode = guarded(ctx, "choosing the precision", lambda: choose_precision(cfg, ctx.on_gpu))
     dtype, gather, reduce = mixed_precision_dtypes(cfg, mode)
     compute = gather or dtype
+    support = architecture_support(config)
     attn, why = guarded(ctx, "choosing the attention", lambda: choose_attention(cfg.model.attn_implementation,
-                                                                                 ctx.on_gpu))
+                                                                                 ctx.on_gpu, support))
     if ctx.is_main:  # a GPU run that fell back from flash-attention says so as a warning
-        fell_back = ctx.on_gpu and attn == "sdpa" and cfg.model.attn_implementation == "auto"
+        fell_back = ctx.on_gpu and attn != attention.FLASH and cfg.model.attn_implementation == "auto"
         log.log(logging.WARNING if fell_back else logging.INFO,
                 "attention: %s (%s); precision %s: %s parameters, %s compute, %s reduce", attn, why, mode.name,
                 *(str(d).removeprefix("torch.") for d in (dtype, compute, reduce)))
@@ -213,9 +236,11 @@ def _build_meta_checked(config: Any, cfg: RunConfig, dtype: torch.dtype, attn: s
         if not (attn == "flash_attention_2" and cfg.model.attn_implementation == "auto"):
             raise JobSetupError(f"model.name_or_path: cannot build the model from its config: {exc}") from None
         # e.g. an architecture without flash-attention support: auto means "the best that works"
-        log.warning("attention: transformers refused flash_attention_2 for this model (%s); falling back to sdpa",
-                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        return _build_meta_checked(config, cfg, dtype, "sdpa")
+        support = architecture_support(config)
+        fallback = attention.SDPA if support is None or support.sdpa else attention.EAGER
+        log.warning("attention: transformers refused flash_attention_2 for this model (%s); falling back to %s",
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__, fallback)
+        return _build_meta_checked(config, cfg, dtype, fallback)
     wrap_class_names(model, cfg)
     return model
 

@@ -11,7 +11,10 @@ What we do, once the model is sharded on the meta device and its shards allocate
 
 1. rank 0 checks every parameter name, shape and dtype against the safetensors headers
    (:func:`check_weights`; a mismatch is a :class:`JobSetupError` on every rank, before any
-   collective that could hang), and sends the :class:`WeightPlan` to every rank;
+   collective that could hang), and sends the :class:`WeightPlan` to every rank. Checkpoint keys
+   are matched onto parameters by transformers' own conversion mapping (slurmft/job/conversion.py):
+   a fused mixture-of-experts parameter is built from its per-expert tensors, and a rank's
+   ``Shard(0)`` slice of it reads only the experts in that slice;
 2. every rank checks that it sees every weight file with the size rank 0 saw (one all-gather), then
    reads only the part of each tensor its DTensor holds from the memory-mapped files, in the file's
    dtype, and casts it into its shard. The part comes from the tensor's mesh and placements
@@ -46,6 +49,7 @@ import torch.distributed as dist
 
 from slurmft.checkpoints import strip_wrappers
 from slurmft.errors import JobSetupError
+from slurmft.job.conversion import Region, Sources, plan_loading, read_region
 from slurmft.job.distributed import DistContext, agree
 from slurmft.job.dtypes import SAFETENSORS_DTYPES
 from slurmft.job.inputs import weight_files
@@ -55,12 +59,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WeightEntry:
-    """One tensor to load: the model's name for it, the file and key holding it, its dtype in the file."""
+    """One model tensor to load: its name, the checkpoint tensors it is built from, their dtype in the file."""
 
     name: str  # before activation checkpointing and FSDP wrapped the modules (strip_wrappers of today's name)
-    file: str
-    key: str
+    sources: Sources  # one key (maybe renamed), or the keys transformers' converter fuses (slurmft/job/conversion.py)
     dtype: str  # safetensors dtype code ("BF16", "F32", ...)
+
+    @property
+    def keys(self) -> list[str]:
+        return self.sources.all_keys
 
 
 @dataclass(frozen=True)
@@ -69,10 +76,15 @@ class WeightPlan:
 
     entries: list[WeightEntry]
     sizes: dict[str, int]  # file name -> size in bytes, as rank 0 saw it
+    files: dict[str, str]  # checkpoint key -> file name, for the keys the entries read
 
 
 def check_weights(model: torch.nn.Module, model_dir: Path) -> WeightPlan:
-    """Rank 0: every tensor to load, checked by name, shape and dtype against the headers (JobSetupError if not)."""
+    """Rank 0: every tensor to load, checked by name, shape and dtype against the headers (JobSetupError if not).
+
+    Checkpoint keys are matched onto the model's tensors by transformers' own conversion mapping (renamed
+    keys, per-expert tensors fused into one), so a missing expert is named here, before anything is read.
+    """
     from safetensors import safe_open
 
     files = weight_files(model_dir)
@@ -88,32 +100,42 @@ def check_weights(model: torch.nn.Module, model_dir: Path) -> WeightPlan:
             for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 header = f.get_slice(key)
                 shapes[key], dtypes[key] = tuple(header.get_shape()), header.get_dtype()
-    plan, problems = [], []
-    wanted = [(n, p, True) for n, p in model.named_parameters()]
-    wanted += [(n, b, False) for n, b in model.named_buffers() if strip_wrappers(n) in files]  # persistent ones saved
-    for name, tensor, required in wanted:
-        key = strip_wrappers(name)
-        if key not in files:
-            if required:
-                problems.append(f"{key}: missing from the checkpoint")
+    required = {strip_wrappers(n): tuple(p.shape) for n, p in model.named_parameters()}
+    buffers = {strip_wrappers(n): tuple(b.shape) for n, b in model.named_buffers()}
+    targets = {**{n: s for n, s in buffers.items() if n not in required}, **required}
+    mapped = plan_loading(model, {k: shapes[k] for k in files if k in shapes}, targets)
+    problems = list(mapped.problems)
+    problems += [f"{key}: listed in the safetensors index but not in its file" for key in files if key not in shapes]
+    plan = []
+    for key in required:
+        if key not in mapped.sources and not any(p.startswith(key + ":") or p.endswith(f"(it is part of {key})")
+                                                 for p in mapped.problems):
+            problems.append(f"{key}: missing from the checkpoint")
+    for name in [n for n in targets if n in mapped.sources]:  # parameters, then the persistent buffers saved
+        sources = mapped.sources[name]
+        if sources.converter is None and shapes[sources.keys[0][0]] != targets[name]:
+            problems.append(f"{name}: checkpoint shape {shapes[sources.keys[0][0]]} != model shape {targets[name]}")
             continue
-        if shapes.get(key) != tuple(tensor.shape):
-            problems.append(f"{key}: checkpoint shape {shapes.get(key)} != model shape {tuple(tensor.shape)}")
+        kinds = sorted({dtypes[k] for k in sources.all_keys})
+        bad = [d for d in kinds if d not in SAFETENSORS_DTYPES]
+        if bad or len(kinds) > 1:
+            problems.append(f"{name}: dtype {'/'.join(kinds)} in the file, which the loader does not read "
+                            f"(one of {', '.join(SAFETENSORS_DTYPES)}, the same for every tensor it is built from)")
             continue
-        if dtypes[key] not in SAFETENSORS_DTYPES:
-            problems.append(f"{key}: dtype {dtypes[key]} in the file, which the loader does not read "
-                            f"(one of {', '.join(SAFETENSORS_DTYPES)})")
-            continue
-        plan.append(WeightEntry(name, files[key], key, dtypes[key]))
+        plan.append(WeightEntry(name, sources, kinds[0]))
     if problems:
         raise JobSetupError(
             f"model.name_or_path: the weights in {model_dir} do not match the architecture of its config.json",
             problems=problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else []),
         )
-    unused = sorted(set(files) - {e.key for e in plan})
+    order = {strip_wrappers(n): i for i, (n, _) in enumerate(model.named_parameters())}
+    plan.sort(key=lambda e: order.get(e.name, len(order)))  # the model's order: files are read front to back
+    used = {k for e in plan for k in e.keys}
+    unused = sorted(set(mapped.unused) | (set(files) - used))
     if unused:
         log.warning("%d checkpoint tensor(s) not used by the model, e.g. %s", len(unused), unused[:3])
-    return WeightPlan(plan, {file: sizes[file] for file in sorted({e.file for e in plan})})
+    return WeightPlan(plan, {file: sizes[file] for file in sorted({files[k] for k in used})},
+                      {k: files[k] for k in sorted(used)})
 
 
 def _named_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -124,8 +146,6 @@ def _named_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- reading the weights
-Region = tuple[tuple[int, int], ...]  # (start, stop) per dimension of the full tensor
-
 
 def _region(target: torch.Tensor) -> Region | None:
     """The part of the full tensor this rank holds (None: a plain tensor, every rank holds all of it).
@@ -157,38 +177,43 @@ def _local(target: torch.Tensor) -> torch.Tensor:
 class _Files:
     """The safetensors files of a plan, memory-mapped on first use and closed after their last tensor."""
 
-    def __init__(self, model_dir: Path, plan: WeightPlan, rank: int) -> None:
-        self.model_dir, self.rank = model_dir, rank
-        self.last_use = {e.file: i for i, e in enumerate(plan.entries)}
+    def __init__(self, model_dir: Path, plan: WeightPlan, rank: int, model: torch.nn.Module) -> None:
+        self.model_dir, self.rank, self.files, self.model = model_dir, rank, plan.files, model
+        self.last_use = {plan.files[k]: i for i, e in enumerate(plan.entries) for k in e.keys}
         self.handles: dict[str, Any] = {}
         self.bytes_read = 0
 
     def read(self, entry: WeightEntry, region: Region | None) -> torch.Tensor:
-        """``region`` of the tensor (all of it for None), in the file's dtype; JobSetupError naming file, key, rank."""
+        """``region`` of the model tensor (all of it for None), in the file's dtype, built from the checkpoint
+        tensors transformers' conversion names (a fused expert tensor: only the experts in ``region``)."""
+        return read_region(entry.sources, entry.name, region, self._read_key, self.model)
+
+    def _read_key(self, key: str, region: Region | None) -> torch.Tensor:
+        """``region`` of one checkpoint tensor; JobSetupError naming file, key, rank."""
         from safetensors import safe_open
 
-        path = self.model_dir / entry.file
+        file = self.files[key]
+        path = self.model_dir / file
         try:
-            if entry.file not in self.handles:
-                self.handles[entry.file] = safe_open(str(path), framework="pt").__enter__()
-            handle = self.handles[entry.file]
+            if file not in self.handles:
+                self.handles[file] = safe_open(str(path), framework="pt").__enter__()
+            handle = self.handles[file]
             if region is None:
-                tensor = handle.get_tensor(entry.key)
+                tensor = handle.get_tensor(key)
             else:
-                tensor = handle.get_slice(entry.key)[tuple(slice(a, b) for a, b in region)]
+                tensor = handle.get_slice(key)[tuple(slice(a, b) for a, b in region)]
         except Exception as exc:  # OSError, SafetensorError, a slice that does not fit: the file changed
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise JobSetupError(
-                f"rank {self.rank} could not read {entry.key!r} from {path} ({type(exc).__name__}: {first}); the file "
+                f"rank {self.rank} could not read {key!r} from {path} ({type(exc).__name__}: {first}); the file "
                 "changed or is damaged since rank 0 checked its header: download or copy the model again"
             ) from None
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
     def done(self, index: int) -> None:
-        """Unmap the file of entry ``index`` when no later entry needs it."""
-        file = next((f for f, last in self.last_use.items() if last == index), None)
-        if file in self.handles:
+        """Unmap the files whose last tensor is entry ``index``."""
+        for file in [f for f, last in self.last_use.items() if last == index and f in self.handles]:
             self.handles.pop(file).__exit__(None, None, None)
 
     def close(self) -> None:
@@ -238,7 +263,7 @@ def _read_own_slices(model: torch.nn.Module, plan: WeightPlan, model_dir: Path, 
     others. Returns the bytes this rank read.
     """
     targets = _named_targets(model)
-    files = _Files(model_dir, plan, ctx.rank)
+    files = _Files(model_dir, plan, ctx.rank, model)
     try:
         for i, entry in enumerate(plan.entries):
             target = targets[entry.name]
@@ -289,7 +314,7 @@ def _scatter_weights(model: torch.nn.Module, plan: WeightPlan, model_dir: Path |
                    for i in range(len(plan.entries))]]
     dist.broadcast_object_list(widths, src=0)
     comm = ctx.device
-    files = _Files(model_dir, plan, ctx.rank) if ctx.is_main and model_dir is not None else None
+    files = _Files(model_dir, plan, ctx.rank, model) if ctx.is_main and model_dir is not None else None
     status = torch.zeros(1, dtype=torch.int32, device=comm)
     try:
         for i, entry in enumerate(plan.entries):

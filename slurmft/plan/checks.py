@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slurmft import formats
+from slurmft import attention, formats
 from slurmft.chat_template import (
     GENERATION_TAG,
     cannot_render_message,
@@ -80,6 +80,7 @@ def run_checks(cfg: RunConfig, job_python: bool = True) -> Report:
     check_paths(cfg, report)
     samples = check_data(cfg, report)
     check_seq_length(cfg, report)
+    check_attention(cfg, report)
     check_sft(cfg, report)
     check_reporters(cfg, report)
     check_precision(cfg, report)
@@ -260,6 +261,22 @@ def check_seq_length(cfg: RunConfig, report: Report) -> None:
                               "at hand; `hf download MODEL config.json` makes it available)")
         return
     problem = seq_length_problem(cfg.data.max_seq_length, model_cfg.get("max_position_embeddings"))
+    if problem:
+        report.problems.append(problem)
+
+
+# ====================================================================== attention
+def check_attention(cfg: RunConfig, report: Report) -> None:
+    """An explicit model.attn_implementation the architecture refuses (read torch-free: slurmft/attention.py)."""
+    if cfg.model.attn_implementation == "auto":
+        return
+    try:
+        model_type = read_model_config(cfg.model.name_or_path, cfg.model.revision).get("model_type")
+    except ConfigError:
+        report.skipped.append("model.attn_implementation: not checked against the architecture (no config.json at "
+                              "hand)")
+        return
+    problem = attention.refusal(cfg.model.attn_implementation, attention.support_of(str(model_type or "")))
     if problem:
         report.problems.append(problem)
 

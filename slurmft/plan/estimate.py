@@ -8,8 +8,10 @@ assumptions travel in every result under ``assumptions`` so a reader of the JSON
 
 Assumptions, in one place (each is repeated where it is used):
 
-* Parameters: a Llama/Mistral/Qwen-style decoder (RMSNorm, SwiGLU MLP, grouped KV heads, optional
-  attention/MLP biases, Qwen3 q/k norms, Mixtral experts); tied embeddings counted once.
+* Parameters: every tensor of the safetensors headers when the weights are at hand (exact), else the
+  arithmetic of the model type's family from config.json (slurmft/plan/paramcount.py: dense, Gemma-2/3,
+  OLMo-2, MoE with and without shared experts, DeepSeek MLA, gpt-oss); tied embeddings counted once.
+* MoE activations: each token through ``num_experts_per_tok`` experts (balanced routing assumed).
 * Training state per parameter, by ``train.precision`` (slurmft/precision.py): fp32 + AdamW = 4
   weights + 4 gradients + 8 optimizer (exp_avg, exp_avg_sq) = 16 bytes. bf16/fp16 mixed precision is
   split the way FSDP2 holds it (measured in tests/test_estimate.py): sharded parameters and gradients
@@ -65,6 +67,13 @@ from typing import TYPE_CHECKING, Any
 from slurmft.errors import ConfigError
 from slurmft.modelinfo import locate_model_config, read_model_config, seq_length_problem
 from slurmft.plan.estimate_text import Counted, assumptions, fit_problems, hsdp_advice, remedies, verdict
+from slurmft.plan.paramcount import (
+    FAMILIES,
+    FAMILY_WORDS,
+    family_tensors,
+    layers_from_headers,
+    local_header_shapes,
+)
 from slurmft.plan.settings import RUNTIME_BYTES_CPU_RANK, Settings
 from slurmft.precision import DTYPE_BYTES as PRECISION_DTYPE_BYTES
 from slurmft.precision import PRECISIONS, consolidated_dtype
@@ -108,7 +117,7 @@ KNOWN_GPUS: dict[str, tuple[float, int]] = {
     "H200141GB": (141, 143771),
 }
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)  # counted exactly from config.json (slurmft/plan/paramcount.py)
 
 
 # ====================================================================== the model's tensors
@@ -132,6 +141,12 @@ class ModelShape:
     experts: int  # 0 = dense MLP
     experts_per_token: int
     file_dtype: str | None
+    layer_list: tuple[tuple[tuple[int, ...], ...], ...] = ()  # every decoder layer's tensors (paramcount.py)
+    root_list: tuple[tuple[int, ...], ...] = ()  # embeddings, final norm, untied head
+    family: str = "dense"
+    count_source: str = "config.json"  # or "safetensors headers"
+    expert_intermediate: int = 0  # an expert's MLP width (moe_intermediate_size where the config has one)
+    shared_intermediate: int = 0  # the shared experts' MLP width (DeepSeek, Qwen2-MoE), 0 = none
 
     @property
     def q_dim(self) -> int:
@@ -142,32 +157,16 @@ class ModelShape:
         return self.kv_heads * self.head_dim
 
     def layer_tensors(self) -> list[tuple[int, ...]]:
-        """Shapes of one decoder layer's parameters (dim 0 is the one FSDP shards)."""
-        h, q, kv, inter = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        t: list[tuple[int, ...]] = [(q, h), (kv, h), (kv, h), (h, q), (h,), (h,)]
-        if self.qkv_bias:
-            t += [(q,), (kv,), (kv,)]
-        if self.o_bias:
-            t.append((h,))
-        if self.qk_norm:
-            t += [(self.head_dim,), (self.head_dim,)]
-        if self.experts:
-            t += [(self.experts, h), (self.experts, 2 * inter, h), (self.experts, h, inter)]
-        else:
-            t += [(inter, h), (inter, h), (h, inter)]
-            if self.mlp_bias:
-                t += [(inter,), (inter,), (h,)]
-        return t
+        """Shapes of the largest decoder layer's parameters (dim 0 is the one FSDP shards): the unit FSDP2
+        gathers and reduce-scatters at a time."""
+        return list(max(self.layer_list, key=lambda t: sum(_numel(s) for s in t)))
 
     def root_tensors(self) -> list[tuple[int, ...]]:
         """Embeddings, final norm and (untied) LM head: the root FSDP module's own parameters."""
-        t: list[tuple[int, ...]] = [(self.vocab, self.hidden), (self.hidden,)]
-        if not self.tied:
-            t.append((self.vocab, self.hidden))
-        return t
+        return list(self.root_list)
 
     def all_tensors(self) -> list[tuple[int, ...]]:
-        return self.layer_tensors() * self.layers + self.root_tensors()
+        return [s for layer in self.layer_list for s in layer] + list(self.root_list)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -179,15 +178,19 @@ def _shard_numel(shape: tuple[int, ...], world_size: int) -> int:
     return math.ceil(shape[0] / world_size) * math.prod(shape[1:])
 
 
-def model_shape(model_cfg: dict[str, Any]) -> ModelShape:
-    """Read the decoder's dimensions out of a config.json dict; a missing key is a ConfigError."""
+def model_shape(model_cfg: dict[str, Any], headers: dict[str, tuple[int, ...]] | None = None) -> ModelShape:
+    """Read the decoder's dimensions out of a config.json dict; a missing key is a ConfigError.
+
+    ``headers`` (tensor name -> shape from the safetensors headers, when the weights are at hand) give the
+    exact tensors; else they come from the family's arithmetic (slurmft/plan/paramcount.py).
+    """
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     missing = [k for k in required if not isinstance(model_cfg.get(k), int)]
     if missing:
         kind = model_cfg.get("model_type", "unknown")
         raise ConfigError(
             f"model.name_or_path: config.json (model_type {kind!r}) lacks {', '.join(missing)}; "
-            "slurmft estimate understands Llama/Mistral/Qwen-style decoder configs",
+            "slurmft estimate understands decoder configs of the families it knows",
             [f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"],
         )
     mtype = str(model_cfg.get("model_type", "llama"))
@@ -198,9 +201,17 @@ def model_shape(model_cfg: dict[str, Any]) -> ModelShape:
     attention_bias = bool(model_cfg.get("attention_bias", False))
     qkv_bias = True if mtype == "qwen2" else attention_bias
     o_bias = False if mtype == "qwen2" else attention_bias
-    experts = int(model_cfg.get("num_local_experts") or 0)
-    if mtype not in ("mixtral",) and experts:
-        experts = 0  # other MoE layouts (shared experts, ...) are not modelled; counted dense
+    layer_list, root_list, family = family_tensors(model_cfg)
+    source = "config.json"
+    if headers:
+        layer_list, root_list = layers_from_headers(headers)
+        source = "safetensors headers"
+    experts = int(model_cfg.get("num_local_experts") or model_cfg.get("num_experts")
+                  or model_cfg.get("n_routed_experts") or 0)
+    inter = model_cfg["intermediate_size"]
+    moe_inter = inter if mtype in ("mixtral", "gpt_oss") else (model_cfg.get("moe_intermediate_size") or inter)
+    shared = int(model_cfg.get("n_shared_experts") or 0) * moe_inter or int(
+        model_cfg.get("shared_expert_intermediate_size") or 0)
     return ModelShape(
         model_type=mtype,
         hidden=hidden,
@@ -208,28 +219,29 @@ def model_shape(model_cfg: dict[str, Any]) -> ModelShape:
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
-        intermediate=model_cfg["intermediate_size"],
+        intermediate=inter,
         vocab=model_cfg["vocab_size"],
         tied=bool(model_cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=bool(model_cfg.get("mlp_bias", False)),
-        qk_norm=mtype == "qwen3",
+        qk_norm=mtype in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3", "olmo2"),
         experts=experts,
         experts_per_token=int(model_cfg.get("num_experts_per_tok") or 2) if experts else 0,
         file_dtype=model_cfg.get("dtype") or model_cfg.get("torch_dtype"),
+        layer_list=tuple(tuple(layer) for layer in layer_list),
+        root_list=tuple(root_list),
+        family=family if mtype in FAMILIES else "dense",
+        count_source=source,
+        expert_intermediate=moe_inter if experts else 0,
+        shared_intermediate=shared,
     )
 
 
-def count_parameters(model_cfg: dict[str, Any]) -> int:
-    """Parameter count of a Llama/Mistral/Qwen/Mixtral-style decoder from its config.json dict.
-
-    Embeddings ``V·h``; per layer q ``h·(heads·d)``, k and v ``h·(kv_heads·d)`` each, o ``(heads·d)·h``
-    (+ biases where the architecture has them), two RMSNorm weights ``h`` (+ Qwen3's q/k norms ``d``),
-    SwiGLU ``3·h·I`` (Mixtral: ``E·3·h·I`` + router ``E·h``); final norm ``h``; LM head ``V·h``
-    unless tied to the embeddings.
-    """
-    return sum(_numel(s) for s in model_shape(model_cfg).all_tensors())
+def count_parameters(model_cfg: dict[str, Any], headers: dict[str, tuple[int, ...]] | None = None) -> int:
+    """Parameter count: every tensor of the safetensors headers when given (exact), else the family's
+    arithmetic from config.json (slurmft/plan/paramcount.py; docs/estimate.md has the formulas)."""
+    return sum(_numel(s) for s in model_shape(model_cfg, headers).all_tensors())
 
 
 # ====================================================================== the arithmetic
@@ -265,8 +277,10 @@ def activation_bytes(
         attn += shape.heads * seq_len * (4 + (c if c < 4 else 0))  # fp32 softmax + a copy in c
     else:
         attn += 4 * shape.heads  # flash/SDPA keep only the log-sum-exp
-    if shape.experts:
-        mlp = norm + 4 * shape.experts + shape.experts_per_token * (4 * c * inter + c * h)
+    if shape.experts:  # router logits (fp32) per token, then each of the k chosen experts' SwiGLU (+ shared)
+        width = shape.expert_intermediate or inter
+        mlp = (norm + 4 * shape.experts + shape.experts_per_token * (4 * c * width + c * h)
+               + 4 * c * shape.shared_intermediate)
     else:
         mlp = norm + 4 * c * inter
     layer_full = tokens * (attn + mlp)
@@ -517,11 +531,28 @@ def _knobs(cfg: RunConfig, profile: ClusterProfile) -> tuple[Settings, str | Non
     return knobs, capacity_note
 
 
+def _approximations(shape: ModelShape) -> tuple[str, ...]:
+    """Plain words for where the activation arithmetic approximates the architecture."""
+    out = []
+    if shape.experts:
+        out.append(f"MoE activations: each token goes through {shape.experts_per_token} of {shape.experts} experts "
+                   f"(router logits in fp32{', plus the shared experts' if shape.shared_intermediate else ''}); "
+                   "routing assumed balanced across tokens, so a skewed batch needs more on some ranks")
+    if shape.family == "mla_moe":
+        out.append("MLA attention's activations are counted as grouped-query attention of the same heads (approximate)")
+    if shape.family == "gemma2" or shape.family == "gpt_oss":
+        out.append(f"{shape.model_type}: sliding-window layers are counted as full attention (an upper bound)")
+    return tuple(out)
+
+
 def _counted(shape: ModelShape, k: Settings) -> Counted:
     """The numbers the assumptions name, from the one place they are defined (this module)."""
     return Counted(
+        approximations=_approximations(shape),
         model_type=shape.model_type,
-        model_type_supported=shape.model_type in SUPPORTED_MODEL_TYPES,
+        model_type_supported=shape.model_type in SUPPORTED_MODEL_TYPES or shape.count_source != "config.json",
+        family=FAMILY_WORDS.get(shape.family, shape.family),
+        count_source=shape.count_source,
         state_bytes=BYTES_PER_PARAM[k.precision],
         reductions_per_step=gradient_reductions_per_step(k.accumulation),
         cuda_context_bytes=CUDA_CONTEXT_BYTES,
@@ -545,6 +576,8 @@ def _model_facts(cfg: RunConfig, source: str | None, shape: ModelShape) -> dict[
         "vocab_size": shape.vocab,
         "tie_word_embeddings": shape.tied,
         "num_local_experts": shape.experts,
+        "family": shape.family,
+        "parameters_from": shape.count_source,
     }
 
 
@@ -599,8 +632,9 @@ def estimate(
     too_long = seq_length_problem(cfg.data.max_seq_length, model_cfg.get("max_position_embeddings"))
     if too_long:  # the job refuses it, so no plan for it either
         raise ConfigError(too_long)
-    shape = model_shape(model_cfg)
-    n_params = count_parameters(model_cfg)
+    headers = local_header_shapes(cfg.model.name_or_path, cfg.model.revision) if source is not None else None
+    shape = model_shape(model_cfg, headers)
+    n_params = sum(_numel(s) for s in shape.all_tensors())
     knobs, capacity_note = _knobs(cfg, profile)
 
     gpu = _per_gpu(shape, knobs)

@@ -31,11 +31,14 @@ class Counted:
 
     model_type: str
     model_type_supported: bool
+    family: str  # the words for the family whose arithmetic counted it (paramcount.FAMILY_WORDS)
+    count_source: str  # "safetensors headers" or "config.json"
     state_bytes: dict[str, int]  # weights, gradients, optimizer bytes per parameter
     reductions_per_step: int
     cuda_context_bytes: int
     fragmentation: float
     runtime_bytes_per_rank: int  # the GPU or the CPU allowance, whichever this run's ranks are
+    approximations: tuple[str, ...] = ()  # where the activation arithmetic approximates this architecture
 
 
 # ====================================================================== advice
@@ -111,8 +114,15 @@ def assumptions(k: Settings, counted: Counted, capacity_note: str | None) -> lis
     """What the estimate counted, one line per assumption (``result["assumptions"]``)."""
     per = counted.state_bytes
     lines = []
-    if not counted.model_type_supported:
-        lines.append(f"model_type {counted.model_type!r} is counted as a Llama-style decoder")
+    if counted.count_source != "config.json":
+        lines.append(f"parameters counted from the {counted.count_source} of the weights (exact)")
+    elif not counted.model_type_supported:
+        lines.append(f"model_type {counted.model_type!r} is not a family slurmft knows: parameters counted from "
+                     "config.json as a Llama-style decoder (with the weights in a local directory or in HF_HOME's "
+                     "cache the count is exact, from their safetensors headers)")
+    else:
+        lines.append(f"parameters counted from config.json as a {counted.family}")
+    lines += list(counted.approximations)
     lines.append(
         f"training state ({k.precision}, AdamW): {per['weights']} weights + {per['gradients']} gradients + "
         f"{per['optimizer']} optimizer = {sum(per.values())} bytes/parameter"

@@ -5,6 +5,10 @@ sharded with FSDP2 on a 1-D mesh of 4 (``Shard(0)``: 3 rows over 4 ranks leaves 
 a 2 x 2 HSDP mesh (``(Replicate(), Shard(0))``), loaded from a bf16 safetensors file both ways (every rank
 reads its slice; rank 0 reads and scatters), and each rank's local tensor is compared, bit for bit, with
 its rows of the file cut independently (``torch.chunk`` by the rank's coordinate on the shard dimension).
+The same for a tiny Mixtral (six experts: 2, 2, 2 and none on the 1-D mesh of 4), whose checkpoint keeps one
+tensor per expert while the model has fused ones: each rank's slice of ``mlp.experts.gate_up_proj`` (read
+from only its experts' tensors) must equal its rows of what transformers' own ``from_pretrained`` builds, and
+the bytes a rank reads (sliced) are exactly those of its slices.
 Every rank writes ``OUT/rank<r>.json`` with the mismatches it found.
 
     python -m torch.distributed.run --standalone --nproc_per_node 4 tests/job/mesh_check.py OUT
@@ -88,12 +92,51 @@ def check(model_dir: Path, mesh: DeviceMesh, how: str, ctx: distributed.DistCont
     return problems
 
 
+def write_moe(model_dir: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("mixtral", hidden_size=16, intermediate_size=8, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+                                  num_local_experts=6, num_experts_per_tok=2)
+    torch.manual_seed(4)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(model_dir)
+
+
+def check_moe(model_dir: Path, mesh: DeviceMesh, how: str, ctx: distributed.DistContext) -> list[str]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    plan = weights.check_weights(model, model_dir) if ctx.is_main else None
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    method, read = weights.load_weights(model, plan, model_dir if ctx.is_main or how == "sliced" else None, ctx)
+    problems = [] if method == how else [f"moe loaded by {method}, not {how}"]
+    local_bytes = sum(p.to_local().numel() for p in model.parameters()) * 2  # bf16 in the file
+    if how == "sliced" and read != local_bytes:  # only this rank's experts' tensors were read, nothing more
+        problems.append(f"moe: read {read} bytes, its slices hold {local_bytes}")
+    reference = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
+    names = [n for n, _ in model.named_parameters()]
+    if "model.layers.0.mlp.experts.gate_up_proj" not in names:
+        problems.append(f"no fused expert parameter in {names}")
+    for name, tensor in model.named_parameters():
+        want = expected_local(reference[name].detach(), mesh, tensor.placements)
+        if not torch.equal(tensor.to_local(), want):
+            problems.append(f"{name} ({how}, mesh {tuple(mesh.shape)}): local {tuple(tensor.to_local().shape)} "
+                            "differs from transformers' own load")
+    return problems
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     ctx = distributed.init(JobEnv.from_environ())
     model_dir = out / "weights"
+    moe_dir = out / "moe"
     if ctx.is_main:
         write_file(model_dir)
+        write_moe(moe_dir)
     distributed.barrier()
     problems: list[str] = []
     meshes = [init_device_mesh("cpu", (ctx.world_size,)),
@@ -101,6 +144,7 @@ def main() -> None:
     for mesh in meshes:
         for how in ("sliced", "scatter"):
             problems += check(model_dir, mesh, how, ctx)
+            problems += check_moe(moe_dir, mesh, how, ctx)
     (out / f"rank{ctx.rank}.json").write_text(json.dumps({"rank": ctx.rank, "problems": problems}))
     del meshes, mesh  # a device mesh still alive when the process group is destroyed crashes the exit (torch 2.13)
     gc.collect()

@@ -119,3 +119,19 @@ def test_model_construction_that_refuses_flash_falls_back_for_auto(caplog: pytes
     with pytest.raises(JobSetupError, match="cannot build the model"):
         loading._build_meta_checked(_llama_config(), _run_config("flash_attention_2"), torch.float32,
                                     "flash_attention_2")
+
+
+def test_architecture_support_comes_from_the_class_and_picks_eager_where_sdpa_is_refused(node) -> None:
+    """Gemma-2 (soft-capping) and gpt-oss (sinks) refuse SDPA: auto gives eager, an explicit sdpa is refused."""
+    from transformers import AutoConfig
+
+    support = loading.architecture_support(AutoConfig.for_model("gpt_oss"))
+    assert support is not None and not support.sdpa and support.flash
+    attn, why = loading.choose_attention("auto", on_gpu=False, support=support)
+    assert attn == "eager" and "no SDPA for gpt_oss" in why
+    with pytest.raises(JobSetupError, match="model.attn_implementation=sdpa: transformers does not support SDPA"):
+        loading.choose_attention("sdpa", on_gpu=False, support=support)
+    node(available=True)
+    assert loading.choose_attention("auto", on_gpu=True, support=support)[0] == "flash_attention_2"
+    qwen = loading.architecture_support(AutoConfig.for_model("qwen3"))
+    assert loading.choose_attention("auto", on_gpu=False, support=qwen)[0] == "sdpa"

@@ -81,7 +81,8 @@ def test_a_read_failure_on_rank_0_ends_every_rank_promptly(tiny_model: Path, job
 
 
 def test_each_rank_holds_its_slice_on_1d_and_hsdp_meshes(job_env: dict[str, str], tmp_path: Path) -> None:
-    """4 ranks: Shard(0) over 4 (a rank with no rows) and (Replicate, Shard(0)) on 2 x 2, sliced and scattered."""
+    """4 ranks: Shard(0) over 4 (a rank with no rows) and (Replicate, Shard(0)) on 2 x 2, sliced and scattered;
+    a plain module and a tiny Mixtral (fused experts read from per-expert tensors: tests/job/mesh_check.py)."""
     out = tmp_path / "out"
     out.mkdir()
     script = Path(__file__).with_name("mesh_check.py")
@@ -89,3 +90,37 @@ def test_each_rank_holds_its_slice_on_1d_and_hsdp_meshes(job_env: dict[str, str]
     assert rc == 0, log[-4000:]
     for rank in range(4):
         assert json.loads((out / f"rank{rank}.json").read_text())["problems"] == [], rank
+
+
+def test_a_moe_checkpoint_missing_an_expert_is_named_before_anything_is_read(tmp_path: Path) -> None:
+    """The header check goes through transformers' conversion: a fused expert tensor is built from its
+    per-expert checkpoint tensors, so a missing expert is named by its checkpoint key, with the others."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from slurmft.errors import JobSetupError
+    from slurmft.job.weights import check_weights
+
+    config = AutoConfig.for_model("mixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                  num_local_experts=4, num_experts_per_tok=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    plan = check_weights(model, tmp_path)  # the checkpoint as save_pretrained wrote it: every tensor planned
+    fused = next(e for e in plan.entries if e.name == "model.layers.0.mlp.experts.gate_up_proj")
+    assert len(fused.keys) == 8 and fused.keys[5] == "model.layers.0.block_sparse_moe.experts.1.w3.weight"
+    assert next(e for e in plan.entries if e.name == "model.layers.0.mlp.gate.weight").keys == [
+        "model.layers.0.block_sparse_moe.gate.weight"]
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.0.block_sparse_moe.experts.2.w1.weight"], tensors["model.norm.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(JobSetupError) as err:
+        check_weights(model, tmp_path)
+    assert err.value.problems == [
+        "model.layers.0.block_sparse_moe.experts.2.w1.weight: missing from the checkpoint (it is part of "
+        "model.layers.0.mlp.experts.gate_up_proj)",
+        "model.norm.weight: missing from the checkpoint",
+    ]

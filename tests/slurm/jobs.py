@@ -4,6 +4,7 @@ checkpoints and their rank processes."""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -52,3 +53,14 @@ def rank_pids(job_id: str) -> dict[int, int]:
 def rank_pid(job_id: str, rank: int) -> int | None:
     """PID of one rank's Python process of a Slurm job running on this machine (None: not there yet)."""
     return rank_pids(job_id).get(rank)
+
+
+def signal_rank_steps(job: str) -> None:
+    """What Slurm does at `--signal=USR2@lead` (no B:): the warning signal to every rank, not the batch shell."""
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+
+
+def restarts(job: str) -> int:
+    """The job's restart count (``Restarts=`` of ``scontrol show job``)."""
+    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    return int(out.split("Restarts=")[1].split()[0])

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from slurmft.rundir import RunPaths, read_manifest
+from tests.slurm.jobs import restarts, signal_rank_steps
 from tests.tracker_check import WANDB_HOME, wandb_offline_runs
 
 pytestmark = pytest.mark.slurm
@@ -47,11 +48,6 @@ def _each_step_once(slurmft, run: Path, max_steps: int) -> dict[int, list[int]]:
     return by_restart
 
 
-def _restart(slurm_cluster, job: str) -> int:
-    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
-    return int(out.split("Restarts=")[1].split()[0])
-
-
 def test_scontrol_requeue_saves_at_the_next_step_and_resumes_there(
         slurm_cluster, reference: Path, tiny_model: Path, chat_data: Path, tmp_path: Path, slurmft) -> None:
     run, jobs = _start(slurmft, tmp_path, tiny_model, chat_data)
@@ -76,11 +72,6 @@ def test_scontrol_requeue_saves_at_the_next_step_and_resumes_there(
     assert sorted(by_restart) == [0, 1] and min(by_restart[1]) == saved + 1  # resumed from that very step
     code, out, _ = slurmft.cli(["status", str(run)])
     assert code == 0 and f"steps 1-{saved}" in out and "saved, then requeued by Slurm (scontrol requeue or preemption)" in out
-
-
-def _signal_rank_steps(job: str) -> None:
-    """What Slurm does at `--signal=USR2@lead` (no B:): the warning signal to every rank, not the batch shell."""
-    subprocess.run(["scancel", "--signal=USR2", job], check=True)
 
 
 def _caught(pid: int) -> int:
@@ -117,16 +108,16 @@ def test_chaos_three_seeded_warning_signals(slurm_cluster, reference: Path, tiny
     slurmft.wait_for("both ranks' handlers", lambda: _handlers_installed(slurmft, job), timeout=120, poll=0.05)
     time.sleep(startup_delay)
     assert not slurmft.metrics(run), "the start-up moment came after the first step"
-    _signal_rank_steps(job)
-    slurmft.wait_for("restart 1", lambda: _restart(slurm_cluster, job) >= 1, timeout=120)
+    signal_rank_steps(job)
+    slurmft.wait_for("restart 1", lambda: restarts(job) >= 1, timeout=120)
     first = _marker(run, job, 0)
     assert first["saved"] is False and first["step"] == 0  # stopped before the first step: no save
     assert not list((run / "checkpoints").glob("checkpoint-*"))
 
     # 2. mid-run (restart 1): saves at the next step boundary
     slurmft.wait_for(f"step {mid_step}", lambda: any(m["step"] >= mid_step for m in slurmft.metrics(run)))
-    _signal_rank_steps(job)
-    slurmft.wait_for("restart 2", lambda: _restart(slurm_cluster, job) >= 2, timeout=120)
+    signal_rank_steps(job)
+    slurmft.wait_for("restart 2", lambda: restarts(job) >= 2, timeout=120)
     second = _marker(run, job, 1)
     assert second["saved"] and second["step"] >= mid_step and slurmft.complete(run, second["step"])
 
@@ -134,11 +125,11 @@ def test_chaos_three_seeded_warning_signals(slurm_cluster, reference: Path, tiny
     ckpt = run / "checkpoints" / f"checkpoint-{save_step}"
     slurmft.wait_for(f"{ckpt.name} being written", lambda: ckpt.is_dir(), timeout=240, poll=0.005)
     during = not (ckpt / "COMPLETE").exists()
-    _signal_rank_steps(job)
+    signal_rank_steps(job)
     during = during and not (ckpt / "COMPLETE").exists()  # still unfinished once the signal was sent
     with slurmft.capsys.disabled():
         print(f"signal sent while {ckpt.name} had no COMPLETE: {during}")
-    slurmft.wait_for("restart 3", lambda: _restart(slurm_cluster, job) >= 3, timeout=120)
+    slurmft.wait_for("restart 3", lambda: restarts(job) >= 3, timeout=120)
     third = _marker(run, job, 2)
     assert third["saved"]
     if during:

@@ -1,0 +1,59 @@
+"""Train several run directories one after another in the same ranks (one start-up for all of them).
+
+Started once per rank with the variables srun sets (tests/job/helpers.py ``launch_like_srun`` with
+``program=[this file], args=[RUN_DIR, ...]``). Each run is ``slurmft.job.entrypoint.run_train`` as a
+job runs it, its process group set up and torn down per run, each on a fresh rendezvous port that rank 0
+picks and leaves in ``RUN_DIR.port`` for the others (a torchrun agent's store, reused for a third process
+group, hung in ``init_process_group``; fixed ports next to the first one collided with gloo's own
+connections). The imports (torch, transformers, TRL: most of a tiny run's minute on a loaded CPU) are
+paid once. A run that fails leaves ``RUN_DIR.failed.rank<R>`` with its error on each rank and the next
+run starts.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from slurmft.job.entrypoint import run_train
+
+
+def _port(run_dir: str, rank: str) -> str:
+    """Rank 0: a port nobody listens on, written to RUN_DIR.port; the others: read it from there."""
+    path = Path(run_dir + ".port")
+    if rank == "0":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+        path.with_suffix(".tmp").write_text(port)
+        path.with_suffix(".tmp").rename(path)
+        return port
+    deadline = time.monotonic() + 300
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 wrote no {path} in 300 s")
+        time.sleep(0.05)
+    return path.read_text()
+
+
+def main(run_dirs: list[str]) -> int:
+    failed = 0
+    rank = os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0"))
+    for run_dir in run_dirs:
+        try:
+            os.environ["MASTER_PORT"] = _port(run_dir, rank)
+            run_train(run_dir)
+        except BaseException as exc:  # noqa: BLE001 - SystemExit(2) for a setup error too: record it, go on
+            failed += 1
+            text = f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            Path(f"{run_dir}.failed.rank{rank}").write_text(text)
+            sys.stderr.write(text)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
