@@ -1,6 +1,6 @@
 """slurmft.plan.doctor and the parsers it reads (slurmft.slurm), without a cluster: recorded Slurm 22.05.8 output
 of the test cluster and a 25.11 sample written from Slurm's source (tests/data/slurm/README.md says which is
-which). The same checks against the real cluster, healthy and misconfigured: tests/slurm/test_doctor.py."""
+which). The same checks against the real cluster, healthy and misconfigured: tests/slurm/test_slurm_doctor.py."""
 
 from __future__ import annotations
 
