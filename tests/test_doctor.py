@@ -1,6 +1,7 @@
 """slurmft.plan.doctor and the parsers it reads (slurmft.slurm), without a cluster: recorded Slurm 22.05.8 output
-of the test cluster and a 25.11 sample written from Slurm's source (tests/data/slurm/README.md says which is
-which). The same checks against the real cluster, healthy and misconfigured: tests/slurm/test_slurm_doctor.py."""
+of the test cluster, the same cluster recorded on 24.11.5, and a 25.11 sample written from Slurm's source
+(tests/data/slurm/README.md says which is which). The same checks against the real cluster, healthy and
+misconfigured: tests/slurm/test_slurm_doctor.py."""
 
 from __future__ import annotations
 
@@ -224,3 +225,19 @@ def test_probe_variables_the_ranks_see_otherwise_and_too_little_space() -> None:
     lines = probe_by_check(ranks, batch, expect(run_dir_bytes=10**15))
     assert lines["profile variables"].level is Level.WARNING and "'eth0' on n2" in lines["profile variables"].text
     assert lines["run dir [n1]"].level is Level.PROBLEM and "keep_last" in lines["run dir [n1]"].fix
+
+
+def test_the_recorded_24_11_config_of_the_test_cluster_reads_like_its_22_05_one() -> None:
+    """The same two-node test cluster recorded on both versions (tests/slurm/record.py): every check gives the
+    same level, and where the figures are the cluster's (KillWait 5 s, cred_expire 10 s, MinJobAge 300 s)
+    the same words; 24.11 prints an unset PreemptType as ``(null)``, which still means no preemption."""
+    config = slurm.parse_config((DATA / "24.11" / "show-config.txt").read_text())
+    assert config["SLURM_VERSION"] == "24.11.5" and config["PreemptType"] == "(null)"
+    old = by_check(diagnose(facts("22.05"), run(save_s=3.0)))
+    new = by_check(diagnose(facts("22.05", config=config), run(save_s=3.0)))
+    assert list(new) == list(old)
+    assert {k: line.level for k, line in new.items()} == {k: line.level for k, line in old.items()}
+    assert all(line.level is Level.OK for line in new.values()), [line for line in new.values() if line.level is not Level.OK]
+    for check in ("KillWait", "requeue delay", "MinJobAge", "job_comment", "lead time"):
+        assert new[check].text == old[check].text, check
+    assert new["preemption"].text.startswith("no preemption on debug (PreemptType=(null), PreemptMode=OFF)")
