@@ -96,27 +96,45 @@ def _common(cfg: RunConfig, paths: RunPaths, job_kind: str, config_path: str) ->
     }
 
 
-def build_train_context(
-    cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, command: str, config_path: str = ""
-) -> dict[str, Any]:
-    """Everything the train template places, already quoted."""
+def _allocation(cfg: RunConfig, profile: ClusterProfile, time: str | int) -> list[str]:
+    """The run's allocation as ``#SBATCH`` flags (nodes, ranks, GPUs, CPUs, memory, time, where): the train
+    job's, and the doctor's probe's, which must have the run's shape."""
     res = cfg.resources
-    directives = [
-        _flag("job-name", f"{cfg.name}-train"),
-        _flag("comment", paths.job_tag),
-        _flag("nodes", res.nodes),
-        _flag("ntasks-per-node", res.ranks_per_node),
-    ]
+    directives = [_flag("nodes", res.nodes), _flag("ntasks-per-node", res.ranks_per_node)]
     if res.gpus_per_node and profile.gres_gpu:
         directives.append(_flag("gpus-per-node", res.gpus_per_node))
     directives.append(_flag("cpus-per-task", res.cpus_per_task))
     if res.mem is not None:
         directives.append(_flag("mem", res.mem))
-    directives.append(_flag("time", cfg.cluster.time))
+    directives.append(_flag("time", time))
     for name in ("partition", "account", "qos", "constraint"):
         value = getattr(cfg.cluster, name)
         if value:
             directives.append(_flag(name, value))
+    return directives
+
+
+def _rank_step(cfg: RunConfig, profile: ClusterProfile) -> list[str]:
+    """The ``srun`` options that start one process per rank, as the train job and the probe start them."""
+    res = cfg.resources
+    srun = ["--unbuffered", "--label", f"--ntasks-per-node={res.ranks_per_node}",
+            # Since Slurm 22.05 a step no longer inherits the job's --cpus-per-task: without it a rank may
+            # be pinned to one core while OMP_NUM_THREADS says cpus_per_task.
+            f"--cpus-per-task={res.cpus_per_task}"]
+    if res.gpus_per_node and profile.gres_gpu:
+        # One rule for every site: each rank sees all of its node's GPUs and takes cuda:LOCAL_RANK, whatever
+        # binding the site defaults to (--gpus-per-task, SLURM_GPU_BIND); NCCL then sees the whole node too.
+        srun.append("--gpu-bind=none")
+    return srun
+
+
+def build_train_context(
+    cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, command: str, config_path: str = ""
+) -> dict[str, Any]:
+    """Everything the train template places, already quoted."""
+    res = cfg.resources
+    directives = [_flag("job-name", f"{cfg.name}-train"), _flag("comment", paths.job_tag),
+                  *_allocation(cfg, profile, cfg.cluster.time)]
     if res.exclusive:
         directives.append(_flag("exclusive"))
     directives += [
@@ -129,14 +147,7 @@ def build_train_context(
     extra = {"SUBMITIT_EXECUTOR": "slurm", "SLURMFT_RUN_DIR": str(paths.root)}
     if cfg.cluster.master_addr:
         extra["SLURMFT_MASTER_ADDR"] = cfg.cluster.master_addr
-    srun = ["--kill-on-bad-exit=1", "--unbuffered", "--label", f"--ntasks-per-node={res.ranks_per_node}",
-            # Since Slurm 22.05 a step no longer inherits the job's --cpus-per-task: without it a rank may
-            # be pinned to one core while OMP_NUM_THREADS says cpus_per_task.
-            f"--cpus-per-task={res.cpus_per_task}"]
-    if res.gpus_per_node and profile.gres_gpu:
-        # One rule for every site: each rank sees all of its node's GPUs and takes cuda:LOCAL_RANK, whatever
-        # binding the site defaults to (--gpus-per-task, SLURM_GPU_BIND); NCCL then sees the whole node too.
-        srun.append("--gpu-bind=none")
+    srun = ["--kill-on-bad-exit=1", *_rank_step(cfg, profile)]
     return {
         **_common(cfg, paths, "train", config_path),
         "directives": directives,
@@ -274,25 +285,11 @@ def build_probe_context(
     from slurmft.rundir import ProbePaths
 
     probe = ProbePaths(probe_root)
-    res = cfg.resources
-    directives = [_flag("job-name", f"{cfg.name}-doctor"), _flag("nodes", res.nodes),
-                  _flag("ntasks-per-node", res.ranks_per_node)]
-    if res.gpus_per_node and profile.gres_gpu:
-        directives.append(_flag("gpus-per-node", res.gpus_per_node))
-    directives.append(_flag("cpus-per-task", res.cpus_per_task))
-    if res.mem is not None:
-        directives.append(_flag("mem", res.mem))
-    directives.append(_flag("time", signal.lead_s // 60 + 3))
-    for name in ("partition", "account", "qos", "constraint"):
-        value = getattr(cfg.cluster, name)
-        if value:
-            directives.append(_flag(name, value))
-    directives += [signal.text, _flag("output", probe.log), _flag("error", probe.log)]
+    directives = [_flag("job-name", f"{cfg.name}-doctor"), *_allocation(cfg, profile, signal.lead_s // 60 + 3),
+                  signal.text, _flag("output", probe.log), _flag("error", probe.log)]
     env_keys = [*profile.env, *cfg.cluster.env]
     extra = {"SLURMFT_MASTER_ADDR": cfg.cluster.master_addr} if cfg.cluster.master_addr else {}
-    srun = ["--unbuffered", "--label", f"--ntasks-per-node={res.ranks_per_node}", f"--cpus-per-task={res.cpus_per_task}"]
-    if res.gpus_per_node and profile.gres_gpu:
-        srun.append("--gpu-bind=none")
+    srun = _rank_step(cfg, profile)
     python = python_for(cfg)
     rank = [f"--signal={signal.name}", f"--run-dir={run_dir_target}", f"--vars={','.join(env_keys)}"]
     paths = RunPaths.of(cfg.output_dir)
