@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from slurmft.job import preemption
+from slurmft.job.rendezvous import JobEnv
 
 #: Packages whose versions each node reports (None when not installed).
 STACK = ("torch", "transformers", "accelerate", "trl", "datasets", "flash-attn", "safetensors")
@@ -131,10 +132,9 @@ def rank_main(args: argparse.Namespace) -> int:
     preemption.install(args.signal)  # first: the train job's own handler, before anything slow
     env = os.environ
     paths = _paths(args.probe_dir)
-    rank, local = int(env.get("SLURM_PROCID", "0")), int(env.get("SLURM_LOCALID", "0"))
-    world = int(env.get("SLURM_NTASKS", "1"))
+    job = JobEnv.from_environ()  # as the train job's ranks read their place (MASTER_* from the batch script)
+    rank, local, world, job_id = job.rank, job.local_rank, job.world_size, job.job_id
     node = env.get("SLURMD_NODENAME") or socket.gethostname()
-    job_id = env.get("SLURM_JOB_ID", "0")
     report: dict[str, Any] = {
         "rank": rank, "local_rank": local, "node": node, "python": sys.executable,
         "python_version": sys.version.split()[0],
@@ -157,7 +157,7 @@ def rank_main(args: argparse.Namespace) -> int:
     report["cuda"] = {"available": cuda, "version": torch.version.cuda,
                       "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
                       "devices": torch.cuda.device_count() if cuda else 0}
-    addr, port = env.get("MASTER_ADDR", "?"), env.get("MASTER_PORT", "?")
+    addr, port = job.master_addr, str(job.master_port)
     report["master"] = {"addr": addr, "port": port}
     nodes = [node]
     try:
