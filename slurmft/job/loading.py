@@ -236,8 +236,7 @@ def _build_meta_checked(config: Any, cfg: RunConfig, dtype: torch.dtype, attn: s
         if not (attn == "flash_attention_2" and cfg.model.attn_implementation == "auto"):
             raise JobSetupError(f"model.name_or_path: cannot build the model from its config: {exc}") from None
         # e.g. an architecture without flash-attention support: auto means "the best that works"
-        support = architecture_support(config)
-        fallback = attention.SDPA if support is None or support.sdpa else attention.EAGER
+        fallback, _ = attention.choose("auto", architecture_support(config), "transformers refused flash-attention 2")
         log.warning("attention: transformers refused flash_attention_2 for this model (%s); falling back to %s",
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__, fallback)
         return _build_meta_checked(config, cfg, dtype, fallback)
