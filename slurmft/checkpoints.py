@@ -42,7 +42,14 @@ from pathlib import Path
 COMPLETE_MARKER = "COMPLETE"
 # Module-wrapper segments that appear in parameter names (activation checkpointing, FSDP1,
 # torch.compile) but never in a Hugging Face checkpoint.
-WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"})
+# PEFT's LoRA wrapper adds ``base_layer`` (the wrapped linear layer) and ``original_module`` (what a
+# ``modules_to_save`` copy was made from) segments, and the ``base_model.model.`` prefix of a PeftModel.
+WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod", "base_layer",
+                              "original_module"})
+PEFT_PREFIX = "base_model.model."
+#: Segments only adapter tensors have: LoRA's A and B, and a ``modules_to_save`` copy (trained in full).
+ADAPTER_SEGMENTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector",
+                              "modules_to_save"})
 _STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -179,8 +186,13 @@ def fsync_dir(path: Path) -> None:
 
 
 def strip_wrappers(name: str) -> str:
-    """A parameter name without module-wrapper segments: the Hugging Face name."""
-    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+    """A parameter name without module-wrapper segments (and PEFT's prefix): the Hugging Face name."""
+    return ".".join(part for part in name.removeprefix(PEFT_PREFIX).split(".") if part not in WRAPPER_SEGMENTS)
+
+
+def is_adapter_name(name: str) -> bool:
+    """True for a tensor the adapters add (LoRA's A/B, a ``modules_to_save`` copy): not in the base weights."""
+    return any(part in ADAPTER_SEGMENTS for part in name.split("."))
 
 
 DELETING_PREFIX = ".deleting-"

@@ -20,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -395,6 +396,55 @@ class PreemptionConfig(_Section):
         return v
 
 
+MODULE_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
+ALL_LINEAR = "all-linear"
+
+
+class LoraConfig(_Section):
+    """LoRA adapters (PEFT's ``LoraConfig`` meanings, without its ``lora_`` prefix); absent = full fine-tuning."""
+
+    r: int = Field(16, description="Adapter rank: the inner dimension of B·A (typical 8-64).")
+    alpha: float = Field(32.0, gt=0, description="Scaling numerator: the update is (alpha / r)·B·A (PEFT's lora_alpha).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input (PEFT's lora_dropout).")
+    target_modules: Literal["all-linear"] | list[str] = Field(
+        ALL_LINEAR,
+        description="Modules that get an adapter: all-linear (every linear layer of the decoder, not the output "
+        "head; PEFT's meaning) or a list of module names, e.g. [q_proj, v_proj] (a name matches a module whose "
+        "name ends with it).",
+    )
+    modules_to_save: list[str] = Field(
+        default_factory=list,
+        description="Modules trained in full beside the adapters and saved with them, e.g. [embed_tokens, lm_head] "
+        "when new tokens are added.",
+    )
+
+    @field_validator("r")
+    @classmethod
+    def _rank(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"the adapter rank must be at least 1 (typical: 8 to 64; got {v}); set lora.r=16")
+        return v
+
+    @field_validator("target_modules", "modules_to_save", mode="before")
+    @classmethod
+    def _module_names(cls, v: Any, info: ValidationInfo) -> Any:
+        if isinstance(v, str) and v != ALL_LINEAR:
+            v = [v]  # one name written without brackets
+        if isinstance(v, list):
+            if not v and info.field_name == "target_modules":
+                raise ValueError("an empty list adapts nothing; list module names (e.g. [q_proj, v_proj]) or use "
+                                 "all-linear")
+            for name in v:
+                if not isinstance(name, str) or not MODULE_NAME_RE.match(name):
+                    raise ValueError(f"{name!r} is not a module name (letters, digits, _ and .; e.g. q_proj)")
+        return v
+
+    @property
+    def scaling(self) -> float:
+        """alpha / r: the factor of B·A in the merged weight."""
+        return self.alpha / self.r
+
+
 class ConsolidateResources(_Section):
     """The consolidation job's allocation (CPU is enough)."""
 
@@ -414,6 +464,11 @@ class ConsolidateConfig(_Section):
         "bf16-true, float32 for fp32), as recorded in the checkpoint.",
     )
     max_shard_size: Size = Field("5GB", description="Largest safetensors file, e.g. 5GB, 500MB.")
+    merge: bool = Field(
+        True,
+        description="LoRA runs: also write the merged full model (W + (alpha/r)·B·A, streamed from the base "
+        "model's files) into RUN_DIR/model/; false writes only the adapter (RUN_DIR/adapter/).",
+    )
     resources: ConsolidateResources = Field(default_factory=ConsolidateResources)
 
 
@@ -432,6 +487,9 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
     consolidate: ConsolidateConfig = Field(default_factory=ConsolidateConfig)
+    lora: LoraConfig | None = Field(
+        None, description="Train LoRA adapters on a frozen base model instead of every weight (docs/lora.md)."
+    )
 
     @field_validator("name")
     @classmethod

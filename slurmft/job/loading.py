@@ -62,6 +62,8 @@ from slurmft.attention import Support
 from slurmft.checkpoints import strip_wrappers
 from slurmft.config import RunConfig
 from slurmft.errors import JobSetupError
+from slurmft.job import adapters
+from slurmft.job.adapters import AdapterSummary
 from slurmft.job.distributed import DistContext, guarded
 from slurmft.job.dtypes import DTYPES
 from slurmft.job.parallelize import build_meta, parallelize_model, wrap_class_names
@@ -193,6 +195,8 @@ class ShardedModel:
     reduce_dtype: torch.dtype = torch.float32
     load_method: str = "sliced"  # "sliced": every rank read its slice; "scatter": rank 0 read and sent them; "checkpoint": resuming, none read
     bytes_read: int = 0  # weight bytes this rank read from the safetensors files
+    lora: AdapterSummary | None = None  # LoRA adapters on a frozen base (slurmft/job/adapters.py)
+    base_dtype: torch.dtype | None = None  # of the base parameters (LoRA: the compute dtype; else ``dtype``)
 
 
 def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx: DistContext,
@@ -201,8 +205,9 @@ def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx
 
     ``model_dir``: where this rank sees the model's files (None where it does not; rank 0 needs them). When
     a rank cannot read the weight files, rank 0 reads them all and scatters the slices instead.
-    ``weights=False`` when the job resumes: the checkpoint's strict load overwrites every parameter
-    and persistent buffer, so reading the base weights would only be thrown away (70B: 140 GB read).
+    ``weights=False`` when the job resumes a full fine-tune: the checkpoint's strict load overwrites every
+    parameter and persistent buffer, so reading the base weights would only be thrown away (70B: 140 GB
+    read). A LoRA checkpoint holds only the adapters: the caller reads the base weights then too.
     The shards stay uninitialised until that load; the job never trains without one succeeding
     (slurmft/job/checkpointing.py). The names and shapes are still checked.
     """
@@ -217,16 +222,25 @@ def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx
         log.log(logging.WARNING if fell_back else logging.INFO,
                 "attention: %s (%s); precision %s: %s parameters, %s compute, %s reduce", attn, why, mode.name,
                 *(str(d).removeprefix("torch.") for d in (dtype, compute, reduce)))
-    model = guarded(ctx, "building the model", lambda: _build_meta_checked(config, cfg, dtype, attn))
+    # LoRA: the frozen base needs no master copy; it is stored in the compute dtype, the adapters in fp32
+    base_dtype = compute if cfg.lora is not None else dtype
+    model = guarded(ctx, "building the model", lambda: _build_meta_checked(config, cfg, base_dtype, attn))
     wrap = wrap_class_names(model, cfg)
-    plan = guarded(ctx, "checking the checkpoint", lambda: check_weights(model, model_dir) if ctx.is_main else None)
+    lora = None
+    if cfg.lora is not None:
+        model, lora = guarded(ctx, "adding the LoRA adapters", lambda: adapters.add_adapters(model, cfg.lora))
+    base = adapters.unwrap(model)
+    plan = guarded(ctx, "checking the checkpoint", lambda: check_weights(base, model_dir) if ctx.is_main else None)
     num_params = sum(p.numel() for p in model.parameters())
     parallelize_model(model, cfg, ctx, wrap, gather, reduce)
-    method, read = load_weights(model, plan, model_dir, ctx) if weights else ("checkpoint", 0)
+    method, read = load_weights(base, plan, model_dir, ctx) if weights else ("checkpoint", 0)
+    if lora is not None:  # a resume overwrites them from the checkpoint; the base weights are read either way
+        adapters.init_adapters(model, cfg.train.seed)
+        adapters.copy_saved_modules(model)
     attn = getattr(model.config, "_attn_implementation", None) or attn  # what transformers really set up
     return ShardedModel(model=model, dtype=dtype, compute_dtype=compute, attn_implementation=attn, wrap_class=sorted(wrap)[0],
                         num_params=num_params, precision=mode.name, reduce_dtype=reduce, load_method=method,
-                        bytes_read=read)
+                        bytes_read=read, lora=lora, base_dtype=base_dtype)
 
 
 def _build_meta_checked(config: Any, cfg: RunConfig, dtype: torch.dtype, attn: str) -> torch.nn.Module:

@@ -12,8 +12,9 @@ What we do, as torchtitan's ``parallelize`` does, in :func:`parallelize_model`:
 1. :func:`build_meta`: every rank builds the model on the ``meta`` device from ``config.json``
    (parameters only: buffers such as rotary ``inv_freq`` are computed for real, since ``to_empty``
    would leave them as garbage and they are not in the checkpoint);
-2. transform the model before sharding: nothing today; adapters (LoRA) wrap their target modules
-   here, on the meta model, so that their parameters are sharded with the layers they belong to;
+2. transform the model before sharding: LoRA adapters (slurmft/job/adapters.py) wrap their target
+   modules on the meta model before this room sees it, so that their parameters are sharded with the
+   layers they belong to (a PEFT wrapper becomes the FSDP root; the layers are found inside it);
 3. :func:`shard`: activation checkpointing and ``fully_shard`` per decoder layer
    (:func:`wrap_class_names`), to the embeddings and to the head (as accelerate groups them), then the
    root, on the job's one device mesh (:func:`fsdp_mesh`: 1-D, or HSDP's ``(replicate, shard)`` with
@@ -118,12 +119,11 @@ def fsdp_mesh(cfg: RunConfig, ctx: DistContext) -> Any:
 
 def parallelize_model(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext, wrap: set[str],
                       compute: torch.dtype | None, reduce: torch.dtype) -> None:
-    """The meta model becomes this rank's FSDP2 shards, in place: transform, shard, materialize.
+    """The meta model (adapters already added) becomes this rank's FSDP2 shards, in place: shard, materialize.
 
     ``wrap``: the decoder layer classes (:func:`wrap_class_names`); ``compute``: the dtype parameters
     are gathered in (None: as stored); ``reduce``: the gradient reduce dtype.
     """
-    # transform the model before sharding: nothing today; adapters (LoRA) are applied here, on the meta model
     shard(model, cfg, ctx, wrap, compute, reduce)
     materialize(model, ctx, cfg.fsdp.cpu_offload)
 
@@ -137,6 +137,9 @@ def shard(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext, wrap: set[st
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    from slurmft.job.adapters import unwrap
+
+    root, model = model, unwrap(model)  # a PEFT wrapper is the root; layers, embeddings and head are inside
     mesh = fsdp_mesh(cfg, ctx)
     kwargs: dict[str, Any] = {
         "mesh": mesh,
@@ -161,7 +164,7 @@ def shard(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext, wrap: set[st
     tail = [m for m in ((norm, embed, head) if tied else (norm, head)) if m is not None]
     if tail:  # used at the end of forward / start of backward: keep gathered in between
         fully_shard(tail, **{**kwargs, "reshard_after_forward": False})
-    fully_shard(model, **{k: v for k, v in kwargs.items() if k != "reshard_after_forward"})
+    fully_shard(root, **{k: v for k, v in kwargs.items() if k != "reshard_after_forward"})
 
 
 @torch.no_grad()

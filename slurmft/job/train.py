@@ -268,9 +268,15 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
 
     checkpointer = CheckpointManager(ctx, paths)
     candidates = checkpointer.resume_candidates()  # newest first; empty: a fresh start
+    if candidates:  # a full fine-tune's checkpoint cannot fill an adapter model, nor the other way round
+        distributed.guarded(ctx, "checking the checkpoint's kind",
+                            lambda: checkpointing.check_resume_method(candidates[0], cfg.lora is not None))
 
-    t_load = time.time()  # resuming: the weights come from the checkpoint, the base weights are not read
-    sharded = loading.build_sharded_model(cfg, inputs.config, inputs.model_dir, ctx, weights=not candidates)
+    # resuming a full fine-tune: the weights come from the checkpoint, the base weights are not read;
+    # an adapter checkpoint holds only the adapters, so the base weights are read as on a fresh start
+    t_load = time.time()
+    sharded = loading.build_sharded_model(cfg, inputs.config, inputs.model_dir, ctx,
+                                          weights=not candidates or cfg.lora is not None)
     if ctx.is_main:
         mesh = next(sharded.model.parameters()).device_mesh  # HSDP: (replicas, shards)
         how = {"sliced": "every rank read its own slice", "scatter": "rank 0 read and scattered",
@@ -278,9 +284,18 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
         log.info("model: %.1fM parameters, %s, FSDP2 mesh %s over %d ranks in %.1fs (%s; rank 0 read %.0f MiB)",
                  sharded.num_params / 1e6, str(sharded.dtype).removeprefix("torch."), tuple(mesh.shape),
                  ctx.world_size, time.time() - t_load, how, sharded.bytes_read / 2**20)
+        if sharded.lora is not None:
+            lora = sharded.lora
+            log.info("LoRA: r=%d, alpha=%g, dropout=%g on %s%s; %.2fM of %.1fM parameters train (%.2f%%), the base "
+                     "is frozen in %s", lora.r, lora.alpha, lora.dropout, ", ".join(lora.target_modules),
+                     f", full copies of {', '.join(lora.modules_to_save)}" if lora.modules_to_save else "",
+                     lora.trainable / 1e6, lora.total / 1e6, 100 * lora.trainable / lora.total,
+                     str(sharded.base_dtype).removeprefix("torch."))
 
     info = {"job_id": env.job_id, "restart": env.restart_count}
     marker_info = {**info, "precision": sharded.precision}  # consolidate.dtype=auto and resume read it
+    if sharded.lora is not None:  # an adapter checkpoint: consolidation merges it, resume checks it
+        marker_info["lora"] = sharded.lora.marker()
     preempt = PreemptionStop(ctx)
     saving = checkpointer.callbacks(sharded.model.config, getattr(sharded.model, "generation_config", None),
                                     inputs.tokenizer, cfg.checkpoint.keep_last, info, marker_info,
@@ -290,7 +305,8 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                    "reduce_dtype": str(sharded.reduce_dtype).removeprefix("torch."),
                    "compute_dtype": str(sharded.compute_dtype).removeprefix("torch."), "attn_implementation": attn,
                    "attn_requested": cfg.model.attn_implementation, "wrap_class": sharded.wrap_class,
-                   "num_params": sharded.num_params}
+                   "num_params": sharded.num_params,
+                   "lora": sharded.lora.marker() if sharded.lora is not None else None}
     callbacks = [*saving, preempt, MetricsLog(ctx, paths.metrics, info),  # saving before preempt: its on_save first
                  FsdpReport(ctx, paths.fsdp_report, report_info)]
     # after MetricsLog: a step is in metrics.jsonl before W&B gets it (what the next attempt skips)
@@ -331,9 +347,13 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
         step = (checkpoints.step_of(candidates[0]) or 0) if candidates else 0
         return _stopped(paths, env, ctx, step, saved=False, t_start=t_start)
 
+    adapters = sharded.lora.marker() if sharded.lora is not None else None
+
     def check_precision(checkpoint: Path) -> None:
         distributed.guarded(ctx, "checking the checkpoint's precision",
                             lambda: checkpointing.check_resume_precision(checkpoint, sharded.precision))
+        distributed.guarded(ctx, "checking the checkpoint's adapters",
+                            lambda: checkpointing.check_resume_adapters(checkpoint, adapters))
 
     try:  # the newest checkpoint that loads on every rank; older ones when loading fails (slurmft/job/checkpointing.py)
         trainer, _ = checkpointer.train(trainer, new_trainer, candidates, check_precision)

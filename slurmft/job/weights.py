@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slurmft.checkpoints import strip_wrappers
+from slurmft.checkpoints import is_adapter_name, strip_wrappers
 from slurmft.errors import JobSetupError
 from slurmft.job.conversion import Region, Sources, plan_loading, read_region
 from slurmft.job.distributed import DistContext, agree
@@ -100,8 +100,8 @@ def check_weights(model: torch.nn.Module, model_dir: Path) -> WeightPlan:
             for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 header = f.get_slice(key)
                 shapes[key], dtypes[key] = tuple(header.get_shape()), header.get_dtype()
-    required = {strip_wrappers(n): tuple(p.shape) for n, p in model.named_parameters()}
-    buffers = {strip_wrappers(n): tuple(b.shape) for n, b in model.named_buffers()}
+    required = {strip_wrappers(n): tuple(p.shape) for n, p in model.named_parameters() if not is_adapter_name(n)}
+    buffers = {strip_wrappers(n): tuple(b.shape) for n, b in model.named_buffers() if not is_adapter_name(n)}
     targets = {**{n: s for n, s in buffers.items() if n not in required}, **required}
     mapped = plan_loading(model, {k: shapes[k] for k in files if k in shapes}, targets)
     problems = list(mapped.problems)
@@ -139,9 +139,9 @@ def check_weights(model: torch.nn.Module, model_dir: Path) -> WeightPlan:
 
 
 def _named_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and buffers by checkpoint name (wrapper segments removed)."""
-    targets = {strip_wrappers(n): p for n, p in model.named_parameters()}
-    targets.update((strip_wrappers(n), b) for n, b in model.named_buffers())
+    """Parameters and buffers of the base model by checkpoint name (wrapper segments removed; no adapters)."""
+    targets = {strip_wrappers(n): p for n, p in model.named_parameters() if not is_adapter_name(n)}
+    targets.update((strip_wrappers(n), b) for n, b in model.named_buffers() if not is_adapter_name(n))
     return targets
 
 
@@ -172,6 +172,11 @@ def _local(target: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return target.to_local() if isinstance(target, DTensor) else target
+
+
+def local_part(target: torch.Tensor) -> tuple[torch.Tensor, Region | None]:
+    """(this rank's local tensor, the region of the full tensor it holds; None: all of it)."""
+    return _local(target), _region(target)
 
 
 class _Files:

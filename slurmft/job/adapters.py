@@ -1,0 +1,213 @@
+"""LoRA adapters on the meta-device model: added before sharding, initialised the same on every rank.
+
+What PEFT does (0.21, ``get_peft_model``): it wraps every target ``nn.Linear`` in a LoRA layer whose
+``base_layer`` is the original module and whose ``lora_A``/``lora_B`` are new linear layers, and it
+initialises them as they are created (A Kaiming-uniform from the global RNG, B zero). What TRL does
+with ``SFTTrainer(peft_config=...)``: the same on a model transformers already loaded in full.
+
+Why that is not enough here: the model is on the ``meta`` device until FSDP2 has sharded it
+(slurmft/job/parallelize.py), so an initial value made at creation is lost, and a value drawn from
+the global RNG depends on what ran before it on that rank.
+
+What we do (:func:`add_adapters`, :func:`init_adapters`):
+
+1. the target names are checked against the model's modules first, each one on its own (PEFT
+   silently ignores a name that matches nothing as long as another name matches), and a name that
+   is a fused mixture-of-experts tensor (a parameter, not a linear layer) is refused by name;
+2. ``get_peft_model(..., low_cpu_mem_usage=True)`` adds the adapters on the meta device; the base
+   parameters stay frozen in their dtype, the adapter parameters are float32 (their training state is
+   0.3 % of the model's at r=16, so fp32 costs nothing and keeps small updates);
+3. once the shards are allocated, every adapter tensor is drawn whole from a generator seeded by
+   ``train.seed`` and the tensor's checkpoint name, and each rank keeps its own part: the same
+   initial adapter on every rank, for any number of ranks and any order of construction, and for the
+   single-process PEFT reference of the tests. The draw is PEFT's default (``init_lora_weights=True``):
+   A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (Kaiming-uniform with a=sqrt(5)), B = 0, so the model starts
+   exactly at the base model.
+
+The base weights are read into the wrapped layers by slurmft/job/weights.py under their checkpoint
+names: PEFT's ``base_model.model.`` prefix and ``base_layer`` segment are wrapper segments to
+:func:`slurmft.checkpoints.strip_wrappers`; the adapter tensors are not in the base checkpoint
+(:func:`slurmft.checkpoints.is_adapter_name`). ``modules_to_save`` copies are trained in full and read
+from the base weights of the module they copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slurmft.checkpoints import is_adapter_name, strip_wrappers
+from slurmft.config import ALL_LINEAR, LoraConfig
+from slurmft.errors import JobSetupError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AdapterSummary:
+    """What the adapters are: written into every checkpoint's COMPLETE marker and the run's reports."""
+
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: list[str]  # resolved: the module names (last segments) that got an adapter
+    modules_to_save: list[str]
+    trainable: int  # parameters that train (adapters and modules_to_save copies)
+    total: int  # every parameter of the adapted model
+
+    def marker(self) -> dict[str, Any]:
+        """The ``lora`` entry of a checkpoint's COMPLETE marker (and of fsdp_report)."""
+        return {"r": self.r, "alpha": self.alpha, "dropout": self.dropout, "target_modules": self.target_modules,
+                "modules_to_save": self.modules_to_save, "trainable_params": self.trainable,
+                "total_params": self.total}
+
+
+def _linear_names(model: torch.nn.Module) -> list[str]:
+    """The last segments of the model's linear layers (what ``target_modules`` names), sorted."""
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+
+
+def _matches(module_name: str, target: str) -> bool:
+    """PEFT's rule for a list of names: the module's full name is the target or ends with ``.target``."""
+    return module_name == target or module_name.endswith("." + target)
+
+
+def target_problems(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
+    """Why ``lora.target_modules`` / ``lora.modules_to_save`` do not fit this model (empty: they do)."""
+    modules = dict(model.named_modules())
+    linear = _linear_names(model)
+    problems = []
+    targets = [] if lora.target_modules == ALL_LINEAR else list(lora.target_modules)
+    for target in targets:
+        hits = [m for name, m in modules.items() if _matches(name, target)]
+        if any(isinstance(m, torch.nn.Linear | torch.nn.Embedding) for m in hits):
+            continue
+        fused = sorted({f"{type(m).__name__}.{p}" for name, m in modules.items() for p, _ in
+                        m.named_parameters(recurse=False) if p == target or _matches(f"{name}.{p}", target)})
+        if fused:
+            problems.append(
+                f"lora.target_modules: {target!r} is a fused tensor ({', '.join(fused[:2])}: the experts of a "
+                "mixture-of-experts layer, one 3-D parameter), not a linear layer; LoRA on fused expert tensors is "
+                f"not supported. Adapt the attention and shared layers instead (all-linear, or some of: "
+                f"{', '.join(linear)})")
+        elif hits:
+            problems.append(f"lora.target_modules: {target!r} is a {type(hits[0]).__name__}, not a linear layer; "
+                            f"linear layers of this model: {', '.join(linear)}")
+        else:
+            problems.append(f"lora.target_modules: {target!r} matches no module of {type(model).__name__}; its "
+                            f"linear layers are: {', '.join(linear)}")
+    for name in lora.modules_to_save:
+        if not any(_matches(n, name) for n in modules):
+            children = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items()
+                               if n and next(m.parameters(recurse=False), None) is not None})
+            problems.append(f"lora.modules_to_save: {name!r} matches no module of {type(model).__name__}; modules "
+                            f"with their own weights: {', '.join(children)}")
+    return problems
+
+
+def peft_config(lora: LoraConfig, model: torch.nn.Module) -> Any:
+    """PEFT's ``LoraConfig`` for this section (CAUSAL_LM; our init, so PEFT's own is switched off)."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    targets = lora.target_modules if lora.target_modules == ALL_LINEAR else list(lora.target_modules)
+    return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                          modules_to_save=list(lora.modules_to_save) or None, task_type="CAUSAL_LM",
+                          init_lora_weights=True, bias="none")
+
+
+def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> tuple[torch.nn.Module, AdapterSummary]:
+    """The meta-device ``model`` wrapped by PEFT with LoRA adapters (float32, trainable) on a frozen base.
+
+    Raises :class:`JobSetupError` naming the field when a target does not fit the model.
+    """
+    problems = target_problems(model, lora)
+    if problems:
+        raise JobSetupError(f"lora: the adapters do not fit {type(model).__name__}", problems=problems)
+    try:
+        from peft import get_peft_model
+    except ImportError as exc:
+        raise JobSetupError(f"lora: needs the peft package ({type(exc).__name__}: {exc}); pip install "
+                            "'slurmft[lora]', or remove the lora section to fine-tune every weight") from None
+    try:
+        wrapped = get_peft_model(model, peft_config(lora, model), low_cpu_mem_usage=True)
+    except ValueError as exc:
+        raise JobSetupError(f"lora: PEFT refused the adapters: {exc}") from None
+    for param in wrapped.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()  # meta: no copy; adapters and modules_to_save train in fp32
+    adapted = sorted({n.rsplit(".", 1)[-1] for n, m in wrapped.named_modules() if hasattr(m, "lora_A")
+                      and any(True for _ in m.lora_A.parameters())})
+    trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in wrapped.parameters())
+    summary = AdapterSummary(lora.r, lora.alpha, lora.dropout, adapted, list(lora.modules_to_save), trainable, total)
+    return wrapped, summary
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a PEFT wrapper (the model itself when there is none)."""
+    get = getattr(type(model), "get_base_model", None)
+    return model.get_base_model() if get is not None else model
+
+
+def _seed_of(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
+
+
+def initial_value(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The whole initial value of adapter tensor ``name`` (checkpoint name): PEFT's default init, seeded."""
+    if ".lora_B." in f".{name}." or name.split(".")[-2:-1] == ["lora_B"]:
+        return torch.zeros(shape, dtype=torch.float32)
+    fan_in = shape[1] if len(shape) > 1 else shape[0]
+    bound = 1.0 / math.sqrt(fan_in)
+    generator = torch.Generator().manual_seed(_seed_of(seed, name))
+    return torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
+
+
+@torch.no_grad()
+def init_adapters(model: torch.nn.Module, seed: int) -> int:
+    """Fill every LoRA tensor (DTensor shard or plain tensor) with its part of :func:`initial_value`.
+
+    Returns how many tensors were set. ``modules_to_save`` copies are not touched: they are read from
+    the base weights (slurmft/job/weights.py).
+    """
+    from slurmft.job.weights import local_part
+
+    count = 0
+    for full_name, param in model.named_parameters():
+        name = strip_wrappers(full_name)
+        if not is_adapter_name(name) or ".modules_to_save." in f".{name}.":
+            continue
+        value = initial_value(name, tuple(param.shape), seed)
+        target, region = local_part(param)
+        if region is not None:
+            value = value[tuple(slice(a, b) for a, b in region)]
+        target.copy_(value.to(target.dtype))
+        count += 1
+    return count
+
+
+@torch.no_grad()
+def copy_saved_modules(model: torch.nn.Module) -> int:
+    """Start every ``modules_to_save`` copy from the base weights it copies (local shards, same placements).
+
+    Returns how many tensors were copied.
+    """
+    from slurmft.job.weights import local_part
+
+    count = 0
+    for module in model.modules():
+        original, copies = getattr(module, "original_module", None), getattr(module, "modules_to_save", None)
+        if original is None or not isinstance(copies, torch.nn.ModuleDict):
+            continue
+        sources = dict(original.named_parameters())
+        for copy in copies.values():
+            for name, param in copy.named_parameters():
+                target, _ = local_part(param)
+                target.copy_(local_part(sources[name])[0].to(target.dtype))
+                count += 1
+    return count
