@@ -6,8 +6,8 @@ job runs it, its process group set up and torn down per run, each on a fresh ren
 picks and leaves in ``RUN_DIR.port`` for the others (a torchrun agent's store, reused for a third process
 group, hung in ``init_process_group``; fixed ports next to the first one collided with gloo's own
 connections). The imports (torch, transformers, TRL: most of a tiny run's minute on a loaded CPU) are
-paid once. A run that fails leaves ``RUN_DIR.failed.rank<R>`` with its error on each rank and the next
-run starts.
+paid once. A run that fails leaves ``RUN_DIR.failed.rank<R>`` with its error on each rank (a setup error as
+the job prints it, then the exception) and the next run starts.
 """
 
 from __future__ import annotations
@@ -18,8 +18,26 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from slurmft.job.entrypoint import run_train
+
+
+class _Said:
+    """sys.stderr, remembering what was written through it."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.parts = stream, []
+
+    def write(self, text: str) -> int:
+        self.parts.append(text)
+        return self.stream.write(text)
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
 
 
 def _port(run_dir: str, rank: str) -> str:
@@ -44,14 +62,18 @@ def main(run_dirs: list[str]) -> int:
     failed = 0
     rank = os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0"))
     for run_dir in run_dirs:
+        said = _Said(sys.stderr)
+        sys.stderr = said  # what run_train prints itself (a setup error) goes into RUN_DIR.failed.rank<R> too
         try:
             os.environ["MASTER_PORT"] = _port(run_dir, rank)
             run_train(run_dir)
         except BaseException as exc:  # noqa: BLE001 - SystemExit(2) for a setup error too: record it, go on
             failed += 1
-            text = f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            text = f"{said.text()}rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
             Path(f"{run_dir}.failed.rank{rank}").write_text(text)
             sys.stderr.write(text)
+        finally:
+            sys.stderr = said.stream
     return 1 if failed else 0
 
 

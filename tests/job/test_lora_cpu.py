@@ -1,0 +1,225 @@
+"""LoRA on real two-rank FSDP2 (gloo, CPU): sharded adapters, PEFT's losses, adapter-only checkpoints that resume.
+
+One set of runs serves every check (tests/job/run_many.py: one start-up per launch):
+
+- launch 1: ``lora`` (the tiny model, LoRA r=4 on every linear layer, 4 steps, checkpoints at 2 and 4),
+  ``full`` (a full fine-tune, 2 steps: a full checkpoint for the mismatch case) and ``badtarget``
+  (a target name that matches no module);
+- launch 2: ``resumed`` (a copy of ``lora`` cut back to checkpoint-2), and three copies that must be
+  refused before anything is loaded: ``lora`` without its lora section, ``full`` with one, ``lora`` with
+  another rank;
+- the single-process PEFT reference (tests/job/peft_reference.py: transformers + PEFT, no FSDP, the whole
+  global batch on one process);
+- tests/job/adapter_survival.py, twice (save, load): rank-dependent shards through the job's save and load.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .helpers import launch_like_srun, read_metrics, write_run
+
+pytestmark = pytest.mark.train
+
+STEPS, EVERY = 4, 2
+LORA = ["lora.r=4", "lora.alpha=8"]
+RUN_ARGS = [f"train.max_steps={STEPS}", f"checkpoint.every_steps={EVERY}", "checkpoint.keep_last=2",
+            "data.max_seq_length=128", "train.per_device_batch_size=1"]
+HERE = Path(__file__).resolve().parent
+
+
+def _tree(run: Path) -> dict[str, Any]:
+    """Every file under the run's checkpoints with its size and, for markers, its text (to see nothing changed)."""
+    out: dict[str, Any] = {}
+    for path in sorted((run / "checkpoints").rglob("*")):
+        if path.is_file():
+            out[str(path.relative_to(run))] = path.read_text() if path.name == "COMPLETE" else path.stat().st_size
+    return out
+
+
+def _copy(run: Path, to: Path, cut_after: int | None = None, edit: Any = None) -> Path:
+    ignore = shutil.ignore_patterns(*[f"checkpoint-{s}" for s in range((cut_after or 10**6) + 1, 50)],
+                                    "model", "fsdp_report")
+    shutil.copytree(run, to, ignore=ignore)
+    data = (run / "config.yaml").read_text().replace(str(run), str(to))
+    if edit is not None:
+        import yaml
+
+        cfg = yaml.safe_load(data)
+        edit(cfg)
+        data = yaml.safe_dump(cfg, sort_keys=False)
+    (to / "config.yaml").write_text(data)
+    if cut_after is not None:
+        kept = [m for m in read_metrics(run) if m["step"] <= cut_after]
+        (to / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in kept))
+    return to
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("lora")
+    runs = {
+        "lora": write_run(root / "lora", tiny_model, [*RUN_ARGS, *LORA]),
+        "full": write_run(root / "full", tiny_model, [*RUN_ARGS, "train.max_steps=2"]),
+        "badtarget": write_run(root / "badtarget", tiny_model, [*RUN_ARGS, *LORA, "lora.target_modules=[q_proj, qproj]"]),
+    }
+    first = [runs["lora"], runs["full"], runs["badtarget"]]
+    _, out = launch_like_srun(root / "first", job_env, program=[str(HERE / "run_many.py")],
+                              args=[str(r) for r in first]).wait(timeout=600)
+    for path in sorted(root.glob("*.failed.rank*")):
+        assert path.name.startswith("badtarget."), path.read_text()[-3000:]
+
+    def no_lora(cfg: dict) -> None:
+        cfg.pop("lora")
+
+    def with_lora(cfg: dict) -> None:
+        cfg["lora"] = {"r": 4, "alpha": 8}
+        cfg["train"]["max_steps"] = STEPS  # the full run stopped at its last step: give it steps to do
+
+    def other_rank(cfg: dict) -> None:
+        cfg["lora"]["r"] = 8
+
+    runs["resumed"] = _copy(runs["lora"], root / "resumed", cut_after=EVERY)
+    runs["nolora"] = _copy(runs["lora"], root / "nolora", cut_after=EVERY, edit=no_lora)
+    runs["fullwithlora"] = _copy(runs["full"], root / "fullwithlora", edit=with_lora)
+    runs["otherrank"] = _copy(runs["lora"], root / "otherrank", cut_after=EVERY, edit=other_rank)
+    before = {name: _tree(runs[name]) for name in ("nolora", "fullwithlora", "otherrank")}
+    second = [runs[n] for n in ("resumed", "nolora", "fullwithlora", "otherrank")]
+    _, out2 = launch_like_srun(root / "second", job_env, program=[str(HERE / "run_many.py")],
+                               args=[str(r) for r in second]).wait(timeout=600)
+    reference = subprocess.run([sys.executable, str(HERE / "peft_reference.py"), str(runs["lora"]),
+                                str(root / "reference.json")], env=job_env, capture_output=True, text=True,
+                               timeout=600, check=False)
+    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    survival = root / "survival"
+    survival.mkdir()
+    for phase in ("save", "load"):
+        rc, log = launch_like_srun(survival / phase, job_env, program=[str(HERE / "adapter_survival.py")],
+                                   args=[phase, str(runs["lora"]), str(survival)]).wait(timeout=300)
+        assert rc == 0, log[-4000:]
+    return {"runs": runs, "log": out + "\n" + out2, "before": before, "reference": root / "reference.json",
+            "survival": survival}
+
+
+def _dcp(directory: Path) -> dict[str, Any]:
+    """A DCP directory as one plain state dict (torch's own converter)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = directory.parent / f"{directory.parent.name}-{directory.name}.pt"
+    if not out.exists():
+        dcp_to_torch_save(str(directory), str(out))
+    return torch.load(out, weights_only=False)
+
+
+def test_base_and_adapters_are_dtensor_shards_and_only_adapters_train(lora_runs: dict[str, Any]) -> None:
+    run = lora_runs["runs"]["lora"]
+    reports = [json.loads((run / "fsdp_report" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rep in reports:
+        assert rep["distributed_type"] == "DistributedType.FSDP"
+        assert rep["param_types"] == ["DTensor"], rep
+        assert rep["num_dtensors"] == rep["num_tensors"] > 0
+        assert rep["placements"] == ["(Shard(dim=0),)"]
+        lora = rep["lora"]
+        assert lora["r"] == 4 and lora["alpha"] == 8
+        assert lora["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+        # 4 layers x (q,k,v,o: 256->256; gate, up: 256->688; down: 688->256), r x (in + out) each
+        assert lora["trainable_params"] == 4 * 4 * (4 * (256 + 256) + 3 * (256 + 688))
+    assert "LoRA: r=4, alpha=8, dropout=0 on down_proj, gate_proj" in lora_runs["log"]
+
+
+def test_losses_equal_the_single_process_peft_run(lora_runs: dict[str, Any]) -> None:
+    """fp32 on both sides; the sums differ only in order (two ranks' reduce-scatter vs one batch), hence 1e-5."""
+    ours = [m["loss"] for m in read_metrics(lora_runs["runs"]["lora"])]
+    reference = json.loads(lora_runs["reference"].read_text())["losses"]
+    assert len(ours) == len(reference) == STEPS
+    assert ours == pytest.approx(reference, rel=1e-5, abs=0), (ours, reference)
+    assert ours[-1] < ours[0]  # it trained
+
+    import torch
+    from safetensors.torch import load_file
+
+    peft_final = load_file(str(lora_runs["reference"].with_suffix(".safetensors")))
+    saved = _dcp(lora_runs["runs"]["lora"] / "checkpoints" / f"checkpoint-{STEPS}" / "pytorch_model_fsdp_0")["model"]
+    ours_final = {k.replace(".default.", "."): v for k, v in saved.items()}
+    assert set(ours_final) == set(peft_final)  # PEFT's own names, every adapter tensor and nothing else
+    for name, tensor in peft_final.items():
+        torch.testing.assert_close(ours_final[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_checkpoints_hold_only_the_adapters(lora_runs: dict[str, Any], tiny_model: Path) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from slurmft.checkpoints import is_adapter_name
+
+    checkpoint = lora_runs["runs"]["lora"] / "checkpoints" / f"checkpoint-{STEPS}"
+    marker = json.loads((checkpoint / "COMPLETE").read_text())
+    assert marker["lora"]["r"] == 4 and marker["lora"]["trainable_params"] > 0
+    keys = list(FileSystemReader(str(checkpoint / "pytorch_model_fsdp_0")).read_metadata().state_dict_metadata)
+    assert keys and all(is_adapter_name(k) for k in keys), keys[:5]
+    model_bytes = sum(p.stat().st_size for p in (checkpoint / "pytorch_model_fsdp_0").iterdir())
+    base_bytes = (tiny_model / "model.safetensors").stat().st_size
+    assert model_bytes < 0.05 * base_bytes, (model_bytes, base_bytes)
+
+
+def test_a_resumed_lora_run_is_bitwise_the_uninterrupted_one(lora_runs: dict[str, Any]) -> None:
+    import torch
+
+    runs = lora_runs["runs"]
+    assert not list(runs["resumed"].parent.glob("resumed.failed.rank*"))
+    assert [m["step"] for m in read_metrics(runs["resumed"])] == list(range(1, STEPS + 1))
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        a = _dcp(runs["lora"] / "checkpoints" / f"checkpoint-{STEPS}" / part)
+        b = _dcp(runs["resumed"] / "checkpoints" / f"checkpoint-{STEPS}" / part)
+        flat_a, flat_b = _flatten(a), _flatten(b)
+        assert flat_a.keys() == flat_b.keys()
+        for key, value in flat_a.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, flat_b[key]), f"{part}: {key}"
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix: tree}
+
+
+def test_every_ranks_part_of_every_adapter_survives_a_checkpoint(lora_runs: dict[str, Any]) -> None:
+    results = [json.loads((lora_runs["survival"] / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for res in results:
+        assert res["tensors"] == 56 and res["frozen"] > 0
+        assert res["equal_before_load"] == 0  # a fresh model differs: the load really put the values back
+        assert res["mismatches"] == [], res
+    assert all(r["local_elements"] > 0 for r in results)  # both ranks held a part
+
+
+@pytest.mark.parametrize(("run", "words"), [
+    ("badtarget", [r"lora\.target_modules: 'qproj' matches no module of LlamaForCausalLM; its linear layers are: "
+                   r"down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"]),
+    ("nolora", [r"lora: checkpoint-2 is a LoRA adapter checkpoint \(r=4, alpha=8\.0", "no lora section"]),
+    ("fullwithlora", [r"lora: checkpoint-2 is a full fine-tuning checkpoint", "has a lora section"]),
+    ("otherrank", [r"lora: checkpoint-2 was trained with other adapters", r"r: 4 in the checkpoint, 8 now"]),
+])
+def test_bad_lora_input_stops_every_rank_with_a_clear_error_and_loses_nothing(
+        lora_runs: dict[str, Any], run: str, words: list[str]) -> None:
+    path = lora_runs["runs"][run]
+    for rank in (0, 1):  # tests/job/run_many.py keeps what each rank printed for a run that failed
+        text = path.with_name(f"{path.name}.failed.rank{rank}").read_text()
+        assert f"slurmft rank {rank}: setup error" in text, text[-3000:]
+        for pattern in words:
+            assert re.search(pattern, text), (pattern, text[-3000:])
+    assert not read_metrics(path) if run == "badtarget" else True  # it stopped before the first step
+    if run in lora_runs["before"]:
+        assert _tree(path) == lora_runs["before"][run]  # not a file of the checkpoints changed
+        assert max(m["step"] for m in read_metrics(path)) == EVERY  # no step logged after the copy's checkpoint
