@@ -14,7 +14,10 @@ What we do (:func:`add_adapters`, :func:`init_adapters`):
 1. the target names are checked against the model's modules first, each one on its own (PEFT
    silently ignores a name that matches nothing as long as another name matches), and a name that
    is a fused mixture-of-experts tensor (a parameter, not a linear layer) is refused by name;
-2. ``get_peft_model(..., low_cpu_mem_usage=True)`` adds the adapters on the meta device; the base
+2. ``all-linear`` becomes the names of the model's linear layers but the output head
+   (:func:`linear_targets`: in a mixture-of-experts model the fused expert tensors and the router stay
+   frozen, where PEFT 0.21's own ``all-linear`` would give them its per-expert ``ParamWrapper``);
+   ``get_peft_model(..., low_cpu_mem_usage=True)`` adds the adapters on the meta device; the base
    parameters stay frozen in their dtype, the adapter parameters are float32 (their training state is
    0.3 % of the model's at r=16, so fp32 costs nothing and keeps small updates);
 3. once the shards are allocated, every adapter tensor is drawn whole from a generator seeded by
@@ -87,8 +90,9 @@ def target_problems(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
         hits = [m for name, m in modules.items() if _matches(name, target)]
         if any(isinstance(m, torch.nn.Linear | torch.nn.Embedding) for m in hits):
             continue
-        fused = sorted({f"{type(m).__name__}.{p}" for name, m in modules.items() for p, _ in
-                        m.named_parameters(recurse=False) if p == target or _matches(f"{name}.{p}", target)})
+        fused = sorted({f"{type(m).__name__}.{p}" for name, m in modules.items() for p, t in
+                        m.named_parameters(recurse=False)
+                        if t.dim() >= 3 and (_matches(f"{name}.{p}", target) or _matches(name, target))})
         if fused:
             problems.append(
                 f"lora.target_modules: {target!r} is a fused tensor ({', '.join(fused[:2])}: the experts of a "
@@ -110,11 +114,54 @@ def target_problems(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
     return problems
 
 
+def linear_targets(model: torch.nn.Module) -> list[str]:
+    """``all-linear`` as module names: every ``nn.Linear`` but the output head, by its last name segment (by its
+    full name where that segment also names something else: a mixture-of-experts router called ``gate``, or the
+    fused ``down_proj`` expert tensor beside a shared expert's ``down_proj`` layer).
+
+    Not PEFT's own ``all-linear``: PEFT 0.21 also puts its per-expert LoRA (``ParamWrapper``) on the fused
+    expert tensors and the router of a mixture-of-experts layer, which slurmft neither shards by expert nor
+    merges; here those stay frozen and the attention (and shared-expert) layers train.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    modules = dict(model.named_modules())
+    linear = [n for n, m in modules.items() if isinstance(m, torch.nn.Linear) and m is not head]
+    # PEFT 0.21 reads a target name that is also the name of a fused expert tensor (``down_proj``) as that tensor
+    fused = {p for m in modules.values() for p, t in m.named_parameters(recurse=False) if t.dim() >= 3}
+    names = []
+    for leaf in sorted({n.rsplit(".", 1)[-1] for n in linear}):
+        matches = [n for n in modules if _matches(n, leaf)]
+        whole = leaf not in fused and all(n in linear for n in matches)
+        names += [leaf] if whole else sorted(n for n in matches if n in linear)
+    return names
+
+
+def expert_remapped(config: Any, model: torch.nn.Module) -> set[str]:
+    """The target names PEFT would move onto a mixture-of-experts model's fused expert tensors.
+
+    PEFT 0.21 rewrites the targets of an MoE model whose layout transformers 5 changed (Mixtral, the
+    Qwen2-MoE family: ``gate_proj``/``up_proj``/``down_proj``/``w1``-``w3``/``gate`` become its per-expert
+    ``ParamWrapper`` LoRA on ``gate_up_proj``/``down_proj``), even for a shared expert's linear layer of the
+    same name. Found by running PEFT's own rewrite on a copy of the config.
+    """
+    import copy
+
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:
+        return set()
+    if isinstance(config.target_modules, str):
+        return set()
+    probe = copy.deepcopy(config)
+    convert_peft_config_for_transformers(probe, model=model, conversions=None)
+    return set(config.target_modules) - set(probe.target_modules or [])
+
+
 def peft_config(lora: LoraConfig, model: torch.nn.Module) -> Any:
     """PEFT's ``LoraConfig`` for this section (CAUSAL_LM; our init, so PEFT's own is switched off)."""
     from peft import LoraConfig as PeftLoraConfig
 
-    targets = lora.target_modules if lora.target_modules == ALL_LINEAR else list(lora.target_modules)
+    targets = linear_targets(unwrap(model)) if lora.target_modules == ALL_LINEAR else list(lora.target_modules)
     return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
                           modules_to_save=list(lora.modules_to_save) or None, task_type="CAUSAL_LM",
                           init_lora_weights=True, bias="none")
@@ -133,8 +180,20 @@ def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> tuple[torch.nn.Mod
     except ImportError as exc:
         raise JobSetupError(f"lora: needs the peft package ({type(exc).__name__}: {exc}); pip install "
                             "'slurmft[lora]', or remove the lora section to fine-tune every weight") from None
+    config = peft_config(lora, model)
+    remapped = expert_remapped(config, model)
+    if remapped and lora.target_modules != ALL_LINEAR:
+        raise JobSetupError(f"lora: the adapters do not fit {type(model).__name__}", problems=[
+            f"lora.target_modules: {name!r} names the fused expert tensors of this mixture-of-experts model for "
+            "PEFT (it maps the name onto them); LoRA on fused expert tensors is not supported. Adapt the attention "
+            f"layers instead: all-linear, or some of {', '.join(n for n in linear_targets(model) if n not in remapped)}"
+            for name in sorted(remapped)])
+    if remapped:  # all-linear: the experts' names stay frozen (they are fused tensors to PEFT)
+        config.target_modules = sorted(set(config.target_modules) - remapped)
+        log.info("lora: all-linear in a mixture-of-experts model adapts %s; the experts, the router and the layers "
+                 "named like them (%s) stay frozen", ", ".join(config.target_modules), ", ".join(sorted(remapped)))
     try:
-        wrapped = get_peft_model(model, peft_config(lora, model), low_cpu_mem_usage=True)
+        wrapped = get_peft_model(model, config, low_cpu_mem_usage=True)
     except ValueError as exc:
         raise JobSetupError(f"lora: PEFT refused the adapters: {exc}") from None
     for param in wrapped.parameters():
