@@ -1,0 +1,64 @@
+"""LoRA on the real two-node cluster: preempted once (the warning signal mid-run), the run ends with the adapter and
+the merged model bitwise equal to its uninterrupted run's, and every checkpoint it wrote holds adapters only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.slurm.jobs import restarts, signal_rank_steps
+
+pytestmark = pytest.mark.slurm
+
+TRAIN = {"max_steps": 6}
+CHECKPOINT = {"every_steps": 3, "keep_last": 2}
+RESOURCES = {"nodes": 1, "gpus_per_node": 2}  # 2 ranks on one node: the two runs share the cluster's two nodes
+LORA = {"r": 8, "alpha": 16}
+
+
+def test_lora_preempted_once_ends_bitwise_equal_to_its_uninterrupted_run(
+        slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path: Path, slurmft) -> None:
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from slurmft.checkpoints import is_adapter_name
+
+    runs = {}
+    for name in ("uninterrupted", "preempted"):
+        (tmp_path / name).mkdir()
+        path = slurmft.write_config(tmp_path / name, tiny_model, chat_data, train=TRAIN, checkpoint=CHECKPOINT,
+                                    resources=RESOURCES, lora=LORA)
+        runs[name] = (tmp_path / name / "run", slurmft.submit(path))
+    run, jobs = runs["preempted"]
+    job = jobs["train"]
+    slurmft.wait_for("step 2", lambda: any(m["step"] >= 2 for m in slurmft.metrics(run)))
+    signal_rank_steps(job)
+    slurmft.wait_for("restart 1", lambda: restarts(job) >= 1, timeout=120)
+    for _, started in runs.values():
+        slurm_cluster.wait_state(started["train"], "COMPLETED", timeout=400)
+        slurm_cluster.wait_state(started["consolidate"], "COMPLETED", timeout=240)
+    steps = slurmft.metrics(run)
+    assert sorted(m["step"] for m in steps) == list(range(1, TRAIN["max_steps"] + 1))
+    assert {m["restart"] for m in steps} == {0, 1}  # the preemption happened between two steps it logged
+    reference = runs["uninterrupted"][0]
+
+    adapter, expected = load_file(str(run / "adapter" / "adapter_model.safetensors")), \
+        load_file(str(reference / "adapter" / "adapter_model.safetensors"))
+    assert adapter.keys() == expected.keys() and adapter
+    for key, tensor in expected.items():
+        assert adapter[key].equal(tensor), key
+    slurmft.assert_same_model(run / "model", reference / "model")
+
+    base_bytes = (tiny_model / "model.safetensors").stat().st_size
+    checkpoints = sorted((run / "checkpoints").glob("checkpoint-*"))
+    assert checkpoints
+    for checkpoint in checkpoints:
+        marker = json.loads((checkpoint / "COMPLETE").read_text())
+        assert marker["lora"]["r"] == LORA["r"]
+        model_dir = checkpoint / "pytorch_model_fsdp_0"
+        keys = list(FileSystemReader(str(model_dir)).read_metadata().state_dict_metadata)
+        assert keys and all(is_adapter_name(k) for k in keys), keys[:4]  # no base weight in it
+        whole = sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
+        assert whole < 0.25 * base_bytes, (checkpoint.name, whole, base_bytes)  # adapters, optimizer, tokenizer
