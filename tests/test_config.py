@@ -128,3 +128,31 @@ def test_replicate_across_nodes_needs_fsdp_and_is_suggested_for_foreign_spelling
         with pytest.raises(ConfigError) as err:
             validate({**base, "fsdp": {key: True}})
         assert "did you mean fsdp.replicate_across_nodes?" in err.value.render(), key
+
+
+def test_lora_section_defaults_and_bad_values_name_the_field_and_the_fix() -> None:
+    assert validate(minimal()).lora is None  # absent: full fine-tuning
+    lora = validate(minimal(lora={})).lora
+    assert lora is not None and (lora.r, lora.alpha, lora.dropout, lora.target_modules) == (16, 32.0, 0.0, "all-linear")
+    assert lora.scaling == 2.0 and lora.modules_to_save == []
+    assert validate(minimal(lora={"target_modules": "q_proj"})).lora.target_modules == ["q_proj"]
+    with pytest.raises(ConfigError) as err:
+        validate(minimal(lora={"r": 0, "dropout": 1.5, "target_modules": [], "modules_to_save": ["a b"]}))
+    text = err.value.render()
+    assert "lora.r: the adapter rank must be at least 1 (typical: 8 to 64; got 0); set lora.r=16" in text
+    assert "lora.dropout: Input should be less than 1" in text
+    assert "lora.target_modules: an empty list adapts nothing" in text
+    assert "lora.modules_to_save: 'a b' is not a module name" in text
+
+
+@pytest.mark.parametrize(("where", "key", "ours"), [
+    ("", "adapter", "lora"), ("", "use_peft", "lora"), ("", "lora_r", "lora.r"), ("", "lora_alpha", "lora.alpha"),
+    ("", "lora_dropout", "lora.dropout"), ("", "lora_target_modules", "lora.target_modules"),
+    ("", "lora_target_linear", "lora.target_modules"), ("lora", "lora_alpha", "lora.alpha"),
+    ("lora", "lora_dropout", "lora.dropout"), ("lora", "rank", "lora.r"), ("consolidate", "merge_lora", "consolidate.merge"),
+])
+def test_lora_spellings_from_axolotl_trl_and_torchtune_get_a_did_you_mean(where: str, key: str, ours: str) -> None:
+    data = minimal(**({where: {key: 1}} if where else {key: 1}))
+    with pytest.raises(ConfigError) as err:
+        validate(data)
+    assert f"did you mean {ours}?" in err.value.render()
