@@ -334,7 +334,7 @@ def render_table(result: dict[str, Any]) -> RenderableType:
             + (f" + full copies of {', '.join(lora['modules_to_save'])}" if lora["modules_to_save"] else "")
             + f": {lora['trainable_params']:,} trainable parameters ({100 * lora['trainable_share']:.2f} %), the base "
             f"frozen in {lora['base_dtype']}; a full fine-tune here: {decimal_gb(full['per_gpu_total'])} per GPU"
-            + ("" if full["fits"] else " (does not fit)") + f", checkpoint {decimal_gb(full['checkpoint_bytes'])}")
+            + ("" if full["fits"] else " (over capacity)") + f", checkpoint {decimal_gb(full['checkpoint_bytes'])}")
 
     t = Table(title="Per GPU" if s["device"] == "gpu" else "Per rank (CPU)", title_justify="left")
     t.add_column("component")
