@@ -90,9 +90,15 @@ def validate(config: Path, overrides: tuple[str, ...]) -> None:
     """Check RUN.yaml (and its cluster profile) without writing or submitting anything."""
     cfg, profile = _load(config, overrides)
     report = _checks(cfg, config)
-    _warn_lead_time(_estimate(cfg, profile)[0], cfg, profile)
+    result = _estimate(cfg, profile)[0]
+    _warn_lead_time(result, cfg, profile)
     click.echo(f"{config}: ok (run {cfg.name}, executor {cfg.resolved_executor.value}, profile {profile.name}, "
                f"{cfg.resources.nodes} node(s) x {cfg.resources.ranks_per_node} rank(s))")
+    if cfg.lora is not None:
+        from slurmft.plan.estimate_text import lora_summary
+        from slurmft.plan.settings import LoraSettings
+
+        click.echo(f"  {lora_summary(LoraSettings.of(cfg.lora), result['lora'] if result else None)}")
     for line in report.notes:
         click.echo(f"  {line}")
 

@@ -720,3 +720,61 @@ if __name__ == "__main__":
         _fsdp_worker(sys.argv[2])
     else:
         sys.exit("usage: python tests/test_estimate.py fsdp-worker OUT_DIR")
+
+
+# ====================================================================== LoRA
+def test_lora_70b_on_one_node_the_issues_numbers():
+    """Llama-2-70B, r=16 on every linear layer: 207M adapter parameters (0.3 %), one node of 8 x 80 GB, a
+    checkpoint of ~2.5 GB instead of ~414 GB (bf16-true) / ~828 GB (fp32 master weights)."""
+    r = E.estimate(seed_config(resources__nodes=1, train__precision="bf16-mixed", lora={}),
+                   profile())
+    lora = r["lora"]
+    # per layer: r x (in + out) of q, k, v, o, gate, up, down = 16 x (16384 + 2 x 9216 + 16384 + 3 x 36864)
+    assert lora["trainable_params"] == 80 * 16 * (16384 + 2 * 9216 + 16384 + 3 * 36864) == 207_093_760
+    assert lora["resolved_target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                               "v_proj"]
+    assert 0.0029 < lora["trainable_share"] < 0.0031 and lora["base_dtype"] == "bfloat16"
+    assert r["fits"] and r["setup"]["world_size"] == 8
+    assert r["checkpoint_bytes"] == 12 * 207_093_760  # 2.49 GB: adapters + 2 AdamW states in fp32, no base
+    assert lora["full_finetune"]["checkpoint_bytes"] == 12 * r["parameters"] and not lora["full_finetune"]["fits"]
+    true = E.estimate(seed_config(resources__nodes=1, train__precision="bf16-true", lora={}), profile())
+    assert true["lora"]["full_finetune"]["checkpoint_bytes"] == 6 * r["parameters"]  # ~414 GB, the issue's figure
+    g = r["per_gpu"]
+    base_local = sum(E._shard_numel(s, 8) for s in E.model_shape(modelinfo.read_model_config(
+        "meta-llama/Llama-2-70b-hf")).all_tensors())
+    trained_local = g["gradients"] // 4
+    assert g["weights"] == 2 * base_local + 4 * trained_local  # frozen bf16 base + fp32 adapters
+    assert g["optimizer"] == 8 * trained_local and trained_local >= 207_093_760 // 8
+    assert g["reduce_scatter"] < 20e6  # only an adapter layer's gradients are reduced
+    assert r["consolidated_bytes"] == 2 * r["parameters"] and lora["adapter_bytes"] == 2 * 207_093_760
+    assert any(a.startswith("LoRA (r=16, alpha=32 on all-linear") for a in r["assumptions"])
+
+
+def test_full_finetune_that_does_not_fit_offers_lora_with_its_figures():
+    r = E.estimate(seed_config(resources__nodes=1, train__precision="bf16-mixed"), profile())
+    assert not r["fits"] and r["lora"] is None
+    offer = [x for x in r["remedies"] if x.startswith("add a lora: section")]
+    assert offer and "207.1M trainable parameters, 0.30 % of the model" in offer[0], r["remedies"]
+    assert "checkpoint 2.5 GB instead of 827.7 GB" in offer[0] and "28.9 GB per GPU" in offer[0]
+    assert "add a lora: section" in r["verdict"]
+
+
+def test_lora_without_merge_writes_no_model_and_lists_are_counted():
+    r = E.estimate(seed_config(lora={"r": 8, "target_modules": ["q_proj", "v_proj"]}, consolidate__merge=False),
+                   profile())
+    assert r["lora"]["trainable_params"] == 80 * 8 * ((8192 + 8192) + (8192 + 1024))
+    assert r["consolidated_bytes"] == 0 and r["lora"]["merge"] is False
+    bad = E.estimate(seed_config(lora={"target_modules": ["q_proj", "experts"]}), profile())
+    assert bad["lora"]["unmatched"] and any("'experts'" in a for a in bad["assumptions"])
+
+
+def test_lora_table_says_what_trains():
+    from rich.console import Console
+
+    r = E.estimate(seed_config(resources__nodes=1, lora={}), profile())
+    console = Console(width=140, record=True)
+    console.print(T.render_table(r))
+    text = console.export_text()
+    assert "LoRA r=16, alpha=32 on down_proj, gate_proj" in text and "207,093,760 trainable parameters" in text
+    assert "frozen base bfloat16 + adapters fp32" in text and "adapters only, 2 fp32 states" in text
+    assert "sharded checkpoint (adapters + optimizer, no base), each" in text and "merged model/ (bfloat16)" in text

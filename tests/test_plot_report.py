@@ -101,3 +101,15 @@ def test_report_cli_and_a_report_failure_never_raises(tmp_path: Path, capsys: py
     (run / "manifest.json").write_text("{torn")  # a corrupt manifest: still a report from the metrics
     assert write_report_safely(run) == run / "report.md"
     assert "manifest:" in (run / "report.md").read_text()
+
+
+def test_report_names_the_method(tmp_path: Path) -> None:
+    run = preempted_run(tmp_path)
+    assert "| method | full fine-tuning (every weight trains) |" in write_report(run, slurm_rows=slurm_rows()).read_text()
+    marker = run / "checkpoints" / "checkpoint-36" / "COMPLETE"
+    lora = {"r": 16, "alpha": 32.0, "dropout": 0.0, "target_modules": ["down_proj", "q_proj"],
+            "modules_to_save": ["lm_head"], "trainable_params": 207_093_760, "total_params": 69_183_741_952}
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "lora": lora}))
+    text = write_report(run, slurm_rows=slurm_rows()).read_text()
+    assert ("| method | LoRA r=16, alpha=32 (scaling 2), dropout 0 on down_proj, q_proj, full copies of lm_head: "
+            "207.1M of 69.18B parameters train (0.30 %) |") in text

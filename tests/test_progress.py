@@ -189,3 +189,39 @@ def test_overview_lines_say_it_in_words(tmp_path: Path) -> None:
     assert "model: not consolidated yet" in text
     (paths.metrics).unlink()
     assert "progress: no metrics.jsonl yet" in "\n".join(overview_lines(overview(paths, {"jobs": []}, [])))
+
+
+def test_a_lora_run_says_so_from_its_checkpoint_marker_else_its_config(tmp_path: Path) -> None:
+    import yaml
+
+    from slurmft.watch.progress import lora_info, lora_words, overview, overview_lines
+
+    paths = RunPaths.of(preempted_run(tmp_path))
+    assert lora_info(paths) is None and lora_words(None) == "full fine-tuning (every weight trains)"
+    assert "method:" not in "\n".join(overview_lines(overview(paths, json.loads(paths.manifest.read_text()), [])))
+
+    cfg = yaml.safe_load(paths.config.read_text())
+    paths.config.write_text(yaml.safe_dump({**cfg, "lora": {"r": 8, "target_modules": ["q_proj", "v_proj"]}}))
+    asked = lora_info(paths)  # before a checkpoint or fsdp_report: what the config asks, no counts
+    assert asked == {"r": 8, "alpha": 32.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"],
+                     "modules_to_save": [], "source": "config"}
+    assert lora_words(asked) == "LoRA r=8, alpha=32 (scaling 4), dropout 0 on q_proj, v_proj"
+
+    marker = paths.checkpoints / "checkpoint-36" / "COMPLETE"
+    built = {"r": 8, "alpha": 16.0, "dropout": 0.05, "target_modules": ["q_proj", "v_proj"], "modules_to_save": [],
+             "trainable_params": 4_194_304, "total_params": 6_742_609_920}
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "lora": built}))
+    info = lora_info(paths)
+    assert info == {**built, "source": "checkpoint"}
+    text = "\n".join(overview_lines(overview(paths, json.loads(paths.manifest.read_text()), slurm_rows())))
+    assert ("method: LoRA r=8, alpha=16 (scaling 2), dropout 0.05 on q_proj, v_proj: 4.2M of 6.74B parameters "
+            "train (0.06 %)") in text
+    assert "(adapters and their optimizer state only)" in text
+    assert overview(paths, {"jobs": []}, [])["lora"]["trainable_params"] == 4_194_304  # status --json
+
+    marker.unlink()  # no complete checkpoint at step 36: fsdp_report of the running attempt
+    for ckpt in paths.checkpoints.glob("checkpoint-*"):
+        (ckpt / "COMPLETE").unlink(missing_ok=True)
+    paths.fsdp_report.mkdir(exist_ok=True)
+    (paths.fsdp_report / "rank0.json").write_text(json.dumps({"rank": 0, "lora": built}))
+    assert lora_info(paths) == {**built, "source": "fsdp_report"}

@@ -61,7 +61,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import lru_cache, partial
 from typing import TYPE_CHECKING, Any
 
 from slurmft.errors import ConfigError
@@ -70,17 +70,20 @@ from slurmft.plan.estimate_text import Counted, assumptions, fit_problems, hsdp_
 from slurmft.plan.paramcount import (
     FAMILIES,
     FAMILY_WORDS,
+    AdapterCount,
+    adapter_tensors,
     family_tensors,
+    layer_modules,
     layers_from_headers,
     local_header_shapes,
 )
-from slurmft.plan.settings import RUNTIME_BYTES_CPU_RANK, Settings
+from slurmft.plan.settings import RUNTIME_BYTES_CPU_RANK, LoraSettings, Settings
 from slurmft.precision import DTYPE_BYTES as PRECISION_DTYPE_BYTES
 from slurmft.precision import PRECISIONS, consolidated_dtype
 from slurmft.precision import reduce_dtype as resolve_reduce_dtype
 from slurmft.precision import resolve as resolve_mode
 from slurmft.profiles import runs_on_gpu
-from slurmft.units import GB, GiB, MiB
+from slurmft.units import GB, GiB, MiB, decimal_gb
 
 if TYPE_CHECKING:  # the login side needs none of these at run time
     from slurmft.config import RunConfig
@@ -147,6 +150,7 @@ class ModelShape:
     count_source: str = "config.json"  # or "safetensors headers"
     expert_intermediate: int = 0  # an expert's MLP width (moe_intermediate_size where the config has one)
     shared_intermediate: int = 0  # the shared experts' MLP width (DeepSeek, Qwen2-MoE), 0 = none
+    modules: tuple[tuple[tuple[str, tuple[int, ...], str], ...], ...] = ()  # named linear layers (LoRA targets)
 
     @property
     def q_dim(self) -> int:
@@ -235,6 +239,7 @@ def model_shape(model_cfg: dict[str, Any], headers: dict[str, tuple[int, ...]] |
         count_source=source,
         expert_intermediate=moe_inter if experts else 0,
         shared_intermediate=shared,
+        modules=tuple(tuple(layer) for layer in layer_modules(model_cfg)),
     )
 
 
@@ -311,13 +316,29 @@ def _per_gpu(shape: ModelShape, k: Settings) -> dict[str, Any]:
     tensors = shape.all_tensors()
     ws = k.shards
     local = sum(_shard_numel(s, ws) for s in tensors)
-    state = {name: local * b for name, b in per.items()}
-    units = reduce_scatter_units(shape, ws) if k.fsdp else {}
+    if k.lora is None:
+        state = {name: local * b for name, b in per.items()}
+        units = reduce_scatter_units(shape, ws) if k.fsdp else {}
+        weight_bytes = local * PRECISIONS[k.precision].param_bytes
+    else:  # a frozen base in the compute dtype, no gradient or optimizer state; fp32 adapters with AdamW
+        adapters = lora_count(shape, k.lora)
+        trained = sum(_shard_numel(s, ws) for s in adapters.all_tensors())
+        state = {name: trained * b for name, b in LORA_BYTES_PER_PARAM.items()}
+        state["weights"] += local * c
+        units = lora_reduce_scatter_units(adapters, ws) if k.fsdp else {}
+        local += trained
+        weight_bytes = state["weights"]
     reduce_scatter = k.reduce_bytes * max(units.values()) if units else 0
-    if k.fsdp:
+    if k.fsdp and k.lora is None:
         layer = sum(_numel(s) for s in shape.layer_tensors())
         root = sum(_numel(s) for s in shape.root_tensors())
         comm = c * (3 * layer + root + shape.vocab * shape.hidden)
+    elif k.fsdp:  # 2 layers gathered (base + adapters), the root, the adapters' unsharded gradients
+        base_layers = [sum(_numel(s) for s in t) for t in shape.layer_list]
+        adapter_layers = [sum(_numel(s) for s in t) for t in adapters.layers]
+        layer = max(b + a for b, a in zip(base_layers, adapter_layers, strict=True))
+        root = sum(_numel(s) for s in shape.root_tensors()) + sum(_numel(s) for s in adapters.root)
+        comm = c * (2 * layer + root + max(adapter_layers) + sum(_numel(s) for s in adapters.root))
     else:  # DDP's gradient buckets: one more copy of the gradients
         comm = state["gradients"]
     if k.cpu_offload and k.fsdp:
@@ -346,9 +367,53 @@ def _per_gpu(shape: ModelShape, k: Settings) -> dict[str, Any]:
         "headroom": k.capacity - total,
         "offloaded_to_cpu": offloaded,
         "sharded_state_elements": local,
+        "sharded_weight_bytes": weight_bytes,
         "reduce_scatter_units": {name: n * k.reduce_bytes for name, n in units.items()},
         "_activations_detail": act,
     }
+
+
+#: Training-state bytes per trainable LoRA parameter, whatever the precision: the job keeps adapters (and
+#: ``modules_to_save`` copies) in fp32 with fp32 AdamW states (slurmft/job/adapters.py).
+LORA_BYTES_PER_PARAM = {"weights": 4, "gradients": 4, "optimizer": 8}
+LORA_CHECKPOINT_BYTES = 12  # fp32 parameter + two fp32 AdamW states per trainable parameter
+
+
+@lru_cache(maxsize=64)
+def lora_count(shape: ModelShape, lora: LoraSettings) -> LoraTensors:
+    """The adapters of ``lora`` on this model (slurmft/plan/paramcount.py: PEFT's targets, exact)."""
+    return LoraTensors(adapter_tensors(shape.modules, shape.model_type, shape.hidden, shape.vocab, lora.r,
+                                       lora.target_modules, lora.modules_to_save))
+
+
+@dataclass(frozen=True)
+class LoraTensors:
+    """:class:`AdapterCount` with the flat views the arithmetic needs."""
+
+    count: AdapterCount
+
+    @property
+    def layers(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        return self.count.layers
+
+    @property
+    def root(self) -> tuple[tuple[int, ...], ...]:
+        return self.count.root
+
+    def all_tensors(self) -> list[tuple[int, ...]]:
+        return [s for layer in self.layers for s in layer] + list(self.root)
+
+
+def lora_reduce_scatter_units(adapters: LoraTensors, world_size: int) -> dict[str, int]:
+    """Elements of FSDP2's reduce-scatter input with LoRA: only trainable parameters have gradients."""
+
+    def padded(tensors: Any) -> int:
+        return sum(world_size * _shard_numel(t, world_size) for t in tensors)
+
+    units = {"decoder_layer": max((padded(layer) for layer in adapters.layers), default=0)}
+    if adapters.root:
+        units["modules_to_save"] = padded(adapters.root)
+    return units
 
 
 def reduce_scatter_units(shape: ModelShape, world_size: int) -> dict[str, int]:
@@ -382,7 +447,7 @@ def gradient_reductions_per_step(accumulation: int) -> int:
     return accumulation
 
 
-def inter_node_bytes(n_params: int, k: Settings) -> int:
+def inter_node_bytes(n_params: int, k: Settings, trained: int | None = None) -> int:
     """Bytes each node sends over the inter-node network per optimizer step, for the layout in ``k``.
 
     NCCL's ring algorithms, each ring entering and leaving every node once:
@@ -394,26 +459,32 @@ def inter_node_bytes(n_params: int, k: Settings) -> int:
     * HSDP: all-gathers and reduce-scatters stay inside the node; each gradient reduction all-reduces
       every shard across the ``N`` nodes (one ring per local rank over N ranks): ``2(N-1)/N x S`` per node.
     * One node, or no FSDP inside one node: nothing crosses (DDP across nodes is not modelled).
+
+    ``trained``: the parameters that have gradients (LoRA: the adapters; None: all ``n_params``). The base is
+    still all-gathered; only trainable gradients are reduced.
     """
     if k.nodes == 1 or not k.fsdp:
         return 0
     compute, reduce = COMPUTE_BYTES[k.precision], k.reduce_bytes
     reductions = gradient_reductions_per_step(k.accumulation)
+    grads = n_params if trained is None else trained
     if k.hsdp:
-        return math.ceil(reductions * 2 * (k.nodes - 1) / k.nodes * n_params * reduce)
+        return math.ceil(reductions * 2 * (k.nodes - 1) / k.nodes * grads * reduce)
     gathers = k.accumulation * (2 if k.reshard_after_forward else 1)
     w = k.world_size
-    return math.ceil((w - 1) / w * n_params * (gathers * compute + reductions * reduce))
+    gathered = n_params if trained is None else n_params + trained  # the adapters are gathered with the base
+    return math.ceil((w - 1) / w * (gathered * gathers * compute + grads * reductions * reduce))
 
 
 def layouts(shape: ModelShape, n_params: int, k: Settings) -> dict[str, dict[str, Any]]:
     """Both FSDP layouts of the same run side by side: memory per GPU and bytes over the inter-node link."""
     out = {}
+    trained = lora_count(shape, k.lora).count.trainable if k.lora is not None else None
     for name, hsdp in (("fsdp", False), ("hsdp", True)):
         alt = replace(k, hsdp=hsdp)
         plan = _per_gpu(shape, alt)
         out[name] = {"shards": alt.shards, "replicas": k.nodes if hsdp else 1, "per_gpu_total": plan["total"],
-                     "fits": plan["fits"], "inter_node_bytes_per_step": inter_node_bytes(n_params, alt)}
+                     "fits": plan["fits"], "inter_node_bytes_per_step": inter_node_bytes(n_params, alt, trained)}
     return out
 
 
@@ -458,7 +529,7 @@ def _cpu_ram_per_node(
     else:
         resident = 0
     param_bytes = PRECISIONS[k.precision].param_bytes
-    shard_bytes = gpu["sharded_state_elements"] * param_bytes
+    shard_bytes = gpu["sharded_weight_bytes"]
     load_resident = rpn * shard_bytes if (not k.on_gpu or k.cpu_offload) else 0
     ours = file_bytes + _largest_tensor_numel(shape) * param_bytes + runtime + load_resident
     training = runtime + resident
@@ -527,6 +598,7 @@ def _knobs(cfg: RunConfig, profile: ClusterProfile) -> tuple[Settings, str | Non
         hsdp=cfg.fsdp.replicate_across_nodes,
         reshard_after_forward=cfg.fsdp.reshard_after_forward,
         accumulation=cfg.train.gradient_accumulation_steps,
+        lora=LoraSettings.of(cfg.lora),
     )
     return knobs, capacity_note
 
@@ -558,6 +630,8 @@ def _counted(shape: ModelShape, k: Settings) -> Counted:
         cuda_context_bytes=CUDA_CONTEXT_BYTES,
         fragmentation=FRAGMENTATION,
         runtime_bytes_per_rank=k.runtime_bytes_per_rank,
+        trainable=lora_count(shape, k.lora).count.trainable if k.lora is not None else 0,
+        lora_notes=lora_count(shape, k.lora).count.unmatched if k.lora is not None else (),
     )
 
 
@@ -616,6 +690,51 @@ def _setup_facts(k: Settings, profile: ClusterProfile) -> dict[str, Any]:
     }
 
 
+def checkpoint_size(shape: ModelShape, k: Settings) -> int:
+    """Bytes of one sharded checkpoint: every parameter with its AdamW states, or (LoRA) only the trainable
+    ones in fp32 (12 bytes each), never the frozen base."""
+    if k.lora is not None:
+        return lora_count(shape, k.lora).count.trainable * LORA_CHECKPOINT_BYTES
+    mode = PRECISIONS[k.precision]
+    return sum(_numel(s) for s in shape.all_tensors()) * (mode.param_bytes + 2 * PRECISION_DTYPE_BYTES[mode.optim_dtype])
+
+
+def lora_words(shape: ModelShape, k: Settings, lora: LoraSettings) -> str:
+    """What adding ``lora`` to the run ``k`` trains and saves, for the remedies."""
+    trained = lora_count(shape, lora).count.trainable
+    n_params = sum(_numel(s) for s in shape.all_tensors())
+    return (f"{lora.words()}: {trained / 1e6:,.1f}M trainable parameters, {100 * trained / n_params:.2f} % of the "
+            f"model; checkpoint {decimal_gb(checkpoint_size(shape, replace(k, lora=lora)))} instead of "
+            f"{decimal_gb(checkpoint_size(shape, replace(k, lora=None)))}")
+
+
+def _lora_facts(cfg: RunConfig, shape: ModelShape, k: Settings, n_params: int, out_bytes: int) -> dict[str, Any] | None:
+    """The ``lora`` entry of the result: the adapters, their share, and the full fine-tune it replaces."""
+    if k.lora is None or cfg.lora is None:
+        return None
+    count = lora_count(shape, k.lora).count
+    full = _per_gpu(shape, replace(k, lora=None))
+    return {
+        "r": cfg.lora.r,
+        "alpha": cfg.lora.alpha,
+        "scaling": cfg.lora.scaling,
+        "dropout": cfg.lora.dropout,
+        "target_modules": cfg.lora.target_modules,
+        "resolved_target_modules": list(count.target_modules),
+        "modules_to_save": list(cfg.lora.modules_to_save),
+        "trainable_params": count.trainable,
+        "total_params": n_params + count.trainable,
+        "trainable_share": count.trainable / (n_params + count.trainable),
+        "base_dtype": PRECISIONS[k.precision].compute_dtype,
+        "bytes_per_trainable_param": sum(LORA_BYTES_PER_PARAM.values()),
+        "adapter_bytes": count.trainable * out_bytes,
+        "merge": cfg.consolidate.merge,
+        "unmatched": list(count.unmatched),
+        "full_finetune": {"per_gpu_total": full["total"], "fits": full["fits"],
+                          "checkpoint_bytes": checkpoint_size(shape, replace(k, lora=None))},
+    }
+
+
 def estimate(
     cfg: RunConfig, profile: ClusterProfile, model_cfg: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -641,9 +760,11 @@ def estimate(
     activations = _activations(shape, knobs, gpu.pop("_activations_detail"))
     cpu = _cpu_ram_per_node(shape, n_params, knobs, gpu, int(profile.node_memory_gb * GB))
     mode = PRECISIONS[knobs.precision]
-    checkpoint_bytes = n_params * (mode.param_bytes + 2 * PRECISION_DTYPE_BYTES[mode.optim_dtype])
+    checkpoint_bytes = checkpoint_size(shape, knobs)
     out_dtype = consolidated_dtype(cfg.consolidate.dtype, mode)
     both = layouts(shape, n_params, knobs)
+    lora = _lora_facts(cfg, shape, knobs, n_params, DTYPE_BYTES[out_dtype])
+    merged = lora is None or lora["merge"]  # a LoRA run without merge writes only the adapter
 
     result: dict[str, Any] = {
         "model": _model_facts(cfg, source, shape),
@@ -656,11 +777,13 @@ def estimate(
         "checkpoint_bytes": checkpoint_bytes,
         "checkpoint_save_s": projected_save(checkpoint_bytes, knobs.nodes, profile.checkpoint_write_gb_per_s),
         "lead_time_s": cfg.preemption.lead_time_s,
-        "consolidated_bytes": n_params * DTYPE_BYTES[out_dtype],
+        "consolidated_bytes": n_params * DTYPE_BYTES[out_dtype] if merged else 0,
         "consolidated_dtype": out_dtype,
+        "lora": lora,
         "fits": bool(gpu["fits"] and cpu["fits"]),
         # the words: what would make it fit (only when it does not), a better layout, what was counted
-        "remedies": [] if gpu["fits"] else remedies(knobs, partial(_total_if_fits, shape)),
+        "remedies": [] if gpu["fits"] else remedies(knobs, partial(_total_if_fits, shape),
+                                                    partial(lora_words, shape, knobs)),
         "layouts": both,
         "inter_node_bytes_per_step": both["hsdp" if knobs.hsdp else "fsdp"]["inter_node_bytes_per_step"],
         "recommendation": hsdp_advice(both, knobs) if gpu["fits"] else None,

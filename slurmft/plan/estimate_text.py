@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from slurmft.plan.settings import Settings
+from slurmft.plan.settings import LoraSettings, Settings
 from slurmft.precision import PRECISIONS
 from slurmft.precision import reduce_dtype as resolve_reduce_dtype
 from slurmft.units import MiB, decimal_gb
@@ -39,14 +39,18 @@ class Counted:
     fragmentation: float
     runtime_bytes_per_rank: int  # the GPU or the CPU allowance, whichever this run's ranks are
     approximations: tuple[str, ...] = ()  # where the activation arithmetic approximates this architecture
+    trainable: int = 0  # LoRA: the adapter (and modules_to_save) parameters
+    lora_notes: tuple[str, ...] = ()  # LoRA: listed names that adapt nothing here
 
 
 # ====================================================================== advice
-def remedies(k: Settings, fits: Callable[[Settings], int | None]) -> list[str]:
+def remedies(k: Settings, fits: Callable[[Settings], int | None],
+             lora_words: Callable[[LoraSettings], str] | None = None) -> list[str]:
     """Single changes to the run config that would make the GPU memory fit, each with its estimate.
 
     ``fits(alt)`` is the arithmetic's answer for the changed settings: the per-GPU total when it fits,
-    else None (estimate.py asks its ``_per_gpu``).
+    else None (estimate.py asks its ``_per_gpu``). ``lora_words(lora)``: what LoRA would train and save
+    (estimate.py counts it), offered when a full fine-tune does not fit.
     """
     out: list[str] = []
     if not k.fsdp and (t := fits(replace(k, fsdp=True))):
@@ -54,7 +58,10 @@ def remedies(k: Settings, fits: Callable[[Settings], int | None]) -> list[str]:
     if k.fsdp and k.hsdp and k.nodes > 1 and (t := fits(replace(k, hsdp=False))):
         out.append(f"set fsdp.replicate_across_nodes=false (the training state does not fit one node; FSDP over all "
                    f"{k.world_size} ranks: {decimal_gb(t)} per GPU)")
-    if k.precision != "bf16-true":
+    if k.lora is None and lora_words is not None and (t := fits(replace(k, lora=LoraSettings()))):
+        out.append(f"add a lora: section (LoRA adapters on a frozen base, docs/lora.md; {lora_words(LoraSettings())}; "
+                   f"{decimal_gb(t)} per GPU)")
+    if k.precision != "bf16-true" and k.lora is None:  # LoRA: the base is in the compute dtype already
         true_bf16 = replace(k, precision="bf16-true",
                             reduce_dtype=resolve_reduce_dtype(PRECISIONS["bf16-true"], k.reduce_configured))
         if t := fits(true_bf16):
@@ -87,7 +94,8 @@ def remedies(k: Settings, fits: Callable[[Settings], int | None]) -> list[str]:
             "fsdp.activation_checkpointing=true" if not k.checkpointing else "",
             "model.attn_implementation=sdpa" if k.eager else "",
             "train.per_device_batch_size=1" if k.micro_batch > 1 else "",
-            "train.precision=bf16-true" if k.precision != "bf16-true" else "",
+            "train.precision=bf16-true" if k.precision != "bf16-true" and k.lora is None else "",
+            "a lora: section" if k.lora is None else "a smaller lora.r or fewer lora.target_modules",
             "a smaller data.max_seq_length",
             "more resources.nodes" if k.on_gpu else "more resources.nodes or node RAM",
         ]
@@ -123,13 +131,23 @@ def assumptions(k: Settings, counted: Counted, capacity_note: str | None) -> lis
     else:
         lines.append(f"parameters counted from config.json as a {counted.family}")
     lines += list(counted.approximations)
-    lines.append(
-        f"training state ({k.precision}, AdamW): {per['weights']} weights + {per['gradients']} gradients + "
-        f"{per['optimizer']} optimizer = {sum(per.values())} bytes/parameter"
-        + (" (FSDP2 keeps fp32 sharded weights and gradients; the compute dtype only while gathered)"
-           if k.precision in ("bf16-mixed", "fp16-mixed") else "")
-        + (" (bf16 weights, gradients, exp_avg and exp_avg_sq)" if k.precision == "bf16-true" else "")
-    )
+    mode = PRECISIONS[k.precision]
+    if k.lora is not None:
+        lines.append(
+            f"LoRA ({k.lora.words()}, as PEFT adds them; the output head never): the frozen base in "
+            f"{mode.compute_dtype} ({mode.compute_bytes} bytes/parameter, no gradient, no optimizer state); "
+            f"{counted.trainable:,} trainable parameters (adapters"
+            + (", modules_to_save copies" if k.lora.modules_to_save else "")
+            + ") in fp32 with AdamW: 4 weights + 4 gradients + 8 optimizer = 16 bytes each")
+        lines += [f"lora: {note}; the job refuses a listed name that adapts nothing" for note in counted.lora_notes]
+    else:
+        lines.append(
+            f"training state ({k.precision}, AdamW): {per['weights']} weights + {per['gradients']} gradients + "
+            f"{per['optimizer']} optimizer = {sum(per.values())} bytes/parameter"
+            + (" (FSDP2 keeps fp32 sharded weights and gradients; the compute dtype only while gathered)"
+               if k.precision in ("bf16-mixed", "fp16-mixed") else "")
+            + (" (bf16 weights, gradients, exp_avg and exp_avg_sq)" if k.precision == "bf16-true" else "")
+        )
     if k.fsdp and k.hsdp and k.nodes > 1:
         lines.append(
             f"HSDP (fsdp.replicate_across_nodes): each tensor split on dim 0 (padded) over the {k.ranks_per_node} "
@@ -140,13 +158,15 @@ def assumptions(k: Settings, counted: Counted, capacity_note: str | None) -> lis
             f"FSDP full shard over {k.world_size} ranks: each tensor split on dim 0 (padded); the largest rank is shown"
             + ("; fsdp.replicate_across_nodes on one node is the same" if k.hsdp else "")
         )
+        grads = "trainable (adapter) gradients" if k.lora is not None else "gradients"
         lines.append(
-            f"FSDP reduce-scatter input: the largest wrapped unit's gradients, unsharded and padded, in "
+            f"FSDP reduce-scatter input: the largest wrapped unit's {grads}, unsharded and padded, in "
             f"{k.reduce_dtype} (fsdp.reduce_dtype)"
         )
         lines.append(
-            "FSDP working set: 2 layers' parameters (current + prefetched) + 1 layer's gradients unsharded, "
-            "root parameters (embeddings, final norm, LM head) + LM-head gradient unsharded, in the compute dtype"
+            f"FSDP working set: 2 layers' parameters (current + prefetched) + 1 layer's {grads} unsharded, "
+            "root parameters (embeddings, final norm, LM head)"
+            + (" + LM-head gradient" if k.lora is None else "") + " unsharded, in the compute dtype"
         )
         lines.append(
             f"gradient accumulation ({k.accumulation} micro-batch(es) per step) adds no memory: every micro-batch "
@@ -178,7 +198,9 @@ def assumptions(k: Settings, counted: Counted, capacity_note: str | None) -> lis
     )
     lines += [
         f"activations: seq {k.seq_len} x micro-batch {k.micro_batch}; {ckpt}; {attn}; "
-        "logits, their fp32 upcast and fp32 gradient counted",
+        "logits, their fp32 upcast and fp32 gradient counted"
+        + ("; LoRA: as for full fine-tuning (the backward runs through every layer; the adapters' rank-r "
+           "intermediates are negligible)" if k.lora is not None else ""),
         (
             f"allowance: {counted.cuda_context_bytes // MiB} MiB CUDA context/workspaces/NCCL + "
             f"{counted.fragmentation:.0%} allocator fragmentation"
@@ -191,13 +213,33 @@ def assumptions(k: Settings, counted: Counted, capacity_note: str | None) -> lis
         "CPU RAM at load: fp32 full copies for every-rank / rank-0 loading; slurmft = its worst case (scatter "
         "fallback: safetensors memory-mapped on rank 0 + one tensor at a time; by default each rank reads its slice); "
         f"+ {counted.runtime_bytes_per_rank // MiB} MiB runtime per rank",
-        f"checkpoint = parameters + 2 AdamW states in {PRECISIONS[k.precision].param_dtype} "
-        f"({PRECISIONS[k.precision].param_bytes * 3} bytes/parameter); consolidated = parameters x consolidate.dtype "
-        "(auto: the compute dtype)",
+        (f"checkpoint = parameters + 2 AdamW states in {PRECISIONS[k.precision].param_dtype} "
+         f"({PRECISIONS[k.precision].param_bytes * 3} bytes/parameter); consolidated = parameters x consolidate.dtype "
+         "(auto: the compute dtype)") if k.lora is None else
+        ("checkpoint = trainable parameters + 2 AdamW states in fp32 (12 bytes per trainable parameter; the frozen "
+         "base is not saved); consolidated: adapter/ = trainable parameters and model/ (consolidate.merge) = the base's "
+         "parameters, both x consolidate.dtype (auto: the compute dtype)"),
     ]
     if capacity_note:
         lines.append(capacity_note)
     return lines
+
+
+def lora_summary(lora: LoraSettings, counted: dict[str, Any] | None) -> str:
+    """One line for ``validate``: the adapters asked for and, when the estimate could count them (``counted``:
+    the result's ``lora`` entry), what trains and what a checkpoint holds."""
+    line = f"LoRA: {lora.words()}"
+    if lora.modules_to_save:
+        line += f", full copies of {', '.join(lora.modules_to_save)}"
+    if not counted:
+        return line + " (no estimate: trainable parameters not counted)"
+    line += (f" -> {', '.join(counted['resolved_target_modules']) or 'nothing'}: {counted['trainable_params']:,} "
+             f"trainable parameters ({100 * counted['trainable_share']:.2f} %), base frozen in {counted['base_dtype']}; "
+             f"checkpoint {decimal_gb(counted['trainable_params'] * 12)} "
+             f"(full fine-tune: {decimal_gb(counted['full_finetune']['checkpoint_bytes'])})")
+    for note in counted.get("unmatched") or []:
+        line += f"\n  warning: lora: {note}; the job refuses it"
+    return line
 
 
 # ====================================================================== verdicts
@@ -284,6 +326,15 @@ def render_table(result: dict[str, Any]) -> RenderableType:
         + f", activation checkpointing {'on' if s['activation_checkpointing'] else 'off'}, "
         f"{s['attention']} attention, seq {s['seq_len']} x micro-batch {s['micro_batch']}",
     )
+    lora = result.get("lora")
+    if lora:
+        full = lora["full_finetune"]
+        head.append(
+            f"\nLoRA r={lora['r']}, alpha={lora['alpha']:g} on {', '.join(lora['resolved_target_modules']) or 'nothing'}"
+            + (f" + full copies of {', '.join(lora['modules_to_save'])}" if lora["modules_to_save"] else "")
+            + f": {lora['trainable_params']:,} trainable parameters ({100 * lora['trainable_share']:.2f} %), the base "
+            f"frozen in {lora['base_dtype']}; a full fine-tune here: {decimal_gb(full['per_gpu_total'])} per GPU"
+            + ("" if full["fits"] else " (over capacity)") + f", checkpoint {decimal_gb(full['checkpoint_bytes'])}")
 
     t = Table(title="Per GPU" if s["device"] == "gpu" else "Per rank (CPU)", title_justify="left")
     t.add_column("component")
@@ -291,9 +342,12 @@ def render_table(result: dict[str, Any]) -> RenderableType:
     t.add_column("note", style="dim")
     rows = [
         ("weights", g["weights"], ("sharded" if s["fsdp"] else "full copy")
-         + (", bf16" if s["precision"] == "bf16-true" else ", fp32")),
-        ("gradients", g["gradients"], "bf16" if s["precision"] == "bf16-true" else "fp32"),
-        ("optimizer (AdamW)", g["optimizer"], "2 bf16 states" if s["precision"] == "bf16-true" else "2 fp32 states"),
+         + (f", frozen base {lora['base_dtype']} + adapters fp32" if lora
+            else ", bf16" if s["precision"] == "bf16-true" else ", fp32")),
+        ("gradients", g["gradients"], "adapters only, fp32" if lora else
+         "bf16" if s["precision"] == "bf16-true" else "fp32"),
+        ("optimizer (AdamW)", g["optimizer"], "adapters only, 2 fp32 states" if lora else
+         "2 bf16 states" if s["precision"] == "bf16-true" else "2 fp32 states"),
         ("reduce-scatter buffer", g.get("reduce_scatter", 0),
          f"largest unit's gradients in {result['precision']['reduce_dtype']}" if s["fsdp"] else ""),
         ("gathered / comm buffers", g["comm_buffers"], "FSDP all-gather" if s["fsdp"] else "DDP buckets"),
@@ -331,10 +385,17 @@ def render_table(result: dict[str, Any]) -> RenderableType:
     d = Table(title="Disk", title_justify="left")
     d.add_column("what")
     d.add_column("bytes", justify="right")
-    d.add_row("sharded checkpoint (model + optimizer), each", decimal_gb(result["checkpoint_bytes"]))
+    d.add_row("sharded checkpoint (adapters + optimizer, no base), each" if lora else
+              "sharded checkpoint (model + optimizer), each", decimal_gb(result["checkpoint_bytes"]))
     d.add_row(f"projected save time (preemption.lead_time_s {result['lead_time_s']} s)",
               f"{result['checkpoint_save_s']:.1f} s")
-    d.add_row(f"consolidated model ({result['consolidated_dtype']})", decimal_gb(result["consolidated_bytes"]))
+    if lora:
+        d.add_row(f"adapter/ ({result['consolidated_dtype']})", decimal_gb(lora["adapter_bytes"]))
+        d.add_row(f"merged model/ ({result['consolidated_dtype']})" if lora["merge"] else
+                  "merged model/: not written (consolidate.merge: false)",
+                  decimal_gb(result["consolidated_bytes"]) if lora["merge"] else "-")
+    else:
+        d.add_row(f"consolidated model ({result['consolidated_dtype']})", decimal_gb(result["consolidated_bytes"]))
 
     lay = Table(title="Layouts across nodes (HSDP: fsdp.replicate_across_nodes)", title_justify="left")
     for col, justify in (("layout", "left"), ("shards x replicas", "right"), ("per GPU", "right"),

@@ -22,8 +22,11 @@ layers) use the largest layer.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +125,21 @@ def _mlp(h: int, inter: int, bias: bool = False) -> list[Shape]:
     return [(inter, h), (inter, h), (h, inter)] + ([(inter,), (inter,), (h,)] if bias else [])
 
 
+def _experts(c: dict[str, Any]) -> int:
+    return int(c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts") or 0)
+
+
+def _is_moe_layer(c: dict[str, Any], i: int) -> bool:
+    """Whether decoder layer ``i`` has routed experts (DeepSeek's first dense layers, Qwen-MoE's sparse step and
+    ``mlp_only_layers`` are dense)."""
+    mtype = str(c.get("model_type", "llama"))
+    family = FAMILIES.get(mtype, "dense")
+    sparse_step = int(c.get("decoder_sparse_step") or 1)
+    return bool(_experts(c)) and family in ("moe", "mla_moe", "gpt_oss") and (
+        i >= int(c.get("first_k_dense_replace") or 0)) and i not in set(c.get("mlp_only_layers") or []) and (
+        family != "moe" or mtype == "mixtral" or (i + 1) % sparse_step == 0)
+
+
 def family_tensors(model_cfg: dict[str, Any]) -> tuple[list[list[Shape]], list[Shape], str]:
     """(tensors of each decoder layer, embeddings/final norm/head, family) from config.json alone."""
     c = model_cfg
@@ -176,14 +194,188 @@ def family_tensors(model_cfg: dict[str, Any]) -> tuple[list[list[Shape]], list[S
             t += _mlp(h, c["shared_expert_intermediate_size"]) + [(1, h)]
         return t
 
-    layers: list[list[Shape]] = []
-    sparse_step = int(c.get("decoder_sparse_step") or 1)
-    dense_only = set(c.get("mlp_only_layers") or [])
-    first_dense = int(c.get("first_k_dense_replace") or 0)
-    for i in range(n_layers):
-        is_moe = bool(experts) and family in ("moe", "mla_moe", "gpt_oss") and i >= first_dense and (
-            i not in dense_only) and (family != "moe" or mtype == "mixtral" or (i + 1) % sparse_step == 0)
-        layers.append(moe_layer() if is_moe else dense_layer(inter))
+    layers = [moe_layer() if _is_moe_layer(c, i) else dense_layer(inter) for i in range(n_layers)]
     tied = bool(c.get("tie_word_embeddings", False))
     root: list[Shape] = [(vocab, h), (h,)] + ([] if tied else [(vocab, h)])
     return layers, root, family if mtype in FAMILIES else "dense"
+
+
+# ----------------------------------------------------------------------------- the LoRA adapters
+#: A module or parameter of a decoder layer: (path inside the layer, weight shape, kind), kind one of
+#: "linear" (an ``nn.Linear``, [out, in]), "router" (a MoE router's 2-D weight, not an ``nn.Linear`` in
+#: transformers 5) or "experts" (a fused 3-D expert tensor, [experts, a, b]).
+Module = tuple[str, Shape, str]
+
+#: PEFT 0.21 on transformers 5 (``peft/utils/transformers_weight_conversion.py``, ``_convert_peft_config_moe``):
+#: for MoE models whose experts transformers fused, a target written with the old per-expert names is moved from
+#: ``target_modules`` to ``target_parameters`` (the fused tensor), and ``all-linear`` adds those names first. So
+#: ``all-linear`` adapts the router and every fused expert tensor (``gate_up_proj`` at rank 2r: two old targets
+#: fused), and a name in the mapping stops adapting the linear layers it also names (DeepSeek's dense and shared
+#: MLPs). The model types are those transformers' ``_MODEL_TO_CONVERSION_PATTERN`` maps (plus PEFT's mixtral):
+#: Qwen2-MoE itself is not among them, so PEFT adapts only its linear layers. tests/test_lora_count.py compares
+#: these counts with PEFT's own.
+PEFT_MOE_RENAMES: dict[str, dict[str, str]] = {
+    "mixtral": {"gate": "router", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"},
+    "qwen2_moe": {"gate": "router", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"},
+}
+PEFT_MOE_PATTERN: dict[str, str] = {
+    "mixtral": "mixtral", **dict.fromkeys(("qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3"), "qwen2_moe")}
+ROOT_MODULES = ("embed_tokens", "lm_head", "norm")  # modules_to_save names outside the decoder layers
+
+
+def layer_modules(model_cfg: dict[str, Any]) -> list[list[Module]]:
+    """The linear layers, routers and fused expert tensors of each decoder layer, as transformers 5.24 names them.
+
+    The same arithmetic as :func:`family_tensors` (without norms and biases), with names, because an adapter
+    is added per named linear layer. The output head is not in a decoder layer (``all-linear`` skips it).
+    """
+    c = model_cfg
+    mtype = str(c.get("model_type", "llama"))
+    family = FAMILIES.get(mtype, "dense")
+    h = c["hidden_size"]
+    heads = c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads") or heads
+    d = c.get("head_dim") or h // heads
+    q, kv = heads * d, kv_heads * d
+    inter = c["intermediate_size"]
+    experts = _experts(c)
+    moe_inter = c.get("moe_intermediate_size") or inter
+
+    def attention() -> list[Module]:
+        if family == "mla_moe":
+            nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+            kv_rank, q_rank = c["kv_lora_rank"], c.get("q_lora_rank")
+            t: list[Module] = ([("self_attn.q_a_proj", (q_rank, h), "linear"),
+                                ("self_attn.q_b_proj", (heads * (nope + rope), q_rank), "linear")] if q_rank
+                               else [("self_attn.q_proj", (heads * (nope + rope), h), "linear")])
+            return t + [("self_attn.kv_a_proj_with_mqa", (kv_rank + rope, h), "linear"),
+                        ("self_attn.kv_b_proj", (heads * (nope + v), kv_rank), "linear"),
+                        ("self_attn.o_proj", (h, heads * v), "linear")]
+        if mtype == "phi3":  # fused q/k/v and gate/up linear layers
+            return [("self_attn.qkv_proj", (q + 2 * kv, h), "linear"), ("self_attn.o_proj", (h, q), "linear")]
+        return [(f"self_attn.{n}_proj", s, "linear") for n, s in (("q", (q, h)), ("k", (kv, h)), ("v", (kv, h)),
+                                                                   ("o", (h, q)))]
+
+    def mlp(prefix: str, width: int) -> list[Module]:
+        if mtype == "phi3":
+            return [(f"{prefix}gate_up_proj", (2 * width, h), "linear"), (f"{prefix}down_proj", (h, width), "linear")]
+        return [(f"{prefix}gate_proj", (width, h), "linear"), (f"{prefix}up_proj", (width, h), "linear"),
+                (f"{prefix}down_proj", (h, width), "linear")]
+
+    def moe() -> list[Module]:
+        width = inter if mtype in ("mixtral", "gpt_oss") else moe_inter
+        t: list[Module] = [("mlp.gate.weight" if family != "gpt_oss" else "mlp.router.weight", (experts, h), "router"),
+                           ("mlp.experts.gate_up_proj", (experts, 2 * width, h), "experts"),
+                           ("mlp.experts.down_proj", (experts, h, width), "experts")]
+        shared = int(c.get("n_shared_experts") or 0)
+        if shared:
+            t += mlp("mlp.shared_experts.", moe_inter * shared)
+        if c.get("shared_expert_intermediate_size"):
+            t += mlp("mlp.shared_expert.", c["shared_expert_intermediate_size"])
+            t.append(("mlp.shared_expert_gate", (1, h), "linear"))
+        return t
+
+    return [attention() + (moe() if _is_moe_layer(c, i) else mlp("mlp.", inter)) for i in range(c["num_hidden_layers"])]
+
+
+def _ends(path: str, target: str) -> bool:
+    """PEFT's rule for a listed name: the module's name is the target or ends with ``.target``."""
+    return path == target or path.endswith("." + target)
+
+
+@dataclass(frozen=True)
+class AdapterCount:
+    """The trainable tensors a ``lora`` section adds, per decoder layer and outside them."""
+
+    layers: tuple[tuple[Shape, ...], ...]  # every decoder layer's adapter tensors (lora_A, lora_B) and saved copies
+    root: tuple[Shape, ...]  # modules_to_save copies outside the decoder layers (embeddings, head, final norm)
+    target_modules: tuple[str, ...]  # resolved: last segments of what got an adapter (as the job's marker lists)
+    unmatched: tuple[str, ...] = ()  # why a listed name adapts nothing here (the job refuses such a name)
+
+    @property
+    def trainable(self) -> int:
+        return sum(math.prod(s) for layer in self.layers for s in layer) + sum(math.prod(s) for s in self.root)
+
+
+def adapter_count(model_cfg: dict[str, Any], r: int, target_modules: str | list[str] | tuple[str, ...],
+                  modules_to_save: list[str] | tuple[str, ...] = ()) -> AdapterCount:
+    """:func:`adapter_tensors` of a config.json's decoder."""
+    return adapter_tensors(layer_modules(model_cfg), str(model_cfg.get("model_type", "llama")),
+                           model_cfg["hidden_size"], model_cfg["vocab_size"], r, target_modules, modules_to_save)
+
+
+def adapter_tensors(modules: Sequence[Sequence[Module]], mtype: str, h: int, vocab: int, r: int,
+                    target_modules: str | list[str] | tuple[str, ...],
+                    modules_to_save: list[str] | tuple[str, ...] = ()) -> AdapterCount:
+    """The adapter tensors of a ``lora`` section on this model, as PEFT 0.21 creates them.
+
+    A linear layer of weight ``[out, in]`` gets ``lora_A [r, in]`` and ``lora_B [out, r]``: ``r·(in + out)``
+    parameters. ``all-linear`` = every linear layer of the decoder (not the output head); a list = the linear
+    layers whose name is or ends with a listed name. MoE models PEFT converts (:data:`PEFT_MOE_RENAMES`): the
+    router ``[E, h]`` gets ``r·(h + E)``, a fused expert tensor ``[E, a, b]`` gets ``r'·E·(a + b)`` (``r' = 2r``
+    for ``gate_up_proj`` when both halves are targeted). ``modules_to_save``: a full trainable copy.
+    """
+    linear_leaves = sorted({p.rsplit(".", 1)[-1] for layer in modules for p, _, kind in layer if kind == "linear"})
+    renames = PEFT_MOE_RENAMES.get(PEFT_MOE_PATTERN.get(mtype, ""), {})
+    unmatched: list[str] = []
+    if target_modules == "all-linear":
+        names = set(linear_leaves) | set(renames)
+    else:
+        names = set()
+        for t in target_modules:  # the job accepts a listed name only when it names a linear layer
+            if any(_ends(p, t) for layer in modules for p, _, kind in layer if kind == "linear"):
+                names.add(t)
+            else:
+                fused = any(_ends(p, t) or p.endswith("." + t + ".weight")
+                            for layer in modules for p, _, kind in layer if kind != "linear")
+                unmatched.append(f"{t!r} is {'a router or fused expert tensor' if fused else 'no linear layer'} of "
+                                 f"this {mtype} (its linear layers: {', '.join(linear_leaves)})")
+    params: dict[str, int] = {}  # fused/router parameter -> rank
+    old_names: dict[str, set[str]] = {}
+    module_names = set()
+    for t in names:
+        old = next((o for o in renames if _ends(t, o)), None)
+        if old is None:
+            module_names.add(t)
+        else:
+            params[renames[old]] = r
+            old_names.setdefault(renames[old], set()).add(old)
+    if "gate_up_proj" in old_names:
+        want = {o for o, n in renames.items() if n == "gate_up_proj"}
+        if old_names["gate_up_proj"] == want:
+            params["gate_up_proj"] = r * len(want)
+        else:  # PEFT raises: the halves of a fused tensor are targeted together or not at all
+            params.pop("gate_up_proj")
+            have = old_names["gate_up_proj"]
+            unmatched.append(f"{', '.join(sorted(have))} without {', '.join(sorted(want - have))}: PEFT refuses half "
+                             "of a fused gate_up_proj")
+    layers: list[tuple[Shape, ...]] = []
+    adapted: set[str] = set()
+    for layer in modules:
+        tensors: list[Shape] = []
+        for path, shape, kind in layer:
+            leaf = path.removesuffix(".weight").rsplit(".", 1)[-1]
+            linear = kind == "linear" and any(_ends(path, t) for t in module_names)
+            if linear or (kind == "router" and "router" in params):  # [out, in] -> A [r, in], B [out, r]
+                tensors += [(r, shape[1]), (shape[0], r)]
+                adapted.add(leaf)
+            elif kind == "experts" and leaf in params:
+                rank = params[leaf] * shape[0]
+                tensors += [(rank, shape[2]), (shape[1], rank)]
+                adapted.add("experts")
+            if kind == "linear" and any(path.endswith(m) for m in modules_to_save):  # PEFT: a plain suffix
+                tensors.append(shape)
+        layers.append(tuple(tensors))
+    root_shapes = {"embed_tokens": (vocab, h), "lm_head": (vocab, h), "norm": (h,)}
+    root: list[Shape] = []
+    for name in modules_to_save:
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in root_shapes:
+            root.append(root_shapes[leaf])
+            if leaf == "norm":  # PEFT matches modules_to_save by plain suffix: every *_layernorm too
+                unmatched.append("modules_to_save 'norm' also copies each layer's *norm modules (PEFT matches a plain "
+                                 "suffix): those few parameters per layer are not counted")
+        elif not any(_ends(p, name) for layer in modules for p, _, kind in layer if kind == "linear"):
+            unmatched.append(f"modules_to_save {name!r}: not counted (slurmft estimate knows {', '.join(ROOT_MODULES)} "
+                             "and the linear layers)")
+    return AdapterCount(tuple(layers), tuple(root), tuple(sorted(adapted)), tuple(unmatched))

@@ -5,12 +5,35 @@ imports the other back."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from slurmft.precision import DTYPE_BYTES as PRECISION_DTYPE_BYTES
 from slurmft.units import GiB
 
 RUNTIME_BYTES_GPU_RANK = 2 * GiB  # Python, torch, CUDA libraries per GPU rank
 RUNTIME_BYTES_CPU_RANK = GiB // 2
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """A ``lora`` section as the arithmetic reads it (slurmft/config.py ``LoraConfig``)."""
+
+    r: int = 16
+    alpha: float = 32.0
+    target_modules: str | tuple[str, ...] = "all-linear"
+    modules_to_save: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, lora: Any) -> LoraSettings | None:
+        """From a config's ``lora`` section (None: full fine-tuning)."""
+        if lora is None:
+            return None
+        targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
+        return cls(lora.r, lora.alpha, targets, tuple(lora.modules_to_save))
+
+    def words(self) -> str:
+        targets = self.target_modules if isinstance(self.target_modules, str) else ", ".join(self.target_modules)
+        return f"r={self.r}, alpha={self.alpha:g} on {targets}"
 
 
 @dataclass(frozen=True)
@@ -33,6 +56,7 @@ class Settings:
     hsdp: bool = False  # fsdp.replicate_across_nodes
     reshard_after_forward: bool = True
     accumulation: int = 1  # train.gradient_accumulation_steps: no memory term (gradients stay sharded)
+    lora: LoraSettings | None = None  # adapters on a frozen base (None: every weight trains)
 
     @property
     def reduce_bytes(self) -> int:

@@ -193,6 +193,62 @@ def model_info(paths: RunPaths) -> str | None:
     return str(paths.model) if (paths.model / SAFE_INDEX_NAME).is_file() else None
 
 
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def lora_info(paths: RunPaths) -> dict[str, Any] | None:
+    """What the run's adapters are, or None for a full fine-tune.
+
+    The newest complete checkpoint's COMPLETE marker and ``fsdp_report/rank0.json`` carry what the job built
+    (resolved target names, trainable and total parameters); before either exists, the config's ``lora``
+    section says what was asked (``source: config``, no counts). Raw YAML on purpose, as :func:`max_steps_of`.
+    """
+    ckpt = latest_complete(paths.checkpoints)
+    for source, record in (("checkpoint", _json(ckpt / COMPLETE_MARKER) if ckpt else {}),
+                           ("fsdp_report", _json(paths.fsdp_report / "rank0.json"))):
+        lora = record.get("lora")
+        if isinstance(lora, dict):
+            return {**lora, "source": source}
+    try:
+        lora = (yaml.safe_load(paths.config.read_text()) or {}).get("lora")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    if not isinstance(lora, dict):
+        return None
+    return {"r": lora.get("r", 16), "alpha": lora.get("alpha", 32.0), "dropout": lora.get("dropout", 0.0),
+            "target_modules": lora.get("target_modules", "all-linear"),
+            "modules_to_save": lora.get("modules_to_save") or [], "source": "config"}
+
+
+def lora_words(info: dict[str, Any] | None) -> str:
+    """One line: ``LoRA r=16, alpha=32 (scaling 2), dropout 0 on q_proj, v_proj: 4.2M of 6.74B parameters train
+    (0.06 %)``, or ``full fine-tuning (every weight trains)``."""
+    if not info:
+        return "full fine-tuning (every weight trains)"
+    r, alpha = info.get("r"), info.get("alpha")
+    targets = info.get("target_modules")
+    targets = ", ".join(map(str, targets)) if isinstance(targets, list) else str(targets)
+    scaling = f" (scaling {alpha / r:g})" if isinstance(r, int) and r and isinstance(alpha, (int, float)) else ""
+    out = f"LoRA r={r}, alpha={alpha:g}{scaling}" if isinstance(alpha, (int, float)) else f"LoRA r={r}, alpha={alpha}"
+    out += f", dropout {info.get('dropout', 0):g} on {targets}" if isinstance(info.get("dropout", 0), (int, float)) \
+        else f" on {targets}"
+    if info.get("modules_to_save"):
+        out += f", full copies of {', '.join(map(str, info['modules_to_save']))}"
+    trainable, total = info.get("trainable_params"), info.get("total_params")
+    if isinstance(trainable, int) and isinstance(total, int) and total:
+        out += f": {_count(trainable)} of {_count(total)} parameters train ({100 * trainable / total:.2f} %)"
+    return out
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+
+
 def requeue_markers(paths: RunPaths) -> dict[tuple[str, int], dict[str, Any]]:
     """Requeue markers ``requeue/<job>-<restart>`` as {(job id, restart): their JSON (step, t)}."""
     out: dict[tuple[str, int], dict[str, Any]] = {}
@@ -375,8 +431,8 @@ def lost_to_preemption(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def overview(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dict[str, Any]],
              max_steps: int | None = None) -> dict[str, Any]:
-    """What ``slurmft status --json`` adds beside ``jobs``: ``{progress, checkpoint, attempts, model, lost, tracker}``
-    (``tracker``: ``tracker.json``, the W&B run every attempt logs to, or None).
+    """What ``slurmft status --json`` adds beside ``jobs``: ``{progress, checkpoint, attempts, model, lost, tracker,
+    lora}`` (``tracker``: ``tracker.json``, the W&B run every attempt logs to, or None; ``lora``: :func:`lora_info`).
 
     ``slurm_rows`` are :func:`slurmft.watch.status.job_rows` of ``manifest`` (no Slurm call here);
     ``max_steps`` defaults to the run config's ``train.max_steps``.
@@ -385,7 +441,8 @@ def overview(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dict[st
     metrics = read_metrics(paths.metrics)
     rows = attempts(manifest, metrics.records, slurm_rows, markers=requeue_markers(paths), max_steps=max_steps)
     return {"progress": progress_of(metrics, max_steps), "checkpoint": checkpoint_info(paths), "attempts": rows,
-            "model": model_info(paths), "lost": lost_to_preemption(rows), "tracker": read_tracker(paths)}
+            "model": model_info(paths), "lost": lost_to_preemption(rows), "tracker": read_tracker(paths),
+            "lora": lora_info(paths)}
 
 
 def overview_lines(ov: dict[str, Any]) -> list[str]:
@@ -400,8 +457,11 @@ def overview_lines(ov: dict[str, Any]) -> list[str]:
         lines = [f"progress: step {p['step']}/{p['max_steps'] or '?'}, loss {loss}{tps}{eta}"]
         if p["problem"]:
             lines.append(f"  note: {p['problem']}")
+    if ov.get("lora"):
+        lines.append(f"method: {lora_words(ov['lora'])}")
     lines.append(f"checkpoint: step {ck['step']}, {fmt_duration(ck['age_s'])} old, {binary_bytes(ck['bytes'])} "
-                 f"({ck['path']})" if ck else "checkpoint: none complete yet")
+                 f"({ck['path']})" + (" (adapters and their optimizer state only)" if ov.get("lora") else "")
+                 if ck else "checkpoint: none complete yet")
     lines.append("attempts:")
     for k, a in enumerate(ov["attempts"], start=1):
         steps = f"steps {a['first_step']}-{a['last_step']}" if a["first_step"] is not None else "no step"

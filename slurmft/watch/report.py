@@ -26,6 +26,8 @@ from slurmft.units import binary_bytes, fmt_duration
 from slurmft.watch.progress import (
     attempts,
     checkpoint_info,
+    lora_info,
+    lora_words,
     lost_to_preemption,
     max_steps_of,
     model_info,
@@ -111,6 +113,7 @@ def summary(paths: RunPaths, slurm_rows: list[dict[str, Any]] | None = None) -> 
         "model": model_info(paths),
         "nodes": _nodes_by_attempt(paths),
         "tracker": read_tracker(paths),
+        "lora": lora_info(paths),
     }
 
 
@@ -150,6 +153,7 @@ def render(s: dict[str, Any], plot_name: str | None) -> str:
         L += [f"> manifest: {s['manifest_problem']}", ""]
     L += ["## Config", "", "| field | value |", "|---|---|",
           f"| model | `{_get(cfg, 'model.name_or_path')}` ({_get(cfg, 'model.dtype')}) |",
+          f"| method | {lora_words(s.get('lora'))} |",
           f"| data | {datasets}; max_seq_length {_get(cfg, 'data.max_seq_length')}, "
           f"packing {_get(cfg, 'data.packing')} |",
           f"| steps | {_get(cfg, 'train.max_steps')} × per-device batch {_get(cfg, 'train.per_device_batch_size')} "
