@@ -3,6 +3,8 @@
     (srun-like, 2 ranks) python tests/job/adapter_survival.py save RUN_DIR OUT
     (srun-like, 2 ranks) python tests/job/adapter_survival.py load RUN_DIR OUT
 
+or inside tests/job/run_many.py's launches (``call:tests.job.adapter_survival:main:save:RUN_DIR:OUT``).
+
 ``save``: builds the run's sharded LoRA model as the job does (slurmft.job.loading.build_sharded_model),
 writes into each rank's local shard of every trainable tensor values that depend on the rank (so a save
 that kept only rank 0's slice, or one rank's slice for every rank, cannot pass), saves the adapter

@@ -12,6 +12,7 @@ the job prints it, then the exception) and the next run starts.
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import sys
@@ -58,19 +59,39 @@ def _port(run_dir: str, rank: str) -> str:
     return path.read_text()
 
 
-def main(run_dirs: list[str]) -> int:
+#: An argument ``call:MODULE:FUNCTION:ARG:...:WHERE`` runs ``MODULE.FUNCTION(ARG, ..., WHERE)`` in the ranks instead
+#: of a run (a check that needs the process group, e.g. tests/job/adapter_survival.py); its port file and
+#: failure files are named after WHERE plus the function.
+CALL = "call:"
+
+
+def _one(item: str) -> str:
+    """Run one item (a run directory, or a ``call:``); returns the path its port and failure files are named by."""
+    if not item.startswith(CALL):
+        os.environ["MASTER_PORT"] = _port(item, RANK)
+        run_train(item)
+        return item
+    module, function, *args = item[len(CALL):].split(":")
+    os.environ["MASTER_PORT"] = _port(f"{args[-1]}.{function}.{args[0]}", RANK)
+    getattr(importlib.import_module(module), function)(*args)
+    return item
+
+
+RANK = os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0"))
+
+
+def main(items: list[str]) -> int:
     failed = 0
-    rank = os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0"))
-    for run_dir in run_dirs:
+    for item in items:
         said = _Said(sys.stderr)
         sys.stderr = said  # what run_train prints itself (a setup error) goes into RUN_DIR.failed.rank<R> too
         try:
-            os.environ["MASTER_PORT"] = _port(run_dir, rank)
-            run_train(run_dir)
+            _one(item)
         except BaseException as exc:  # noqa: BLE001 - SystemExit(2) for a setup error too: record it, go on
             failed += 1
-            text = f"{said.text()}rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-            Path(f"{run_dir}.failed.rank{rank}").write_text(text)
+            text = f"{said.text()}rank {RANK}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            where = item if not item.startswith(CALL) else item.rsplit(":", 1)[-1] + ".call"
+            Path(f"{where}.failed.rank{RANK}").write_text(text)
             sys.stderr.write(text)
         finally:
             sys.stderr = said.stream

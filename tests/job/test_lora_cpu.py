@@ -10,7 +10,8 @@ One set of runs serves every check (tests/job/run_many.py: one start-up per laun
   another rank;
 - the single-process PEFT reference (tests/job/peft_reference.py: transformers + PEFT, no FSDP, the whole
   global batch on one process);
-- tests/job/adapter_survival.py, twice (save, load): rank-dependent shards through the job's save and load.
+- tests/job/adapter_survival.py, save in launch 1 and load in launch 2: rank-dependent shards through the job's
+  save and load.
 """
 
 from __future__ import annotations
@@ -71,7 +72,10 @@ def lora_runs(tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytes
         "full": write_run(root / "full", tiny_model, [*RUN_ARGS, "train.max_steps=2"]),
         "badtarget": write_run(root / "badtarget", tiny_model, [*RUN_ARGS, *LORA, "lora.target_modules=[q_proj, qproj]"]),
     }
-    first = [runs["lora"], runs["full"], runs["badtarget"]]
+    survival = root / "survival"
+    survival.mkdir()
+    check = "call:tests.job.adapter_survival:main:{phase}:" + f"{runs['lora']}:{survival}"
+    first = [runs["lora"], runs["full"], runs["badtarget"], check.format(phase="save")]
     _, out = launch_like_srun(root / "first", job_env, program=[str(HERE / "run_many.py")],
                               args=[str(r) for r in first]).wait(timeout=600)
     for path in sorted(root.glob("*.failed.rank*")):
@@ -92,19 +96,15 @@ def lora_runs(tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytes
     runs["fullwithlora"] = _copy(runs["full"], root / "fullwithlora", edit=with_lora)
     runs["otherrank"] = _copy(runs["lora"], root / "otherrank", cut_after=EVERY, edit=other_rank)
     before = {name: _tree(runs[name]) for name in ("nolora", "fullwithlora", "otherrank")}
-    second = [runs[n] for n in ("resumed", "nolora", "fullwithlora", "otherrank")]
+    second = [*(runs[n] for n in ("resumed", "nolora", "fullwithlora", "otherrank")), check.format(phase="load")]
     _, out2 = launch_like_srun(root / "second", job_env, program=[str(HERE / "run_many.py")],
                                args=[str(r) for r in second]).wait(timeout=600)
     reference = subprocess.run([sys.executable, str(HERE / "peft_reference.py"), str(runs["lora"]),
                                 str(root / "reference.json")], env=job_env, capture_output=True, text=True,
                                timeout=600, check=False)
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
-    survival = root / "survival"
-    survival.mkdir()
-    for phase in ("save", "load"):
-        rc, log = launch_like_srun(survival / phase, job_env, program=[str(HERE / "adapter_survival.py")],
-                                   args=[phase, str(runs["lora"]), str(survival)]).wait(timeout=300)
-        assert rc == 0, log[-4000:]
+    for path in sorted(root.glob("survival.call.failed.rank*")):
+        pytest.fail(path.read_text()[-4000:])
     return {"runs": runs, "log": out + "\n" + out2, "before": before, "reference": root / "reference.json",
             "survival": survival}
 
