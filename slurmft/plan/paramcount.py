@@ -207,13 +207,11 @@ def family_tensors(model_cfg: dict[str, Any]) -> tuple[list[list[Shape]], list[S
 Module = tuple[str, Shape, str]
 
 #: PEFT 0.21 on transformers 5 (``peft/utils/transformers_weight_conversion.py``, ``_convert_peft_config_moe``):
-#: for MoE models whose experts transformers fused, a target written with the old per-expert names is moved from
-#: ``target_modules`` to ``target_parameters`` (the fused tensor), and ``all-linear`` adds those names first. So
-#: ``all-linear`` adapts the router and every fused expert tensor (``gate_up_proj`` at rank 2r: two old targets
-#: fused), and a name in the mapping stops adapting the linear layers it also names (DeepSeek's dense and shared
-#: MLPs). The model types are those transformers' ``_MODEL_TO_CONVERSION_PATTERN`` maps (plus PEFT's mixtral):
-#: Qwen2-MoE itself is not among them, so PEFT adapts only its linear layers. tests/test_lora_count.py compares
-#: these counts with PEFT's own.
+#: for MoE models whose experts transformers fused, a target with one of these per-expert names is moved onto the
+#: fused expert tensor (or the router), even where it also names a shared expert's or a dense layer's linear layer
+#: (DeepSeek). The job adapts no fused tensor (slurmft/job/adapters.py): ``all-linear`` leaves these names out,
+#: and a listed one is refused. The model types are those transformers' ``_MODEL_TO_CONVERSION_PATTERN`` maps
+#: (plus PEFT's mixtral). tests/test_lora_count.py compares these counts with the job's adapters.
 PEFT_MOE_RENAMES: dict[str, dict[str, str]] = {
     "mixtral": {"gate": "router", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"},
     "qwen2_moe": {"gate": "router", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"},
@@ -311,58 +309,38 @@ def adapter_tensors(modules: Sequence[Sequence[Module]], mtype: str, h: int, voc
 
     A linear layer of weight ``[out, in]`` gets ``lora_A [r, in]`` and ``lora_B [out, r]``: ``r·(in + out)``
     parameters. ``all-linear`` = every linear layer of the decoder (not the output head); a list = the linear
-    layers whose name is or ends with a listed name. MoE models PEFT converts (:data:`PEFT_MOE_RENAMES`): the
-    router ``[E, h]`` gets ``r·(h + E)``, a fused expert tensor ``[E, a, b]`` gets ``r'·E·(a + b)`` (``r' = 2r``
-    for ``gate_up_proj`` when both halves are targeted). ``modules_to_save``: a full trainable copy.
+    layers whose name is or ends with a listed name. Fused expert tensors and routers are never adapted, nor, in
+    MoE models PEFT converts (:data:`PEFT_MOE_RENAMES`), the linear layers named like them.
+    ``modules_to_save``: a full trainable copy.
     """
     linear_leaves = sorted({p.rsplit(".", 1)[-1] for layer in modules for p, _, kind in layer if kind == "linear"})
     renames = PEFT_MOE_RENAMES.get(PEFT_MOE_PATTERN.get(mtype, ""), {})
     unmatched: list[str] = []
     if target_modules == "all-linear":
-        names = set(linear_leaves) | set(renames)
+        module_names = {leaf for leaf in linear_leaves if leaf not in renames}
     else:
-        names = set()
+        module_names = set()
         for t in target_modules:  # the job accepts a listed name only when it names a linear layer
             if any(_ends(p, t) for layer in modules for p, _, kind in layer if kind == "linear"):
-                names.add(t)
+                if any(_ends(t, old) for old in renames):
+                    unmatched.append(f"{t!r} names the fused expert tensors of this {mtype} for PEFT, which the job "
+                                     f"refuses (its linear layers: {', '.join(linear_leaves)})")
+                else:
+                    module_names.add(t)
             else:
                 fused = any(_ends(p, t) or p.endswith("." + t + ".weight")
                             for layer in modules for p, _, kind in layer if kind != "linear")
                 unmatched.append(f"{t!r} is {'a router or fused expert tensor' if fused else 'no linear layer'} of "
                                  f"this {mtype} (its linear layers: {', '.join(linear_leaves)})")
-    params: dict[str, int] = {}  # fused/router parameter -> rank
-    old_names: dict[str, set[str]] = {}
-    module_names = set()
-    for t in names:
-        old = next((o for o in renames if _ends(t, o)), None)
-        if old is None:
-            module_names.add(t)
-        else:
-            params[renames[old]] = r
-            old_names.setdefault(renames[old], set()).add(old)
-    if "gate_up_proj" in old_names:
-        want = {o for o, n in renames.items() if n == "gate_up_proj"}
-        if old_names["gate_up_proj"] == want:
-            params["gate_up_proj"] = r * len(want)
-        else:  # PEFT raises: the halves of a fused tensor are targeted together or not at all
-            params.pop("gate_up_proj")
-            have = old_names["gate_up_proj"]
-            unmatched.append(f"{', '.join(sorted(have))} without {', '.join(sorted(want - have))}: PEFT refuses half "
-                             "of a fused gate_up_proj")
     layers: list[tuple[Shape, ...]] = []
     adapted: set[str] = set()
     for layer in modules:
         tensors: list[Shape] = []
         for path, shape, kind in layer:
             leaf = path.removesuffix(".weight").rsplit(".", 1)[-1]
-            linear = kind == "linear" and any(_ends(path, t) for t in module_names)
-            if linear or (kind == "router" and "router" in params):  # [out, in] -> A [r, in], B [out, r]
+            if kind == "linear" and any(_ends(path, t) for t in module_names):  # [out, in] -> A [r, in], B [out, r]
                 tensors += [(r, shape[1]), (shape[0], r)]
                 adapted.add(leaf)
-            elif kind == "experts" and leaf in params:
-                rank = params[leaf] * shape[0]
-                tensors += [(rank, shape[2]), (shape[1], rank)]
-                adapted.add("experts")
             if kind == "linear" and any(path.endswith(m) for m in modules_to_save):  # PEFT: a plain suffix
                 tensors.append(shape)
         layers.append(tuple(tensors))
