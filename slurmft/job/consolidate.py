@@ -709,6 +709,7 @@ class LoraLayout:
     adapter: list[TensorPlan]  # name = PEFT's saved name (``get_peft_model_state_dict``), key = the DCP key
     deltas: dict[str, LoraDelta]  # model tensor name -> its update
     replaced: dict[str, str]  # model tensor name -> DCP key of its trained ``modules_to_save`` copy
+    unmergeable: list[str]  # why the merge cannot be done (adapters on layers it does not handle)
 
 
 def lora_of(ckpt: Path) -> dict[str, Any] | None:
@@ -733,21 +734,39 @@ def lora_layout(config: Any, cfg: RunConfig, lora: dict[str, Any], metadata: Met
     from slurmft.config import LoraConfig
     from slurmft.job.adapters import add_adapters
 
-    try:
-        section = LoraConfig(r=lora["r"], alpha=lora["alpha"], dropout=lora.get("dropout", 0.0),
-                             target_modules=list(lora["target_modules"]),
-                             modules_to_save=list(lora.get("modules_to_save") or []))
-    except (KeyError, TypeError, ValidationError) as exc:
-        raise CheckpointError(f"the lora entry of {ckpt / COMPLETE_MARKER} is not readable: {exc}") from None
+    # The run's own lora section, as the job used it (all-linear resolved by PEFT on this model), else the
+    # marker's record of it; either way the rebuilt adapters must be the ones the marker describes.
+    section = cfg.lora
+    if section is None:
+        try:
+            section = LoraConfig(r=lora["r"], alpha=lora["alpha"], dropout=lora.get("dropout", 0.0),
+                                 target_modules=list(lora["target_modules"]),
+                                 modules_to_save=list(lora.get("modules_to_save") or []))
+        except (KeyError, TypeError, ValidationError) as exc:
+            raise CheckpointError(f"the lora entry of {ckpt / COMPLETE_MARKER} is not readable: {exc}") from None
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
-    peft_model, _ = add_adapters(base, section)
+    peft_model, summary = add_adapters(base, section)
+    rebuilt = summary.marker()
+    differ = [f"{k}: {lora.get(k)!r} in the checkpoint, {rebuilt[k]!r} rebuilt from the run's lora section"
+              for k in rebuilt if k in lora and lora[k] != rebuilt[k]]
+    if differ:
+        raise CheckpointError(f"the run's lora section does not rebuild the adapters {ckpt.name} was trained with "
+                              "(was config.yaml edited?)", differ)
 
     index: dict[str, str] = {}  # PeftModel state-dict name -> DCP key
     for key, md in metadata.state_dict_metadata.items():
         if key.startswith(DCP_CONTAINER + ".") and isinstance(md, TensorStorageMetadata):
             index[peft_name(key[len(DCP_CONTAINER) + 1 :])] = key
     trainable = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
+    # torch's ignore_frozen_params keeps a tied alias of a frozen weight (lm_head.weight of a model with
+    # tie_word_embeddings): a base weight, read from the base model like every other one.
+    frozen = sorted(set(index) & (set(peft_model.state_dict(keep_vars=True)) - set(trainable)))
+    if frozen:
+        log(f"ignored {len(frozen)} frozen base tensor(s) saved in the checkpoint: {', '.join(frozen[:4])}"
+            + (" ..." if len(frozen) > 4 else ""))
+        for name in frozen:
+            del index[name]
     problems = []
     unknown, missing = sorted(set(index) - set(trainable)), sorted(set(trainable) - set(index))
     if unknown:
@@ -779,6 +798,7 @@ def lora_layout(config: Any, cfg: RunConfig, lora: dict[str, Any], metadata: Met
 
     deltas: dict[str, LoraDelta] = {}
     replaced: dict[str, str] = {}
+    other: dict[str, list[str]] = {}  # LoRA layer kind the merge does not handle -> module names
     for name, module in peft_model.named_modules():
         if isinstance(module, ModulesToSaveWrapper):
             for p, _ in module.modules_to_save[ADAPTER_NAME].named_parameters():
@@ -792,16 +812,17 @@ def lora_layout(config: Any, cfg: RunConfig, lora: dict[str, Any], metadata: Met
                 index[f"{name}.lora_embedding_A.{ADAPTER_NAME}"], index[f"{name}.lora_embedding_B.{ADAPTER_NAME}"],
                 float(module.scaling[ADAPTER_NAME]), True)
         elif isinstance(module, LoraLayer) and ADAPTER_NAME in module.lora_A:
-            problems.append(f"{strip_wrappers(name)}: a LoRA {type(module).__name__} layer, which the merge does "
-                            "not handle (linear and embedding layers only); set consolidate.merge: false")
-    if problems:
-        raise CheckpointError("cannot merge these adapters", problems)
+            other.setdefault(type(module).__name__, []).append(strip_wrappers(name))
+    unmergeable = [f"{len(names)} LoRA {kind} layer(s), e.g. {', '.join(dict.fromkeys(names[:2]))}: the merge "
+                   "handles LoRA on linear and embedding layers only (a ParamWrapper adapts a parameter, such as "
+                   "fused mixture-of-experts tensors or a router); set consolidate.merge: false to write the "
+                   "adapter only" for kind, names in other.items()]
 
     peft_config = copy.deepcopy(peft_model.peft_config[ADAPTER_NAME])
     peft_config.base_model_name_or_path = cfg.model.name_or_path
     peft_config.revision = cfg.model.revision
     peft_config.inference_mode = True  # as PeftModel.save_pretrained writes it
-    return LoraLayout(peft_config, adapter, deltas, replaced)
+    return LoraLayout(peft_config, adapter, deltas, replaced, unmergeable)
 
 
 def write_adapter(
@@ -816,7 +837,9 @@ def write_adapter(
                 max(t.source_nbytes for t in lora.adapter), progress)
     verify_output(directory, [shard], {t.name: t.shape for t in lora.adapter})
     lora.config.save_pretrained(str(directory))
-    return write_tokenizer(tok_source, directory, cfg)
+    tokenizer_files = write_tokenizer(tok_source, directory, cfg)
+    _verify_tokenizer(directory, cfg, tokenizer_files)
+    return tokenizer_files
 
 
 def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, delta: LoraDelta) -> torch.Tensor:
@@ -919,7 +942,7 @@ def plan_merge(
 ) -> list[TensorPlan]:
     """The merged model's tensors, by model name (``key`` = the model name: MergedSource reads them), from
     the base weights the loader's check matched (``entries``), the updates and the trained copies."""
-    problems = []
+    problems = list(lora.unmergeable)
     tied = set(layout.aliases) | set(layout.aliases.values())
     for name in sorted(set(lora.replaced) & tied):
         problems.append(f"{name}: a modules_to_save copy of a tied weight (tie_word_embeddings); the merged model "

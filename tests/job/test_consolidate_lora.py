@@ -237,3 +237,35 @@ def test_merge_false_writes_the_adapter_only(lora_run: Path, consolidated: dict[
     assert model_info(paths) is None  # status and the report do not claim a model
     final = paths.checkpoints / "checkpoint-4"
     assert model_ready(paths, final, adapter_only=True) and not model_ready(paths, final)  # resume: finished
+
+
+def test_merged_weight_is_peft_merge_for_linear_and_embedding_layers() -> None:
+    """The update rule on its own, against PEFT's merge of a linear and an embedding layer (whose B @ A is
+    stored transposed): bitwise in float32."""
+    from peft import LoraConfig, get_peft_model
+
+    from slurmft.job.consolidate import LoraDelta, merged_weight
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(11, 6)
+            self.proj = torch.nn.Linear(6, 5, bias=False)
+
+    torch.manual_seed(0)
+    model = Tiny()
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    peft = get_peft_model(model, LoraConfig(r=3, lora_alpha=5, target_modules=["embed", "proj"]))
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.normal_()
+    lora = {k: v.clone() for k, v in peft.state_dict().items() if "lora_" in k}
+    merged = peft.merge_and_unload().state_dict()
+    s = 5 / 3
+    proj = merged_weight(base["proj.weight"].clone(), lora["base_model.model.proj.lora_A.default.weight"],
+                         lora["base_model.model.proj.lora_B.default.weight"], LoraDelta("a", "b", s, False))
+    embed = merged_weight(base["embed.weight"].clone(), lora["base_model.model.embed.lora_embedding_A.default"],
+                          lora["base_model.model.embed.lora_embedding_B.default"], LoraDelta("a", "b", s, True))
+    assert torch.equal(proj, merged["proj.weight"]) and torch.equal(embed, merged["embed.weight"])
+    assert not torch.equal(proj, base["proj.weight"])
