@@ -44,8 +44,8 @@ COMPLETE_MARKER = "COMPLETE"
 # torch.compile) but never in a Hugging Face checkpoint.
 # PEFT's LoRA wrapper adds ``base_layer`` (the wrapped linear layer) and ``original_module`` (what a
 # ``modules_to_save`` copy was made from) segments, and the ``base_model.model.`` prefix of a PeftModel.
-WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod", "base_layer",
-                              "original_module"})
+MODULE_WRAPPERS = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"})
+WRAPPER_SEGMENTS = MODULE_WRAPPERS | {"base_layer", "original_module"}
 PEFT_PREFIX = "base_model.model."
 #: Segments only adapter tensors have: LoRA's A and B, and a ``modules_to_save`` copy (trained in full).
 ADAPTER_SEGMENTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector",
@@ -188,6 +188,12 @@ def fsync_dir(path: Path) -> None:
 def strip_wrappers(name: str) -> str:
     """A parameter name without module-wrapper segments (and PEFT's prefix): the Hugging Face name."""
     return ".".join(part for part in name.removeprefix(PEFT_PREFIX).split(".") if part not in WRAPPER_SEGMENTS)
+
+
+def peft_name(name: str) -> str:
+    """A parameter name without the module-wrapper segments of training (activation checkpointing, FSDP1,
+    torch.compile) but with PEFT's own structure: the name in a ``PeftModel``'s state dict."""
+    return ".".join(part for part in name.split(".") if part not in MODULE_WRAPPERS)
 
 
 def is_adapter_name(name: str) -> bool:

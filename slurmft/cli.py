@@ -315,7 +315,13 @@ def resume(run_dir: Path, overrides: tuple[str, ...], template_dir: str | None) 
     result = resume_run(run_dir, list(overrides), template_dir, say=_err)
     if result.phase == Phase.FINISHED:
         click.echo(f"{result.run_dir} is finished: trained to step {result.step} and consolidated; nothing to resume")
-        click.echo(f"model: {result.run_dir / 'model'}")
+        from slurmft.rundir import ADAPTER_CONFIG, MODEL_INDEX, RunPaths
+
+        paths = RunPaths.of(result.run_dir)
+        if (paths.model / MODEL_INDEX).is_file():
+            click.echo(f"model: {paths.model}")
+        if (paths.adapter / ADAPTER_CONFIG).is_file():  # a LoRA run
+            click.echo(f"adapter: {paths.adapter}")
         return
     _echo_jobs(result.run_dir, result.executor, result.jobs)
 
@@ -336,8 +342,12 @@ def consolidate(run_dir: Path, checkpoint: str | None, out: str | None, here: bo
     request = consolidation.check_request(paths, checkpoint, out)
     if here:
         summary = consolidation.consolidate_here(paths, request, _err, bar=sys.stderr.isatty())
-        click.echo(f"model: {summary['output']}  ({summary['parameters']:,} parameters from "
-                   f"{Path(summary['checkpoint']).name}, {summary['seconds']} s)")
+        if summary.get("adapter"):  # a LoRA run: the adapter, and the merged model unless consolidate.merge: false
+            click.echo(f"adapter: {summary['adapter']['output']}  ({summary['adapter']['parameters']:,} adapter "
+                       f"parameters from {Path(summary['checkpoint']).name})")
+        if summary.get("model"):
+            click.echo(f"model: {summary['model']}  ({summary['parameters']:,} parameters from "
+                       f"{Path(summary['checkpoint']).name}, {summary['seconds']} s)")
         return
     job_id = consolidation.submit(paths, request, template_dir, _err)
     click.echo(f"consolidate job: {job_id}  ({request.checkpoint.name} -> {request.out})")

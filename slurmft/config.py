@@ -461,7 +461,9 @@ class ConsolidateConfig(_Section):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto",
         description="Dtype of the saved model; auto = the training compute dtype (bfloat16 for bf16-mixed and "
-        "bf16-true, float32 for fp32), as recorded in the checkpoint.",
+        "bf16-true, float32 for fp32), as recorded in the checkpoint; for a LoRA run's merged model, auto = the "
+        "base model's file dtype (its untouched weights stay bit for bit). LoRA adapters are saved as trained "
+        "(float32).",
     )
     max_shard_size: Size = Field("5GB", description="Largest safetensors file, e.g. 5GB, 500MB.")
     merge: bool = Field(

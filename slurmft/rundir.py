@@ -25,6 +25,9 @@ MANIFEST_VERSION = 2
 JOB_TAG_PREFIX = "slurmft:"
 # What consolidation writes last into the model directory: its presence means a complete export.
 MODEL_INDEX = "model.safetensors.index.json"
+# What consolidation writes into the adapter directory of a LoRA run (PEFT's file names).
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,11 @@ class RunPaths:
         return self.root / "model"
 
     @property
+    def adapter(self) -> Path:
+        """A LoRA run's adapter as PEFT saves it (``PeftModel.from_pretrained(base, adapter)`` loads it)."""
+        return self.root / "adapter"
+
+    @property
     def plan(self) -> Path:
         """``train.epochs``: the steps computed from the packed data at the first start (kept across restarts)."""
         return self.root / "plan.json"
@@ -163,8 +171,8 @@ class RunPaths:
     def folders(self) -> frozenset[str]:
         """Names of the folders slurmft makes inside a run directory (none of them holds another run)."""
         return frozenset(p.name for p in (self.scripts, self.logs, self.submitit, self.checkpoints, self.model,
-                                           self.requeue_marker_dir, self.fsdp_report, self.tensorboard,
-                                           self.wandb))
+                                           self.adapter, self.requeue_marker_dir, self.fsdp_report,
+                                           self.tensorboard, self.wandb))
 
 
 @dataclass(frozen=True)

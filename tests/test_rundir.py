@@ -20,7 +20,8 @@ def test_requeue_marker_name_round_trips(tmp_path: Path) -> None:
 
 def test_runs_skips_every_folder_slurmft_makes(tmp_path: Path) -> None:
     paths = RunPaths.of(tmp_path)
-    made = {paths.scripts, paths.logs, paths.submitit, paths.checkpoints, paths.model, paths.requeue_marker_dir,
+    made = {paths.scripts, paths.logs, paths.submitit, paths.checkpoints, paths.model, paths.adapter,
+            paths.requeue_marker_dir,
             paths.fsdp_report, paths.tensorboard, paths.wandb}
     assert {p.parent for p in made} == {paths.root}
     assert {p.name for p in made} == paths.folders <= SKIP

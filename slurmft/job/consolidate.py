@@ -27,6 +27,27 @@ shards split at ``max_shard_size`` plus ``model.safetensors.index.json`` (always
 shard, so deployments can rely on one layout); ``config.json`` (``dtype`` = the saved dtype),
 ``generation_config.json`` and the tokenizer files.
 
+LoRA runs (a ``lora`` entry in the checkpoint's COMPLETE marker): the checkpoint holds only the trainable
+tensors (``lora_A``/``lora_B`` in float32, and the full ``modules_to_save`` copies), so it is matched
+against PEFT's own model of it: the job's adapters (slurmft/job/adapters.py, the marker's resolved target
+modules) added to a meta-device model, and ``get_peft_model_state_dict`` names each tensor. Two outputs:
+
+- ``RUN_DIR/adapter/`` (``<out>-adapter`` with ``--out``): ``adapter_config.json`` and
+  ``adapter_model.safetensors`` exactly as ``PeftModel.save_pretrained`` writes them, streamed from the
+  checkpoint in the dtype they trained in (float32: the adapter is a few MB, and PEFT computes in fp32 on a
+  half-precision base anyway), plus the tokenizer;
+- unless ``consolidate.merge: false``, the merged model in ``RUN_DIR/model/``, the same export as above
+  (plan, shards, index, config, atomic replace, disk check) but each tensor read from the *base* model's
+  safetensors files (``model.name_or_path``), matched onto the model by the loader's own check
+  (slurmft/job/weights.py, through transformers' conversion mapping: per-expert files, fused model
+  tensors, save_pretrained names out), one tensor or conversion group at a time, with plain file reads
+  (a memory-mapped file would keep every page read in RSS). Each adapted weight becomes
+  ``W + (alpha/r)·(B @ A)`` computed in float32 in PEFT's order, so on a float32 model it is bitwise
+  PEFT's ``merge_and_unload()``; ``modules_to_save`` tensors come from the checkpoint's trained copies.
+  ``consolidate.dtype: auto`` is the base model's file dtype here (not the training precision): the
+  merged model has the base model's size and every weight the adapters did not touch is its exact copy.
+  Memory: about one base tensor in its file dtype, its float32 copy and its update.
+
 Run by hand: ``python -m slurmft.job.consolidate RUN_DIR [--checkpoint DIR] [--out DIR]``.
 """
 
@@ -34,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import fcntl
 import json
 import os
@@ -60,12 +82,13 @@ from slurmft.checkpoints import (
     latest_complete,
     list_checkpoints,
     named,
+    peft_name,
     strip_wrappers,
 )
 from slurmft.config import RunConfig, read_run_config
 from slurmft.errors import CheckpointError, SlurmftError
-from slurmft.job.dtypes import DTYPES, SAFETENSORS_CODES
-from slurmft.rundir import MODEL_INDEX, RunPaths
+from slurmft.job.dtypes import DTYPES, SAFETENSORS_CODES, SAFETENSORS_DTYPES
+from slurmft.rundir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_INDEX, RunPaths
 from slurmft.units import decimal_bytes, parse_size, peak_rss_bytes
 
 # accelerate's save_fsdp_model (SHARDED_STATE_DICT, FSDP2) writes the model of checkpoint-<step>/ to
@@ -76,6 +99,7 @@ DCP_METADATA = ".metadata"
 DCP_CONTAINER = "model"
 
 SAFE_INDEX_NAME = MODEL_INDEX
+ADAPTER_NAME = "default"  # PEFT's name of the one adapter the job trains (dropped from the saved names)
 SHARD_NAME = "model-{index:05d}-of-{total:05d}.safetensors"
 
 # Files that make up a tokenizer directory (copied verbatim, so the chat template the trainer used
@@ -402,9 +426,20 @@ class TensorSource:
             dcp.load(buffers, storage_reader=self.reader, no_dist=True)
         return buffers
 
+    def _load_plain(self, batch: list[TensorPlan]) -> dict[str, torch.Tensor]:
+        """The unconverted tensors of ``batch`` by key, with one ``dcp.load``."""
+        return self._load({t.key: (t.shape, t.source_dtype) for t in batch})
+
+    def _load_group(self, t: TensorPlan) -> dict[str, torch.Tensor]:
+        """The model tensors a converted tensor is made from, by model name."""
+        shapes = self.reader.read_metadata().state_dict_metadata
+        loaded = self._load({key: (tuple(shapes[key].size), t.source_dtype)  # type: ignore[union-attr]
+                             for key, _ in t.group})
+        return {name: loaded.pop(key) for key, name in t.group}
+
     def read(self, batch: list[TensorPlan]) -> Iterator[tuple[TensorPlan, torch.Tensor]]:
         """Each tensor of ``batch`` (as stored in the checkpoint's dtype), in order."""
-        plain = self._load({t.key: (t.shape, t.source_dtype) for t in batch if not t.group})
+        plain = self._load_plain([t for t in batch if not t.group])
         for t in batch:
             if not t.group:
                 yield t, plain.pop(t.key)
@@ -412,10 +447,7 @@ class TensorSource:
             if t.group not in self.converted:
                 from slurmft.job.conversion import export_tensors
 
-                shapes = self.reader.read_metadata().state_dict_metadata
-                loaded = self._load({key: (tuple(shapes[key].size), t.source_dtype)  # type: ignore[union-attr]
-                                     for key, _ in t.group})
-                self.converted[t.group] = export_tensors(self.model, {name: loaded.pop(key) for key, name in t.group})
+                self.converted[t.group] = export_tensors(self.model, self._load_group(t))
             yield t, self.converted[t.group].pop(t.name)
             self.remaining[t.group] -= 1
             if not self.remaining[t.group]:
@@ -656,6 +688,304 @@ def check_disk_space(parent: Path, needed: int) -> None:
         )
 
 
+# ------------------------------------------------------------------ LoRA checkpoints
+@dataclass(frozen=True)
+class LoraDelta:
+    """How one base weight changes in the merge: ``W + scaling * (B @ A)`` (``B @ A`` transposed for an
+    embedding and a ``fan_in_fan_out`` layer, as PEFT's ``get_delta_weight``)."""
+
+    a: str  # DCP key of lora_A (lora_embedding_A)
+    b: str  # DCP key of lora_B (lora_embedding_B)
+    scaling: float  # alpha / r
+    transpose: bool
+
+
+@dataclass(frozen=True)
+class LoraLayout:
+    """A LoRA checkpoint read against PEFT's own model of it: the job's adapters added to a meta-device
+    model (slurmft/job/adapters.py), so names and layer kinds are PEFT's, not a copy of its rules."""
+
+    config: Any  # peft's LoraConfig as ``save_pretrained`` writes it (adapter_config.json)
+    adapter: list[TensorPlan]  # name = PEFT's saved name (``get_peft_model_state_dict``), key = the DCP key
+    deltas: dict[str, LoraDelta]  # model tensor name -> its update
+    replaced: dict[str, str]  # model tensor name -> DCP key of its trained ``modules_to_save`` copy
+    unmergeable: list[str]  # why the merge cannot be done (adapters on layers it does not handle)
+
+
+def lora_of(ckpt: Path) -> dict[str, Any] | None:
+    """The ``lora`` entry of a checkpoint's COMPLETE marker; None for a full fine-tuning checkpoint."""
+    try:
+        lora = json.loads((ckpt / COMPLETE_MARKER).read_text()).get("lora")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return lora if isinstance(lora, dict) else None
+
+
+def lora_layout(config: Any, cfg: RunConfig, lora: dict[str, Any], metadata: Metadata, ckpt: Path) -> LoraLayout:
+    """Every adapter tensor of the checkpoint matched onto PEFT's model of the marker's ``lora`` entry (the
+    resolved target modules), with the name PEFT saves it under; a mismatch is one CheckpointError."""
+    from peft.tuners.lora import Embedding as LoraEmbedding
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper, get_peft_model_state_dict
+    from pydantic import ValidationError
+    from transformers import AutoModelForCausalLM
+
+    from slurmft.config import LoraConfig
+    from slurmft.job.adapters import add_adapters
+
+    # The run's own lora section, as the job used it (all-linear resolved by PEFT on this model), else the
+    # marker's record of it; either way the rebuilt adapters must be the ones the marker describes.
+    section = cfg.lora
+    if section is None:
+        try:
+            section = LoraConfig(r=lora["r"], alpha=lora["alpha"], dropout=lora.get("dropout", 0.0),
+                                 target_modules=list(lora["target_modules"]),
+                                 modules_to_save=list(lora.get("modules_to_save") or []))
+        except (KeyError, TypeError, ValidationError) as exc:
+            raise CheckpointError(f"the lora entry of {ckpt / COMPLETE_MARKER} is not readable: {exc}") from None
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+    peft_model, summary = add_adapters(base, section)
+    rebuilt = summary.marker()
+    differ = [f"{k}: {lora.get(k)!r} in the checkpoint, {rebuilt[k]!r} rebuilt from the run's lora section"
+              for k in rebuilt if k in lora and lora[k] != rebuilt[k]]
+    if differ:
+        raise CheckpointError(f"the run's lora section does not rebuild the adapters {ckpt.name} was trained with "
+                              "(was config.yaml edited?)", differ)
+
+    index: dict[str, str] = {}  # PeftModel state-dict name -> DCP key
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(DCP_CONTAINER + ".") and isinstance(md, TensorStorageMetadata):
+            index[peft_name(key[len(DCP_CONTAINER) + 1 :])] = key
+    trainable = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
+    # torch's ignore_frozen_params keeps a tied alias of a frozen weight (lm_head.weight of a model with
+    # tie_word_embeddings): a base weight, read from the base model like every other one.
+    frozen = sorted(set(index) & (set(peft_model.state_dict(keep_vars=True)) - set(trainable)))
+    if frozen:
+        log(f"ignored {len(frozen)} frozen base tensor(s) saved in the checkpoint: {', '.join(frozen[:4])}"
+            + (" ..." if len(frozen) > 4 else ""))
+        for name in frozen:
+            del index[name]
+    problems = []
+    unknown, missing = sorted(set(index) - set(trainable)), sorted(set(trainable) - set(index))
+    if unknown:
+        problems.append(f"{len(unknown)} checkpoint tensor(s) are not adapters of this LoRA configuration: "
+                        + ", ".join(index[n] for n in unknown[:8]) + (" ..." if len(unknown) > 8 else ""))
+    if missing:
+        problems.append(f"{len(missing)} adapter tensor(s) are not in the checkpoint: "
+                        + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))
+    for name in sorted(set(index) & set(trainable)):
+        size = tuple(metadata.state_dict_metadata[index[name]].size)  # type: ignore[union-attr]
+        if size != tuple(trainable[name].shape):
+            problems.append(f"{index[name]}: shape {size} in the checkpoint, {tuple(trainable[name].shape)} in the adapters")
+    if problems:
+        raise CheckpointError(
+            f"the checkpoint does not match its LoRA adapters (the lora entry of its {COMPLETE_MARKER} marker on the "
+            "architecture of model.name_or_path)", problems)
+
+    # PEFT's own naming: what PeftModel.save_pretrained writes, tensor by tensor (its values are ours, unchanged).
+    by_id = {id(p): n for n, p in trainable.items()}
+    saved = get_peft_model_state_dict(peft_model, state_dict=dict(trainable), save_embedding_layers=False)
+    if sorted(by_id.get(id(v), "?") for v in saved.values()) != sorted(trainable):  # our bug, not the user's
+        raise RuntimeError(f"PEFT saves {len(saved)} tensors, the checkpoint has {len(trainable)} adapter tensors")
+    adapter = []
+    for saved_name, value in saved.items():
+        key = index[by_id[id(value)]]
+        md = metadata.state_dict_metadata[key]
+        dtype = md.properties.dtype  # type: ignore[union-attr]
+        adapter.append(TensorPlan(saved_name, key, tuple(md.size), dtype, dtype))  # type: ignore[union-attr]
+
+    deltas: dict[str, LoraDelta] = {}
+    replaced: dict[str, str] = {}
+    other: dict[str, list[str]] = {}  # LoRA layer kind the merge does not handle -> module names
+    for name, module in peft_model.named_modules():
+        if isinstance(module, ModulesToSaveWrapper):
+            for p, _ in module.modules_to_save[ADAPTER_NAME].named_parameters():
+                replaced[strip_wrappers(f"{name}.{p}")] = index[f"{name}.modules_to_save.{ADAPTER_NAME}.{p}"]
+        elif isinstance(module, LoraLinear) and ADAPTER_NAME in module.lora_A:
+            deltas[strip_wrappers(name) + ".weight"] = LoraDelta(
+                index[f"{name}.lora_A.{ADAPTER_NAME}.weight"], index[f"{name}.lora_B.{ADAPTER_NAME}.weight"],
+                float(module.scaling[ADAPTER_NAME]), bool(module.fan_in_fan_out))
+        elif isinstance(module, LoraEmbedding) and ADAPTER_NAME in module.lora_embedding_A:
+            deltas[strip_wrappers(name) + ".weight"] = LoraDelta(
+                index[f"{name}.lora_embedding_A.{ADAPTER_NAME}"], index[f"{name}.lora_embedding_B.{ADAPTER_NAME}"],
+                float(module.scaling[ADAPTER_NAME]), True)
+        elif isinstance(module, LoraLayer) and ADAPTER_NAME in module.lora_A:
+            other.setdefault(type(module).__name__, []).append(strip_wrappers(name))
+    unmergeable = [f"{len(names)} LoRA {kind} layer(s), e.g. {', '.join(dict.fromkeys(names[:2]))}: the merge "
+                   "handles LoRA on linear and embedding layers only (a ParamWrapper adapts a parameter, such as "
+                   "fused mixture-of-experts tensors or a router); set consolidate.merge: false to write the "
+                   "adapter only" for kind, names in other.items()]
+
+    peft_config = copy.deepcopy(peft_model.peft_config[ADAPTER_NAME])
+    peft_config.base_model_name_or_path = cfg.model.name_or_path
+    peft_config.revision = cfg.model.revision
+    peft_config.inference_mode = True  # as PeftModel.save_pretrained writes it
+    return LoraLayout(peft_config, adapter, deltas, replaced, unmergeable)
+
+
+def write_adapter(
+    reader: FileSystemReader, lora: LoraLayout, directory: Path, tok_source: str, cfg: RunConfig,
+    progress: Callable[[int], None] | None = None,
+) -> list[str]:
+    """``adapter_config.json`` and ``adapter_model.safetensors`` as ``PeftModel.save_pretrained`` writes them,
+    plus the tokenizer; the tensors are streamed from the checkpoint in the dtype they trained in. Returns
+    the tokenizer files."""
+    shard = ShardPlan(ADAPTER_WEIGHTS, lora.adapter)
+    write_shard(TensorSource(reader, lora.adapter, None), shard, directory / ADAPTER_WEIGHTS,
+                max(t.source_nbytes for t in lora.adapter), progress)
+    verify_output(directory, [shard], {t.name: t.shape for t in lora.adapter})
+    lora.config.save_pretrained(str(directory))
+    tokenizer_files = write_tokenizer(tok_source, directory, cfg)
+    _verify_tokenizer(directory, cfg, tokenizer_files)
+    return tokenizer_files
+
+
+def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, delta: LoraDelta) -> torch.Tensor:
+    """``W + scaling * (B @ A)`` in float32, in PEFT's order (``get_delta_weight``: the product, transposed
+    if the layer stores W transposed, times the scaling; then added to W), rounded once by the caller."""
+    update = b.float() @ a.float()
+    if delta.transpose:
+        update = update.T
+    update = update * delta.scaling
+    merged = weight if weight.dtype == torch.float32 else weight.float()  # a fresh read: ours to change
+    return merged.add_(update)
+
+
+class BaseWeights:
+    """The base model's safetensors files, one whole tensor per read, by plain file reads.
+
+    Not memory-mapped (``safe_open``): the pages of a mapped file that were read stay in the process's RSS
+    (and its cgroup's memory) until the file is unmapped, so reading a one-file base model through a map
+    would grow to the model's size. ``reads`` lists the bytes of every read (the memory test checks it).
+    """
+
+    def __init__(self, model_dir: Path, files: dict[str, str]) -> None:
+        self.model_dir, self.files = model_dir, files
+        self.handles: dict[str, tuple[Any, int, dict[str, Any]]] = {}
+        self.reads: list[int] = []
+
+    def _open(self, file: str) -> tuple[Any, int, dict[str, Any]]:
+        if file not in self.handles:
+            f = open(self.model_dir / file, "rb")  # noqa: SIM115 (closed by close())
+            (length,) = struct.unpack("<Q", f.read(8))
+            self.handles[file] = (f, 8 + length, json.loads(f.read(length)))
+        return self.handles[file]
+
+    def read(self, key: str, region: Any = None) -> torch.Tensor:
+        """Checkpoint tensor ``key``, whole, in the file's dtype (``region`` is always None here)."""
+        path = self.model_dir / self.files[key]
+        try:
+            f, start, header = self._open(self.files[key])
+            info = header[key]
+            begin, end = info["data_offsets"]
+            tensor = torch.empty(info["shape"], dtype=SAFETENSORS_DTYPES[info["dtype"]])
+            if end > begin:
+                f.seek(start + begin)
+                view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+                done = 0
+                while done < end - begin:
+                    got = f.readinto(view[done:])
+                    if not got:
+                        raise EOFError(f"the file ends {end - begin - done} bytes early")
+                    done += got
+        except (OSError, ValueError, KeyError, EOFError, struct.error) as exc:
+            raise CheckpointError(f"cannot read {key!r} from the base model's {path}: {type(exc).__name__}: {exc}",
+                                  ["the base model (model.name_or_path) changed or is damaged since training"]) from None
+        self.reads.append(end - begin)
+        return tensor if region is None else tensor[tuple(slice(a, b) for a, b in region)]
+
+    def close(self) -> None:
+        for f, _, _ in self.handles.values():
+            f.close()
+        self.handles.clear()
+
+
+class MergedSource(TensorSource):
+    """The merged model's tensors: each base tensor read from the base model's files (through transformers'
+    conversion, as the loader reads it), plus its LoRA update, or replaced by its ``modules_to_save`` copy.
+    One model tensor (one conversion group) at a time, like the plain export."""
+
+    def __init__(self, reader: FileSystemReader, tensors: list[TensorPlan], model: Any, base: BaseWeights,
+                 entries: dict[str, Any], lora: LoraLayout) -> None:
+        super().__init__(reader, tensors, model)
+        self.base, self.entries, self.lora = base, entries, lora
+
+    def _checkpoint_tensors(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        md = self.reader.read_metadata().state_dict_metadata
+        return self._load({k: (tuple(md[k].size), md[k].properties.dtype) for k in keys})  # type: ignore[union-attr]
+
+    def model_tensor(self, name: str) -> torch.Tensor:
+        """Model tensor ``name`` of the merged model (float32 where an update was added)."""
+        from slurmft.job.conversion import read_region
+
+        if name in self.lora.replaced:
+            key = self.lora.replaced[name]
+            return self._checkpoint_tensors([key])[key]
+        weight = read_region(self.entries[name].sources, name, None, self.base.read, self.model)
+        delta = self.lora.deltas.get(name)
+        if delta is None:
+            return weight
+        ab = self._checkpoint_tensors([delta.a, delta.b])
+        return merged_weight(weight, ab[delta.a], ab[delta.b], delta)
+
+    def _load_plain(self, batch: list[TensorPlan]) -> dict[str, torch.Tensor]:
+        return {t.key: self.model_tensor(t.key) for t in batch}
+
+    def _load_group(self, t: TensorPlan) -> dict[str, torch.Tensor]:
+        return {name: self.model_tensor(name) for _, name in t.group}
+
+
+def plan_merge(
+    layout: ModelLayout, lora: LoraLayout, entries: dict[str, Any], metadata: Metadata, dtype: torch.dtype
+) -> list[TensorPlan]:
+    """The merged model's tensors, by model name (``key`` = the model name: MergedSource reads them), from
+    the base weights the loader's check matched (``entries``), the updates and the trained copies."""
+    problems = list(lora.unmergeable)
+    tied = set(layout.aliases) | set(layout.aliases.values())
+    for name in sorted(set(lora.replaced) & tied):
+        problems.append(f"{name}: a modules_to_save copy of a tied weight (tie_word_embeddings); the merged model "
+                        "cannot keep the tie and the trained copy. Use the adapter (consolidate.merge: false)")
+    plans = []
+    for name, shape in layout.expected.items():
+        if name in lora.replaced:
+            md = metadata.state_dict_metadata[lora.replaced[name]]
+            source = md.properties.dtype  # type: ignore[union-attr]
+            if tuple(md.size) != shape:  # type: ignore[union-attr]
+                problems.append(f"{lora.replaced[name]}: shape {tuple(md.size)} in the checkpoint, {shape} in the model")  # type: ignore[union-attr]
+        elif name in entries:
+            source = SAFETENSORS_DTYPES[entries[name].dtype]
+        else:
+            problems.append(f"{name}: not in the base model's weights")
+            continue
+        delta = lora.deltas.get(name)
+        if delta is not None:
+            a = tuple(metadata.state_dict_metadata[delta.a].size)  # type: ignore[union-attr]
+            b = tuple(metadata.state_dict_metadata[delta.b].size)  # type: ignore[union-attr]
+            update = (a[1], b[0]) if delta.transpose else (b[0], a[1])
+            if update != shape:
+                problems.append(f"{name}: B @ A has shape {update}, the weight {shape}")
+            source = torch.float32  # the merge holds it in float32
+        target = dtype if source.is_floating_point else source
+        plans.append(TensorPlan(name, name, shape, source, target))
+    if problems:
+        raise CheckpointError("cannot merge the adapters into the base model", problems)
+    return plans
+
+
+def base_dtype(entries: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> str | None:
+    """The dtype most of the base model's floating-point weights are stored in (a name of DTYPES), if one."""
+    counts: dict[torch.dtype, int] = {}
+    for name, entry in entries.items():
+        dtype = SAFETENSORS_DTYPES[entry.dtype]
+        if dtype.is_floating_point and name in expected:
+            counts[dtype] = counts.get(dtype, 0) + _numel(expected[name])
+    names = {v: k for k, v in DTYPES.items()}
+    top = max(counts, key=counts.__getitem__, default=None)
+    return names.get(top) if top is not None else None
+
+
 # ------------------------------------------------------------------ the whole job
 def output_dtype(cfg: RunConfig, ckpt: Path) -> str:
     """consolidate.dtype, with ``auto`` = the compute dtype of the precision the checkpoint was trained in.
@@ -676,6 +1006,55 @@ def output_dtype(cfg: RunConfig, ckpt: Path) -> str:
     return consolidated_dtype(cfg.consolidate.dtype, mode)
 
 
+@contextlib.contextmanager
+def new_directory(out: Path, needed: int) -> Iterator[Path]:
+    """A hidden sibling of ``out`` to fill, put at ``out`` when the block ends without error (removed if it
+    fails: a full disk, a bad key or a kill never leaves a half-written output), under ``out``'s lock, after
+    the leftovers of an interrupted run are removed and ``needed`` bytes are known to fit."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(out):  # one consolidation per output at a time
+        _clean_leftovers(out)
+        check_disk_space(out.parent, needed)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=_partial_prefix(out)))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the model is for the team and the serving account
+        try:
+            yield tmp
+            fsync_dir(tmp)
+            replace_dir(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def write_model(
+    directory: Path, source: TensorSource, shards: list[ShardPlan], write_config: Callable[[Path], None],
+    tok_source: str, cfg: RunConfig, progress: Callable[[int], None] | None = None,
+) -> None:
+    """Fill ``directory`` with the model as save_pretrained lays it out: config, tokenizer, the shards
+    (tensors streamed from ``source``), the index last; then re-read and check what was written."""
+    write_config(directory)
+    tokenizer_files = write_tokenizer(tok_source, directory, cfg)
+    tensors = [t for s in shards for t in s.tensors]
+    read_budget = max(t.source_nbytes for t in tensors)
+    for shard in shards:
+        t0 = time.monotonic()
+        write_shard(source, shard, directory / shard.filename, read_budget, progress)
+        log(
+            f"wrote {shard.filename}: {len(shard.tensors)} tensors, {decimal_bytes(shard.file_size)} "
+            f"in {time.monotonic() - t0:.1f} s"
+        )
+    write_index(directory, shards)
+    verify_output(directory, shards, {t.name: t.shape for t in tensors})
+    _verify_tokenizer(directory, cfg, tokenizer_files)
+
+
+def _describe(tensors: list[TensorPlan], shards: list[ShardPlan]) -> str:
+    return (f"{len(tensors)} tensors, {sum(_numel(t.shape) for t in tensors):,} parameters, "
+            f"{decimal_bytes(sum(s.file_size for s in shards))} in {len(shards)} file(s)")
+
+
 def consolidate_run(
     run_dir: str, checkpoint: str | None = None, out: str | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -683,6 +1062,8 @@ def consolidate_run(
     """Consolidate a run's newest complete checkpoint (or ``checkpoint``) into a Hugging Face model
     directory at ``<run_dir>/model`` (or ``out``); returns a summary of what was written.
 
+    A LoRA checkpoint (its COMPLETE marker has ``lora``) becomes ``<run_dir>/adapter`` (``<out>-adapter``
+    with ``out``) and, unless ``consolidate.merge`` is false, the merged model at ``<run_dir>/model``.
     ``progress(done_bytes, total_bytes)`` is called as tensors are written (a progress bar in a terminal).
     """
     started = time.monotonic()
@@ -692,79 +1073,113 @@ def consolidate_run(
     out_dir = Path(out).expanduser().resolve() if out else paths.model
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"output {out_dir} exists and is not a directory")
-    dtype_name = output_dtype(cfg, ckpt)
-    dtype = DTYPES[dtype_name]
+    lora = lora_of(ckpt)
+    adapter_dir = (out_dir.with_name(out_dir.name + "-adapter") if out else paths.adapter) if lora else None
+    merge = lora is None or cfg.consolidate.merge
     max_shard_bytes = parse_size(cfg.consolidate.max_shard_size)
-    log(f"checkpoint {ckpt} -> {out_dir} ({dtype_name}, shards <= {cfg.consolidate.max_shard_size})")
 
     # Every check that can fail, before the first byte is written.
     model_dir = ckpt / MODEL_DCP_DIR
     metadata = read_dcp_metadata(model_dir)
+    reader = _CachedMetadataReader(model_dir, metadata)
     config, config_source = config_for_export(cfg, ckpt)
     layout = model_layout(config, cfg.model.trust_remote_code)
-    tensors = plan_export(plan_tensors(metadata, layout.expected, layout.aliases, dtype), layout.model)
-    shards = plan_shards(tensors, max_shard_bytes)
+    adapter: LoraLayout | None = None
+    base: BaseWeights | None = None
+    if lora is None:
+        dtype_name = output_dtype(cfg, ckpt)
+        log(f"checkpoint {ckpt} -> {out_dir} ({dtype_name}, shards <= {cfg.consolidate.max_shard_size})")
+        tensors = plan_export(plan_tensors(metadata, layout.expected, layout.aliases, DTYPES[dtype_name]),
+                              layout.model)
+        source = TensorSource(reader, tensors, layout.model)
+    else:
+        adapter = lora_layout(config, cfg, lora, metadata, ckpt)
+        adapter_bytes = ShardPlan(ADAPTER_WEIGHTS, adapter.adapter).file_size
+        log(f"LoRA checkpoint {ckpt} (r={lora['r']}, alpha={lora['alpha']}, {', '.join(lora['target_modules'])}"
+            f"{', modules_to_save ' + ', '.join(lora['modules_to_save']) if lora.get('modules_to_save') else ''})"
+            f" -> adapter {adapter_dir}: {len(adapter.adapter)} tensors, {decimal_bytes(adapter_bytes)}")
+        if merge:
+            from slurmft.job.inputs import resolve_model_dir
+            from slurmft.job.weights import check_weights
+
+            base_dir = resolve_model_dir(cfg.model, with_weights=True)
+            plan = check_weights(layout.model, base_dir)  # base file keys -> model tensors, as the loader reads them
+            entries = {e.name: e for e in plan.entries}
+            dtype_name = (cfg.consolidate.dtype if cfg.consolidate.dtype != "auto"
+                          else base_dtype(entries, layout.expected) or output_dtype(cfg, ckpt))
+            log(f"merging into the base model {base_dir} -> {out_dir} ({dtype_name}, shards <= "
+                f"{cfg.consolidate.max_shard_size}); W + {adapter_scalings(adapter)} * B @ A for "
+                f"{len(adapter.deltas)} weights, {len(adapter.replaced)} replaced by trained modules_to_save copies")
+            merged = plan_merge(layout, adapter, entries, metadata, DTYPES[dtype_name])
+            tensors = plan_export(merged, layout.model)
+            base = BaseWeights(base_dir, plan.files)
+            source = MergedSource(reader, tensors, layout.model, base, entries, adapter)
+        else:
+            log(f"consolidate.merge is false: only the adapter is written, no merged model in {out_dir}")
+            tensors = []
+    shards = plan_shards(tensors, max_shard_bytes) if merge else []
     tok_source = tokenizer_source(cfg, ckpt)
-    total_bytes = sum(s.file_size for s in shards)
-    log(
-        f"{len(tensors)} tensors, {sum(_numel(t.shape) for t in tensors):,} parameters, "
-        f"{decimal_bytes(total_bytes)} in {len(shards)} file(s); config from {config_source}, "
-        f"tokenizer from {tok_source}"
-    )
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(out_dir):  # one consolidation per output at a time
-        _clean_leftovers(out_dir)
-        check_disk_space(out_dir.parent, total_bytes)
+    model_bytes = sum(s.file_size for s in shards)
+    total_bytes = model_bytes + (adapter_bytes if adapter is not None else 0)
+    if merge:
+        log(f"{_describe(tensors, shards)}; config from {config_source}, tokenizer from {tok_source}")
+    done = [0]
 
-        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=_partial_prefix(out_dir)))
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the model is for the team and the serving account
-        try:
-            write_model_config(config, tmp, dtype_name, layout.architecture, [ckpt, config_source])
-            tokenizer_files = write_tokenizer(tok_source, tmp, cfg)
-            source = TensorSource(_CachedMetadataReader(model_dir, metadata), tensors, layout.model)
-            read_budget = max(t.source_nbytes for t in tensors)
-            done = [0]
+    def advance(nbytes: int) -> None:
+        done[0] += nbytes
+        if progress is not None:
+            progress(done[0], total_bytes)
 
-            def advance(nbytes: int) -> None:
-                done[0] += nbytes
-                if progress is not None:
-                    progress(done[0], total_bytes)
+    try:
+        if adapter is not None and adapter_dir is not None:
+            t0 = time.monotonic()
+            same_disk = merge and out_dir.parent == adapter_dir.parent
+            with new_directory(adapter_dir, adapter_bytes + (model_bytes if same_disk else 0)) as tmp:
+                write_adapter(reader, adapter, tmp, tok_source, cfg, advance)
+            log(f"wrote {adapter_dir}: {ADAPTER_CONFIG}, {ADAPTER_WEIGHTS} ({decimal_bytes(adapter_bytes)}) and "
+                f"the tokenizer in {time.monotonic() - t0:.1f} s")
+        if merge:
+            def write_config(directory: Path) -> None:
+                write_model_config(config, directory, dtype_name, layout.architecture, [ckpt, config_source])
 
-            for shard in shards:
-                t0 = time.monotonic()
-                write_shard(source, shard, tmp / shard.filename, read_budget, advance)
-                log(
-                    f"wrote {shard.filename}: {len(shard.tensors)} tensors, {decimal_bytes(shard.file_size)} "
-                    f"in {time.monotonic() - t0:.1f} s"
-                )
-            write_index(tmp, shards)
-            verify_output(tmp, shards, {t.name: t.shape for t in tensors})
-            _verify_tokenizer(tmp, cfg, tokenizer_files)
-            fsync_dir(tmp)
-            replace_dir(tmp, out_dir)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            with new_directory(out_dir, model_bytes) as tmp:
+                write_model(tmp, source, shards, write_config, tok_source, cfg, advance)
+    finally:
+        if base is not None:
+            base.close()
 
-    summary = {
-        "output": str(out_dir),
+    summary: dict[str, Any] = {
+        "output": str(out_dir if merge else adapter_dir),
+        "model": str(out_dir) if merge else None,
         "checkpoint": str(ckpt),
-        "dtype": dtype_name,
-        "files": sorted(os.listdir(out_dir)),
+        "dtype": dtype_name if merge else None,
+        "files": sorted(os.listdir(out_dir)) if merge else [],
         "shards": [s.filename for s in shards],
         "total_bytes": total_bytes,
         "tensors": len(tensors),
         "parameters": sum(_numel(t.shape) for t in tensors),
-        "seconds": round(time.monotonic() - started, 2),
-        "peak_rss_bytes": peak_rss_bytes(),
     }
-    log(
-        f"done: {out_dir} ({decimal_bytes(total_bytes)}, {summary['parameters']:,} parameters) in "
-        f"{summary['seconds']} s, peak RSS {decimal_bytes(summary['peak_rss_bytes'])}"
-    )
+    if adapter is not None:
+        summary["adapter"] = {
+            "output": str(adapter_dir), "files": sorted(os.listdir(adapter_dir)) if adapter_dir else [],
+            "tensors": len(adapter.adapter), "parameters": sum(_numel(t.shape) for t in adapter.adapter),
+            "bytes": adapter_bytes, "merged_weights": len(adapter.deltas) if merge else 0,
+        }
+        if not merge:
+            summary["parameters"] = summary["adapter"]["parameters"]
+    summary["seconds"] = round(time.monotonic() - started, 2)
+    summary["peak_rss_bytes"] = peak_rss_bytes()
+    wrote = f"{out_dir} ({decimal_bytes(model_bytes)}, {summary['parameters']:,} parameters)" if merge else ""
+    if adapter is not None:
+        wrote = ", ".join(filter(None, [f"adapter {adapter_dir} ({decimal_bytes(adapter_bytes)})", wrote]))
+    log(f"done: {wrote} in {summary['seconds']} s, peak RSS {decimal_bytes(summary['peak_rss_bytes'])}")
     return summary
+
+
+def adapter_scalings(lora: LoraLayout) -> str:
+    """``2`` (alpha / r), or ``{0.5, 2}`` if layers differ."""
+    values = sorted({d.scaling for d in lora.deltas.values()})
+    return f"{values[0]:g}" if len(values) == 1 else "{" + ", ".join(f"{v:g}" for v in values) + "}"
 
 
 def _verify_tokenizer(directory: Path, cfg: RunConfig, files: list[str]) -> None:

@@ -31,6 +31,7 @@ from slurmft.config import (
 from slurmft.errors import ConfigError, RunDirError, SubmissionError
 from slurmft.job.requeue import EXIT_REQUEUE_REFUSED  # torch-free: the batch shell runs it
 from slurmft.rundir import (
+    ADAPTER_CONFIG,
     MODEL_INDEX,
     RunPaths,
     acquire_lock,
@@ -100,9 +101,10 @@ def ended_how(state: str, exit_code: str = "") -> str:
     return words(state) + extra
 
 
-def model_ready(paths: RunPaths, final_checkpoint: Path | None) -> bool:
-    """A consolidated model exists and is not older than the final checkpoint."""
-    index = paths.model / MODEL_INDEX
+def model_ready(paths: RunPaths, final_checkpoint: Path | None, adapter_only: bool = False) -> bool:
+    """A consolidated model exists and is not older than the final checkpoint (``adapter_only``: a LoRA run
+    with ``consolidate.merge: false``, whose consolidation writes only ``adapter/``)."""
+    index = paths.adapter / ADAPTER_CONFIG if adapter_only else paths.model / MODEL_INDEX
     if not index.is_file() or final_checkpoint is None:
         return False
     return index.stat().st_mtime >= (final_checkpoint / COMPLETE_MARKER).stat().st_mtime
@@ -185,7 +187,8 @@ def resume_run(
     latest = latest_complete(paths.checkpoints)
     step = step_of(latest) if latest else None
     max_steps = planned_max_steps(paths, cfg.train.max_steps, cfg.train.epochs)
-    phase = classify(live_train, step, max_steps, model_ready(paths, latest))
+    adapter_only = cfg.lora is not None and not cfg.consolidate.merge  # consolidation writes adapter/ only
+    phase = classify(live_train, step, max_steps, model_ready(paths, latest, adapter_only))
     result = ResumeResult(phase, paths.root, executor, resumed_from=latest, step=step)
     if phase == Phase.LIVE:
         how = ". ".join(f"Job {r['job_id']}: {describe(r['state'], r['reason'], str(paths.root), 'train', False, r['job_id'])}"
