@@ -105,8 +105,18 @@ def target_problems(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
         else:
             problems.append(f"lora.target_modules: {target!r} matches no module of {type(model).__name__}; its "
                             f"linear layers are: {', '.join(linear)}")
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = embed is not None and head is not None and (
+        getattr(embed, "weight", None) is getattr(head, "weight", 0)
+        or bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False)))
     for name in lora.modules_to_save:
-        if not any(_matches(n, name) for n in modules):
+        hits = [m for n, m in modules.items() if _matches(n, name)]
+        if tied and any(m is embed or m is head for m in hits):
+            problems.append(f"lora.modules_to_save: {name!r} is one of the tied input and output embeddings of "
+                            f"{type(model).__name__} (tie_word_embeddings); a trained copy would untie them, which "
+                            "neither the merged model nor PEFT's adapter can express. Leave it out")
+        elif not hits:
             children = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items()
                                if n and next(m.parameters(recurse=False), None) is not None})
             problems.append(f"lora.modules_to_save: {name!r} matches no module of {type(model).__name__}; modules "

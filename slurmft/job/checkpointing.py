@@ -238,10 +238,16 @@ def check_resume_adapters(checkpoint: Path, adapters: dict[str, Any] | None) -> 
 
 # ----------------------------------------------------------------------------- the adapters' part of a checkpoint
 def _trainable_state(model: Any) -> dict[str, Any]:
-    """The trainable parameters' sharded state dict (DTensors; torch's names, wrapper segments removed)."""
+    """The trainable parameters' sharded state dict (DTensors; torch's names, wrapper segments removed).
+
+    Only adapter tensors (``checkpoints.is_adapter_name``): torch keeps a tied head (``lm_head.weight``, the
+    frozen embedding under another name) even with ``ignore_frozen_params``, which would put the whole
+    embedding into every adapter checkpoint.
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    return {name: value for name, value in state.items() if checkpoints.is_adapter_name(name)}
 
 
 def save_adapter_model(model: Any, directory: Path) -> int:

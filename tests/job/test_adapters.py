@@ -97,3 +97,11 @@ def test_the_peft_wrapper_names_are_wrapper_segments() -> None:
     assert is_adapter_name("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight")
     assert is_adapter_name("base_model.model.lm_head.modules_to_save.default.weight")
     assert not is_adapter_name("model.layers.0.self_attn.q_proj.weight")
+
+
+def test_a_copy_of_tied_embeddings_is_refused() -> None:
+    problems = adapters.target_problems(_meta("gemma"), LoraConfig(modules_to_save=["embed_tokens"]))
+    assert problems == ["lora.modules_to_save: 'embed_tokens' is one of the tied input and output embeddings of "
+                        "GemmaForCausalLM (tie_word_embeddings); a trained copy would untie them, which neither the "
+                        "merged model nor PEFT's adapter can express. Leave it out"]
+    assert adapters.target_problems(_meta("qwen3"), LoraConfig(modules_to_save=["embed_tokens", "lm_head"])) == []
