@@ -225,3 +225,23 @@ def test_a_lora_run_says_so_from_its_checkpoint_marker_else_its_config(tmp_path:
     paths.fsdp_report.mkdir(exist_ok=True)
     (paths.fsdp_report / "rank0.json").write_text(json.dumps({"rank": 0, "lora": built}))
     assert lora_info(paths) == {**built, "source": "fsdp_report"}
+
+
+def test_a_lora_run_without_merge_names_its_adapter_as_the_result(tmp_path: Path) -> None:
+    import yaml
+
+    from slurmft.rundir import ADAPTER_CONFIG
+    from slurmft.watch.progress import overview, overview_lines
+
+    paths = RunPaths.of(preempted_run(tmp_path))
+    cfg = yaml.safe_load(paths.config.read_text())
+    paths.config.write_text(yaml.safe_dump({**cfg, "lora": {"r": 8}, "consolidate": {"merge": False}}))
+
+    def text() -> str:
+        return "\n".join(overview_lines(overview(paths, json.loads(paths.manifest.read_text()), slurm_rows())))
+
+    assert "model: not consolidated yet" in text() and "adapter:" not in text()
+    paths.adapter.mkdir()
+    (paths.adapter / ADAPTER_CONFIG).write_text("{}")
+    assert f"adapter: {paths.adapter}" in text()
+    assert "model: not written (consolidate.merge is false: the adapter is the result)" in text()

@@ -25,8 +25,8 @@ from typing import Any
 import yaml
 
 from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, step_of
+from slurmft.rundir import ADAPTER_CONFIG, RunPaths, planned_max_steps
 from slurmft.rundir import MODEL_INDEX as SAFE_INDEX_NAME  # what consolidation writes last
-from slurmft.rundir import RunPaths, planned_max_steps
 from slurmft.slurm_states import State, is_live, parse, words
 from slurmft.trackers import read_tracker, tracker_lines
 from slurmft.units import binary_bytes, fmt_duration
@@ -223,6 +223,16 @@ def lora_info(paths: RunPaths) -> dict[str, Any] | None:
     return {"r": lora.get("r", 16), "alpha": lora.get("alpha", 32.0), "dropout": lora.get("dropout", 0.0),
             "target_modules": lora.get("target_modules", "all-linear"),
             "modules_to_save": lora.get("modules_to_save") or [], "source": "config"}
+
+
+def _merge_setting(paths: RunPaths) -> bool | None:
+    """``consolidate.merge`` of the run's config (raw YAML, as :func:`lora_info`); None when unreadable."""
+    try:
+        section = (yaml.safe_load(paths.config.read_text()) or {}).get("consolidate") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    value = section.get("merge", True) if isinstance(section, dict) else True
+    return value if isinstance(value, bool) else None
 
 
 def lora_words(info: dict[str, Any] | None) -> str:
@@ -442,6 +452,8 @@ def overview(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dict[st
     rows = attempts(manifest, metrics.records, slurm_rows, markers=requeue_markers(paths), max_steps=max_steps)
     return {"progress": progress_of(metrics, max_steps), "checkpoint": checkpoint_info(paths), "attempts": rows,
             "model": model_info(paths), "lost": lost_to_preemption(rows), "tracker": read_tracker(paths),
+            "adapter": str(paths.adapter) if (paths.adapter / ADAPTER_CONFIG).is_file() else None,
+            "merge": _merge_setting(paths),
             "lora": lora_info(paths)}
 
 
@@ -474,5 +486,11 @@ def overview_lines(ov: dict[str, Any]) -> list[str]:
     if lost.get("boundaries"):
         lines.append(f"lost to restarts: {lost['recomputed_steps']} step(s) again, "
                      f"{fmt_duration(lost['gap_s'])} between attempts")
-    lines.append(f"model: {ov['model']}" if ov["model"] else "model: not consolidated yet")
+    if ov.get("adapter"):
+        lines.append(f"adapter: {ov['adapter']}")
+    if ov["model"]:
+        lines.append(f"model: {ov['model']}")
+    else:
+        lines.append("model: not written (consolidate.merge is false: the adapter is the result)"
+                     if ov.get("adapter") and ov.get("merge") is False else "model: not consolidated yet")
     return lines + tracker_lines(ov.get("tracker"))
