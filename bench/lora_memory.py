@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -59,6 +58,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from checkpoint import job_env  # bench/checkpoint.py: the environment of a local job run, one definition
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_EXAMPLE = REPO / "examples" / "tiny" / "run.yaml"
@@ -132,18 +133,6 @@ def import_floor(env: dict[str, str]) -> int:
 
 
 # ------------------------------------------------------------------ the runs
-def job_env(work: Path) -> dict[str, str]:
-    """Environment of a local job run: offline, its own dataset cache, short time-outs, no Slurm variables."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC_"))}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(work / "hf_datasets"),
-               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               SLURMFT_RENDEZVOUS_TIMEOUT="120", SLURMFT_COLLECTIVE_TIMEOUT="900",
-               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    return env
-
-
 def write_run(run_dir: Path, model_dir: Path, steps: int, lora: list[str] | None) -> None:
     """run_dir/config.yaml from examples/tiny/run.yaml: this model, ``steps`` steps, one checkpoint at the last;
     ``lora``: the overrides of the LoRA run (None: full fine-tuning)."""

@@ -64,3 +64,28 @@ def restarts(job: str) -> int:
     """The job's restart count (``Restarts=`` of ``scontrol show job``)."""
     out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
     return int(out.split("Restarts=")[1].split()[0])
+
+
+def preempted_beside_uninterrupted(slurmft, slurm_cluster, tmp_path: Path, model: Path, data: Path,  # noqa: ANN001
+                                   **sections: dict) -> tuple[Path, Path]:
+    """Submit the same run twice (``sections`` of the config, 2 ranks on one node each, side by side), give one
+    the warning signal after its step 2 and wait until it was requeued, then both trained and consolidated.
+    Returns (the preempted run, the uninterrupted run); the preempted one logged every step exactly once, in
+    two attempts."""
+    runs = {}
+    for name in ("uninterrupted", "preempted"):
+        (tmp_path / name).mkdir()
+        path = slurmft.write_config(tmp_path / name, model, data, **sections)
+        runs[name] = (tmp_path / name / "run", slurmft.submit(path))
+    run, jobs = runs["preempted"]
+    job = jobs["train"]
+    wait_for("step 2", lambda: any(m["step"] >= 2 for m in metrics(run)))
+    signal_rank_steps(job)
+    wait_for("restart 1", lambda: restarts(job) >= 1, timeout=120)
+    for _, started in runs.values():
+        slurm_cluster.wait_state(started["train"], "COMPLETED", timeout=400)
+        slurm_cluster.wait_state(started["consolidate"], "COMPLETED", timeout=240)
+    steps = metrics(run)
+    assert sorted(m["step"] for m in steps) == list(range(1, sections["train"]["max_steps"] + 1))
+    assert {m["restart"] for m in steps} == {0, 1}  # the preemption happened between two steps it logged
+    return run, runs["uninterrupted"][0]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.jobs import restarts, signal_rank_steps
+from tests.slurm.jobs import preempted_beside_uninterrupted
 
 pytestmark = pytest.mark.slurm
 
@@ -25,24 +25,8 @@ def test_lora_preempted_once_ends_bitwise_equal_to_its_uninterrupted_run(
 
     from slurmft.checkpoints import is_adapter_name
 
-    runs = {}
-    for name in ("uninterrupted", "preempted"):
-        (tmp_path / name).mkdir()
-        path = slurmft.write_config(tmp_path / name, tiny_model, chat_data, train=TRAIN, checkpoint=CHECKPOINT,
-                                    resources=RESOURCES, lora=LORA)
-        runs[name] = (tmp_path / name / "run", slurmft.submit(path))
-    run, jobs = runs["preempted"]
-    job = jobs["train"]
-    slurmft.wait_for("step 2", lambda: any(m["step"] >= 2 for m in slurmft.metrics(run)))
-    signal_rank_steps(job)
-    slurmft.wait_for("restart 1", lambda: restarts(job) >= 1, timeout=120)
-    for _, started in runs.values():
-        slurm_cluster.wait_state(started["train"], "COMPLETED", timeout=400)
-        slurm_cluster.wait_state(started["consolidate"], "COMPLETED", timeout=240)
-    steps = slurmft.metrics(run)
-    assert sorted(m["step"] for m in steps) == list(range(1, TRAIN["max_steps"] + 1))
-    assert {m["restart"] for m in steps} == {0, 1}  # the preemption happened between two steps it logged
-    reference = runs["uninterrupted"][0]
+    run, reference = preempted_beside_uninterrupted(slurmft, slurm_cluster, tmp_path, tiny_model, chat_data,
+                                                    train=TRAIN, checkpoint=CHECKPOINT, resources=RESOURCES, lora=LORA)
 
     adapter, expected = load_file(str(run / "adapter" / "adapter_model.safetensors")), \
         load_file(str(reference / "adapter" / "adapter_model.safetensors"))

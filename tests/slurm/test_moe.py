@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.jobs import restarts, signal_rank_steps
+from tests.slurm.jobs import preempted_beside_uninterrupted
 
 pytestmark = pytest.mark.slurm
 
@@ -29,24 +29,9 @@ def mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_moe_preempted_once_ends_bitwise_equal_to_its_uninterrupted_run(
         slurm_cluster, mixtral: Path, chat_data: Path, tmp_path: Path, slurmft) -> None:
-    runs = {}
-    for name in ("uninterrupted", "preempted"):
-        (tmp_path / name).mkdir()
-        path = slurmft.write_config(tmp_path / name, mixtral, chat_data, train=TRAIN, checkpoint=CHECKPOINT,
-                                    resources=RESOURCES)
-        runs[name] = (tmp_path / name / "run", slurmft.submit(path))
-    run, jobs = runs["preempted"]
-    job = jobs["train"]
-    slurmft.wait_for("step 2", lambda: any(m["step"] >= 2 for m in slurmft.metrics(run)))
-    signal_rank_steps(job)
-    slurmft.wait_for("restart 1", lambda: restarts(job) >= 1, timeout=120)
-    for _, started in runs.values():
-        slurm_cluster.wait_state(started["train"], "COMPLETED", timeout=400)
-        slurm_cluster.wait_state(started["consolidate"], "COMPLETED", timeout=240)
-    steps = slurmft.metrics(run)
-    assert sorted(m["step"] for m in steps) == list(range(1, TRAIN["max_steps"] + 1))
-    assert {m["restart"] for m in steps} == {0, 1}  # the preemption happened between two steps it logged
-    slurmft.assert_same_model(run / "model", runs["uninterrupted"][0] / "model")
+    run, reference = preempted_beside_uninterrupted(slurmft, slurm_cluster, tmp_path, mixtral, chat_data,
+                                                    train=TRAIN, checkpoint=CHECKPOINT, resources=RESOURCES)
+    slurmft.assert_same_model(run / "model", reference / "model")
     from safetensors import safe_open
 
     index = run / "model" / "model.safetensors.index.json"
