@@ -409,8 +409,8 @@ class LoraConfig(_Section):
     target_modules: Literal["all-linear"] | list[str] = Field(
         ALL_LINEAR,
         description="Modules that get an adapter: all-linear (every linear layer of the decoder, not the output "
-        "head; PEFT's meaning) or a list of module names, e.g. [q_proj, v_proj] (a name matches a module whose "
-        "name ends with it).",
+        "head; in mixture-of-experts models the fused experts and the router stay frozen: docs/lora.md) or a list "
+        "of module names, e.g. [q_proj, v_proj] (a name matches a module whose name ends with it).",
     )
     modules_to_save: list[str] = Field(
         default_factory=list,
