@@ -2,10 +2,9 @@
 ``slurmft.job.adapters.add_adapters`` (PEFT's ``get_peft_model``) on the meta-device model of each architecture
 ``python -m slurmft.tiny --arch`` builds, and on the tiny Llama's files through ``slurmft estimate``.
 
-The count must be exact: PEFT adds ``r·(in + out)`` per adapted linear layer, and on the MoE models transformers 5
-fuses (Mixtral, Qwen3-MoE, OLMoE, DeepSeek) PEFT 0.21 also adapts the router and the fused expert tensors
-(``gate_up_proj`` at rank 2r) while dropping DeepSeek's dense and shared MLPs: if a PEFT release changes that, these
-tests say so.
+The count must be exact: PEFT adds ``r·(in + out)`` per adapted linear layer; the job adapts no fused expert tensor
+or router, nor (on the MoE models PEFT 0.21 converts) a linear layer named like them, such as DeepSeek's dense and
+shared MLPs: if a PEFT release changes that, these tests say so.
 """
 
 from __future__ import annotations
@@ -59,8 +58,16 @@ def _job_trainable(config: Any, lora: dict[str, Any]) -> tuple[int, list[str]]:
                          ids=["all-linear", "modules_to_save"])
 def test_all_linear_count_is_the_jobs(model_type: str, lora: dict[str, Any]) -> None:
     config = _config(model_type)
-    trainable, names = _job_trainable(config, lora)
     count = adapter_count(config.to_dict(), lora["r"], "all-linear", lora.get("modules_to_save", []))
+    if lora.get("modules_to_save") and config.tie_word_embeddings:  # a copy would untie them: both refuse
+        from slurmft.errors import JobSetupError
+
+        with pytest.raises(JobSetupError) as err:
+            _job_trainable(config, lora)
+        assert "tied input and output embeddings" in err.value.render()
+        assert count.unmatched and all("tied embeddings" in u for u in count.unmatched)
+        return
+    trainable, names = _job_trainable(config, lora)
     assert count.trainable == trainable, (model_type, count.target_modules, names)
     assert set(count.target_modules) <= set(names) and not count.unmatched
 

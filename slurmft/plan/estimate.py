@@ -383,7 +383,7 @@ LORA_CHECKPOINT_BYTES = 12  # fp32 parameter + two fp32 AdamW states per trainab
 def lora_count(shape: ModelShape, lora: LoraSettings) -> LoraTensors:
     """The adapters of ``lora`` on this model (slurmft/plan/paramcount.py: PEFT's targets, exact)."""
     return LoraTensors(adapter_tensors(shape.modules, shape.model_type, shape.hidden, shape.vocab, lora.r,
-                                       lora.target_modules, lora.modules_to_save))
+                                       lora.target_modules, lora.modules_to_save, tied=shape.tied))
 
 
 @dataclass(frozen=True)

@@ -299,19 +299,20 @@ def adapter_count(model_cfg: dict[str, Any], r: int, target_modules: str | list[
                   modules_to_save: list[str] | tuple[str, ...] = ()) -> AdapterCount:
     """:func:`adapter_tensors` of a config.json's decoder."""
     return adapter_tensors(layer_modules(model_cfg), str(model_cfg.get("model_type", "llama")),
-                           model_cfg["hidden_size"], model_cfg["vocab_size"], r, target_modules, modules_to_save)
+                           model_cfg["hidden_size"], model_cfg["vocab_size"], r, target_modules, modules_to_save,
+                           tied=bool(model_cfg.get("tie_word_embeddings", False)))
 
 
 def adapter_tensors(modules: Sequence[Sequence[Module]], mtype: str, h: int, vocab: int, r: int,
                     target_modules: str | list[str] | tuple[str, ...],
-                    modules_to_save: list[str] | tuple[str, ...] = ()) -> AdapterCount:
+                    modules_to_save: list[str] | tuple[str, ...] = (), tied: bool = False) -> AdapterCount:
     """The adapter tensors of a ``lora`` section on this model, as PEFT 0.21 creates them.
 
     A linear layer of weight ``[out, in]`` gets ``lora_A [r, in]`` and ``lora_B [out, r]``: ``r·(in + out)``
     parameters. ``all-linear`` = every linear layer of the decoder (not the output head); a list = the linear
     layers whose name is or ends with a listed name. Fused expert tensors and routers are never adapted, nor, in
     MoE models PEFT converts (:data:`PEFT_MOE_RENAMES`), the linear layers named like them.
-    ``modules_to_save``: a full trainable copy.
+    ``modules_to_save``: a full trainable copy (not of ``tied`` embeddings: the job refuses those).
     """
     linear_leaves = sorted({p.rsplit(".", 1)[-1] for layer in modules for p, _, kind in layer if kind == "linear"})
     renames = PEFT_MOE_RENAMES.get(PEFT_MOE_PATTERN.get(mtype, ""), {})
@@ -348,7 +349,10 @@ def adapter_tensors(modules: Sequence[Sequence[Module]], mtype: str, h: int, voc
     root: list[Shape] = []
     for name in modules_to_save:
         leaf = name.rsplit(".", 1)[-1]
-        if leaf in root_shapes:
+        if tied and leaf in ("embed_tokens", "lm_head"):  # the job refuses a copy that would untie them
+            unmatched.append(f"modules_to_save {leaf!r} is one of the tied embeddings (tie_word_embeddings), which "
+                             "the job refuses: a trained copy would untie them")
+        elif leaf in root_shapes:
             root.append(root_shapes[leaf])
             if leaf == "norm":  # PEFT matches modules_to_save by plain suffix: every *_layernorm too
                 unmatched.append("modules_to_save 'norm' also copies each layer's *norm modules (PEFT matches a plain "
