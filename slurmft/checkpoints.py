@@ -38,6 +38,7 @@ import re
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 COMPLETE_MARKER = "COMPLETE"
 # Module-wrapper segments that appear in parameter names (activation checkpointing, FSDP1,
@@ -169,6 +170,16 @@ def mark_complete(path: Path, **info: object) -> dict[str, object]:
     os.replace(tmp, path / COMPLETE_MARKER)
     fsync_dir(path)
     return record
+
+
+def read_marker(path: Path) -> dict[str, Any]:
+    """The record in checkpoint ``path``'s COMPLETE marker (precision, world size, lora, ...); {} when it is
+    missing, unreadable or not a mapping (for why a marker cannot be trusted, see :func:`problem`)."""
+    try:
+        record = json.loads((path / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def fsync_dir(path: Path) -> None:

@@ -63,7 +63,6 @@ from __future__ import annotations
 import copy
 import functools
 import gc
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -181,22 +180,12 @@ def resume_candidates(paths: RunPaths, ctx: DistContext) -> list[Path]:
 
 def check_resume_precision(checkpoint: Path, precision: str) -> None:
     """A checkpoint resumes only in the precision it was saved in (its COMPLETE marker says which)."""
-    try:
-        saved = json.loads((checkpoint / checkpoints.COMPLETE_MARKER).read_text()).get("precision")
-    except (OSError, ValueError):
-        return
+    saved = checkpoints.read_marker(checkpoint).get("precision")
     if saved and saved != precision:
         raise JobSetupError(
             f"train.precision: {checkpoint.name} was trained in {saved}, this run is set to {precision}; resume "
             f"with train.precision={saved}, or start a new run (new output_dir) to change the precision"
         )
-
-
-def _marker(checkpoint: Path) -> dict[str, Any]:
-    try:
-        return json.loads((checkpoint / checkpoints.COMPLETE_MARKER).read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def check_resume_method(checkpoint: Path, lora: bool) -> None:
@@ -205,7 +194,7 @@ def check_resume_method(checkpoint: Path, lora: bool) -> None:
     Checked before the model is built: neither kind of checkpoint can fill the other's model (an
     adapter checkpoint has no base weights; a full one has no adapters).
     """
-    saved = _marker(checkpoint).get("lora")
+    saved = checkpoints.read_marker(checkpoint).get("lora")
     if lora and saved is None:
         raise JobSetupError(
             f"lora: {checkpoint.name} is a full fine-tuning checkpoint (every weight, no adapters), and this run "
@@ -224,7 +213,7 @@ def check_resume_method(checkpoint: Path, lora: bool) -> None:
 def check_resume_adapters(checkpoint: Path, adapters: dict[str, Any] | None) -> None:
     """The adapters this run built (``AdapterSummary.marker()``) are the ones ``checkpoint`` saved: same rank,
     alpha, targets and copied modules (a different shape would fail inside DCP; a different alpha would not)."""
-    saved = _marker(checkpoint).get("lora")
+    saved = checkpoints.read_marker(checkpoint).get("lora")
     if adapters is None or saved is None:
         return
     keys = ("r", "alpha", "target_modules", "modules_to_save")

@@ -83,6 +83,7 @@ from slurmft.checkpoints import (
     list_checkpoints,
     named,
     peft_name,
+    read_marker,
     strip_wrappers,
 )
 from slurmft.config import RunConfig, read_run_config
@@ -714,10 +715,7 @@ class LoraLayout:
 
 def lora_of(ckpt: Path) -> dict[str, Any] | None:
     """The ``lora`` entry of a checkpoint's COMPLETE marker; None for a full fine-tuning checkpoint."""
-    try:
-        lora = json.loads((ckpt / COMPLETE_MARKER).read_text()).get("lora")
-    except (OSError, ValueError, AttributeError):
-        return None
+    lora = read_marker(ckpt).get("lora")
     return lora if isinstance(lora, dict) else None
 
 
@@ -759,14 +757,6 @@ def lora_layout(config: Any, cfg: RunConfig, lora: dict[str, Any], metadata: Met
         if key.startswith(DCP_CONTAINER + ".") and isinstance(md, TensorStorageMetadata):
             index[peft_name(key[len(DCP_CONTAINER) + 1 :])] = key
     trainable = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
-    # torch's ignore_frozen_params keeps a tied alias of a frozen weight (lm_head.weight of a model with
-    # tie_word_embeddings): a base weight, read from the base model like every other one.
-    frozen = sorted(set(index) & (set(peft_model.state_dict(keep_vars=True)) - set(trainable)))
-    if frozen:
-        log(f"ignored {len(frozen)} frozen base tensor(s) saved in the checkpoint: {', '.join(frozen[:4])}"
-            + (" ..." if len(frozen) > 4 else ""))
-        for name in frozen:
-            del index[name]
     problems = []
     unknown, missing = sorted(set(index) - set(trainable)), sorted(set(trainable) - set(index))
     if unknown:
@@ -996,10 +986,7 @@ def output_dtype(cfg: RunConfig, ckpt: Path) -> str:
     """
     from slurmft.precision import PRECISIONS, consolidated_dtype, resolve
 
-    try:
-        saved = json.loads((ckpt / COMPLETE_MARKER).read_text()).get("precision")
-    except (OSError, ValueError):
-        saved = None
+    saved = read_marker(ckpt).get("precision")
     mode = PRECISIONS.get(saved) if saved else None
     if mode is None:
         mode = resolve(cfg.train.precision, on_gpu=cfg.resources.gpus_per_node > 0)

@@ -14,13 +14,12 @@ effects live in :func:`resume_run`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, step_of
+from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, read_marker, step_of
 from slurmft.config import (
     Executor,
     RunConfig,
@@ -112,10 +111,7 @@ def model_ready(paths: RunPaths, final_checkpoint: Path | None, adapter_only: bo
 
 def checkpoint_world_size(ckpt: Path) -> int | None:
     """World size recorded in a checkpoint's COMPLETE marker (None for old markers)."""
-    try:
-        value = json.loads((ckpt / COMPLETE_MARKER).read_text()).get("world_size")
-    except (OSError, ValueError):
-        return None
+    value = read_marker(ckpt).get("world_size")
     return int(value) if isinstance(value, int) else None
 
 

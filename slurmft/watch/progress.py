@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, step_of
+from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, read_marker, step_of
 from slurmft.rundir import ADAPTER_CONFIG, RunPaths, planned_max_steps
 from slurmft.rundir import MODEL_INDEX as SAFE_INDEX_NAME  # what consolidation writes last
 from slurmft.slurm_states import State, is_live, parse, words
@@ -209,7 +209,7 @@ def lora_info(paths: RunPaths) -> dict[str, Any] | None:
     section says what was asked (``source: config``, no counts). Raw YAML on purpose, as :func:`max_steps_of`.
     """
     ckpt = latest_complete(paths.checkpoints)
-    for source, record in (("checkpoint", _json(ckpt / COMPLETE_MARKER) if ckpt else {}),
+    for source, record in (("checkpoint", read_marker(ckpt) if ckpt else {}),
                            ("fsdp_report", _json(paths.fsdp_report / "rank0.json"))):
         lora = record.get("lora")
         if isinstance(lora, dict):
