@@ -59,7 +59,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from checkpoint import job_env  # bench/checkpoint.py: the environment of a local job run, one definition
+# bench/checkpoint.py: the environment of a local job run and the cached model preset, one definition each
+from checkpoint import ensure_model, job_env
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_EXAMPLE = REPO / "examples" / "tiny" / "run.yaml"
@@ -316,18 +317,6 @@ def targets(res: dict[str, Any], quick: bool) -> list[str]:
 
 
 # ------------------------------------------------------------------ driver
-def ensure_model(model: str | None, size: str) -> Path:
-    """``--model``, or the cached ``slurmft.tiny`` preset of ``size`` (built on first use)."""
-    if model:
-        return Path(model).resolve()
-    path = Path(tempfile.gettempdir()) / "slurmft-bench" / f"{size}-float32"
-    if not (path / "model.safetensors").is_file():
-        print(f"building the {size} model in {path} ...", flush=True)
-        subprocess.run([sys.executable, "-m", "slurmft.tiny", str(path), "--size", size, "--dtype", "float32"],
-                       check=True, cwd=REPO, stdout=subprocess.DEVNULL)
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="model directory with tokenizer (default: build the --size preset)")

@@ -293,9 +293,10 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                      str(sharded.base_dtype).removeprefix("torch."))
 
     info = {"job_id": env.job_id, "restart": env.restart_count}
+    adapters = sharded.lora.marker() if sharded.lora is not None else None  # LoRA: what the adapters are
     marker_info = {**info, "precision": sharded.precision}  # consolidate.dtype=auto and resume read it
-    if sharded.lora is not None:  # an adapter checkpoint: consolidation merges it, resume checks it
-        marker_info["lora"] = sharded.lora.marker()
+    if adapters is not None:  # an adapter checkpoint: consolidation merges it, resume checks it
+        marker_info["lora"] = adapters
     preempt = PreemptionStop(ctx)
     saving = checkpointer.callbacks(sharded.model.config, getattr(sharded.model, "generation_config", None),
                                     inputs.tokenizer, cfg.checkpoint.keep_last, info, marker_info,
@@ -306,7 +307,7 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                    "compute_dtype": str(sharded.compute_dtype).removeprefix("torch."), "attn_implementation": attn,
                    "attn_requested": cfg.model.attn_implementation, "wrap_class": sharded.wrap_class,
                    "num_params": sharded.num_params,
-                   "lora": sharded.lora.marker() if sharded.lora is not None else None}
+                   "lora": adapters}
     callbacks = [*saving, preempt, MetricsLog(ctx, paths.metrics, info),  # saving before preempt: its on_save first
                  FsdpReport(ctx, paths.fsdp_report, report_info)]
     # after MetricsLog: a step is in metrics.jsonl before W&B gets it (what the next attempt skips)
@@ -346,8 +347,6 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
     if distributed.any_rank(ctx, preemption.requested()):  # the flag came during start-up: stop before loading anything more
         step = (checkpoints.step_of(candidates[0]) or 0) if candidates else 0
         return _stopped(paths, env, ctx, step, saved=False, t_start=t_start)
-
-    adapters = sharded.lora.marker() if sharded.lora is not None else None
 
     def check_precision(checkpoint: Path) -> None:
         distributed.guarded(ctx, "checking the checkpoint's precision",
