@@ -1,12 +1,20 @@
 """Shared pytest fixtures.
 
 ``slurm_cluster`` is the real two-node Slurm cluster of ``tests/slurm/cluster.sh`` (n1 and n2 on this
-machine, 8 fake GPUs each, slurmdbd so ``sacct`` works). It is started once per test session and
-stopped at its end, unless ``SLURMFT_KEEP_CLUSTER=1`` (handy while iterating: the next session then
-finds it healthy and starts in well under a second). Tests that use it are marked
+machine, 8 fake GPUs each, slurmdbd so ``sacct`` works). Tests that use it are marked
 ``@pytest.mark.slurm``. Every such test runs on Slurm 22.05 (this Debian 12 machine's); the ones also
 marked ``@pytest.mark.every_slurm`` run on Slurm 24.11 (Debian 13's, in a root file system) too, as
-``test_x[slurm22.05]`` and ``test_x[slurm24.11]``: one cluster at a time, 22.05 first.
+``test_x[slurm22.05]`` and ``test_x[slurm24.11]``. The two clusters have their own ports and may run side
+by side.
+
+Who stops a cluster: only whoever owns its whole lifetime. A cluster that was already up when a test
+needed it (``.ci/run`` starts both before pytest and its EXIT trap stops them; a developer's
+``cluster.sh up``) is never stopped by pytest. A cluster that this pytest run started (the fixture
+found it down) is stopped once, by the run's main process (the xdist controller, or the only process
+with ``-n 0``) after every worker has finished, unless ``SLURMFT_KEEP_CLUSTER=1`` (handy while
+iterating: the next session then finds it healthy and starts in well under a second). No worker ever
+stops a cluster: the other worker may still be using it (issue 35: the fixture's teardown on the switch
+from 22.05 to 24.11 stopped the 22.05 cluster under the other worker's tests).
 
 There is no skip: if Slurm cannot be installed or started, every test that needs it fails with the
 daemon logs, because CI requires the real cluster.
@@ -16,8 +24,10 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -36,6 +46,14 @@ SLURM_VERSIONS = {"22.05": "bookworm", "24.11": "trixie"}
 TERMINAL_STATES = frozenset(
     {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT"}
 )
+
+
+# Set by the run's main process (pytest_configure) before xdist starts its workers, which inherit it: a
+# directory where the slurm_cluster fixture, in any process, records each cluster it started
+# (``started-<suite>``) and which worker used which cluster (``used-<suite>-<worker>``).
+CLUSTER_RECORD_ENV = "SLURMFT_TEST_CLUSTER_RECORD"
+_RECORD_KEY = pytest.StashKey[Path]()
+_USERS_KEY = pytest.StashKey[dict[str, set[str]]]()  # suite -> the processes whose tests used it
 
 
 def _run(args: list[str], timeout: float = 30) -> subprocess.CompletedProcess[str]:
@@ -190,7 +208,14 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """One line per test that runs on every Slurm version: its outcome on each (the CI log must show them)."""
+    """Which processes ran the Slurm tests (one is the plan: pytest_collection_modifyitems), and one line
+    per test that runs on every Slurm version: its outcome on each (the CI log must show them)."""
+    users = terminalreporter.config.stash.get(_USERS_KEY, {})
+    if users:
+        workers = sorted(set().union(*users.values()))
+        where = "; ".join(f"{suite}: {', '.join(sorted(names))}" for suite, names in sorted(users.items()))
+        note = "" if len(workers) == 1 else " (more than one process: the Slurm tests were not kept together)"
+        terminalreporter.write_line(f"Slurm clusters used by: {where}{note}")
     if not _EVERY_SLURM:
         return
     terminalreporter.section("tests on every Slurm version")
@@ -199,22 +224,68 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(f"{cells}  {name}")
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[SlurmCluster]:
-    """The real local two-node Slurm cluster of one version (the parameter), up for the whole session or
-    until the tests of the next version start (pytest finishes a session fixture when its parameter
-    changes)."""
-    version = request.param
-    suite_env = {**os.environ, "SLURMFT_CLUSTER_SUITE": SLURM_VERSIONS[version]}
+def _is_main_process(config: pytest.Config) -> bool:
+    """The xdist controller, or the only process with ``-n 0``: not an xdist worker."""
+    return not hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The main process makes the run's cluster record before any worker starts (workers inherit it)."""
+    if _is_main_process(config):
+        record = Path(tempfile.mkdtemp(prefix="slurmft-test-clusters-"))
+        os.environ[CLUSTER_RECORD_ENV] = str(record)
+        config.stash[_RECORD_KEY] = record
+
+
+
+def _suite_env(suite: str) -> dict[str, str]:
+    return {**os.environ, "SLURMFT_CLUSTER_SUITE": suite}
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """After every worker has finished: stop the clusters that this run started, and only those."""
+    record = session.config.stash.get(_RECORD_KEY, None)
+    if record is None or not _is_main_process(session.config):
+        return
+    users: dict[str, set[str]] = {}
+    for marker in record.glob("used-*"):
+        suite, _, worker = marker.name.removeprefix("used-").partition("-")
+        users.setdefault(suite, set()).add(worker)
+    session.config.stash[_USERS_KEY] = users
+    for marker in sorted(record.glob("started-*")):
+        suite = marker.name.removeprefix("started-")
+        if os.environ.get("SLURMFT_KEEP_CLUSTER") == "1":
+            print(f"\nSLURMFT_KEEP_CLUSTER=1: the {suite} cluster this run started stays up")
+            continue
+        down = subprocess.run(["bash", str(CLUSTER_SH), "down"], capture_output=True, text=True, timeout=120,
+                              check=False, env=_suite_env(suite))
+        if down.returncode != 0:
+            warnings.warn(f"{CLUSTER_SH} down ({suite}) exited {down.returncode}: {down.stderr}", stacklevel=1)
+    shutil.rmtree(record, ignore_errors=True)
+
+
+
+def cluster_healthy(suite: str) -> bool:
+    """``cluster.sh status``: every daemon up and both nodes idle or in use."""
+    return subprocess.run(["bash", str(CLUSTER_SH), "status"], capture_output=True, text=True, timeout=60,
+                          check=False, env=_suite_env(suite)).returncode == 0
+
+
+def ensure_cluster(suite: str) -> None:
+    """Start the cluster of ``suite`` if it is not up, and record that this run started it (so that the
+    run's main process stops it at the end); a cluster that was up is left to whoever started it."""
+    if cluster_healthy(suite):
+        return
+    # Recorded before `up`, so that a half-started cluster is stopped at the end too. `up` holds
+    # cluster.sh's lock: a second process asking at the same time waits and then finds it healthy.
+    (Path(os.environ[CLUSTER_RECORD_ENV]) / f"started-{suite}").touch()
     try:
         # A fresh machine installs the Debian packages first (24.11: builds its root file system): allow
         # for apt.
         up = subprocess.run(["bash", str(CLUSTER_SH), "up"], capture_output=True, text=True, timeout=1200,
-                            check=False, env=suite_env)
+                            check=False, env=_suite_env(suite))
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(
-            f"{CLUSTER_SH} up timed out after {exc.timeout}s\n{exc.stdout}\n{exc.stderr}", pytrace=False
-        )
+        pytest.fail(f"{CLUSTER_SH} up timed out after {exc.timeout}s\n{exc.stdout}\n{exc.stderr}", pytrace=False)
     if up.returncode != 0:
         pytest.fail(
             f"the local Slurm cluster did not start ({CLUSTER_SH} up exited {up.returncode}):\n"
@@ -222,6 +293,18 @@ def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[SlurmCluster]:
             pytrace=False,
         )
     print(up.stdout, end="")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[SlurmCluster]:
+    """The real local two-node Slurm cluster of one version (the parameter): started if it is not up, and
+    never stopped here (see the module docstring: the run's main process stops what the run started)."""
+    version = request.param
+    suite = SLURM_VERSIONS[version]
+    suite_env = _suite_env(suite)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    (Path(os.environ[CLUSTER_RECORD_ENV]) / f"used-{suite}-{worker}").touch()
+    ensure_cluster(suite)
 
     env = _cluster_env(suite_env)
     if "SLURM_CONF" not in env:
@@ -242,11 +325,6 @@ def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[SlurmCluster]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        if os.environ.get("SLURMFT_KEEP_CLUSTER") != "1":
-            down = subprocess.run(["bash", str(CLUSTER_SH), "down"], capture_output=True, text=True, timeout=120,
-                                  check=False, env=suite_env)
-            if down.returncode != 0:
-                warnings.warn(f"{CLUSTER_SH} down exited {down.returncode}: {down.stderr}", stacklevel=1)
 
 
 @pytest.fixture(scope="session")
