@@ -159,6 +159,10 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
         monkeypatch.setenv(key, value)
     run, jobs = _start(slurmft, tmp_path, tiny_model, chat_data, train={"max_steps": 40, "report_to": ["wandb"]})
     slurmft.wait_for("checkpoint-20", lambda: slurmft.complete(run, 20))
+    # and past it: a step is logged after its boundary, so the scancel below is seen at step 22 or later and
+    # its save is newer than checkpoint-20 (on a loaded machine it could land at step 20's own boundary,
+    # where no second save of step 20 is made: 'assert 20 > 20')
+    slurmft.wait_for("step 21 logged", lambda: any(m.get("step", 0) > 20 for m in slurmft.metrics(run)))
     subprocess.run(["scancel", jobs["train"]], check=True)  # saves at the next step, stays cancelled
     slurm_cluster.wait_state(jobs["train"], "CANCELLED", timeout=120)
     newest = _marker(run, jobs["train"], 0)["step"]
