@@ -65,8 +65,9 @@ def test_parse_show_and_the_requeue_view() -> None:
 
 
 def test_queries_ask_for_delimited_whole_values() -> None:
-    squeue = slurm.squeue_args("alice")
-    assert squeue[:5] == ["squeue", "-h", "-t", "all", "--user=alice"]
+    squeue = slurm.squeue_args(1234)
+    assert squeue[:5] == ["squeue", "-h", "-t", "all", "--user=1234"]  # the uid, never $USER
+    assert slurm.squeue_args()[4] == f"--user={os.getuid()}" and slurm.squeue_args([7, 3, 7])[4] == "--user=3,7"
     assert squeue[-1] == ",".join(f"{f}:{S}" for f in slurm.SQUEUE_FIELDS)  # no size: no 20-character cut
     sacct = slurm.sacct_args(["7", "8"])
     assert "-P" in sacct and f"--delimiter={S}" in sacct and sacct[sacct.index("-j") + 1] == "7,8"
