@@ -133,8 +133,9 @@ def decode(data: bytes) -> str:
 # ------------------------------------------------------------------ squeue / sacct
 def squeue_args(uid: int | Iterable[int] | None = None) -> list[str]:
     """Every job slurmctld still knows of user ``uid`` (or of several; default: this process's real uid), whole values,
-    :data:`SEP` after each. A numeric ``--user`` (documented as "user names or user id numbers" by squeue
-    22.05 and 24.11 alike; checked on both clusters) names the user by what the kernel says, not by
+    :data:`SEP` after each. A numeric ``--user`` ("user names or user id numbers"; checked on 22.05.8 and
+    24.11.5: ``--user=0`` lists root's jobs, ``--user=0,99999`` prints "Invalid user: 99999" on stderr, exits 0
+    and still lists root's) names the user by what the kernel says, not by
     ``$USER``/``$LOGNAME`` (which ``getpass.getuser`` reads first), and a teammate's ``status`` asks for the
     run owner's jobs. Where Slurm hides other users' jobs (``PrivateData=jobs``) the answer is empty, not an
     error: the caller decides what an absent job means (slurmft/watch/status.py)."""

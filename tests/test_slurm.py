@@ -240,3 +240,12 @@ def test_recorded_config_of_each_version(version: str) -> None:
     # the requeue delay: cred_expire (cluster.sh sets 10) up to 25.05; requeue_delay exists from 25.11 only
     assert slurm.option(config["AuthInfo"], "cred_expire") == "10"
     assert slurm.option(config["SchedulerParameters"], "requeue_delay") is None
+
+
+def test_a_byte_that_is_not_utf8_is_replaced_never_fatal(fake_bin: Path) -> None:
+    line = b"7\x1fRUNNING\x1fNone\x1f0:05\x1f0\x1fcaf\xe9\x1fslurmft:abc\x1f\n"  # a Latin-1 job name
+    (fake_bin / "squeue.out").write_bytes(line)
+    _fake(fake_bin, "squeue", f'cat "{fake_bin}/squeue.out"; printf "bad \\377\\n" >&2')
+    jobs = slurm.squeue_jobs()
+    assert jobs["7"]["state"] == "RUNNING" and jobs["7"]["name"] == "caf\ufffd" and jobs["7"]["comment"] == "slurmft:abc"
+    assert slurm.call(["squeue"]).stderr == "bad \ufffd\n"
