@@ -46,7 +46,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from slurmft.errors import LockError
 
@@ -367,15 +366,3 @@ def held(path: Path, what: str, say: Callable[[str], None] | None = None, wait_s
     finally:
         release(path)
 
-
-def read_holder(path: Path) -> Holder | None:
-    """Who holds the lock at ``path`` now (None: nobody, or unreadable)."""
-    try:
-        return parse_holder(path.read_text(errors="replace"))
-    except OSError:
-        return None
-
-
-def describe_record(record: dict[str, Any]) -> str:
-    """``pid N on HOST`` of a manifest's process record."""
-    return f"pid {record.get('pid')} on {record.get('host') or socket.gethostname()}"
