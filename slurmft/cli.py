@@ -289,21 +289,30 @@ def report(run_dir: Path) -> None:
     click.echo(f"wrote {write_report(run_dir)}")
 
 
+FORCE_OTHERS = click.option("--force", is_flag=True,
+                            help="Act on another user's run (a teammate's); jobs you cannot see are still never "
+                                 "taken for ended.")
+
+
 @cli.command()
 @RUN_DIR
-def cancel(run_dir: Path) -> None:
+@FORCE_OTHERS
+def cancel(run_dir: Path, force: bool) -> None:
     """Cancel every live job of a run (train and consolidation, and tagged jobs the manifest missed)."""
     from slurmft.submit.cancel import cancel_run
 
-    cancelled = cancel_run(run_dir)
-    click.echo(f"cancelled: {', '.join(cancelled)}" if cancelled else "no live jobs to cancel")
+    result = cancel_run(run_dir, force, say=_err)
+    for line in result.not_touched:
+        _err(f"not cancelled: {line}")
+    click.echo(f"cancelled: {', '.join(result.cancelled)}" if result.cancelled else "no live jobs to cancel")
 
 
 @cli.command()
 @RUN_DIR
 @OVERRIDES
 @click.option("--template-dir", type=click.Path(file_okay=False, exists=True), help="Your own templates first.")
-def resume(run_dir: Path, overrides: tuple[str, ...], template_dir: str | None) -> None:
+@FORCE_OTHERS
+def resume(run_dir: Path, overrides: tuple[str, ...], template_dir: str | None, force: bool) -> None:
     """Continue a run that died (failed, cancelled, time limit, node failure, requeue budget used up)
     from its newest complete checkpoint, and chain a new consolidation job.
 
@@ -312,7 +321,7 @@ def resume(run_dir: Path, overrides: tuple[str, ...], template_dir: str | None) 
     """
     from slurmft.submit.resume import Phase, resume_run
 
-    result = resume_run(run_dir, list(overrides), template_dir, say=_err)
+    result = resume_run(run_dir, list(overrides), template_dir, say=_err, force=force)
     if result.phase == Phase.FINISHED:
         click.echo(f"{result.run_dir} is finished: trained to step {result.step} and consolidated; nothing to resume")
         from slurmft.rundir import ADAPTER_CONFIG, MODEL_INDEX, RunPaths

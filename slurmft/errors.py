@@ -33,6 +33,10 @@ class RunDirError(SlurmftError):
     """The run directory is missing, locked by a live run, or malformed."""
 
 
+class LockError(RunDirError):
+    """A lock is held by another live process, or cannot be taken safely in this directory."""
+
+
 class CheckpointError(SlurmftError):
     """A checkpoint is missing, incomplete or unreadable."""
 

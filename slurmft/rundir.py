@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pwd
 import socket
 import tempfile
 import time
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slurmft import locks
 from slurmft.errors import RunDirError
 
 MANIFEST_VERSION = 2
@@ -167,6 +169,12 @@ class RunPaths:
         """Loss and learning rate by step, drawn beside the report (``slurmft plot``)."""
         return self.root / "loss.png"
 
+    @staticmethod
+    def consolidate_lock(out: Path) -> Path:
+        """The lock of one consolidation output directory (``model/``, ``adapter/`` or ``--out DIR``): one export
+        into it at a time, the automatic job's or a manual one's, on any node (slurmft/locks.py)."""
+        return out.parent / f".{out.name}.consolidate.lock"
+
     @property
     def folders(self) -> frozenset[str]:
         """Names of the folders slurmft makes inside a run directory (none of them holds another run)."""
@@ -214,11 +222,36 @@ class ProbePaths:
         return directory / f".slurmft-doctor-{job_id}-{node}"
 
 
-def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and rename (readers never see half a file)."""
+def umask() -> int:
+    """This process's umask, read without changing it: ``Umask:`` of /proc/self/status (Linux >= 4.7);
+    elsewhere once, the classic way (set and restore), at the first call, before slurmft starts threads."""
+    global _UMASK
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    if _UMASK is None:
+        _UMASK = os.umask(0o022)
+        os.umask(_UMASK)
+    return _UMASK
+
+
+_UMASK: int | None = None
+
+
+def atomic_write(path: Path, text: str, executable: bool = False) -> None:
+    """Write ``text`` to ``path`` via a temporary file and rename (readers never see half a file).
+
+    ``mkstemp`` makes its file 0600 whatever the umask, so a teammate could not read a manifest written
+    here: the file gets ``0666 & ~umask`` (``0777`` when ``executable``), as ``open`` would give it. Its
+    group is the directory's when the directory is setgid (the kernel's rule for any new file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, (0o777 if executable else 0o666) & ~umask())
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -247,7 +280,7 @@ def new_manifest(name: str, executor: str, run_id: str = "") -> dict[str, Any]:
     with its job ids, the checkpoint it resumed from and why the previous attempt ended.
     """
     return {"version": MANIFEST_VERSION, "name": name, "executor": executor, "run_id": run_id,
-            "created": time.time(), "jobs": [], "attempts": []}
+            "owner": current_user().record(), "created": time.time(), "jobs": [], "attempts": []}
 
 
 def read_manifest(paths: RunPaths) -> dict[str, Any]:
@@ -294,64 +327,86 @@ def latest_jobs(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def pid_alive(pid: int) -> bool:
-    """True when process ``pid`` exists on this host and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:  # exited in between
-        return False
+@dataclass(frozen=True)
+class User:
+    """A Unix user: the uid decides, the name is for messages."""
 
+    uid: int
+    name: str
 
-def _lock_owner(paths: RunPaths) -> tuple[str, int | None, str]:
-    """(host, pid, raw text) of the process that holds the submit lock."""
-    try:
-        text = paths.lock.read_text().strip()
-    except OSError:
-        return "", None, ""
-    host, _, rest = text.partition(" ")
-    pid = None
-    for word in rest.split():
-        if word.startswith("pid=") and word[4:].isdigit():
-            pid = int(word[4:])
-    return host, pid, text
+    def record(self) -> dict[str, Any]:
+        return {"uid": self.uid, "user": self.name}
 
-
-def acquire_lock(paths: RunPaths, what: str, say: Callable[[str], None] | None = None) -> None:
-    """Take ``.submit.lock`` (one writer of the run directory at a time).
-
-    A lock left by a dead process on this host is cleared with a message; one held by a live process,
-    or by another host (whose processes we cannot see), is refused with its owner and how to clear it.
-    """
-    for _ in range(2):
+    @classmethod
+    def of_uid(cls, uid: int) -> User:
         try:
-            fd = os.open(paths.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            host, pid, text = _lock_owner(paths)
-            if host == socket.gethostname() and pid is not None and not pid_alive(pid):
-                paths.lock.unlink(missing_ok=True)
-                if say:
-                    say(f"cleared a stale lock {paths.lock} left by pid {pid} on this host (no longer running)")
-                continue
-            owner = f"pid {pid} on host {host}" if host and pid is not None else f"an unknown process ({text!r})"
-            fix = ("wait for it, or stop it, then retry" if host == socket.gethostname() else
-                   f"if no slurmft command runs there any more, remove {paths.lock} and retry")
-            raise RunDirError(f"{paths.root} is locked by {owner} (another slurmft command is writing it); "
-                              f"cannot {what} now: {fix}") from None
-        os.write(fd, f"{socket.gethostname()} pid={os.getpid()} t={int(time.time())} {what}\n".encode())
-        os.close(fd)
+            return cls(uid, pwd.getpwuid(uid).pw_name)
+        except KeyError:  # a uid without a passwd entry here (another site's NSS)
+            return cls(uid, f"uid {uid}")
+
+
+def current_user() -> User:
+    """Who runs this command: the real uid (``$USER``/``$LOGNAME`` are whatever the environment says)."""
+    return User.of_uid(os.getuid())
+
+
+def run_owner(paths: RunPaths, manifest: dict[str, Any]) -> User:
+    """Who owns the run: the manifest's ``owner``; for a manifest written before it was recorded, the
+    owner of ``manifest.json`` itself."""
+    owner = manifest.get("owner")
+    if isinstance(owner, dict) and isinstance(owner.get("uid"), int):
+        return User(owner["uid"], str(owner.get("user") or f"uid {owner['uid']}"))
+    try:
+        return User.of_uid(paths.manifest.stat().st_uid)
+    except OSError:
+        return current_user()
+
+
+def check_owner(paths: RunPaths, manifest: dict[str, Any], what: str, force: bool) -> None:
+    """Refuse to ``what`` (cancel, resume) another user's run unless ``force``."""
+    owner, me = run_owner(paths, manifest), current_user()
+    if owner.uid == me.uid or force:
         return
-    raise RunDirError(f"could not take the lock {paths.lock}: it keeps reappearing")
+    raise RunDirError(f"{paths.root} is {owner.name}'s run (uid {owner.uid}), not yours ({me.name}): refusing to "
+                      f"{what} it; ask {owner.name}, or pass --force if you look after it together")
+
+
+def this_host() -> str:
+    return socket.gethostname()
+
+
+def process_record(pid: int) -> dict[str, Any]:
+    """What the manifest records of a process started here: its pid, this host, and its start time (so a
+    later pid reuse is not taken for it)."""
+    record: dict[str, Any] = {"pid": pid, "host": this_host()}
+    started = locks.process_start(pid)
+    if started is not None:
+        record["pid_start"] = started
+    return record
+
+
+def process_here(job: dict[str, Any]) -> tuple[bool | None, str]:
+    """(alive, host) of a job entry recorded with a pid: True/False on the host that started it, None on
+    another host (its processes cannot be seen from here). A manifest entry without ``host`` (written
+    before hosts were recorded) counts as this host's, as it always did."""
+    host = str(job.get("host") or this_host())
+    if host != this_host():
+        return None, host
+    return locks.pid_alive(int(job["pid"]), job.get("pid_start")), host
+
+
+pid_alive = locks.pid_alive
+
+
+def acquire_lock(paths: RunPaths, what: str, say: Callable[[str], None] | None = None,
+                 wait_s: float = 0.0) -> None:
+    """Take the run's lock, ``.submit.lock`` (one writer of the run directory at a time; see
+    :mod:`slurmft.locks` for what it guarantees on which file system). A lock left by a dead process is
+    cleared with a message; one held by a live process is waited for up to ``wait_s``, then refused with its
+    owner and how to clear it."""
+    locks.acquire(paths.lock, what, say, wait_s=wait_s, holder=f"{paths.root}")
 
 
 def release_lock(paths: RunPaths) -> None:
     """Drop the lock taken by :func:`acquire_lock` in this process."""
-    host, pid, _ = _lock_owner(paths)
-    if pid == os.getpid() and host == socket.gethostname():
-        paths.lock.unlink(missing_ok=True)
+    locks.release(paths.lock)

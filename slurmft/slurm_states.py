@@ -52,6 +52,7 @@ class State(str, Enum):
     # ours
     KILLED = "KILLED"  # a local job whose process is gone without a recorded state
     UNKNOWN = "UNKNOWN"  # neither squeue nor sacct knows the job
+    HIDDEN = "HIDDEN"  # cannot tell: another user's job Slurm does not show us, or a process on another host
 
 
 #: States of a job that holds an allocation or may get one again without anyone submitting it:
@@ -71,7 +72,11 @@ ALLOCATED = frozenset({
 #: Live states of a job that waits to start (again).
 WAITING = LIVE - ALLOCATED
 #: States of a job that will not run again by itself; ``UNKNOWN`` and ``KILLED`` included.
-ENDED = frozenset(State) - LIVE
+ENDED = frozenset(State) - LIVE - {State.HIDDEN}
+#: "Cannot tell": neither live nor ended. Slurm shows a user only their own jobs under ``PrivateData=jobs``
+#: (squeue and sacct answer, with nothing), and a pid recorded on another host cannot be looked at from here.
+#: Such a job is never taken for ended (a second train job would start beside it), nor cancelled.
+UNSEEN = frozenset({State.HIDDEN})
 
 #: Each state in words, the one table every command builds on (commands add what to do next).
 WORDS: dict[State, str] = {
@@ -101,6 +106,7 @@ WORDS: dict[State, str] = {
     State.DEADLINE: "reached its deadline",
     State.KILLED: "ended without recording a state (killed, or the machine went down)",
     State.UNKNOWN: "unknown (Slurm no longer knows this job)",
+    State.HIDDEN: "cannot tell (not visible from here)",
 }
 
 #: What releases a held job (``{job}`` is its id).
@@ -127,6 +133,11 @@ def is_live(word: str | None) -> bool:
     rather than start a second job beside one we do not understand)."""
     state = parse(word)
     return state is None or state in LIVE
+
+
+def is_unseen(word: str | None) -> bool:
+    """Whether the job is one we cannot see (:data:`UNSEEN`): neither live nor ended as far as we know."""
+    return parse(word) in UNSEEN
 
 
 def is_waiting(word: str | None) -> bool:

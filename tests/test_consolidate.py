@@ -525,15 +525,14 @@ def test_leftovers_of_a_killed_consolidation_are_removed(env: dict[str, Path], t
 
 
 def test_a_second_concurrent_consolidation_is_refused(env: dict[str, Path], tmp_path: Path) -> None:
-    import fcntl
-
+    from slurmft import locks
     from slurmft.errors import CheckpointError
     from slurmft.job.consolidate import consolidate_run
+    from slurmft.rundir import RunPaths
 
     run = _run_sharing(tmp_path / "run", env["run_untied"], env["untied"], env["data"])
-    with open(run / ".model.consolidate.lock", "w") as held:  # as a running consolidation holds it
-        fcntl.flock(held, fcntl.LOCK_EX)
-        with pytest.raises(CheckpointError, match="another consolidation is writing"):
+    with locks.held(RunPaths.consolidate_lock(run / "model"), "consolidate"):  # as a running consolidation holds it
+        with pytest.raises(CheckpointError, match="another consolidation is writing .* pid"):
             consolidate_run(str(run))
         assert not (run / "model").exists()
     consolidate_run(str(run))  # released: runs

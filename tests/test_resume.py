@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -197,6 +198,83 @@ def test_cancel_cancels_a_suspended_train_job(tmp_path: Path, capsys: pytest.Cap
     assert calls == [["scancel", "7", "8"]]
 
 
+# ------------------------------------------------------------------ a run a team shares
+def test_a_job_slurm_hides_in_a_teammates_run_is_cannot_tell_and_resume_submits_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from slurmft.rundir import read_manifest
+
+    paths = _slurm_run(tmp_path)
+    manifest = read_manifest(paths)
+    manifest["owner"] = {"uid": 4242, "user": "ann"}
+    write_manifest(paths, manifest)
+    calls = _squeue_says(monkeypatch, "RUNNING")
+    asked: list = []
+    from slurmft import slurm
+
+    monkeypatch.setattr(slurm, "squeue_jobs", lambda uid=None: asked.append(uid) or {})  # PrivateData=jobs
+    monkeypatch.setattr(os, "getuid", lambda: 1000)  # we are a teammate, not root (root sees every job)
+    before = paths.manifest.read_text()
+    code, out, err = cli(["status", str(paths.root)], capsys)
+    assert code == 0 and asked == [4242]  # ann's jobs asked for, by uid
+    print(out)
+    assert "cannot tell" in out and "PrivateData=jobs" in out and "ask ann" in out
+    code, _, err = cli(["resume", str(paths.root)], capsys)
+    assert code == 2 and "ann's run" in err and "--force" in err
+    code, _, err = cli(["resume", str(paths.root), "--force"], capsys)
+    assert code == 2 and "cannot tell whether" in err and "nothing is submitted" in err
+    code, out, err = cli(["cancel", str(paths.root), "--force"], capsys)
+    assert code == 0 and "not cancelled: train job 7: cannot tell" in err and "no live jobs" in out
+    assert calls == [] and paths.manifest.read_text() == before
+
+
+def test_a_pid_on_another_host_is_never_killed(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import signal
+
+    from slurmft.rundir import new_manifest
+
+    paths = RunPaths.of(tmp_path / "run")
+    paths.root.mkdir()
+    manifest = new_manifest("tiny", "local", paths.run_id)
+    manifest["jobs"].append({"kind": "train", "job_id": str(os.getpid()), "attempt": 1, "pid": os.getpid(),
+                             "host": "login-9"})  # our pid, but recorded on another host
+    write_manifest(paths, manifest)
+    killed: list = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig)) if sig == signal.SIGTERM else None)
+    code, out, err = cli(["cancel", str(paths.root)], capsys)
+    assert code == 0 and killed == []
+    assert "not cancelled: train job" in err and "unknown (running on login-9?)" in err
+    code, out, _ = cli(["status", str(paths.root)], capsys)
+    assert "unknown (running on login-9?)" in out
+
+
+def test_two_resumes_at_once_wait_for_the_lock_and_read_the_state_there(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second resume waits for the first's lock, then decides from what the first left (here: live)."""
+    import threading
+
+    from slurmft.submit import resume as resume_mod
+
+    paths = _slurm_run(tmp_path)
+    _squeue_says(monkeypatch, "RUNNING")
+    acquire_lock(paths, "resume")
+    done: list = []
+
+    def second() -> None:
+        try:
+            resume_mod.resume_run(paths.root)
+        except RunDirError as exc:
+            done.append(str(exc))
+
+    t = threading.Thread(target=second)
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive()  # waiting for the lock, not refusing at once
+    release_lock(paths)
+    t.join(30)
+    assert done and "is live" in done[0]
+
+
 # ------------------------------------------------------------------ the lock
 def test_stale_lock_of_a_dead_process_here_is_cleared(tmp_path: Path) -> None:
     paths = RunPaths.of(tmp_path)
@@ -205,7 +283,8 @@ def test_stale_lock_of_a_dead_process_here_is_cleared(tmp_path: Path) -> None:
     said: list[str] = []
     acquire_lock(paths, "resume", said.append)
     assert said and "stale lock" in said[0] and dead.stdout.strip() in said[0]
-    assert f"pid={os.getpid()}" in paths.lock.read_text()
+    holder = json.loads(paths.lock.read_text())  # who holds it: uid, user, host, pid (and its start time)
+    assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname() and holder["uid"] == os.getuid()
     release_lock(paths)
     assert not paths.lock.exists()
 

@@ -26,3 +26,67 @@ def test_runs_skips_every_folder_slurmft_makes(tmp_path: Path) -> None:
     assert {p.parent for p in made} == {paths.root}
     assert {p.name for p in made} == paths.folders <= SKIP
     assert {paths.report.parent, paths.loss_plot.parent, paths.tracker.parent} == {paths.root}
+
+
+# ------------------------------------------------------------------ files a team can read
+def test_atomic_write_follows_the_umask_and_the_directory_group(tmp_path: Path) -> None:
+    import grp
+    import os
+    import stat
+
+    from slurmft.rundir import atomic_write, umask
+
+    group = grp.getgrnam("nogroup").gr_gid if os.geteuid() == 0 else os.getgid()
+    shared = tmp_path / "team"
+    shared.mkdir()
+    os.chown(shared, -1, group)
+    shared.chmod(0o2775)  # a group directory, setgid: new files and folders take its group
+    old = os.umask(0o002)
+    try:
+        assert umask() == 0o002
+        atomic_write(shared / "run" / "manifest.json", "{}\n")
+        atomic_write(shared / "run" / "scripts" / "train.sbatch", "#!/bin/bash\n", executable=True)
+    finally:
+        os.umask(old)
+    for path, mode in ((shared / "run", 0o2775), (shared / "run" / "manifest.json", 0o664),
+                       (shared / "run" / "scripts" / "train.sbatch", 0o775)):
+        st = path.stat()
+        assert (stat.S_IMODE(st.st_mode), st.st_gid) == (mode, group), path
+    atomic_write(tmp_path / "private", "x")  # umask 022 (pytest's): 0644, not mkstemp's 0600
+    assert stat.S_IMODE((tmp_path / "private").stat().st_mode) == 0o666 & ~old
+
+
+def test_the_manifest_records_its_owner_and_old_ones_fall_back_to_the_file(tmp_path: Path) -> None:
+    import os
+
+    import pytest
+
+    from slurmft.errors import RunDirError
+    from slurmft.rundir import check_owner, current_user, new_manifest, run_owner, write_manifest
+
+    paths = RunPaths.of(tmp_path)
+    manifest = new_manifest("x", "slurm")
+    assert manifest["owner"] == {"uid": os.getuid(), "user": current_user().name}
+    write_manifest(paths, manifest)
+    assert run_owner(paths, manifest).uid == os.getuid()
+    check_owner(paths, manifest, "resume", force=False)  # our own: fine
+    old = {k: v for k, v in manifest.items() if k != "owner"}  # written before owners were recorded
+    assert run_owner(paths, old).uid == paths.manifest.stat().st_uid
+    theirs = {**manifest, "owner": {"uid": 4242, "user": "ann"}}
+    with pytest.raises(RunDirError, match="is ann's run .*refusing to resume it; ask ann, or pass --force"):
+        check_owner(paths, theirs, "resume", force=False)
+    check_owner(paths, theirs, "resume", force=True)
+
+
+def test_a_pid_carries_its_host_and_start(tmp_path: Path) -> None:
+    import os
+    import socket
+
+    from slurmft.rundir import process_here, process_record
+
+    me = process_record(os.getpid())
+    assert me["host"] == socket.gethostname() and isinstance(me["pid_start"], int)
+    assert process_here(me) == (True, socket.gethostname())
+    assert process_here({**me, "pid_start": me["pid_start"] + 1})[0] is False  # the pid reused by another process
+    assert process_here({"pid": os.getpid()}) == (True, socket.gethostname())  # an old manifest: this host's
+    assert process_here({**me, "host": "login-9"}) == (None, "login-9")  # another host: cannot tell

@@ -65,8 +65,9 @@ def test_parse_show_and_the_requeue_view() -> None:
 
 
 def test_queries_ask_for_delimited_whole_values() -> None:
-    squeue = slurm.squeue_args("alice")
-    assert squeue[:5] == ["squeue", "-h", "-t", "all", "--user=alice"]
+    squeue = slurm.squeue_args(1234)
+    assert squeue[:5] == ["squeue", "-h", "-t", "all", "--user=1234"]  # the uid, never $USER
+    assert slurm.squeue_args()[4] == f"--user={os.getuid()}" and slurm.squeue_args([7, 3, 7])[4] == "--user=3,7"
     assert squeue[-1] == ",".join(f"{f}:{S}" for f in slurm.SQUEUE_FIELDS)  # no size: no 20-character cut
     sacct = slurm.sacct_args(["7", "8"])
     assert "-P" in sacct and f"--delimiter={S}" in sacct and sacct[sacct.index("-j") + 1] == "7,8"
@@ -239,3 +240,12 @@ def test_recorded_config_of_each_version(version: str) -> None:
     # the requeue delay: cred_expire (cluster.sh sets 10) up to 25.05; requeue_delay exists from 25.11 only
     assert slurm.option(config["AuthInfo"], "cred_expire") == "10"
     assert slurm.option(config["SchedulerParameters"], "requeue_delay") is None
+
+
+def test_a_byte_that_is_not_utf8_is_replaced_never_fatal(fake_bin: Path) -> None:
+    line = b"7\x1fRUNNING\x1fNone\x1f0:05\x1f0\x1fcaf\xe9\x1fslurmft:abc\x1f\n"  # a Latin-1 job name
+    (fake_bin / "squeue.out").write_bytes(line)
+    _fake(fake_bin, "squeue", f'cat "{fake_bin}/squeue.out"; printf "bad \\377\\n" >&2')
+    jobs = slurm.squeue_jobs()
+    assert jobs["7"]["state"] == "RUNNING" and jobs["7"]["name"] == "caf\ufffd" and jobs["7"]["comment"] == "slurmft:abc"
+    assert slurm.call(["squeue"]).stderr == "bad \ufffd\n"

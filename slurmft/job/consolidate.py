@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import fcntl
 import json
 import os
 import shutil
@@ -75,6 +74,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from slurmft import locks
 from slurmft.checkpoints import (
     COMPLETE_MARKER,
     fsync_dir,
@@ -87,9 +87,9 @@ from slurmft.checkpoints import (
     strip_wrappers,
 )
 from slurmft.config import RunConfig, read_run_config
-from slurmft.errors import CheckpointError, SlurmftError
+from slurmft.errors import CheckpointError, LockError, SlurmftError
 from slurmft.job.dtypes import DTYPES, SAFETENSORS_CODES, SAFETENSORS_DTYPES
-from slurmft.rundir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_INDEX, RunPaths
+from slurmft.rundir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_INDEX, RunPaths, umask
 from slurmft.units import decimal_bytes, parse_size, peak_rss_bytes
 
 # accelerate's save_fsdp_model (SHARDED_STATE_DICT, FSDP2) writes the model of checkpoint-<step>/ to
@@ -632,19 +632,18 @@ def _old_prefix(out: Path) -> str:
 
 @contextlib.contextmanager
 def _exclusive(out: Path) -> Iterator[None]:
-    """Hold an exclusive lock for ``out`` (the automatic consolidation job vs a manual run)."""
-    lock_path = out.parent / f".{out.name}.consolidate.lock"
-    fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+    """Hold the consolidation lock of ``out``: an exclusive-create lock file with owner, host and heartbeat
+    (slurmft/locks.py), because flock is node-local or missing on some Lustre and NFS mounts and two
+    consolidations on two nodes would both get it."""
+    lock_path = RunPaths.consolidate_lock(out)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise CheckpointError(
-                f"another consolidation is writing {out} right now ({lock_path} is locked); wait for it"
-            ) from None
+        locks.acquire(lock_path, f"consolidate into {out}", log)
+    except LockError as exc:
+        raise CheckpointError(f"another consolidation is writing {out} right now: {exc}") from None
+    try:
         yield
     finally:
-        os.close(fd)
+        locks.release(lock_path)
 
 
 def _clean_leftovers(out: Path) -> None:
@@ -1003,9 +1002,7 @@ def new_directory(out: Path, needed: int) -> Iterator[Path]:
         _clean_leftovers(out)
         check_disk_space(out.parent, needed)
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=_partial_prefix(out)))
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the model is for the team and the serving account
+        tmp.chmod(0o777 & ~umask())  # mkdtemp makes it 0700; the model is for the team and the serving account
         try:
             yield tmp
             fsync_dir(tmp)

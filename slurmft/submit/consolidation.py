@@ -18,9 +18,19 @@ from typing import Any
 from slurmft.checkpoints import COMPLETE_MARKER, is_complete, latest_complete, list_checkpoints, named
 from slurmft.config import Executor, read_run_config
 from slurmft.errors import CheckpointError
-from slurmft.rundir import RunPaths, acquire_lock, read_manifest, record_job, release_lock, write_manifest
+from slurmft.rundir import (
+    RunPaths,
+    acquire_lock,
+    process_record,
+    read_manifest,
+    record_job,
+    release_lock,
+    write_manifest,
+)
 
 Say = Callable[[str], None]
+#: Seconds to wait for another command holding the run's lock.
+LOCK_WAIT_S = 60.0
 
 
 @dataclass
@@ -58,10 +68,10 @@ def consolidate_here(paths: RunPaths, request: ConsolidationRequest, say: Say, b
     """Run the consolidation in this process (a progress bar when ``bar``), recorded in the manifest."""
     from slurmft.job.consolidate import consolidate_run
 
-    acquire_lock(paths, "consolidate", say)
+    acquire_lock(paths, "consolidate", say, wait_s=LOCK_WAIT_S)
     try:
         manifest = read_manifest(paths)
-        entry = record_job(manifest, "consolidate", f"here-{os.getpid()}-{int(time.time())}", here=True, pid=os.getpid(),
+        entry = record_job(manifest, "consolidate", f"here-{os.getpid()}-{int(time.time())}", here=True, **process_record(os.getpid()),
                            checkpoint=str(request.checkpoint), out=str(request.out))
         write_manifest(paths, manifest)
     finally:
@@ -92,11 +102,16 @@ def consolidate_here(paths: RunPaths, request: ConsolidationRequest, say: Say, b
 
 
 def _update_entry(paths: RunPaths, entry: dict[str, Any]) -> None:
-    manifest = read_manifest(paths)
-    for job in manifest["jobs"]:
-        if job["job_id"] == entry["job_id"]:
-            job.update(entry)
-    write_manifest(paths, manifest)
+    """Record how the consolidation here ended, re-reading the manifest under the run's lock."""
+    acquire_lock(paths, "consolidate", wait_s=LOCK_WAIT_S)
+    try:
+        manifest = read_manifest(paths)
+        for job in manifest["jobs"]:
+            if job["job_id"] == entry["job_id"]:
+                job.update(entry)
+        write_manifest(paths, manifest)
+    finally:
+        release_lock(paths)
 
 
 def submit(paths: RunPaths, request: ConsolidationRequest, template_dir: str | None, say: Say) -> str:
@@ -109,7 +124,7 @@ def submit(paths: RunPaths, request: ConsolidationRequest, template_dir: str | N
     cfg.executor = Executor(manifest.get("executor", "slurm"))  # where the run was started is where it continues
     check_executor(cfg.resolved_executor)
     profile = load_profile(cfg.cluster.profile)
-    acquire_lock(paths, "consolidate", say)
+    acquire_lock(paths, "consolidate", say, wait_s=LOCK_WAIT_S)
     try:
         manifest = read_manifest(paths)
         if manifest.get("executor") == "local":

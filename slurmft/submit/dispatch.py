@@ -35,6 +35,7 @@ from slurmft.rundir import (
     acquire_lock,
     atomic_write,
     new_manifest,
+    process_record,
     record_job,
     release_lock,
     start_attempt,
@@ -130,6 +131,10 @@ def _lock_new_run_dir(paths: RunPaths, say: Say) -> bool:
         if created:
             paths.root.rmdir()
         raise
+    if paths.manifest.exists():  # re-read under the lock: another submit finished in between
+        release_lock(paths)
+        raise RunDirError(f"output_dir {paths.root} was just written by another `slurmft submit`; refusing to "
+                          "overwrite it (use another output_dir)")
     return created
 
 
@@ -139,8 +144,7 @@ def _write_run_dir(paths: RunPaths, cfg: RunConfig, scripts: dict[str, str]) -> 
         sub.mkdir(parents=True, exist_ok=True)
     atomic_write(paths.config, dump_config(cfg))
     for kind, text in scripts.items():
-        atomic_write(paths.script(kind), text)
-        paths.script(kind).chmod(0o755)
+        atomic_write(paths.script(kind), text, executable=True)
 
 
 def _cleanup(paths: RunPaths, created: bool) -> None:
@@ -316,7 +320,8 @@ def _run_local(
         result.jobs["train"] = train.job_id
         attempt["train_job"] = train.job_id
         logs = [str(JobPaths(paths.submitit, train.job_id, t).stdout) for t in range(cfg.resources.ranks_per_node)]
-        record_job(manifest, "train", train.job_id, run_attempt=attempt["attempt"], pid=int(train.job_id), logs=logs)
+        record_job(manifest, "train", train.job_id, run_attempt=attempt["attempt"], **process_record(int(train.job_id)),
+                   logs=logs)
         write_manifest(paths, manifest)
         say(f"train job {train.job_id} started here ({cfg.resources.ranks_per_node} processes); logs: {logs[0]}")
         _wait_local(train, "train", paths, manifest, say)
@@ -345,7 +350,7 @@ def run_local_consolidation(
     cex = LocalExecutor(folder=paths.submitit, python=python_for(cfg))
     cex.update_parameters(tasks_per_node=1, nodes=1, timeout_min=time_minutes(cfg.consolidate.resources.time))
     cons = cex.submit(run_consolidate, str(paths.root), checkpoint, out)
-    record_job(manifest, "consolidate", cons.job_id, pid=int(cons.job_id),
+    record_job(manifest, "consolidate", cons.job_id, **process_record(int(cons.job_id)),
                **_consolidation_fields(dependency, run_attempt, checkpoint, out),
                logs=[str(JobPaths(paths.submitit, cons.job_id, 0).stdout)])
     write_manifest(paths, manifest)

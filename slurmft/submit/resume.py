@@ -35,7 +35,9 @@ from slurmft.rundir import (
     RunPaths,
     acquire_lock,
     atomic_write,
+    check_owner,
     planned_max_steps,
+    read_manifest,
     release_lock,
     start_attempt,
     write_manifest,
@@ -155,24 +157,48 @@ def _stale_consolidations(state: RunState) -> list[str]:
     return [r["job_id"] for r in state.rows if r["job_id"] in chained and is_waiting(r["state"])]
 
 
+#: Seconds a resume waits for another command that holds the run's lock (a concurrent resume's sbatch calls).
+LOCK_WAIT_S = 120.0
+
+
 def resume_run(
     run_dir: str | Path, overrides: list[str] | None = None, template_dir: str | None = None,
-    say: Any = lambda _: None,
+    say: Any = lambda _: None, force: bool = False,
 ) -> ResumeResult:
     """Continue a run that is not live and not trained to ``max_steps``: cancel its stale consolidation,
     submit a new train job (it resumes from the newest complete checkpoint) and a consolidation chained
-    to it, and record the attempt. A finished run is reported, not resubmitted."""
+    to it, and record the attempt. A finished run is reported, not resubmitted.
+
+    Everything is decided under the run's lock, from the manifest and Slurm's answer read there: two
+    resumes at once submit one train job (the second waits, then finds it live), and no write drops
+    another command's job entries. Another user's run is refused unless ``force``; a job we cannot see
+    (another user's, hidden by Slurm; a process on another host) is never taken for ended, forced or not."""
+    paths = RunPaths.of(run_dir)
+    overrides = list(overrides or [])
+    check_overrides(overrides)
+    check_owner(paths, read_manifest(paths), "resume", force)  # before waiting for a lock that is not ours
+    acquire_lock(paths, "resume", say, wait_s=LOCK_WAIT_S)
+    try:
+        return _resume_locked(paths, overrides, template_dir, say, force)
+    finally:
+        release_lock(paths)
+
+
+def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | None, say: Any,
+                   force: bool) -> ResumeResult:
     from slurmft.plan.render import render_scripts
     from slurmft.profiles import load_profile
     from slurmft.submit.dispatch import SubmitResult, check_executor, check_submittable, dispatch_attempt
 
-    paths = RunPaths.of(run_dir)
-    overrides = list(overrides or [])
-    check_overrides(overrides)
-    state = run_state(paths)
+    state = run_state(paths)  # under the lock: the manifest as the last writer left it
+    check_owner(paths, state.manifest, "resume", force)
     executor = state.manifest.get("executor", "slurm")
     for job in state.adopted:
         say(f"found {job['kind']} job {job['job_id']} tagged with this run but missing from the manifest; adopted it")
+    unseen = state.unseen()
+    if unseen:
+        raise RunDirError(f"cannot tell whether {paths.root} still runs, so nothing is submitted: "
+                          + "; ".join(f"{r['kind']} job {r['job_id']}: {r['words']}" for r in unseen))
     cfg = resume_config(paths, overrides, executor)
     train_rows = [r for r in state.rows if r["kind"] == "train"]
     live_train = [r["job_id"] for r in train_rows if is_live(r["state"])]
@@ -213,36 +239,32 @@ def resume_run(
     scripts = render_scripts(cfg, profile, paths, config_path, template_dir)
     check_executor(cfg.resolved_executor)
 
-    acquire_lock(paths, "resume", say)
-    try:
-        stale = _stale_consolidations(run_state(paths, adopt=False)) if executor != "local" else []
-        if stale:
-            try:
-                scancel(stale)
-            except SubmissionError as exc:
-                raise SubmissionError(f"{exc}; the stale consolidation job(s) stay queued and nothing was "
-                                      "submitted") from None
-            result.cancelled = stale
-            say(f"cancelled stale consolidation job(s) {', '.join(stale)} (they waited on a train job that "
-                "will never succeed)")
-        manifest = state.manifest
-        if overrides:
-            atomic_write(paths.config, dump_config(cfg))
-        for kind, text in scripts.items():
-            atomic_write(paths.script(kind), text)
-        result.previous = _previous_end(state)
-        attempt = start_attempt(
-            manifest, "resume", resumed_from=str(latest) if latest else None, resumed_from_step=step,
-            previous=result.previous, overrides=overrides, cancelled=stale)
-        write_manifest(paths, manifest)
-        say(f"resuming {paths.root} from {latest.name} (step {step})" if latest
-            else f"resuming {paths.root}: no complete checkpoint, training starts again at step 0")
-        submitted = SubmitResult(paths.root, executor)
+    stale = _stale_consolidations(state) if executor != "local" else []
+    if stale:
         try:
-            dispatch_attempt(cfg, profile, paths, config_path, template_dir, manifest, attempt, submitted, say)
-        finally:
-            result.jobs = dict(submitted.jobs)
-            write_manifest(paths, manifest)
+            scancel(stale)
+        except SubmissionError as exc:
+            raise SubmissionError(f"{exc}; the stale consolidation job(s) stay queued and nothing was "
+                                  "submitted") from None
+        result.cancelled = stale
+        say(f"cancelled stale consolidation job(s) {', '.join(stale)} (they waited on a train job that "
+            "will never succeed)")
+    manifest = state.manifest
+    if overrides:
+        atomic_write(paths.config, dump_config(cfg))
+    for kind, text in scripts.items():
+        atomic_write(paths.script(kind), text, executable=True)
+    result.previous = _previous_end(state)
+    attempt = start_attempt(
+        manifest, "resume", resumed_from=str(latest) if latest else None, resumed_from_step=step,
+        previous=result.previous, overrides=overrides, cancelled=stale)
+    write_manifest(paths, manifest)
+    say(f"resuming {paths.root} from {latest.name} (step {step})" if latest
+        else f"resuming {paths.root}: no complete checkpoint, training starts again at step 0")
+    submitted = SubmitResult(paths.root, executor)
+    try:
+        dispatch_attempt(cfg, profile, paths, config_path, template_dir, manifest, attempt, submitted, say)
     finally:
-        release_lock(paths)
+        result.jobs = dict(submitted.jobs)
+        write_manifest(paths, manifest)
     return result

@@ -82,7 +82,7 @@ def summary(paths: RunPaths, slurm_rows: list[dict[str, Any]] | None = None) -> 
     else:
         manifest_problem = None
     if slurm_rows is None:
-        slurm_rows = _rows(manifest)
+        slurm_rows = _rows(manifest, paths)
     metrics = read_metrics(paths.metrics)
     records = metrics.records
     max_steps = max_steps_of(paths)
@@ -117,12 +117,14 @@ def summary(paths: RunPaths, slurm_rows: list[dict[str, Any]] | None = None) -> 
     }
 
 
-def _rows(manifest: dict[str, Any]) -> list[dict[str, Any]]:
-    """Slurm's view of the jobs; on any failure (no Slurm here, a busy controller) none."""
+def _rows(manifest: dict[str, Any], paths: RunPaths | None = None) -> list[dict[str, Any]]:
+    """Slurm's view of the jobs (asked for the run owner's jobs); on any failure (no Slurm here, a busy
+    controller) none."""
     try:
+        from slurmft.rundir import run_owner
         from slurmft.watch.status import job_rows
 
-        return job_rows(manifest)
+        return job_rows(manifest, owner=run_owner(paths, manifest) if paths else None)
     except Exception:  # noqa: BLE001 - the report falls back to the run directory alone
         return []
 

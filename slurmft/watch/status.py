@@ -5,9 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from slurmft import slurm
-from slurmft.rundir import JOB_TAG_PREFIX, RunPaths, pid_alive, read_manifest, write_manifest
-from slurmft.slurm_states import PAUSED_HINT, RELEASE_HINT, State, is_live, parse, words
+from slurmft import locks, slurm
+from slurmft.rundir import (
+    JOB_TAG_PREFIX,
+    RunPaths,
+    User,
+    current_user,
+    process_here,
+    read_manifest,
+    run_owner,
+    write_manifest,
+)
+from slurmft.slurm_states import PAUSED_HINT, RELEASE_HINT, State, is_live, is_unseen, parse, words
 
 REASON_WORDS = {
     "Dependency": "waiting for the train job to finish successfully",
@@ -27,6 +36,24 @@ RESUMABLE_ENDINGS = frozenset({State.FAILED, State.CANCELLED, State.TIMEOUT, Sta
 SQUEUE_SILENT = "squeue did not answer (is SLURM_CONF right? is slurmctld up?)"
 
 
+def hidden_words(owner: str) -> str:
+    """What a job of ``owner``'s that Slurm does not show us means, with the fix."""
+    return (f"cannot tell: Slurm shows you none of {owner}'s jobs here (PrivateData=jobs hides other users' jobs, "
+            f"or slurmdbd is down), so it may still run; ask {owner}, run the command as {owner}, or ask an "
+            "administrator to let your account see the team's jobs")
+
+
+def elsewhere_words(host: str) -> str:
+    """What a process recorded on another host means here."""
+    return f"unknown (running on {host}?): a process there cannot be seen from here; look on {host}"
+
+
+def unseen_means_hidden(owner: User, me: User) -> bool:
+    """A job that neither squeue nor sacct shows us is hidden, not gone, when the run is another user's (root
+    sees every job; so does the owner)."""
+    return owner.uid != me.uid and me.uid != 0
+
+
 @dataclass
 class SlurmView:
     """What one ``squeue`` and one ``sacct`` call say about a run's jobs."""
@@ -38,11 +65,12 @@ class SlurmView:
     squeue_answered: bool = True
 
 
-def slurm_view(manifest: dict[str, Any], job_tags: set[str] | frozenset[str] = frozenset()) -> SlurmView:
-    """One squeue (every job of the user, so tagged jobs the manifest missed show up) and one sacct."""
+def slurm_view(manifest: dict[str, Any], job_tags: set[str] | frozenset[str] = frozenset(),
+               owner_uid: int | None = None) -> SlurmView:
+    """One squeue (every job of the run's owner, so tagged jobs the manifest missed show up) and one sacct."""
     view = SlurmView()
     known = {j["job_id"] for j in manifest.get("jobs", []) if "pid" not in j}  # not the processes run here
-    queued = slurm.squeue_jobs()
+    queued = slurm.squeue_jobs(owner_uid)
     if queued is None:
         view.problems.append(SQUEUE_SILENT)
         view.squeue_answered = False
@@ -71,33 +99,45 @@ def adopt_tagged(manifest: dict[str, Any], view: SlurmView) -> list[dict[str, An
     return adopted
 
 
-def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView | None = None) -> list[dict[str, Any]]:
-    """One row per job of the run (oldest first), with state and what it means in words."""
+def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView | None = None,
+             owner: User | None = None, me: User | None = None) -> list[dict[str, Any]]:
+    """One row per job of the run (oldest first), with state and what it means in words. A job Slurm does
+    not show us in another user's run, and a process recorded on another host, are ``HIDDEN`` (cannot tell),
+    never UNKNOWN (which counts as ended)."""
     jobs = manifest.get("jobs", [])
     rows: list[dict[str, Any]] = []
     newest_train = next((j["job_id"] for j in reversed(jobs) if j["kind"] == "train"), None)
+    me = me or current_user()
+    owner = owner or me
     if view is None:
-        view = SlurmView() if manifest.get("executor") == "local" else slurm_view(manifest)
+        view = SlurmView() if manifest.get("executor") == "local" else slurm_view(manifest, owner_uid=owner.uid)
     for job in jobs:
         jid = job["job_id"]
-        if "pid" in job:  # a process here: a local run, or `slurmft consolidate --here`
-            state = job.get("state") or (State.RUNNING.value if pid_alive(int(job["pid"])) else State.KILLED.value)
+        if "pid" in job:  # a process: a local run, or `slurmft consolidate --here`
+            alive, host = process_here(job)
+            state = job.get("state") or (State.HIDDEN.value if alive is None else
+                                         State.RUNNING.value if alive else State.KILLED.value)
+            text = (elsewhere_words(host) if is_unseen(state) else
+                    describe(state, "", run_dir, job["kind"], jid == newest_train, jid))
             rows.append({**_base(job), "state": state, "reason": "", "elapsed": str(job.get("elapsed_s", "")),
-                         "exit_code": "", "restarts": 0, "start": "", "end": "",
-                         "words": describe(state, "", run_dir, job["kind"], jid == newest_train, jid)})
+                         "exit_code": "", "restarts": 0, "start": "", "end": "", "host": host,
+                         "words": text})
             continue
         q, a = view.queued.get(jid), view.acct.get(jid)
         if q:  # slurmctld is current; accounting may lag by a second
             state, reason, elapsed = q["state"], q["reason"], q["elapsed"]
         elif a:
             state, reason, elapsed = a["state"], "", a["elapsed"]
+        elif unseen_means_hidden(owner, me):
+            state, reason, elapsed = State.HIDDEN.value, "", ""
         else:
             state, reason, elapsed = State.UNKNOWN.value, "", ""
         restarts = q["restarts"] if q and q["restarts"].isdigit() else "0"
+        text = (hidden_words(owner.name) if is_unseen(state) else
+                describe(state, reason, run_dir, job["kind"], jid == newest_train, jid))
         rows.append({**_base(job), "state": state, "reason": reason, "elapsed": elapsed,
                      "exit_code": (a or {}).get("exit_code", ""), "restarts": int(restarts),
-                     "start": (a or {}).get("start", ""), "end": (a or {}).get("end", ""),
-                     "words": describe(state, reason, run_dir, job["kind"], jid == newest_train, jid)})
+                     "start": (a or {}).get("start", ""), "end": (a or {}).get("end", ""), "words": text})
     return rows
 
 
@@ -142,6 +182,11 @@ class RunState:
     adopted: list[dict[str, Any]]
     problems: list[str]
     squeue_answered: bool = True  # False: a job squeue would list may look unknown (or finished) here
+    owner: User | None = None
+
+    def unseen(self) -> list[dict[str, Any]]:
+        """Rows we cannot tell about (another user's job Slurm hides, a process on another host)."""
+        return [r for r in self.rows if is_unseen(r["state"])]
 
     def live(self, include_completing: bool = True) -> list[str]:
         """Job ids that may still run: queued, starting, running, suspended, requeued, held (and, optionally,
@@ -154,16 +199,21 @@ def run_state(paths: RunPaths, adopt: bool = True) -> RunState:
     """Read the manifest and ask Slurm once; jobs tagged with the run but missing from the manifest are
     adopted into it (written back unless another command holds the run's lock)."""
     manifest = read_manifest(paths)
+    owner, me = run_owner(paths, manifest), current_user()
     adopted: list[dict[str, Any]] = []
     problems: list[str] = []
     view = None
     if manifest.get("executor") != "local":
         tags = {paths.job_tag} | ({JOB_TAG_PREFIX + manifest["run_id"]} if manifest.get("run_id") else set())
-        view = slurm_view(manifest, tags)
+        view = slurm_view(manifest, tags, owner.uid)
         problems = view.problems
         if adopt and view.tagged:
             adopted = adopt_tagged(manifest, view)
-            if not paths.lock.exists():
-                write_manifest(paths, manifest)
-    rows = job_rows(manifest, str(paths.root), view)
-    return RunState(paths, manifest, rows, adopted, problems, view.squeue_answered if view else True)
+            # under the run's lock, that holder writes; one that does not hold it leaves the manifest alone
+            if locks.holds(paths.lock) or not paths.lock.exists():
+                try:
+                    write_manifest(paths, manifest)
+                except OSError as exc:  # a teammate without write access still gets the status
+                    problems.append(f"could not record the adopted job(s) in {paths.manifest}: {exc.strerror}")
+    rows = job_rows(manifest, str(paths.root), view, owner, me)
+    return RunState(paths, manifest, rows, adopted, problems, view.squeue_answered if view else True, owner)

@@ -27,8 +27,12 @@
 #   SLURMFT_CLUSTER_STORE_FLAGS  AccountingStoreFlags; empty: the line is left out   (job_comment)
 #   SLURMFT_CLUSTER_NODE_LOCAL   a directory each slurmd (and so each node's jobs) sees as its own
 #                            private tmpfs, like a node-local disk; empty: none (needs root: unshare -m)
-# The last three exist for `slurmft doctor`'s test of a misconfigured cluster (tests/slurm/test_doctor.py),
-# run as a second instance (own directory and port) so the shared cluster stays as it is.
+#   SLURMFT_CLUSTER_PRIVATE_DATA PrivateData of slurm.conf and slurmdbd.conf (e.g. jobs: squeue and sacct
+#                            show users only their own jobs); empty: the lines are left out        ()
+# The last four exist for tests that need a cluster configured otherwise (`slurmft doctor`'s misconfigured
+# cluster, tests/slurm/test_slurm_doctor.py; a teammate's view under PrivateData=jobs,
+# tests/slurm/test_shared_rundir.py), run as a second instance (own directory and port) so the shared
+# cluster stays as it is.
 #
 # trixie: Debian 13's libc is newer than Debian 12's, so its Slurm cannot be installed beside 22.05. The
 # first `up` builds a root file system with mmdebstrap from Debian's packages (59-134 s measured on a
@@ -60,6 +64,8 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 KILLWAIT=${SLURMFT_CLUSTER_KILLWAIT:-5}
 STORE_FLAGS=${SLURMFT_CLUSTER_STORE_FLAGS-job_comment}
 NODE_LOCAL=${SLURMFT_CLUSTER_NODE_LOCAL:-}
+PRIVATE_DATA=${SLURMFT_CLUSTER_PRIVATE_DATA:-}
+case $PRIVATE_DATA in *[!a-z,]*) echo "SLURMFT_CLUSTER_PRIVATE_DATA: comma-separated lower-case words only" >&2; exit 2 ;; esac
 case $NODE_LOCAL in /* | "") ;; *) NODE_LOCAL=$PWD/$NODE_LOCAL ;; esac
 # in-root's non-recursive binds would hide the node-local tmpfs from the root file system
 if [ -n "$NODE_LOCAL" ] && [ "$SUITE" != bookworm ]; then
@@ -350,6 +356,9 @@ EOF
     echo "# slurmft tags every job with --comment=slurmft:<run id>; keep it in accounting too"
     echo "AccountingStoreFlags=$STORE_FLAGS"
   fi
+  if [ -n "$PRIVATE_DATA" ]; then
+    echo "PrivateData=$PRIVATE_DATA"
+  fi
   for node in "${NODES[@]}"; do
     # n1 (the first node: rank 0, the rendezvous host) answers on 127.0.0.2, so a test can tell
     # the NodeAddr that slurmft reads from `scontrol` apart from a 127.0.0.1 fallback.
@@ -391,6 +400,10 @@ StorageUser=slurm
 StoragePass=$DB_PASSWORD
 StorageLoc=slurm_acct_db
 EOF
+  # sacct asks slurmdbd, which reads its own PrivateData: without this line sacct shows every user's jobs
+  if [ -n "$PRIVATE_DATA" ]; then
+    echo "PrivateData=$PRIVATE_DATA"
+  fi
 }
 
 config_current() {  # the files on disk are what this script would write now
