@@ -188,8 +188,9 @@ def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> tuple[torch.nn.Mod
     try:
         from peft import get_peft_model
     except ImportError as exc:
-        raise JobSetupError(f"lora: needs the peft package ({type(exc).__name__}: {exc}); pip install "
-                            "'slurmft[lora]', or remove the lora section to fine-tune every weight") from None
+        raise JobSetupError(f"lora: needs the peft package ({type(exc).__name__}: {exc}); pip install -e '.[train]' "
+                            "(or 'peft>=0.20') in the job's Python (cluster.python), or remove the lora section to "
+                            "fine-tune every weight") from None
     config = peft_config(lora, model)
     remapped = expert_remapped(config, model)
     if remapped and lora.target_modules != ALL_LINEAR:
