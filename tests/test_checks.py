@@ -314,6 +314,24 @@ def test_a_lora_run_needs_peft_in_the_job_python(tmp_path: Path, model_dir: Path
     assert code == 2 and "cannot import peft" in err and not (tmp_path / "run").exists()
 
 
+def test_an_adapter_on_tied_embeddings_is_refused_before_submitting(tmp_path: Path, model_dir: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """target_modules [q_proj, lm_head] on a model whose config.json ties its embeddings (Qwen2-0.5B, Gemma):
+    validate refuses with the job's own words and the fix; untied, the same section is fine."""
+    tied = tmp_path / "tied"
+    shutil.copytree(model_dir, tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    path = write_run(tmp_path, tied, jsonl(tmp_path / "c.jsonl", [CHAT]), cluster={"profile": "local-test"})
+    code, _, err = cli(["validate", str(path), "lora.target_modules=[q_proj, lm_head]"], capsys)
+    assert code == 2 and "lora.target_modules: 'lm_head' is one of the tied input and output embeddings of " \
+        "LlamaForCausalLM" in err, err
+    assert "Leave it out (adapt the decoder layers" in err and "'q_proj'" not in err
+    code, _, err = cli(["validate", str(path), "lora.target_modules=[q_proj, lm_head]", f"model.name_or_path={model_dir}"],
+                       capsys)
+    assert code == 0, err
+
+
 def test_the_train_extra_holds_everything_the_job_python_check_asks_for() -> None:
     """The README's install (`pip install -e '.[train]'`) gives what validate checks, LoRA's peft included."""
     import tomllib

@@ -738,6 +738,7 @@ def lora_layout(config: Any, cfg: RunConfig, lora: dict[str, Any], metadata: Met
     if section is None:
         try:
             section = LoraConfig(r=lora["r"], alpha=lora["alpha"], dropout=lora.get("dropout", 0.0),
+                                 use_rslora=bool(lora.get("use_rslora", False)),
                                  target_modules=list(lora["target_modules"]),
                                  modules_to_save=list(lora.get("modules_to_save") or []))
         except (KeyError, TypeError, ValidationError) as exc:
@@ -901,6 +902,7 @@ class MergedSource(TensorSource):
                  entries: dict[str, Any], lora: LoraLayout) -> None:
         super().__init__(reader, tensors, model)
         self.base, self.entries, self.lora = base, entries, lora
+        self.applied: set[str] = set()  # model tensors written with their update (check_all_applied)
 
     def _checkpoint_tensors(self, keys: list[str]) -> dict[str, torch.Tensor]:
         md = self.reader.read_metadata().state_dict_metadata
@@ -918,7 +920,15 @@ class MergedSource(TensorSource):
         if delta is None:
             return weight
         ab = self._checkpoint_tensors([delta.a, delta.b])
+        self.applied.add(name)
         return merged_weight(weight, ab[delta.a], ab[delta.b], delta)
+
+    def check_all_applied(self) -> None:
+        """Every trained update went into a written tensor (else the merged model is not the trained one)."""
+        missed = sorted(set(self.lora.deltas) - self.applied)
+        if missed:
+            raise CheckpointError(f"{len(missed)} trained LoRA update(s) were not applied to the merged model",
+                                  [f"{name}: trained ({self.lora.deltas[name].a}), not written" for name in missed])
 
     def _load_plain(self, batch: list[TensorPlan]) -> dict[str, torch.Tensor]:
         return {t.key: self.model_tensor(t.key) for t in batch}
@@ -959,6 +969,11 @@ def plan_merge(
             source = torch.float32  # the merge holds it in float32
         target = dtype if source.is_floating_point else source
         plans.append(TensorPlan(name, name, shape, source, target))
+    for name in sorted(set(lora.deltas) - {p.name for p in plans}):  # e.g. the tied head: not a tensor of its own
+        alias = layout.aliases.get(name)
+        problems.append(f"{name}: the adapters trained an update of it, but the merged model has no such tensor"
+                        + (f" (it is {alias}, tied: tie_word_embeddings)" if alias else "")
+                        + "; the merge would leave the update out. Train without an adapter on it (lora.target_modules)")
     if problems:
         raise CheckpointError("cannot merge the adapters into the base model", problems)
     return plans
@@ -1131,6 +1146,8 @@ def consolidate_run(
 
             with new_directory(out_dir, model_bytes) as tmp:
                 write_model(tmp, source, shards, write_config, tok_source, cfg, advance)
+                if isinstance(source, MergedSource):
+                    source.check_all_applied()  # before the directory is put in place
     finally:
         if base is not None:
             base.close()

@@ -286,8 +286,10 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                  ctx.world_size, time.time() - t_load, how, sharded.bytes_read / 2**20)
         if sharded.lora is not None:
             lora = sharded.lora
-            log.info("LoRA: r=%d, alpha=%g, dropout=%g on %s%s; %.2fM of %.1fM parameters train (%.2f%%), the base "
-                     "is frozen in %s", lora.r, lora.alpha, lora.dropout, ", ".join(lora.target_modules),
+            log.info("LoRA: r=%d, alpha=%g%s, dropout=%g on %s%s; %.2fM of %.1fM parameters train (%.2f%%), the "
+                     "base is frozen in %s", lora.r, lora.alpha,
+                     f" (rsLoRA: scaling {cfg.lora.scaling:g})" if lora.use_rslora else "", lora.dropout,
+                     ", ".join(lora.target_modules),
                      f", full copies of {', '.join(lora.modules_to_save)}" if lora.modules_to_save else "",
                      lora.trainable / 1e6, lora.total / 1e6, 100 * lora.trainable / lora.total,
                      str(sharded.base_dtype).removeprefix("torch."))

@@ -47,7 +47,7 @@ from slurmft.chat_template import (
     no_template_message,
     template_path_problem,
 )
-from slurmft.config import DATA_SUFFIXES, RunConfig
+from slurmft.config import ALL_LINEAR, DATA_SUFFIXES, EMBEDDING_MODULES, RunConfig, tied_target_problem
 from slurmft.errors import ConfigError
 from slurmft.modelinfo import find_tokenizer, is_local, read_model_config, seq_length_problem
 from slurmft.profiles import runs_on_gpu
@@ -85,6 +85,7 @@ def run_checks(cfg: RunConfig, job_python: bool = True) -> Report:
     check_sft(cfg, report)
     check_reporters(cfg, report)
     check_precision(cfg, report)
+    check_lora(cfg, report)
     template = check_chat_template(cfg, report, samples)
     if job_python:
         check_job_python(cfg, report)
@@ -264,6 +265,27 @@ def check_seq_length(cfg: RunConfig, report: Report) -> None:
     problem = seq_length_problem(cfg.data.max_seq_length, model_cfg.get("max_position_embeddings"))
     if problem:
         report.problems.append(problem)
+
+
+# ====================================================================== lora
+def check_lora(cfg: RunConfig, report: Report) -> None:
+    """An adapter on tied embeddings (config.json's tie_word_embeddings), refused as the job refuses it."""
+    if cfg.lora is None or cfg.lora.target_modules == ALL_LINEAR:
+        return
+    named = [t for t in cfg.lora.target_modules if t.rsplit(".", 1)[-1] in EMBEDDING_MODULES]
+    if not named:
+        return
+    try:
+        model_cfg = read_model_config(cfg.model.name_or_path, cfg.model.revision)
+    except ConfigError:
+        model_cfg = {}
+    tied = model_cfg.get("tie_word_embeddings")
+    if tied is None:
+        report.skipped.append(f"lora.target_modules: {', '.join(named)} not checked for tied embeddings (no config.json "
+                              "at hand, or it does not say tie_word_embeddings); the job checks before loading")
+    elif tied:
+        model = ", ".join(model_cfg.get("architectures") or []) or str(model_cfg.get("model_type", "this model"))
+        report.problems += [tied_target_problem(t, model) for t in named]
 
 
 # ====================================================================== attention
