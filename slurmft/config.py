@@ -405,7 +405,7 @@ class LoraConfig(_Section):
     """LoRA adapters (PEFT's ``LoraConfig`` meanings, without its ``lora_`` prefix); absent = full fine-tuning."""
 
     r: int = Field(16, description="Adapter rank: the inner dimension of B·A (typical 8-64).")
-    alpha: float = Field(32.0, gt=0, description="Scaling numerator: the update is (alpha / r)·B·A (PEFT's lora_alpha).")
+    alpha: float = Field(32.0, gt=0, description="Scaling numerator: the update is (alpha / r)·B·A, or (alpha / sqrt(r))·B·A with use_rslora (PEFT's lora_alpha).")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input (PEFT's lora_dropout); "
                            "exact under activation checkpointing (the recompute replays the forward's masks).")
     use_rslora: bool = Field(False, description="Rank-stabilised LoRA (PEFT's use_rslora): the update is "
@@ -500,7 +500,7 @@ class ConsolidateConfig(_Section):
     max_shard_size: Size = Field("5GB", description="Largest safetensors file, e.g. 5GB, 500MB.")
     merge: bool = Field(
         True,
-        description="LoRA runs: also write the merged full model (W + (alpha/r)·B·A, streamed from the base "
+        description="LoRA runs: also write the merged full model (W + scaling·B·A, streamed from the base "
         "model's files) into RUN_DIR/model/; false writes only the adapter (RUN_DIR/adapter/).",
     )
     resources: ConsolidateResources = Field(default_factory=ConsolidateResources)

@@ -221,9 +221,10 @@ def lora_info(paths: RunPaths) -> dict[str, Any] | None:
         return None
     if not isinstance(lora, dict):
         return None
-    return {"r": lora.get("r", 16), "alpha": lora.get("alpha", 32.0), "dropout": lora.get("dropout", 0.0),
-            "target_modules": lora.get("target_modules", "all-linear"),
-            "modules_to_save": lora.get("modules_to_save") or [], "source": "config"}
+    asked = {"r": lora.get("r", 16), "alpha": lora.get("alpha", 32.0), "dropout": lora.get("dropout", 0.0),
+             "target_modules": lora.get("target_modules", "all-linear"),
+             "modules_to_save": lora.get("modules_to_save") or [], "source": "config"}
+    return {**asked, "use_rslora": True} if lora.get("use_rslora") else asked
 
 
 def _merge_setting(paths: RunPaths) -> bool | None:

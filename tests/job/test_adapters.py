@@ -191,3 +191,18 @@ def _meta_free(model_type: str) -> Any:
 
     config = AutoConfig.for_model(model_type, **{**ARCH_COMMON, **ARCHITECTURES[model_type]}, vocab_size=300)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def test_resume_refuses_another_scaling_rule_and_reads_an_older_marker_as_plain_lora(tmp_path: Any) -> None:
+    import json
+
+    from slurmft.job.checkpointing import check_resume_adapters
+
+    _, summary = adapters.add_adapters(_meta("qwen3"), LoraConfig(r=4, alpha=8, target_modules=["q_proj"]))
+    now = summary.marker()
+    old = {k: v for k, v in now.items() if k != "use_rslora"}  # a marker from before use_rslora was recorded
+    (tmp_path / "COMPLETE").write_text(json.dumps({"step": 2, "lora": old}))
+    check_resume_adapters(tmp_path, now)  # the same adapters: plain LoRA then and now
+    with pytest.raises(JobSetupError) as err:
+        check_resume_adapters(tmp_path, {**now, "use_rslora": True})
+    assert "use_rslora: False in the checkpoint, True now" in err.value.render()
