@@ -231,7 +231,8 @@ def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> tuple[torch.nn.Mod
                              for _ in getattr(m, d).parameters())})
     trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     total = sum(p.numel() for p in wrapped.parameters())
-    summary = AdapterSummary(lora.r, lora.alpha, lora.dropout, lora.use_rslora, adapted, list(lora.modules_to_save), trainable, total)
+    summary = AdapterSummary(lora.r, lora.alpha, lora.dropout, lora.use_rslora, adapted, list(lora.modules_to_save),
+                             trainable, total)
     return wrapped, summary
 
 

@@ -42,7 +42,8 @@ modules) added to a meta-device model, and ``get_peft_model_state_dict`` names e
   (slurmft/job/weights.py, through transformers' conversion mapping: per-expert files, fused model
   tensors, save_pretrained names out), one tensor or conversion group at a time, with plain file reads
   (a memory-mapped file would keep every page read in RSS). Each adapted weight becomes
-  ``W + scaling·(B @ A)`` (PEFT's scaling of each layer: alpha/r, or alpha/sqrt(r) with rsLoRA) computed in float32 in PEFT's order, so on a float32 model it is bitwise
+  ``W + scaling·(B @ A)`` (PEFT's scaling of each layer: alpha/r, or alpha/sqrt(r) with rsLoRA) computed
+  in float32 in PEFT's order, so on a float32 model it is bitwise
   PEFT's ``merge_and_unload()``; ``modules_to_save`` tensors come from the checkpoint's trained copies.
   The base found must be the one the checkpoint's marker records (:func:`check_base`: file sizes and
   header-and-sample hashes), and every trained update must land in a written tensor (``plan_merge``,

@@ -122,7 +122,8 @@ def base_identity(model: ModelConfig, model_dir: Path) -> dict[str, Any]:
     import hashlib
     import struct
 
-    revision = model_dir.name if model_dir.parent.name == "snapshots" else None  # HF_HOME/hub/models--*/snapshots/<commit>
+    # a hub id resolves to HF_HOME/hub/models--*/snapshots/<commit>
+    revision = model_dir.name if model_dir.parent.name == "snapshots" else None
     files: dict[str, dict[str, Any]] = {}
     for name in sorted(set(weight_files(model_dir).values())):
         path = model_dir / name

@@ -281,8 +281,9 @@ def check_lora(cfg: RunConfig, report: Report) -> None:
         model_cfg = {}
     tied = model_cfg.get("tie_word_embeddings")
     if tied is None:
-        report.skipped.append(f"lora.target_modules: {', '.join(named)} not checked for tied embeddings (no config.json "
-                              "at hand, or it does not say tie_word_embeddings); the job checks before loading")
+        report.skipped.append(f"lora.target_modules: {', '.join(named)} not checked for tied embeddings (no "
+                              "config.json at hand, or it does not say tie_word_embeddings); the job checks before "
+                              "loading")
     elif tied:
         model = ", ".join(model_cfg.get("architectures") or []) or str(model_cfg.get("model_type", "this model"))
         report.problems += [tied_target_problem(t, model) for t in named]
