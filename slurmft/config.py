@@ -6,6 +6,7 @@ so a bad value fails at ``submit`` with the dotted field name, never inside a jo
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -404,8 +405,13 @@ class LoraConfig(_Section):
     """LoRA adapters (PEFT's ``LoraConfig`` meanings, without its ``lora_`` prefix); absent = full fine-tuning."""
 
     r: int = Field(16, description="Adapter rank: the inner dimension of B·A (typical 8-64).")
-    alpha: float = Field(32.0, gt=0, description="Scaling numerator: the update is (alpha / r)·B·A (PEFT's lora_alpha).")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input (PEFT's lora_dropout).")
+    alpha: float = Field(32.0, gt=0, description="Scaling numerator: the update is (alpha / r)·B·A, or (alpha / sqrt(r))·B·A with use_rslora (PEFT's lora_alpha).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input (PEFT's lora_dropout); "
+                           "exact under activation checkpointing (the recompute replays the forward's masks).")
+    use_rslora: bool = Field(False, description="Rank-stabilised LoRA (PEFT's use_rslora): the update is "
+                             "(alpha / sqrt(r))·B·A, for the adapter and the merged model alike.")
+    use_dora: bool = Field(False, description="DoRA (PEFT's use_dora): not supported, only false is accepted "
+                           "(docs/lora.md says why).")
     target_modules: Literal["all-linear"] | list[str] = Field(
         ALL_LINEAR,
         description="Modules that get an adapter: all-linear (every linear layer of the decoder, not the output "
@@ -425,6 +431,16 @@ class LoraConfig(_Section):
             raise ValueError(f"the adapter rank must be at least 1 (typical: 8 to 64; got {v}); set lora.r=16")
         return v
 
+    @field_validator("use_dora")
+    @classmethod
+    def _no_dora(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("DoRA is not supported: its magnitude vector starts as the norms of the base weight, "
+                             "which PEFT computes when it adds the adapter (on the meta device here, before any weight "
+                             "is read), and slurmft's merge does not apply it; remove lora.use_dora (plain LoRA, or "
+                             "lora.use_rslora: true)")
+        return v
+
     @field_validator("target_modules", "modules_to_save", mode="before")
     @classmethod
     def _module_names(cls, v: Any, info: ValidationInfo) -> Any:
@@ -441,8 +457,24 @@ class LoraConfig(_Section):
 
     @property
     def scaling(self) -> float:
-        """alpha / r: the factor of B·A in the merged weight."""
-        return self.alpha / self.r
+        """The factor of B·A in the forward and the merged weight (:func:`lora_scaling`)."""
+        return lora_scaling(self.alpha, self.r, self.use_rslora)
+
+
+#: The input and output embeddings as ``target_modules`` names them (Llama-style models).
+EMBEDDING_MODULES = ("embed_tokens", "lm_head")
+
+
+def tied_target_problem(target: str, model: str) -> str:
+    """Why an adapter on a tied input/output embedding is refused (the job and ``validate`` say the same)."""
+    return (f"lora.target_modules: {target!r} is one of the tied input and output embeddings of {model} "
+            "(tie_word_embeddings: one matrix used twice); an adapter there trains a change of one use only, which "
+            "the merged model cannot hold. Leave it out (adapt the decoder layers: all-linear, or e.g. q_proj, v_proj)")
+
+
+def lora_scaling(alpha: float, r: int, use_rslora: bool) -> float:
+    """PEFT's rule (``LoraLayer.update_layer``): alpha / r, or alpha / sqrt(r) with use_rslora."""
+    return alpha / math.sqrt(r) if use_rslora else alpha / r
 
 
 class ConsolidateResources(_Section):
@@ -468,7 +500,7 @@ class ConsolidateConfig(_Section):
     max_shard_size: Size = Field("5GB", description="Largest safetensors file, e.g. 5GB, 500MB.")
     merge: bool = Field(
         True,
-        description="LoRA runs: also write the merged full model (W + (alpha/r)·B·A, streamed from the base "
+        description="LoRA runs: also write the merged full model (W + scaling·B·A, streamed from the base "
         "model's files) into RUN_DIR/model/; false writes only the adapter (RUN_DIR/adapter/).",
     )
     resources: ConsolidateResources = Field(default_factory=ConsolidateResources)

@@ -9,6 +9,7 @@ login side), real data files in each format, a real venv without the training st
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,8 @@ from cli_runner import cli
 
 from slurmft.config import load_config
 from slurmft.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
 
 CHAT = {"messages": [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "4."}]}
 
@@ -288,6 +291,57 @@ def test_submit_refuses_a_job_python_without_the_training_stack(tmp_path: Path, 
     # a Python that cluster.setup provides on the compute nodes cannot be checked here: one line says so
     code, out, err = cli(["validate", str(path), "cluster.python=python", "cluster.setup=[module load sft]"], capsys)
     assert code == 0 and "not checked: cluster.python: 'python' comes from cluster.setup" in err
+
+
+def test_a_lora_run_needs_peft_in_the_job_python(tmp_path: Path, model_dir: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The training stack without peft (a sitecustomize hides it from this very Python): a full fine-tune
+    passes, a lora section is refused before submitting, with the install that gives it."""
+    hide = tmp_path / "hide-peft"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['peft'] = None  # find_spec: None, import fails\n")
+    python = tmp_path / "python-without-peft"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={hide}:{REPO} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    path = write_run(tmp_path, model_dir, jsonl(tmp_path / "c.jsonl", [CHAT]),
+                     cluster={"profile": "local-test", "python": str(python)})
+    code, _, err = cli(["validate", str(path)], capsys)
+    assert code == 0, err
+    code, _, err = cli(["validate", str(path), "lora.r=8"], capsys)
+    assert code == 2 and f"lora: cluster.python: {python} cannot import peft" in err, err
+    assert "pip install -e '.[train]'" in err and "remove the lora section" in err
+    code, _, err = cli(["submit", str(path), "lora.r=8"], capsys)
+    assert code == 2 and "cannot import peft" in err and not (tmp_path / "run").exists()
+
+
+def test_an_adapter_on_tied_embeddings_is_refused_before_submitting(tmp_path: Path, model_dir: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """target_modules [q_proj, lm_head] on a model whose config.json ties its embeddings (Qwen2-0.5B, Gemma):
+    validate refuses with the job's own words and the fix; untied, the same section is fine."""
+    tied = tmp_path / "tied"
+    shutil.copytree(model_dir, tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    path = write_run(tmp_path, tied, jsonl(tmp_path / "c.jsonl", [CHAT]), cluster={"profile": "local-test"})
+    code, _, err = cli(["validate", str(path), "lora.target_modules=[q_proj, lm_head]"], capsys)
+    assert code == 2 and "lora.target_modules: 'lm_head' is one of the tied input and output embeddings of " \
+        "LlamaForCausalLM" in err, err
+    assert "Leave it out (adapt the decoder layers" in err and "'q_proj'" not in err
+    code, _, err = cli(["validate", str(path), "lora.target_modules=[q_proj, lm_head]", f"model.name_or_path={model_dir}"],
+                       capsys)
+    assert code == 0, err
+
+
+def test_the_train_extra_holds_everything_the_job_python_check_asks_for() -> None:
+    """The README's install (`pip install -e '.[train]'`) gives what validate checks, LoRA's peft included."""
+    import tomllib
+
+    from slurmft.plan.checks import LORA_STACK, TRAINING_STACK
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=!~ \[]", d)[0] for d in project["dependencies"] + project["optional-dependencies"]["train"]}
+    assert set(TRAINING_STACK) - {"slurmft"} | set(LORA_STACK) <= names, names
+    assert "pip install -e '.[train]'" in (REPO / "README.md").read_text()
 
 
 # ====================================================================== 7. logs of a local run

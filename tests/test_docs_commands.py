@@ -139,3 +139,15 @@ def test_the_repository_cites_only_files_it_contains() -> None:
             if cited not in names and cited.lstrip("./") not in names and not local.exists():
                 missing.append(f"{rel} cites {cited}")
     assert not missing, missing
+
+
+def test_the_tiny_example_with_a_lora_section_validates_on_the_readmes_install(
+        tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's install (`.[train]`, peft included) is this Python: a lora section on the tiny example passes
+    validate with the job-Python check on (tests/test_checks.py: without peft it is refused, naming the install)."""
+    import importlib.util
+
+    assert importlib.util.find_spec("peft") is not None
+    code, output = run(["validate", str(TINY), *with_tiny_model(TINY, tiny_model), "lora.r=8"], capsys)
+    assert code == 0, output
+    assert "LoRA: r=8, alpha=32 on all-linear" in output and "cannot import" not in output

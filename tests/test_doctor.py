@@ -211,6 +211,21 @@ def test_probe_catches_an_unshared_run_dir_an_unreached_master_and_a_missing_sta
     assert lines["python [n1]"].level is Level.PROBLEM and "missing: trl" in lines["python [n1]"].text
 
 
+def test_probe_reports_peft_and_needs_it_for_a_lora_run() -> None:
+    ranks, batch = probe_files()
+    for r in ranks.values():
+        r["versions"]["peft"] = None  # recorded before the probe reported peft: a node without it
+    full = probe_by_check(ranks, batch, expect())
+    assert full["python [n1]"].level is Level.OK and "peft -" in full["python [n1]"].text  # reported, not needed
+    lora = probe_by_check(ranks, batch, expect(lora=True))
+    assert lora["python [n1]"].level is Level.PROBLEM and "missing: peft" in lora["python [n1]"].text
+    assert ".[train]" in lora["python [n1]"].fix
+    for r in ranks.values():
+        r["versions"]["peft"] = "0.21.2"
+    lora = probe_by_check(ranks, batch, expect(lora=True))
+    assert lora["python [n1]"].level is Level.OK and "peft 0.21.2" in lora["python [n1]"].text
+
+
 def test_probe_with_a_missing_rank_or_no_rank_is_a_problem() -> None:
     ranks, batch = probe_files()
     del ranks[1]

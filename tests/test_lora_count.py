@@ -84,6 +84,26 @@ def test_listed_names_count_is_the_jobs(model_type: str) -> None:
     assert adapter_count(config.to_dict(), 16, LISTS[model_type]).trainable == trainable
 
 
+@pytest.mark.parametrize("model_type", sorted(ALL))
+def test_embedding_and_head_targets_count_as_the_job_adds_them_or_both_refuse_tied_ones(model_type: str) -> None:
+    """[o_proj, embed_tokens, lm_head]: an embedding LoRA (A [r, vocab], B [h, r]) and a linear one on the head;
+    on a model with tied embeddings the job refuses both names and the count says it does."""
+    config = _config(model_type)
+    targets = ["o_proj", "embed_tokens", "lm_head"]
+    count = adapter_count(config.to_dict(), 4, targets)
+    if config.tie_word_embeddings:
+        from slurmft.errors import JobSetupError
+
+        with pytest.raises(JobSetupError) as err:
+            _job_trainable(config, {"r": 4, "target_modules": targets})
+        assert err.value.render().count("tied input and output embeddings") == 2
+        assert [u.split(" ")[0] for u in count.unmatched] == ["'embed_tokens'", "'lm_head'"]
+        return
+    trainable, names = _job_trainable(config, {"r": 4, "target_modules": targets})
+    assert {"embed_tokens", "lm_head"} <= set(names)  # the summary (log, marker, fsdp_report) names both
+    assert count.trainable == trainable and set(count.target_modules) == set(names) and not count.unmatched
+
+
 def test_a_name_the_job_refuses_adapts_nothing_and_says_why() -> None:
     count = adapter_count(_config("mixtral").to_dict(), 8, ["q_proj", "w1", "gate_up_proj"])
     assert count.target_modules == ("q_proj",)

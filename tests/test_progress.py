@@ -206,6 +206,7 @@ def test_a_lora_run_says_so_from_its_checkpoint_marker_else_its_config(tmp_path:
     assert asked == {"r": 8, "alpha": 32.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"],
                      "modules_to_save": [], "source": "config"}
     assert lora_words(asked) == "LoRA r=8, alpha=32 (scaling 4), dropout 0 on q_proj, v_proj"
+    assert lora_words({**asked, "use_rslora": True}).startswith("LoRA r=8, alpha=32 (rsLoRA, scaling 11.3137), ")
 
     marker = paths.checkpoints / "checkpoint-36" / "COMPLETE"
     built = {"r": 8, "alpha": 16.0, "dropout": 0.05, "target_modules": ["q_proj", "v_proj"], "modules_to_save": [],

@@ -23,9 +23,17 @@ What we do (:func:`add_adapters`, :func:`init_adapters`):
 3. once the shards are allocated, every adapter tensor is drawn whole from a generator seeded by
    ``train.seed`` and the tensor's checkpoint name, and each rank keeps its own part: the same
    initial adapter on every rank, for any number of ranks and any order of construction, and for the
-   single-process PEFT reference of the tests. The draw is PEFT's default (``init_lora_weights=True``):
-   A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (Kaiming-uniform with a=sqrt(5)), B = 0, so the model starts
-   exactly at the base model.
+   single-process PEFT reference of the tests. The draw is PEFT's default (``init_lora_weights=True``,
+   ``LoraLayer.reset_lora_parameters`` in 0.21) for each layer kind we accept: a linear layer's
+   A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (Kaiming-uniform with a=sqrt(5)) and B = 0; an embedding's
+   ``lora_embedding_A`` = 0 and ``lora_embedding_B`` ~ N(0, 1). Either way the product B·A is 0, so the
+   model starts exactly at the base model. Any other adapter tensor (DoRA's magnitude, a LoRA bias, a
+   layer kind PEFT initialises otherwise) is refused by name rather than drawn some other way.
+
+Tied embeddings (``tie_word_embeddings``: Gemma, Qwen2-0.5B, Llama-3.2-1B): PEFT trains an adapter on the
+tied ``lm_head`` (or ``embed_tokens``) as a change of that one use of the shared matrix, which a merged
+model (one matrix) cannot hold, and a trained full copy would untie them; both are refused before the
+job (:func:`target_problems`, and ``slurmft validate`` from config.json).
 
 The base weights are read into the wrapped layers by slurmft/job/weights.py under their checkpoint
 names: PEFT's ``base_model.model.`` prefix and ``base_layer`` segment are wrapper segments to
@@ -45,7 +53,7 @@ from typing import Any
 import torch
 
 from slurmft.checkpoints import is_adapter_name, strip_wrappers
-from slurmft.config import ALL_LINEAR, LoraConfig
+from slurmft.config import ALL_LINEAR, LoraConfig, tied_target_problem
 from slurmft.errors import JobSetupError
 
 log = logging.getLogger(__name__)
@@ -58,6 +66,7 @@ class AdapterSummary:
     r: int
     alpha: float
     dropout: float
+    use_rslora: bool  # scaling alpha / sqrt(r) instead of alpha / r
     target_modules: list[str]  # resolved: the module names (last segments) that got an adapter
     modules_to_save: list[str]
     trainable: int  # parameters that train (adapters and modules_to_save copies)
@@ -65,7 +74,8 @@ class AdapterSummary:
 
     def marker(self) -> dict[str, Any]:
         """The ``lora`` entry of a checkpoint's COMPLETE marker (and of fsdp_report)."""
-        return {"r": self.r, "alpha": self.alpha, "dropout": self.dropout, "target_modules": self.target_modules,
+        return {"r": self.r, "alpha": self.alpha, "use_rslora": self.use_rslora, "dropout": self.dropout,
+                "target_modules": self.target_modules,
                 "modules_to_save": self.modules_to_save, "trainable_params": self.trainable,
                 "total_params": self.total}
 
@@ -85,9 +95,17 @@ def target_problems(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
     modules = dict(model.named_modules())
     linear = _linear_names(model)
     problems = []
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = embed is not None and head is not None and (
+        getattr(embed, "weight", None) is getattr(head, "weight", 0)
+        or bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False)))
     targets = [] if lora.target_modules == ALL_LINEAR else list(lora.target_modules)
     for target in targets:
         hits = [m for name, m in modules.items() if _matches(name, target)]
+        if tied and any(m is embed or m is head for m in hits):
+            problems.append(tied_target_problem(target, type(model).__name__))
+            continue
         if any(isinstance(m, torch.nn.Linear | torch.nn.Embedding) for m in hits):
             continue
         fused = sorted({f"{type(m).__name__}.{p}" for name, m in modules.items() for p, t in
@@ -105,11 +123,6 @@ def target_problems(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
         else:
             problems.append(f"lora.target_modules: {target!r} matches no module of {type(model).__name__}; its "
                             f"linear layers are: {', '.join(linear)}")
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    tied = embed is not None and head is not None and (
-        getattr(embed, "weight", None) is getattr(head, "weight", 0)
-        or bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False)))
     for name in lora.modules_to_save:
         hits = [m for n, m in modules.items() if _matches(n, name)]
         if tied and any(m is embed or m is head for m in hits):
@@ -174,7 +187,7 @@ def peft_config(lora: LoraConfig, model: torch.nn.Module) -> Any:
     targets = linear_targets(unwrap(model)) if lora.target_modules == ALL_LINEAR else list(lora.target_modules)
     return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
                           modules_to_save=list(lora.modules_to_save) or None, task_type="CAUSAL_LM",
-                          init_lora_weights=True, bias="none")
+                          init_lora_weights=True, bias="none", use_rslora=lora.use_rslora)
 
 
 def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> tuple[torch.nn.Module, AdapterSummary]:
@@ -188,8 +201,9 @@ def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> tuple[torch.nn.Mod
     try:
         from peft import get_peft_model
     except ImportError as exc:
-        raise JobSetupError(f"lora: needs the peft package ({type(exc).__name__}: {exc}); pip install "
-                            "'slurmft[lora]', or remove the lora section to fine-tune every weight") from None
+        raise JobSetupError(f"lora: needs the peft package ({type(exc).__name__}: {exc}); pip install -e '.[train]' "
+                            "(or 'peft>=0.20') in the job's Python (cluster.python), or remove the lora section to "
+                            "fine-tune every weight") from None
     config = peft_config(lora, model)
     remapped = expert_remapped(config, model)
     if remapped and lora.target_modules != ALL_LINEAR:
@@ -206,14 +220,19 @@ def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> tuple[torch.nn.Mod
         wrapped = get_peft_model(model, config, low_cpu_mem_usage=True)
     except ValueError as exc:
         raise JobSetupError(f"lora: PEFT refused the adapters: {exc}") from None
+    for name, param in wrapped.named_parameters():
+        if param.requires_grad and is_adapter_name(strip_wrappers(name)) and ".modules_to_save." not in name:
+            _init_kind(strip_wrappers(name))  # refused now, before anything is loaded, if not initialised like PEFT
     for param in wrapped.parameters():
         if param.requires_grad and param.dtype != torch.float32:
             param.data = param.data.float()  # meta: no copy; adapters and modules_to_save train in fp32
-    adapted = sorted({n.rsplit(".", 1)[-1] for n, m in wrapped.named_modules() if hasattr(m, "lora_A")
-                      and any(True for _ in m.lora_A.parameters())})
+    adapted = sorted({n.rsplit(".", 1)[-1] for n, m in wrapped.named_modules()  # linear and embedding layers
+                      if any(True for d in ("lora_A", "lora_embedding_A") if hasattr(m, d)
+                             for _ in getattr(m, d).parameters())})
     trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     total = sum(p.numel() for p in wrapped.parameters())
-    summary = AdapterSummary(lora.r, lora.alpha, lora.dropout, adapted, list(lora.modules_to_save), trainable, total)
+    summary = AdapterSummary(lora.r, lora.alpha, lora.dropout, lora.use_rslora, adapted, list(lora.modules_to_save),
+                             trainable, total)
     return wrapped, summary
 
 
@@ -227,13 +246,35 @@ def _seed_of(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
 
 
+#: PEFT 0.21's default init (``init_lora_weights=True``) per adapter tensor, by the name segment that holds it:
+#: a linear layer's ``lora_A.<adapter>.weight`` [r, in] and ``lora_B.<adapter>.weight`` [out, r], an embedding's
+#: ``lora_embedding_A.<adapter>`` [r, vocab] and ``lora_embedding_B.<adapter>`` [dim, r].
+INITS = {"lora_A": "kaiming_uniform", "lora_B": "zeros", "lora_embedding_A": "zeros", "lora_embedding_B": "normal"}
+
+
+def _init_kind(name: str) -> str:
+    parts = name.split(".")
+    kinds = [INITS[p] for p in parts if p in INITS]
+    linear = bool(kinds) and parts[-1] == "weight" and any(p in ("lora_A", "lora_B") for p in parts)
+    embedding = bool(kinds) and any(p in ("lora_embedding_A", "lora_embedding_B") for p in parts)
+    if len(kinds) != 1 or not (linear or embedding):
+        raise JobSetupError(f"lora: adapter tensor {name!r} is not one slurmft initialises as PEFT does (a linear "
+                            "layer's lora_A/lora_B weight, an embedding's lora_embedding_A/B); adapt linear and "
+                            "embedding layers only")
+    return kinds[0]
+
+
 def initial_value(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """The whole initial value of adapter tensor ``name`` (checkpoint name): PEFT's default init, seeded."""
-    if ".lora_B." in f".{name}." or name.split(".")[-2:-1] == ["lora_B"]:
+    """The whole initial value of adapter tensor ``name`` (checkpoint name): PEFT's default init, seeded
+    (:data:`INITS`; JobSetupError for a tensor PEFT would initialise otherwise)."""
+    kind = _init_kind(name)
+    if kind == "zeros":
         return torch.zeros(shape, dtype=torch.float32)
-    fan_in = shape[1] if len(shape) > 1 else shape[0]
-    bound = 1.0 / math.sqrt(fan_in)
     generator = torch.Generator().manual_seed(_seed_of(seed, name))
+    if kind == "normal":  # nn.init.normal_: N(0, 1)
+        return torch.empty(shape, dtype=torch.float32).normal_(0.0, 1.0, generator=generator)
+    fan_in = shape[1] if len(shape) > 1 else shape[0]
+    bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_(a=sqrt(5)): gain sqrt(1/3) x sqrt(3 / fan_in)
     return torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
 
 

@@ -212,11 +212,13 @@ def check_resume_method(checkpoint: Path, lora: bool) -> None:
 
 def check_resume_adapters(checkpoint: Path, adapters: dict[str, Any] | None) -> None:
     """The adapters this run built (``AdapterSummary.marker()``) are the ones ``checkpoint`` saved: same rank,
-    alpha, targets and copied modules (a different shape would fail inside DCP; a different alpha would not)."""
+    alpha, scaling rule, targets and copied modules (a different shape would fail inside DCP; a different alpha or
+    use_rslora would not). A marker written before use_rslora existed trained without it."""
     saved = checkpoints.read_marker(checkpoint).get("lora")
     if adapters is None or saved is None:
         return
-    keys = ("r", "alpha", "target_modules", "modules_to_save")
+    saved = {"use_rslora": False, **saved}
+    keys = ("r", "alpha", "use_rslora", "target_modules", "modules_to_save")
     differ = [f"{k}: {saved.get(k)!r} in the checkpoint, {adapters.get(k)!r} now" for k in keys
               if saved.get(k) != adapters.get(k)]
     if differ:

@@ -42,8 +42,12 @@ modules) added to a meta-device model, and ``get_peft_model_state_dict`` names e
   (slurmft/job/weights.py, through transformers' conversion mapping: per-expert files, fused model
   tensors, save_pretrained names out), one tensor or conversion group at a time, with plain file reads
   (a memory-mapped file would keep every page read in RSS). Each adapted weight becomes
-  ``W + (alpha/r)·(B @ A)`` computed in float32 in PEFT's order, so on a float32 model it is bitwise
+  ``W + scaling·(B @ A)`` (PEFT's scaling of each layer: alpha/r, or alpha/sqrt(r) with rsLoRA) computed
+  in float32 in PEFT's order, so on a float32 model it is bitwise
   PEFT's ``merge_and_unload()``; ``modules_to_save`` tensors come from the checkpoint's trained copies.
+  The base found must be the one the checkpoint's marker records (:func:`check_base`: file sizes and
+  header-and-sample hashes), and every trained update must land in a written tensor (``plan_merge``,
+  ``MergedSource.check_all_applied``), else the merge stops before ``model/`` is put in place.
   ``consolidate.dtype: auto`` is the base model's file dtype here (not the training precision): the
   merged model has the base model's size and every weight the adapters did not touch is its exact copy.
   Memory: about one base tensor in its file dtype, its float32 copy and its update.
@@ -696,7 +700,7 @@ class LoraDelta:
 
     a: str  # DCP key of lora_A (lora_embedding_A)
     b: str  # DCP key of lora_B (lora_embedding_B)
-    scaling: float  # alpha / r
+    scaling: float  # PEFT's layer scaling: alpha / r (alpha / sqrt(r) with use_rslora)
     transpose: bool
 
 
@@ -737,6 +741,7 @@ def lora_layout(config: Any, cfg: RunConfig, lora: dict[str, Any], metadata: Met
     if section is None:
         try:
             section = LoraConfig(r=lora["r"], alpha=lora["alpha"], dropout=lora.get("dropout", 0.0),
+                                 use_rslora=bool(lora.get("use_rslora", False)),
                                  target_modules=list(lora["target_modules"]),
                                  modules_to_save=list(lora.get("modules_to_save") or []))
         except (KeyError, TypeError, ValidationError) as exc:
@@ -812,6 +817,28 @@ def lora_layout(config: Any, cfg: RunConfig, lora: dict[str, Any], metadata: Met
     peft_config.revision = cfg.model.revision
     peft_config.inference_mode = True  # as PeftModel.save_pretrained writes it
     return LoraLayout(peft_config, adapter, deltas, replaced, unmergeable)
+
+
+def check_base(ckpt: Path, cfg: RunConfig, base_dir: Path) -> None:
+    """The base model found now is the one the adapters were trained on (the marker's ``base``), else a
+    CheckpointError naming both; a checkpoint from before the marker recorded it is merged with a warning."""
+    from slurmft.job.inputs import base_differences, base_identity
+
+    trained = read_marker(ckpt).get("base")
+    if not isinstance(trained, dict):
+        log(f"warning: {ckpt.name}'s {COMPLETE_MARKER} does not record its base model (written before slurmft did); "
+            f"merging onto {base_dir} unchecked")
+        return
+    now = base_identity(cfg.model, base_dir)
+    differ = base_differences(trained, now)
+    if differ:
+        def where(b: dict[str, Any]) -> str:
+            return f"{b.get('name_or_path')} ({b.get('dir')}{', revision ' + b['revision'] if b.get('revision') else ''})"
+        raise CheckpointError(
+            f"the base model is not the one {ckpt.name} was trained on: trained on {where(trained)}, found "
+            f"{where(now)}; merging would put the adapters onto another model. Point model.name_or_path (and "
+            "model.revision) at the base it trained on, or set consolidate.merge: false to write the adapter only",
+            differ)
 
 
 def write_adapter(
@@ -900,6 +927,7 @@ class MergedSource(TensorSource):
                  entries: dict[str, Any], lora: LoraLayout) -> None:
         super().__init__(reader, tensors, model)
         self.base, self.entries, self.lora = base, entries, lora
+        self.applied: set[str] = set()  # model tensors written with their update (check_all_applied)
 
     def _checkpoint_tensors(self, keys: list[str]) -> dict[str, torch.Tensor]:
         md = self.reader.read_metadata().state_dict_metadata
@@ -917,7 +945,15 @@ class MergedSource(TensorSource):
         if delta is None:
             return weight
         ab = self._checkpoint_tensors([delta.a, delta.b])
+        self.applied.add(name)
         return merged_weight(weight, ab[delta.a], ab[delta.b], delta)
+
+    def check_all_applied(self) -> None:
+        """Every trained update went into a written tensor (else the merged model is not the trained one)."""
+        missed = sorted(set(self.lora.deltas) - self.applied)
+        if missed:
+            raise CheckpointError(f"{len(missed)} trained LoRA update(s) were not applied to the merged model",
+                                  [f"{name}: trained ({self.lora.deltas[name].a}), not written" for name in missed])
 
     def _load_plain(self, batch: list[TensorPlan]) -> dict[str, torch.Tensor]:
         return {t.key: self.model_tensor(t.key) for t in batch}
@@ -958,6 +994,11 @@ def plan_merge(
             source = torch.float32  # the merge holds it in float32
         target = dtype if source.is_floating_point else source
         plans.append(TensorPlan(name, name, shape, source, target))
+    for name in sorted(set(lora.deltas) - {p.name for p in plans}):  # e.g. the tied head: not a tensor of its own
+        alias = layout.aliases.get(name)
+        problems.append(f"{name}: the adapters trained an update of it, but the merged model has no such tensor"
+                        + (f" (it is {alias}, tied: tie_word_embeddings)" if alias else "")
+                        + "; the merge would leave the update out. Train without an adapter on it (lora.target_modules)")
     if problems:
         raise CheckpointError("cannot merge the adapters into the base model", problems)
     return plans
@@ -1087,6 +1128,7 @@ def consolidate_run(
             from slurmft.job.weights import check_weights
 
             base_dir = resolve_model_dir(cfg.model, with_weights=True)
+            check_base(ckpt, cfg, base_dir)
             plan = check_weights(layout.model, base_dir)  # base file keys -> model tensors, as the loader reads them
             entries = {e.name: e for e in plan.entries}
             dtype_name = (cfg.consolidate.dtype if cfg.consolidate.dtype != "auto"
@@ -1128,6 +1170,8 @@ def consolidate_run(
 
             with new_directory(out_dir, model_bytes) as tmp:
                 write_model(tmp, source, shards, write_config, tok_source, cfg, advance)
+                if isinstance(source, MergedSource):
+                    source.check_all_applied()  # before the directory is put in place
     finally:
         if base is not None:
             base.close()

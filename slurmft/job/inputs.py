@@ -105,6 +105,60 @@ def weight_files(model_dir: Path) -> dict[str, str]:
     )
 
 
+# ----------------------------------------------------------------------------- which base model this is
+SAMPLE_BYTES = 64 * 1024  # of each weight file's tensor data, at its start and at its end
+
+
+def base_identity(model: ModelConfig, model_dir: Path) -> dict[str, Any]:
+    """What identifies the base model's files, cheaply: the hub revision they were resolved to (a snapshot's
+    commit, when ``model_dir`` is in the hub cache), and per weight file (and config.json) its size and a
+    sha256 of its safetensors header plus the first and last 64 KiB of its tensor data.
+
+    Recorded in a LoRA checkpoint's COMPLETE marker and compared by the merge (:func:`base_differences`): an
+    adapter merged onto other weights is another model. The header alone names every tensor with its shape,
+    dtype and offsets; the data samples tell apart two same-shaped models (two fine-tunes of one architecture),
+    whose headers are equal. Reading 128 KiB per file keeps it cheap for any model size (not a full-file hash).
+    """
+    import hashlib
+    import struct
+
+    # a hub id resolves to HF_HOME/hub/models--*/snapshots/<commit>
+    revision = model_dir.name if model_dir.parent.name == "snapshots" else None
+    files: dict[str, dict[str, Any]] = {}
+    for name in sorted(set(weight_files(model_dir).values())):
+        path = model_dir / name
+        size = path.stat().st_size
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            head = f.read(8)
+            (length,) = struct.unpack("<Q", head)
+            digest.update(head + f.read(length))
+            start = 8 + length
+            digest.update(f.read(min(SAMPLE_BYTES, size - start)))
+            f.seek(max(start, size - SAMPLE_BYTES))
+            digest.update(f.read())
+        files[name] = {"bytes": size, "sha256": digest.hexdigest()}
+    config = (model_dir / "config.json").read_bytes()
+    files["config.json"] = {"bytes": len(config), "sha256": hashlib.sha256(config).hexdigest()}
+    return {"name_or_path": model.name_or_path, "revision": revision, "dir": str(model_dir), "files": files}
+
+
+def base_differences(trained: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """How the base model found now differs from the one a checkpoint was trained on (empty: the same files;
+    the directory may have moved)."""
+    out = []
+    if trained.get("revision") and now.get("revision") and trained["revision"] != now["revision"]:
+        out.append(f"hub revision: {trained['revision']} at training, {now['revision']} now")
+    was, found = trained.get("files") or {}, now.get("files") or {}
+    for name in sorted(was.keys() | found.keys()):
+        a, b = was.get(name), found.get(name)
+        if a != b:
+            def words(e: dict[str, Any] | None) -> str:
+                return "absent" if e is None else f"{e['bytes']:,} bytes, sha256 {e['sha256'][:16]}"
+            out.append(f"{name}: {words(a)} at training, {words(b)} now")
+    return out
+
+
 # ----------------------------------------------------------------------------- config and tokenizer
 def load_model_config(model_dir: Path, model: ModelConfig, max_seq_length: int) -> Any:
     """The transformers config, checked against data.max_seq_length."""

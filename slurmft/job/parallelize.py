@@ -15,7 +15,8 @@ What we do, as torchtitan's ``parallelize`` does, in :func:`parallelize_model`:
 2. transform the model before sharding: LoRA adapters (slurmft/job/adapters.py) wrap their target
    modules on the meta model before this room sees it, so that their parameters are sharded with the
    layers they belong to (a PEFT wrapper becomes the FSDP root; the layers are found inside it);
-3. :func:`shard`: activation checkpointing and ``fully_shard`` per decoder layer
+3. :func:`shard`: activation checkpointing (preserving the RNG state, so that a recomputed layer draws the
+   dropout masks its forward drew) and ``fully_shard`` per decoder layer
    (:func:`wrap_class_names`), to the embeddings and to the head (as accelerate groups them), then the
    root, on the job's one device mesh (:func:`fsdp_mesh`: 1-D, or HSDP's ``(replicate, shard)`` with
    ``fsdp.replicate_across_nodes``, laid out by :func:`mesh_layout`), with FSDP2's mixed-precision
@@ -151,7 +152,9 @@ def shard(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext, wrap: set[st
     for name in layer_names:
         layer = model.get_submodule(name)
         if cfg.fsdp.activation_checkpointing:
-            layer = checkpoint_wrapper(layer, preserve_rng_state=False)
+            # the recompute replays the forward's RNG state: the same dropout masks (LoRA's, the model's own) in
+            # backward as in forward, so the gradients are those of the loss (measured cost: docs/lora.md)
+            layer = checkpoint_wrapper(layer, preserve_rng_state=True)
             model.set_submodule(name, layer)
         fully_shard(layer, **kwargs)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None

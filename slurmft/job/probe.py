@@ -40,7 +40,7 @@ from slurmft.job import preemption
 from slurmft.job.rendezvous import JobEnv
 
 #: Packages whose versions each node reports (None when not installed).
-STACK = ("torch", "transformers", "accelerate", "trl", "datasets", "flash-attn", "safetensors")
+STACK = ("torch", "transformers", "accelerate", "trl", "datasets", "flash-attn", "safetensors", "peft")
 #: Seconds the ranks wait for the warning signal once the batch side has shortened the time limit
 #: (Slurm checks warning signals about every 30 s).
 SIGNAL_WAIT_S = 75

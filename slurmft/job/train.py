@@ -26,6 +26,7 @@ from slurmft.job.checkpointing import CheckpointManager
 from slurmft.job.distributed import DistContext
 from slurmft.job.fsdp_report import FsdpReport
 from slurmft.job.inputs import (
+    base_identity,
     load_model_config,
     load_tokenizer,
     resolve_model_dir,
@@ -286,8 +287,10 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                  ctx.world_size, time.time() - t_load, how, sharded.bytes_read / 2**20)
         if sharded.lora is not None:
             lora = sharded.lora
-            log.info("LoRA: r=%d, alpha=%g, dropout=%g on %s%s; %.2fM of %.1fM parameters train (%.2f%%), the base "
-                     "is frozen in %s", lora.r, lora.alpha, lora.dropout, ", ".join(lora.target_modules),
+            log.info("LoRA: r=%d, alpha=%g%s, dropout=%g on %s%s; %.2fM of %.1fM parameters train (%.2f%%), the "
+                     "base is frozen in %s", lora.r, lora.alpha,
+                     f" (rsLoRA: scaling {cfg.lora.scaling:g})" if lora.use_rslora else "", lora.dropout,
+                     ", ".join(lora.target_modules),
                      f", full copies of {', '.join(lora.modules_to_save)}" if lora.modules_to_save else "",
                      lora.trainable / 1e6, lora.total / 1e6, 100 * lora.trainable / lora.total,
                      str(sharded.base_dtype).removeprefix("torch."))
@@ -295,8 +298,11 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
     info = {"job_id": env.job_id, "restart": env.restart_count}
     adapters = sharded.lora.marker() if sharded.lora is not None else None  # LoRA: what the adapters are
     marker_info = {**info, "precision": sharded.precision}  # consolidate.dtype=auto and resume read it
-    if adapters is not None:  # an adapter checkpoint: consolidation merges it, resume checks it
+    if adapters is not None:  # an adapter checkpoint: consolidation merges it onto this base, resume checks it
         marker_info["lora"] = adapters
+        marker_info["base"] = distributed.guarded(  # rank 0 writes the markers (and sees the files)
+            ctx, "identifying the base model's files",
+            lambda: base_identity(cfg.model, inputs.model_dir) if ctx.is_main else None)
     preempt = PreemptionStop(ctx)
     saving = checkpointer.callbacks(sharded.model.config, getattr(sharded.model, "generation_config", None),
                                     inputs.tokenizer, cfg.checkpoint.keep_last, info, marker_info,

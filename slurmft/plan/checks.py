@@ -47,7 +47,7 @@ from slurmft.chat_template import (
     no_template_message,
     template_path_problem,
 )
-from slurmft.config import DATA_SUFFIXES, RunConfig
+from slurmft.config import ALL_LINEAR, DATA_SUFFIXES, EMBEDDING_MODULES, RunConfig, tied_target_problem
 from slurmft.errors import ConfigError
 from slurmft.modelinfo import find_tokenizer, is_local, read_model_config, seq_length_problem
 from slurmft.profiles import runs_on_gpu
@@ -57,6 +57,7 @@ SAMPLE_ROWS = 8  # rows read from each data file for the column and template che
 COUNT_LIMIT_BYTES = 64 * 2**20  # local data up to this size is read in full to count tokens (steps per epoch)
 
 TRAINING_STACK = ("slurmft", "submitit", "torch", "transformers", "accelerate", "trl", "datasets", "safetensors")
+LORA_STACK = ("peft",)  # a lora section needs it in the job's Python too (part of slurmft[train])
 
 
 @dataclass
@@ -84,6 +85,7 @@ def run_checks(cfg: RunConfig, job_python: bool = True) -> Report:
     check_sft(cfg, report)
     check_reporters(cfg, report)
     check_precision(cfg, report)
+    check_lora(cfg, report)
     template = check_chat_template(cfg, report, samples)
     if job_python:
         check_job_python(cfg, report)
@@ -265,6 +267,28 @@ def check_seq_length(cfg: RunConfig, report: Report) -> None:
         report.problems.append(problem)
 
 
+# ====================================================================== lora
+def check_lora(cfg: RunConfig, report: Report) -> None:
+    """An adapter on tied embeddings (config.json's tie_word_embeddings), refused as the job refuses it."""
+    if cfg.lora is None or cfg.lora.target_modules == ALL_LINEAR:
+        return
+    named = [t for t in cfg.lora.target_modules if t.rsplit(".", 1)[-1] in EMBEDDING_MODULES]
+    if not named:
+        return
+    try:
+        model_cfg = read_model_config(cfg.model.name_or_path, cfg.model.revision)
+    except ConfigError:
+        model_cfg = {}
+    tied = model_cfg.get("tie_word_embeddings")
+    if tied is None:
+        report.skipped.append(f"lora.target_modules: {', '.join(named)} not checked for tied embeddings (no "
+                              "config.json at hand, or it does not say tie_word_embeddings); the job checks before "
+                              "loading")
+    elif tied:
+        model = ", ".join(model_cfg.get("architectures") or []) or str(model_cfg.get("model_type", "this model"))
+        report.problems += [tied_target_problem(t, model) for t in named]
+
+
 # ====================================================================== attention
 def check_attention(cfg: RunConfig, report: Report) -> None:
     """An explicit model.attn_implementation the architecture refuses (read torch-free: slurmft/attention.py)."""
@@ -412,7 +436,8 @@ def check_chat_template(cfg: RunConfig, report: Report, samples: list[Sample]) -
 
 # ====================================================================== the job's Python
 def check_job_python(cfg: RunConfig, report: Report) -> None:
-    """The job's Python exists and imports the training stack (and the reporters' packages)."""
+    """The job's Python exists and imports the training stack (with peft for a lora section, and the reporters'
+    packages)."""
     python = cfg.cluster.job_python
     given = "cluster.python" if cfg.cluster.python else "cluster.python (not set: the Python running slurmft)"
     fix = ("set cluster.python to the interpreter of an environment with `pip install 'slurmft[train]'` on the "
@@ -439,10 +464,11 @@ def check_job_python(cfg: RunConfig, report: Report) -> None:
                                    f"at the same path (a shared filesystem); {fix}")
         return
     reporters = [m for name in cfg.train.report_to for m in REPORTERS.get(name, ())]
+    stack = (*TRAINING_STACK, *(LORA_STACK if cfg.lora is not None else ()))
     code = ("import importlib.util as u, json, sys; "
             "print(json.dumps({m: u.find_spec(m) is not None for m in sys.argv[1:]}))")
     try:
-        proc = subprocess.run([python, "-c", code, *TRAINING_STACK, *reporters], capture_output=True, text=True,
+        proc = subprocess.run([python, "-c", code, *stack, *reporters], capture_output=True, text=True,
                               timeout=60, check=False, cwd="/")
         found_mods = json.loads(proc.stdout) if proc.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired, ValueError):
@@ -450,8 +476,12 @@ def check_job_python(cfg: RunConfig, report: Report) -> None:
     if found_mods is None:
         report.problems.append(f"{given}: {python} does not run (or is not a Python); {fix}")
         return
-    missing = [m for m in TRAINING_STACK if not found_mods.get(m)]
-    if missing:
+    missing = [m for m in stack if not found_mods.get(m)]
+    if missing == list(LORA_STACK):
+        report.problems.append(f"lora: {given}: {python} cannot import peft, which LoRA needs in the job: the job "
+                               f"would die at start; pip install -e '.[train]' (or 'peft>=0.20') in that Python, "
+                               "or remove the lora section to fine-tune every weight")
+    elif missing:
         report.problems.append(f"{given}: {python} cannot import {', '.join(missing)}: the job would die at start; "
                                f"{fix}")
     for name in cfg.train.report_to:

@@ -381,6 +381,7 @@ class ProbeExpect:
     model_bytes: int | None  # the consolidated model, what HF_HOME holds of it
     wants_gpus: bool
     profile: str
+    lora: bool = False  # the run has a lora section: the nodes need peft too
 
 
 def probe_expect(cfg: RunConfig, profile: ClusterProfile, estimate: dict[str, Any] | None, signal_name: str,
@@ -393,11 +394,12 @@ def probe_expect(cfg: RunConfig, profile: ClusterProfile, estimate: dict[str, An
         signal_name=signal_name, signal_text=signal_text, batch_only=batch_only, run_dir=run_dir,
         run_dir_bytes=None if ckpt is None else ckpt * (cfg.checkpoint.keep_last + 1) + (model or 0),
         model_bytes=model, wants_gpus=bool(cfg.resources.gpus_per_node and profile.gres_gpu and profile.name != "local-test"),
-        profile=profile.name,
+        profile=profile.name, lora=cfg.lora is not None,
     )
 
 
 TRAINING_STACK = ("torch", "transformers", "accelerate", "trl", "datasets")
+LORA_STACK = ("peft",)  # needed by a run with a lora section; reported for every run
 
 
 def _gb(n: int | None) -> str:
@@ -409,20 +411,21 @@ def _node_reports(ranks: dict[int, dict[str, Any]]) -> dict[str, dict[str, Any]]
     return {r["node"]: r for r in sorted(ranks.values(), key=lambda r: r["rank"]) if r.get("local_rank") == 0}
 
 
-def _probe_stack(nodes: dict[str, dict[str, Any]]) -> list[Line]:
+def _probe_stack(nodes: dict[str, dict[str, Any]], lora: bool = False) -> list[Line]:
     lines = []
+    needed = (*TRAINING_STACK, *(LORA_STACK if lora else ()))
     seen = set()
     for node, r in nodes.items():
         v = r.get("versions", {})
-        stack = ", ".join(f"{k} {v.get(k) or '-'}" for k in (*TRAINING_STACK, "flash-attn"))
+        stack = ", ".join(f"{k} {v.get(k) or '-'}" for k in (*TRAINING_STACK, *LORA_STACK, "flash-attn"))
         cuda = r.get("cuda", {})
         gpu = f"; CUDA {cuda.get('version')}, NCCL {cuda.get('nccl')}, {cuda.get('devices')} GPU(s)" if cuda.get("available") else ""
-        missing = [k for k in TRAINING_STACK if not v.get(k)]
+        missing = [k for k in needed if not v.get(k)]
         text = f"{r.get('python')} (Python {r.get('python_version')}): {stack}{gpu}"
         if missing:
             lines.append(Line(f"python [{node}]", Level.PROBLEM, text + f"; missing: {', '.join(missing)}",
-                              "point cluster.python at the environment that has slurmft's training stack, or "
-                              "activate it in cluster.setup"))
+                              "point cluster.python at the environment that has slurmft's training stack "
+                              "(pip install -e '.[train]': peft included), or activate it in cluster.setup"))
         else:
             lines.append(Line(f"python [{node}]", Level.OK, text))
         seen.add((r.get("python"), tuple(sorted((k, str(x)) for k, x in v.items()))))
@@ -512,7 +515,7 @@ def probe_lines(ranks: dict[int, dict[str, Any]], batch: dict[str, Any] | None, 
     lines = [Line("probe", Level.PROBLEM if missing else Level.OK,
                   head + (f": no report from rank(s) {missing} (log: {log})" if missing else ""),
                   "read the log: the missing ranks failed or were killed" if missing else "")]
-    lines += _probe_stack(nodes)
+    lines += _probe_stack(nodes, expect.lora)
     if expect.wants_gpus and not any((r.get("cuda") or {}).get("available") for r in nodes.values()):
         lines.append(Line("gpus", Level.PROBLEM, "no rank sees a GPU (torch.cuda.is_available() is False)",
                           "check the job's CUDA setup (cluster.setup: module load cuda) and that torch is a CUDA build"))

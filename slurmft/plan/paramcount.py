@@ -310,8 +310,10 @@ def adapter_tensors(modules: Sequence[Sequence[Module]], mtype: str, h: int, voc
 
     A linear layer of weight ``[out, in]`` gets ``lora_A [r, in]`` and ``lora_B [out, r]``: ``r·(in + out)``
     parameters. ``all-linear`` = every linear layer of the decoder (not the output head); a list = the linear
-    layers whose name is or ends with a listed name. Fused expert tensors and routers are never adapted, nor, in
-    MoE models PEFT converts (:data:`PEFT_MOE_RENAMES`), the linear layers named like them.
+    layers whose name is or ends with a listed name, and ``embed_tokens`` (PEFT's embedding LoRA: A [r, vocab],
+    B [h, r]) and ``lm_head`` when the embeddings are not ``tied`` (the job refuses them on tied ones). Fused
+    expert tensors and routers are never adapted, nor, in MoE models PEFT converts (:data:`PEFT_MOE_RENAMES`),
+    the linear layers named like them.
     ``modules_to_save``: a full trainable copy (not of ``tied`` embeddings: the job refuses those).
     """
     linear_leaves = sorted({p.rsplit(".", 1)[-1] for layer in modules for p, _, kind in layer if kind == "linear"})
@@ -321,7 +323,12 @@ def adapter_tensors(modules: Sequence[Sequence[Module]], mtype: str, h: int, voc
         module_names = {leaf for leaf in linear_leaves if leaf not in renames}
     else:
         module_names = set()
-        for t in target_modules:  # the job accepts a listed name only when it names a linear layer
+        for t in target_modules:  # the job accepts a listed name only when it names a linear (or embedding) layer
+            if t.rsplit(".", 1)[-1] in ("embed_tokens", "lm_head"):
+                if tied:
+                    unmatched.append(f"{t!r} is one of the tied embeddings (tie_word_embeddings): the merged model "
+                                     "cannot hold an adapter on one use of a shared matrix")
+                continue
             if any(_ends(p, t) for layer in modules for p, _, kind in layer if kind == "linear"):
                 if any(_ends(t, old) for old in renames):
                     unmatched.append(f"{t!r} names the fused expert tensors of this {mtype} for PEFT, which the job "
@@ -347,6 +354,14 @@ def adapter_tensors(modules: Sequence[Sequence[Module]], mtype: str, h: int, voc
         layers.append(tuple(tensors))
     root_shapes = {"embed_tokens": (vocab, h), "lm_head": (vocab, h), "norm": (h,)}
     root: list[Shape] = []
+    if not tied and target_modules != "all-linear":
+        leaves = {t.rsplit(".", 1)[-1] for t in target_modules}
+        if "embed_tokens" in leaves:  # PEFT's LoRA embedding: lora_embedding_A [r, vocab], lora_embedding_B [h, r]
+            root += [(r, vocab), (h, r)]
+            adapted.add("embed_tokens")
+        if "lm_head" in leaves:  # a linear layer [vocab, h]: A [r, h], B [vocab, r]
+            root += [(r, h), (vocab, r)]
+            adapted.add("lm_head")
     for name in modules_to_save:
         leaf = name.rsplit(".", 1)[-1]
         if tied and leaf in ("embed_tokens", "lm_head"):  # the job refuses a copy that would untie them

@@ -22,6 +22,7 @@ class LoraSettings:
     alpha: float = 32.0
     target_modules: str | tuple[str, ...] = "all-linear"
     modules_to_save: tuple[str, ...] = ()
+    use_rslora: bool = False  # scaling alpha / sqrt(r) instead of alpha / r
 
     @classmethod
     def of(cls, lora: Any) -> LoraSettings | None:
@@ -29,11 +30,19 @@ class LoraSettings:
         if lora is None:
             return None
         targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
-        return cls(lora.r, lora.alpha, targets, tuple(lora.modules_to_save))
+        return cls(lora.r, lora.alpha, targets, tuple(lora.modules_to_save), lora.use_rslora)
+
+    @property
+    def scaling(self) -> float:
+        """What B·A is multiplied by (slurmft.config.lora_scaling)."""
+        from slurmft.config import lora_scaling
+
+        return lora_scaling(self.alpha, self.r, self.use_rslora)
 
     def words(self) -> str:
         targets = self.target_modules if isinstance(self.target_modules, str) else ", ".join(self.target_modules)
-        return f"r={self.r}, alpha={self.alpha:g} on {targets}"
+        rs = f", rsLoRA (scaling alpha/sqrt(r) = {self.scaling:g})" if self.use_rslora else ""
+        return f"r={self.r}, alpha={self.alpha:g}{rs} on {targets}"
 
 
 @dataclass(frozen=True)

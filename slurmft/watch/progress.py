@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, read_marker, step_of
+from slurmft.config import lora_scaling
 from slurmft.rundir import ADAPTER_CONFIG, RunPaths, planned_max_steps
 from slurmft.rundir import MODEL_INDEX as SAFE_INDEX_NAME  # what consolidation writes last
 from slurmft.slurm_states import State, is_live, parse, words
@@ -220,9 +221,10 @@ def lora_info(paths: RunPaths) -> dict[str, Any] | None:
         return None
     if not isinstance(lora, dict):
         return None
-    return {"r": lora.get("r", 16), "alpha": lora.get("alpha", 32.0), "dropout": lora.get("dropout", 0.0),
-            "target_modules": lora.get("target_modules", "all-linear"),
-            "modules_to_save": lora.get("modules_to_save") or [], "source": "config"}
+    asked = {"r": lora.get("r", 16), "alpha": lora.get("alpha", 32.0), "dropout": lora.get("dropout", 0.0),
+             "target_modules": lora.get("target_modules", "all-linear"),
+             "modules_to_save": lora.get("modules_to_save") or [], "source": "config"}
+    return {**asked, "use_rslora": True} if lora.get("use_rslora") else asked
 
 
 def _merge_setting(paths: RunPaths) -> bool | None:
@@ -243,7 +245,9 @@ def lora_words(info: dict[str, Any] | None) -> str:
     r, alpha = info.get("r"), info.get("alpha")
     targets = info.get("target_modules")
     targets = ", ".join(map(str, targets)) if isinstance(targets, list) else str(targets)
-    scaling = f" (scaling {alpha / r:g})" if isinstance(r, int) and r and isinstance(alpha, (int, float)) else ""
+    rslora = bool(info.get("use_rslora"))
+    scaling = (f" ({'rsLoRA, ' if rslora else ''}scaling {lora_scaling(alpha, r, rslora):g})"
+               if isinstance(r, int) and r and isinstance(alpha, (int, float)) else "")
     out = f"LoRA r={r}, alpha={alpha:g}{scaling}" if isinstance(alpha, (int, float)) else f"LoRA r={r}, alpha={alpha}"
     out += f", dropout {info.get('dropout', 0):g} on {targets}" if isinstance(info.get("dropout", 0), (int, float)) \
         else f" on {targets}"

@@ -69,7 +69,10 @@ def main(run_dir: str, out: str) -> None:
                          callbacks=[Losses()])
     trainer.train()
     Path(out).write_text(json.dumps({"losses": losses}))
-    state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    # the adapters only, as consolidation writes them: not the embedding's frozen base weight, which PEFT adds to
+    # the saved state by default when an embedding is a target
+    saved = get_peft_model_state_dict(model, save_embedding_layers=False)
+    state = {k: v.detach().contiguous() for k, v in saved.items()}
     save_file(state, str(Path(out).with_suffix(".safetensors")))
 
 

@@ -60,8 +60,8 @@ def _port(run_dir: str, rank: str) -> str:
 
 
 #: An argument ``call:MODULE:FUNCTION:ARG:...:WHERE`` runs ``MODULE.FUNCTION(ARG, ..., WHERE)`` in the ranks instead
-#: of a run (a check that needs the process group, e.g. tests/job/adapter_survival.py); its port file and
-#: failure files are named after WHERE plus the function.
+#: of a run (a check that needs the process group, e.g. tests/job/adapter_survival.py); its port file is named
+#: after WHERE, the function and the last segment of the first ARG, its failure files after WHERE.
 CALL = "call:"
 
 
@@ -72,7 +72,7 @@ def _one(item: str) -> str:
         run_train(item)
         return item
     module, function, *args = item[len(CALL):].split(":")
-    os.environ["MASTER_PORT"] = _port(f"{args[-1]}.{function}.{args[0]}", RANK)
+    os.environ["MASTER_PORT"] = _port(f"{args[-1]}.{function}.{Path(args[0]).name}", RANK)
     getattr(importlib.import_module(module), function)(*args)
     return item
 

@@ -105,3 +105,104 @@ def test_a_copy_of_tied_embeddings_is_refused() -> None:
                         "GemmaForCausalLM (tie_word_embeddings); a trained copy would untie them, which neither the "
                         "merged model nor PEFT's adapter can express. Leave it out"]
     assert adapters.target_problems(_meta("qwen3"), LoraConfig(modules_to_save=["embed_tokens", "lm_head"])) == []
+
+
+def test_initial_values_follow_peft_for_every_layer_kind_accepted() -> None:
+    """PEFT's own default init (init_lora_weights=True) of a linear and an embedding target, tensor by tensor,
+    against ours: the same zeros (linear B; embedding A, where PEFT differs from the linear case), the same
+    distributions (linear A uniform within 1/sqrt(fan_in), embedding B standard normal), so both start at the
+    base model; and ours is a function of the seed and the name only."""
+    from peft import get_peft_model
+
+    torch.manual_seed(0)
+    model = _meta_free("qwen3")
+    peft = get_peft_model(model, adapters.peft_config(LoraConfig(r=8, target_modules=["q_proj", "embed_tokens"]),
+                                                      model))
+    theirs = {strip_wrappers(n): p.detach() for n, p in peft.named_parameters() if p.requires_grad}
+    kinds = {n.split(".")[-3] if n.endswith(".weight") else n.split(".")[-2] for n in theirs}
+    assert kinds == {"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"}
+    for name, value in theirs.items():
+        ours = adapters.initial_value(name, tuple(value.shape), seed=3)
+        assert ours.shape == value.shape and ours.dtype == torch.float32
+        assert torch.equal(ours == 0, value == 0) or (ours != 0).all() == (value != 0).all(), name
+        if (value == 0).all():
+            assert torch.equal(ours, torch.zeros_like(ours)), name
+        elif ".lora_A." in name:  # U(-b, b), b = 1/sqrt(fan_in): both fill the interval
+            bound = 1 / value.shape[1] ** 0.5
+            for t in (ours, value):
+                assert t.abs().max() <= bound and t.abs().max() > 0.9 * bound, name
+        else:  # lora_embedding_B: N(0, 1)
+            assert ".lora_embedding_B." in f"{name}." or name.endswith("lora_embedding_B"), name
+            for t in (ours, value):
+                assert abs(t.mean()) < 0.2 and 0.85 < t.std() < 1.15, (name, t.mean(), t.std())
+    # our values in the model: the adapted model's logits are the base model's, bitwise
+    with torch.no_grad():
+        for name, param in peft.named_parameters():
+            if param.requires_grad:
+                param.copy_(adapters.initial_value(strip_wrappers(name), tuple(param.shape), seed=3))
+        ids = torch.arange(12).reshape(2, 6)
+        adapted = peft(input_ids=ids).logits
+        with peft.disable_adapter():
+            base = peft(input_ids=ids).logits
+    assert torch.equal(adapted, base)
+    assert torch.equal(adapters.initial_value("model.embed_tokens.lora_embedding_B.default", (32, 8), 3),
+                       adapters.initial_value("model.embed_tokens.lora_embedding_B.default", (32, 8), 3))
+
+
+def test_an_adapter_tensor_not_initialised_like_peft_is_refused() -> None:
+    for name in ("model.layers.0.self_attn.q_proj.lora_magnitude_vector.default.weight",  # DoRA
+                 "model.layers.0.self_attn.q_proj.lora_B.default.bias"):  # a LoRA bias
+        with pytest.raises(JobSetupError) as err:
+            adapters.initial_value(name, (4, 4), seed=0)
+        assert repr(name) in err.value.render() and "not one slurmft initialises as PEFT does" in err.value.render()
+
+
+def test_embedding_targets_are_in_the_summary() -> None:
+    _, summary = adapters.add_adapters(_meta("qwen3"), LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"]))
+    assert summary.target_modules == ["embed_tokens", "q_proj"]
+    assert summary.marker()["target_modules"] == ["embed_tokens", "q_proj"] and summary.marker()["use_rslora"] is False
+
+
+def test_an_adapter_on_tied_embeddings_is_refused_with_the_fix() -> None:
+    """Gemma ties lm_head to embed_tokens: an adapter on either is one use of a shared matrix, which no merged model
+    holds; refused by name (the same words as slurmft validate, slurmft/config.py tied_target_problem)."""
+    problems = adapters.target_problems(_meta("gemma"), LoraConfig(target_modules=["q_proj", "lm_head", "embed_tokens"]))
+    assert [p.split(" is ")[0] for p in problems] == ["lora.target_modules: 'lm_head'", "lora.target_modules: 'embed_tokens'"]
+    assert all("tied input and output embeddings of GemmaForCausalLM" in p and "Leave it out" in p for p in problems)
+    assert adapters.target_problems(_meta("qwen3"), LoraConfig(target_modules=["q_proj", "lm_head", "embed_tokens"])) == []
+
+
+def test_rslora_scales_by_alpha_over_sqrt_r_and_dora_is_refused_by_name() -> None:
+    from pydantic import ValidationError
+
+    wrapped, summary = adapters.add_adapters(_meta("qwen3"), LoraConfig(r=16, alpha=8, use_rslora=True,
+                                                                         target_modules=["q_proj"]))
+    scalings = {m.scaling["default"] for m in wrapped.modules() if hasattr(m, "lora_A")}
+    assert scalings == {8 / 16**0.5} == {LoraConfig(r=16, alpha=8, use_rslora=True).scaling}
+    assert summary.marker()["use_rslora"] is True
+    with pytest.raises(ValidationError) as err:
+        LoraConfig(use_dora=True)
+    assert "use_dora" in str(err.value) and "DoRA is not supported" in str(err.value)
+
+
+def _meta_free(model_type: str) -> Any:
+    """A real (not meta) small model of ``model_type``, for PEFT's own init to act on."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **{**ARCH_COMMON, **ARCHITECTURES[model_type]}, vocab_size=300)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def test_resume_refuses_another_scaling_rule_and_reads_an_older_marker_as_plain_lora(tmp_path: Any) -> None:
+    import json
+
+    from slurmft.job.checkpointing import check_resume_adapters
+
+    _, summary = adapters.add_adapters(_meta("qwen3"), LoraConfig(r=4, alpha=8, target_modules=["q_proj"]))
+    now = summary.marker()
+    old = {k: v for k, v in now.items() if k != "use_rslora"}  # a marker from before use_rslora was recorded
+    (tmp_path / "COMPLETE").write_text(json.dumps({"step": 2, "lora": old}))
+    check_resume_adapters(tmp_path, now)  # the same adapters: plain LoRA then and now
+    with pytest.raises(JobSetupError) as err:
+        check_resume_adapters(tmp_path, {**now, "use_rslora": True})
+    assert "use_rslora: False in the checkpoint, True now" in err.value.render()

@@ -2,8 +2,8 @@
 directory and the merged model, checked against PEFT itself: ``PeftModel.from_pretrained`` loads the
 adapter, ``merge_and_unload`` gives the merged model, ``save_pretrained`` gives the names.
 
-One 4-step run (adapters on every linear layer, ``lm_head`` trained in full as a ``modules_to_save`` copy)
-and one consolidation are shared by every test here.
+One 4-step run (rsLoRA adapters on every linear layer of the decoder and on the input embeddings, ``lm_head``
+trained in full as a ``modules_to_save`` copy) and one consolidation are shared by every test here.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from .helpers import launch_like_srun, write_run
 
 pytestmark = pytest.mark.train
 
-R, ALPHA = 4, 8.0  # scaling alpha / r = 2
+R, ALPHA = 4, 8.0  # use_rslora: scaling alpha / sqrt(r) = 4 (plain LoRA's would be 2)
+DECODER = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +34,7 @@ def lora_run(tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytest
     """A finished 4-step LoRA run with one complete checkpoint (checkpoint-4), not yet consolidated."""
     run = write_run(tmp_path_factory.mktemp("lora") / "run", tiny_model,
                     ["train.max_steps=4", "checkpoint.every_steps=4", f"lora.r={R}", f"lora.alpha={ALPHA}",
+                     "lora.use_rslora=true", f"lora.target_modules=[{', '.join([*DECODER, 'embed_tokens'])}]",
                      "lora.modules_to_save=[lm_head]"])
     rc, out = launch_like_srun(run, job_env).wait(timeout=600)
     assert rc == 0, out[-6000:]
@@ -112,34 +114,41 @@ def test_adapter_loads_in_peft_with_the_checkpoint_tensors(
     assert any(".lora_B." in k and v.abs().sum() > 0 for k, v in checkpoint.items())  # it trained: B moved off 0
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (R, ALPHA, str(tiny_model))
+    assert config["use_rslora"] is True and config["use_dora"] is False
     assert config["task_type"] == "CAUSAL_LM" and config["modules_to_save"] == ["lm_head"]
 
 
 def test_adapter_is_what_peft_save_pretrained_writes(lora_run: Path, consolidated: dict[str, Any], tiny_model: Path,
                                                      tmp_path: Path) -> None:
-    """Same file names, tensor names, shapes and dtypes, and config, as PEFT's own save of this configuration."""
+    """Same file names, tensor names, shapes and dtypes, and config, as PEFT's own save of this configuration,
+    with ``save_embedding_layers=False``: PEFT's default ("auto") would also copy the frozen base embedding
+    (vocab x hidden) into the adapter because an embedding is a target; slurmft leaves it in the base model,
+    which is unchanged (no new tokens), and PeftModel.from_pretrained loads it without a missing key (above)."""
     from peft import LoraConfig, get_peft_model
 
     ours = json.loads((lora_run / "adapter/adapter_config.json").read_text())
     reference = get_peft_model(_base(tiny_model), LoraConfig(
         r=R, lora_alpha=ALPHA, target_modules=ours["target_modules"], modules_to_save=["lm_head"],
-        task_type="CAUSAL_LM"))
-    reference.save_pretrained(str(tmp_path))
+        task_type="CAUSAL_LM", use_rslora=True))
+    reference.save_pretrained(str(tmp_path), save_embedding_layers=False)
     theirs = json.loads((tmp_path / "adapter_config.json").read_text())
     differ = {k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k)}
     assert differ <= {"target_modules", "base_model_name_or_path"}, differ  # a set, written in any order
     assert sorted(theirs["target_modules"]) == sorted(ours["target_modules"])
-    assert sorted(ours["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert sorted(ours["target_modules"]) == sorted([*DECODER, "embed_tokens"])
 
     a, b = _safetensors(lora_run / "adapter"), _safetensors(tmp_path)
     assert {k: (v.shape, v.dtype) for k, v in a.items()} == {k: (v.shape, v.dtype) for k, v in b.items()}
     assert "base_model.model.lm_head.weight" in a and "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in a
+    assert "base_model.model.model.embed_tokens.lora_embedding_A" in a
 
 
 def test_merged_model_equals_peft_merge_and_unload(lora_run: Path, consolidated: dict[str, Any],
                                                   tiny_model: Path) -> None:
-    """Bitwise: both compute W + (alpha/r) * (B @ A) in float32 in the same order (PEFT's get_delta_weight,
-    then ``+=``), so on this fp32 model there is no rounding difference to allow for (measured: max |diff| 0)."""
+    """Bitwise: both compute W + scaling * (B @ A) in float32 in the same order (PEFT's get_delta_weight, then
+    ``+=``), so on this fp32 model there is no rounding difference to allow for (measured: max |diff| 0); with
+    rsLoRA's scaling (alpha / sqrt(r), from adapter_config.json's use_rslora for PEFT) and for the embedding's
+    update (B @ A transposed)."""
     from peft import PeftModel
 
     reference = PeftModel.from_pretrained(_base(tiny_model), str(lora_run / "adapter")).merge_and_unload()
@@ -152,9 +161,9 @@ def test_merged_model_equals_peft_merge_and_unload(lora_run: Path, consolidated:
 
     base = _safetensors(tiny_model)
     changed = {n for n in merged if not torch.equal(merged[n], base[n])}
-    adapted = {n for n in merged if n.endswith(("_proj.weight",))}
+    adapted = {n for n in merged if n.endswith(("_proj.weight",))} | {"model.embed_tokens.weight"}
     assert changed == adapted | {"lm_head.weight"}  # every adapted weight moved, lm_head is the trained copy, the rest is the base
-    assert consolidated["summary"]["adapter"]["merged_weights"] == len(adapted) == 28
+    assert consolidated["summary"]["adapter"]["merged_weights"] == len(adapted) == 29
 
 
 def test_merged_model_loads_cleanly_with_save_pretrained_names(
@@ -208,7 +217,7 @@ def test_merge_streams_the_base_model_one_tensor_at_a_time(consolidated: dict[st
     assert max(reads) <= max(nbytes.values())
     assert sum(nbytes.values()) > 4 * max(reads)  # the bound means something: the model is much larger than one read
     log = consolidated["log"]
-    assert "W + 2 * B @ A for 28 weights, 1 replaced by trained modules_to_save copies" in log
+    assert "W + 4 * B @ A for 29 weights, 1 replaced by trained modules_to_save copies" in log  # rsLoRA: 8 / sqrt(4)
 
 
 def test_merge_false_writes_the_adapter_only(lora_run: Path, consolidated: dict[str, Any], tmp_path: Path) -> None:
@@ -269,3 +278,71 @@ def test_merged_weight_is_peft_merge_for_linear_and_embedding_layers() -> None:
                           lora["base_model.model.embed.lora_embedding_B.default"], LoraDelta("a", "b", s, True))
     assert torch.equal(proj, merged["proj.weight"]) and torch.equal(embed, merged["embed.weight"])
     assert not torch.equal(proj, base["proj.weight"])
+
+
+def test_the_marker_records_the_base_and_a_replaced_base_is_refused(
+        lora_run: Path, consolidated: dict[str, Any], tiny_model: Path, tmp_path: Path) -> None:
+    """The COMPLETE marker names the base's files (sizes, sha256 of header and data samples); consolidation onto a
+    base replaced by another model of the same shapes (every weight moved by 1e-3: same header) is refused before
+    anything is written, naming both; a moved copy of the same files is the same base."""
+    from safetensors.torch import load_file, save_file
+
+    from slurmft.errors import CheckpointError
+    from slurmft.job.consolidate import consolidate_run
+    from slurmft.job.inputs import base_differences, base_identity
+
+    marker = json.loads((lora_run / "checkpoints/checkpoint-4/COMPLETE").read_text())
+    base = marker["base"]
+    assert base["name_or_path"] == str(tiny_model) and base["revision"] is None
+    assert set(base["files"]) == {"model.safetensors", "config.json"}
+    assert base["files"]["model.safetensors"]["bytes"] == (tiny_model / "model.safetensors").stat().st_size
+    assert "the base model is not the one" not in consolidated["log"]
+
+    moved = tmp_path / "moved"
+    shutil.copytree(tiny_model, moved)
+    from slurmft.config import ModelConfig
+
+    assert base_differences(base, base_identity(ModelConfig(name_or_path=str(moved)), moved)) == []
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model, other)
+    weights = load_file(str(other / "model.safetensors"))
+    save_file({k: v + 1e-3 for k, v in weights.items()}, str(other / "model.safetensors"), metadata={"format": "pt"})
+    assert (other / "model.safetensors").stat().st_size == base["files"]["model.safetensors"]["bytes"]
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = yaml.safe_load((lora_run / "config.yaml").read_text())
+    cfg["output_dir"], cfg["model"]["name_or_path"] = str(run), str(other)
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    shutil.copytree(lora_run / "checkpoints", run / "checkpoints")
+    with pytest.raises(CheckpointError) as err, contextlib.redirect_stdout(io.StringIO()):
+        consolidate_run(str(run))
+    text = err.value.render()
+    assert "the base model is not the one checkpoint-4 was trained on" in text
+    assert f"trained on {tiny_model}" in text and f"found {other}" in text
+    was, now = base["files"]["model.safetensors"]["sha256"][:16], base_identity(ModelConfig(name_or_path=str(other)), other)
+    assert f"model.safetensors: {base['files']['model.safetensors']['bytes']:,} bytes, sha256 {was} at training" in text
+    assert f"sha256 {now['files']['model.safetensors']['sha256'][:16]} now" in text
+    assert "consolidate.merge: false" in text
+    assert not (run / "model").exists() and not (run / "adapter").exists()  # nothing written
+
+
+def test_a_trained_update_the_merged_model_has_no_tensor_for_is_refused() -> None:
+    """A delta on a tied head (lm_head, stored as embed_tokens): the export has no lm_head tensor, so the update
+    would be left out; the merge plan refuses, naming it and its alias."""
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from slurmft.errors import CheckpointError
+    from slurmft.job.consolidate import LoraDelta, LoraLayout, ModelLayout, plan_merge
+
+    layout = ModelLayout("GemmaForCausalLM", {"model.embed_tokens.weight": (10, 4)},
+                         {"lm_head.weight": "model.embed_tokens.weight"}, None)
+    lora = LoraLayout(None, [], {"lm_head.weight": LoraDelta("a", "b", 2.0, False)}, {}, [])
+    entries = {"model.embed_tokens.weight": SimpleNamespace(dtype="F32")}
+    with pytest.raises(CheckpointError) as err:
+        plan_merge(layout, lora, entries, Metadata(state_dict_metadata={}), torch.float32)
+    assert ("lm_head.weight: the adapters trained an update of it, but the merged model has no such tensor (it is "
+            "model.embed_tokens.weight, tied") in err.value.render()
