@@ -22,6 +22,7 @@ daemon logs, because CI requires the real cluster.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -293,6 +294,30 @@ def ensure_cluster(suite: str) -> None:
             pytrace=False,
         )
     print(up.stdout, end="")
+
+
+@contextlib.contextmanager
+def second_cluster(name: str, port_offset: int, knobs: dict[str, str]) -> Iterator[Path]:
+    """A second 22.05 cluster beside the shared one, for a test that needs another configuration (cluster.sh's
+    knobs): its own directory and ports (the shared cluster's + ``port_offset``), started here and stopped
+    here, since this test owns its whole lifetime. Yields the directory that holds ``cluster/``; the caller
+    points SLURM_CONF at ``cluster/etc/slurm.conf``. Not under pytest's tmp_path: munged wants every
+    directory above its socket searchable by all (0700 is not)."""
+    base = Path(tempfile.mkdtemp(prefix=f"slurmft-{name}-", dir="/tmp"))
+    base.chmod(0o755)
+    env = {**os.environ, "SLURMFT_CLUSTER_DIR": str(base / "cluster"),
+           "SLURMFT_CLUSTER_PORT": str(int(os.environ.get("SLURMFT_CLUSTER_PORT", "16817")) + port_offset),
+           **{key: value.format(base=base) for key, value in knobs.items()}}
+    env.pop("SLURM_CONF", None)
+    up = subprocess.run(["bash", str(CLUSTER_SH), "up"], env=env, capture_output=True, text=True, timeout=300,
+                        check=False)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield base
+    finally:
+        subprocess.run(["bash", str(CLUSTER_SH), "down"], env=env, capture_output=True, text=True, timeout=120,
+                       check=False)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

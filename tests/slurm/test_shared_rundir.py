@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CLUSTER_SH, REPO_ROOT
+from tests.conftest import REPO_ROOT, second_cluster
 
 pytestmark = pytest.mark.slurm
 
@@ -181,20 +181,9 @@ def test_a_teammate_sees_a_shared_run_cannot_resume_it_and_two_resumes_submit_on
 @pytest.fixture
 def private_cluster(slurm_cluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A second cluster (own directory, port +200) with PrivateData=jobs; its directory. SLURM_CONF points there."""
-    base = Path(tempfile.mkdtemp(prefix="slurmft-private-", dir="/tmp"))
-    base.chmod(0o755)
-    env = {**os.environ, "SLURMFT_CLUSTER_DIR": str(base / "cluster"),
-           "SLURMFT_CLUSTER_PORT": str(int(os.environ.get("SLURMFT_CLUSTER_PORT", "16817")) + 200),
-           "SLURMFT_CLUSTER_PRIVATE_DATA": "jobs"}
-    env.pop("SLURM_CONF", None)
-    up = subprocess.run(["bash", str(CLUSTER_SH), "up"], env=env, capture_output=True, text=True, timeout=300)
-    try:
-        assert up.returncode == 0, up.stdout + up.stderr
+    with second_cluster("private", 200, {"SLURMFT_CLUSTER_PRIVATE_DATA": "jobs"}) as base:
         monkeypatch.setenv("SLURM_CONF", str(base / "cluster" / "etc" / "slurm.conf"))
         yield base / "cluster"
-    finally:
-        subprocess.run(["bash", str(CLUSTER_SH), "down"], env=env, capture_output=True, text=True, timeout=120)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_a_teammate_who_cannot_see_the_jobs_cannot_tell_and_submits_nothing(

@@ -7,17 +7,13 @@ recorded output, without a cluster: tests/test_doctor.py."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import socket
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import CLUSTER_SH
+from tests.conftest import second_cluster
 
 pytestmark = pytest.mark.slurm
 
@@ -76,23 +72,12 @@ def test_doctor_and_its_probe_on_the_test_cluster(slurm_cluster, tiny_model: Pat
 @pytest.fixture
 def misconfigured_cluster(slurm_cluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A second two-node cluster (own directory, port +100): KillWait=2, no AccountingStoreFlags, and a
-    directory each node sees as its own tmpfs. Its node-local directory is yielded; SLURM_CONF points at it.
-    Not under pytest's tmp_path: munged wants every directory above its socket searchable by all (0700 is not)."""
-    base = Path(tempfile.mkdtemp(prefix="slurmft-misconfigured-", dir="/tmp"))
-    base.chmod(0o755)
-    env = {**os.environ, "SLURMFT_CLUSTER_DIR": str(base / "cluster"),
-           "SLURMFT_CLUSTER_PORT": str(int(os.environ.get("SLURMFT_CLUSTER_PORT", "16817")) + 100),
-           "SLURMFT_CLUSTER_KILLWAIT": "2", "SLURMFT_CLUSTER_STORE_FLAGS": "",
-           "SLURMFT_CLUSTER_NODE_LOCAL": str(base / "node-local")}
-    env.pop("SLURM_CONF", None)
-    up = subprocess.run(["bash", str(CLUSTER_SH), "up"], env=env, capture_output=True, text=True, timeout=300)
-    try:
-        assert up.returncode == 0, up.stdout + up.stderr
+    directory each node sees as its own tmpfs. Its node-local directory is yielded; SLURM_CONF points at it."""
+    knobs = {"SLURMFT_CLUSTER_KILLWAIT": "2", "SLURMFT_CLUSTER_STORE_FLAGS": "",
+             "SLURMFT_CLUSTER_NODE_LOCAL": "{base}/node-local"}
+    with second_cluster("misconfigured", 100, knobs) as base:
         monkeypatch.setenv("SLURM_CONF", str(base / "cluster" / "etc" / "slurm.conf"))
         yield base / "node-local"
-    finally:
-        subprocess.run(["bash", str(CLUSTER_SH), "down"], env=env, capture_output=True, text=True, timeout=120)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_doctor_catches_a_misconfigured_cluster_and_a_b_signal(misconfigured_cluster: Path, chat_data: Path,
