@@ -148,9 +148,9 @@ class BackgroundWriter:
         finally:
             dcp.save = real
 
-    def submit(self) -> tuple[Future, tuple[Path, ...]]:
-        """Write what :meth:`deferring` staged, in the background; the future fails if any rank's write failed
-        (DCP shares a write error among the ranks)."""
+    def submit(self, then: Callable[[], None]) -> tuple[Future, tuple[Path, ...]]:
+        """Write what :meth:`deferring` staged, then run ``then``, in the background; the future fails if any
+        rank's write failed (DCP shares a write error among the ranks)."""
         from torch.distributed.checkpoint.state_dict_saver import save
 
         writes, self._writes = self._writes, []
@@ -159,6 +159,7 @@ class BackgroundWriter:
             for state, checkpoint_id, writer, planner in writes:
                 save(state, checkpoint_id=checkpoint_id, storage_writer=writer, planner=planner,
                      process_group=self.group)
+            then()
 
         dirs = tuple(Path(str(getattr(w, "path", None) or c)) for _, c, w, _ in writes)
         return self.thread.submit(write_all), dirs
@@ -239,7 +240,7 @@ class CompleteCheckpoints(TrainerCallback):
             else:
                 with self.writer.deferring():
                     result = original(model, trial, *args, **kwargs)
-                save.future, save.written = self.writer.submit()
+                save.future, save.written = self.writer.submit(lambda: self._finish_files(save.directory))
             save.blocked_s = time.time() - started
             self.current = save
             return result
@@ -308,12 +309,11 @@ class CompleteCheckpoints(TrainerCallback):
                 problems=[f"{save.directory.name}: {why}"])
         return False
 
-    def _complete(self, save: Save) -> None:
-        """The save's files are written on every rank: make them durable, mark, rotate, record."""
-        t0 = time.time()
-        ckpt = save.directory
+    def _finish_files(self, ckpt: Path) -> None:
+        """This rank's files durable; rank 0 adds config and tokenizer and makes the shared files and the
+        directory entries durable (after its DCP saves: every rank's shards exist by then). In the background
+        for an asynchronous save (measured: most of what training waited for at the marker otherwise)."""
         make_durable(ckpt, self.ctx.rank)  # this rank's shards and rng state
-        barrier()  # every rank's files are on disk
         if self.ctx.is_main:
             config = copy.deepcopy(self.model_config)
             config.use_cache = True  # turned off for training only
@@ -322,6 +322,16 @@ class CompleteCheckpoints(TrainerCallback):
                 self.generation_config.save_pretrained(ckpt)
             self.tokenizer.save_pretrained(ckpt)
             make_durable(ckpt, 0)  # the shared files (rank 0's shards again: nothing left to flush) and entries
+
+    def _complete(self, save: Save) -> None:
+        """The save's files are written on every rank: make them durable, mark, rotate, record."""
+        t0 = time.time()
+        ckpt = save.directory
+        if save.future is None:  # synchronous: the files are made durable now (in the write's thread otherwise)
+            barrier()  # every rank's DCP shards exist (rank 0 fsyncs the directories)
+            self._finish_files(ckpt)
+        barrier()  # every rank's files are durable
+        if self.ctx.is_main:
             seconds = time.time() - save.started
             record = mark_complete(ckpt, step=save.step, world_size=self.ctx.world_size, save_s=round(seconds, 3),
                                    asynchronous=save.future is not None, **self.info)
