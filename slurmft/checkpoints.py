@@ -137,21 +137,53 @@ def list_files(path: Path) -> dict[str, int]:
 
 
 def fsync_tree(path: Path) -> None:
-    """fsync every file and directory under ``path`` (the save is durable before its marker exists).
-
-    Every rank calls it: on a shared filesystem a rank flushes what it wrote itself.
-    """
+    """fsync every file and directory under ``path`` (bench/checkpoint.py's baseline; a save uses :func:`make_durable`)."""
     for item in [*sorted(path.rglob("*")), path]:
-        try:
-            fd = os.open(item, os.O_RDONLY)
-        except OSError:
-            continue  # vanished or unreadable: the marker's file list will not match
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass  # some filesystems refuse fsync on directories
-        finally:
-            os.close(fd)
+        _fsync(item)
+
+
+def _fsync(item: Path) -> None:
+    try:
+        fd = os.open(item, os.O_RDONLY)
+    except OSError:
+        return  # vanished or unreadable: the marker's file list will not match
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories
+    finally:
+        os.close(fd)
+
+
+# The files of a checkpoint that one rank writes alone: its DCP shard (``__<rank>_<n>.distcp``) and its
+# random generator state (``rng_state_<rank>.pth``); everything else (DCP's ``.metadata``, the scheduler,
+# trainer state, config, tokenizer) is rank 0's.
+_RANK_FILE = re.compile(r"^(?:__(\d+)_\d+\.distcp|rng_state_(\d+)\.pth)$")
+
+
+def owner(name: str) -> int:
+    """The rank that writes the checkpoint file called ``name`` (0 for the files only rank 0 writes)."""
+    m = _RANK_FILE.match(name)
+    return int(m.group(1) or m.group(2)) if m else 0
+
+
+def make_durable(path: Path, rank: int) -> int:
+    """fsync the files of checkpoint ``path`` that ``rank`` wrote; rank 0 also the shared files and every
+    directory (the entries). Returns how many fsync calls it made.
+
+    Why not every rank everything (what the save did before): on a shared file system a rank's fsync
+    flushes only what its own node wrote, so fsyncing another rank's shard protects nothing, and with R
+    ranks every rank fsyncing every file is R x (2R + 10) calls per save: two million at 1,000 ranks, in
+    the preemption lead time. Now it is 2 or 3 per rank and ~2R + 10 on rank 0 (a ``stat`` walk it
+    does anyway for the marker's file list). Call it on every rank, then a barrier, then the marker.
+    """
+    items = sorted(path.rglob("*"))
+    files = [f for f in items if f.is_file() and owner(f.name) == rank]
+    if rank == 0:
+        files += [d for d in items if d.is_dir()] + [path]
+    for item in files:
+        _fsync(item)
+    return len(files)
 
 
 def mark_complete(path: Path, **info: object) -> dict[str, object]:

@@ -377,8 +377,23 @@ class FSDPConfig(_Section):
 class CheckpointConfig(_Section):
     """Sharded (torch.distributed.checkpoint) checkpoints."""
 
+    # ``async`` is a Python keyword: the field is ``asynchronous`` in code, ``async`` in YAML and when written back.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True,
+                              validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
+
     every_steps: int = Field(100, ge=1, description="Save a sharded checkpoint every N steps; the last step is always saved.")
     keep_last: int = Field(2, ge=1, description="Keep the N newest complete checkpoints.")
+    asynchronous: bool = Field(
+        True, alias="async",
+        description="Periodic saves are staged to CPU memory at the step boundary and written in the background "
+        "while training goes on (one save in flight; COMPLETE only once every rank's write succeeded). false: "
+        "training waits for every save. The final save and the save on the warning signal are always synchronous.",
+    )
+    max_failed_saves: int = Field(
+        3, ge=1, le=1000,
+        description="Stop the run when this many asynchronous saves in a row failed (a failed save leaves no "
+        "COMPLETE and training goes on; the next save retries).",
+    )
 
 
 class PreemptionConfig(_Section):
@@ -649,7 +664,7 @@ def all_fields(model: Any = None, prefix: str = "") -> list[str]:
         ann = field.annotation
         inner = getattr(ann, "__args__", None) or ()
         sub = next((a for a in (ann, *inner) if isinstance(a, type) and issubclass(a, BaseModel)), None)
-        path = f"{prefix}{name}"
+        path = f"{prefix}{field.alias or name}"  # the YAML key (checkpoint.async)
         if sub is not None:
             out += all_fields(sub, path + ("[]." if sub is not ann else "."))
         else:
@@ -672,7 +687,7 @@ def _valid_keys(dotted_parent: str) -> list[str]:
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return []
         model = ann
-    return sorted(model.model_fields)
+    return sorted(field.alias or name for name, field in model.model_fields.items())
 
 
 KEY_PART_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)((?:\[\d+\])*)$")

@@ -36,7 +36,7 @@ def _saved(root: Path, step: int, shard: bytes = b"x" * 100) -> Path:
     (ckpt / "pytorch_model_fsdp_0").mkdir(parents=True)
     (ckpt / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(shard)
     (ckpt / "trainer_state.json").write_text("{}")
-    checkpoints.fsync_tree(ckpt)
+    checkpoints.make_durable(ckpt, 0)
     checkpoints.mark_complete(ckpt, step=step, save_s=0.5)
     return ckpt
 
@@ -94,3 +94,19 @@ def test_old_markers_without_a_file_list_are_still_trusted(tmp_path: Path) -> No
     assert checkpoints.latest_complete(tmp_path) == ckpt
     (ckpt / "COMPLETE").write_text("not json")
     assert "unreadable" in checkpoints.problem(ckpt)
+
+
+def test_each_rank_makes_only_its_own_files_durable_and_rank_0_the_rest(tmp_path: Path) -> None:
+    """Two ranks' checkpoint: a rank fsyncs its DCP shards and rng state; rank 0 also the shared files and the
+    directories. The count is what the save costs in fsync calls (every file on every rank before)."""
+    ckpt = tmp_path / "checkpoint-4"
+    for sub in ("pytorch_model_fsdp_0", "optimizer_0"):
+        (ckpt / sub).mkdir(parents=True)
+        for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
+            (ckpt / sub / name).write_bytes(b"x")
+    for name in ("rng_state_0.pth", "rng_state_1.pth", "scheduler.pt", "trainer_state.json", "config.json"):
+        (ckpt / name).write_bytes(b"x")
+    assert [checkpoints.owner(n) for n in ("__1_0.distcp", "__12_3.distcp", "rng_state_7.pth", ".metadata",
+                                           "rng_state.pth", "scheduler.pt")] == [1, 12, 7, 0, 0, 0]
+    assert checkpoints.make_durable(ckpt, 1) == 3  # two shards, one rng state
+    assert checkpoints.make_durable(ckpt, 0) == 3 + 2 + 3 + 3  # its own, the .metadata files, shared files, dirs

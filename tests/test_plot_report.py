@@ -113,3 +113,23 @@ def test_report_names_the_method(tmp_path: Path) -> None:
     text = write_report(run, slurm_rows=slurm_rows()).read_text()
     assert ("| method | LoRA r=16, alpha=32 (scaling 2), dropout 0 on down_proj, q_proj, full copies of lm_head: "
             "207.1M of 69.18B parameters train (0.30 %) |") in text
+
+
+def test_report_shows_each_save_and_status_is_not_confused_by_them(tmp_path: Path) -> None:
+    """Save lines in metrics.jsonl (what the job's CompleteCheckpoints appends after each marker) land in the
+    report's save table and nowhere else: progress, plot and the step count still see only the steps."""
+    run = preempted_run(tmp_path)
+    steps = len(read_metrics(run / "metrics.jsonl").records)
+    saves = [{"event": "save", "step": 10, "time": 1.0, "mode": "async", "blocked_s": 0.05, "durable_s": 0.7,
+              "bytes": 3 * 2**20, "job_id": "100", "restart": 0},
+             {"event": "save", "step": 36, "time": 2.0, "mode": "sync", "blocked_s": 0.62, "durable_s": 0.62,
+              "bytes": 3 * 2**20, "job_id": "100", "restart": 2}]
+    with open(run / "metrics.jsonl", "a") as f:
+        f.writelines(json.dumps(s) + "\n" for s in saves)
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert len(metrics.records) == steps and metrics.saves == saves and not metrics.problems
+    text = write_report(run, slurm_rows=slurm_rows()).read_text()
+    assert "2 complete save(s); training waited 0.67 s for them in all." in text
+    assert "| 10 | async | 0.05 s | 0.7 s | 3.0 MiB | 100 | 0 |" in text
+    assert "| 36 | sync | 0.62 s | 0.62 s | 3.0 MiB | 100 | 2 |" in text
+    assert f"({steps} logged)" in text

@@ -306,7 +306,9 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
     preempt = PreemptionStop(ctx)
     saving = checkpointer.callbacks(sharded.model.config, getattr(sharded.model, "generation_config", None),
                                     inputs.tokenizer, cfg.checkpoint.keep_last, info, marker_info,
-                                    lead_time_s=cfg.preemption.lead_time_s if env.launcher == "slurm" else None)
+                                    lead_time_s=cfg.preemption.lead_time_s if env.launcher == "slurm" else None,
+                                    asynchronous=cfg.checkpoint.asynchronous,
+                                    max_failed_saves=cfg.checkpoint.max_failed_saves)
     attn = sharded.attn_implementation  # what transformers really set up (build_sharded_model reads it back)
     report_info = {"dtype": str(sharded.dtype).removeprefix("torch."), "precision": sharded.precision,
                    "reduce_dtype": str(sharded.reduce_dtype).removeprefix("torch."),

@@ -71,7 +71,8 @@ def reference() -> str:
         title, model = sections.pop(0)
         lines += [f"## `{title}`", "", (model.__doc__ or "").strip().splitlines()[0], ""]
         lines += ["| key | type | default | description |", "|---|---|---|---|"]
-        for name, field in model.model_fields.items():
+        for attr, field in model.model_fields.items():
+            name = field.alias or attr  # the key as written in YAML (checkpoint.async: ``async`` is a Python keyword)
             sub = _submodel(field.annotation)
             path = name if title == "(top level)" else f"{title}.{name}"
             if sub is not None:

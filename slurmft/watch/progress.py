@@ -52,10 +52,17 @@ class Metrics:
 
     records: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    saves: list[dict[str, Any]] = field(default_factory=list)  # ``"event": "save"`` lines: one per complete save
+
+
+#: The ``event`` of a metrics.jsonl line that records a save (step, mode, blocked_s, durable_s, bytes), written by
+#: the job's ``CompleteCheckpoints`` after the marker; every other line is a logged training step.
+SAVE_EVENT = "save"
 
 
 def read_metrics(path: Path) -> Metrics:
-    """Records with an integer ``step``; a missing file, a partial last line or a garbage line is a problem."""
+    """Records with an integer ``step`` (saves apart); a missing file, a partial last line or a garbage line is a
+    problem."""
     out = Metrics()
     try:
         text = path.read_bytes().decode(errors="replace")
@@ -77,14 +84,14 @@ def read_metrics(path: Path) -> Metrics:
             bad += 1
             continue
         if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-            out.records.append(rec)
+            (out.saves if rec.get("event") == SAVE_EVENT else out.records).append(rec)
         else:
             bad += 1
     if partial.strip():
         try:
             rec = json.loads(partial)
             if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-                out.records.append(rec)
+                (out.saves if rec.get("event") == SAVE_EVENT else out.records).append(rec)
         except ValueError:
             out.problems.append(f"{path.name}: the last line is incomplete (being written), skipped")
     if bad:

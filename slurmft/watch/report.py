@@ -114,6 +114,7 @@ def summary(paths: RunPaths, slurm_rows: list[dict[str, Any]] | None = None) -> 
         "nodes": _nodes_by_attempt(paths),
         "tracker": read_tracker(paths),
         "lora": lora_info(paths),
+        "saves": metrics.saves,
     }
 
 
@@ -213,6 +214,7 @@ def render(s: dict[str, Any], plot_name: str | None) -> str:
         L += [f"| {r['rank']} | {r['device'] or '-'} | {_mib(r['peak_rss_mib'])} | {binary_bytes(r['local_bytes'])} |"
               for r in s["ranks"]]
         L.append("")
+    L += save_lines(s["saves"])
     ck = s["checkpoint"]
     L += ["## Model", "",
           f"Consolidated model: `{s['model']}` (`AutoModelForCausalLM.from_pretrained` loads it)." if s["model"]
@@ -222,6 +224,22 @@ def render(s: dict[str, Any], plot_name: str | None) -> str:
     if plot_name:
         L += [f"![loss and learning rate]({plot_name})", ""]
     return "\n".join(L)
+
+
+def save_lines(saves: list[dict[str, Any]]) -> list[str]:
+    """The "Checkpoint saves" section: per complete save how long training waited (``blocked_s``), how long
+    until its COMPLETE marker (``durable_s``, staging to marker) and its size, from metrics.jsonl."""
+    L = ["## Checkpoint saves", ""]
+    if not saves:
+        return [*L, "No save recorded (metrics.jsonl has no save line).", ""]
+    blocked = [r["blocked_s"] for r in saves if isinstance(r.get("blocked_s"), (int, float))]
+    L += [f"{len(saves)} complete save(s); training waited {sum(blocked):.2f} s for them in all.", "",
+          "| step | mode | training waited | to COMPLETE | size | job | restart |", "|---|---|---|---|---|---|---|"]
+    for r in saves:
+        size = binary_bytes(r["bytes"]) if isinstance(r.get("bytes"), int) else "-"
+        L.append(f"| {r['step']} | {r.get('mode', '-')} | {_dash(r.get('blocked_s'))} s | {_dash(r.get('durable_s'))} s "
+                 f"| {size} | {_dash(r.get('job_id'))} | {_dash(r.get('restart'))} |")
+    return [*L, ""]
 
 
 def _dash(v: Any) -> str:

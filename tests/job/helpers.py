@@ -137,9 +137,18 @@ def launch_like_srun(run_dir: Path, env: dict[str, str], ntasks: int = 2, job_id
     return Launch(procs=procs, run_dir=run_dir, log_path=log_path, torchrun=False)
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl as a list of records."""
+def _metrics_lines(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's training steps as a list of records (the save records apart: :func:`read_saves`)."""
+    return [m for m in _metrics_lines(run_dir) if m.get("event") != "save"]
+
+
+def read_saves(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's save records (step, mode, blocked_s, durable_s, bytes), in order."""
+    return [m for m in _metrics_lines(run_dir) if m.get("event") == "save"]

@@ -119,3 +119,55 @@ def test_a_checkpoint_that_does_not_load_falls_back_to_the_previous_one(tiny_mod
     assert f"checkpoint-{MAX_STEPS}" in left and not [n for n in left if "unloadable" in n], left
     assert (root / f"checkpoint-{MAX_STEPS}" / "COMPLETE").is_file()
     shutil.rmtree(run / "checkpoints")  # ~60 MB of shards: do not leave them in the temp dir
+
+
+def test_asynchronous_saves_failing_in_a_row_stop_the_run(tmp_path: Path) -> None:
+    """The counting rule of ``checkpoint.max_failed_saves`` on a one-rank gloo group: a failed background write
+    (a DCP CheckpointException carried by the write's future) is logged and training goes on; the N-th failure
+    in a row raises CheckpointError naming the field and the cause.
+    (Two ranks with a failing write: test_train_cpu.py's reference run.)"""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import time
+        from concurrent.futures import Future
+        from pathlib import Path
+        import torch, torch.distributed as dist
+        from torch.distributed.checkpoint.api import CheckpointException
+        from slurmft.errors import CheckpointError
+        from slurmft.job.checkpointing import CompleteCheckpoints, Save
+        from slurmft.job.distributed import DistContext
+        from slurmft.job.rendezvous import JobEnv
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        env = JobEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, num_nodes=1, job_id="1",
+                     restart_count=0, master_addr="127.0.0.1", master_port=0, launcher="local")
+        ctx = DistContext(env=env, device=torch.device("cpu"), backend="gloo", collective_timeout_s=30)
+        saver = CompleteCheckpoints(ctx, None, None, None, keep_last=2, info={{}}, asynchronous=True,
+                                    max_failed_saves=2)
+
+        def failed(step):
+            future = Future()
+            future.set_exception(CheckpointException("write", {{0: (OSError(28, "No space left on device"), None)}}))
+            saver.pending = Save(step=step, directory=Path({str(tmp_path)!r}) / f"checkpoint-{{step}}",
+                                 started=time.time(), future=future)
+            return saver.finish_pending()
+
+        assert failed(10) is False and saver.failed_in_a_row == 1
+        try:
+            failed(20)
+        except CheckpointError as exc:
+            print(exc.render())
+        else:
+            raise SystemExit("no CheckpointError")
+        saver.close()
+        dist.destroy_process_group()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 asynchronous saves in a row failed (checkpoint.max_failed_saves=2)" in proc.stdout, proc.stdout
+    assert "checkpoint-20: rank 0: OSError: [Errno 28] No space left on device" in proc.stdout, proc.stdout
+    assert "asynchronous save of checkpoint-10 failed (1 in a row" in proc.stderr, proc.stderr

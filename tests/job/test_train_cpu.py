@@ -1,9 +1,12 @@
 """Real two-rank FSDP2 fine-tunes on CPU (gloo): training, sharding, checkpoints, metrics, preemption, resume.
 
-One uninterrupted reference run of examples/tiny/run.yaml (36 steps) is shared by the module; the
-preempted run gets the warning signal mid-way on ONE rank only (Slurm signals every rank, but not at
-the same instant: only the ranks' agreement at the step boundary keeps them in step), then is
-relaunched, and its losses after the resume must equal the reference's exactly.
+One uninterrupted reference run of examples/tiny/run.yaml (36 steps, asynchronous periodic saves: the
+default) is shared by the module. Its save at step 20 fails on rank 1 alone in the background (its shard's
+file name is taken by a directory, made once checkpoint-10 is complete): no COMPLETE for it, both ranks
+log it, training goes on with the same losses, and the saves at 30 and 36 succeed. The preempted run gets
+the warning signal on ONE rank only (Slurm signals every rank, but not at the same instant: only the ranks'
+agreement at the step boundary keeps them in step) while its asynchronous save of step 10 is being
+written, then is relaunched, and its losses after the resume must equal the reference's exactly.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import launch, launch_like_srun, read_metrics, write_run
+from .helpers import launch, launch_like_srun, read_metrics, read_saves, write_run
 
 pytestmark = pytest.mark.train
 
@@ -26,12 +29,24 @@ EVERY = 10
 METRIC_FIELDS = {"step", "loss", "learning_rate", "grad_norm", "tokens_per_s", "peak_rss_mib", "peak_gpu_mem_mib"}
 
 
+FAILING = 2 * EVERY  # the reference run's save that fails on rank 1
+
+
 @pytest.fixture(scope="module")
 def reference_run(tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = write_run(tmp_path_factory.mktemp("ref") / "run", tiny_model)
-    rc, out = launch(run, job_env).wait(timeout=300)
+    job = launch(run, job_env)
+    done = f"checkpoint-{EVERY} complete"  # logged after its rotation (which removes directories without a marker)
+    deadline = time.time() + 240
+    while time.time() < deadline and job.running() and done not in job.log_path.read_text():
+        time.sleep(0.05)
+    assert done in job.log_path.read_text() and max(m["step"] for m in read_metrics(run)) < FAILING, \
+        job.log_path.read_text()[-4000:]
+    (run / "checkpoints" / f"checkpoint-{FAILING}" / "optimizer_0" / "__1_0.distcp").mkdir(parents=True)
+    rc, out = job.wait(timeout=300)
     assert rc == 0, out[-6000:]
     assert len(re.findall(r"slurmft rank \d: completed at step 36", out)) == 2, out[-3000:]
+    (run / "job.log").write_text(out)
     return run
 
 
@@ -76,6 +91,31 @@ def test_checkpoints_are_sharded_and_complete(reference_run: Path, tiny_model: P
         keys = set(FileSystemReader(str(ckpt / "pytorch_model_fsdp_0")).read_metadata().state_dict_metadata)
         assert keys == {f"model.{k}" for k in hf_names}  # the layout consolidation reads
         assert json.loads((ckpt / "config.json").read_text())["use_cache"] is True
+    assert [json.loads((root / n / "COMPLETE").read_text())["asynchronous"] for n in ckpts] == [True, False]
+
+
+def test_periodic_saves_are_asynchronous_and_recorded(reference_run: Path) -> None:
+    """Every complete save has a metrics.jsonl line; the periodic ones were written in the background."""
+    saves = read_saves(reference_run)
+    assert [(r["step"], r["mode"]) for r in saves] == [(10, "async"), (30, "async"), (36, "sync")], saves
+    for r in saves:
+        assert r["bytes"] > 0 and r["durable_s"] > 0 and r["blocked_s"] > 0, r
+    for r in saves[:2]:
+        assert r["blocked_s"] < r["durable_s"], r  # training went on while the write did
+    out = (reference_run / "job.log").read_text()
+    assert "checkpoint-10 complete" in out and "in the background, training waited" in out
+
+
+def test_a_failed_asynchronous_save_leaves_no_marker_and_training_goes_on(reference_run: Path) -> None:
+    """Rank 1's background write of checkpoint-20 failed: both ranks say so, no COMPLETE, training went on to the
+    end (the losses after it are the resumed run's reference, below), and rotation removed the torn directory."""
+    out = (reference_run / "job.log").read_text()
+    failed = re.findall(rf"\[slurmft rank(\d) [^\]]+\] asynchronous save of checkpoint-{FAILING} failed \(1 in a row; "
+                        r"no COMPLETE.*rank 1: .*IsADirectoryError", out)
+    assert sorted(failed) == ["0", "1"], out[-4000:]
+    assert not (reference_run / "checkpoints" / f"checkpoint-{FAILING}" / "COMPLETE").exists()
+    assert FAILING not in [r["step"] for r in read_saves(reference_run)]
+    assert [m["step"] for m in read_metrics(reference_run)] == list(range(1, MAX_STEPS + 1))
 
 
 def test_metrics_have_the_fields(reference_run: Path) -> None:
@@ -90,16 +130,15 @@ def test_metrics_have_the_fields(reference_run: Path) -> None:
 
 @pytest.fixture(scope="module")
 def preempted_run(tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
-    """Launched as srun would (job 4242, restart 0); USR2 mid-run to rank 1 alone (not the rank that logs)."""
+    """Launched as srun would (job 4242, restart 0); USR2 to rank 1 alone (not the rank that logs) while the
+    asynchronous save of step 10 is in flight (its directory exists, its marker does not yet)."""
     run = write_run(tmp_path_factory.mktemp("pre") / "run", tiny_model)
     job = launch_like_srun(run, job_env, job_id="4242", restart=0)
+    first = run / "checkpoints" / f"checkpoint-{EVERY}"
     deadline = time.time() + 240
-    while time.time() < deadline and job.running():
-        steps = [m["step"] for m in read_metrics(run)]
-        if steps and steps[-1] >= EVERY + 2:
-            break
-        time.sleep(0.1)
-    assert job.running(), job.log_path.read_text()[-4000:]
+    while time.time() < deadline and job.running() and not (first / "optimizer_0").is_dir():
+        time.sleep(0.02)
+    assert job.running() and not (first / "COMPLETE").exists(), job.log_path.read_text()[-4000:]
     pids = job.ranks()
     assert len(pids) == 2
     os.kill(pids[1], signal.SIGUSR2)  # rank 1 only: rank 0 stops because the ranks agree on the flag
@@ -116,7 +155,11 @@ def test_preemption_stops_every_rank_at_one_step(preempted_run) -> None:
     steps = {int(s) for _, s in stops}
     assert len(steps) == 1, stops
     step = steps.pop()
-    assert EVERY + 2 <= step < MAX_STEPS
+    assert EVERY <= step < MAX_STEPS
+    if step == EVERY:  # agreed right after the asynchronous save of step 10: that save, waited for, is the last
+        assert "checkpoint-10 was just saved (no second save)" in out, out[-3000:]
+    else:  # agreed at a later step end: the save of step 10 was waited for, then this step saved synchronously
+        assert [(r["step"], r["mode"]) for r in read_saves(run)] == [(EVERY, "async"), (step, "sync")], out[-3000:]
     root = run / "checkpoints"
     assert (root / f"checkpoint-{step}" / "COMPLETE").is_file()
     assert (root / f"checkpoint-{step}" / "pytorch_model_fsdp_0" / ".metadata").is_file()

@@ -10,7 +10,16 @@ from pathlib import Path
 
 
 def metrics(run: Path) -> list[dict]:
-    """Every record of a run's metrics.jsonl (none yet: [])."""
+    """Every training-step record of a run's metrics.jsonl (none yet: []); the save lines apart: :func:`saves`."""
+    return [m for m in _lines(run) if m.get("event") != "save"]
+
+
+def saves(run: Path) -> list[dict]:
+    """The save records of a run's metrics.jsonl (step, mode, blocked_s, durable_s, bytes)."""
+    return [m for m in _lines(run) if m.get("event") == "save"]
+
+
+def _lines(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
