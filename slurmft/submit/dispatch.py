@@ -41,6 +41,8 @@ from slurmft.rundir import (
     start_attempt,
     write_manifest,
 )
+from slurmft.units import binary_bytes
+from slurmft.watch.progress import SAVE_EVENT
 
 Say = Callable[[str], None]
 
@@ -434,9 +436,22 @@ class MetricsFollower:
                 rec = json.loads(raw)
             except ValueError:
                 continue
-            if isinstance(rec, dict) and "step" in rec:
+            if isinstance(rec, dict) and rec.get("event") == SAVE_EVENT:
+                lines.append(save_line(rec))
+            elif isinstance(rec, dict) and "step" in rec:
                 lines.append(step_line(rec))
         return lines
+
+
+def save_line(rec: dict[str, Any]) -> str:
+    """``saved checkpoint-6 (async: training waited 0.12 s, durable after 0.9 s, 64.0 MiB)``: a save line of
+    metrics.jsonl (written once the checkpoint is complete), not a step of its own."""
+    how = [f"training waited {rec['blocked_s']:.2f} s" if isinstance(rec.get("blocked_s"), int | float) else "",
+           f"durable after {rec['durable_s']:.1f} s" if isinstance(rec.get("durable_s"), int | float) else "",
+           binary_bytes(rec["bytes"]) if isinstance(rec.get("bytes"), int) else ""]
+    detail = ", ".join(part for part in how if part)
+    mode = f"{rec['mode']}: " if rec.get("mode") and detail else str(rec.get("mode") or "")
+    return f"saved checkpoint-{rec.get('step')}" + (f" ({mode}{detail})" if mode or detail else "")
 
 
 def step_line(rec: dict[str, Any]) -> str:
