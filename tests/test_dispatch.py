@@ -22,3 +22,13 @@ def test_every_step_once_in_order_and_a_partial_line_waits(tmp_path: Path) -> No
                 + json.dumps({**rec, "step": 5}) + "\n")
     assert [line.split()[1] for line in follow.new_lines()] == ["3", "4", "5"]
     assert step_line(rec) == "step 1 loss=2.5 learning_rate=0.0001 grad_norm=0.5"
+
+
+def test_a_save_line_is_said_as_a_save_not_as_a_second_step(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    follow = MetricsFollower(path)
+    save = {"event": "save", "step": 6, "mode": "async", "blocked_s": 0.123, "durable_s": 0.91, "bytes": 64 * 2**20}
+    path.write_text(json.dumps({"step": 6, "loss": 2.0}) + "\n" + json.dumps(save) + "\n"
+                    + json.dumps({"step": 7, "loss": 1.9}) + "\n")
+    assert follow.new_lines() == ["step 6 loss=2", "saved checkpoint-6 (async: training waited 0.12 s, durable after "
+                                  "0.9 s, 64.0 MiB)", "step 7 loss=1.9"]
