@@ -277,8 +277,10 @@ def write_run(run_dir: Path, model_dir: Path) -> None:
 
 def run_job(run_dir: Path, env: dict[str, str], nproc: int) -> dict[str, Any]:
     """Start the train job, wait for it; the attempt's first metrics record and seconds to it from the start."""
+    from slurmft.watch.progress import read_metrics  # the steps of metrics.jsonl (its save lines apart)
+
     metrics = run_dir / "metrics.jsonl"
-    before = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+    before = len(read_metrics(metrics).records)
     log = run_dir.parent / f"{run_dir.name}.{int(time.time())}.log"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "slurmft.job.entrypoint", "train", str(run_dir)]
@@ -288,7 +290,7 @@ def run_job(run_dir: Path, env: dict[str, str], nproc: int) -> dict[str, Any]:
         wall = time.time() - t0
     if proc.returncode != 0:
         raise SystemExit(f"the train job failed (exit {proc.returncode}); log: {log}\n{log.read_text()[-3000:]}")
-    records = [json.loads(line) for line in metrics.read_text().splitlines()[before:] if line.strip()]
+    records = read_metrics(metrics).records[before:]
     first = records[0]
     return {"first_step": first["step"], "to_first_step_s": round(first["time"] - t0, 2), "wall_s": round(wall, 2)}
 

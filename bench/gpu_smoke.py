@@ -167,7 +167,9 @@ def estimate_of(run: Path, device_name: str, on_gpu: bool) -> dict:
 def summarize(run: Path, model_dir: Path, seq: int, device_name: str, peak: float | None, skip: int,
               plan: dict | None = None) -> dict:
     """Throughput and MFU from the job's metrics.jsonl and fsdp_report; memory against ``plan`` (the estimate)."""
-    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    from slurmft.watch.progress import read_metrics
+
+    metrics = read_metrics(run / "metrics.jsonl").records  # the steps (the save lines apart)
     steady = [m["tokens_per_s"] for m in metrics[skip:] if m.get("tokens_per_s")] or \
              [m["tokens_per_s"] for m in metrics if m.get("tokens_per_s")]
     tps = statistics.median(steady) if steady else 0.0

@@ -177,7 +177,9 @@ def run_job(run_dir: Path, env: dict[str, str], nproc: int) -> dict[str, Any]:
         raise SystemExit(f"the train job failed (exit {rc}); log: {log}\n{log.read_text()[-3000:]}")
     if sorted(peaks.peak_kib) != list(range(nproc)):
         raise SystemExit(f"sampled the peak of ranks {sorted(peaks.peak_kib)} only, expected 0..{nproc - 1}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    from slurmft.watch.progress import read_metrics
+
+    records = read_metrics(run_dir / "metrics.jsonl").records  # the steps (the save lines apart)
     gaps = [b["time"] - a["time"] for a, b in zip(records, records[1:], strict=False)]
     ckpts = sorted((run_dir / "checkpoints").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     ranks = []
