@@ -32,6 +32,11 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
+#: The ``event`` of a metrics.jsonl line that records a save (step, mode, blocked_s, durable_s, bytes), written by
+#: the job's ``CompleteCheckpoints`` after the marker; every other line is a logged training step.
+SAVE_EVENT = "save"
+
+
 @dataclass(frozen=True)
 class RunPaths:
     """Every path inside a run directory."""
@@ -102,7 +107,7 @@ class RunPaths:
 
     @property
     def metrics(self) -> Path:
-        """Per-step metrics (JSONL)."""
+        """Per-step metrics (JSONL): one line per logged step, and one per complete save (:data:`SAVE_EVENT`)."""
         return self.root / "metrics.jsonl"
 
     @property

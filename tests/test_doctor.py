@@ -64,6 +64,18 @@ def test_a_short_kill_wait_is_a_problem_with_its_fix() -> None:
     assert exit_code(list(lines.values())) == 1
 
 
+def test_with_async_saves_a_stop_may_save_twice() -> None:
+    """checkpoint.async: a stop first finishes the save in flight, then saves its own step, so KillWait must cover
+    two saves: 30 s covers one 20 s save, not a stop's 40 s."""
+    f = dataclasses.replace(facts("22.05"), config={**facts("22.05").config, "KillWait": "30 sec"})
+    assert by_check(diagnose(f, run(save_s=20.0)))["KillWait"].level is Level.OK
+    kill = by_check(diagnose(f, run(save_s=20.0, asynchronous=True)))["KillWait"]
+    assert kill.level is Level.PROBLEM and "this run's stop saves for (a save in flight, then its own) ~40 s" in kill.text
+    assert "KillWait >= 90" in kill.fix
+    lead = by_check(diagnose(f, run(save_s=20.0, asynchronous=True)))["lead time"]
+    assert lead.level is Level.OK and "covers the stop (a save in flight, then its own) (~40 s)" in lead.text
+
+
 def test_a_save_that_fits_is_ok() -> None:
     lines = by_check(diagnose(facts("22.05"), run(save_s=3.0)))
     assert lines["KillWait"].level is Level.OK and lines["lead time"].level is Level.OK

@@ -39,6 +39,10 @@ def test_lead_time_not_shorter_than_the_job_is_refused(lead: int) -> None:
     assert validate(_cfg(lead_time_s=60)).preemption.lead_time_s == 60
 
 
+def sync_checkpoint(cfg):  # noqa: ANN001, ANN201
+    return cfg.checkpoint.model_copy(update={"asynchronous": False})
+
+
 def test_projected_save_time_and_the_warning_with_numbers() -> None:
     profile = load_profile("aws-efa")
     assert profile.checkpoint_write_gb_per_s == DEFAULT_CHECKPOINT_WRITE_GB_PER_S
@@ -46,13 +50,22 @@ def test_projected_save_time_and_the_warning_with_numbers() -> None:
     result = E.estimate(cfg, profile)
     want = result["checkpoint_bytes"] / (cfg.resources.nodes * 1e9)
     assert result["checkpoint_save_s"] == pytest.approx(want) and 300 < want < 500  # ~830 GB over 2 nodes
+    assert result["checkpoint_async"] is True  # checkpoint.async's default: a stop may wait for a save in flight
     warning = T.lead_time_warning(result, cfg.resources.nodes, profile.checkpoint_write_gb_per_s)
     assert warning is not None
-    assert f"preemption.lead_time_s 60 s is below the projected checkpoint save time {want:.0f} s" in warning
-    assert "2 node(s) x 1 GB/s per node" in warning
+    assert (f"preemption.lead_time_s 60 s is below twice the projected checkpoint save time, {2 * want:.0f} s "
+            f"(checkpoint.async: a stop first finishes the save in flight, then saves its own step; each save "
+            f"~{want:.0f} s; ") in warning
+    assert "2 node(s) x 1 GB/s per node" in warning and f"at least {int(want * 2) + 30} " in warning
+    sync = E.estimate(validate({**_cfg(lead_time_s=60), "cluster": {"time": "04:00:00"},
+                                "checkpoint": {"async": False}}), profile)
+    warning = T.lead_time_warning(sync, cfg.resources.nodes, profile.checkpoint_write_gb_per_s)
+    assert f"preemption.lead_time_s 60 s is below the projected checkpoint save time {want:.0f} s (" in warning
     fast = profile.model_copy(update={"checkpoint_write_gb_per_s": 10.0})
-    quick = E.estimate(cfg, fast)
-    assert T.lead_time_warning(quick, cfg.resources.nodes, 10.0) is None  # ~41 s < 60 s
+    quick = E.estimate(cfg, fast)  # ~41 s a save: one fits in 60 s, a save in flight and the stop's own do not
+    assert "below twice the projected checkpoint save time, 83 s" in T.lead_time_warning(quick, cfg.resources.nodes, 10.0)
+    assert T.lead_time_warning(E.estimate(cfg.model_copy(update={"checkpoint": sync_checkpoint(cfg)}), fast),
+                               cfg.resources.nodes, 10.0) is None
 
 
 def test_estimate_and_validate_show_it(capsys: pytest.CaptureFixture[str]) -> None:
@@ -64,7 +77,7 @@ def test_estimate_and_validate_show_it(capsys: pytest.CaptureFixture[str]) -> No
     except SystemExit as exc:
         assert not exc.code
     err = capsys.readouterr().err
-    assert "warning: preemption.lead_time_s 120 s is below the projected checkpoint save time" in err
+    assert "warning: preemption.lead_time_s 120 s is below twice the projected checkpoint save time" in err
     try:
         main(["validate", str(EXAMPLE_70B), "cluster.time=00:10:00"])  # its lead_time_s is 600
     except SystemExit as exc:

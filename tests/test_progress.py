@@ -246,3 +246,28 @@ def test_a_lora_run_without_merge_names_its_adapter_as_the_result(tmp_path: Path
     (paths.adapter / ADAPTER_CONFIG).write_text("{}")
     assert f"adapter: {paths.adapter}" in text()
     assert "model: not written (consolidate.merge is false: the adapter is the result)" in text()
+
+
+def test_status_says_the_saves_from_metrics_save_lines(tmp_path: Path) -> None:
+    """The job's save lines (one per complete save) are counted per mode with the mean wait and durability."""
+    from slurmft.rundir import SAVE_EVENT
+    from slurmft.watch.progress import overview, overview_lines, saves_info
+
+    paths = RunPaths.of(preempted_run(tmp_path))
+    manifest = json.loads(paths.manifest.read_text())
+    assert overview(paths, manifest, slurm_rows())["saves"] is None  # no save line: nothing said
+    assert not any(line.startswith("saves:") for line in overview_lines(overview(paths, manifest, slurm_rows())))
+    lines = [{"event": SAVE_EVENT, "step": 10, "mode": "async", "blocked_s": 0.1, "durable_s": 2.0, "bytes": 4096},
+             {"event": SAVE_EVENT, "step": 20, "mode": "async", "blocked_s": 0.3, "durable_s": 3.0, "bytes": 4096},
+             {"event": SAVE_EVENT, "step": 24, "mode": "sync", "blocked_s": 0.9, "durable_s": 0.9, "bytes": 8192}]
+    with open(paths.metrics, "a") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+    info = saves_info(read_metrics(paths.metrics).saves)
+    assert info == {"count": 3, "last": {"step": 24, "mode": "sync", "blocked_s": 0.9, "durable_s": 0.9, "bytes": 8192},
+                    "by_mode": {"async": {"count": 2, "blocked_s": 0.2, "durable_s": 2.5},
+                                "sync": {"count": 1, "blocked_s": 0.9, "durable_s": 0.9}}}
+    ov = overview(paths, manifest, slurm_rows())
+    assert ov["saves"] == info and ov["progress"]["step"] == 36  # the save lines are not steps
+    text = "\n".join(overview_lines(ov))
+    assert ("saves: 2 asynchronous (training waited 0.20 s, durable after 2.50 s, mean), 1 synchronous (training "
+            "waited 0.90 s, durable after 0.90 s, mean); newest checkpoint-24 (sync, 8.0 KiB)") in text

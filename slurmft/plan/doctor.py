@@ -27,7 +27,7 @@ from enum import StrEnum
 from typing import Any
 
 from slurmft.config import RunConfig, slurm_time_seconds
-from slurmft.plan.estimate_text import lead_time_needed, lead_time_warning
+from slurmft.plan.estimate_text import lead_time_needed, lead_time_warning, stop_save_s
 from slurmft.profiles import ClusterProfile
 from slurmft.slurm import UNSET, ClusterFacts, option, seconds
 
@@ -70,6 +70,7 @@ class RunFacts:
     save_s: float | None  # the estimate's projected save time; None when there is no estimate
     save_why: str = ""  # why there is none
     lead_warning: str | None = None  # estimate_text.lead_time_warning: the lead time is below the save
+    asynchronous: bool = False  # checkpoint.async: a stop may first finish a save in flight (two saves' time)
 
 
 def run_facts(cfg: RunConfig, profile: ClusterProfile, estimate: dict[str, Any] | None, why: str = "") -> RunFacts:
@@ -85,6 +86,7 @@ def run_facts(cfg: RunConfig, profile: ClusterProfile, estimate: dict[str, Any] 
         save_why=why,
         lead_warning=None if estimate is None else lead_time_warning(
             estimate, cfg.resources.nodes, profile.checkpoint_write_gb_per_s),
+        asynchronous=cfg.checkpoint.asynchronous,
     )
 
 
@@ -296,25 +298,30 @@ def check_save(facts: ClusterFacts, run: RunFacts | None, name: str | None, part
     if run.save_s is None:
         return [Line("save time", Level.WARNING, f"no projected save time ({run.save_why})",
                      "make model.name_or_path readable here so `slurmft estimate` works")]
-    save, need = run.save_s, needed_s(run.save_s)
+    # what a stop may save for: with checkpoint.async, the rest of a save in flight, then its own
+    save = stop_save_s(run.save_s, run.asynchronous)
+    need = needed_s(save)
+    takes = "stop saves for (a save in flight, then its own)" if run.asynchronous else "save takes"
+    covers = "stop (a save in flight, then its own)" if run.asynchronous else "save"
     lost = f"up to {run.every_steps} steps (checkpoint.every_steps)"
     lines = []
     if run.lead_warning:
         lines.append(Line("lead time", Level.PROBLEM, run.lead_warning + f"; the run loses {lost}",
-                          f"set preemption.lead_time_s to at least {lead_time_needed(save)}"))
+                          f"set preemption.lead_time_s to at least {lead_time_needed(run.save_s)}"))
     else:
-        lines.append(Line("lead time", Level.OK, f"preemption.lead_time_s {run.lead_time_s} s covers the save (~{_secs(save)})"))
+        lines.append(Line("lead time", Level.OK, f"preemption.lead_time_s {run.lead_time_s} s covers the {covers} "
+                                                 f"(~{_secs(save)})"))
     kill_wait = seconds(_value(facts.config, "KillWait"))
     if facts.config is not None and kill_wait is None:
         lines.append(Line("KillWait", Level.WARNING, f"KillWait: {NOT_REPORTED}"))
     elif kill_wait is not None and kill_wait < save:
         lines.append(Line("KillWait", Level.PROBLEM,
                           f"scancel, scontrol requeue and a time limit the warning signal missed kill the job "
-                          f"{kill_wait} s after SIGTERM (KillWait); this run's save takes ~{_secs(save)}: such an ending "
+                          f"{kill_wait} s after SIGTERM (KillWait); this run's {takes} ~{_secs(save)}: such an ending "
                           f"loses {lost}",
                           f"ask for KillWait >= {need}, or lower checkpoint.every_steps"))
     elif kill_wait is not None:
-        lines.append(Line("KillWait", Level.OK, f"KillWait {kill_wait} s covers the save (~{_secs(save)})"))
+        lines.append(Line("KillWait", Level.OK, f"KillWait {kill_wait} s covers the {covers} (~{_secs(save)})"))
     if part is None or not preemption_on(facts, part):
         return lines
     grace = seconds(part.get("GraceTime"))
@@ -325,12 +332,12 @@ def check_save(facts: ClusterFacts, run: RunFacts | None, name: str | None, part
     if window < save:
         lines.append(Line("GraceTime", Level.PROBLEM,
                           f"a preemption on partition {name} kills the job {window} s after SIGTERM (GraceTime {grace} "
-                          f"+ KillWait {kill_wait}); this run's save takes ~{_secs(save)}: a preemption loses {lost}",
+                          f"+ KillWait {kill_wait}); this run's {takes} ~{_secs(save)}: a preemption loses {lost}",
                           f"ask for GraceTime >= {max(need - (kill_wait or 0), 0)} on {name}, or lower "
                           "checkpoint.every_steps"))
     else:
         lines.append(Line("GraceTime", Level.OK, f"a preemption on {name} leaves {window} s (GraceTime {grace} + KillWait "
-                                                 f"{kill_wait}) for the save (~{_secs(save)})"))
+                                                 f"{kill_wait}) for the {covers} (~{_secs(save)})"))
     return lines
 
 

@@ -777,6 +777,7 @@ def estimate(
         "checkpoint_bytes": checkpoint_bytes,
         "checkpoint_save_s": projected_save(checkpoint_bytes, knobs.nodes, profile.checkpoint_write_gb_per_s),
         "lead_time_s": cfg.preemption.lead_time_s,
+        "checkpoint_async": cfg.checkpoint.asynchronous,
         "consolidated_bytes": n_params * DTYPE_BYTES[out_dtype] if merged else 0,
         "consolidated_dtype": out_dtype,
         "lora": lora,

@@ -248,13 +248,24 @@ def lead_time_needed(save_s: float) -> int:
     return int(save_s * 2) + 30
 
 
+def stop_save_s(save_s: float, asynchronous: bool) -> float:
+    """The longest a stop (warning signal, SIGTERM) saves for: one save, or, with ``checkpoint.async``, the rest of
+    a periodic save still being written (up to a whole save) and then the stop's own synchronous save."""
+    return save_s * 2 if asynchronous else save_s
+
+
 def lead_time_warning(result: dict[str, Any], nodes: int, gb_per_s_per_node: float) -> str | None:
-    """A warning (with the numbers) when the warning signal would not leave time for one save."""
+    """A warning (with the numbers) when the warning signal would not leave time for the stop's save(s)."""
     save, lead = result["checkpoint_save_s"], result["lead_time_s"]
-    if lead >= save:
+    asynchronous = bool(result.get("checkpoint_async"))
+    stop = stop_save_s(save, asynchronous)
+    if lead >= stop:
         return None
-    return (f"preemption.lead_time_s {lead} s is below the projected checkpoint save time {save:.0f} s "
-            f"({decimal_gb(result['checkpoint_bytes'])} / ({nodes} node(s) x {gb_per_s_per_node:g} GB/s per node, "
+    what = (f"twice the projected checkpoint save time, {stop:.0f} s (checkpoint.async: a stop first finishes the "
+            f"save in flight, then saves its own step; each save ~{save:.0f} s" if asynchronous else
+            f"the projected checkpoint save time {save:.0f} s (")
+    return (f"preemption.lead_time_s {lead} s is below {what}{'; ' if asynchronous else ''}"
+            f"{decimal_gb(result['checkpoint_bytes'])} / ({nodes} node(s) x {gb_per_s_per_node:g} GB/s per node, "
             f"cluster profile checkpoint_write_gb_per_s)): a preemption or time limit would kill the save. Raise "
             f"preemption.lead_time_s to at least {lead_time_needed(save)} (twice the save, plus start-up of a step)")
 

@@ -31,6 +31,7 @@ from slurmft.plan.render import (
 )
 from slurmft.profiles import ClusterProfile
 from slurmft.rundir import (
+    SAVE_EVENT,
     RunPaths,
     acquire_lock,
     atomic_write,
@@ -42,7 +43,6 @@ from slurmft.rundir import (
     write_manifest,
 )
 from slurmft.units import binary_bytes
-from slurmft.watch.progress import SAVE_EVENT
 
 Say = Callable[[str], None]
 

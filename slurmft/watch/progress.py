@@ -26,7 +26,7 @@ import yaml
 
 from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, read_marker, step_of
 from slurmft.config import lora_scaling
-from slurmft.rundir import ADAPTER_CONFIG, RunPaths, planned_max_steps
+from slurmft.rundir import ADAPTER_CONFIG, SAVE_EVENT, RunPaths, planned_max_steps
 from slurmft.rundir import MODEL_INDEX as SAFE_INDEX_NAME  # what consolidation writes last
 from slurmft.slurm_states import State, is_live, parse, words
 from slurmft.trackers import read_tracker, tracker_lines
@@ -53,11 +53,6 @@ class Metrics:
     records: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     saves: list[dict[str, Any]] = field(default_factory=list)  # ``"event": "save"`` lines: one per complete save
-
-
-#: The ``event`` of a metrics.jsonl line that records a save (step, mode, blocked_s, durable_s, bytes), written by
-#: the job's ``CompleteCheckpoints`` after the marker; every other line is a logged training step.
-SAVE_EVENT = "save"
 
 
 def read_metrics(path: Path) -> Metrics:
@@ -180,6 +175,38 @@ def dir_bytes(path: Path) -> int:
                 continue
             total += st.st_size
     return total
+
+
+def saves_info(saves: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The run's complete saves (metrics.jsonl's save lines, every attempt): how many of each mode, how long
+    training waited per save and how long a save took to become durable (means), and the newest; None: none yet."""
+    if not saves:
+        return None
+
+    def mean(mode: str, key: str) -> float | None:
+        values = [v for r in saves if r.get("mode") == mode and (v := _num(r.get(key))) is not None]
+        return round(sum(values) / len(values), 3) if values else None
+
+    last = saves[-1]
+    return {"count": len(saves),
+            "by_mode": {m: {"count": sum(r.get("mode") == m for r in saves), "blocked_s": mean(m, "blocked_s"),
+                            "durable_s": mean(m, "durable_s")}
+                        for m in ("async", "sync") if any(r.get("mode") == m for r in saves)},
+            "last": {k: last.get(k) for k in ("step", "mode", "blocked_s", "durable_s", "bytes")}}
+
+
+def saves_line(info: dict[str, Any] | None) -> str | None:
+    """:func:`saves_info` in words: ``saves: 3 async (training waited 0.12 s each, durable after 1.9 s), ...``."""
+    if not info:
+        return None
+    parts = []
+    for mode, m in info["by_mode"].items():
+        waited = f"training waited {m['blocked_s']:.2f} s" if m["blocked_s"] is not None else "-"
+        durable = f", durable after {m['durable_s']:.2f} s" if m["durable_s"] is not None else ""
+        parts.append(f"{m['count']} {'asynchronous' if mode == 'async' else 'synchronous'} ({waited}{durable}, mean)")
+    last = info["last"]
+    size = f", {binary_bytes(last['bytes'])}" if isinstance(last.get("bytes"), int) else ""
+    return f"saves: {', '.join(parts)}; newest checkpoint-{last['step']} ({last['mode']}{size})"
 
 
 def checkpoint_info(paths: RunPaths, now: float | None = None) -> dict[str, Any] | None:
@@ -453,7 +480,8 @@ def lost_to_preemption(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def overview(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dict[str, Any]],
              max_steps: int | None = None) -> dict[str, Any]:
     """What ``slurmft status --json`` adds beside ``jobs``: ``{progress, checkpoint, attempts, model, lost, tracker,
-    lora}`` (``tracker``: ``tracker.json``, the W&B run every attempt logs to, or None; ``lora``: :func:`lora_info`).
+    lora, saves}`` (``tracker``: ``tracker.json``, the W&B run every attempt logs to, or None; ``lora``: :func:`lora_info`;
+    ``saves``: :func:`saves_info`).
 
     ``slurm_rows`` are :func:`slurmft.watch.status.job_rows` of ``manifest`` (no Slurm call here);
     ``max_steps`` defaults to the run config's ``train.max_steps``.
@@ -465,7 +493,7 @@ def overview(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dict[st
             "model": model_info(paths), "lost": lost_to_preemption(rows), "tracker": read_tracker(paths),
             "adapter": str(paths.adapter) if (paths.adapter / ADAPTER_CONFIG).is_file() else None,
             "merge": _merge_setting(paths),
-            "lora": lora_info(paths)}
+            "lora": lora_info(paths), "saves": saves_info(metrics.saves)}
 
 
 def overview_lines(ov: dict[str, Any]) -> list[str]:
@@ -485,6 +513,8 @@ def overview_lines(ov: dict[str, Any]) -> list[str]:
     lines.append(f"checkpoint: step {ck['step']}, {fmt_duration(ck['age_s'])} old, {binary_bytes(ck['bytes'])} "
                  f"({ck['path']})" + (" (adapters and their optimizer state only)" if ov.get("lora") else "")
                  if ck else "checkpoint: none complete yet")
+    if line := saves_line(ov.get("saves")):
+        lines.append(line)
     lines.append("attempts:")
     for k, a in enumerate(ov["attempts"], start=1):
         steps = f"steps {a['first_step']}-{a['last_step']}" if a["first_step"] is not None else "no step"

@@ -77,3 +77,36 @@ def test_checkpoint_bench_quick_mode_reports_every_figure(tiny_model: Path, job_
     assert rs["ratio"] == rs["median_pair"]["ratio"] == pair["ratio"] > 0
     assert "| save (accelerate" in proc.stdout and "| start to end of first step" in proc.stdout
     assert "targets not enforced with --quick" in proc.stdout
+
+
+def test_async_save_bench_quick_mode_reports_every_figure(tiny_model: Path, job_env: dict[str, str],
+                                                          tmp_path: Path) -> None:
+    """bench/async_save.py --quick: the real train job three times (no periodic save, synchronous, asynchronous
+    saves) and every figure from metrics.jsonl's save lines. Its target is not asserted: 6 steps of the tiny
+    model on a busy machine make the ratios noise (the README's figures come from the full run)."""
+    out = tmp_path / "async.json"
+    env = {**job_env, "TMPDIR": str(tmp_path)}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "async_save.py"), "--quick", "--model", str(tiny_model),
+                           "--json", str(out)], env=env, cwd=str(REPO), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    figures = json.loads(out.read_text())
+    runs, summary = figures["runs"], figures["summary"]
+    assert [s["step"] for s in runs["none"]["saves"]] == []  # only the final save, outside the figures
+    for mode in ("sync", "async"):
+        assert [(s["step"], s["mode"]) for s in runs[mode]["saves"]] == [(2, mode), (4, mode)]
+        assert all(s["blocked_s"] > 0 and s["durable_s"] > 0 and s["bytes"] > 3 * 4 * 5_000_000
+                   for s in runs[mode]["saves"])
+    assert summary["periodic_saves"] == 2 and summary["sync_save_s"] > 0 and summary["blocked_ratio"] > 0
+    assert "| async |" in proc.stdout and "target not enforced with --quick" in proc.stdout
+
+
+def test_dcp_crc_bench_quick_mode_reports_every_figure(job_env: dict[str, str], tmp_path: Path) -> None:
+    out = tmp_path / "crc.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "dcp_crc.py"), "--quick", "--json", str(out)],
+                          env=job_env, cwd=str(REPO), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    figures = json.loads(out.read_text())
+    assert len(figures["seconds"]["with_crc"]) == len(figures["seconds"]["without_crc"]) == 3
+    assert all(t > 0 for ts in figures["seconds"].values() for t in ts) and figures["ratio_without_over_with"] > 0
+    assert "| median of 3 |" in proc.stdout and "target not enforced with --quick" in proc.stdout

@@ -171,3 +171,40 @@ def test_asynchronous_saves_failing_in_a_row_stop_the_run(tmp_path: Path) -> Non
     assert "2 asynchronous saves in a row failed (checkpoint.max_failed_saves=2)" in proc.stdout, proc.stdout
     assert "checkpoint-20: rank 0: OSError: [Errno 28] No space left on device" in proc.stdout, proc.stdout
     assert "asynchronous save of checkpoint-10 failed (1 in a row" in proc.stderr, proc.stderr
+
+
+def test_dcp_never_checks_the_crc32_it_writes_so_saves_skip_it(tmp_path: Path) -> None:
+    """Why :func:`skip_unchecked_crc32` loses nothing: with the CRC written (torch's default), a flipped byte in a
+    DCP shard still loads, silently wrong; only sizes (the COMPLETE marker) and fsyncs protect a save. Without
+    the CRC, a save loads back equal."""
+    import struct
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import torch.utils.serialization.config as serialization
+
+    from slurmft.job.checkpointing import skip_unchecked_crc32
+
+    state = {"w": torch.full((1024,), 1234.5), "b": torch.arange(16, dtype=torch.float32)}
+    was = serialization.save.compute_crc32
+    try:
+        serialization.save.compute_crc32 = True
+        dcp.save(state, checkpoint_id=tmp_path / "with-crc")
+        shard = next((tmp_path / "with-crc").glob("*.distcp"))
+        data = bytearray(shard.read_bytes())
+        at = data.find(struct.pack("<f", 1234.5))
+        assert at >= 0
+        data[at + 3] ^= 0x01  # one bit of the first value's exponent: 1234.5 becomes another number
+        shard.write_bytes(bytes(data))
+        loaded = {"w": torch.zeros(1024), "b": torch.zeros(16)}
+        dcp.load(loaded, checkpoint_id=tmp_path / "with-crc")  # no error: the CRC-32 is never checked
+        assert loaded["w"][0].item() != 1234.5 and torch.equal(loaded["w"][1:], state["w"][1:])
+
+        skip_unchecked_crc32()
+        assert serialization.save.compute_crc32 is False
+        dcp.save(state, checkpoint_id=tmp_path / "without-crc")
+        loaded = {"w": torch.zeros(1024), "b": torch.zeros(16)}
+        dcp.load(loaded, checkpoint_id=tmp_path / "without-crc")
+        assert all(torch.equal(loaded[k], state[k]) for k in state)
+    finally:
+        serialization.save.compute_crc32 = was
