@@ -117,18 +117,21 @@ def _swap_in(staging: Path, target: Path, tag: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def prepare_run(run_dir: str, num_proc: int | None = None) -> dict[str, Any]:
-    """Prepare the run's data into ``RUN_DIR/prepared/``; returns the record written there."""
+def prepare_run(run_dir: str, num_proc: int | None = None, cfg: RunConfig | None = None) -> dict[str, Any]:
+    """Prepare the run's data into ``RUN_DIR/prepared/`` (the config: ``RUN_DIR/config.yaml``, or ``cfg`` for a
+    run not submitted yet); returns the record written there."""
     os.environ.setdefault("TQDM_MININTERVAL", PROGRESS_EVERY_S)  # datasets' bars: rows/s and an ETA, now and then
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="[slurmft prepare %(asctime)s] %(message)s", datefmt="%H:%M:%S")
     log.setLevel(logging.INFO)
     logging.getLogger("transformers").propagate = False
     paths = RunPaths.of(run_dir)
-    try:
-        cfg = read_run_config(paths.config)
-    except SlurmftError as exc:
-        raise JobSetupError(exc.render()) from None
+    if cfg is None:
+        try:
+            cfg = read_run_config(paths.config)
+        except SlurmftError as exc:
+            raise JobSetupError(exc.render()) from None
+    paths.root.mkdir(parents=True, exist_ok=True)
     import datasets
 
     from slurmft.job import data
