@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -197,3 +198,19 @@ def summary_line(record: dict[str, Any]) -> str:
     if isinstance(r.get("seconds"), int | float):
         parts.append(f"prepared in {r['seconds']:.1f} s")
     return ", ".join(parts)
+
+
+def needed(paths: RunPaths, cfg: RunConfig) -> bool:
+    """Whether this attempt needs a prepare job: ``prepare.enabled`` and no complete ``prepared/``. One that
+    does not match ``cfg`` is refused (:func:`check`): the fix is ``slurmft prepare``."""
+    return cfg.prepare.enabled and check(paths, cfg) is None
+
+
+def needed_for_new_run(paths: RunPaths, cfg: RunConfig, say: Callable[[str], None]) -> bool:
+    """:func:`needed` for a new run: a ``prepared/`` left by ``slurmft prepare run.yaml --here`` that does not
+    match is prepared again by the prepare job (no training has read it), and said so."""
+    try:
+        return needed(paths, cfg)
+    except RunDirError as exc:
+        say(f"note: {exc.problems[0] if exc.problems else exc}; the prepare job prepares the data again")
+        return True

@@ -135,8 +135,7 @@ def prepare_run(run_dir: str, num_proc: int | None = None, cfg: RunConfig | None
     import datasets
 
     from slurmft.job import data
-    from slurmft.job.inputs import load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
-    from slurmft.job.train import check_sft_keys
+    from slurmft.job.inputs import check_sft_keys, load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
 
     datasets.enable_progress_bars()
     t0 = time.time()

@@ -17,13 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slurmft import slurm
+from slurmft import prepared, slurm
 from slurmft.config import Executor, RunConfig, dump_config
 from slurmft.errors import ConfigError, RunDirError, SubmissionError
 from slurmft.plan.render import (
     CONSOLIDATE_TEMPLATE,
+    PREPARE_TEMPLATE,
     TRAIN_TEMPLATE,
     build_consolidate_context,
+    build_prepare_context,
     build_train_context,
     python_for,
     render,
@@ -42,7 +44,6 @@ from slurmft.rundir import (
     start_attempt,
     write_manifest,
 )
-from slurmft.submit import prepare
 from slurmft.units import binary_bytes
 from slurmft.watch.progress import SAVE_EVENT
 
@@ -176,7 +177,7 @@ def submit_run(
     scripts = render_scripts(cfg, profile, paths, config_path, template_dir)  # render errors before any write
     check_executor(executor)
     kept = frozenset({paths.prepared} if paths.prepared.is_dir() else ())  # prepared before the submit
-    need_prepare = prepare.needed_for_new_run(paths, cfg, say)
+    need_prepare = prepared.needed_for_new_run(paths, cfg, say)
     created = _lock_new_run_dir(paths, say)
     manifest = new_manifest(cfg.name, executor.value, paths.run_id)
     result = SubmitResult(paths.root, executor.value, scripts={k: paths.script(k) for k in scripts})
@@ -205,10 +206,10 @@ def dispatch_attempt(
     manifest: dict[str, Any], attempt: dict[str, Any], result: SubmitResult, say: Say,
     need_prepare: bool | None = None,
 ) -> None:
-    """Send one attempt's prepare job (when ``need_prepare``; None: :func:`slurmft.submit.prepare.needed`), train
+    """Send one attempt's prepare job (when ``need_prepare``; None: :func:`slurmft.prepared.needed`), train
     job and consolidation, chained (Slurm), or run them here in that order (local)."""
     if need_prepare is None:
-        need_prepare = prepare.needed(paths, cfg)
+        need_prepare = prepared.needed(paths, cfg)
     if cfg.resolved_executor == Executor.SLURM:
         _submit_slurm(cfg, profile, paths, config_path, template_dir, manifest, attempt, result, say, need_prepare)
     else:
@@ -239,7 +240,7 @@ def _submit_slurm(
     train_text, _ = _texts(cfg, profile, paths, config_path, template_dir)
     first = None
     if need_prepare:
-        first = prepare.submit_job(cfg, profile, paths, manifest, config_path, template_dir,
+        first = submit_prepare(cfg, profile, paths, manifest, config_path, template_dir,
                                    run_attempt=attempt["attempt"])
         result.jobs["prepare"] = first
         attempt["prepare_job"] = first
@@ -322,6 +323,50 @@ def submit_consolidation(
     return str(cons.job_id)
 
 
+def _prepare_fields(run_attempt: int | None) -> dict[str, Any]:
+    return {"run_attempt": run_attempt} if run_attempt is not None else {}
+
+
+def submit_prepare(cfg: RunConfig, profile: Any, paths: RunPaths, manifest: dict[str, Any], config_path: str = "",
+                   template_dir: str | None = None, *, run_attempt: int | None = None) -> str:
+    """sbatch one prepare job (CPUs only); record it in the manifest; return its id."""
+    from submitit.core.utils import FailedJobError
+
+    from slurmft.job.entrypoint import run_prepare
+
+    def text(command: str) -> str:
+        return render(PREPARE_TEMPLATE, build_prepare_context(cfg, profile, paths, command, config_path), template_dir)
+
+    try:
+        ex = make_slurm_executor(paths, 1, time_minutes(cfg.prepare.resources.time), text, None, python_for(cfg))
+        job = ex.submit(run_prepare, str(paths.root))
+    except (FailedJobError, OSError, RuntimeError) as exc:
+        raise SubmissionError(f"sbatch refused the prepare job ({str(exc).strip()})") from None
+    record_job(manifest, "prepare", job.job_id, **_prepare_fields(run_attempt), script=str(paths.script("prepare")),
+               log=str(paths.log_file("prepare", job.job_id)))
+    write_manifest(paths, manifest)
+    return str(job.job_id)
+
+
+def run_local_prepare(cfg: RunConfig, paths: RunPaths, manifest: dict[str, Any], say: Say, *,
+                      run_attempt: int | None = None) -> str:
+    """Run the preparation here as a local job (one process through submitit), recorded; returns its id."""
+    from submitit import LocalExecutor
+    from submitit.core.utils import JobPaths
+
+    from slurmft.job.entrypoint import run_prepare
+
+    ex = LocalExecutor(folder=paths.submitit, python=python_for(cfg))
+    ex.update_parameters(tasks_per_node=1, nodes=1, timeout_min=time_minutes(cfg.prepare.resources.time))
+    job = ex.submit(run_prepare, str(paths.root))
+    record_job(manifest, "prepare", job.job_id, **process_record(int(job.job_id)), **_prepare_fields(run_attempt),
+               logs=[str(JobPaths(paths.submitit, job.job_id, 0).stdout)])
+    write_manifest(paths, manifest)
+    say(f"prepare job {job.job_id} started here")
+    _wait_local(job, "prepare", paths, manifest, say)
+    return str(job.job_id)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -345,7 +390,7 @@ def _run_local(
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.resources.cpus_per_task))
     try:
         if need_prepare:
-            result.jobs["prepare"] = attempt["prepare_job"] = prepare.run_local_job(
+            result.jobs["prepare"] = attempt["prepare_job"] = run_local_prepare(
                 cfg, paths, manifest, say, run_attempt=attempt["attempt"])
             write_manifest(paths, manifest)
         ex = LocalExecutor(folder=paths.submitit, python=python_for(cfg))

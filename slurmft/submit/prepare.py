@@ -16,9 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slurmft import prepared
 from slurmft.config import Executor, RunConfig, read_run_config
-from slurmft.errors import RunDirError, SubmissionError
+from slurmft.errors import RunDirError
 from slurmft.rundir import (
     RunPaths,
     acquire_lock,
@@ -34,70 +33,6 @@ from slurmft.slurm_states import is_live
 Say = Callable[[str], None]
 #: Seconds to wait for another command holding the run's lock.
 LOCK_WAIT_S = 60.0
-
-
-def needed(paths: RunPaths, cfg: RunConfig) -> bool:
-    """Whether this attempt needs a prepare job: ``prepare.enabled`` and no complete ``prepared/``. One that
-    does not match ``cfg`` is refused (:func:`slurmft.prepared.check`): the fix is ``slurmft prepare``."""
-    return cfg.prepare.enabled and prepared.check(paths, cfg) is None
-
-
-def needed_for_new_run(paths: RunPaths, cfg: RunConfig, say: Say) -> bool:
-    """:func:`needed` for a new run: a ``prepared/`` left by ``slurmft prepare run.yaml --here`` that does not
-    match is prepared again by the prepare job (no training has read it), and said so."""
-    try:
-        return needed(paths, cfg)
-    except RunDirError as exc:
-        say(f"note: {exc.problems[0] if exc.problems else exc}; the prepare job prepares the data again")
-        return True
-
-
-def record_fields(run_attempt: int | None) -> dict[str, Any]:
-    return {"run_attempt": run_attempt} if run_attempt is not None else {}
-
-
-def submit_job(cfg: RunConfig, profile: Any, paths: RunPaths, manifest: dict[str, Any], config_path: str = "",
-               template_dir: str | None = None, *, run_attempt: int | None = None) -> str:
-    """sbatch one prepare job (CPUs only); record it in the manifest; return its id."""
-    from submitit.core.utils import FailedJobError
-
-    from slurmft.job.entrypoint import run_prepare
-    from slurmft.plan.render import PREPARE_TEMPLATE, build_prepare_context, python_for, render, time_minutes
-    from slurmft.submit.dispatch import make_slurm_executor
-
-    def text(command: str) -> str:
-        return render(PREPARE_TEMPLATE, build_prepare_context(cfg, profile, paths, command, config_path), template_dir)
-
-    try:
-        ex = make_slurm_executor(paths, 1, time_minutes(cfg.prepare.resources.time), text, None, python_for(cfg))
-        job = ex.submit(run_prepare, str(paths.root))
-    except (FailedJobError, OSError, RuntimeError) as exc:
-        raise SubmissionError(f"sbatch refused the prepare job ({str(exc).strip()})") from None
-    record_job(manifest, "prepare", job.job_id, **record_fields(run_attempt), script=str(paths.script("prepare")),
-               log=str(paths.log_file("prepare", job.job_id)))
-    write_manifest(paths, manifest)
-    return str(job.job_id)
-
-
-def run_local_job(cfg: RunConfig, paths: RunPaths, manifest: dict[str, Any], say: Say, *,
-                  run_attempt: int | None = None) -> str:
-    """Run the preparation here as a local job (one process through submitit), recorded; returns its id."""
-    from submitit import LocalExecutor
-    from submitit.core.utils import JobPaths
-
-    from slurmft.job.entrypoint import run_prepare
-    from slurmft.plan.render import python_for, time_minutes
-    from slurmft.submit.dispatch import _wait_local
-
-    ex = LocalExecutor(folder=paths.submitit, python=python_for(cfg))
-    ex.update_parameters(tasks_per_node=1, nodes=1, timeout_min=time_minutes(cfg.prepare.resources.time))
-    job = ex.submit(run_prepare, str(paths.root))
-    record_job(manifest, "prepare", job.job_id, **process_record(int(job.job_id)), **record_fields(run_attempt),
-               logs=[str(JobPaths(paths.submitit, job.job_id, 0).stdout)])
-    write_manifest(paths, manifest)
-    say(f"prepare job {job.job_id} started here")
-    _wait_local(job, "prepare", paths, manifest, say)
-    return str(job.job_id)
 
 
 def check_not_live(paths: RunPaths) -> None:
@@ -167,7 +102,7 @@ def _update_entry(paths: RunPaths, entry: dict[str, Any]) -> None:
 def submit(paths: RunPaths, template_dir: str | None, say: Say, force: bool = False) -> str:
     """``slurmft prepare RUN_DIR``: one prepare job (no train job chained); its id."""
     from slurmft.profiles import load_profile
-    from slurmft.submit.dispatch import check_executor
+    from slurmft.submit.dispatch import check_executor, run_local_prepare, submit_prepare
 
     manifest = read_manifest(paths)
     check_owner(paths, manifest, "prepare", force)
@@ -180,7 +115,7 @@ def submit(paths: RunPaths, template_dir: str | None, say: Say, force: bool = Fa
         check_not_live(paths)
         manifest = read_manifest(paths)
         if manifest.get("executor") == "local":
-            return run_local_job(cfg, paths, manifest, say)
+            return run_local_prepare(cfg, paths, manifest, say)
         from slurmft.plan.render import (
             PREPARE_TEMPLATE,
             build_prepare_context,
@@ -194,7 +129,7 @@ def submit(paths: RunPaths, template_dir: str | None, say: Say, force: bool = Fa
         text = render(PREPARE_TEMPLATE, build_prepare_context(cfg, profile, paths, command, str(paths.config)),
                       template_dir)
         atomic_write(paths.script("prepare"), text, executable=True)
-        return submit_job(cfg, profile, paths, manifest, str(paths.config), template_dir)
+        return submit_prepare(cfg, profile, paths, manifest, str(paths.config), template_dir)
     finally:
         release_lock(paths)
 

@@ -31,6 +31,7 @@ from slurmft.config import (
 )
 from slurmft.errors import ConfigError, RunDirError, SubmissionError
 from slurmft.job.requeue import EXIT_REQUEUE_REFUSED  # torch-free: the batch shell runs it
+from slurmft.prepared import needed as prepare_needed
 from slurmft.rundir import (
     ADAPTER_CONFIG,
     MODEL_INDEX,
@@ -46,7 +47,6 @@ from slurmft.rundir import (
 )
 from slurmft.slurm import scancel
 from slurmft.slurm_states import State, is_allocated, is_live, is_waiting, parse, words
-from slurmft.submit.prepare import needed as prepare_needed
 from slurmft.watch.status import SQUEUE_SILENT, RunState, describe, run_state
 
 # Keys a resume may change: where and how the job runs, never what it computes.
