@@ -102,6 +102,22 @@ def validate(config: Path, overrides: tuple[str, ...]) -> None:
         click.echo(f"  {lora_summary(LoraSettings.of(cfg.lora), result['lora'] if result else None)}")
     for line in report.notes:
         click.echo(f"  {line}")
+    _prepared_note(cfg)
+
+
+def _prepared_note(cfg) -> None:  # noqa: ANN001
+    """What ``slurmft prepare run.yaml --here`` left in output_dir/prepared/: its counts, or why it is stale."""
+    from slurmft import prepared
+    from slurmft.rundir import RunPaths
+
+    paths = RunPaths.of(cfg.output_dir)
+    try:
+        record = prepared.check(paths, cfg)
+    except SlurmftError as exc:
+        click.echo(f"  prepared data: does not match ({'; '.join(exc.problems[:-1]) or exc}): prepare it again")
+        return
+    if record is not None:
+        click.echo(f"  prepared data: {prepared.summary_line(record)}")
 
 
 @cli.command()

@@ -128,3 +128,13 @@ def test_status_says_why_a_train_job_never_started() -> None:
     rows[0]["state"], rows[1]["start"] = "COMPLETED", "None"
     explain_prepare_failures(rows, jobs, "/runs/x")
     assert rows[1]["words"] == "cancelled"
+
+
+def test_status_reads_the_prepare_jobs_newest_progress_line() -> None:
+    from slurmft.watch.progress import last_progress
+
+    log = ("[slurmft prepare 14:56:13] loaded 809 conversations\n"
+           "Tokenizing train dataset (num_proc=1):   0%|          | 0/809 [00:00<?, ? examples/s]"
+           "\rTokenizing train dataset (num_proc=1):  49%|████▉     | 400/809 [00:10<00:10, 40.10 examples/s]")
+    assert last_progress(log) == "Tokenizing train dataset (num_proc=1): 400/809 rows, 40.10 examples/s, ETA 00:10"
+    assert last_progress("[slurmft prepare] nothing yet\n") is None

@@ -118,6 +118,8 @@ def test_changed_source_is_refused_by_resume_and_the_train_job_until_prepared_ag
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "60 conversations -> " in proc.stdout and "packing fills" in proc.stdout
     assert sorted(p.name for p in run.iterdir()) == ["prepared"]
+    proc = _cli("validate", str(config))  # validate sees the counts
+    assert proc.returncode == 0 and "prepared data: 60 conversations -> " in proc.stdout, proc.stdout + proc.stderr
 
     # a run whose train job failed (resumable), as the local executor records it
     cfg = load_config(config)
