@@ -70,7 +70,8 @@ def cli() -> None:
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Write the scripts into DIR.")
 @click.option("--template-dir", type=click.Path(file_okay=False, exists=True), help="Your own templates first.")
 def render(config: Path, overrides: tuple[str, ...], out: Path | None, template_dir: str | None) -> None:
-    """Render train.sbatch and consolidate.sbatch for RUN.yaml; print them, submit nothing."""
+    """Render train.sbatch and consolidate.sbatch (and prepare.sbatch with prepare.enabled) for RUN.yaml; print
+    them, submit nothing."""
     from slurmft.plan.render import render_scripts
     from slurmft.rundir import RunPaths, atomic_write
 

@@ -138,3 +138,19 @@ def test_status_reads_the_prepare_jobs_newest_progress_line() -> None:
            "\rTokenizing train dataset (num_proc=1):  49%|████▉     | 400/809 [00:10<00:10, 40.10 examples/s]")
     assert last_progress(log) == "Tokenizing train dataset (num_proc=1): 400/809 rows, 40.10 examples/s, ETA 00:10"
     assert last_progress("[slurmft prepare] nothing yet\n") is None
+
+
+def test_runs_says_when_a_run_is_preparing_or_its_prepare_job_failed() -> None:
+    from slurmft.watch.runs import run_word
+
+    def jobs(prepare: str, train: str | None = None, reason: str = "") -> list[dict]:
+        out = [{"kind": "prepare", "state": prepare, "reason": ""}]
+        if train:
+            out.append({"kind": "train", "state": train, "reason": reason})
+        return out
+
+    assert run_word(jobs("RUNNING", "PENDING", "Dependency"), False) == "preparing"
+    assert run_word(jobs("PENDING", "PENDING", "Dependency"), False) == "prepare queued"
+    assert run_word(jobs("FAILED", "CANCELLED"), False) == "prepare failed"
+    assert run_word(jobs("COMPLETED", "RUNNING"), False) == "training"
+    assert run_word(jobs("CANCELLED", "CANCELLED"), False) == "cancelled"  # `slurmft cancel`: the user's doing

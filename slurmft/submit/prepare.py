@@ -108,6 +108,9 @@ def submit(paths: RunPaths, template_dir: str | None, say: Say, force: bool = Fa
     check_owner(paths, manifest, "prepare", force)
     cfg = read_run_config(paths.config)
     cfg.executor = Executor(manifest.get("executor", "slurm"))  # where the run was started is where it prepares
+    if not cfg.prepare.enabled:
+        say(f"note: prepare.enabled is false in {paths.config}: its train job prepares the data itself and does not "
+            "read prepared/")
     check_executor(cfg.resolved_executor)
     profile = load_profile(cfg.cluster.profile)
     acquire_lock(paths, "prepare", say, wait_s=LOCK_WAIT_S)

@@ -221,7 +221,10 @@ def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | No
     if phase == Phase.LIVE:
         how = ". ".join(f"Job {r['job_id']}: {describe(r['state'], r['reason'], str(paths.root), r['kind'], False, r['job_id'])}"
                         for r in train_rows if r["job_id"] in live_train)
-        raise RunDirError(f"{paths.root} is live: job(s) {', '.join(live_train)} still queued or running; "
+        live = " and ".join(f"{kind} job(s) {', '.join(r['job_id'] for r in train_rows if r['kind'] == kind and r['job_id'] in live_train)}"
+                            for kind in ("prepare", "train") if any(r["kind"] == kind and r["job_id"] in live_train
+                                                                    for r in train_rows))
+        raise RunDirError(f"{paths.root} is live: {live} still queued or running; "
                           f"nothing to resume, nothing submitted (follow it with `slurmft status`, or `slurmft "
                           f"cancel` it first). {how}")
     if phase == Phase.FINISHED:
