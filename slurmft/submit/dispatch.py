@@ -123,7 +123,8 @@ def check_run_dir_free(paths: RunPaths) -> None:
         )
     if paths.lock.exists():
         raise RunDirError(f"another `slurmft submit` is writing {paths.root} right now ({paths.lock} exists)")
-    if any(p != paths.prepared for p in paths.root.iterdir()):  # prepared/: `slurmft prepare run.yaml --here`
+    # prepared/ (and a staging dir a killed preparation left): `slurmft prepare run.yaml --here`
+    if any(p != paths.prepared and not p.name.startswith(".prepared.") for p in paths.root.iterdir()):
         raise RunDirError(
             f"output_dir {paths.root} is not empty and is not a slurmft run directory; choose an empty or new one"
         )

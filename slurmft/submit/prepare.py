@@ -81,7 +81,8 @@ def prepare_config_here(cfg: RunConfig) -> dict[str, Any]:
     paths = RunPaths.of(cfg.output_dir)
     if paths.manifest.exists():
         raise RunDirError(f"{paths.root} is a run directory already: use `slurmft prepare {paths.root}`")
-    if paths.root.exists() and any(p.name != paths.prepared.name for p in paths.root.iterdir()):
+    if paths.root.exists() and any(p != paths.prepared and not p.name.startswith(".prepared.")
+                                   for p in paths.root.iterdir()):
         raise RunDirError(f"output_dir {paths.root} is not empty and is not a slurmft run directory; choose an "
                           "empty or new one")
     return prepare_run(str(paths.root), cfg=cfg)
