@@ -51,7 +51,8 @@ def cli() -> None:
 
     \b
     slurmft render run.yaml            write and print the sbatch scripts, submit nothing
-    slurmft submit run.yaml            validate, submit train + consolidation jobs
+    slurmft submit run.yaml            validate, submit train + consolidation jobs (+ prepare before)
+    slurmft prepare RUN_DIR|run.yaml   tokenize and pack the data once, on CPUs (--here: right here)
     slurmft status RUN_DIR             state of every job of a run
     slurmft runs [DIR]                 every run under DIR: state, step, loss, age
     slurmft resume RUN_DIR             continue a run that died, from its newest checkpoint
@@ -69,7 +70,8 @@ def cli() -> None:
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Write the scripts into DIR.")
 @click.option("--template-dir", type=click.Path(file_okay=False, exists=True), help="Your own templates first.")
 def render(config: Path, overrides: tuple[str, ...], out: Path | None, template_dir: str | None) -> None:
-    """Render train.sbatch and consolidate.sbatch for RUN.yaml; print them, submit nothing."""
+    """Render train.sbatch and consolidate.sbatch (and prepare.sbatch with prepare.enabled) for RUN.yaml; print
+    them, submit nothing."""
     from slurmft.plan.render import render_scripts
     from slurmft.rundir import RunPaths, atomic_write
 
@@ -101,6 +103,22 @@ def validate(config: Path, overrides: tuple[str, ...]) -> None:
         click.echo(f"  {lora_summary(LoraSettings.of(cfg.lora), result['lora'] if result else None)}")
     for line in report.notes:
         click.echo(f"  {line}")
+    _prepared_note(cfg)
+
+
+def _prepared_note(cfg) -> None:  # noqa: ANN001
+    """What ``slurmft prepare run.yaml --here`` left in output_dir/prepared/: its counts, or why it is stale."""
+    from slurmft import prepared
+    from slurmft.rundir import RunPaths
+
+    paths = RunPaths.of(cfg.output_dir)
+    try:
+        record = prepared.check(paths, cfg)
+    except SlurmftError as exc:
+        click.echo(f"  prepared data: does not match ({'; '.join(exc.problems[:-1]) or exc}): prepare it again")
+        return
+    if record is not None:
+        click.echo(f"  prepared data: {prepared.summary_line(record)}")
 
 
 @cli.command()
@@ -221,14 +239,15 @@ def status(run_dir: Path, as_json: bool) -> None:
 
 @cli.command()
 @RUN_DIR
-@click.option("--job", "kind", type=click.Choice(["train", "consolidate"]), default="train", show_default=True)
+@click.option("--job", "kind", type=click.Choice(["train", "consolidate", "prepare"]), default="train",
+              show_default=True)
 @click.option("-f", "--follow", is_flag=True, help="Keep printing as the log grows (Ctrl-C to stop).")
 @click.option("-n", "--lines", default=50, show_default=True, help="Lines of the end to show.")
 @click.option("--rank", type=click.IntRange(min=0), help="Only this global rank's lines.")
 @click.option("--attempt", type=click.IntRange(min=1),
               help="Only the K-th attempt (1 = first; requeues and resumes each count), all of it.")
 def logs(run_dir: Path, kind: str, follow: bool, lines: int, rank: int | None, attempt: int | None) -> None:
-    """Show the log of the newest train (or consolidation) job of a run."""
+    """Show the log of the newest train (or consolidation, or prepare) job of a run."""
     from slurmft.watch.logs import log_files, tail
 
     if rank is not None or attempt is not None:
@@ -360,6 +379,56 @@ def consolidate(run_dir: Path, checkpoint: str | None, out: str | None, here: bo
         return
     job_id = consolidation.submit(paths, request, template_dir, _err)
     click.echo(f"consolidate job: {job_id}  ({request.checkpoint.name} -> {request.out})")
+
+
+@cli.command()
+@click.argument("target", type=click.Path(exists=True, path_type=Path), metavar="RUN.yaml|RUN_DIR")
+@OVERRIDES
+@click.option("--here", is_flag=True, help="Prepare in this process (needs the training stack), not as a job.")
+@click.option("--template-dir", type=click.Path(file_okay=False, exists=True), help="Your own templates first.")
+@FORCE_OTHERS
+def prepare(target: Path, overrides: tuple[str, ...], here: bool, template_dir: str | None, force: bool) -> None:
+    """Prepare the data once into RUN_DIR/prepared/ (load, convert, tokenize and pack with TRL's own
+    preparation): token counts and the packing ratio before any GPU is asked for (docs/prepare.md).
+
+    \b
+    RUN_DIR           prepare a run's data again (a prepare job; --here: in this process), e.g. after a
+                      source changed: then `slurmft resume RUN_DIR`
+    RUN.yaml --here   prepare a run not submitted yet into its output_dir; `slurmft submit` reuses it
+    """
+    from slurmft.errors import RunDirError
+    from slurmft.prepared import summary_line
+    from slurmft.submit import prepare as prep
+
+    paths = prep.run_dir_of(target)
+    if paths is None:
+        if target.is_dir():
+            raise RunDirError(f"{target} has no manifest.json: it is not a slurmft run directory (give RUN.yaml, "
+                              "or a run directory)")
+        if not here:
+            raise click.UsageError("RUN.yaml needs --here (prepare on this machine now); as a job, the prepare "
+                                   "job runs before the train job when you `slurmft submit` with prepare.enabled: true")
+        cfg, _ = _load(target, overrides)
+        record = prep.prepare_config_here(cfg)
+        click.echo(f"prepared: {summary_line(record)}")
+        click.echo(f"data: {Path(cfg.output_dir) / 'prepared'}")
+        click.echo(f"`slurmft submit {target}` reuses it" if cfg.prepare.enabled else
+                   "note: prepare.enabled is false in this config, so `slurmft submit` would prepare in the train "
+                   "job instead; set prepare.enabled: true to reuse this")
+        return
+    if overrides:
+        raise click.UsageError("KEY=VALUE overrides need RUN.yaml (a run directory prepares its own config.yaml)")
+    if here:
+        from slurmft.rundir import check_owner, read_manifest
+
+        check_owner(paths, read_manifest(paths), "prepare", force)
+        record = prep.prepare_here(paths, _err)
+        click.echo(f"prepared: {summary_line(record)}")
+        click.echo(f"data: {paths.prepared}")
+        return
+    job_id = prep.submit(paths, template_dir, _err, force)
+    click.echo(f"prepare job: {job_id}")
+    click.echo(f"then: slurmft resume {paths.root}   (follow with: slurmft logs {paths.root} --job prepare -f)")
 
 
 @cli.command()

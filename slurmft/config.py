@@ -521,6 +521,27 @@ class ConsolidateConfig(_Section):
     resources: ConsolidateResources = Field(default_factory=ConsolidateResources)
 
 
+class PrepareResources(_Section):
+    """The prepare job's allocation: CPUs only, no GPU is asked for."""
+
+    cpus_per_task: int = Field(8, ge=1, le=1024, description="CPU cores; data.num_proc defaults to this.")
+    mem: SlurmMem | None = Field("32G", description="Memory (--mem).")
+    time: SlurmTime = Field("04:00:00", description="Time limit.")
+    partition: SlurmWord | None = Field(None, description="Partition (default: the train job's).")
+
+
+class PrepareConfig(_Section):
+    """Tokenize once: a CPU job before the train job prepares the data into RUN_DIR/prepared/ (docs/prepare.md)."""
+
+    enabled: bool = Field(
+        False,
+        description="Chain a prepare job (CPU) before the train job (afterok): it loads, converts, tokenizes and "
+        "packs the data with TRL's own preparation; the train job and every requeue and resume read the result. "
+        "false: the train job prepares the data inside its allocation.",
+    )
+    resources: PrepareResources = Field(default_factory=PrepareResources)
+
+
 class RunConfig(_Section):
     """A whole run: the contents of run.yaml."""
 
@@ -536,6 +557,7 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
     consolidate: ConsolidateConfig = Field(default_factory=ConsolidateConfig)
+    prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     lora: LoraConfig | None = Field(
         None, description="Train LoRA adapters on a frozen base model instead of every weight (docs/lora.md)."
     )

@@ -30,6 +30,8 @@ MODEL_INDEX = "model.safetensors.index.json"
 # What consolidation writes into the adapter directory of a LoRA run (PEFT's file names).
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# The record a preparation writes last into ``prepared/``.
+PREPARED_RECORD = "slurmft-prepared.json"
 
 
 #: The ``event`` of a metrics.jsonl line that records a save (step, mode, blocked_s, durable_s, bytes), written by
@@ -121,6 +123,22 @@ class RunPaths:
         return self.root / "adapter"
 
     @property
+    def prepared(self) -> Path:
+        """The prepared training data (``prepare.enabled``): TRL's tokenized, masked and packed dataset, saved by
+        ``datasets.Dataset.save_to_disk``; the train job and every requeue and resume read it (slurmft/job/prepare.py)."""
+        return self.root / "prepared"
+
+    @property
+    def prepared_record(self) -> Path:
+        """What produced ``prepared/`` (sources, tokenizer files, settings) and what it holds; written last, inside
+        it, so its presence means a complete preparation (slurmft/prepared.py)."""
+        return self.prepared / PREPARED_RECORD
+
+    def prepared_staging(self, tag: str) -> Path:
+        """Where a preparation writes before it replaces ``prepared/`` (same file system: a rename)."""
+        return self.root / f".prepared.{tag}.tmp"
+
+    @property
     def plan(self) -> Path:
         """``train.epochs``: the steps computed from the packed data at the first start (kept across restarts)."""
         return self.root / "plan.json"
@@ -185,7 +203,7 @@ class RunPaths:
         """Names of the folders slurmft makes inside a run directory (none of them holds another run)."""
         return frozenset(p.name for p in (self.scripts, self.logs, self.submitit, self.checkpoints, self.model,
                                            self.adapter, self.requeue_marker_dir, self.fsdp_report,
-                                           self.tensorboard, self.wandb))
+                                           self.tensorboard, self.wandb, self.prepared))
 
 
 @dataclass(frozen=True)
@@ -317,7 +335,7 @@ def start_attempt(manifest: dict[str, Any], how: str, **extra: Any) -> dict[str,
 
 
 def record_job(manifest: dict[str, Any], kind: str, job_id: str, **extra: Any) -> dict[str, Any]:
-    """Append one job (train or consolidate) to the manifest and return its entry."""
+    """Append one job (prepare, train or consolidate) to the manifest and return its entry."""
     attempt = 1 + sum(1 for j in manifest["jobs"] if j["kind"] == kind)
     entry = {"kind": kind, "job_id": str(job_id), "attempt": attempt, "submitted": time.time(), **extra}
     manifest["jobs"].append(entry)

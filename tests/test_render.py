@@ -172,3 +172,33 @@ def test_signal_directive(script: str, expected: tuple[str, int, bool]) -> None:
     found = signal_directive("#!/bin/bash\n" + script + "srun x\n")
     assert found is not None and (found.name, found.lead_s, found.batch_only) == expected
     assert signal_directive("#!/bin/bash\n# --signal=USR2@1 in a comment\n") is None
+
+
+def test_prepare_script_asks_for_cpus_only_and_is_valid_bash(tmp_path: Path) -> None:
+    """prepare.enabled: a third script, one task on prepare.resources' CPUs, no GPU gres, no NCCL settings."""
+    scripts = scripts_for(GOLDEN_CFG, "prepare.enabled=true", "prepare.resources.cpus_per_task=16",
+                          "prepare.resources.mem=64G", "prepare.resources.time=01:30:00",
+                          "prepare.resources.partition=cpu")
+    assert list(scripts) == ["prepare", "train", "consolidate"]
+    text = scripts["prepare"]
+    for directive in ("--job-name=golden-2x8-prepare", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=16",
+                      "--mem=64G", "--time=01:30:00", "--partition=cpu", "--account=ml-team",
+                      "--output=/shared/runs/golden-2x8/logs/prepare-%j.out"):
+        assert f"#SBATCH {directive}\n" in text, directive
+    sbatch = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert not [line for line in sbatch if "gpu" in line or "gres" in line], sbatch
+    assert "--gpu" not in text and "--gres" not in text
+    assert "NCCL_" not in text and "export OMP_NUM_THREADS=16" in text
+    script = tmp_path / "prepare.sh"
+    script.write_text(text)
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    if shutil.which("shellcheck"):
+        check = subprocess.run(["shellcheck", "-S", "warning", str(script)], capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout
+    # the train and consolidation scripts are the same as without a prepare job
+    plain = scripts_for(GOLDEN_CFG)
+    assert scripts["train"] == plain["train"] and scripts["consolidate"] == plain["consolidate"]
+
+
+def test_prepare_disabled_by_default_renders_no_prepare_script() -> None:
+    assert "prepare" not in scripts_for(GOLDEN_CFG)

@@ -22,7 +22,7 @@ def test_runs_skips_every_folder_slurmft_makes(tmp_path: Path) -> None:
     paths = RunPaths.of(tmp_path)
     made = {paths.scripts, paths.logs, paths.submitit, paths.checkpoints, paths.model, paths.adapter,
             paths.requeue_marker_dir,
-            paths.fsdp_report, paths.tensorboard, paths.wandb}
+            paths.fsdp_report, paths.tensorboard, paths.wandb, paths.prepared}
     assert {p.parent for p in made} == {paths.root}
     assert {p.name for p in made} == paths.folders <= SKIP
     assert {paths.report.parent, paths.loss_plot.parent, paths.tracker.parent} == {paths.root}

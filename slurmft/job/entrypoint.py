@@ -1,4 +1,4 @@
-"""In-job entry points that submitit pickles: ``run_train`` (every rank) and ``run_consolidate``.
+"""In-job entry points that submitit pickles: ``run_prepare``, ``run_train`` (every rank) and ``run_consolidate``.
 
 Importable on the login side (dispatch pickles these functions by reference): nothing heavy is
 imported at module level.
@@ -44,6 +44,23 @@ def run_train(run_dir: str, signal_name: str = "USR2") -> dict[str, object]:
         raise SystemExit(EXIT_SETUP_ERROR) from None
 
 
+def run_prepare(run_dir: str) -> dict[str, object]:
+    """Prepare job body (one process, CPUs only): the run's data tokenized and packed into ``RUN_DIR/prepared``.
+
+    Bad input (a row TRL cannot prepare, a missing source) is printed without a traceback, exit status 2.
+    """
+    from slurmft.errors import SlurmftError
+    from slurmft.job.prepare import prepare_run
+
+    try:
+        record = prepare_run(run_dir)
+    except SlurmftError as exc:
+        sys.stderr.write(f"slurmft prepare: setup error: {exc.render()}\n")
+        sys.stderr.flush()
+        raise SystemExit(EXIT_SETUP_ERROR) from None
+    return dict(record.get("result", {}))
+
+
 def run_consolidate(run_dir: str, checkpoint: str | None = None, out: str | None = None) -> dict[str, object]:
     """Consolidation job body (single process): the newest complete checkpoint (or ``checkpoint``) into
     ``RUN_DIR/model`` (or ``out``)."""
@@ -56,12 +73,15 @@ def run_consolidate(run_dir: str, checkpoint: str | None = None, out: str | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m slurmft.job.entrypoint train RUN_DIR [--signal USR2]``."""
+    """``python -m slurmft.job.entrypoint {train,prepare} RUN_DIR [--signal USR2]``."""
     ap = argparse.ArgumentParser(prog="python -m slurmft.job.entrypoint")
-    ap.add_argument("command", choices=["train"])
+    ap.add_argument("command", choices=["train", "prepare"])
     ap.add_argument("run_dir")
     ap.add_argument("--signal", default="USR2", help="warning signal Slurm sends before the end (default USR2)")
     args = ap.parse_args(argv)
+    if args.command == "prepare":
+        sys.stdout.write(f"slurmft prepare: {run_prepare(args.run_dir)}\n")
+        return 0
     result = run_train(args.run_dir, args.signal)
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
     sys.stdout.write(f"slurmft rank {rank}: {result.get('status')} at step {result.get('global_step')}\n")

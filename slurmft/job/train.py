@@ -20,13 +20,14 @@ from typing import Any
 from slurmft import checkpoints
 from slurmft.config import RunConfig, read_run_config
 from slurmft.errors import JobSetupError, SlurmftError
-from slurmft.job import checkpointing, cpu_fsdp, data, distributed, loading, preemption, tracking
+from slurmft.job import checkpointing, cpu_fsdp, data, distributed, loading, preemption, prepare, tracking
 from slurmft.job.callbacks import MetricsLog, PreemptionStop, StepLog, StopBeforeFirstStep
 from slurmft.job.checkpointing import CheckpointManager
 from slurmft.job.distributed import DistContext
 from slurmft.job.fsdp_report import FsdpReport
 from slurmft.job.inputs import (
     base_identity,
+    check_sft_keys,
     load_model_config,
     load_tokenizer,
     resolve_model_dir,
@@ -68,28 +69,6 @@ class Inputs:
     tokenizer: Any
 
 
-def _check_sft_keys(cfg: RunConfig) -> None:
-    """The login side's train.sft and report_to rules (slurmft.sftopts), here with TRL imported; values coerced."""
-    from slurmft.sftopts import REPORTERS, sft_field_kinds, sft_problems
-
-    kinds, trl_version = sft_field_kinds()
-    problems, coerced = sft_problems(cfg.train.sft, kinds, trl_version)
-    for name in cfg.train.report_to:
-        if name not in REPORTERS:
-            problems.append(f"train.report_to: {name!r} is not supported here; use tensorboard or wandb")
-        elif REPORTERS[name] and not any(_importable(m) for m in REPORTERS[name]):
-            problems.append(f"train.report_to: {name} is enabled but the {REPORTERS[name][0]} package is not installed")
-    if problems:
-        raise JobSetupError("invalid training options", problems=problems)
-    cfg.train.sft = coerced
-
-
-def _importable(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
-
-
 def _prepare_inputs(cfg: RunConfig, ctx: DistContext) -> Inputs:
     """Model files, config, tokenizer: all checked.
 
@@ -98,7 +77,7 @@ def _prepare_inputs(cfg: RunConfig, ctx: DistContext) -> Inputs:
     own slices), and a node-local cache is never filled with the whole checkpoint once per node (rank 0
     then scatters the slices: weights.load_weights).
     """
-    _check_sft_keys(cfg)
+    check_sft_keys(cfg)
     model_dir = resolve_model_dir(cfg.model, with_weights=ctx.is_main)
     if ctx.is_main:
         weight_files(model_dir)  # fail on missing weights before anything else waits
@@ -167,6 +146,11 @@ def sft_config(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> Any:
         tracking.use_one_wandb_run(paths, cfg.name)
         kwargs["run_name"] = os.environ["WANDB_NAME"]  # WandbCallback passes it to wandb.init, over WANDB_NAME
     kwargs.update(t.sft)
+    if cfg.prepare.enabled:  # RUN_DIR/prepared/ is TRL's prepared set already, its labels masked
+        kwargs["dataset_kwargs"] = {**(kwargs.get("dataset_kwargs") or {}), "skip_prepare_dataset": True}
+        # TRL checks assistant_only_loss against the first row, which holds token ids now, not messages; the
+        # assistant mask is in the labels already (-100 elsewhere)
+        kwargs["assistant_only_loss"] = False
     try:
         return SFTConfig(**kwargs)
     except (TypeError, ValueError) as exc:
@@ -263,8 +247,13 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
         cpu_fsdp.enable()
     inputs: Inputs = distributed.main_first(ctx, "preparing the model files and tokenizer",
                                             lambda: _prepare_inputs(cfg, ctx))
-    dataset = distributed.main_first(ctx, "loading the data",
-                                     lambda: data.load_mixture(cfg.data, cfg.train.seed, inputs.tokenizer))
+    if cfg.prepare.enabled:  # the prepare job tokenized and packed it: every rank reads the same files
+        dataset = distributed.guarded(ctx, "reading the prepared data", lambda: prepare.load_prepared(paths, cfg))
+    else:
+        if ctx.is_main:
+            log.info("data: loading and converting here; TRL tokenizes and packs it when the trainer is built")
+        dataset = distributed.main_first(ctx, "loading the data",
+                                         lambda: data.load_mixture(cfg.data, cfg.train.seed, inputs.tokenizer))
     args = distributed.guarded(ctx, "building the training options", lambda: sft_config(cfg, paths, ctx))
 
     checkpointer = CheckpointManager(ctx, paths)

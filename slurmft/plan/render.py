@@ -22,6 +22,7 @@ from slurmft.rundir import RunPaths
 
 TRAIN_TEMPLATE = "train.sbatch.j2"
 CONSOLIDATE_TEMPLATE = "consolidate.sbatch.j2"
+PREPARE_TEMPLATE = "prepare.sbatch.j2"
 
 # Always set, whatever the cluster: (name, value, reason)
 BASE_ENV = (
@@ -200,6 +201,39 @@ def build_consolidate_context(
     }
 
 
+def build_prepare_context(
+    cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, command: str, config_path: str = ""
+) -> dict[str, Any]:
+    """Everything the prepare template places, already quoted: one task on CPUs (``prepare.resources``), no
+    GPU gres, no collective settings."""
+    pres = cfg.prepare.resources
+    directives = [_flag("job-name", f"{cfg.name}-prepare"), _flag("comment", paths.job_tag), _flag("nodes", 1),
+                  _flag("ntasks-per-node", 1), _flag("cpus-per-task", pres.cpus_per_task)]
+    if pres.mem is not None:
+        directives.append(_flag("mem", pres.mem))
+    directives.append(_flag("time", pres.time))
+    partition = pres.partition or cfg.cluster.partition
+    if partition:
+        directives.append(_flag("partition", partition))
+    for name in ("account", "qos"):
+        if getattr(cfg.cluster, name):
+            directives.append(_flag(name, getattr(cfg.cluster, name)))
+    directives += [_flag("open-mode", "append"), _flag("output", paths.log_pattern("prepare")),
+                   _flag("error", paths.log_pattern("prepare"))]
+    env = [e for e in _env_list(cfg, profile, {"SUBMITIT_EXECUTOR": "slurm", "SLURMFT_RUN_DIR": str(paths.root)})
+           if not e["key"].startswith(("NCCL_", "FI_", "TORCH_NCCL"))]
+    for e in env:
+        if e["key"] == "OMP_NUM_THREADS":
+            e["value"] = q(pres.cpus_per_task)
+    return {
+        **_common(cfg, paths, "prepare", config_path),
+        "directives": directives,
+        "env": env,
+        "srun_args": " ".join(q(a) for a in ["--unbuffered", "--ntasks=1", f"--cpus-per-task={pres.cpus_per_task}"]),
+        "command": command,
+    }
+
+
 def template_env(template_dir: str | Path | None = None) -> Any:
     """A Jinja environment over the user's template dir (if any) first, then the shipped templates."""
     import jinja2
@@ -237,11 +271,14 @@ def render_scripts(
     cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, config_path: str = "",
     template_dir: str | Path | None = None,
 ) -> dict[str, str]:
-    """Render both job scripts exactly as ``submit`` will write them."""
+    """Render the job scripts (prepare, train, consolidate) exactly as ``submit`` will write them."""
     command = submitit_command(python_for(cfg), paths.submitit)
-    scripts = {
-        "train": render(TRAIN_TEMPLATE, build_train_context(cfg, profile, paths, command, config_path), template_dir)
-    }
+    scripts = {}
+    if cfg.prepare.enabled:
+        ctx = build_prepare_context(cfg, profile, paths, command, config_path)
+        scripts["prepare"] = render(PREPARE_TEMPLATE, ctx, template_dir)
+    scripts["train"] = render(TRAIN_TEMPLATE, build_train_context(cfg, profile, paths, command, config_path),
+                              template_dir)
     if cfg.consolidate.enabled:
         ctx = build_consolidate_context(cfg, profile, paths, command, config_path)
         scripts["consolidate"] = render(CONSOLIDATE_TEMPLATE, ctx, template_dir)

@@ -1,7 +1,8 @@
 """Dispatch through submitit: a Slurm executor that renders our templates, and the local executor.
 
-``submit_run`` validates everything first, then writes the run directory, sends the train job,
-chains the consolidation job with ``--dependency=afterok:<train>``, and writes the manifest last.
+``submit_run`` validates everything first, then writes the run directory, sends the prepare job
+(``prepare.enabled``; slurmft/submit/prepare.py), the train job after it, chains the consolidation job with
+``--dependency=afterok:<train>``, and writes the manifest last.
 A failure before the train job is accepted removes the run directory it created.
 """
 
@@ -16,13 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slurmft import slurm
+from slurmft import prepared, slurm
 from slurmft.config import Executor, RunConfig, dump_config
 from slurmft.errors import ConfigError, RunDirError, SubmissionError
 from slurmft.plan.render import (
     CONSOLIDATE_TEMPLATE,
+    PREPARE_TEMPLATE,
     TRAIN_TEMPLATE,
     build_consolidate_context,
+    build_prepare_context,
     build_train_context,
     python_for,
     render,
@@ -53,9 +56,10 @@ def _quiet(_: str) -> None:
 
 def make_slurm_executor(
     paths: RunPaths, ntasks: int, timeout_min: int, make_text: Callable[[str], str], dependency: str | None,
-    python: str,
+    python: str, kill_on_invalid_dep: bool = False,
 ) -> Any:
-    """A submitit SlurmExecutor whose sbatch file is our rendered template."""
+    """A submitit SlurmExecutor whose sbatch file is our rendered template (``kill_on_invalid_dep``: Slurm
+    cancels the job once its dependency can never be satisfied, instead of leaving it pending)."""
     from submitit import SlurmExecutor
 
     class TemplatedSlurmExecutor(SlurmExecutor):
@@ -66,6 +70,8 @@ def make_slurm_executor(
 
         def _make_submission_command(self, submission_file_path: Path) -> list[str]:
             dep = [f"--dependency=afterok:{dependency}"] if dependency else []
+            if dependency and kill_on_invalid_dep:
+                dep.append("--kill-on-invalid-dep=yes")
             return ["sbatch", *dep, str(submission_file_path)]
 
         def _num_tasks(self) -> int:
@@ -117,7 +123,8 @@ def check_run_dir_free(paths: RunPaths) -> None:
         )
     if paths.lock.exists():
         raise RunDirError(f"another `slurmft submit` is writing {paths.root} right now ({paths.lock} exists)")
-    if any(paths.root.iterdir()):
+    # prepared/ (and a staging dir a killed preparation left): `slurmft prepare run.yaml --here`
+    if any(p != paths.prepared and not p.name.startswith(".prepared.") for p in paths.root.iterdir()):
         raise RunDirError(
             f"output_dir {paths.root} is not empty and is not a slurmft run directory; choose an empty or new one"
         )
@@ -149,11 +156,13 @@ def _write_run_dir(paths: RunPaths, cfg: RunConfig, scripts: dict[str, str]) -> 
         atomic_write(paths.script(kind), text, executable=True)
 
 
-def _cleanup(paths: RunPaths, created: bool) -> None:
+def _cleanup(paths: RunPaths, created: bool, keep: frozenset[Path] = frozenset()) -> None:
     if created:
         shutil.rmtree(paths.root, ignore_errors=True)
-    else:  # the directory was empty before: make it empty again
+    else:  # the directory was empty before (but for ``keep``): make it so again
         for child in paths.root.iterdir():
+            if child in keep:
+                continue
             shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
 
 
@@ -168,16 +177,19 @@ def submit_run(
     check_run_dir_free(paths)
     scripts = render_scripts(cfg, profile, paths, config_path, template_dir)  # render errors before any write
     check_executor(executor)
+    kept = frozenset({paths.prepared} if paths.prepared.is_dir() else ())  # prepared before the submit
+    need_prepare = prepared.needed_for_new_run(paths, cfg, say)
     created = _lock_new_run_dir(paths, say)
     manifest = new_manifest(cfg.name, executor.value, paths.run_id)
     result = SubmitResult(paths.root, executor.value, scripts={k: paths.script(k) for k in scripts})
     try:
         _write_run_dir(paths, cfg, scripts)
         attempt = start_attempt(manifest, "submit")
-        dispatch_attempt(cfg, profile, paths, config_path, template_dir, manifest, attempt, result, say)
+        dispatch_attempt(cfg, profile, paths, config_path, template_dir, manifest, attempt, result, say,
+                         need_prepare=need_prepare)
     except BaseException:
         if not result.jobs:
-            _cleanup(paths, created)
+            _cleanup(paths, created, kept)
         raise
     finally:
         release_lock(paths)
@@ -193,12 +205,16 @@ def check_executor(executor: Executor) -> None:
 def dispatch_attempt(
     cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, config_path: str, template_dir: str | None,
     manifest: dict[str, Any], attempt: dict[str, Any], result: SubmitResult, say: Say,
+    need_prepare: bool | None = None,
 ) -> None:
-    """Send one attempt's train job and its consolidation (Slurm), or run both here (local)."""
+    """Send one attempt's prepare job (when ``need_prepare``; None: :func:`slurmft.prepared.needed`), train
+    job and consolidation, chained (Slurm), or run them here in that order (local)."""
+    if need_prepare is None:
+        need_prepare = prepared.needed(paths, cfg)
     if cfg.resolved_executor == Executor.SLURM:
-        _submit_slurm(cfg, profile, paths, config_path, template_dir, manifest, attempt, result, say)
+        _submit_slurm(cfg, profile, paths, config_path, template_dir, manifest, attempt, result, say, need_prepare)
     else:
-        _run_local(cfg, paths, manifest, attempt, result, say)
+        _run_local(cfg, paths, manifest, attempt, result, say, need_prepare)
 
 
 def _texts(cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, config_path: str, template_dir: str | None):  # noqa: ANN202
@@ -216,33 +232,49 @@ def _texts(cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, config_path
 
 def _submit_slurm(
     cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, config_path: str, template_dir: str | None,
-    manifest: dict[str, Any], attempt: dict[str, Any], result: SubmitResult, say: Say,
+    manifest: dict[str, Any], attempt: dict[str, Any], result: SubmitResult, say: Say, need_prepare: bool = False,
 ) -> None:
     from submitit.core.utils import FailedJobError
 
     from slurmft.job.entrypoint import run_train
 
     train_text, _ = _texts(cfg, profile, paths, config_path, template_dir)
+    first = None
+    if need_prepare:
+        first = submit_prepare(cfg, profile, paths, manifest, config_path, template_dir,
+                                   run_attempt=attempt["attempt"])
+        result.jobs["prepare"] = first
+        attempt["prepare_job"] = first
+        write_manifest(paths, manifest)
+        say(f"prepare job {first} submitted ({cfg.prepare.resources.cpus_per_task} CPU(s), no GPU)")
+    elif cfg.prepare.enabled:
+        say(f"the data is prepared already ({paths.prepared}): no prepare job")
     try:
         ex = make_slurm_executor(
-            paths, cfg.resources.world_size, time_minutes(cfg.cluster.time), train_text, None, python_for(cfg)
+            paths, cfg.resources.world_size, time_minutes(cfg.cluster.time), train_text, first, python_for(cfg),
+            kill_on_invalid_dep=True,
         )
         train = ex.submit(run_train, str(paths.root), cfg.preemption.signal)
     except (FailedJobError, OSError, RuntimeError) as exc:
-        raise SubmissionError(f"sbatch refused the train job: {str(exc).strip()}") from None
+        what = ""
+        if first:
+            cancelled = slurm.try_scancel([first])
+            what = f"; cancelled prepare job {first}" if cancelled else f"; could NOT cancel prepare job {first}: run `scancel {first}`"
+        raise SubmissionError(f"sbatch refused the train job: {str(exc).strip()}{what}") from None
     result.jobs["train"] = train.job_id
     attempt["train_job"] = train.job_id
     record_job(manifest, "train", train.job_id, run_attempt=attempt["attempt"], script=str(paths.script("train")),
-               log=str(paths.log_file("train", train.job_id)))
+               log=str(paths.log_file("train", train.job_id)), **({"dependency": f"afterok:{first}"} if first else {}))
     write_manifest(paths, manifest)
-    say(f"train job {train.job_id} submitted ({cfg.resources.nodes} node(s) x {cfg.resources.ranks_per_node} task(s))")
+    say(f"train job {train.job_id} submitted ({cfg.resources.nodes} node(s) x {cfg.resources.ranks_per_node} task(s))"
+        + (f", starts after prepare job {first} succeeds" if first else ""))
     if not cfg.consolidate.enabled:
         return
     try:
         cons = submit_consolidation(cfg, profile, paths, manifest, config_path, template_dir,
                                     dependency=train.job_id, run_attempt=attempt["attempt"])
     except SubmissionError as exc:
-        cancelled = slurm.try_scancel([train.job_id])
+        cancelled = slurm.try_scancel([train.job_id, *([first] if first else [])])
         manifest["jobs"][-1]["cancelled_by_submit"] = cancelled
         write_manifest(paths, manifest)
         what = f"cancelled train job {train.job_id}" if cancelled else (
@@ -292,6 +324,50 @@ def submit_consolidation(
     return str(cons.job_id)
 
 
+def _prepare_fields(run_attempt: int | None) -> dict[str, Any]:
+    return {"run_attempt": run_attempt} if run_attempt is not None else {}
+
+
+def submit_prepare(cfg: RunConfig, profile: Any, paths: RunPaths, manifest: dict[str, Any], config_path: str = "",
+                   template_dir: str | None = None, *, run_attempt: int | None = None) -> str:
+    """sbatch one prepare job (CPUs only); record it in the manifest; return its id."""
+    from submitit.core.utils import FailedJobError
+
+    from slurmft.job.entrypoint import run_prepare
+
+    def text(command: str) -> str:
+        return render(PREPARE_TEMPLATE, build_prepare_context(cfg, profile, paths, command, config_path), template_dir)
+
+    try:
+        ex = make_slurm_executor(paths, 1, time_minutes(cfg.prepare.resources.time), text, None, python_for(cfg))
+        job = ex.submit(run_prepare, str(paths.root))
+    except (FailedJobError, OSError, RuntimeError) as exc:
+        raise SubmissionError(f"sbatch refused the prepare job ({str(exc).strip()})") from None
+    record_job(manifest, "prepare", job.job_id, **_prepare_fields(run_attempt), script=str(paths.script("prepare")),
+               log=str(paths.log_file("prepare", job.job_id)))
+    write_manifest(paths, manifest)
+    return str(job.job_id)
+
+
+def run_local_prepare(cfg: RunConfig, paths: RunPaths, manifest: dict[str, Any], say: Say, *,
+                      run_attempt: int | None = None) -> str:
+    """Run the preparation here as a local job (one process through submitit), recorded; returns its id."""
+    from submitit import LocalExecutor
+    from submitit.core.utils import JobPaths
+
+    from slurmft.job.entrypoint import run_prepare
+
+    ex = LocalExecutor(folder=paths.submitit, python=python_for(cfg))
+    ex.update_parameters(tasks_per_node=1, nodes=1, timeout_min=time_minutes(cfg.prepare.resources.time))
+    job = ex.submit(run_prepare, str(paths.root))
+    record_job(manifest, "prepare", job.job_id, **process_record(int(job.job_id)), **_prepare_fields(run_attempt),
+               logs=[str(JobPaths(paths.submitit, job.job_id, 0).stdout)])
+    write_manifest(paths, manifest)
+    say(f"prepare job {job.job_id} started here")
+    _wait_local(job, "prepare", paths, manifest, say)
+    return str(job.job_id)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -300,9 +376,10 @@ def _free_port() -> int:
 
 def _run_local(
     cfg: RunConfig, paths: RunPaths, manifest: dict[str, Any], attempt: dict[str, Any], result: SubmitResult,
-    say: Say,
+    say: Say, need_prepare: bool = False,
 ) -> None:
-    """Run the train job here with submitit's local executor (N processes), then consolidation."""
+    """Run the preparation (when needed), the train job (N processes) and consolidation here, in that order,
+    with submitit's local executor."""
     from submitit import LocalExecutor
     from submitit.core.utils import JobPaths
 
@@ -313,6 +390,10 @@ def _run_local(
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), SLURMFT_RUN_DIR=str(paths.root))
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.resources.cpus_per_task))
     try:
+        if need_prepare:
+            result.jobs["prepare"] = attempt["prepare_job"] = run_local_prepare(
+                cfg, paths, manifest, say, run_attempt=attempt["attempt"])
+            write_manifest(paths, manifest)
         ex = LocalExecutor(folder=paths.submitit, python=python_for(cfg))
         ex.update_parameters(
             tasks_per_node=cfg.resources.ranks_per_node, nodes=1, timeout_min=time_minutes(cfg.cluster.time),

@@ -3,7 +3,9 @@
 Slurm's own requeue (the warning signal, ``scontrol requeue``) keeps the job id, so the ``afterok``
 consolidation job stays valid. Every other ending leaves the train job FAILED, CANCELLED, TIMEOUT,
 NODE_FAIL or OUT_OF_MEMORY, and its consolidation job in ``DependencyNeverSatisfied`` forever: a new
-job id is needed, and a new consolidation chained to it. A resume is a submit of an existing run
+job id is needed, and a new consolidation chained to it. With ``prepare.enabled`` the train job reads
+``RUN_DIR/prepared/``: a failed prepare job is submitted again and the rest chained to it; a prepared set
+that no longer matches the config (a source edited since) is refused with the fix (``slurmft prepare``). A resume is a submit of an existing run
 directory: the resolved ``config.yaml`` (overrides only where they cannot change the training math),
 the same templates, a new submitit pickle, and the trainer's automatic resume from the newest
 ``COMPLETE`` checkpoint. What happened is kept as a new *attempt* in the manifest.
@@ -29,6 +31,7 @@ from slurmft.config import (
 )
 from slurmft.errors import ConfigError, RunDirError, SubmissionError
 from slurmft.job.requeue import EXIT_REQUEUE_REFUSED  # torch-free: the batch shell runs it
+from slurmft.prepared import needed as prepare_needed
 from slurmft.rundir import (
     ADAPTER_CONFIG,
     MODEL_INDEX,
@@ -47,7 +50,7 @@ from slurmft.slurm_states import State, is_allocated, is_live, is_waiting, parse
 from slurmft.watch.status import SQUEUE_SILENT, RunState, describe, run_state
 
 # Keys a resume may change: where and how the job runs, never what it computes.
-ALLOWED_PREFIXES = ("cluster.", "preemption.", "consolidate.")
+ALLOWED_PREFIXES = ("cluster.", "preemption.", "consolidate.", "prepare.resources.")
 ALLOWED_KEYS = ("checkpoint.keep_last", "resources.cpus_per_task", "resources.mem", "resources.exclusive")
 
 
@@ -200,8 +203,11 @@ def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | No
         raise RunDirError(f"cannot tell whether {paths.root} still runs, so nothing is submitted: "
                           + "; ".join(f"{r['kind']} job {r['job_id']}: {r['words']}" for r in unseen))
     cfg = resume_config(paths, overrides, executor)
-    train_rows = [r for r in state.rows if r["kind"] == "train"]
-    live_train = [r["job_id"] for r in train_rows if is_live(r["state"])]
+    # a train job whose prepare job failed waits for nothing (Slurm cancels it: --kill-on-invalid-dep)
+    never = [r["job_id"] for r in state.rows if r["kind"] == "train" and is_waiting(r["state"])
+             and r.get("reason") == "DependencyNeverSatisfied"]
+    train_rows = [r for r in state.rows if r["kind"] in ("train", "prepare")]
+    live_train = [r["job_id"] for r in train_rows if is_live(r["state"]) and r["job_id"] not in never]
     if not state.squeue_answered and executor != "local" and not live_train:
         raise RunDirError(f"{SQUEUE_SILENT}: cannot tell whether train job(s) "
                           f"{', '.join(r['job_id'] for r in train_rows) or '(none recorded)'} of {paths.root} still "
@@ -213,9 +219,12 @@ def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | No
     phase = classify(live_train, step, max_steps, model_ready(paths, latest, adapter_only))
     result = ResumeResult(phase, paths.root, executor, resumed_from=latest, step=step)
     if phase == Phase.LIVE:
-        how = ". ".join(f"Job {r['job_id']}: {describe(r['state'], r['reason'], str(paths.root), 'train', False, r['job_id'])}"
+        how = ". ".join(f"Job {r['job_id']}: {describe(r['state'], r['reason'], str(paths.root), r['kind'], False, r['job_id'])}"
                         for r in train_rows if r["job_id"] in live_train)
-        raise RunDirError(f"{paths.root} is live: train job(s) {', '.join(live_train)} still queued or running; "
+        live = " and ".join(f"{kind} job(s) {', '.join(r['job_id'] for r in train_rows if r['kind'] == kind and r['job_id'] in live_train)}"
+                            for kind in ("prepare", "train") if any(r["kind"] == kind and r["job_id"] in live_train
+                                                                    for r in train_rows))
+        raise RunDirError(f"{paths.root} is live: {live} still queued or running; "
                           f"nothing to resume, nothing submitted (follow it with `slurmft status`, or `slurmft "
                           f"cancel` it first). {how}")
     if phase == Phase.FINISHED:
@@ -234,12 +243,13 @@ def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | No
                 f"(resources.nodes x ranks per node): a sharded checkpoint resumes only at the world size it was "
                 "saved with", ["restore resources in the run's config.yaml, or submit a new run"])
     check_submittable(cfg)
+    need_prepare = prepare_needed(paths, cfg)  # prepared/ changed since: refused here, nothing submitted
     profile = load_profile(cfg.cluster.profile)
     config_path = str(paths.config)
     scripts = render_scripts(cfg, profile, paths, config_path, template_dir)
     check_executor(cfg.resolved_executor)
 
-    stale = _stale_consolidations(state) if executor != "local" else []
+    stale = [*never, *_stale_consolidations(state)] if executor != "local" else []
     if stale:
         try:
             scancel(stale)
@@ -247,8 +257,13 @@ def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | No
             raise SubmissionError(f"{exc}; the stale consolidation job(s) stay queued and nothing was "
                                   "submitted") from None
         result.cancelled = stale
-        say(f"cancelled stale consolidation job(s) {', '.join(stale)} (they waited on a train job that "
-            "will never succeed)")
+        cons = [j for j in stale if j not in never]
+        if cons:
+            say(f"cancelled stale consolidation job(s) {', '.join(cons)} (they waited on a train job that "
+                "will never succeed)")
+        if len(cons) < len(stale):
+            say(f"cancelled train job(s) {', '.join(j for j in stale if j in never)} (they waited on a prepare "
+                "job that did not succeed)")
     manifest = state.manifest
     if overrides:
         atomic_write(paths.config, dump_config(cfg))
@@ -263,7 +278,8 @@ def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | No
         else f"resuming {paths.root}: no complete checkpoint, training starts again at step 0")
     submitted = SubmitResult(paths.root, executor)
     try:
-        dispatch_attempt(cfg, profile, paths, config_path, template_dir, manifest, attempt, submitted, say)
+        dispatch_attempt(cfg, profile, paths, config_path, template_dir, manifest, attempt, submitted, say,
+                         need_prepare=need_prepare)
     finally:
         result.jobs = dict(submitted.jobs)
         write_manifest(paths, manifest)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -477,6 +478,47 @@ def lost_to_preemption(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "gap_s": round(gap_s, 1), "total_s": round(recomputed_s + gap_s, 1), "boundaries": per_boundary}
 
 
+# One progress line of ``datasets`` (tqdm) in the prepare job's log: ``Tokenizing train dataset (num_proc=8):
+# 45%|####5     | 450/1000 [00:01<00:02, 536.19 examples/s]`` (lines end in ``\r``; TQDM_MININTERVAL apart).
+PROGRESS_RE = re.compile(r"(?P<desc>[^\r\n|]+?):\s+\d+%\|[^|]*\|\s*(?P<n>\d+)/(?P<total>\d+) "
+                         r"\[(?P<elapsed>[\d:]+)<(?P<eta>[\d:?]+), *(?P<rate>[^\]]+)\]")
+
+
+def last_progress(log_text: str) -> str | None:
+    """The newest progress line of a prepare job's log, in words (rows done, rows/s, ETA), or None."""
+    found = None
+    for found in PROGRESS_RE.finditer(log_text):  # noqa: B007 - the last one is kept
+        pass
+    if found is None:
+        return None
+    return (f"{found['desc'].strip()}: {int(found['n']):,}/{int(found['total']):,} rows, {found['rate'].strip()}, "
+            f"ETA {found['eta']}")
+
+
+def prepare_info(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """``prepared/``'s counts (:func:`slurmft.prepared.summary_line`), and while the newest prepare job is live, its
+    newest progress line; None for a run without either."""
+    from slurmft import prepared
+
+    out: dict[str, Any] = {}
+    record = prepared.read_record(paths)
+    if record is not None:
+        out.update(summary=prepared.summary_line(record), result=record.get("result"))
+    rows = [r for r in slurm_rows if r["kind"] == "prepare"]
+    jobs = {j["job_id"]: j for j in manifest.get("jobs", []) if j["kind"] == "prepare"}
+    if rows and is_live(rows[-1]["state"]):
+        job = jobs.get(rows[-1]["job_id"], {})
+        log = Path(job.get("log") or (job.get("logs") or [""])[0] or paths.log_file("prepare", rows[-1]["job_id"]))
+        try:
+            with open(log, "rb") as f:
+                f.seek(max(0, log.stat().st_size - 65536))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            text = ""
+        out["running"] = {"job_id": rows[-1]["job_id"], "progress": last_progress(text)}
+    return out or None
+
+
 def overview(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dict[str, Any]],
              max_steps: int | None = None) -> dict[str, Any]:
     """What ``slurmft status --json`` adds beside ``jobs``: ``{progress, checkpoint, attempts, model, lost, tracker,
@@ -493,7 +535,8 @@ def overview(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dict[st
             "model": model_info(paths), "lost": lost_to_preemption(rows), "tracker": read_tracker(paths),
             "adapter": str(paths.adapter) if (paths.adapter / ADAPTER_CONFIG).is_file() else None,
             "merge": _merge_setting(paths),
-            "lora": lora_info(paths), "saves": saves_info(metrics.saves)}
+            "lora": lora_info(paths), "saves": saves_info(metrics.saves),
+            "prepared": prepare_info(paths, manifest, slurm_rows)}
 
 
 def overview_lines(ov: dict[str, Any]) -> list[str]:
@@ -510,6 +553,11 @@ def overview_lines(ov: dict[str, Any]) -> list[str]:
             lines.append(f"  note: {p['problem']}")
     if ov.get("lora"):
         lines.append(f"method: {lora_words(ov['lora'])}")
+    prep = ov.get("prepared") or {}
+    if prep.get("running"):
+        lines.append(f"preparing (job {prep['running']['job_id']}): {prep['running']['progress'] or 'starting'}")
+    if prep.get("summary"):
+        lines.append(f"prepared data: {prep['summary']}")
     lines.append(f"checkpoint: step {ck['step']}, {fmt_duration(ck['age_s'])} old, {binary_bytes(ck['bytes'])} "
                  f"({ck['path']})" + (" (adapters and their optimizer state only)" if ov.get("lora") else "")
                  if ck else "checkpoint: none complete yet")

@@ -26,6 +26,9 @@ MAX_DEPTH = 3
 TRAIN_WORD = {State.PENDING: "queued", State.CONFIGURING: "starting", State.REQUEUED: "requeued",
               State.REQUEUE_FED: "requeued", State.REQUEUE_HOLD: "held", State.SPECIAL_EXIT: "held",
               State.RESV_DEL_HOLD: "held", State.SUSPENDED: "suspended", State.STOPPED: "suspended"}
+# A prepare job that ended so (its train job then never starts).
+PREPARE_FAILED = frozenset({State.FAILED, State.TIMEOUT, State.NODE_FAIL, State.OUT_OF_MEMORY,
+                            State.BOOT_FAIL, State.PREEMPTED, State.DEADLINE})
 # Folders inside a run directory that never hold another run (and can be large).
 SKIP = RunPaths(Path(".")).folders | {"__pycache__", "node_modules"}
 
@@ -55,13 +58,19 @@ def find_runs(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
 def run_word(jobs: list[dict[str, Any]], has_model: bool) -> str:
     """The run's state in one word from its jobs' ``{kind, state, reason}`` (newest last).
 
-    A live train job says where training is; a live consolidation job says the run is being
+    A live prepare job says the data is being prepared (a failed one, that it failed); a live train job says
+    where training is; a live consolidation job says the run is being
     consolidated (or stuck behind a failed train job); otherwise the model's presence or the newest
     train job's end.
     """
     train = [j for j in jobs if j["kind"] == "train"]
     cons = [j for j in jobs if j["kind"] == "consolidate"]
+    prep = [j for j in jobs if j["kind"] == "prepare"]
     t = train[-1] if train else None
+    if prep and is_live(prep[-1]["state"]):  # the train job, if any, waits on it
+        return "preparing" if is_allocated(prep[-1]["state"]) else "prepare queued"
+    if prep and parse(prep[-1]["state"]) in PREPARE_FAILED and (t is None or parse(t["state"]) == State.CANCELLED):
+        return "prepare failed"
     if t and is_live(t["state"]):
         return TRAIN_WORD.get(parse(t["state"]) or State.RUNNING, "training")
     if cons and is_live(cons[-1]["state"]):

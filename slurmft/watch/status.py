@@ -94,7 +94,7 @@ def adopt_tagged(manifest: dict[str, Any], view: SlurmView) -> list[dict[str, An
 
     adopted = []
     for jid, row in sorted(view.tagged.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):
-        kind = "consolidate" if row["name"].endswith("-consolidate") else "train"
+        kind = next((k for k in ("consolidate", "prepare") if row["name"].endswith(f"-{k}")), "train")
         adopted.append(record_job(manifest, kind, jid, adopted=True, job_name=row["name"]))
     return adopted
 
@@ -138,6 +138,7 @@ def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView
         rows.append({**_base(job), "state": state, "reason": reason, "elapsed": elapsed,
                      "exit_code": (a or {}).get("exit_code", ""), "restarts": int(restarts),
                      "start": (a or {}).get("start", ""), "end": (a or {}).get("end", ""), "words": text})
+    explain_prepare_failures(rows, jobs, run_dir)
     return rows
 
 
@@ -148,10 +149,27 @@ def _base(job: dict[str, Any]) -> dict[str, Any]:
     return base
 
 
+# A train job waits on the prepare job (prepare.enabled), not on a train job.
+TRAIN_REASON_WORDS = {
+    "Dependency": "waiting for the prepare job to finish successfully",
+    "DependencyNeverSatisfied": "will never start: the prepare job did not succeed; Slurm cancels this job "
+    "(--kill-on-invalid-dep); see `slurmft logs {run} --job prepare`, fix the data, then `slurmft resume {run}`",
+}
+
+
+def prepare_failed_words(prepare_job: str, run_dir: str) -> str:
+    """A train job Slurm cancelled before it started because its prepare job did not succeed."""
+    return (f"cancelled by Slurm before it started: prepare job {prepare_job} did not succeed "
+            f"(DependencyNeverSatisfied); see `slurmft logs {run_dir} --job prepare`, fix the data, then `slurmft "
+            f"resume {run_dir}` (it prepares again and chains the train job)")
+
+
 def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", newest_train: bool = False,
              job_id: str = "JOB") -> str:
     """The state in words a user can act on: :data:`slurmft.slurm_states.WORDS`, plus what to do next."""
     known = parse(state)
+    if known == State.PENDING and kind == "train" and reason in TRAIN_REASON_WORDS:
+        return TRAIN_REASON_WORDS[reason].format(run=run_dir)
     if known == State.PENDING and REASON_WORDS.get(reason):
         return REASON_WORDS[reason].format(run=run_dir)
     text = words(state)
@@ -169,7 +187,25 @@ def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", 
                  else "; a later `slurmft resume` continued the run")
     elif kind == "consolidate" and known in RESUMABLE_ENDINGS - {State.UNKNOWN}:
         text += f"; redo it with `slurmft consolidate {run_dir}`"
+    elif kind == "prepare" and known in RESUMABLE_ENDINGS - {State.UNKNOWN}:
+        text += (f"; no train job starts without it: fix what its log says (`slurmft logs {run_dir} --job prepare`), "
+                 f"then `slurmft resume {run_dir}` (or `slurmft prepare {run_dir}`)")
     return text
+
+
+def explain_prepare_failures(rows: list[dict[str, Any]], jobs: list[dict[str, Any]], run_dir: str) -> None:
+    """A train job cancelled before it started, whose prepare job failed: say so (its own state says only
+    CANCELLED)."""
+    by_id = {r["job_id"]: r for r in rows}
+    for job, row in zip(jobs, rows, strict=True):
+        dep = str(job.get("dependency") or "")
+        if job["kind"] != "train" or not dep.startswith("afterok:"):
+            continue
+        first = by_id.get(dep.removeprefix("afterok:"))
+        started = row.get("start") not in ("", "None", "Unknown", None)
+        if (first and parse(row["state"]) == State.CANCELLED and not started
+                and parse(first["state"]) in RESUMABLE_ENDINGS - {State.UNKNOWN}):
+            row["words"] = prepare_failed_words(first["job_id"], run_dir)
 
 
 @dataclass

@@ -1,0 +1,210 @@
+"""The prepare job: the training data loaded, tokenized, masked and packed once, on CPUs, before any GPU waits.
+
+Without it (``prepare.enabled: false``) the train job prepares the data inside its allocation: rank 0 loads
+and converts every source and TRL's ``SFTTrainer`` applies the chat template, tokenizes, builds the
+assistant masks and packs, while every other rank waits (past the collective time-out a wait becomes an
+NCCL time-out: axolotl#2684, LlamaFactory#9091), and every requeue and resume pays it again.
+
+Here the same two steps run in a job of their own: :func:`slurmft.job.data.load_mixture` (the sources,
+converted to ``messages`` and mixed by weight, the chat template checked), then TRL's own
+``SFTTrainer._prepare_dataset``, the very function the trainer runs, called on :class:`TrlPreparation`, which
+holds the three attributes ``SFTTrainer.__init__`` gives it (the tokenizer, the training chat template,
+``completion_only_loss``; tests/job/test_prepare.py checks against TRL's source that these are all it
+reads). The result is saved with ``datasets.Dataset.save_to_disk`` into a staging directory, the record
+(:mod:`slurmft.prepared`) is written last inside it, and it replaces ``RUN_DIR/prepared/`` by a rename.
+The train job loads it with ``load_from_disk`` and passes ``dataset_kwargs={"skip_prepare_dataset": True}``,
+so TRL prepares nothing there; a record that no longer matches the config is refused, never reused.
+
+The packed set depends on ``num_proc``: TRL packs each 1,000-row batch of each process's shard, so the
+same data prepared with another number of processes is grouped into packs differently (the same tokens).
+A run with ``prepare.enabled: false`` gives the bitwise same model when ``data.num_proc`` is the same.
+Measured with ``bench/prepare_first_step.py``: the numbers are in docs/prepare.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from slurmft import prepared
+from slurmft.config import RunConfig, read_run_config
+from slurmft.errors import JobSetupError, RunDirError, SlurmftError
+from slurmft.rundir import PREPARED_RECORD, RunPaths
+
+log = logging.getLogger("slurmft.job")
+#: Seconds between two progress lines of a preparation step (tqdm's mininterval, read from TQDM_MININTERVAL).
+PROGRESS_EVERY_S = "10"
+
+
+def num_proc_for(cfg: RunConfig) -> int | None:
+    """``data.num_proc``, else the CPUs Slurm gave this job, else None (one process)."""
+    if cfg.data.num_proc:
+        return cfg.data.num_proc
+    cpus = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    return int(cpus) if cpus.isdigit() and int(cpus) > 1 else None
+
+
+def prepare_args(cfg: RunConfig, num_proc: int | None, workdir: Path) -> Any:
+    """TRL's SFTConfig with what its dataset preparation reads, as the train job's ``sft_config`` sets it."""
+    from trl import SFTConfig
+
+    kwargs: dict[str, Any] = {
+        "output_dir": str(workdir), "report_to": "none", "use_cpu": True, "seed": cfg.train.seed,
+        "max_length": cfg.data.max_seq_length, "packing": cfg.data.packing,
+        "assistant_only_loss": cfg.data.assistant_only_loss, "dataset_num_proc": num_proc,
+    }
+    kwargs.update({k: cfg.train.sft[k] for k in prepared.PREPARE_SFT_KEYS if k in cfg.train.sft})
+    try:
+        return SFTConfig(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise JobSetupError(f"train.sft: TRL rejected the preparation options: {exc}") from None
+
+
+class TrlPreparation:
+    """What ``SFTTrainer._prepare_dataset`` reads from its trainer, set as ``SFTTrainer.__init__`` sets it
+    for a text model and the ``messages`` data slurmft builds."""
+
+    def __init__(self, tokenizer: Any, args: Any, sample: dict[str, Any]) -> None:
+        from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+        self._tokenizer = tokenizer
+        if args.eos_token is not None:
+            if args.eos_token not in tokenizer.get_vocab():
+                raise JobSetupError(f"train.sft.eos_token: {args.eos_token!r} is not in the tokenizer's vocabulary")
+            tokenizer.eos_token = args.eos_token
+        if args.assistant_only_loss and not has_generation_markers(tokenizer.chat_template):
+            self.chat_template = get_training_chat_template(tokenizer)
+        else:
+            self.chat_template = None
+        if args.completion_only_loss is None:
+            self.completion_only_loss = "prompt" in sample and "completion" in sample
+        else:
+            self.completion_only_loss = args.completion_only_loss
+
+    def run(self, dataset: Any, args: Any) -> Any:
+        """TRL's preparation of ``dataset`` (convert, tokenize, labels from the masks, truncate or pack, shuffle)."""
+        from trl import SFTTrainer
+
+        return SFTTrainer._prepare_dataset(self, dataset, self._tokenizer, args, args.packing, None, "train")
+
+
+def counts(ds: Any, max_length: int) -> dict[str, Any]:
+    """Sequences, tokens, tokens in the loss, and how full the packed slots are."""
+    import pyarrow.compute as pc
+
+    table = ds.with_format("arrow")[:]
+    lengths = pc.list_value_length(table["input_ids"])
+    tokens = int(pc.sum(lengths).as_py() or 0)
+    loss = None
+    if "labels" in table.column_names:
+        flat = pc.list_flatten(table["labels"])
+        loss = int(pc.sum(pc.not_equal(flat, -100).cast("int64")).as_py() or 0)
+    return {"sequences": len(ds), "tokens": tokens, "loss_tokens": loss,
+            "fill": round(tokens / (len(ds) * max_length), 4) if len(ds) else 0.0}
+
+
+def _swap_in(staging: Path, target: Path, tag: str) -> None:
+    """``staging`` becomes ``target``; an older ``target`` is moved aside first and removed after."""
+    old = target.parent / f".prepared.{tag}.old"
+    if target.exists():
+        os.replace(target, old)
+    os.replace(staging, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def prepare_run(run_dir: str, num_proc: int | None = None, cfg: RunConfig | None = None) -> dict[str, Any]:
+    """Prepare the run's data into ``RUN_DIR/prepared/`` (the config: ``RUN_DIR/config.yaml``, or ``cfg`` for a
+    run not submitted yet); returns the record written there."""
+    os.environ.setdefault("TQDM_MININTERVAL", PROGRESS_EVERY_S)  # datasets' bars: rows/s and an ETA, now and then
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.INFO, format="[slurmft prepare %(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    log.setLevel(logging.INFO)
+    logging.getLogger("transformers").propagate = False
+    paths = RunPaths.of(run_dir)
+    if cfg is None:
+        try:
+            cfg = read_run_config(paths.config)
+        except SlurmftError as exc:
+            raise JobSetupError(exc.render()) from None
+    paths.root.mkdir(parents=True, exist_ok=True)
+    import datasets
+
+    from slurmft.job import data
+    from slurmft.job.inputs import check_sft_keys, load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
+
+    datasets.enable_progress_bars()
+    t0 = time.time()
+    check_sft_keys(cfg)
+    num_proc = num_proc or num_proc_for(cfg)
+    before = prepared.expected(cfg)  # the inputs as they were when preparation began
+    model_dir = resolve_model_dir(cfg.model, with_weights=False)
+    tokenizer = load_tokenizer(resolve_tokenizer_dir(cfg.model, model_dir), cfg)
+    mixed = data.load_mixture(cfg.data.model_copy(update={"num_proc": num_proc}), cfg.train.seed, tokenizer)
+    t_loaded = time.time()
+    log.info("loaded %d conversations in %.1f s (%.0f rows/s); TRL's preparation next (%s, max_length %d, "
+             "num_proc %s)", len(mixed), t_loaded - t0, len(mixed) / max(t_loaded - t0, 1e-9),
+             "packing" if cfg.data.packing else "no packing", cfg.data.max_seq_length, num_proc or 1)
+    tag = f"{os.environ.get('SLURM_JOB_ID', 'here')}-{os.getpid()}"
+    staging = paths.prepared_staging(tag)
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        args = prepare_args(cfg, num_proc, staging)  # TRL writes nothing there: the output_dir of no trainer
+        trl = TrlPreparation(tokenizer, args, mixed[0])
+        try:
+            ready = trl.run(mixed, args)
+        except SlurmftError:
+            raise
+        except Exception as exc:  # a row TRL cannot prepare: name it, no traceback (the user's data)
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise JobSetupError(f"data: TRL's preparation failed ({type(exc).__name__}: {first}); fix the data or "
+                                f"the chat template, then `slurmft prepare {paths.root}` (or `slurmft resume "
+                                f"{paths.root}`)") from None
+        t_ready = time.time()
+        log.info("TRL prepared %d conversations into %d sequences in %.1f s (%.0f rows/s)", len(mixed), len(ready),
+                 t_ready - t_loaded, len(mixed) / max(t_ready - t_loaded, 1e-9))
+        ready.save_to_disk(str(staging))
+        result = {"conversations": len(mixed), **counts(ready, cfg.data.max_seq_length),
+                  "seconds": round(time.time() - t0, 1)}
+        record = {**before, "result": result, "num_proc": num_proc, "job_id": os.environ.get("SLURM_JOB_ID"),
+                  "host": socket.gethostname(), "time": time.time(),
+                  "versions": {m: _version(m) for m in ("trl", "datasets", "transformers", "slurmft")}}
+        prepared.write_record(staging / PREPARED_RECORD, record)  # last: its presence means complete
+        _swap_in(staging, paths.prepared, tag)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log.info("prepared data in %s: %s", paths.prepared, prepared.summary_line(prepared.read_record(paths) or {}))
+    return prepared.read_record(paths) or {}
+
+
+def _version(module: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(module)
+    except PackageNotFoundError:
+        return None
+
+
+def load_prepared(paths: RunPaths, cfg: RunConfig) -> Any:
+    """The prepared data when its record matches ``cfg``; a JobSetupError with the fix otherwise."""
+    try:
+        record = prepared.check(paths, cfg)
+    except RunDirError as exc:
+        raise JobSetupError(exc.render()) from None
+    if record is None:
+        raise JobSetupError(
+            f"prepare.enabled is true but {paths.prepared} holds no complete preparation (did the prepare job "
+            f"fail?): prepare it with `slurmft prepare {paths.root}`, then `slurmft resume {paths.root}`")
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(paths.prepared))
+    log.info("data: %d prepared sequences read from %s (prepared by %s; TRL prepares nothing here)", len(ds),
+             paths.prepared, f"job {record['job_id']}" if record.get("job_id") else record.get("host", "?"))
+    return ds
+

@@ -1,0 +1,216 @@
+"""The prepared data's record: what produced ``RUN_DIR/prepared/``, and whether it still fits the run.
+
+The prepare job (:mod:`slurmft.job.prepare`) runs TRL's own dataset preparation once, on CPUs, and saves
+the result; the train job and every requeue and resume read it instead of tokenizing again. Reading a
+prepared set that no longer matches the run would train on other data than the config says, silently,
+so the record names everything the result depends on and every reader compares it first:
+
+* ``settings``: what the config says about preparation: each source (path, subset, split, weight,
+  format, columns), ``data.max_seq_length``, ``packing``, ``assistant_only_loss``, ``train.seed`` and the
+  ``train.sft`` keys TRL's preparation reads (:data:`PREPARE_SFT_KEYS`), and the tokenizer it names;
+* ``inputs``: the files behind them: each local source's size and modification time, the SHA-256 of the
+  local tokenizer's files and of a ``train.sft.chat_template_path`` template. A hub data set or tokenizer is
+  matched by its id (and ``model.revision``): a new revision on the hub is not seen from here.
+
+Torch-free and datasets-free: ``validate``, ``resume`` and ``status`` on the login node read it, and so does
+the job, with the same words. Not compared: ``num_proc`` (it changes how TRL groups rows into packs, not
+whether the set fits the run) and the library versions, which are kept for the reader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from slurmft.config import RunConfig
+from slurmft.errors import RunDirError
+from slurmft.rundir import RunPaths, atomic_write
+
+PREPARED_VERSION = 1
+#: ``train.sft`` keys that TRL 1.16's preparation reads (``SFTTrainer.__init__`` and ``_prepare_dataset``);
+#: the others change the training, not the data. tests/job/test_prepare.py checks this list against TRL's source.
+PREPARE_SFT_KEYS = ("dataset_text_field", "truncation_mode", "packing_strategy", "shuffle_dataset",
+                    "completion_only_loss", "eos_token", "chat_template_path")
+#: Files of a tokenizer directory that change how text becomes tokens (hashed into the record).
+TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab*", "merges.txt",
+                   "*.model", "*.tiktoken", "chat_template*")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _local_dir(value: str) -> Path | None:
+    path = Path(value).expanduser()
+    return path if path.is_dir() else None
+
+
+def tokenizer_source(cfg: RunConfig) -> str:
+    """The tokenizer the job loads: ``model.tokenizer``, else the model's own."""
+    return cfg.model.tokenizer or cfg.model.name_or_path
+
+
+def settings(cfg: RunConfig) -> dict[str, Any]:
+    """What the config says about preparation (compared as a whole, field by field)."""
+    sources = [{"path": s.path, "name": s.name, "split": s.split, "weight": s.weight, "format": s.format,
+                "text_field": s.text_field, "columns": dict(s.columns)} for s in cfg.data.datasets]
+    return {"sources": sources, "max_seq_length": cfg.data.max_seq_length, "packing": cfg.data.packing,
+            "assistant_only_loss": cfg.data.assistant_only_loss, "seed": cfg.train.seed,
+            "sft": {k: cfg.train.sft[k] for k in PREPARE_SFT_KEYS if k in cfg.train.sft},
+            "tokenizer": tokenizer_source(cfg), "revision": cfg.model.revision if not cfg.model.tokenizer else None}
+
+
+def inputs(cfg: RunConfig) -> dict[str, Any]:
+    """The files behind the settings, as they are now: sources' size and mtime, tokenizer files' hashes."""
+    sources: list[dict[str, Any]] = []
+    for s in cfg.data.datasets:
+        path = Path(s.path).expanduser()
+        if path.is_file():
+            st = path.stat()
+            sources.append({"file": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+        else:
+            sources.append({"hub": s.path, "name": s.name, "split": s.split})
+    out: dict[str, Any] = {"sources": sources}
+    tok = _local_dir(tokenizer_source(cfg))
+    if tok is not None:
+        files = sorted({p for g in TOKENIZER_GLOBS for p in tok.glob(g) if p.is_file()})
+        out["tokenizer_files"] = {p.name: sha256_file(p) for p in files}
+    else:
+        out["tokenizer_hub"] = tokenizer_source(cfg)
+    template = cfg.train.sft.get("chat_template_path")
+    if template and Path(str(template)).expanduser().is_file():
+        out["chat_template_sha256"] = sha256_file(Path(str(template)).expanduser())
+    return out
+
+
+def expected(cfg: RunConfig) -> dict[str, Any]:
+    """The record's ``settings`` and ``inputs`` for ``cfg`` now."""
+    return {"settings": settings(cfg), "inputs": inputs(cfg)}
+
+
+def _what(key: str) -> str:
+    return {"max_seq_length": "data.max_seq_length", "packing": "data.packing", "seed": "train.seed",
+            "assistant_only_loss": "data.assistant_only_loss", "tokenizer": "the tokenizer (model.tokenizer)",
+            "revision": "model.revision", "sft": "train.sft (the keys TRL's preparation reads)"}.get(key, key)
+
+
+def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """Each way the record ``saved`` differs from ``now`` (both as :func:`expected` makes them), in words."""
+    out: list[str] = []
+    was, cur = saved.get("settings", {}), now["settings"]
+    for key in cur:
+        if key == "sources":
+            continue
+        if was.get(key) != cur[key]:
+            out.append(f"{_what(key)}: {was.get(key)!r} when prepared, {cur[key]!r} now")
+    old_src, new_src = was.get("sources", []), cur["sources"]
+    if len(old_src) != len(new_src):
+        out.append(f"data.datasets: {len(old_src)} source(s) when prepared, {len(new_src)} now")
+    else:
+        for i, (a, b) in enumerate(zip(old_src, new_src, strict=True)):
+            changed = [k for k in b if a.get(k) != b[k]]
+            if changed:
+                out.append(f"data.datasets[{i}]: {', '.join(changed)} changed ({a.get('path')} when prepared)")
+    was_in, cur_in = saved.get("inputs", {}), now["inputs"]
+    old_files, new_files = was_in.get("sources", []), cur_in["sources"]
+    if len(old_files) == len(new_files):
+        for i, (a, b) in enumerate(zip(old_files, new_files, strict=True)):
+            if a == b:
+                continue
+            if "file" in b and a.get("file") == b["file"]:
+                out.append(f"data.datasets[{i}] ({b['file']}): the file changed after preparation (size "
+                           f"{a.get('size')} -> {b['size']} bytes, modified {_when(a.get('mtime_ns'))} -> "
+                           f"{_when(b['mtime_ns'])})")
+            else:
+                out.append(f"data.datasets[{i}]: the source is {b.get('file') or b.get('hub')!r} now, "
+                           f"{a.get('file') or a.get('hub')!r} when prepared")
+    old_tok, new_tok = was_in.get("tokenizer_files"), cur_in.get("tokenizer_files")
+    if old_tok != new_tok:
+        if old_tok is None or new_tok is None:
+            out.append("the tokenizer: a hub tokenizer on one side, a local directory on the other")
+        else:
+            names = sorted(n for n in set(old_tok) | set(new_tok) if old_tok.get(n) != new_tok.get(n))
+            out.append(f"tokenizer file(s) changed after preparation: {', '.join(names)}")
+    if was_in.get("chat_template_sha256") != cur_in.get("chat_template_sha256"):
+        out.append("train.sft.chat_template_path: the template file changed after preparation")
+    return out
+
+
+def _when(mtime_ns: object) -> str:
+    import time
+
+    if not isinstance(mtime_ns, int):
+        return "?"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime_ns / 1e9))
+
+
+def read_record(paths: RunPaths) -> dict[str, Any] | None:
+    """The record of ``prepared/``, or None when there is no complete preparation."""
+    try:
+        record = json.loads(paths.prepared_record.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("version") == PREPARED_VERSION else None
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    atomic_write(path, json.dumps({"version": PREPARED_VERSION, **record}, indent=2) + "\n")
+
+
+def refusal(paths: RunPaths, problems: list[str]) -> RunDirError:
+    """The prepared data does not fit the run: never reused, never rebuilt behind the user's back."""
+    return RunDirError(
+        f"the prepared data in {paths.prepared} does not match the run's config, so it is not used",
+        [*problems, f"prepare it again: slurmft prepare {paths.root} (then `slurmft resume {paths.root}`)"])
+
+
+def check(paths: RunPaths, cfg: RunConfig) -> dict[str, Any] | None:
+    """The record when ``prepared/`` matches ``cfg``; None when there is no complete preparation; a
+    :class:`RunDirError` naming each difference and the fix when it does not match."""
+    record = read_record(paths)
+    if record is None:
+        return None
+    problems = differences(record, expected(cfg))
+    if problems:
+        raise refusal(paths, problems)
+    return record
+
+
+def summary_line(record: dict[str, Any]) -> str:
+    """``1,000 conversations -> 120 sequences of <= 512 tokens, 51,234 tokens (83% of the packed slots), 12.3 s``."""
+    r = record.get("result", {})
+    if not r:
+        return "prepared (no counts recorded)"
+    fill = r.get("fill")
+    parts = [f"{r.get('conversations', 0):,} conversations -> {r.get('sequences', 0):,} sequences of <= "
+             f"{record.get('settings', {}).get('max_seq_length')} tokens", f"{r.get('tokens', 0):,} tokens"]
+    if isinstance(r.get("loss_tokens"), int):
+        parts.append(f"{r['loss_tokens']:,} in the loss")
+    if isinstance(fill, int | float) and record.get("settings", {}).get("packing"):
+        parts.append(f"packing fills {100 * fill:.0f}% of the slots")
+    if isinstance(r.get("seconds"), int | float):
+        parts.append(f"prepared in {r['seconds']:.1f} s")
+    return ", ".join(parts)
+
+
+def needed(paths: RunPaths, cfg: RunConfig) -> bool:
+    """Whether this attempt needs a prepare job: ``prepare.enabled`` and no complete ``prepared/``. One that
+    does not match ``cfg`` is refused (:func:`check`): the fix is ``slurmft prepare``."""
+    return cfg.prepare.enabled and check(paths, cfg) is None
+
+
+def needed_for_new_run(paths: RunPaths, cfg: RunConfig, say: Callable[[str], None]) -> bool:
+    """:func:`needed` for a new run: a ``prepared/`` left by ``slurmft prepare run.yaml --here`` that does not
+    match is prepared again by the prepare job (no training has read it), and said so."""
+    try:
+        return needed(paths, cfg)
+    except RunDirError as exc:
+        say(f"note: {exc.problems[0] if exc.problems else exc}; the prepare job prepares the data again")
+        return True

@@ -1,0 +1,144 @@
+"""``slurmft prepare``, and the prepare job of ``submit`` and ``resume``: the data made once, before the train job.
+
+``submit`` chains prepare -> train (``afterok``, ``--kill-on-invalid-dep=yes``: a failed prepare job gets
+the train job cancelled by Slurm, not left pending in ``DependencyNeverSatisfied``) -> consolidate. A run
+directory whose ``prepared/`` already matches the config (``slurmft prepare run.yaml --here`` before the
+submit, or a resume after a finished prepare job) gets no prepare job: the train job reads what is there.
+``resume`` refuses a ``prepared/`` that no longer matches (a source edited since) with the fix, which is this
+command: ``slurmft prepare RUN_DIR`` (a job, or ``--here``), then ``slurmft resume RUN_DIR``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from slurmft.config import Executor, RunConfig, read_run_config
+from slurmft.errors import RunDirError
+from slurmft.rundir import (
+    RunPaths,
+    acquire_lock,
+    check_owner,
+    process_record,
+    read_manifest,
+    record_job,
+    release_lock,
+    write_manifest,
+)
+from slurmft.slurm_states import is_live
+
+Say = Callable[[str], None]
+#: Seconds to wait for another command holding the run's lock.
+LOCK_WAIT_S = 60.0
+
+
+def check_not_live(paths: RunPaths) -> None:
+    """Refuse to replace ``prepared/`` under a job that reads or writes it (a live train or prepare job)."""
+    from slurmft.watch.status import run_state
+
+    state = run_state(paths)
+    live = [f"{r['kind']} job {r['job_id']}" for r in state.rows
+            if r["kind"] in ("train", "prepare") and is_live(r["state"])]
+    if live:
+        raise RunDirError(f"{paths.root} has {', '.join(live)} queued or running, which would read the data while "
+                          f"it is replaced; wait for it, or `slurmft cancel {paths.root}` first")
+
+
+def prepare_here(paths: RunPaths, say: Say) -> dict[str, Any]:
+    """Prepare a run directory's data in this process (needs the training stack), recorded in its manifest."""
+    from slurmft.job.prepare import prepare_run
+
+    acquire_lock(paths, "prepare", say, wait_s=LOCK_WAIT_S)
+    try:
+        check_not_live(paths)
+        manifest = read_manifest(paths)
+        entry = record_job(manifest, "prepare", f"here-{os.getpid()}-{int(time.time())}", here=True,
+                           **process_record(os.getpid()))
+        write_manifest(paths, manifest)
+    finally:
+        release_lock(paths)
+    t0 = time.time()
+    try:
+        record = prepare_run(str(paths.root))
+        entry["state"] = "COMPLETED"
+    except BaseException:
+        entry["state"] = "FAILED"
+        raise
+    finally:
+        entry["elapsed_s"] = round(time.time() - t0, 1)
+        _update_entry(paths, entry)
+    return record
+
+
+def prepare_config_here(cfg: RunConfig) -> dict[str, Any]:
+    """``slurmft prepare run.yaml --here``: the data of a run not submitted yet, into its ``output_dir``'s
+    ``prepared/`` (nothing else is written there; ``submit`` then reuses it)."""
+    from slurmft.job.prepare import prepare_run
+
+    paths = RunPaths.of(cfg.output_dir)
+    if paths.manifest.exists():
+        raise RunDirError(f"{paths.root} is a run directory already: use `slurmft prepare {paths.root}`")
+    if paths.root.exists() and any(p != paths.prepared and not p.name.startswith(".prepared.")
+                                   for p in paths.root.iterdir()):
+        raise RunDirError(f"output_dir {paths.root} is not empty and is not a slurmft run directory; choose an "
+                          "empty or new one")
+    return prepare_run(str(paths.root), cfg=cfg)
+
+
+def _update_entry(paths: RunPaths, entry: dict[str, Any]) -> None:
+    acquire_lock(paths, "prepare", wait_s=LOCK_WAIT_S)
+    try:
+        manifest = read_manifest(paths)
+        for job in manifest["jobs"]:
+            if job["job_id"] == entry["job_id"]:
+                job.update(entry)
+        write_manifest(paths, manifest)
+    finally:
+        release_lock(paths)
+
+
+def submit(paths: RunPaths, template_dir: str | None, say: Say, force: bool = False) -> str:
+    """``slurmft prepare RUN_DIR``: one prepare job (no train job chained); its id."""
+    from slurmft.profiles import load_profile
+    from slurmft.submit.dispatch import check_executor, run_local_prepare, submit_prepare
+
+    manifest = read_manifest(paths)
+    check_owner(paths, manifest, "prepare", force)
+    cfg = read_run_config(paths.config)
+    cfg.executor = Executor(manifest.get("executor", "slurm"))  # where the run was started is where it prepares
+    if not cfg.prepare.enabled:
+        say(f"note: prepare.enabled is false in {paths.config}: its train job prepares the data itself and does not "
+            "read prepared/")
+    check_executor(cfg.resolved_executor)
+    profile = load_profile(cfg.cluster.profile)
+    acquire_lock(paths, "prepare", say, wait_s=LOCK_WAIT_S)
+    try:
+        check_not_live(paths)
+        manifest = read_manifest(paths)
+        if manifest.get("executor") == "local":
+            return run_local_prepare(cfg, paths, manifest, say)
+        from slurmft.plan.render import (
+            PREPARE_TEMPLATE,
+            build_prepare_context,
+            python_for,
+            render,
+            submitit_command,
+        )
+        from slurmft.rundir import atomic_write
+
+        command = submitit_command(python_for(cfg), paths.submitit)
+        text = render(PREPARE_TEMPLATE, build_prepare_context(cfg, profile, paths, command, str(paths.config)),
+                      template_dir)
+        atomic_write(paths.script("prepare"), text, executable=True)
+        return submit_prepare(cfg, profile, paths, manifest, str(paths.config), template_dir)
+    finally:
+        release_lock(paths)
+
+
+def run_dir_of(target: Path) -> RunPaths | None:
+    """RunPaths when ``target`` is a run directory (it has a manifest), else None (a run.yaml)."""
+    paths = RunPaths.of(target)
+    return paths if target.is_dir() and paths.manifest.is_file() else None

@@ -1,0 +1,158 @@
+"""The prepare job (slurmft/job/prepare.py): TRL's own preparation run once, saved, and read by the train job.
+
+* TRL's ``SFTTrainer._prepare_dataset`` reads from its trainer only what :class:`TrlPreparation` holds, and
+  from its arguments only what the prepare job sets (checked on TRL's source: an upgrade that reads more fails
+  here, not silently in a run);
+* the local executor runs prepare -> train -> consolidate in order, the train job reads ``prepared/`` and
+  tokenizes nothing, and the model is bitwise equal to the shared in-allocation run (``local_tiny_run``);
+* a source changed after preparation: ``resume`` refuses with the fix and submits nothing, the train job
+  refuses too (exit 2 on every rank), ``slurmft prepare RUN --here`` prepares again and both accept it.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.export_check import assert_same_model
+
+from .helpers import REPO, launch_like_srun
+
+pytestmark = pytest.mark.train
+
+LOCAL_EXAMPLE = REPO / "examples" / "tiny" / "run.yaml"
+
+
+def _attributes(fn: object, owner: str) -> set[str]:
+    """Every ``owner.X`` the function's source reads."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id == owner}
+
+
+def test_trl_preparation_reads_only_what_the_prepare_job_sets() -> None:
+    from trl import SFTTrainer
+
+    from slurmft.prepared import PREPARE_SFT_KEYS
+    from slurmft.sftopts import OWNED_SFT_KEYS
+
+    assert _attributes(SFTTrainer._prepare_dataset, "self") == {"_tokenizer", "chat_template", "completion_only_loss"}
+    read = _attributes(SFTTrainer._prepare_dataset, "args")
+    # what slurmft sets from run.yaml (owned keys) or passes from train.sft (PREPARE_SFT_KEYS): nothing else
+    assert read - set(OWNED_SFT_KEYS) - set(PREPARE_SFT_KEYS) == set(), read
+    # __init__ turns these into the attributes above (TrlPreparation does the same)
+    init = _attributes(SFTTrainer.__init__, "args")
+    assert {"eos_token", "chat_template_path", "completion_only_loss", "assistant_only_loss"} <= init
+
+
+def _submit(run: Path, tiny_model: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "slurmft.cli", "submit", str(LOCAL_EXAMPLE), f"output_dir={run}",
+         f"model.name_or_path={tiny_model}", "train.max_steps=18", "checkpoint.every_steps=6", *extra],
+        capture_output=True, text=True, timeout=900, cwd=REPO, env={**os.environ, "HF_DATASETS_OFFLINE": "1"})
+
+
+def _rank0_log(run: Path, manifest: dict, kind: str) -> str:
+    job = next(j for j in manifest["jobs"] if j["kind"] == kind)
+    out = Path(job["logs"][0])
+    return "".join(p.read_text(errors="replace") for p in (out, out.with_suffix(".err")) if p.is_file())
+
+
+def test_local_chain_prepares_first_and_trains_bitwise_equal(local_tiny_run: Path, tiny_model: Path,
+                                                              tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = _submit(run, tiny_model, "prepare.enabled=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert [j["kind"] for j in manifest["jobs"]] == ["prepare", "train", "consolidate"]
+    assert all(j["state"] == "COMPLETED" for j in manifest["jobs"])
+    assert manifest["attempts"][0]["prepare_job"] == manifest["jobs"][0]["job_id"]
+    assert "prepare job: " in proc.stdout
+    record = json.loads((run / "prepared" / "slurmft-prepared.json").read_text())
+    assert record["result"]["conversations"] > record["result"]["sequences"] > 0  # packed
+    assert record["settings"]["max_seq_length"] == 256 and record["num_proc"] is None
+    train_log = _rank0_log(run, manifest, "train")
+    assert "prepared sequences read from" in train_log and "loading and converting here" not in train_log
+    prepare_log = _rank0_log(run, manifest, "prepare")
+    assert "examples/s" in prepare_log and "TRL prepared" in prepare_log  # the progress: rows/s (and an ETA)
+    assert "loading and converting here" in _rank0_log(local_tiny_run, json.loads(
+        (local_tiny_run / "manifest.json").read_text()), "train")  # what the in-allocation run says instead
+    assert_same_model(run / "model", local_tiny_run / "model")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "slurmft.cli", *args], capture_output=True, text=True,
+                          timeout=600, cwd=REPO, env={**os.environ, "HF_DATASETS_OFFLINE": "1"})
+
+
+def test_changed_source_is_refused_by_resume_and_the_train_job_until_prepared_again(
+        tiny_model: Path, tmp_path: Path, job_env: dict[str, str]) -> None:
+    from slurmft.config import dump_config, load_config
+    from slurmft.rundir import RunPaths, new_manifest, record_job, start_attempt, write_manifest
+
+    data = tmp_path / "chat.jsonl"
+    rows = (REPO / "examples" / "tiny" / "data" / "lima.jsonl").read_text().splitlines()[:60]
+    data.write_text("\n".join(rows) + "\n")
+    run = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    raw = yaml.safe_load(LOCAL_EXAMPLE.read_text())
+    raw.update(output_dir=str(run))
+    raw["model"]["name_or_path"] = str(tiny_model)
+    raw["data"]["datasets"] = [{"path": str(data)}]
+    raw["prepare"] = {"enabled": True}
+    raw["train"]["max_steps"] = 2
+    config.write_text(yaml.safe_dump(raw))
+
+    # before any GPU: the counts, from the run.yaml, into output_dir/prepared only
+    proc = _cli("prepare", str(config), "--here")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "60 conversations -> " in proc.stdout and "packing fills" in proc.stdout
+    assert sorted(p.name for p in run.iterdir()) == ["prepared"]
+    proc = _cli("validate", str(config))  # validate sees the counts
+    assert proc.returncode == 0 and "prepared data: 60 conversations -> " in proc.stdout, proc.stdout + proc.stderr
+
+    # a run whose train job failed (resumable), as the local executor records it
+    cfg = load_config(config)
+    paths = RunPaths.of(run)
+    (run / "config.yaml").write_text(dump_config(cfg))
+    manifest = new_manifest(cfg.name, "local", paths.run_id)
+    start_attempt(manifest, "submit")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    record_job(manifest, "train", str(dead.pid), pid=dead.pid, host=os.uname().nodename, state="FAILED")
+    write_manifest(paths, manifest)
+
+    with open(data, "a") as f:  # the source grows after preparation
+        f.write(rows[0] + "\n")
+    proc = _cli("resume", str(run))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"data.datasets[0] ({data}): the file changed after preparation" in proc.stderr
+    assert f"slurmft prepare {run}" in proc.stderr
+    assert json.loads(paths.manifest.read_text()) == manifest  # nothing submitted, nothing recorded
+
+    # the train job on the changed source: every rank stops with the same words, nothing trains
+    code, out = launch_like_srun(run, job_env).wait(timeout=300)  # one process per rank, as srun starts them
+    assert code == 2, out[-3000:]
+    errors = re.findall(r"slurmft rank (\d): setup error: (.*)", out)
+    assert sorted(r for r, _ in errors) == ["0", "1"], out[-3000:]  # every rank stops, none hangs
+    assert out.count("the file changed after preparation") >= 2 and f"slurmft prepare {run}" in out
+    assert not list(run.glob("checkpoints/checkpoint-*"))
+
+    proc = _cli("prepare", str(run), "--here")  # the fix
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "61 conversations -> " in proc.stdout
+    recorded = json.loads(paths.manifest.read_text())["jobs"][-1]
+    assert recorded["kind"] == "prepare" and recorded["here"] and recorded["state"] == "COMPLETED"
+    from slurmft import prepared
+
+    assert prepared.check(paths, cfg)["result"]["conversations"] == 61

@@ -1,0 +1,156 @@
+"""slurmft.prepared: the record of RUN_DIR/prepared/ and every way a run's config or files can stop matching it
+(login side, no torch, no datasets); the words status uses for a train job whose prepare job failed."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from slurmft import prepared
+from slurmft.config import load_config
+from slurmft.errors import RunDirError
+from slurmft.rundir import RunPaths
+from slurmft.watch.status import explain_prepare_failures, prepare_failed_words
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "examples" / "tiny" / "run.yaml"
+
+
+@pytest.fixture
+def run(tmp_path: Path):  # noqa: ANN201 - (config maker, data file, tokenizer dir, RunPaths)
+    data = tmp_path / "chat.jsonl"
+    data.write_text((REPO / "examples" / "tiny" / "data" / "lima.jsonl").read_text())
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text('{"version": "1.0"}')
+    (tok / "tokenizer_config.json").write_text("{}")
+    (tok / "config.json").write_text("{}")  # not a tokenizer file: changing it changes no token
+    paths = RunPaths.of(tmp_path / "run")
+
+    def cfg(*overrides: str):  # noqa: ANN202
+        return load_config(TINY, [f"model.name_or_path={tok}", f"output_dir={paths.root}", "prepare.enabled=true",
+                                  "data.datasets=[{path: " + str(data) + "}]", *overrides])
+
+    return cfg, data, tok, paths
+
+
+def _prepare(paths: RunPaths, cfg) -> None:  # noqa: ANN001 - what the prepare job leaves (its record)
+    paths.prepared.mkdir(parents=True)
+    prepared.write_record(paths.prepared_record, {**prepared.expected(cfg), "result": {"sequences": 3}})
+
+
+def test_no_record_means_not_prepared_and_a_matching_one_is_used(run) -> None:  # noqa: ANN001
+    cfg, _, _, paths = run
+    assert prepared.check(paths, cfg()) is None
+    paths.prepared.mkdir(parents=True)  # a preparation that died before its record: not complete
+    assert prepared.check(paths, cfg()) is None
+    paths.prepared.rmdir()
+    _prepare(paths, cfg())
+    assert prepared.check(paths, cfg())["result"] == {"sequences": 3}
+    # what changes the training but not the data does not matter
+    assert prepared.check(paths, cfg("train.learning_rate=0.5", "train.max_steps=7", "data.num_proc=3"))
+
+
+def test_a_source_changed_after_preparation_is_refused_with_the_fix(run) -> None:  # noqa: ANN001
+    cfg, data, _, paths = run
+    _prepare(paths, cfg())
+    with open(data, "a") as f:
+        f.write(data.read_text().splitlines()[0] + "\n")
+    st = data.stat()
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(RunDirError) as err:
+        prepared.check(paths, cfg())
+    text = err.value.render()
+    assert f"data.datasets[0] ({data}): the file changed after preparation" in text
+    assert f"slurmft prepare {paths.root}" in text and "does not match" in text
+
+
+def test_a_touched_source_is_refused_too(run) -> None:  # noqa: ANN001 - same bytes, a newer mtime: cannot tell
+    cfg, data, _, paths = run
+    _prepare(paths, cfg())
+    os.utime(data, (time.time() + 5, time.time() + 5))
+    assert prepared.differences(prepared.read_record(paths), prepared.expected(cfg()))
+
+
+@pytest.mark.parametrize(("override", "words"), [
+    ("data.max_seq_length=128", "data.max_seq_length: 256 when prepared, 128 now"),
+    ("data.packing=false", "data.packing: True when prepared, False now"),
+    ("data.assistant_only_loss=false", "data.assistant_only_loss"),
+    ("train.seed=7", "train.seed: 42 when prepared, 7 now"),
+    ("train.sft.packing_strategy=wrapped", "train.sft (the keys TRL's preparation reads)"),
+])
+def test_each_setting_of_the_preparation_is_compared(run, override: str, words: str) -> None:  # noqa: ANN001
+    cfg, _, _, paths = run
+    _prepare(paths, cfg())
+    assert any(words in d for d in prepared.differences(prepared.read_record(paths), prepared.expected(cfg(override))))
+
+
+def test_another_source_or_weight_is_refused(run, tmp_path: Path) -> None:  # noqa: ANN001
+    cfg, data, _, paths = run
+    _prepare(paths, cfg())
+    other = tmp_path / "other.jsonl"
+    other.write_text(data.read_text())
+    diffs = prepared.differences(prepared.read_record(paths),
+                                 prepared.expected(cfg("data.datasets=[{path: " + str(other) + "}]")))
+    assert any("data.datasets[0]: path changed" in d for d in diffs), diffs
+    two = "data.datasets=[{path: " + str(data) + "}, {path: " + str(other) + "}]"
+    assert "data.datasets: 1 source(s) when prepared, 2 now" in prepared.differences(
+        prepared.read_record(paths), prepared.expected(cfg(two)))
+
+
+def test_tokenizer_files_are_hashed_and_other_files_are_not(run) -> None:  # noqa: ANN001
+    cfg, _, tok, paths = run
+    _prepare(paths, cfg())
+    (tok / "config.json").write_text('{"hidden_size": 8}')
+    assert prepared.check(paths, cfg()) is not None
+    (tok / "tokenizer.json").write_text('{"version": "1.1"}')
+    with pytest.raises(RunDirError) as err:
+        prepared.check(paths, cfg())
+    assert "tokenizer file(s) changed after preparation: tokenizer.json" in err.value.render()
+
+
+def test_status_says_why_a_train_job_never_started() -> None:
+    jobs = [{"kind": "prepare", "job_id": "11"}, {"kind": "train", "job_id": "12", "dependency": "afterok:11"},
+            {"kind": "consolidate", "job_id": "13", "dependency": "afterok:12"}]
+    rows = [{"kind": "prepare", "job_id": "11", "state": "FAILED", "start": "2026-12-03T15:00:00", "words": "failed"},
+            {"kind": "train", "job_id": "12", "state": "CANCELLED", "start": "None", "words": "cancelled"},
+            {"kind": "consolidate", "job_id": "13", "state": "PENDING", "start": "", "words": "w"}]
+    explain_prepare_failures(rows, jobs, "/runs/x")
+    assert rows[1]["words"] == prepare_failed_words("11", "/runs/x")
+    assert "prepare job 11 did not succeed" in rows[1]["words"] and "slurmft resume /runs/x" in rows[1]["words"]
+    # a train job cancelled by the user after it started, or one whose prepare job succeeded: its own words
+    rows[1].update(words="cancelled", start="2026-12-03T15:01:00")
+    explain_prepare_failures(rows, jobs, "/runs/x")
+    assert rows[1]["words"] == "cancelled"
+    rows[0]["state"], rows[1]["start"] = "COMPLETED", "None"
+    explain_prepare_failures(rows, jobs, "/runs/x")
+    assert rows[1]["words"] == "cancelled"
+
+
+def test_status_reads_the_prepare_jobs_newest_progress_line() -> None:
+    from slurmft.watch.progress import last_progress
+
+    log = ("[slurmft prepare 14:56:13] loaded 809 conversations\n"
+           "Tokenizing train dataset (num_proc=1):   0%|          | 0/809 [00:00<?, ? examples/s]"
+           "\rTokenizing train dataset (num_proc=1):  49%|████▉     | 400/809 [00:10<00:10, 40.10 examples/s]")
+    assert last_progress(log) == "Tokenizing train dataset (num_proc=1): 400/809 rows, 40.10 examples/s, ETA 00:10"
+    assert last_progress("[slurmft prepare] nothing yet\n") is None
+
+
+def test_runs_says_when_a_run_is_preparing_or_its_prepare_job_failed() -> None:
+    from slurmft.watch.runs import run_word
+
+    def jobs(prepare: str, train: str | None = None, reason: str = "") -> list[dict]:
+        out = [{"kind": "prepare", "state": prepare, "reason": ""}]
+        if train:
+            out.append({"kind": "train", "state": train, "reason": reason})
+        return out
+
+    assert run_word(jobs("RUNNING", "PENDING", "Dependency"), False) == "preparing"
+    assert run_word(jobs("PENDING", "PENDING", "Dependency"), False) == "prepare queued"
+    assert run_word(jobs("FAILED", "CANCELLED"), False) == "prepare failed"
+    assert run_word(jobs("COMPLETED", "RUNNING"), False) == "training"
+    assert run_word(jobs("CANCELLED", "CANCELLED"), False) == "cancelled"  # `slurmft cancel`: the user's doing
