@@ -1,0 +1,69 @@
+"""slurmft/plan/elastic.py: the batch shape a resume on another number of ranks trains with (pure, no torch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slurmft.checkpoints import mark_complete
+from slurmft.config import load_config
+from slurmft.errors import ConfigError
+from slurmft.plan.elastic import BatchShape, allocation, refit, reshape, world_sizes_for
+from slurmft.submit.resume import saved_shape
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny" / "run.yaml"
+
+
+@pytest.mark.parametrize(
+    ("global_batch", "world", "per_device", "expected"),
+    [
+        (4, 1, 2, BatchShape(1, 2, 2)),  # fewer ranks: more accumulation, the per-device batch kept
+        (4, 4, 2, BatchShape(4, 1, 1)),  # one sequence per rank: the per-device batch shrinks
+        (16, 2, 2, BatchShape(2, 2, 4)),
+        (16, 8, 2, BatchShape(8, 2, 1)),
+        (12, 4, 2, BatchShape(4, 1, 3)),  # 3 per rank: 2 does not divide it, 1 does
+        (24, 4, 4, BatchShape(4, 3, 2)),  # 6 per rank: the largest per-device batch <= 4 that divides it
+        (128, 16, 8, BatchShape(16, 8, 1)),
+    ],
+)
+def test_refit_keeps_the_global_batch(global_batch: int, world: int, per_device: int, expected: BatchShape) -> None:
+    shape = refit(global_batch, world, per_device)
+    assert shape == expected and shape.global_batch == global_batch
+
+
+def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_with_the_ones_that_do() -> None:
+    with pytest.raises(ConfigError) as info:
+        refit(16, 3, 2)
+    text = info.value.render()
+    assert "resources: 3 ranks cannot keep the global batch of 16 sequences" in text
+    assert "choose a world size among 1, 2, 4, 8, 16 ranks" in text
+    assert world_sizes_for(128)[-1] == 128 and len(world_sizes_for(5040)) == 12
+
+
+def test_reshape_at_the_same_world_size_changes_nothing_and_an_explicit_batch_must_keep_it() -> None:
+    saved = BatchShape(2, 2, 1)
+    assert reshape(saved, 2) is saved
+    assert reshape(saved, 1, BatchShape(1, 4, 1)) == BatchShape(1, 4, 1)  # spelled out, same global batch
+    with pytest.raises(ConfigError) as info:
+        reshape(saved, 1, BatchShape(1, 2, 1))
+    assert "global batch of 2 sequences per step" in info.value.render()
+
+
+def test_the_saved_shape_comes_from_the_marker_then_the_config(tmp_path: Path) -> None:
+    cfg = load_config(EXAMPLE, [f"output_dir={tmp_path / 'run'}"])  # 1 node x 2 ranks x 2 x 1
+    assert saved_shape(cfg, None) == BatchShape(2, 2, 1)
+    old = tmp_path / "checkpoint-6"  # a marker from before the record: only world_size
+    old.mkdir()
+    mark_complete(old, step=6, world_size=4)
+    assert saved_shape(cfg, old) == BatchShape(4, 2, 1)
+    new = tmp_path / "checkpoint-8"
+    new.mkdir()
+    mark_complete(new, step=8, world_size=1, per_device_batch_size=2, gradient_accumulation_steps=4, global_batch=8)
+    assert saved_shape(cfg, new) == BatchShape(1, 2, 4)
+
+
+def test_an_attempt_records_its_allocation(tmp_path: Path) -> None:
+    cfg = load_config(EXAMPLE, [f"output_dir={tmp_path / 'run'}", "resources.tasks_per_node=4"])
+    assert allocation(cfg) == {"nodes": 1, "ranks_per_node": 4, "world_size": 4, "per_device_batch_size": 2,
+                               "gradient_accumulation_steps": 1}
