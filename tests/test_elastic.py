@@ -67,3 +67,17 @@ def test_an_attempt_records_its_allocation(tmp_path: Path) -> None:
     cfg = load_config(EXAMPLE, [f"output_dir={tmp_path / 'run'}", "resources.tasks_per_node=4"])
     assert allocation(cfg) == {"nodes": 1, "ranks_per_node": 4, "world_size": 4, "per_device_batch_size": 2,
                                "gradient_accumulation_steps": 1}
+
+
+def test_status_and_the_plot_say_where_each_attempt_ran() -> None:
+    from slurmft.watch.plot import marker_steps
+    from slurmft.watch.progress import allocation_words
+
+    assert allocation_words({"nodes": 2, "ranks_per_node": 1}) == " on 2 nodes x 1 rank"
+    assert allocation_words({"nodes": 1, "ranks_per_node": 8}) == " on 1 node x 8 ranks"
+    assert allocation_words({"nodes": None, "ranks_per_node": None}) == ""  # a manifest from before the record
+    records = [{"step": s, "job_id": "7", "restart": 0, "world_size": 2} for s in (1, 2, 3)]
+    records += [{"step": s, "job_id": "9", "restart": 0, "world_size": 1} for s in (4, 5)]
+    records += [{"step": 6, "job_id": "9", "restart": 1, "world_size": 1}]
+    assert [(m.step, m.label) for m in marker_steps(records)] == [(3, "resumed (job 9)\n2 -> 1 ranks"),
+                                                                  (5, "requeued (restart 1)")]
