@@ -81,3 +81,35 @@ def test_status_and_the_plot_say_where_each_attempt_ran() -> None:
     records += [{"step": 6, "job_id": "9", "restart": 1, "world_size": 1}]
     assert [(m.step, m.label) for m in marker_steps(records)] == [(3, "resumed (job 9)\n2 -> 1 ranks"),
                                                                   (5, "requeued (restart 1)")]
+
+
+def test_validate_and_estimate_check_a_new_allocation_before_anything_is_queued(
+        tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cli_runner import cli
+
+    from slurmft.config import dump_config
+    from slurmft.rundir import RunPaths, new_manifest, write_manifest
+
+    paths = RunPaths.of(tmp_path / "run")
+    cfg = load_config(EXAMPLE, [f"output_dir={paths.root}", f"model.name_or_path={tiny_model}",
+                                "train.max_steps=12", "checkpoint.every_steps=6"])
+    paths.root.mkdir()
+    paths.config.write_text(dump_config(cfg))
+    write_manifest(paths, new_manifest("tiny", "local", paths.run_id))
+    ckpt = paths.checkpoints / "checkpoint-6"
+    ckpt.mkdir(parents=True)
+    mark_complete(ckpt, step=6, world_size=2, per_device_batch_size=2, gradient_accumulation_steps=1, global_batch=4)
+    before = paths.config.read_text(), paths.manifest.read_text()
+    note = ("note: checkpoint-6 was trained on 2 ranks, this attempt runs on 1: global batch of 4 sequences per "
+            "step kept (2 ranks x 2 x 1 accumulation -> 1 rank x 2 x 2 accumulation)")
+
+    code, out, err = cli(["validate", str(paths.config), "resources.tasks_per_node=1"], capsys)
+    assert code == 0, err
+    assert note in err and "1 node(s) x 1 rank(s)" in out
+    code, out, err = cli(["estimate", str(paths.config), "resources.tasks_per_node=1", "--json"], capsys)
+    assert code == 0 and note in err, err
+    code, _, err = cli(["estimate", str(paths.config), "resources.tasks_per_node=3"], capsys)
+    assert code == 2 and "3 ranks cannot keep the global batch of 4" in err
+    code, _, err = cli(["validate", str(paths.config), "train.learning_rate=1"], capsys)  # not what a resume may change
+    assert code == 2 and "resume cannot change train.learning_rate" in err
+    assert (paths.config.read_text(), paths.manifest.read_text()) == before
