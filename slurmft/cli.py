@@ -33,6 +33,26 @@ def _load(config: Path, overrides: tuple[str, ...]):  # noqa: ANN202 - returns (
     return cfg, profile
 
 
+def _load_plan(config: Path, overrides: tuple[str, ...]):  # noqa: ANN202 - returns (RunConfig, ClusterProfile)
+    """``validate``/``estimate``: a run directory's ``config.yaml`` with overrides is read as ``slurmft resume``
+    would resume it (only the overrides a resume accepts; on another allocation the batch recomputed to keep the
+    global batch: slurmft/plan/elastic.py), so the new allocation is checked before anything is queued."""
+    from slurmft.rundir import RunPaths
+
+    paths = RunPaths.of(config.parent)
+    if config.name != paths.config.name or not paths.manifest.is_file():
+        return _load(config, overrides)
+    from slurmft.checkpoints import latest_complete
+    from slurmft.profiles import load_profile
+    from slurmft.rundir import read_manifest
+    from slurmft.submit.resume import check_overrides, resume_config
+
+    check_overrides(list(overrides))
+    cfg = resume_config(paths, list(overrides), read_manifest(paths).get("executor", "slurm"),
+                        latest_complete(paths.checkpoints), lambda note: _err(f"note: {note}"))
+    return cfg, load_profile(cfg.cluster.profile)
+
+
 def _checks(cfg, config: Path):  # noqa: ANN001, ANN202 - returns slurmft.plan.checks.Report
     """Every login-side check (slurmft.plan.checks); all problems in one error; what was skipped, one line each."""
     from slurmft.plan.checks import run_checks
@@ -89,8 +109,10 @@ def render(config: Path, overrides: tuple[str, ...], out: Path | None, template_
 @CONFIG
 @OVERRIDES
 def validate(config: Path, overrides: tuple[str, ...]) -> None:
-    """Check RUN.yaml (and its cluster profile) without writing or submitting anything."""
-    cfg, profile = _load(config, overrides)
+    """Check RUN.yaml (and its cluster profile) without writing or submitting anything.
+
+    RUN_DIR/config.yaml with overrides: checks the run as `slurmft resume RUN_DIR OVERRIDES` would continue it."""
+    cfg, profile = _load_plan(config, overrides)
     report = _checks(cfg, config)
     result = _estimate(cfg, profile)[0]
     _warn_lead_time(result, cfg, profile)
@@ -184,11 +206,13 @@ def _warn_lead_time(result: dict | None, cfg, profile) -> None:  # noqa: ANN001
 @OVERRIDES
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (bytes as integers).")
 def estimate(config: Path, overrides: tuple[str, ...], as_json: bool) -> None:
-    """Will this run fit? Parameters, GPU memory per rank, CPU RAM per node at load, checkpoint size."""
+    """Will this run fit? Parameters, GPU memory per rank, CPU RAM per node at load, checkpoint size.
+
+    RUN_DIR/config.yaml with overrides: the run as `slurmft resume RUN_DIR OVERRIDES` would continue it."""
     from slurmft.plan.estimate import estimate as run_estimate
     from slurmft.plan.estimate_text import render_table
 
-    cfg, profile = _load(config, overrides)
+    cfg, profile = _load_plan(config, overrides)
     result = run_estimate(cfg, profile)
     if as_json:
         click.echo(json.dumps(result, indent=2))
@@ -336,7 +360,8 @@ def resume(run_dir: Path, overrides: tuple[str, ...], template_dir: str | None, 
     from its newest complete checkpoint, and chain a new consolidation job.
 
     Overrides may change only where and how it runs: cluster.*, preemption.*, consolidate.*,
-    checkpoint.keep_last, resources.cpus_per_task, resources.mem, resources.exclusive.
+    checkpoint.keep_last, resources.* (another number of nodes or ranks keeps the global batch: accumulation
+    is recomputed; check it first with `slurmft estimate RUN_DIR/config.yaml resources...`).
     """
     from slurmft.submit.resume import Phase, resume_run
 

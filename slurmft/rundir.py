@@ -139,6 +139,11 @@ class RunPaths:
         return self.root / f".prepared.{tag}.tmp"
 
     @property
+    def batches(self) -> Path:
+        """Per-step digest of the sequences each optimizer step trained on (JSONL, slurmft/job/batches.py)."""
+        return self.root / "batches.jsonl"
+
+    @property
     def plan(self) -> Path:
         """``train.epochs``: the steps computed from the packed data at the first start (kept across restarts)."""
         return self.root / "plan.json"

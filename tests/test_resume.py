@@ -70,16 +70,19 @@ def test_ended_how(state: str, code: str, words: str) -> None:
 
 @pytest.mark.parametrize("key", ["cluster.time=01:00:00", "cluster.partition=gpu", "preemption.max_requeues=5",
                                  "consolidate.dtype=bfloat16", "checkpoint.keep_last=3",
-                                 "resources.cpus_per_task=4", "resources.mem=100G", "resources.exclusive=false"])
+                                 "resources.cpus_per_task=4", "resources.mem=100G", "resources.exclusive=false",
+                                 "resources.nodes=4", "resources.tasks_per_node=2", "resources.gpus_per_node=4",
+                                 "train.gradient_accumulation_steps=2", "train.per_device_batch_size=1"])
 def test_allowed_overrides(key: str) -> None:
     check_overrides([key])
 
 
 def test_forbidden_overrides_are_all_named_with_the_allowed_list() -> None:
     with pytest.raises(ConfigError) as info:
-        check_overrides(["cluster.time=01:00:00", "train.learning_rate=1", "resources.nodes=4", "seed=1"])
+        check_overrides(["cluster.time=01:00:00", "train.learning_rate=1", "model.name_or_path=x", "seed=1"])
     text = info.value.render()
-    assert "train.learning_rate, resources.nodes, seed" in text
+    assert "train.learning_rate, model.name_or_path, seed" in text
+    assert "another model cannot continue them" in text
     assert "cluster.*" in text and "checkpoint.keep_last" in text and "resources.exclusive" in text
     assert "cluster.time" not in str(info.value)  # the allowed one is not blamed
 
@@ -359,14 +362,55 @@ def test_forbidden_override_submits_nothing(tmp_path: Path, capsys: pytest.Captu
     assert (paths.manifest.read_text(), paths.config.read_text()) == before
 
 
-def test_world_size_change_is_refused_in_words(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_before_submitting(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    paths = _finished_local_run(tmp_path, 6, model=False)  # 1 node x 2 ranks x 2 sequences: a global batch of 4
+    before = paths.manifest.read_text(), paths.config.read_text()
+    code, _, err = cli(["resume", str(paths.root), "resources.tasks_per_node=3"], capsys)
+    assert code == 2, err
+    assert err.splitlines()[0] == ("error: resources: 3 ranks cannot keep the global batch of 4 sequences per "
+                                   "optimizer step that the checkpoint was trained with (resources.nodes x ranks per "
+                                   "node must divide it, so that every step trains on the same sequences)")
+    assert "choose a world size among 1, 2, 4 ranks" in err
+    assert (paths.manifest.read_text(), paths.config.read_text()) == before  # nothing recorded, nothing submitted
+    assert not paths.script("train").exists()  # nothing rendered either
+
+
+def test_the_checkpoints_own_record_decides_the_global_batch(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
     paths = _finished_local_run(tmp_path, 6, model=False)
-    marker = paths.checkpoints / "checkpoint-6" / "COMPLETE"
-    marker.write_text(json.dumps({**json.loads(marker.read_text()), "world_size": 4}))
+    marker = paths.checkpoints / "checkpoint-6" / "COMPLETE"  # saved by 4 ranks x 1 x 2: a global batch of 8
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "world_size": 4, "per_device_batch_size": 1,
+                                  "gradient_accumulation_steps": 2, "global_batch": 8}))
     before = paths.manifest.read_text()
-    code, _, err = cli(["resume", str(paths.root)], capsys)
-    assert code == 2 and "saved by 4 ranks" in err and "asks for 2" in err
+    code, _, err = cli(["resume", str(paths.root), "resources.tasks_per_node=3"], capsys)
+    assert code == 2 and "3 ranks cannot keep the global batch of 8" in err and "among 1, 2, 4, 8 ranks" in err
     assert paths.manifest.read_text() == before
+
+
+def test_an_explicit_batch_override_that_changes_the_global_batch_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    paths = _finished_local_run(tmp_path, 6, model=False)
+    before = paths.manifest.read_text(), paths.config.read_text()
+    code, _, err = cli(["resume", str(paths.root), "train.gradient_accumulation_steps=2"], capsys)
+    assert code == 2
+    assert err.splitlines()[0].startswith("error: train: the overrides ask for a global batch of 8 sequences per "
+                                          "step (2 ranks x 2 x 2 accumulation), but the checkpoint was trained "
+                                          "with 4 (2 ranks x 2 x 1 accumulation)")
+    assert "slurmft recomputes them for the new allocation" in err
+    assert (paths.manifest.read_text(), paths.config.read_text()) == before
+
+
+def test_a_lora_resume_with_another_rank_is_refused_before_submitting(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    paths = _finished_local_run(tmp_path, 6, model=False)
+    before = paths.manifest.read_text(), paths.config.read_text()
+    code, _, err = cli(["resume", str(paths.root), "resources.tasks_per_node=1", "lora.r=16"], capsys)
+    assert code == 2
+    assert err.splitlines()[0].startswith("error: resume cannot change lora.r: it would change what the resumed "
+                                          "training computes")
+    assert "a resume on another allocation reshards them, it cannot change them" in err
+    assert (paths.manifest.read_text(), paths.config.read_text()) == before
 
 
 def test_consolidate_refuses_a_torn_or_missing_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

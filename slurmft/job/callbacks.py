@@ -123,6 +123,7 @@ class MetricsLog(TrainerCallback):
             "num_input_tokens_seen": tokens,
             "peak_rss_mib": round(float(peaks[0]), 1),
             "peak_gpu_mem_mib": round(float(peaks[1]), 1) if self.ctx.on_gpu else None,
+            "world_size": self.ctx.world_size,  # a resume may run on another allocation (the plot marks it)
             **self.info,
         }
         with open(self.path, "a") as f:

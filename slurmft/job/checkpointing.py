@@ -353,8 +353,9 @@ class CompleteCheckpoints(TrainerCallback):
         barrier()  # every rank's files are durable
         if self.ctx.is_main:
             seconds = time.time() - save.started
+            position = {"sequences_consumed": save.step * self.info["global_batch"]} if "global_batch" in self.info else {}
             record = mark_complete(ckpt, step=save.step, world_size=self.ctx.world_size, save_s=round(seconds, 3),
-                                   asynchronous=save.future is not None, **self.info)
+                                   asynchronous=save.future is not None, **self.info, **position)
             self.last_save_s = seconds
             for path, why in damaged(ckpt.parent):
                 log.warning("removing damaged %s: %s", path.name, why)

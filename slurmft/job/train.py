@@ -20,7 +20,18 @@ from typing import Any
 from slurmft import checkpoints
 from slurmft.config import RunConfig, read_run_config
 from slurmft.errors import JobSetupError, SlurmftError
-from slurmft.job import checkpointing, cpu_fsdp, data, distributed, loading, preemption, prepare, tracking
+from slurmft.job import (
+    checkpointing,
+    cpu_fsdp,
+    data,
+    distributed,
+    elastic,
+    loading,
+    preemption,
+    prepare,
+    tracking,
+)
+from slurmft.job.batches import BatchDigest
 from slurmft.job.callbacks import MetricsLog, PreemptionStop, StepLog, StopBeforeFirstStep
 from slurmft.job.checkpointing import CheckpointManager
 from slurmft.job.distributed import DistContext
@@ -267,8 +278,8 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
     t_load = time.time()
     sharded = loading.build_sharded_model(cfg, inputs.config, inputs.model_dir, ctx,
                                           weights=not candidates or cfg.lora is not None)
+    mesh = next(sharded.model.parameters()).device_mesh  # HSDP: (replicas, shards)
     if ctx.is_main:
-        mesh = next(sharded.model.parameters()).device_mesh  # HSDP: (replicas, shards)
         how = {"sliced": "every rank read its own slice", "scatter": "rank 0 read and scattered",
                "checkpoint": "weights from the checkpoint"}[sharded.load_method]
         log.info("model: %.1fM parameters, %s, FSDP2 mesh %s over %d ranks in %.1fs (%s; rank 0 read %.0f MiB)",
@@ -286,7 +297,11 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
 
     info = {"job_id": env.job_id, "restart": env.restart_count}
     adapters = sharded.lora.marker() if sharded.lora is not None else None  # LoRA: what the adapters are
-    marker_info = {**info, "precision": sharded.precision}  # consolidate.dtype=auto and resume read it
+    t = cfg.train  # what a resume on another allocation keeps (slurmft/plan/elastic.py, slurmft/job/elastic.py)
+    global_batch = ctx.world_size * t.per_device_batch_size * t.gradient_accumulation_steps
+    marker_info = {**info, "precision": sharded.precision,  # consolidate.dtype=auto and resume read it
+                   "global_batch": global_batch, "per_device_batch_size": t.per_device_batch_size,
+                   "gradient_accumulation_steps": t.gradient_accumulation_steps, "mesh": list(mesh.shape)}
     if adapters is not None:  # an adapter checkpoint: consolidation merges it onto this base, resume checks it
         marker_info["lora"] = adapters
         marker_info["base"] = distributed.guarded(  # rank 0 writes the markers (and sees the files)
@@ -305,8 +320,9 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                    "attn_requested": cfg.model.attn_implementation, "wrap_class": sharded.wrap_class,
                    "num_params": sharded.num_params,
                    "lora": adapters}
+    batches = BatchDigest(ctx, paths.batches, info)
     callbacks = [*saving, preempt, MetricsLog(ctx, paths.metrics, info),  # saving before preempt: its on_save first
-                 FsdpReport(ctx, paths.fsdp_report, report_info)]
+                 FsdpReport(ctx, paths.fsdp_report, report_info), batches]
     # after MetricsLog: a step is in metrics.jsonl before W&B gets it (what the next attempt skips)
     wandb_run = tracking.OneWandbRun(paths, info) if "wandb" in cfg.train.report_to else None
 
@@ -320,6 +336,8 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                              callbacks=callbacks, optimizer_cls_and_kwargs=optimizer)
         _one_log_line(trainer, ctx)
         tracking.attach(trainer, wandb_run)
+        batches.watch(trainer)  # what every step trains on (batches.jsonl)
+        elastic.reseed_on_change(trainer, ctx.rank, ctx.world_size, cfg.train.seed)  # before the loads are guarded
         checkpointer.attach(trainer)  # saves timed, checkpoint loads agreed by every rank
         return trainer
 
@@ -350,6 +368,10 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                             lambda: checkpointing.check_resume_precision(checkpoint, sharded.precision))
         distributed.guarded(ctx, "checking the checkpoint's adapters",
                             lambda: checkpointing.check_resume_adapters(checkpoint, adapters))
+        change = distributed.guarded(ctx, "checking the checkpoint's data position", lambda: elastic.describe(
+            checkpoint, ctx.world_size, t.per_device_batch_size, t.gradient_accumulation_steps))
+        if change and ctx.is_main:
+            log.info("%s", change)
 
     try:  # the newest checkpoint that loads on every rank; older ones when loading fails (slurmft/job/checkpointing.py)
         trainer, _ = checkpointer.train(trainer, new_trainer, candidates, check_precision)

@@ -20,6 +20,7 @@ from typing import Any
 from slurmft import prepared, slurm
 from slurmft.config import Executor, RunConfig, dump_config
 from slurmft.errors import ConfigError, RunDirError, SubmissionError
+from slurmft.plan.elastic import allocation
 from slurmft.plan.render import (
     CONSOLIDATE_TEMPLATE,
     PREPARE_TEMPLATE,
@@ -184,7 +185,7 @@ def submit_run(
     result = SubmitResult(paths.root, executor.value, scripts={k: paths.script(k) for k in scripts})
     try:
         _write_run_dir(paths, cfg, scripts)
-        attempt = start_attempt(manifest, "submit")
+        attempt = start_attempt(manifest, "submit", **allocation(cfg))
         dispatch_attempt(cfg, profile, paths, config_path, template_dir, manifest, attempt, result, say,
                          need_prepare=need_prepare)
     except BaseException:

@@ -8,7 +8,12 @@ job id is needed, and a new consolidation chained to it. With ``prepare.enabled`
 that no longer matches the config (a source edited since) is refused with the fix (``slurmft prepare``). A resume is a submit of an existing run
 directory: the resolved ``config.yaml`` (overrides only where they cannot change the training math),
 the same templates, a new submitit pickle, and the trainer's automatic resume from the newest
-``COMPLETE`` checkpoint. What happened is kept as a new *attempt* in the manifest.
+``COMPLETE`` checkpoint. What happened is kept as a new *attempt* in the manifest, with its allocation.
+
+A resume may move the run to another allocation (``resources.nodes``, ``resources.tasks_per_node``,
+``resources.gpus_per_node``): the global batch is kept and accumulation recomputed
+(:mod:`slurmft.plan.elastic`), so the data position and the schedule carry over; DCP reshards the model
+and optimizer at load.
 
 The decisions are pure functions (:func:`classify`, :func:`ended_how`, :func:`check_overrides`), the
 effects live in :func:`resume_run`.
@@ -31,6 +36,7 @@ from slurmft.config import (
 )
 from slurmft.errors import ConfigError, RunDirError, SubmissionError
 from slurmft.job.requeue import EXIT_REQUEUE_REFUSED  # torch-free: the batch shell runs it
+from slurmft.plan.elastic import ALLOCATION_KEYS, BATCH_KEYS, BatchShape, allocation, reshape
 from slurmft.prepared import needed as prepare_needed
 from slurmft.rundir import (
     ADAPTER_CONFIG,
@@ -49,9 +55,11 @@ from slurmft.slurm import scancel
 from slurmft.slurm_states import State, is_allocated, is_live, is_waiting, parse, words
 from slurmft.watch.status import SQUEUE_SILENT, RunState, describe, run_state
 
-# Keys a resume may change: where and how the job runs, never what it computes.
+# Keys a resume may change: where and how the job runs, never what it computes (the batch keys only when the
+# global batch stays: slurmft/plan/elastic.py).
 ALLOWED_PREFIXES = ("cluster.", "preemption.", "consolidate.", "prepare.resources.")
-ALLOWED_KEYS = ("checkpoint.keep_last", "resources.cpus_per_task", "resources.mem", "resources.exclusive")
+ALLOWED_KEYS = ("checkpoint.keep_last", "resources.cpus_per_task", "resources.mem", "resources.exclusive",
+                *ALLOCATION_KEYS, *BATCH_KEYS)
 
 
 class Phase(str, Enum):
@@ -72,11 +80,15 @@ def check_overrides(overrides: list[str]) -> None:
             refused.append(key)
     if refused:
         allowed = ", ".join([p + "*" for p in ALLOWED_PREFIXES] + list(ALLOWED_KEYS))
+        hints = [f"allowed on resume: {allowed}",
+                 "to train differently, submit a new run (a new output_dir) instead"]
+        if any(key.startswith("lora.") for key in refused):
+            hints.insert(0, "lora: the checkpoint holds adapters of the shape they were trained with (r, alpha, "
+                            "targets); a resume on another allocation reshards them, it cannot change them")
+        if any(key.startswith("model.") for key in refused):
+            hints.insert(0, "model: the checkpoint holds this model's weights; another model cannot continue them")
         raise ConfigError(
-            f"resume cannot change {', '.join(refused)}: it would change what the resumed training computes",
-            [f"allowed on resume: {allowed}",
-             "to train differently, submit a new run (a new output_dir) instead"],
-        )
+            f"resume cannot change {', '.join(refused)}: it would change what the resumed training computes", hints)
 
 
 def classify(live_train: list[str], trained_step: int | None, max_steps: int | None, model_ready: bool) -> Phase:
@@ -120,11 +132,39 @@ def checkpoint_world_size(ckpt: Path) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
-def resume_config(paths: RunPaths, overrides: list[str], executor: str) -> RunConfig:
-    """The run's resolved config with ``overrides`` (already checked by :func:`check_overrides`) applied."""
+def _shape(cfg: RunConfig) -> BatchShape:
+    return BatchShape(cfg.resources.world_size, cfg.train.per_device_batch_size, cfg.train.gradient_accumulation_steps)
+
+
+def saved_shape(previous: RunConfig, ckpt: Path | None) -> BatchShape:
+    """The batch shape ``ckpt`` was trained with: its marker's record (world size, per-device batch,
+    accumulation), each missing field (a marker older than that record) from the run's config as it was."""
+    record = read_marker(ckpt) if ckpt is not None else {}
+    shape = _shape(previous)
+    values = [record.get(k) for k in ("world_size", "per_device_batch_size", "gradient_accumulation_steps")]
+    return BatchShape(*(v if isinstance(v, int) and v > 0 else d for v, d in zip(values, (
+        shape.world_size, shape.per_device_batch_size, shape.gradient_accumulation_steps), strict=True)))
+
+
+def resume_config(paths: RunPaths, overrides: list[str], executor: str, ckpt: Path | None = None,
+                  say: Any = lambda _: None) -> RunConfig:
+    """The run's resolved config with ``overrides`` (already checked by :func:`check_overrides`) applied; on
+    another number of ranks than ``ckpt`` was saved by, the batch recomputed to keep its global batch
+    (:func:`slurmft.plan.elastic.reshape`; a ConfigError when it cannot)."""
     if not paths.config.is_file():
         raise RunDirError(f"{paths.root} has a manifest but no {paths.config.name}: it cannot be resumed")
+    previous = read_run_config(paths.config)
     cfg = read_run_config(paths.config, overrides)
+    saved = saved_shape(previous, ckpt)
+    batch_named = any(".".join(parse_override(text)[0]) in BATCH_KEYS for text in overrides)
+    shape = reshape(saved, cfg.resources.world_size, _shape(cfg) if batch_named else None)
+    if shape != _shape(cfg):
+        cfg = read_run_config(paths.config, [*overrides, f"train.per_device_batch_size={shape.per_device_batch_size}",
+                                             f"train.gradient_accumulation_steps={shape.gradient_accumulation_steps}"])
+    if shape.world_size != saved.world_size:
+        say(f"{ckpt.name if ckpt else 'the run'} was trained on {saved.world_size} ranks, this attempt runs on "
+            f"{shape.world_size}: global batch of {shape.global_batch} sequences per step kept ({saved.words()} "
+            f"-> {shape.words()}); the model and optimizer are resharded at load")
     cfg.executor = Executor(executor)  # where the run was started is where it continues
     return cfg
 
@@ -202,7 +242,9 @@ def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | No
     if unseen:
         raise RunDirError(f"cannot tell whether {paths.root} still runs, so nothing is submitted: "
                           + "; ".join(f"{r['kind']} job {r['job_id']}: {r['words']}" for r in unseen))
-    cfg = resume_config(paths, overrides, executor)
+    latest = latest_complete(paths.checkpoints)
+    notes: list[str] = []  # said once nothing refuses the resume
+    cfg = resume_config(paths, overrides, executor, latest, notes.append)
     # a train job whose prepare job failed waits for nothing (Slurm cancels it: --kill-on-invalid-dep)
     never = [r["job_id"] for r in state.rows if r["kind"] == "train" and is_waiting(r["state"])
              and r.get("reason") == "DependencyNeverSatisfied"]
@@ -212,7 +254,6 @@ def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | No
         raise RunDirError(f"{SQUEUE_SILENT}: cannot tell whether train job(s) "
                           f"{', '.join(r['job_id'] for r in train_rows) or '(none recorded)'} of {paths.root} still "
                           "run, so nothing is submitted; try again when squeue answers")
-    latest = latest_complete(paths.checkpoints)
     step = step_of(latest) if latest else None
     max_steps = planned_max_steps(paths, cfg.train.max_steps, cfg.train.epochs)
     adapter_only = cfg.lora is not None and not cfg.consolidate.merge  # consolidation writes adapter/ only
@@ -235,13 +276,6 @@ def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | No
     running_cons = [r["job_id"] for r in state.rows if r["kind"] == "consolidate" and is_allocated(r["state"])]
     if running_cons:
         raise RunDirError(f"consolidation job(s) {', '.join(running_cons)} of {paths.root} are running; wait for them")
-    if latest is not None:
-        saved = checkpoint_world_size(latest)
-        if saved is not None and saved != cfg.resources.world_size:
-            raise ConfigError(
-                f"{latest.name} was saved by {saved} ranks, but the run config asks for {cfg.resources.world_size} "
-                f"(resources.nodes x ranks per node): a sharded checkpoint resumes only at the world size it was "
-                "saved with", ["restore resources in the run's config.yaml, or submit a new run"])
     check_submittable(cfg)
     need_prepare = prepare_needed(paths, cfg)  # prepared/ changed since: refused here, nothing submitted
     profile = load_profile(cfg.cluster.profile)
@@ -272,10 +306,12 @@ def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | No
     result.previous = _previous_end(state)
     attempt = start_attempt(
         manifest, "resume", resumed_from=str(latest) if latest else None, resumed_from_step=step,
-        previous=result.previous, overrides=overrides, cancelled=stale)
+        previous=result.previous, overrides=overrides, cancelled=stale, **allocation(cfg))
     write_manifest(paths, manifest)
     say(f"resuming {paths.root} from {latest.name} (step {step})" if latest
         else f"resuming {paths.root}: no complete checkpoint, training starts again at step 0")
+    for note in notes:
+        say(note)
     submitted = SubmitResult(paths.root, executor)
     try:
         dispatch_attempt(cfg, profile, paths, config_path, template_dir, manifest, attempt, submitted, say,

@@ -64,6 +64,9 @@ def marker_steps(records: list[dict[str, Any]]) -> list[Marker]:
             label = f"requeued (restart {cur.restart})"
         else:
             label = f"resumed (job {cur.job_id})"
+        was, now = (seg.records[0].get("world_size") for seg in (prev, cur))
+        if isinstance(was, int) and isinstance(now, int) and was != now:
+            label += f"\n{was} -> {now} ranks"
         out.append(Marker(prev.last_step, label))
     return out
 

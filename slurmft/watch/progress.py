@@ -344,12 +344,21 @@ def segments(records: Iterable[dict[str, Any]]) -> list[Segment]:
     return out
 
 
+def allocation_words(row: dict[str, Any]) -> str:
+    """`` on 2 nodes x 8 ranks`` for an attempt row that knows its allocation, else ``""``."""
+    nodes, ranks = row.get("nodes"), row.get("ranks_per_node")
+    if not isinstance(nodes, int) or not isinstance(ranks, int):
+        return ""
+    return f" on {nodes} node{'s' if nodes != 1 else ''} x {ranks} rank{'s' if ranks != 1 else ''}"
+
+
 def attempts(manifest: dict[str, Any], metrics_records: list[dict[str, Any]], slurm_rows: list[dict[str, Any]],
              markers: dict[tuple[str, int], dict[str, Any]] | None = None,
              max_steps: int | None = None) -> list[dict[str, Any]]:
     """One row per (train job id, Slurm restart), oldest first, saying how each attempt ended.
 
-    Rows: ``{job_id, restart, how, state, reason, start, end, first_step, last_step, resumed_from_step}``.
+    Rows: ``{job_id, restart, how, state, reason, start, end, first_step, last_step, resumed_from_step,
+    nodes, ranks_per_node}`` (the last two from the manifest's attempt, None in manifests from before them).
     ``how`` is where the attempt came from: ``submit``, ``requeue`` (Slurm restarted the same job id)
     or ``resume`` (``slurmft resume``). ``start``/``end`` are the times (unix) of its first and last
     logged step (the requeue marker's time when later); None when it logged nothing.
@@ -403,7 +412,8 @@ def attempts(manifest: dict[str, Any], metrics_records: list[dict[str, Any]], sl
             out.append({"job_id": jid, "restart": restart, "how": how, "state": state or "UNKNOWN",
                         "reason": reason, "start": min(times) if times else None,
                         "end": None if live else end,
-                        "first_step": first, "last_step": last, "resumed_from_step": resumed_from})
+                        "first_step": first, "last_step": last, "resumed_from_step": resumed_from,
+                        "nodes": record.get("nodes"), "ranks_per_node": record.get("ranks_per_node")})
     return out
 
 
@@ -569,8 +579,8 @@ def overview_lines(ov: dict[str, Any]) -> list[str]:
         start = time.strftime("%m-%d %H:%M:%S", time.localtime(a["start"])) if a["start"] else "-"
         end = time.strftime("%m-%d %H:%M:%S", time.localtime(a["end"])) if a["end"] else "-"
         lines.append(f"  {k}. job {a['job_id']} restart {a['restart']} ({a['how']}, from step "
-                     f"{a['resumed_from_step'] if a['resumed_from_step'] is not None else '-'}): {steps}, "
-                     f"{start} .. {end}: {a['reason']}")
+                     f"{a['resumed_from_step'] if a['resumed_from_step'] is not None else '-'}): {steps}"
+                     f"{allocation_words(a)}, {start} .. {end}: {a['reason']}")
     lost = ov.get("lost") or {}
     if lost.get("boundaries"):
         lines.append(f"lost to restarts: {lost['recomputed_steps']} step(s) again, "

@@ -24,6 +24,7 @@ from slurmft.rundir import RunPaths, atomic_write, read_manifest
 from slurmft.trackers import read_tracker, sync_command, tracker_lines
 from slurmft.units import binary_bytes, fmt_duration
 from slurmft.watch.progress import (
+    allocation_words,
     attempts,
     checkpoint_info,
     lora_info,
@@ -177,7 +178,7 @@ def render(s: dict[str, Any], plot_name: str | None) -> str:
           "how it ended |", "|---|---|---|---|---|---|---|---|---|"]
     for k, a in enumerate(s["attempts"], start=1):
         steps = f"{a['first_step']}–{a['last_step']}" if a["first_step"] is not None else "none logged"
-        L.append(f"| {k} | {a['job_id']} | {a['restart']} | {a['how']} | {fmt_time(a['start'])} | "
+        L.append(f"| {k} | {a['job_id']} | {a['restart']} | {a['how']}{allocation_words(a)} | {fmt_time(a['start'])} | "
                  f"{fmt_time(a['end'])} | {steps} | {_dash(a['resumed_from_step'])} | {a['reason']} |")
     lost = s["lost"]
     L += ["", "## Time lost to preemption", ""]

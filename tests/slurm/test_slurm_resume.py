@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from slurmft.rundir import RunPaths, read_manifest, write_manifest
 from tests.export_check import assert_export_matches_checkpoint
@@ -106,17 +105,11 @@ def test_scancel_then_resume(slurm_cluster, reference: Path, tiny_model: Path, c
     assert f"slurmft resume {run}" in rows["train"]["words"]
     assert f"slurmft resume {run}" in rows["consolidate"]["words"]
 
-    # a world-size change is refused in words, nothing submitted
-    config = run / "config.yaml"
-    original = config.read_text()
-    data = yaml.safe_load(original)
-    data["resources"]["nodes"] = 1
-    config.write_text(yaml.safe_dump(data))
-    before = (run / "manifest.json").read_text()
-    code, _, err = slurmft.cli(["resume", str(run)])
-    assert code == 2 and "saved by 2 ranks" in err and "asks for 1" in err
-    assert (run / "manifest.json").read_text() == before
-    config.write_text(original)
+    # a world size that cannot keep the global batch (2 ranks x 2 sequences) is refused in words, nothing submitted
+    before = (run / "manifest.json").read_text(), (run / "config.yaml").read_text()
+    code, _, err = slurmft.cli(["resume", str(run), "resources.gpus_per_node=3"])
+    assert code == 2 and "6 ranks cannot keep the global batch of 4 sequences" in err
+    assert ((run / "manifest.json").read_text(), (run / "config.yaml").read_text()) == before
 
     new = _resume(slurmft, run, "cluster.time=00:14:00")  # an allowed override: where/how, not what
     assert "#SBATCH --time=00:14:00" in (run / "scripts" / "train.sbatch").read_text()

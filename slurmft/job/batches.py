@@ -1,0 +1,101 @@
+"""What each optimizer step trained on: one line per step in ``batches.jsonl``, a digest of its sequences.
+
+Why: a loss curve that matches after a resume says the model is right, not that the data is. A resume
+that repeats or skips sequences can still land on similar losses. So every step records the multiset of
+sequences it trained on, over every rank and micro-batch: each sequence (a packed row split at its
+``position_ids`` resets, or a padded row without its padding) hashed on its own, the hashes sorted and
+hashed again. The digest does not depend on how the step's sequences were spread over ranks,
+micro-batches or rows, so a run resumed on another number of ranks (slurmft/job/elastic.py) must write
+the same digest at every step as the uninterrupted run.
+
+Cost: one blake2b per sequence on the rank that trains it, one ``all_gather_object`` of a few short
+strings per optimizer step, one line written by rank 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from slurmft.job.distributed import DistContext
+
+
+def sequences(inputs: dict[str, Any]) -> list[Any]:
+    """The token sequences of one micro-batch, as 1-D CPU tensors: each row without its padding (the attention
+    mask), split where ``position_ids`` restart at 0 (padding-free packing puts several in one row)."""
+    ids = inputs["input_ids"].detach().cpu()
+    mask = inputs.get("attention_mask")
+    pos = inputs.get("position_ids")
+    out = []
+    for row in range(ids.shape[0]):
+        keep = mask[row].detach().cpu().bool() if mask is not None else None
+        tokens = ids[row][keep] if keep is not None else ids[row]
+        if pos is None:
+            out.append(tokens)
+            continue
+        p = pos[row].detach().cpu()
+        p = p[keep] if keep is not None else p
+        starts = [int(i) for i in (p == 0).nonzero().flatten()] or [0]
+        if starts[0] != 0:
+            starts.insert(0, 0)
+        out.extend(tokens[a:b] for a, b in zip(starts, [*starts[1:], len(tokens)], strict=True))
+    return [s for s in out if len(s)]
+
+
+def sequence_hash(tokens: Any) -> str:
+    """A short hash of one sequence's token ids (int64 bytes: the same ids hash the same whatever their dtype)."""
+    return hashlib.blake2b(tokens.to(dtype=torch.int64).numpy().tobytes(), digest_size=8).hexdigest()
+
+
+def digest(hashes: list[str]) -> str:
+    """The step's digest: its sequences' hashes, sorted (ranks and micro-batches in any order), hashed."""
+    return hashlib.sha256("\n".join(sorted(hashes)).encode()).hexdigest()[:16]
+
+
+class BatchDigest(TrainerCallback):
+    """Records every micro-batch a rank trains on (:meth:`watch`); at each step end the ranks gather their
+    hashes and rank 0 appends ``{step, sequences, tokens, digest, world_size, job_id, restart}``."""
+
+    def __init__(self, ctx: DistContext, path: Path, info: dict[str, Any]) -> None:
+        self.ctx = ctx
+        self.path = path
+        self.info = {k: info[k] for k in ("job_id", "restart") if k in info}
+        self._hashes: list[str] = []
+        self._tokens = 0
+
+    def watch(self, trainer: Any) -> None:
+        """Every ``training_step`` of ``trainer`` (one micro-batch) adds its sequences first."""
+        original = trainer.training_step
+
+        def training_step(model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+            for seq in sequences(inputs):
+                self._hashes.append(sequence_hash(seq))
+                self._tokens += len(seq)
+            return original(model, inputs, *args, **kwargs)
+
+        trainer.training_step = training_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(gathered, (self._hashes, self._tokens))
+        self._hashes, self._tokens = [], 0
+        if self.ctx.is_main:
+            hashes = [h for part, _ in gathered for h in part]
+            record = {
+                "step": state.global_step,
+                "sequences": len(hashes),
+                "tokens": sum(t for _, t in gathered),
+                "digest": digest(hashes),
+                "world_size": self.ctx.world_size,
+                **self.info,
+            }
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        return control
