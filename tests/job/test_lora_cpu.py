@@ -264,3 +264,52 @@ def test_bad_lora_input_stops_every_rank_with_a_clear_error_and_loses_nothing(
     if run in lora_runs["before"]:
         assert _tree(path) == lora_runs["before"][run]  # not a file of the checkpoints changed
         assert max(m["step"] for m in read_metrics(path)) == EVERY  # no step logged after the copy's checkpoint
+
+
+@pytest.fixture(scope="module")
+def lora_on_one_rank(lora_runs: dict[str, Any], job_env: dict[str, str]) -> tuple[Path, str]:
+    """The LoRA run's checkpoint-2 (2 ranks x 1 x 1) resumed on 1 rank, as `slurmft resume RUN
+    resources.tasks_per_node=1` configures it (accumulation 2: the global batch of 2 kept)."""
+    from slurmft.config import dump_config
+    from slurmft.rundir import RunPaths
+    from slurmft.submit.resume import resume_config
+
+    from .helpers import launch
+
+    run = _copy(lora_runs["runs"]["lora"], lora_runs["runs"]["lora"].parent / "onerank", cut_after=EVERY)
+    (run / "batches.jsonl").unlink()
+    cfg = resume_config(RunPaths.of(run), ["resources.tasks_per_node=1"], "local",
+                        run / "checkpoints" / f"checkpoint-{EVERY}")
+    assert (cfg.resources.world_size, cfg.train.per_device_batch_size, cfg.train.gradient_accumulation_steps) == (1, 1, 2)
+    (run / "config.yaml").write_text(dump_config(cfg))
+    rc, out = launch(run, job_env, nproc=1).wait(timeout=600)
+    assert rc == 0, out[-6000:]
+    return run, out
+
+
+def test_a_lora_checkpoint_resumes_on_another_number_of_ranks(lora_runs: dict[str, Any],
+                                                               lora_on_one_rank: tuple[Path, str]) -> None:
+    """The adapters (and their optimizer state) reshard from 2 ranks to 1; the later steps train on the same
+    sequences with the same losses (rel 5e-5) and end on the same adapters (atol 1e-6), as a full fine-tune does
+    (tests/job/test_elastic_cpu.py)."""
+    import torch
+
+    ref_run = lora_runs["runs"]["lora"]
+    run, out = lora_on_one_rank
+    assert f"checkpoint-{EVERY} was saved by 2 ranks (2 x 1 x 1), resuming on 1 (1 x 1 x 2)" in out
+    ref = {m["step"]: m for m in read_metrics(ref_run)}
+    new = [m for m in read_metrics(run) if m["step"] > EVERY]
+    assert [m["step"] for m in new] == list(range(EVERY + 1, STEPS + 1))
+    for m in new:
+        assert m["loss"] == pytest.approx(ref[m["step"]]["loss"], rel=5e-5), (m, ref[m["step"]])
+    batches = [json.loads(line) for line in (run / "batches.jsonl").read_text().splitlines()]
+    ref_batches = {b["step"]: b for b in map(json.loads, (ref_run / "batches.jsonl").read_text().splitlines())}
+    assert [b["step"] for b in batches] == list(range(EVERY + 1, STEPS + 1))
+    assert all(b["digest"] == ref_batches[b["step"]]["digest"] for b in batches)
+    a = _dcp(ref_run / "checkpoints" / f"checkpoint-{STEPS}" / "pytorch_model_fsdp_0")
+    b = _dcp(run / "checkpoints" / f"checkpoint-{STEPS}" / "pytorch_model_fsdp_0")
+    flat_a, flat_b = _flatten(a), _flatten(b)
+    assert flat_a.keys() == flat_b.keys() and any("lora_" in k for k in flat_a)
+    for key, value in flat_a.items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(flat_b[key], value, rtol=1e-4, atol=1e-6, msg=key)
