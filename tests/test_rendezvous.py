@@ -77,3 +77,24 @@ def test_master_address_override_wins() -> None:
     assert port == master_address({"SLURM_JOB_ID": "5"})[1]  # the address override leaves the job's port
     assert master_address({"SLURMFT_MASTER_ADDR": "ib0-node1", "SLURMFT_MASTER_PORT": "31000",
                            "SLURM_JOB_ID": "5"}) == ("ib0-node1", 31000)
+
+
+def test_a_test_cluster_never_listens_on_the_jobs_rendezvous_ports(tmp_path: Path) -> None:
+    """A test cluster whose daemons sat on 20017-20021 made Slurm jobs 17-21 of another cluster on the same host fail
+    with EADDRINUSE at rendezvous (port_for_job): cluster.sh refuses such ports, for each suite's own offset."""
+    from slurmft.job.rendezvous import PORT_BASE, PORT_SPAN
+
+    def env(port: int, suite: str = "bookworm") -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", str(REPO / "tests" / "slurm" / "cluster.sh"), "env"], capture_output=True,
+                              text=True, env={**os.environ, "SLURMFT_CLUSTER_PORT": str(port),
+                                              "SLURMFT_CLUSTER_SUITE": suite,
+                                              "SLURMFT_CLUSTER_DIR": str(tmp_path / "cluster")})
+
+    assert {port_for_job(str(j)) for j in (0, 17, PORT_SPAN - 1)} <= set(range(PORT_BASE, PORT_BASE + PORT_SPAN))
+    for port, suite in ((PORT_BASE + 17, "bookworm"), (PORT_BASE - 4, "bookworm"), (PORT_BASE - 10, "trixie"),
+                        (PORT_BASE + PORT_SPAN - 1, "bookworm")):
+        out = env(port, suite)
+        assert out.returncode == 2 and f"rendezvous ports {PORT_BASE}-{PORT_BASE + PORT_SPAN - 1}" in out.stderr, (port, suite)
+    for port, suite in ((16817, "bookworm"), (16817, "trixie"), (PORT_BASE - 5, "bookworm"), (PORT_BASE + PORT_SPAN, "trixie")):
+        out = env(port, suite)
+        assert out.returncode == 0 and f"SLURMFT_CLUSTER_PORT={port}" in out.stdout, (port, suite, out.stderr)
