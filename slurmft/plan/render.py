@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from slurmft import __version__
-from slurmft.config import RunConfig, slurm_time_seconds
+from slurmft.config import ConsolidateResources, PrepareResources, RunConfig, slurm_time_seconds
 from slurmft.errors import RenderError
 from slurmft.profiles import ClusterProfile
 from slurmft.resources import data_dir
@@ -162,19 +162,33 @@ def build_train_context(
 def build_consolidate_context(
     cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, command: str, config_path: str = ""
 ) -> dict[str, Any]:
-    """Everything the consolidation template places, already quoted. One CPU task."""
-    cres = cfg.consolidate.resources
+    """Everything the consolidation template places, already quoted. One CPU task (``consolidate.resources``)."""
+    return _cpu_job_context(cfg, profile, paths, command, config_path, "consolidate", cfg.consolidate.resources)
+
+
+def build_prepare_context(
+    cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, command: str, config_path: str = ""
+) -> dict[str, Any]:
+    """Everything the prepare template places, already quoted: one task on CPUs (``prepare.resources``), no
+    GPU gres, no collective settings."""
+    return _cpu_job_context(cfg, profile, paths, command, config_path, "prepare", cfg.prepare.resources)
+
+
+def _cpu_job_context(cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, command: str, config_path: str,
+                     kind: str, res: ConsolidateResources | PrepareResources) -> dict[str, Any]:
+    """One task on one node's CPUs with ``res`` (partition: the train job's unless ``res`` names one), no GPU gres,
+    the collective (NCCL/EFA) variables left out and OMP_NUM_THREADS set to its CPUs."""
     directives = [
-        _flag("job-name", f"{cfg.name}-consolidate"),
+        _flag("job-name", f"{cfg.name}-{kind}"),
         _flag("comment", paths.job_tag),
         _flag("nodes", 1),
         _flag("ntasks-per-node", 1),
-        _flag("cpus-per-task", cres.cpus_per_task),
+        _flag("cpus-per-task", res.cpus_per_task),
     ]
-    if cres.mem is not None:
-        directives.append(_flag("mem", cres.mem))
-    directives.append(_flag("time", cres.time))
-    partition = cres.partition or cfg.cluster.partition
+    if res.mem is not None:
+        directives.append(_flag("mem", res.mem))
+    directives.append(_flag("time", res.time))
+    partition = res.partition or cfg.cluster.partition
     if partition:
         directives.append(_flag("partition", partition))
     if cfg.cluster.account:
@@ -183,53 +197,19 @@ def build_consolidate_context(
         directives.append(_flag("qos", cfg.cluster.qos))
     directives += [
         _flag("open-mode", "append"),
-        _flag("output", paths.log_pattern("consolidate")),
-        _flag("error", paths.log_pattern("consolidate")),
+        _flag("output", paths.log_pattern(kind)),
+        _flag("error", paths.log_pattern(kind)),
     ]
     extra = {"SUBMITIT_EXECUTOR": "slurm", "SLURMFT_RUN_DIR": str(paths.root)}
-    env = _env_list(cfg, profile, extra)
-    env = [e for e in env if not e["key"].startswith(("NCCL_", "FI_", "TORCH_NCCL"))]  # no collectives here
+    env = [e for e in _env_list(cfg, profile, extra) if not e["key"].startswith(("NCCL_", "FI_", "TORCH_NCCL"))]
     for e in env:
         if e["key"] == "OMP_NUM_THREADS":
-            e["value"] = q(cres.cpus_per_task)
+            e["value"] = q(res.cpus_per_task)
     return {
-        **_common(cfg, paths, "consolidate", config_path),
+        **_common(cfg, paths, kind, config_path),
         "directives": directives,
         "env": env,
-        "srun_args": " ".join(q(a) for a in ["--unbuffered", "--ntasks=1", f"--cpus-per-task={cres.cpus_per_task}"]),
-        "command": command,
-    }
-
-
-def build_prepare_context(
-    cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, command: str, config_path: str = ""
-) -> dict[str, Any]:
-    """Everything the prepare template places, already quoted: one task on CPUs (``prepare.resources``), no
-    GPU gres, no collective settings."""
-    pres = cfg.prepare.resources
-    directives = [_flag("job-name", f"{cfg.name}-prepare"), _flag("comment", paths.job_tag), _flag("nodes", 1),
-                  _flag("ntasks-per-node", 1), _flag("cpus-per-task", pres.cpus_per_task)]
-    if pres.mem is not None:
-        directives.append(_flag("mem", pres.mem))
-    directives.append(_flag("time", pres.time))
-    partition = pres.partition or cfg.cluster.partition
-    if partition:
-        directives.append(_flag("partition", partition))
-    for name in ("account", "qos"):
-        if getattr(cfg.cluster, name):
-            directives.append(_flag(name, getattr(cfg.cluster, name)))
-    directives += [_flag("open-mode", "append"), _flag("output", paths.log_pattern("prepare")),
-                   _flag("error", paths.log_pattern("prepare"))]
-    env = [e for e in _env_list(cfg, profile, {"SUBMITIT_EXECUTOR": "slurm", "SLURMFT_RUN_DIR": str(paths.root)})
-           if not e["key"].startswith(("NCCL_", "FI_", "TORCH_NCCL"))]
-    for e in env:
-        if e["key"] == "OMP_NUM_THREADS":
-            e["value"] = q(pres.cpus_per_task)
-    return {
-        **_common(cfg, paths, "prepare", config_path),
-        "directives": directives,
-        "env": env,
-        "srun_args": " ".join(q(a) for a in ["--unbuffered", "--ntasks=1", f"--cpus-per-task={pres.cpus_per_task}"]),
+        "srun_args": " ".join(q(a) for a in ["--unbuffered", "--ntasks=1", f"--cpus-per-task={res.cpus_per_task}"]),
         "command": command,
     }
 
