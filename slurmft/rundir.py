@@ -6,6 +6,7 @@ the rendered scripts, a manifest of every job id and attempt, logs, checkpoints,
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -13,7 +14,7 @@ import pwd
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -438,3 +439,45 @@ def acquire_lock(paths: RunPaths, what: str, say: Callable[[str], None] | None =
 def release_lock(paths: RunPaths) -> None:
     """Drop the lock taken by :func:`acquire_lock` in this process."""
     locks.release(paths.lock)
+
+
+#: Seconds a command that changes a run directory (consolidate, prepare, cancel) waits for another one holding the
+#: run's lock before it refuses.
+COMMAND_LOCK_WAIT_S = 60.0
+
+
+@contextlib.contextmanager
+def recorded_here(paths: RunPaths, kind: str, say: Callable[[str], None] | None = None,
+                  check: Callable[[], None] | None = None, **fields: Any) -> Iterator[dict[str, Any]]:
+    """A job of ``kind`` run in this process (``slurmft consolidate --here``, ``slurmft prepare --here``), in the
+    manifest as ``here-PID-TIME`` with the process's record and ``fields``: written under the run's lock (after
+    ``check``, also under it), then its end, COMPLETED or FAILED (an exception, re-raised), and its seconds, written
+    under the lock again into the manifest as it is then. Yields the entry."""
+    acquire_lock(paths, kind, say, wait_s=COMMAND_LOCK_WAIT_S)
+    try:
+        if check is not None:
+            check()
+        manifest = read_manifest(paths)
+        entry = record_job(manifest, kind, f"here-{os.getpid()}-{int(time.time())}", here=True,
+                           **process_record(os.getpid()), **fields)
+        write_manifest(paths, manifest)
+    finally:
+        release_lock(paths)
+    t0 = time.time()
+    try:
+        yield entry
+        entry["state"] = "COMPLETED"
+    except BaseException:
+        entry["state"] = "FAILED"
+        raise
+    finally:
+        entry["elapsed_s"] = round(time.time() - t0, 1)
+        acquire_lock(paths, kind, wait_s=COMMAND_LOCK_WAIT_S)
+        try:
+            manifest = read_manifest(paths)
+            for job in manifest["jobs"]:
+                if job["job_id"] == entry["job_id"]:
+                    job.update(entry)
+            write_manifest(paths, manifest)
+        finally:
+            release_lock(paths)

@@ -7,12 +7,16 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slurmft.rundir import RunPaths, acquire_lock, check_owner, read_manifest, release_lock
+from slurmft.rundir import (
+    COMMAND_LOCK_WAIT_S,
+    RunPaths,
+    acquire_lock,
+    check_owner,
+    read_manifest,
+    release_lock,
+)
 from slurmft.slurm import scancel
 from slurmft.watch.status import run_state
-
-#: Seconds a cancel waits for another command holding the run's lock.
-LOCK_WAIT_S = 60.0
 
 
 @dataclass
@@ -36,7 +40,7 @@ def cancel_run(run_dir: Path, force: bool = False, say=lambda _: None) -> Cancel
     # A local run's own process holds the lock while it trains (hours); cancel only signals it.
     locked = manifest.get("executor") != "local"
     if locked:
-        acquire_lock(paths, "cancel", say, wait_s=LOCK_WAIT_S)
+        acquire_lock(paths, "cancel", say, wait_s=COMMAND_LOCK_WAIT_S)
     try:
         state = run_state(paths)
         result = CancelResult(not_touched=[f"{r['kind']} job {r['job_id']}: {r['words']}" for r in state.unseen()])

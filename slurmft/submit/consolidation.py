@@ -8,8 +8,6 @@ before anything is submitted; the job itself (:mod:`slurmft.job.consolidate`) ch
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,18 +17,15 @@ from slurmft.checkpoints import COMPLETE_MARKER, is_complete, latest_complete, l
 from slurmft.config import Executor, read_run_config
 from slurmft.errors import CheckpointError
 from slurmft.rundir import (
+    COMMAND_LOCK_WAIT_S,
     RunPaths,
     acquire_lock,
-    process_record,
     read_manifest,
-    record_job,
+    recorded_here,
     release_lock,
-    write_manifest,
 )
 
 Say = Callable[[str], None]
-#: Seconds to wait for another command holding the run's lock.
-LOCK_WAIT_S = 60.0
 
 
 @dataclass
@@ -68,50 +63,19 @@ def consolidate_here(paths: RunPaths, request: ConsolidationRequest, say: Say, b
     """Run the consolidation in this process (a progress bar when ``bar``), recorded in the manifest."""
     from slurmft.job.consolidate import consolidate_run
 
-    acquire_lock(paths, "consolidate", say, wait_s=LOCK_WAIT_S)
-    try:
-        manifest = read_manifest(paths)
-        entry = record_job(manifest, "consolidate", f"here-{os.getpid()}-{int(time.time())}", here=True, **process_record(os.getpid()),
-                           checkpoint=str(request.checkpoint), out=str(request.out))
-        write_manifest(paths, manifest)
-    finally:
-        release_lock(paths)
-    t0 = time.time()
-    try:
-        if bar:
-            from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+    with recorded_here(paths, "consolidate", say, checkpoint=str(request.checkpoint), out=str(request.out)):
+        if not bar:
+            return consolidate_run(str(paths.root), str(request.checkpoint), str(request.out))
+        from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-            with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                          TimeRemainingColumn()) as progress:
-                task = progress.add_task(f"{request.checkpoint.name} -> {request.out}", total=None)
+        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                      TimeRemainingColumn()) as progress:
+            task = progress.add_task(f"{request.checkpoint.name} -> {request.out}", total=None)
 
-                def advance(done: int, total: int) -> None:
-                    progress.update(task, completed=done, total=total)
+            def advance(done: int, total: int) -> None:
+                progress.update(task, completed=done, total=total)
 
-                summary = consolidate_run(str(paths.root), str(request.checkpoint), str(request.out), advance)
-        else:
-            summary = consolidate_run(str(paths.root), str(request.checkpoint), str(request.out))
-        entry["state"] = "COMPLETED"
-    except BaseException:
-        entry["state"] = "FAILED"
-        raise
-    finally:
-        entry["elapsed_s"] = round(time.time() - t0, 1)
-        _update_entry(paths, entry)
-    return summary
-
-
-def _update_entry(paths: RunPaths, entry: dict[str, Any]) -> None:
-    """Record how the consolidation here ended, re-reading the manifest under the run's lock."""
-    acquire_lock(paths, "consolidate", wait_s=LOCK_WAIT_S)
-    try:
-        manifest = read_manifest(paths)
-        for job in manifest["jobs"]:
-            if job["job_id"] == entry["job_id"]:
-                job.update(entry)
-        write_manifest(paths, manifest)
-    finally:
-        release_lock(paths)
+            return consolidate_run(str(paths.root), str(request.checkpoint), str(request.out), advance)
 
 
 def submit(paths: RunPaths, request: ConsolidationRequest, template_dir: str | None, say: Say) -> str:
@@ -124,7 +88,7 @@ def submit(paths: RunPaths, request: ConsolidationRequest, template_dir: str | N
     cfg.executor = Executor(manifest.get("executor", "slurm"))  # where the run was started is where it continues
     check_executor(cfg.resolved_executor)
     profile = load_profile(cfg.cluster.profile)
-    acquire_lock(paths, "consolidate", say, wait_s=LOCK_WAIT_S)
+    acquire_lock(paths, "consolidate", say, wait_s=COMMAND_LOCK_WAIT_S)
     try:
         manifest = read_manifest(paths)
         if manifest.get("executor") == "local":

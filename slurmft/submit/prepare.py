@@ -10,8 +10,6 @@ command: ``slurmft prepare RUN_DIR`` (a job, or ``--here``), then ``slurmft resu
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,20 +17,17 @@ from typing import Any
 from slurmft.config import Executor, RunConfig, read_run_config
 from slurmft.errors import RunDirError
 from slurmft.rundir import (
+    COMMAND_LOCK_WAIT_S,
     RunPaths,
     acquire_lock,
     check_owner,
-    process_record,
     read_manifest,
-    record_job,
+    recorded_here,
     release_lock,
-    write_manifest,
 )
 from slurmft.slurm_states import is_live
 
 Say = Callable[[str], None]
-#: Seconds to wait for another command holding the run's lock.
-LOCK_WAIT_S = 60.0
 
 
 def check_not_live(paths: RunPaths) -> None:
@@ -51,26 +46,8 @@ def prepare_here(paths: RunPaths, say: Say) -> dict[str, Any]:
     """Prepare a run directory's data in this process (needs the training stack), recorded in its manifest."""
     from slurmft.job.prepare import prepare_run
 
-    acquire_lock(paths, "prepare", say, wait_s=LOCK_WAIT_S)
-    try:
-        check_not_live(paths)
-        manifest = read_manifest(paths)
-        entry = record_job(manifest, "prepare", f"here-{os.getpid()}-{int(time.time())}", here=True,
-                           **process_record(os.getpid()))
-        write_manifest(paths, manifest)
-    finally:
-        release_lock(paths)
-    t0 = time.time()
-    try:
-        record = prepare_run(str(paths.root))
-        entry["state"] = "COMPLETED"
-    except BaseException:
-        entry["state"] = "FAILED"
-        raise
-    finally:
-        entry["elapsed_s"] = round(time.time() - t0, 1)
-        _update_entry(paths, entry)
-    return record
+    with recorded_here(paths, "prepare", say, check=lambda: check_not_live(paths)):
+        return prepare_run(str(paths.root))
 
 
 def prepare_config_here(cfg: RunConfig) -> dict[str, Any]:
@@ -88,18 +65,6 @@ def prepare_config_here(cfg: RunConfig) -> dict[str, Any]:
     return prepare_run(str(paths.root), cfg=cfg)
 
 
-def _update_entry(paths: RunPaths, entry: dict[str, Any]) -> None:
-    acquire_lock(paths, "prepare", wait_s=LOCK_WAIT_S)
-    try:
-        manifest = read_manifest(paths)
-        for job in manifest["jobs"]:
-            if job["job_id"] == entry["job_id"]:
-                job.update(entry)
-        write_manifest(paths, manifest)
-    finally:
-        release_lock(paths)
-
-
 def submit(paths: RunPaths, template_dir: str | None, say: Say, force: bool = False) -> str:
     """``slurmft prepare RUN_DIR``: one prepare job (no train job chained); its id."""
     from slurmft.profiles import load_profile
@@ -114,7 +79,7 @@ def submit(paths: RunPaths, template_dir: str | None, say: Say, force: bool = Fa
             "read prepared/")
     check_executor(cfg.resolved_executor)
     profile = load_profile(cfg.cluster.profile)
-    acquire_lock(paths, "prepare", say, wait_s=LOCK_WAIT_S)
+    acquire_lock(paths, "prepare", say, wait_s=COMMAND_LOCK_WAIT_S)
     try:
         check_not_live(paths)
         manifest = read_manifest(paths)
