@@ -29,9 +29,14 @@ from pathlib import Path
 
 
 def _steps(n: int, a, until=None) -> list[float]:  # noqa: ANN001 - torch tensors, imported lazily
-    """``n`` stand-in training steps (or until ``until()`` is true, at least one); each step's seconds."""
-    out = []
-    while len(out) < n if until is None else not out or not until():
+    """``n`` stand-in training steps, or, given ``until``, steps until ``until()`` is true (at least one); each
+    step's seconds."""
+    out: list[float] = []
+
+    def done() -> bool:
+        return len(out) >= n if until is None else bool(out) and until()
+
+    while not done():
         t0 = time.perf_counter()
         for _ in range(4):
             a = (a @ a).tanh_()

@@ -70,10 +70,12 @@ def run_mode(name: str, run_dir: Path, env: dict[str, str], nproc: int) -> dict[
         proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(run_dir.parent))
     if proc.returncode != 0:
         raise SystemExit(f"the {name} run failed (exit {proc.returncode}); log: {log}\n{log.read_text()[-3000:]}")
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r for r in lines if r.get("event") != "save"]
+    from slurmft.watch.progress import read_metrics
+
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    steps = metrics.records
     last = steps[-1]["step"]
-    saves = [r for r in lines if r.get("event") == "save" and r["step"] < last]  # the final save is outside
+    saves = [r for r in metrics.saves if r["step"] < last]  # the final save is outside
     return {"train_s": round(steps[-1]["time"] - steps[0]["time"], 3), "steps": last,
             "step_s": round((steps[-1]["time"] - steps[0]["time"]) / max(1, len(steps) - 1), 4),
             "saves": saves}
