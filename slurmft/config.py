@@ -534,10 +534,10 @@ class PrepareConfig(_Section):
     """Tokenize once: a CPU job before the train job prepares the data into RUN_DIR/prepared/ (docs/prepare.md)."""
 
     enabled: bool = Field(
-        False,
+        True,
         description="Chain a prepare job (CPU) before the train job (afterok): it loads, converts, tokenizes and "
         "packs the data with TRL's own preparation; the train job and every requeue and resume read the result. "
-        "false: the train job prepares the data inside its allocation.",
+        "false: the train job prepares the data inside its allocation (small data, quick local runs).",
     )
     resources: PrepareResources = Field(default_factory=PrepareResources)
 

@@ -26,8 +26,10 @@ def test_tiny_example_trains_and_consolidates_locally(local_tiny_run: Path, tiny
     shown = [int(line.split()[1]) for line in err.splitlines() if line.startswith("  step ")]
     assert shown == list(range(1, 19)), shown  # one console line per step, none dropped or repeated
     manifest = read_manifest(RunPaths.of(run))
-    assert [(j["kind"], j["state"]) for j in manifest["jobs"]] == [("train", "COMPLETED"),
+    # prepare.enabled (the default): the data is prepared first, in its own step, and the train job reads it
+    assert [(j["kind"], j["state"]) for j in manifest["jobs"]] == [("prepare", "COMPLETED"), ("train", "COMPLETED"),
                                                                     ("consolidate", "COMPLETED")]
+    assert "prepare job" in err  # what the train job read from it: tests/job/test_prepare.py
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [m["loss"] for m in metrics if "loss" in m]
     assert len(losses) >= 15 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3  # it learned something
@@ -52,4 +54,5 @@ def test_tiny_example_trains_and_consolidates_locally(local_tiny_run: Path, tiny
     assert info.value.code == 2 and "already holds a finished run" in capsys.readouterr().err
     main(["status", str(run), "--json"])
     rows = json.loads(capsys.readouterr().out)["jobs"]
-    assert [r["state"] for r in rows] == ["COMPLETED", "COMPLETED"]
+    assert [(r["kind"], r["state"]) for r in rows] == [("prepare", "COMPLETED"), ("train", "COMPLETED"),
+                                                       ("consolidate", "COMPLETED")]

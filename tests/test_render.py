@@ -26,7 +26,7 @@ def scripts_for(path: Path, *overrides: str, template_dir: str | None = None) ->
                           "golden-2x8-aws-efa.yaml", template_dir)
 
 
-@pytest.mark.parametrize("kind", ["train", "consolidate"])
+@pytest.mark.parametrize("kind", ["prepare", "train", "consolidate"])
 def test_matches_golden(kind: str) -> None:
     text = scripts_for(GOLDEN_CFG)[kind]
     golden = GOLDEN / f"{kind}-2x8-aws-efa.sbatch"
@@ -39,7 +39,7 @@ def test_matches_golden(kind: str) -> None:
     assert text == golden.read_text(), f"rendered {kind} differs from {golden} (SLURMFT_UPDATE_GOLDEN=1 to refresh)"
 
 
-@pytest.mark.parametrize("kind", ["train", "consolidate"])
+@pytest.mark.parametrize("kind", ["prepare", "train", "consolidate"])
 def test_bash_syntax_and_no_jinja_left(kind: str, tmp_path: Path) -> None:
     text = scripts_for(GOLDEN_CFG)[kind]
     script = tmp_path / "s.sh"
@@ -84,7 +84,8 @@ def test_consolidate_script_is_one_cpu_task_without_network_tuning() -> None:
 
 
 def test_disabled_consolidation_renders_only_train() -> None:
-    assert set(scripts_for(GOLDEN_CFG, "consolidate.enabled=false")) == {"train"}
+    assert set(scripts_for(GOLDEN_CFG, "consolidate.enabled=false")) == {"prepare", "train"}
+    assert set(scripts_for(GOLDEN_CFG, "consolidate.enabled=false", "prepare.enabled=false")) == {"train"}
 
 
 def test_secrets_from_the_environment_never_reach_a_script(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -195,10 +196,11 @@ def test_prepare_script_asks_for_cpus_only_and_is_valid_bash(tmp_path: Path) -> 
     if shutil.which("shellcheck"):
         check = subprocess.run(["shellcheck", "-S", "warning", str(script)], capture_output=True, text=True)
         assert check.returncode == 0, check.stdout
-    # the train and consolidation scripts are the same as without a prepare job
-    plain = scripts_for(GOLDEN_CFG)
+    # the train and consolidation scripts are the same as without a prepare job (the chaining is submit's)
+    plain = scripts_for(GOLDEN_CFG, "prepare.enabled=false")
     assert scripts["train"] == plain["train"] and scripts["consolidate"] == plain["consolidate"]
 
 
-def test_prepare_disabled_by_default_renders_no_prepare_script() -> None:
-    assert "prepare" not in scripts_for(GOLDEN_CFG)
+def test_prepare_is_on_by_default_and_off_renders_no_prepare_script() -> None:
+    assert list(scripts_for(GOLDEN_CFG)) == ["prepare", "train", "consolidate"]
+    assert "prepare" not in scripts_for(GOLDEN_CFG, "prepare.enabled=false")

@@ -60,8 +60,9 @@ def test_killed_local_run_resumes_to_the_same_model(tiny_model: Path, local_tiny
     resumed = manifest["attempts"][1]
     assert resumed["how"] == "resume" and resumed["resumed_from_step"] >= 6
     assert resumed["previous"]["state"] == "KILLED"
+    # the resumed train job reads the data prepared before the kill: nothing is prepared again
     assert [(j["kind"], j.get("state")) for j in manifest["jobs"]] == [
-        ("train", None), ("train", "COMPLETED"), ("consolidate", "COMPLETED")]
+        ("prepare", "COMPLETED"), ("train", None), ("train", "COMPLETED"), ("consolidate", "COMPLETED")]
     steps = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
     second = [m["step"] for m in steps if m["job_id"] == resumed["train_job"]]
     assert min(second) == resumed["resumed_from_step"] + 1 and max(second) == 18

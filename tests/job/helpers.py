@@ -32,7 +32,9 @@ def write_run(run_dir: Path, model: Path, overrides: list[str] | None = None,
     """A run directory with config.yaml made from examples/tiny/run.yaml (as submit would write it)."""
     from slurmft.config import load_config
 
-    cfg = load_config(TINY_EXAMPLE, [f"model.name_or_path={model}", f"output_dir={run_dir}", *(overrides or [])])
+    # prepare off unless an override turns it on: these runs start the entrypoint directly, with no prepare step
+    cfg = load_config(TINY_EXAMPLE, ["prepare.enabled=false", f"model.name_or_path={model}", f"output_dir={run_dir}",
+                                     *(overrides or [])])
     data = cfg.model_dump(mode="json")
     if edit is not None:
         edit(data)

@@ -3,8 +3,9 @@
 * TRL's ``SFTTrainer._prepare_dataset`` reads from its trainer only what :class:`TrlPreparation` holds, and
   from its arguments only what the prepare job sets (checked on TRL's source: an upgrade that reads more fails
   here, not silently in a run);
-* the local executor runs prepare -> train -> consolidate in order, the train job reads ``prepared/`` and
-  tokenizes nothing, and the model is bitwise equal to the shared in-allocation run (``local_tiny_run``);
+* the local executor runs prepare -> train -> consolidate in order (the shared ``local_tiny_run``: prepare is
+  on by default), the train job reads ``prepared/`` and tokenizes nothing, and the model is bitwise equal to
+  the same run with ``prepare.enabled=false`` (tokenized in the allocation);
 * a source changed after preparation: ``resume`` refuses with the fix and submits nothing, the train job
   refuses too (exit 2 on every rank), ``slurmft prepare RUN --here`` prepares again and both accept it.
 """
@@ -70,23 +71,27 @@ def _rank0_log(run: Path, manifest: dict, kind: str) -> str:
 
 def test_local_chain_prepares_first_and_trains_bitwise_equal(local_tiny_run: Path, tiny_model: Path,
                                                               tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    proc = _submit(run, tiny_model, "prepare.enabled=true")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    manifest = json.loads((run / "manifest.json").read_text())
+    # the shared tiny run prepares (prepare.enabled is the default); its twin here trains in the allocation
+    manifest = json.loads((local_tiny_run / "manifest.json").read_text())
     assert [j["kind"] for j in manifest["jobs"]] == ["prepare", "train", "consolidate"]
     assert all(j["state"] == "COMPLETED" for j in manifest["jobs"])
     assert manifest["attempts"][0]["prepare_job"] == manifest["jobs"][0]["job_id"]
-    assert "prepare job: " in proc.stdout
-    record = json.loads((run / "prepared" / "slurmft-prepared.json").read_text())
+    assert "prepare job" in (local_tiny_run.parent / "submit.err").read_text()
+    record = json.loads((local_tiny_run / "prepared" / "slurmft-prepared.json").read_text())
     assert record["result"]["conversations"] > record["result"]["sequences"] > 0  # packed
     assert record["settings"]["max_seq_length"] == 256 and record["num_proc"] is None
-    train_log = _rank0_log(run, manifest, "train")
+    train_log = _rank0_log(local_tiny_run, manifest, "train")
     assert "prepared sequences read from" in train_log and "loading and converting here" not in train_log
-    prepare_log = _rank0_log(run, manifest, "prepare")
+    prepare_log = _rank0_log(local_tiny_run, manifest, "prepare")
     assert "examples/s" in prepare_log and "TRL prepared" in prepare_log  # the progress: rows/s (and an ETA)
-    assert "loading and converting here" in _rank0_log(local_tiny_run, json.loads(
-        (local_tiny_run / "manifest.json").read_text()), "train")  # what the in-allocation run says instead
+
+    run = tmp_path / "run"
+    proc = _submit(run, tiny_model, "prepare.enabled=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    twin = json.loads((run / "manifest.json").read_text())
+    assert [(j["kind"], j["state"]) for j in twin["jobs"]] == [("train", "COMPLETED"), ("consolidate", "COMPLETED")]
+    assert not (run / "prepared").exists() and "prepare job" not in proc.stdout + proc.stderr
+    assert "loading and converting here" in _rank0_log(run, twin, "train")  # what the in-allocation run says
     assert_same_model(run / "model", local_tiny_run / "model")
 
 

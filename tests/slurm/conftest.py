@@ -37,6 +37,10 @@ class SlurmftDriver:
             "train": {"max_steps": 4, "per_device_batch_size": 2, "learning_rate": 1e-3, "warmup_ratio": 0.0},
             "checkpoint": {"every_steps": 2, "keep_last": 2},
             "consolidate": {"dtype": "float32", "resources": {"cpus_per_task": 1, "mem": "2G", "time": "00:10:00"}},
+            # prepare.enabled is the default, but a prepare job costs every cluster test a job start and a
+            # Python start-up: these tests train on tiny files in the allocation, tests/slurm/test_prepare.py
+            # turns it on (and shows the prepared run bitwise equal to the shared reference run)
+            "prepare": {"enabled": False},
         }
         for key, value in sections.items():
             cfg.setdefault(key, {}).update(value)
