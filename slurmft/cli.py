@@ -419,6 +419,8 @@ def prepare(target: Path, overrides: tuple[str, ...], here: bool, template_dir: 
     \b
     RUN_DIR           prepare a run's data again (a prepare job; --here: in this process), e.g. after a
                       source changed: then `slurmft resume RUN_DIR`
+    RUN.yaml          a new run directory (output_dir) with only its prepare job: see the counts with
+                      `slurmft status`, then train with `slurmft resume RUN_DIR`
     RUN.yaml --here   prepare a run not submitted yet into its output_dir; `slurmft submit` reuses it
     """
     from slurmft.errors import RunDirError
@@ -431,8 +433,17 @@ def prepare(target: Path, overrides: tuple[str, ...], here: bool, template_dir: 
             raise RunDirError(f"{target} has no manifest.json: it is not a slurmft run directory (give RUN.yaml, "
                               "or a run directory)")
         if not here:
-            raise click.UsageError("RUN.yaml needs --here (prepare on this machine now); as a job, the prepare "
-                                   "job runs before the train job when you `slurmft submit` with prepare.enabled: true")
+            from slurmft.submit.dispatch import check_prepares, submit_run
+
+            cfg, profile = _load(target, overrides)
+            check_prepares(cfg)
+            _checks(cfg, target)
+            result = submit_run(cfg, profile, str(target), template_dir, _err, prepare_only=True)
+            click.echo(f"run dir: {result.run_dir}")
+            click.echo(f"prepare job: {result.jobs['prepare']}")
+            click.echo(f"then: slurmft status {result.run_dir}   (the counts, once prepared), and to train: "
+                       f"slurmft resume {result.run_dir}")
+            return
         cfg, _ = _load(target, overrides)
         record = prep.prepare_config_here(cfg)
         click.echo(f"prepared: {summary_line(record)}")

@@ -183,6 +183,18 @@ def check(paths: RunPaths, cfg: RunConfig) -> dict[str, Any] | None:
     return record
 
 
+def sequences(cfg: RunConfig) -> int | None:
+    """The packed sequences (rows when not packing) that ``output_dir/prepared/`` holds when it matches
+    ``cfg``: the exact count the job trains on. None without a matching preparation (a stale one is reported
+    by ``validate`` on its own line)."""
+    try:
+        record = check(RunPaths.of(cfg.output_dir), cfg)
+    except RunDirError:
+        return None
+    count = (record or {}).get("result", {}).get("sequences")
+    return count if isinstance(count, int) and count > 0 else None
+
+
 def summary_line(record: dict[str, Any]) -> str:
     """``1,000 conversations -> 120 sequences of <= 512 tokens, 51,234 tokens (83% of the packed slots), 12.3 s``."""
     r = record.get("result", {})

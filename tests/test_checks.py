@@ -382,7 +382,7 @@ def test_epochs_instead_of_max_steps(tmp_path: Path, model_dir: Path, capsys: py
 
 def test_epochs_become_steps_from_the_packed_count() -> None:
     from slurmft.config import TrainConfig
-    from slurmft.job.train import plan_steps
+    from slurmft.epochs import plan_steps
 
     cfg = type("C", (), {"train": TrainConfig(epochs=2.5, per_device_batch_size=2, gradient_accumulation_steps=2)})
     plan = plan_steps(cfg, sequences=101, world_size=4)  # 26 per rank -> 13 micro-batches -> 6 steps per epoch

@@ -154,3 +154,38 @@ def test_runs_says_when_a_run_is_preparing_or_its_prepare_job_failed() -> None:
     assert run_word(jobs("FAILED", "CANCELLED"), False) == "prepare failed"
     assert run_word(jobs("COMPLETED", "RUNNING"), False) == "training"
     assert run_word(jobs("CANCELLED", "CANCELLED"), False) == "cancelled"  # `slurmft cancel`: the user's doing
+
+
+def test_the_prepared_count_is_the_exact_one_and_a_stale_or_missing_one_is_none(run) -> None:  # noqa: ANN001
+    from slurmft.epochs import steps_per_epoch
+    from slurmft.plan.checks import batch_notes
+
+    cfg, data, _, paths = run
+    assert prepared.sequences(cfg()) is None
+    _prepare(paths, cfg())  # 3 packed sequences
+    assert prepared.sequences(cfg()) == 3
+    epochs = cfg("train.max_steps=null", "train.epochs=2", "train.per_device_batch_size=1")
+    notes = "\n".join(batch_notes(epochs, [], None))  # no samples read: the count comes from the record alone
+    per_epoch = steps_per_epoch(3, epochs.resources.world_size, 1, epochs.train.gradient_accumulation_steps)
+    assert f"data: 3 packed sequences per epoch (prepared, exact) -> {per_epoch} optimizer steps per epoch" in notes
+    assert f"train.epochs 2 -> {2 * per_epoch} steps" in notes
+    with open(data, "a") as f:
+        f.write(data.read_text().splitlines()[0] + "\n")
+    assert prepared.sequences(cfg()) is None  # stale: never counted as this run's data
+    assert "(prepared, exact)" not in "\n".join(batch_notes(epochs, [], None))
+
+
+def test_prepare_run_yaml_as_a_job_refuses_a_config_whose_train_job_would_not_read_it(
+        run, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    import yaml
+
+    from slurmft.cli import main
+
+    cfg, _, _, paths = run
+    config = paths.root.parent / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg("prepare.enabled=false").model_dump(mode="json")))
+    with pytest.raises(SystemExit) as info:
+        main(["prepare", str(config)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "prepare.enabled is false" in err and "--here" in err, err
+    assert not paths.root.exists()  # nothing written

@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any
 
 from slurmft import checkpoints
 from slurmft.config import RunConfig, read_run_config
+from slurmft.epochs import plan_steps
 from slurmft.errors import JobSetupError, SlurmftError
 from slurmft.job import (
     checkpointing,
@@ -185,22 +185,6 @@ def optimizer_cls_and_kwargs(cfg: RunConfig, args: Any) -> tuple[type, dict[str,
         ) from None
     return _AdamW, {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon,
                     "weight_decay": args.weight_decay, "bf16_stochastic_round": True}
-
-
-def plan_steps(cfg: RunConfig, sequences: int, world_size: int) -> dict[str, Any]:
-    """train.epochs as optimizer steps, counted the way the Trainer batches the packed dataset.
-
-    Each rank gets ``ceil(sequences / world_size)`` sequences per epoch (the sampler pads the last
-    round), in micro-batches of ``per_device_batch_size``; ``gradient_accumulation_steps`` of those
-    make an optimizer step.
-    """
-    t = cfg.train
-    assert t.epochs is not None
-    micro_batches = math.ceil(math.ceil(sequences / world_size) / t.per_device_batch_size)
-    per_epoch = max(1, micro_batches // t.gradient_accumulation_steps)
-    return {"epochs": t.epochs, "sequences": sequences, "world_size": world_size,
-            "sequences_per_step": world_size * t.per_device_batch_size * t.gradient_accumulation_steps,
-            "steps_per_epoch": per_epoch, "max_steps": max(1, math.ceil(t.epochs * per_epoch))}
 
 
 def _write_requeue_marker(paths: RunPaths, env: JobEnv, step: int, saved: bool) -> Path:

@@ -21,7 +21,8 @@ What runs here, on the login node, without importing torch or transformers:
   ``{% generation %}`` markers (or one TRL knows how to patch) when ``assistant_only_loss`` is on,
   and able to render the first conversations (jinja2 directly, as transformers does);
 - the job's Python: it exists and can import the training stack (and the reporters' packages);
-- the effective batch, and steps per epoch when the data is local (``tokenizers`` counts tokens).
+- the effective batch, and steps per epoch: exact when ``slurmft prepare`` has counted the packed data
+  (``RUN_DIR/prepared/``), estimated when the data is local (``tokenizers`` counts tokens).
 
 Hub-only inputs are checked by the job, which calls the same functions on what it downloads.
 """
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slurmft import attention, formats
+from slurmft import attention, formats, prepared
 from slurmft.chat_template import (
     GENERATION_TAG,
     cannot_render_message,
@@ -48,6 +49,7 @@ from slurmft.chat_template import (
     template_path_problem,
 )
 from slurmft.config import ALL_LINEAR, DATA_SUFFIXES, EMBEDDING_MODULES, RunConfig, tied_target_problem
+from slurmft.epochs import steps_per_epoch
 from slurmft.errors import ConfigError
 from slurmft.modelinfo import find_tokenizer, is_local, read_model_config, seq_length_problem
 from slurmft.profiles import runs_on_gpu
@@ -501,15 +503,25 @@ def batch_notes(cfg: RunConfig, samples: list[Sample], template: Template | None
     lines = [f"batch: {r.world_size} rank(s) x {t.per_device_batch_size} x {t.gradient_accumulation_steps} "
              f"accumulation = {per_step} {unit} of {cfg.data.max_seq_length} tokens{')' if not cfg.data.packing else ''}"
              f" = {tokens} per optimizer step"]
+    exact = prepared.sequences(cfg)
+    if exact is not None:  # counted by the prepare job: the job's own figure, not an estimate
+        steps = steps_per_epoch(exact, r.world_size, t.per_device_batch_size, t.gradient_accumulation_steps)
+        lines.append(f"data: {exact:,} {'packed ' if cfg.data.packing else ''}sequences per epoch (prepared, "
+                     f"exact) -> {steps} optimizer steps per epoch")
+        if t.epochs is not None:
+            lines.append(f"train.epochs {t.epochs:g} -> {math.ceil(t.epochs * steps)} steps")
+        elif t.max_steps:
+            lines.append(f"train.max_steps {t.max_steps} = {t.max_steps / steps:.2f} epoch(s)")
+        return lines
     per_epoch = sequences_per_epoch(cfg, samples, template)
     if isinstance(per_epoch, str):
-        lines.append(f"steps per epoch: not computed ({per_epoch})")
+        lines.append(f"steps per epoch: not computed ({per_epoch}; `slurmft prepare` counts it exactly)")
         if t.epochs is not None:
             lines.append(f"train.epochs {t.epochs:g}: the job computes the steps from the packed data at start")
         return lines
     steps = max(1, math.ceil(per_epoch / per_step))
     lines.append(f"data: ~{per_epoch:,} {'packed ' if cfg.data.packing else ''}sequences per epoch -> ~{steps} "
-                 "optimizer steps per epoch")
+                 "optimizer steps per epoch (estimated from the files; `slurmft prepare` counts them exactly)")
     if t.epochs is not None:
         lines.append(f"train.epochs {t.epochs:g} -> ~{math.ceil(t.epochs * steps)} steps (exact count computed in "
                      "the job and recorded in plan.json)")

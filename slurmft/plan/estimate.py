@@ -64,6 +64,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache, partial
 from typing import TYPE_CHECKING, Any
 
+from slurmft.epochs import steps_per_epoch
 from slurmft.errors import ConfigError
 from slurmft.modelinfo import locate_model_config, read_model_config, seq_length_problem
 from slurmft.plan.estimate_text import Counted, assumptions, fit_problems, hsdp_advice, remedies, verdict
@@ -82,6 +83,7 @@ from slurmft.precision import DTYPE_BYTES as PRECISION_DTYPE_BYTES
 from slurmft.precision import PRECISIONS, consolidated_dtype
 from slurmft.precision import reduce_dtype as resolve_reduce_dtype
 from slurmft.precision import resolve as resolve_mode
+from slurmft.prepared import sequences as prepared_sequences
 from slurmft.profiles import runs_on_gpu
 from slurmft.units import GB, GiB, MiB, decimal_gb
 
@@ -778,6 +780,7 @@ def estimate(
         "checkpoint_save_s": projected_save(checkpoint_bytes, knobs.nodes, profile.checkpoint_write_gb_per_s),
         "lead_time_s": cfg.preemption.lead_time_s,
         "checkpoint_async": cfg.checkpoint.asynchronous,
+        "schedule": schedule(cfg),
         "consolidated_bytes": n_params * DTYPE_BYTES[out_dtype] if merged else 0,
         "consolidated_dtype": out_dtype,
         "lora": lora,
@@ -793,6 +796,19 @@ def estimate(
     result["problems"] = fit_problems(result)
     result["verdict"] = verdict(result)
     return result
+
+
+def schedule(cfg: RunConfig) -> dict[str, Any] | None:
+    """Steps per epoch, the run's steps and its periodic saves, exact from the prepared data's count
+    (``slurmft prepare``: the same function the job uses); None before the data is prepared."""
+    sequences = prepared_sequences(cfg)
+    if sequences is None:
+        return None
+    r, t = cfg.resources, cfg.train
+    per_epoch = steps_per_epoch(sequences, r.world_size, t.per_device_batch_size, t.gradient_accumulation_steps)
+    max_steps = math.ceil(t.epochs * per_epoch) if t.epochs is not None else t.max_steps
+    return {"sequences_per_epoch": sequences, "steps_per_epoch": per_epoch, "max_steps": max_steps,
+            "periodic_saves": max_steps // cfg.checkpoint.every_steps if max_steps else None}
 
 
 def to_json(result: dict[str, Any]) -> str:

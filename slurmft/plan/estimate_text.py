@@ -400,6 +400,11 @@ def render_table(result: dict[str, Any]) -> RenderableType:
               "sharded checkpoint (model + optimizer), each", decimal_gb(result["checkpoint_bytes"]))
     d.add_row(f"projected save time (preemption.lead_time_s {result['lead_time_s']} s)",
               f"{result['checkpoint_save_s']:.1f} s")
+    plan = result.get("schedule")
+    if plan and plan["periodic_saves"]:
+        d.add_row(f"{plan['periodic_saves']} periodic saves over {plan['max_steps']} steps (prepared data: "
+                  f"{plan['sequences_per_epoch']:,} sequences, {plan['steps_per_epoch']} steps per epoch), written",
+                  decimal_gb(plan["periodic_saves"] * result["checkpoint_bytes"]))
     if lora:
         d.add_row(f"adapter/ ({result['consolidated_dtype']})", decimal_gb(lora["adapter_bytes"]))
         d.add_row(f"merged model/ ({result['consolidated_dtype']})" if lora["merge"] else

@@ -41,6 +41,7 @@ from slurmft.rundir import (
     atomic_write,
     new_manifest,
     process_record,
+    read_manifest,
     record_job,
     release_lock,
     start_attempt,
@@ -102,6 +103,14 @@ def check_submittable(cfg: RunConfig) -> None:
         )
 
 
+def check_prepares(cfg: RunConfig) -> None:
+    """``slurmft prepare run.yaml`` (a prepare job alone) is for a run whose train job reads ``prepared/``."""
+    if not cfg.prepare.enabled:
+        raise ConfigError("prepare.enabled is false, so the train job would prepare the data itself and never read "
+                          "a prepare job's result", ["set prepare.enabled: true (the default)",
+                                                     "or add --here to only see the counts, in this process"])
+
+
 def check_run_dir_free(paths: RunPaths) -> None:
     """Refuse a run directory that already holds a run (live or finished) or foreign files."""
     if not paths.root.exists():
@@ -116,6 +125,11 @@ def check_run_dir_free(paths: RunPaths) -> None:
             raise RunDirError(
                 f"output_dir {paths.root} already holds a live run (jobs {', '.join(live)}); refusing to overwrite "
                 "it. Use another output_dir (e.g. output_dir=runs/NAME-2) or `slurmft cancel` it first."
+            )
+        if not any(j["kind"] == "train" for j in read_manifest(paths).get("jobs", [])):
+            raise RunDirError(
+                f"output_dir {paths.root} holds a run whose data `slurmft prepare` prepared (no train job yet); start "
+                f"its training with: slurmft resume {paths.root}"
             )
         raise RunDirError(
             f"output_dir {paths.root} already holds a finished run; refusing to overwrite it. "
@@ -169,12 +183,17 @@ def _cleanup(paths: RunPaths, created: bool, keep: frozenset[Path] = frozenset()
 
 def submit_run(
     cfg: RunConfig, profile: ClusterProfile, config_path: str = "", template_dir: str | None = None,
-    say: Say = _quiet,
+    say: Say = _quiet, prepare_only: bool = False,
 ) -> SubmitResult:
-    """Validate, write the run directory, dispatch train (+ consolidation) and write the manifest."""
+    """Validate, write the run directory, dispatch train (+ consolidation) and write the manifest.
+
+    ``prepare_only`` (``slurmft prepare run.yaml``): the same run directory, but only the prepare job is sent;
+    ``slurmft resume`` starts the training once the counts are seen (no attempt is recorded before that)."""
     paths = RunPaths.of(cfg.output_dir)
     executor = cfg.resolved_executor
     check_submittable(cfg)
+    if prepare_only:
+        check_prepares(cfg)
     check_run_dir_free(paths)
     scripts = render_scripts(cfg, profile, paths, config_path, template_dir)  # render errors before any write
     check_executor(executor)
@@ -185,9 +204,14 @@ def submit_run(
     result = SubmitResult(paths.root, executor.value, scripts={k: paths.script(k) for k in scripts})
     try:
         _write_run_dir(paths, cfg, scripts)
-        attempt = start_attempt(manifest, "submit", **allocation(cfg))
-        dispatch_attempt(cfg, profile, paths, config_path, template_dir, manifest, attempt, result, say,
-                         need_prepare=need_prepare)
+        if prepare_only:
+            result.jobs["prepare"] = (
+                submit_prepare(cfg, profile, paths, manifest, config_path, template_dir)
+                if executor == Executor.SLURM else run_local_prepare(cfg, paths, manifest, say))
+        else:
+            attempt = start_attempt(manifest, "submit", **allocation(cfg))
+            dispatch_attempt(cfg, profile, paths, config_path, template_dir, manifest, attempt, result, say,
+                             need_prepare=need_prepare)
     except BaseException:
         if not result.jobs:
             _cleanup(paths, created, kept)

@@ -308,8 +308,12 @@ def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | No
         manifest, "resume", resumed_from=str(latest) if latest else None, resumed_from_step=step,
         previous=result.previous, overrides=overrides, cancelled=stale, **allocation(cfg))
     write_manifest(paths, manifest)
-    say(f"resuming {paths.root} from {latest.name} (step {step})" if latest
-        else f"resuming {paths.root}: no complete checkpoint, training starts again at step 0")
+    if latest:
+        say(f"resuming {paths.root} from {latest.name} (step {step})")
+    elif result.previous is None:  # `slurmft prepare run.yaml` made the run directory: its first train job
+        say(f"starting {paths.root}'s training (no train job before: its data was prepared by `slurmft prepare`)")
+    else:
+        say(f"resuming {paths.root}: no complete checkpoint, training starts again at step 0")
     for note in notes:
         say(note)
     submitted = SubmitResult(paths.root, executor)

@@ -150,3 +150,33 @@ def test_a_failed_prepare_job_cancels_the_train_job_and_resume_prepares_again(
     slurm_cluster.wait_state(last["train"], "COMPLETED", timeout=300)
     slurm_cluster.wait_state(last["consolidate"], "COMPLETED", timeout=240)
     assert (run / "model" / "model.safetensors.index.json").is_file()
+
+
+def test_prepare_run_yaml_as_a_job_gives_exact_counts_before_any_train_job(
+        slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path: Path, slurmft) -> None:
+    from slurmft.epochs import steps_per_epoch
+
+    path = slurmft.write_config(tmp_path, tiny_model, chat_data, prepare=PREPARE,
+                                train={"max_steps": None, "epochs": 2})
+    code, out, err = slurmft.cli(["prepare", str(path)])  # a run directory with its prepare job alone
+    assert code == 0, err
+    jobs = _jobs(out)
+    assert list(jobs) == ["prepare"] and "slurmft resume" in out, out
+    run = tmp_path / "run"
+    slurm_cluster.wait_state(jobs["prepare"], "COMPLETED", timeout=240)
+    manifest = read_manifest(RunPaths.of(run))
+    assert [j["kind"] for j in manifest["jobs"]] == ["prepare"] and manifest["attempts"] == []
+    sequences = json.loads(RunPaths.of(run).prepared_record.read_text())["result"]["sequences"]
+    per_epoch = steps_per_epoch(sequences, 2, 2, 1)  # 2 nodes x 1 rank, per-device batch 2, no accumulation
+
+    code, out, err = slurmft.cli(["validate", str(run / "config.yaml")])  # exact, from the prepared count
+    assert code == 0, err
+    assert f"data: {sequences:,} packed sequences per epoch (prepared, exact) -> {per_epoch} optimizer steps" in out
+    assert f"train.epochs 2 -> {2 * per_epoch} steps" in out
+    code, out, err = slurmft.cli(["estimate", str(run / "config.yaml"), "--json"])
+    assert code == 0, err
+    assert json.loads(out)["schedule"] == {"sequences_per_epoch": sequences, "steps_per_epoch": per_epoch,
+                                           "max_steps": 2 * per_epoch, "periodic_saves": 2 * per_epoch // 2}
+    code, out, err = slurmft.cli(["submit", str(path)])  # the run exists: its training starts with resume
+    assert code == 2 and f"start its training with: slurmft resume {run}" in err, err
+    assert read_manifest(RunPaths.of(run))["jobs"] == manifest["jobs"]  # nothing submitted
