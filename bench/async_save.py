@@ -53,7 +53,7 @@ def write_run(run_dir: Path, model_dir: Path, steps: int, every: int, asynchrono
 
     from slurmft.config import load_config
 
-    cfg = load_config(TINY_EXAMPLE, [f"model.name_or_path={model_dir}", f"output_dir={run_dir}",
+    cfg = load_config(TINY_EXAMPLE, [f"model.name_or_path={model_dir}", f"output_dir={run_dir}", "prepare.enabled=false",
                                      f"train.max_steps={steps}", f"checkpoint.every_steps={every}",
                                      f"checkpoint.async={str(asynchronous).lower()}", "checkpoint.keep_last=2",
                                      f"data.max_seq_length={seq_len}", f"train.per_device_batch_size={batch}"])

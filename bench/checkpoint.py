@@ -273,6 +273,7 @@ def write_run(run_dir: Path, model_dir: Path) -> None:
     from slurmft.config import load_config
 
     cfg = load_config(TINY_EXAMPLE, [f"model.name_or_path={model_dir}", f"output_dir={run_dir}", "train.max_steps=2",
+                                     "prepare.enabled=false",
                                      "checkpoint.every_steps=1", "checkpoint.keep_last=2"])
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

@@ -79,6 +79,7 @@ def write_run(run: Path, model: Path, data: Path, args: argparse.Namespace, on_g
                   "warmup_ratio": 0.1, "logging_steps": 1},
         "fsdp": {"activation_checkpointing": True},
         "checkpoint": {"every_steps": args.steps, "keep_last": 1},
+        "prepare": {"enabled": False},  # the entrypoint runs alone here: the train job prepares its data
     }
     validate(cfg)
     run.mkdir(parents=True, exist_ok=True)

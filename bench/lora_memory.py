@@ -142,7 +142,8 @@ def write_run(run_dir: Path, model_dir: Path, steps: int, lora: list[str] | None
     from slurmft.config import load_config
 
     overrides = [f"model.name_or_path={model_dir}", f"output_dir={run_dir}", f"train.max_steps={steps}",
-                 f"checkpoint.every_steps={steps}", "checkpoint.keep_last=1", "train.logging_steps=1"]
+                 f"checkpoint.every_steps={steps}", "checkpoint.keep_last=1", "train.logging_steps=1",
+                 "prepare.enabled=false"]
     cfg = load_config(TINY_EXAMPLE, overrides + (lora or []))
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

@@ -61,6 +61,7 @@ def resumed(local_tiny_run: Path, job_env: dict[str, str], tmp_path_factory: pyt
         run = tmp_path_factory.mktemp(f"elastic{n}") / "run"
         (run / "checkpoints").mkdir(parents=True)
         shutil.copy(local_tiny_run / "config.yaml", run / "config.yaml")
+        shutil.copytree(local_tiny_run / "prepared", run / "prepared")  # the shared run prepared its data first
         ckpt = shutil.copytree(local_tiny_run / "checkpoints" / f"checkpoint-{FROM}",
                                run / "checkpoints" / f"checkpoint-{FROM}")
         notes: list[str] = []
