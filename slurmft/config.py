@@ -258,6 +258,10 @@ class DatasetSource(_Section):
         "input, output), prompt_completion (prompt, completion), or auto-detect.",
     )
     name: str | None = Field(None, description="Hub dataset config name (subset).")
+    revision: str | None = Field(
+        None, description="Hub dataset revision (branch, tag or commit) to read; unset: the newest, whose commit the "
+        "prepare job records, so that a resume after a new push is refused instead of mixing two versions.",
+    )
     text_field: str | None = Field(None, description="Column holding the text/conversation if not the default.")
     columns: dict[str, str] = Field(
         default_factory=dict,

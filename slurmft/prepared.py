@@ -9,8 +9,10 @@ so the record names everything the result depends on and every reader compares i
   format, columns), ``data.max_seq_length``, ``packing``, ``assistant_only_loss``, ``train.seed`` and the
   ``train.sft`` keys TRL's preparation reads (:data:`PREPARE_SFT_KEYS`), and the tokenizer it names;
 * ``inputs``: the files behind them: each local source's size and modification time, the SHA-256 of the
-  local tokenizer's files and of a ``train.sft.chat_template_path`` template. A hub data set or tokenizer is
-  matched by its id (and ``model.revision``): a new revision on the hub is not seen from here.
+  local tokenizer's files and of a ``train.sft.chat_template_path`` template. A hub data set is matched by
+  its id, subset, split and ``revision``; the prepare job also records the commit it read (``sha``, when the
+  hub answers), and ``resume`` asks the hub again (:func:`hub_changes`): a new push is refused, not mixed in.
+  A hub tokenizer is matched by its id and ``model.revision``.
 
 Torch-free and datasets-free: ``validate``, ``resume`` and ``status`` on the login node read it, and so does
 the job, with the same words. Not compared: ``num_proc`` (it changes how TRL groups rows into packs, not
@@ -30,6 +32,8 @@ from slurmft.errors import RunDirError
 from slurmft.rundir import RunPaths, atomic_write
 
 PREPARED_VERSION = 1
+#: Seconds to wait for the hub's answer about a data set's newest commit.
+HUB_TIMEOUT_S = 10.0
 #: ``train.sft`` keys that TRL 1.16's preparation reads (``SFTTrainer.__init__`` and ``_prepare_dataset``);
 #: the others change the training, not the data. tests/job/test_prepare.py checks this list against TRL's source.
 PREPARE_SFT_KEYS = ("dataset_text_field", "truncation_mode", "packing_strategy", "shuffle_dataset",
@@ -60,7 +64,8 @@ def tokenizer_source(cfg: RunConfig) -> str:
 def settings(cfg: RunConfig) -> dict[str, Any]:
     """What the config says about preparation (compared as a whole, field by field)."""
     sources = [{"path": s.path, "name": s.name, "split": s.split, "weight": s.weight, "format": s.format,
-                "text_field": s.text_field, "columns": dict(s.columns)} for s in cfg.data.datasets]
+                "text_field": s.text_field, "columns": dict(s.columns),
+                **({"revision": s.revision} if s.revision else {})} for s in cfg.data.datasets]
     return {"sources": sources, "max_seq_length": cfg.data.max_seq_length, "packing": cfg.data.packing,
             "assistant_only_loss": cfg.data.assistant_only_loss, "seed": cfg.train.seed,
             "sft": {k: cfg.train.sft[k] for k in PREPARE_SFT_KEYS if k in cfg.train.sft},
@@ -122,7 +127,7 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     old_files, new_files = was_in.get("sources", []), cur_in["sources"]
     if len(old_files) == len(new_files):
         for i, (a, b) in enumerate(zip(old_files, new_files, strict=True)):
-            if a == b:
+            if {k: v for k, v in a.items() if k != "sha"} == b:  # the hub commit: hub_changes(), login side only
                 continue
             if "file" in b and a.get("file") == b["file"]:
                 out.append(f"data.datasets[{i}] ({b['file']}): the file changed after preparation (size "
@@ -141,6 +146,58 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     if was_in.get("chat_template_sha256") != cur_in.get("chat_template_sha256"):
         out.append("train.sft.chat_template_path: the template file changed after preparation")
     return out
+
+
+def hub_commit(repo_id: str, revision: str | None, timeout_s: float = HUB_TIMEOUT_S) -> str:
+    """The commit a hub data set's ``revision`` (None: the default branch) points at now (network)."""
+    from huggingface_hub import HfApi
+
+    return str(HfApi().dataset_info(repo_id, revision=revision, timeout=timeout_s).sha)
+
+
+Resolve = Callable[[str, str | None], str]
+
+
+def pin_hub_commits(cfg: RunConfig, record_inputs: dict[str, Any], say: Callable[[str], None],
+                    resolve: Resolve = hub_commit) -> list[str | None]:
+    """For the prepare job: each hub source's commit now, written into ``record_inputs`` (``sha``) and returned
+    (None for a local file, or where the hub cannot be asked: offline, unreachable), so that the job reads
+    exactly the commit it records."""
+    commits: list[str | None] = []
+    for source, entry in zip(cfg.data.datasets, record_inputs["sources"], strict=True):
+        commit = None
+        if "hub" in entry:
+            try:
+                commit = resolve(source.path, source.revision)
+            except Exception as exc:  # noqa: BLE001 - offline or unreachable: the data set's id is all we record
+                say(f"data: cannot ask the hub which commit {source.path!r} is at ({type(exc).__name__}); a new "
+                    "push will not be detected for this preparation")
+            entry["sha"] = commit
+        commits.append(commit)
+    return commits
+
+
+def hub_changes(record: dict[str, Any], resolve: Resolve = hub_commit) -> tuple[list[str], list[str]]:
+    """(changes, unchecked): hub sources whose revision now points at another commit than the one prepared, in
+    words; and those the hub could not be asked about. Login side only (``resume``): one call per hub source."""
+    changes: list[str] = []
+    unchecked: list[str] = []
+    settings_sources = record.get("settings", {}).get("sources", [])
+    for i, entry in enumerate(record.get("inputs", {}).get("sources", [])):
+        if not entry.get("sha") or "hub" not in entry:
+            continue
+        revision = settings_sources[i].get("revision") if i < len(settings_sources) else None
+        if revision and revision == entry["sha"]:
+            continue  # pinned to that very commit: it cannot move
+        try:
+            now = resolve(entry["hub"], revision)
+        except Exception as exc:  # noqa: BLE001
+            unchecked.append(f"{entry['hub']} ({type(exc).__name__})")
+            continue
+        if now != entry["sha"]:
+            changes.append(f"data.datasets[{i}] ({entry['hub']}): the hub has a new commit since preparation "
+                           f"({entry['sha'][:12]} when prepared, {now[:12]} now)")
+    return changes, unchecked
 
 
 def _when(mtime_ns: object) -> str:

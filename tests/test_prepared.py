@@ -189,3 +189,40 @@ def test_prepare_run_yaml_as_a_job_refuses_a_config_whose_train_job_would_not_re
     err = capsys.readouterr().err
     assert info.value.code == 2 and "prepare.enabled is false" in err and "--here" in err, err
     assert not paths.root.exists()  # nothing written
+
+
+def test_a_hub_source_is_recorded_at_its_commit_and_a_new_push_is_refused(run) -> None:  # noqa: ANN001
+    # the hub cannot be reached from here: a dictionary of commits stands in for it (prepared.hub_commit's answer)
+    cfg, data, _, paths = run
+    hub = {("org/chat", None): "a" * 40, ("org/chat", "v1"): "b" * 40}
+
+    def resolve(repo: str, revision: str | None) -> str:
+        return hub[(repo, revision)]
+
+    def offline(repo: str, revision: str | None) -> str:
+        raise ConnectionError("no network")
+
+    two = cfg(f"data.datasets=[{{path: {data}}}, {{path: org/chat}}, {{path: org/chat, revision: v1}}]")
+    record = prepared.expected(two)
+    said: list[str] = []
+    assert prepared.pin_hub_commits(two, record["inputs"], said.append, resolve) == [None, "a" * 40, "b" * 40]
+    assert [e.get("sha") for e in record["inputs"]["sources"]] == [None, "a" * 40, "b" * 40] and not said
+    assert prepared.differences(record, prepared.expected(two)) == []  # the job's own comparison needs no hub
+    assert prepared.hub_changes(record, resolve) == ([], [])
+
+    hub[("org/chat", None)] = "c" * 40  # a new push to the default branch; v1 stays where it was
+    changes, unchecked = prepared.hub_changes(record, resolve)
+    assert changes == ["data.datasets[1] (org/chat): the hub has a new commit since preparation (aaaaaaaaaaaa when "
+                       "prepared, cccccccccccc now)"] and unchecked == []
+    assert prepared.hub_changes(record, offline) == ([], ["org/chat (ConnectionError)", "org/chat (ConnectionError)"])
+
+    pinned = cfg(f"data.datasets=[{{path: org/chat, revision: {'a' * 40}}}]")  # a commit cannot move: not asked
+    rec = prepared.expected(pinned)
+    prepared.pin_hub_commits(pinned, rec["inputs"], said.append, lambda repo, rev: rev or "")
+    assert prepared.hub_changes(rec, offline) == ([], [])
+    offline_rec = prepared.expected(two)
+    assert prepared.pin_hub_commits(two, offline_rec["inputs"], said.append, offline) == [None, None, None]
+    assert "cannot ask the hub which commit 'org/chat' is at (ConnectionError)" in said[0]
+    assert prepared.hub_changes(offline_rec, resolve) == ([], [])  # nothing recorded, nothing to compare
+    assert "data.datasets[0]: revision changed" in "\n".join(
+        prepared.differences(rec, prepared.expected(cfg("data.datasets=[{path: org/chat, revision: v2}]"))))

@@ -59,7 +59,7 @@ def _load_source(source: DatasetSource, where: str):
             return load_dataset(builder, data_files=str(path), split="train")
         if source.path.startswith(("/", "./", "../", "~")) or path.suffix.lower() in DATA_BUILDERS:
             raise JobSetupError(f"{where}: file {source.path!r} does not exist")
-        return load_dataset(source.path, source.name, split=source.split)
+        return load_dataset(source.path, source.name, split=source.split, revision=source.revision)
     except JobSetupError:
         raise
     except Exception as exc:

@@ -142,9 +142,13 @@ def prepare_run(run_dir: str, num_proc: int | None = None, cfg: RunConfig | None
     check_sft_keys(cfg)
     num_proc = num_proc or num_proc_for(cfg)
     before = prepared.expected(cfg)  # the inputs as they were when preparation began
+    commits = prepared.pin_hub_commits(cfg, before["inputs"], log.warning)  # hub sources: the commit read
+    sources = [s.model_copy(update={"revision": c}) if c else s for s, c in zip(cfg.data.datasets, commits,
+                                                                                    strict=True)]
     model_dir = resolve_model_dir(cfg.model, with_weights=False)
     tokenizer = load_tokenizer(resolve_tokenizer_dir(cfg.model, model_dir), cfg)
-    mixed = data.load_mixture(cfg.data.model_copy(update={"num_proc": num_proc}), cfg.train.seed, tokenizer)
+    mixed = data.load_mixture(cfg.data.model_copy(update={"num_proc": num_proc, "datasets": sources}),
+                              cfg.train.seed, tokenizer)
     t_loaded = time.time()
     log.info("loaded %d conversations in %.1f s (%.0f rows/s); TRL's preparation next (%s, max_length %d, "
              "num_proc %s)", len(mixed), t_loaded - t0, len(mixed) / max(t_loaded - t0, 1e-9),

@@ -26,6 +26,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from slurmft import prepared
 from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, read_marker, step_of
 from slurmft.config import (
     Executor,
@@ -200,6 +201,17 @@ def _stale_consolidations(state: RunState) -> list[str]:
     return [r["job_id"] for r in state.rows if r["job_id"] in chained and is_waiting(r["state"])]
 
 
+def check_hub_commits(paths: RunPaths, say: Any) -> None:
+    """A hub data set pushed again since its preparation is refused with the fix (the train job would read
+    the old commit's sequences while the config names the data set); one the hub cannot be asked about is said."""
+    record = prepared.read_record(paths) or {}
+    changes, unchecked = prepared.hub_changes(record)
+    if changes:
+        raise prepared.refusal(paths, changes)
+    for source in unchecked:
+        say(f"note: could not ask the hub whether {source} has a new commit; the prepared data is used as it is")
+
+
 #: Seconds a resume waits for another command that holds the run's lock (a concurrent resume's sbatch calls).
 LOCK_WAIT_S = 120.0
 
@@ -278,6 +290,8 @@ def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | No
         raise RunDirError(f"consolidation job(s) {', '.join(running_cons)} of {paths.root} are running; wait for them")
     check_submittable(cfg)
     need_prepare = prepare_needed(paths, cfg)  # prepared/ changed since: refused here, nothing submitted
+    if not need_prepare and cfg.prepare.enabled:
+        check_hub_commits(paths, say)
     profile = load_profile(cfg.cluster.profile)
     config_path = str(paths.config)
     scripts = render_scripts(cfg, profile, paths, config_path, template_dir)
