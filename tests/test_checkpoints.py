@@ -31,6 +31,20 @@ def test_prune_keeps_the_newest_complete_and_hides_before_deleting(tmp_path: Pat
     assert checkpoints.prune(tmp_path) == []  # without keep_last every complete checkpoint stays
 
 
+def test_prune_decides_at_once_and_leaves_the_deleting_to_whom_it_is_given(tmp_path: Path) -> None:
+    for step in (2, 4, 6):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "shard").write_text("x")
+        checkpoints.mark_complete(tmp_path / f"checkpoint-{step}")
+    later: list[Path] = []  # what the train job's background writer would delete
+    assert checkpoints.prune(tmp_path, keep_last=2, delete=later.append) == [tmp_path / "checkpoint-2"]
+    assert later == [tmp_path / ".deleting-checkpoint-2"] and later[0].is_dir()  # hidden now, deleted later
+    assert checkpoints.latest_complete(tmp_path) == tmp_path / "checkpoint-6"
+    assert [s for s, _, _ in checkpoints.list_checkpoints(tmp_path)] == [4, 6]  # a hidden one never counts
+    checkpoints.prune(tmp_path, keep_last=2)  # the next call deletes what is still there
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-6"]
+
+
 def _saved(root: Path, step: int, shard: bytes = b"x" * 100) -> Path:
     ckpt = root / f"checkpoint-{step}"
     (ckpt / "pytorch_model_fsdp_0").mkdir(parents=True)

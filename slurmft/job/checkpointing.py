@@ -168,6 +168,13 @@ class BackgroundWriter:
         dirs = tuple(Path(str(getattr(w, "path", None) or c)) for _, c, w, _ in writes)
         return self.thread.submit(write_all), dirs
 
+    def delete_later(self, path: Path) -> None:
+        """Remove a pruned checkpoint (already renamed out of the way) in the writer's thread, after the write
+        in flight if any: a deletion of gigabytes never holds training, and never races a write's I/O."""
+        import shutil
+
+        self.thread.submit(shutil.rmtree, path, True)
+
     def close(self) -> None:
         self.thread.shutdown(wait=True)
         self.stager.close()
@@ -359,7 +366,8 @@ class CompleteCheckpoints(TrainerCallback):
             self.last_save_s = seconds
             for path, why in damaged(ckpt.parent):
                 log.warning("removing damaged %s: %s", path.name, why)
-            prune(ckpt.parent, self.keep_last, self.protected)
+            prune(ckpt.parent, self.keep_last, self.protected,
+                  delete=self.writer.delete_later if self.writer is not None else None)
             blocked = save.blocked_s + time.time() - t0
             how = f"in the background, training waited {blocked:.2f}s" if save.future is not None else "synchronously"
             log.info("checkpoint-%d complete (%.1fs, %s)", save.step, seconds, how)
