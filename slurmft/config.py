@@ -542,6 +542,65 @@ class PrepareConfig(_Section):
     resources: PrepareResources = Field(default_factory=PrepareResources)
 
 
+class DPOReference(str, Enum):
+    """How a DPO run gets the reference model's log-probabilities."""
+
+    AUTO = "auto"
+    COPY = "copy"
+    PRECOMPUTED = "precomputed"
+
+
+class DPOConfig(_Section):
+    """Direct preference optimisation (TRL's ``DPOTrainer``/``DPOConfig`` meanings); absent = supervised fine-tuning.
+
+    A later method (KTO, ORPO, ...) is one more section like this one: RunConfig.method names the one set.
+    """
+
+    beta: float = Field(0.1, gt=0, description="Strength of the pull towards the reference model (TRL's beta): "
+                        "higher stays closer to it.")
+    loss_type: list[str] = Field(
+        default_factory=lambda: ["sigmoid"],
+        description="TRL's DPO loss: sigmoid (DPO), ipo, hinge, robust, ... (the names the installed TRL's "
+        "DPOTrainer computes; validate lists them). A list combines several (TRL's loss_type list).",
+    )
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Probability that a preference label is flipped "
+                                   "(cDPO / robust DPO; TRL's label_smoothing).")
+    reference: DPOReference = Field(
+        DPOReference.AUTO,
+        description="The frozen reference model: copy = a second copy of the starting model, loaded and "
+        "FSDP2-sharded like the policy, without gradients or optimizer state; precomputed = its log-probabilities "
+        "computed once over the data before the first step (TRL's precompute_ref_log_probs), then freed; auto = "
+        "copy, or with a lora: section the base model with the adapters disabled (no second copy). The reference "
+        "is never saved: a resume rebuilds it from the model files.",
+    )
+
+    @field_validator("loss_type", mode="before")
+    @classmethod
+    def _one_or_more(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [v]  # one name written without brackets
+        if isinstance(v, list) and not v:
+            raise ValueError("an empty list computes no loss; use sigmoid (DPO) or another of TRL's loss types")
+        return v
+
+    @field_validator("loss_type")
+    @classmethod
+    def _known_loss(cls, v: list[str]) -> list[str]:
+        from slurmft.dpoopts import loss_type_problems
+
+        problems = loss_type_problems(v, where="loss_type")
+        if problems:
+            raise ValueError("; ".join(p.removeprefix("loss_type: ") for p in problems))
+        return v
+
+
+class Method(str, Enum):
+    """What the train job optimises: the section that selects it (none = sft)."""
+
+    SFT = "sft"
+    DPO = "dpo"
+
+
 class RunConfig(_Section):
     """A whole run: the contents of run.yaml."""
 
@@ -560,6 +619,10 @@ class RunConfig(_Section):
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     lora: LoraConfig | None = Field(
         None, description="Train LoRA adapters on a frozen base model instead of every weight (docs/lora.md)."
+    )
+    dpo: DPOConfig | None = Field(
+        None, description="Preference tuning with DPO on preference data (prompt/chosen/rejected) instead of "
+        "supervised fine-tuning (docs/dpo.md)."
     )
 
     @field_validator("name")
@@ -587,12 +650,32 @@ class RunConfig(_Section):
                 "fsdp.replicate_across_nodes: shards inside each node, which needs fsdp.enabled=true; set "
                 "fsdp.enabled=true or fsdp.replicate_across_nodes=false"
             )
+        if self.dpo is not None:
+            self._check_dpo(self.dpo)
         if self.executor == Executor.LOCAL and self.resources.nodes != 1:
             raise ValueError(
                 "resources.nodes: the local executor runs on this machine only; set resources.nodes=1 "
                 "(or executor=slurm)"
             )
         return self
+
+    def _check_dpo(self, dpo: DPOConfig) -> None:
+        """What a DPO run cannot combine with."""
+        if dpo.reference == DPOReference.COPY and self.lora is not None:
+            raise ValueError(
+                "dpo.reference: copy loads a second model, but with a lora: section the reference is the base model "
+                "with the adapters disabled (no copy needed); remove dpo.reference (auto) or the lora: section"
+            )
+        if self.train.sft:
+            raise ValueError(
+                f"train.sft: passes options to TRL's SFTConfig, but a dpo run trains with TRL's DPOTrainer; remove "
+                f"train.sft ({', '.join(sorted(self.train.sft))}) or the dpo: section"
+            )
+
+    @property
+    def method(self) -> Method:
+        """sft, or the preference method whose section is set."""
+        return Method.DPO if self.dpo is not None else Method.SFT
 
     def _reconcile_precision(self) -> None:
         """train.precision and model.dtype: one derives the other; a contradiction names both fields."""
