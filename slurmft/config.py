@@ -251,11 +251,13 @@ class DatasetSource(_Section):
     path: str = Field(..., description="Hub id or local .json/.jsonl/.csv/.parquet file.")
     split: str = Field("train", description="Split to read.")
     weight: float = Field(1.0, gt=0, description="Mixing weight (relative sampling probability).")
-    format: Literal["auto", "messages", "sharegpt", "lima", "guanaco", "alpaca", "prompt_completion"] = Field(
+    format: Literal["auto", "messages", "sharegpt", "lima", "guanaco", "alpaca", "prompt_completion",
+                    "preference"] = Field(
         "auto",
         description="Record layout: messages (role/content list), sharegpt (conversations: from/value list), lima "
         "(conversations: [str]), guanaco (text with '### Human:' / '### Assistant:'), alpaca (instruction, "
-        "input, output), prompt_completion (prompt, completion), or auto-detect.",
+        "input, output), prompt_completion (prompt, completion), preference (dpo: only; chosen, rejected and an "
+        "optional prompt, strings or conversations), or auto-detect.",
     )
     name: str | None = Field(None, description="Hub dataset config name (subset).")
     text_field: str | None = Field(None, description="Column holding the text/conversation if not the default.")
@@ -263,13 +265,14 @@ class DatasetSource(_Section):
         default_factory=dict,
         description="Your column names for the format's fields, e.g. {prompt: question, completion: answer} or "
         "{instruction: task, output: response}; keys: messages, conversations, text, instruction, input, output, "
-        "prompt, completion.",
+        "prompt, completion, chosen, rejected.",
     )
 
     @field_validator("columns")
     @classmethod
     def _columns(cls, v: dict[str, str]) -> dict[str, str]:
-        known = ("messages", "conversations", "text", "instruction", "input", "output", "prompt", "completion")
+        known = ("messages", "conversations", "text", "instruction", "input", "output", "prompt", "completion",
+                 "chosen", "rejected")
         for key in v:
             if key not in known:
                 raise ValueError(f"unknown field {key!r}; map any of {', '.join(known)} to your column names")
@@ -676,6 +679,16 @@ class RunConfig(_Section):
     def method(self) -> Method:
         """sft, or the preference method whose section is set."""
         return Method.DPO if self.dpo is not None else Method.SFT
+
+    @property
+    def packed(self) -> bool:
+        """data.packing where it applies: supervised fine-tuning. DPO trains on each pair, padded, never packed."""
+        return self.data.packing and self.method == Method.SFT
+
+    @property
+    def assistant_masks(self) -> bool:
+        """data.assistant_only_loss where it applies: supervised fine-tuning (DPO scores the replies only)."""
+        return self.data.assistant_only_loss and self.method == Method.SFT
 
     def _reconcile_precision(self) -> None:
         """train.precision and model.dtype: one derives the other; a contradiction names both fields."""
