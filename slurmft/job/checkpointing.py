@@ -440,7 +440,8 @@ def check_resume_method(checkpoint: Path, lora: bool, method: str = "sft") -> No
         fix = ("start DPO from it in a new run: consolidate it (slurmft consolidate) and point model.name_or_path at "
                "the consolidated model" if was == "sft" else f"put the {was}: section back to resume it")
         raise JobSetupError(
-            f"{method if method != 'sft' else was}: {checkpoint.name} is a {was.upper()} checkpoint and this run trains "
+            f"{method if method != 'sft' else was}: {checkpoint.name} is {'an' if was == 'sft' else 'a'} {was.upper()} "
+            f"checkpoint and this run trains "
             f"{method.upper()}; {fix}, or use a new output_dir; nothing was changed in the run directory"
         )
     saved = marker.get("lora")

@@ -239,7 +239,7 @@ def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx
     base = adapters.unwrap(model)
     plan = guarded(ctx, "checking the checkpoint", lambda: check_weights(base, model_dir) if ctx.is_main else None)
     num_params = sum(p.numel() for p in model.parameters())
-    parallelize_model(model, cfg, ctx, wrap, gather, reduce)
+    parallelize_model(model, cfg, ctx, wrap, gather, reduce, frozen)
     method, read = load_weights(base, plan, model_dir, ctx) if weights else ("checkpoint", 0)
     if lora is not None:  # a resume overwrites them from the checkpoint; the base weights are read either way
         adapters.init_adapters(model, cfg.train.seed)
