@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from slurmft.config import DPOReference, RunConfig
+from slurmft.config import RunConfig
 from slurmft.errors import JobSetupError
 from slurmft.job.distributed import DistContext
 
@@ -49,7 +49,7 @@ def dpo_config(cfg: RunConfig, common: dict[str, Any]) -> Any:
     assert dpo is not None
     kwargs = {**common, "beta": dpo.beta, "loss_type": list(dpo.loss_type), "label_smoothing": dpo.label_smoothing,
               "max_length": cfg.data.max_seq_length,  # the whole pair's sequence: prompt + the longer reply
-              "precompute_ref_log_probs": dpo.reference == DPOReference.PRECOMPUTED}
+              "precompute_ref_log_probs": False}  # dpo.reference: precomputed is refused by the config (for now)
     try:
         return DPOConfig(**kwargs)
     except (TypeError, ValueError) as exc:

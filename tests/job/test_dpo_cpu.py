@@ -8,6 +8,7 @@ One set of runs serves every check (tests/job/run_many.py: one start-up per laun
 - launch 2: ``resumed`` (a copy of ``dpo`` cut back to checkpoint-2, through dpo_check.py too), and two copies
   that must be refused before anything is loaded: ``dpo``'s checkpoint under an SFT config, and an SFT
   checkpoint (``dpo``'s with the marker an SFT run writes) under the DPO config;
+- ``prepared``: ``dpo`` with ``prepare.enabled``, its pairs tokenized by the prepare job first (in launch 1);
 - the single-process TRL reference (tests/job/dpo_reference.py: transformers + TRL's DPOTrainer with its own
   reference model, no FSDP, the whole global batch on one process).
 """
@@ -59,9 +60,13 @@ def dpo_runs(tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytest
         cfg["dpo"] = {"beta": 0.1}
 
     runs = {"dpo": write_run(root / "dpo", tiny_model, RUN_ARGS, edit=on_pairs),
-            "lora": write_run(root / "lora", tiny_model, [*RUN_ARGS, *LORA], edit=on_pairs)}
+            "lora": write_run(root / "lora", tiny_model, [*RUN_ARGS, *LORA], edit=on_pairs),
+            "prepared": write_run(root / "prepared", tiny_model, [*RUN_ARGS, "prepare.enabled=true"], edit=on_pairs)}
+    prepare = subprocess.run([sys.executable, "-m", "slurmft.job.entrypoint", "prepare", str(runs["prepared"])],
+                             env=job_env, capture_output=True, text=True, timeout=600, check=False)
+    assert prepare.returncode == 0, prepare.stdout[-3000:] + prepare.stderr[-3000:]
     check = "call:tests.job.dpo_check:main:{run}:" + str(root) + "/check-{name}"
-    first = [check.format(run=runs[n], name=n) for n in ("dpo", "lora")]
+    first = [*(check.format(run=runs[n], name=n) for n in ("dpo", "lora")), str(runs["prepared"])]
     _, out = launch_like_srun(root / "first", job_env, program=[str(HERE / "run_many.py")],
                               args=first).wait(timeout=600)
     for path in sorted(root.glob("*.failed.rank*")):
@@ -159,3 +164,24 @@ def test_dpo_and_sft_checkpoints_do_not_resume_each_other(dpo_runs: dict[str, An
     for path in failures:
         assert expected in path.read_text(), path.read_text()[-2000:]
     assert _tree(run) == dpo_runs["before"][name]  # nothing in the run directory changed
+
+
+def test_the_prepare_job_gives_the_same_training(dpo_runs: dict[str, Any]) -> None:
+    from slurmft import prepared
+    from slurmft.rundir import RunPaths
+
+    run = dpo_runs["runs"]["prepared"]
+    record = prepared.read_record(RunPaths.of(str(run)))
+    assert record["settings"]["method"] == "dpo" and record["result"]["sequences"] > 0
+    assert [(m["loss"], m["grad_norm"]) for m in read_metrics(run)] == [
+        (m["loss"], m["grad_norm"]) for m in read_metrics(dpo_runs["runs"]["dpo"])]
+
+
+def test_trl_dpo_preparation_reads_only_what_the_prepare_job_sets() -> None:
+    """The prepare job calls DPOTrainer._prepare_dataset on TrlDpoPreparation: it must need nothing else."""
+    from trl import DPOTrainer
+
+    from .test_prepare import _attributes
+
+    assert _attributes(DPOTrainer._prepare_dataset, "self") == {"_tokenizer"}
+    assert _attributes(DPOTrainer._prepare_dataset, "args") <= {"dataset_num_proc", "max_length", "truncation_mode"}
