@@ -66,6 +66,13 @@ class Settings:
     reshard_after_forward: bool = True
     accumulation: int = 1  # train.gradient_accumulation_steps: no memory term (gradients stay sharded)
     lora: LoraSettings | None = None  # adapters on a frozen base (None: every weight trains)
+    dpo: bool = False  # a dpo: section: chosen and rejected in one forward (two sequences per example)
+    dpo_reference: bool = False  # DPO with full fine-tuning: a frozen, sharded copy of the model in the compute dtype
+
+    @property
+    def sequences(self) -> int:
+        """Sequences in one forward per rank: the micro-batch, twice for DPO (chosen and rejected together)."""
+        return self.micro_batch * (2 if self.dpo else 1)
 
     @property
     def reduce_bytes(self) -> int:
