@@ -520,11 +520,15 @@ def batch_notes(cfg: RunConfig, samples: list[Sample], template: Template | None
     r, t = cfg.resources, cfg.train
     per_step = r.world_size * t.per_device_batch_size * t.gradient_accumulation_steps
     packed = cfg.packed
-    unit = "packed sequences" if packed else "preference pairs (up to" if cfg.dpo else "sequences (up to"
+    unit = "packed sequences" if packed else "sequences (up to"
     tokens = f"{per_step * cfg.data.max_seq_length:,} tokens" + ("" if packed else " at most")
     lines = [f"batch: {r.world_size} rank(s) x {t.per_device_batch_size} x {t.gradient_accumulation_steps} "
              f"accumulation = {per_step} {unit} of {cfg.data.max_seq_length} tokens{')' if not packed else ''}"
-             f" = {tokens}{' each for chosen and rejected' if cfg.dpo else ''} per optimizer step"]
+             f" = {tokens} per optimizer step"]
+    if cfg.dpo is not None:
+        lines = [f"batch: {r.world_size} rank(s) x {t.per_device_batch_size} x {t.gradient_accumulation_steps} "
+                 f"accumulation = {per_step} preference pairs per optimizer step, each a chosen and a rejected "
+                 f"sequence of up to {cfg.data.max_seq_length} tokens (prompt + reply)"]
     if cfg.dpo is not None and cfg.data.packing:
         lines.append("data.packing: does not apply to DPO (each pair is scored as its own padded sequences); ignored")
     exact = prepared.sequences(cfg)

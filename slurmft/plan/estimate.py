@@ -613,7 +613,6 @@ def _knobs(cfg: RunConfig, profile: ClusterProfile) -> tuple[Settings, str | Non
         accumulation=cfg.train.gradient_accumulation_steps,
         lora=LoraSettings.of(cfg.lora),
         dpo=cfg.dpo is not None,
-        dpo_reference=cfg.dpo is not None and cfg.lora is None,
     )
     return knobs, capacity_note
 
@@ -702,6 +701,7 @@ def _setup_facts(k: Settings, profile: ClusterProfile) -> dict[str, Any]:
         "seq_len": k.seq_len,
         "micro_batch": k.micro_batch,
         "gradient_accumulation_steps": k.accumulation,
+        "dpo": k.dpo,  # chosen and rejected in one forward; a reference copy unless LoRA
     }
 
 
