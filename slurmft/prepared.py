@@ -112,8 +112,8 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     for key in {**was, **cur}:
         if key == "sources":
             continue
-        if was.get(key) != cur[key]:
-            out.append(f"{_what(key)}: {was.get(key)!r} when prepared, {cur[key]!r} now")
+        if was.get(key) != cur.get(key):  # a key only one side has (method: dpo) differs too
+            out.append(f"{_what(key)}: {was.get(key)!r} when prepared, {cur.get(key)!r} now")
     old_src, new_src = was.get("sources", []), cur["sources"]
     if len(old_src) != len(new_src):
         out.append(f"data.datasets: {len(old_src)} source(s) when prepared, {len(new_src)} now")
