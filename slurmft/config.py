@@ -251,11 +251,13 @@ class DatasetSource(_Section):
     path: str = Field(..., description="Hub id or local .json/.jsonl/.csv/.parquet file.")
     split: str = Field("train", description="Split to read.")
     weight: float = Field(1.0, gt=0, description="Mixing weight (relative sampling probability).")
-    format: Literal["auto", "messages", "sharegpt", "lima", "guanaco", "alpaca", "prompt_completion"] = Field(
+    format: Literal["auto", "messages", "sharegpt", "lima", "guanaco", "alpaca", "prompt_completion",
+                    "preference"] = Field(
         "auto",
         description="Record layout: messages (role/content list), sharegpt (conversations: from/value list), lima "
         "(conversations: [str]), guanaco (text with '### Human:' / '### Assistant:'), alpaca (instruction, "
-        "input, output), prompt_completion (prompt, completion), or auto-detect.",
+        "input, output), prompt_completion (prompt, completion), preference (dpo: only; chosen, rejected and an "
+        "optional prompt, strings or conversations), or auto-detect.",
     )
     name: str | None = Field(None, description="Hub dataset config name (subset).")
     revision: str | None = Field(
@@ -267,13 +269,14 @@ class DatasetSource(_Section):
         default_factory=dict,
         description="Your column names for the format's fields, e.g. {prompt: question, completion: answer} or "
         "{instruction: task, output: response}; keys: messages, conversations, text, instruction, input, output, "
-        "prompt, completion.",
+        "prompt, completion, chosen, rejected.",
     )
 
     @field_validator("columns")
     @classmethod
     def _columns(cls, v: dict[str, str]) -> dict[str, str]:
-        known = ("messages", "conversations", "text", "instruction", "input", "output", "prompt", "completion")
+        known = ("messages", "conversations", "text", "instruction", "input", "output", "prompt", "completion",
+                 "chosen", "rejected")
         for key in v:
             if key not in known:
                 raise ValueError(f"unknown field {key!r}; map any of {', '.join(known)} to your column names")
@@ -546,6 +549,65 @@ class PrepareConfig(_Section):
     resources: PrepareResources = Field(default_factory=PrepareResources)
 
 
+class DPOReference(str, Enum):
+    """How a DPO run gets the reference model's log-probabilities."""
+
+    AUTO = "auto"
+    COPY = "copy"
+    PRECOMPUTED = "precomputed"
+
+
+class DPOConfig(_Section):
+    """Direct preference optimisation (TRL's ``DPOTrainer``/``DPOConfig`` meanings); absent = supervised fine-tuning.
+
+    A later method (KTO, ORPO, ...) is one more section like this one: RunConfig.method names the one set.
+    """
+
+    beta: float = Field(0.1, gt=0, description="Strength of the pull towards the reference model (TRL's beta): "
+                        "higher stays closer to it.")
+    loss_type: list[str] = Field(
+        default_factory=lambda: ["sigmoid"],
+        description="TRL's DPO loss: sigmoid (DPO), ipo, hinge, robust, ... (the names the installed TRL's "
+        "DPOTrainer computes; validate lists them). A list combines several (TRL's loss_type list).",
+    )
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Probability that a preference label is flipped "
+                                   "(cDPO / robust DPO; TRL's label_smoothing).")
+    reference: DPOReference = Field(
+        DPOReference.AUTO,
+        description="The frozen reference model: copy = a second copy of the starting model, loaded and "
+        "FSDP2-sharded like the policy, without gradients or optimizer state; precomputed = its log-probabilities "
+        "computed once over the data before the first step (TRL's precompute_ref_log_probs; not supported yet, "
+        "refused); auto = copy, or with a lora: section the base model with the adapters disabled (no second "
+        "copy). The reference is never saved: a resume rebuilds it from the model files.",
+    )
+
+    @field_validator("loss_type", mode="before")
+    @classmethod
+    def _one_or_more(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [v]  # one name written without brackets
+        if isinstance(v, list) and not v:
+            raise ValueError("an empty list computes no loss; use sigmoid (DPO) or another of TRL's loss types")
+        return v
+
+    @field_validator("loss_type")
+    @classmethod
+    def _known_loss(cls, v: list[str]) -> list[str]:
+        from slurmft.dpoopts import loss_type_problems
+
+        problems = loss_type_problems(v, where="loss_type")
+        if problems:
+            raise ValueError("; ".join(p.removeprefix("loss_type: ") for p in problems))
+        return v
+
+
+class Method(str, Enum):
+    """What the train job optimises: the section that selects it (none = sft)."""
+
+    SFT = "sft"
+    DPO = "dpo"
+
+
 class RunConfig(_Section):
     """A whole run: the contents of run.yaml."""
 
@@ -564,6 +626,10 @@ class RunConfig(_Section):
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     lora: LoraConfig | None = Field(
         None, description="Train LoRA adapters on a frozen base model instead of every weight (docs/lora.md)."
+    )
+    dpo: DPOConfig | None = Field(
+        None, description="Preference tuning with DPO on preference data (prompt/chosen/rejected) instead of "
+        "supervised fine-tuning (docs/dpo.md)."
     )
 
     @field_validator("name")
@@ -591,12 +657,48 @@ class RunConfig(_Section):
                 "fsdp.replicate_across_nodes: shards inside each node, which needs fsdp.enabled=true; set "
                 "fsdp.enabled=true or fsdp.replicate_across_nodes=false"
             )
+        if self.dpo is not None:
+            self._check_dpo(self.dpo)
         if self.executor == Executor.LOCAL and self.resources.nodes != 1:
             raise ValueError(
                 "resources.nodes: the local executor runs on this machine only; set resources.nodes=1 "
                 "(or executor=slurm)"
             )
         return self
+
+    def _check_dpo(self, dpo: DPOConfig) -> None:
+        """What a DPO run cannot combine with."""
+        if dpo.reference == DPOReference.COPY and self.lora is not None:
+            raise ValueError(
+                "dpo.reference: copy loads a second model, but with a lora: section the reference is the base model "
+                "with the adapters disabled (no copy needed); remove dpo.reference (auto) or the lora: section"
+            )
+        if dpo.reference == DPOReference.PRECOMPUTED:
+            raise ValueError(
+                "dpo.reference: precomputed is not supported yet: TRL 1.16 computes the log-probabilities with an "
+                "unsharded copy of the reference under FSDP (and hashes its weights, which fails on FSDP2 shards); "
+                "use dpo.reference: auto (a sharded copy), or a lora: section (no copy at all)"
+            )
+        if self.train.sft:
+            raise ValueError(
+                f"train.sft: passes options to TRL's SFTConfig, but a dpo run trains with TRL's DPOTrainer; remove "
+                f"train.sft ({', '.join(sorted(self.train.sft))}) or the dpo: section"
+            )
+
+    @property
+    def method(self) -> Method:
+        """sft, or the preference method whose section is set."""
+        return Method.DPO if self.dpo is not None else Method.SFT
+
+    @property
+    def packed(self) -> bool:
+        """data.packing where it applies: supervised fine-tuning. DPO trains on each pair, padded, never packed."""
+        return self.data.packing and self.method == Method.SFT
+
+    @property
+    def assistant_masks(self) -> bool:
+        """data.assistant_only_loss where it applies: supervised fine-tuning (DPO scores the replies only)."""
+        return self.data.assistant_only_loss and self.method == Method.SFT
 
     def _reconcile_precision(self) -> None:
         """train.precision and model.dtype: one derives the other; a contradiction names both fields."""

@@ -14,6 +14,11 @@ Formats (``data.datasets[].format``; ``auto`` detects from the columns and the f
   the user turn, separated by a blank line);
 - ``prompt_completion``: ``prompt`` and ``completion``, strings or lists of messages (TRL's layout).
 
+- ``preference`` (for ``dpo:``): ``chosen`` and ``rejected`` with an explicit ``prompt`` or sharing their
+  prompt as a prefix (TRL's explicit and implicit prompt), each as strings or as conversations; Anthropic-HH's
+  ``\n\nHuman: ... \n\nAssistant: ...`` strings are read as turns, and a chosen conversation that holds its
+  own prompt (UltraFeedback-binarized: ``prompt`` is only its first turn's text) is read as implicit.
+
 ``columns`` renames the user's columns to these names first (``{prompt: question}``); ``text_field``
 names the one column of the single-column formats.
 """
@@ -39,8 +44,11 @@ FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
     "guanaco": ("text",),
     "alpaca": ("instruction", "output", "input"),
     "prompt_completion": ("prompt", "completion"),
+    "preference": ("chosen", "rejected", "prompt"),
 }
-OPTIONAL_COLUMNS = {"input"}
+PREFERENCE = "preference"
+#: format -> its columns that may be absent (a preference row without ``prompt``: TRL's implicit prompt)
+OPTIONAL_COLUMNS: dict[str, tuple[str, ...]] = {"alpaca": ("input",), "preference": ("prompt",)}
 EXPECTED = (
     "'messages' (role/content list), 'conversations' (ShareGPT from/value dicts, or LIMA strings), 'text' with "
     "'### Human:' / '### Assistant:' turns, 'instruction'/'input'/'output' (Alpaca) or 'prompt'/'completion'"
@@ -70,7 +78,7 @@ def detect_format(source: DatasetSource, columns: list[str], first: dict[str, An
     if source.format != "auto":
         fmt = source.format
         needed = [_single_column(source, fmt)] if len(FORMAT_COLUMNS[fmt]) == 1 else [
-            c for c in FORMAT_COLUMNS[fmt] if c not in OPTIONAL_COLUMNS]
+            c for c in FORMAT_COLUMNS[fmt] if c not in OPTIONAL_COLUMNS.get(fmt, ())]
         absent = [c for c in needed if c not in columns]
         if absent:
             fix = ("set text_field to the column that holds it" if len(FORMAT_COLUMNS[fmt]) == 1 else
@@ -79,6 +87,8 @@ def detect_format(source: DatasetSource, columns: list[str], first: dict[str, An
                 f"{where}: format {fmt!r} needs the column(s) {absent}, but the columns are {columns} ({fix})"
             )
         return fmt, needed[0]
+    if {"chosen", "rejected"} <= set(columns):
+        return PREFERENCE, "chosen"
     if {"instruction", "output"} <= set(columns):
         return "alpaca", "instruction"
     if {"prompt", "completion"} <= set(columns):
@@ -184,3 +194,91 @@ def normalize(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
 def is_usable(messages: list[dict[str, str]]) -> bool:
     """A conversation that opens with a user (or system) turn and has a reply."""
     return bool(messages) and messages[0]["role"] != "assistant" and messages[-1]["role"] == "assistant"
+
+
+# ----------------------------------------------------------------------------- preference data (dpo:)
+HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+HH_ROLES = {"human": "user", "assistant": "assistant"}
+
+
+def hh_to_messages(text: str) -> list[dict[str, str]]:
+    """Anthropic-HH: ``\\n\\nHuman: q\\n\\nAssistant: a...``; text before the first marker is dropped."""
+    parts = HH_TURN.split(text)
+    return [{"role": HH_ROLES[parts[i].lower()], "content": parts[i + 1].strip()} for i in range(1, len(parts) - 1, 2)]
+
+
+def _preference_turns(value: Any, role: str) -> list[dict[str, str]]:
+    """A prompt, chosen or rejected value as turns: a conversation, HH turns, or one ``role`` turn of text."""
+    if isinstance(value, str) and HH_TURN.search(value):
+        return hh_to_messages(value)
+    return [{"role": t["role"], "content": t["content"].strip()} for t in _as_turns(value, role)]
+
+
+def _common_prefix(a: list[dict[str, str]], b: list[dict[str, str]]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _plain_text(value: Any) -> bool:
+    return isinstance(value, str) and not HH_TURN.search(value)
+
+
+def _split_text_prompt(chosen: str, rejected: str) -> dict[str, str]:
+    """TRL's implicit prompt of two strings (``trl.data_utils.extract_prompt``): their common prefix, ending before
+    the space where they part."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if 0 < n < min(len(chosen), len(rejected)) and chosen[n - 1] == " ":
+        n -= 1
+    return {"prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
+
+
+def to_preference(row: dict[str, Any]) -> dict[str, list[dict[str, str]]]:
+    """One (renamed) preference row as TRL's explicit-prompt conversational layout.
+
+    ``{"prompt": [...], "chosen": [...], "rejected": [...]}``: the prompt's turns end with the last non-assistant
+    turn, chosen and rejected are the replies after it. Implicit prompts (chosen and rejected conversations that
+    hold the prompt) are split at the turns they share; a chosen conversation with its own user turn wins over a
+    ``prompt`` column (UltraFeedback-binarized repeats the first turn's text there). Strings become one user turn
+    (the prompt) and one assistant turn each, as prompt/completion SFT data does, so both go through the chat
+    template. Not normalised beyond stripping: an empty reply stays empty, for :func:`preference_problem`.
+    """
+    if row.get("prompt") is None and _plain_text(row.get("chosen")) and _plain_text(row.get("rejected")):
+        row = {**row, **_split_text_prompt(row["chosen"], row["rejected"])}
+    chosen = _preference_turns(row.get("chosen"), "assistant")
+    rejected = _preference_turns(row.get("rejected"), "assistant")
+    if any(t["role"] != "assistant" for t in chosen) or row.get("prompt") is None:
+        n = _common_prefix(chosen, rejected)
+        while n and chosen[n - 1]["role"] == "assistant":  # a shared reply is part of the answer, not the prompt
+            n -= 1
+        return {"prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
+    return {"prompt": _preference_turns(row.get("prompt"), "user"), "chosen": chosen, "rejected": rejected}
+
+
+def preference_problem(pair: dict[str, list[dict[str, str]]]) -> str | None:
+    """Why a converted preference row cannot train (None: it can)."""
+    for side in ("chosen", "rejected"):
+        if not any(t["content"] for t in pair[side]):
+            return f"an empty {side!r}"
+        if pair[side][0]["role"] != "assistant":
+            return f"{side!r} does not start with an assistant reply after the prompt"
+    if not any(t["content"] for t in pair["prompt"]):
+        return "no prompt (no 'prompt' column, and 'chosen' and 'rejected' share no opening turns)"
+    if pair["chosen"] == pair["rejected"]:
+        return "'chosen' and 'rejected' are the same"
+    return None
+
+
+def method_problem(fmt: str, dpo: bool, columns: list[str], where: str) -> str | None:
+    """Preference data without ``dpo:``, or other data under it: the message naming the columns found, or None."""
+    if dpo and fmt != PREFERENCE:
+        return (f"{where}: dpo: trains on preference data ('chosen' and 'rejected', with or without 'prompt'), but "
+                f"the columns are {columns} ({fmt} data for supervised fine-tuning): use preference data, map yours "
+                "with columns: {chosen: YOUR_COLUMN, rejected: YOUR_COLUMN}, or remove the dpo: section")
+    if not dpo and fmt == PREFERENCE:
+        return (f"{where}: the columns {columns} are preference data (chosen/rejected), which supervised "
+                "fine-tuning cannot train on: add a dpo: section (preference tuning), or give SFT data")
+    return None

@@ -25,6 +25,7 @@ class Alias:
 HF = "HF/TRL"
 AX = "Axolotl"
 TT = "torchtune"
+LF = "LLaMA-Factory"
 
 #: foreign key (the last component, as written) -> our field
 ALIASES: dict[str, Alias] = {
@@ -110,6 +111,22 @@ ALIASES: dict[str, Alias] = {
     "lora_modules_to_save": Alias(f"{HF}, {AX}", "lora.modules_to_save"),
     "merge_lora": Alias(AX, "consolidate.merge"),
     "nproc_per_node": Alias(TT, "resources.gpus_per_node"),
+    "rl": Alias(AX, "dpo", "rl: dpo = a dpo: section (beta, loss_type, reference)"),
+    "rl_beta": Alias(AX, "dpo.beta"),
+    "dpo_beta": Alias(AX, "dpo.beta"),
+    "dpo_label_smoothing": Alias(AX, "dpo.label_smoothing"),
+    "dpo_loss_type": Alias(AX, "dpo.loss_type"),
+    "stage": Alias(LF, "dpo", "stage: dpo = a dpo: section; stage: sft = no dpo: section"),
+    "pref_beta": Alias(LF, "dpo.beta"),
+    "pref_loss": Alias(LF, "dpo.loss_type", "sigmoid = DPO; orpo/simpo are not DPO loss types"),
+    "pref_ftx": Alias(LF, "dpo.loss_type", "a weighted SFT term: loss_type: [sigmoid, sft]"),
+    "rlhf_type": Alias("ms-swift", "dpo", "rlhf_type: dpo = a dpo: section"),
+    "rpo_alpha": Alias(HF, "dpo.loss_type", "an SFT term: loss_type: [sigmoid, sft]"),
+    "precompute_ref_log_probs": Alias(HF, "dpo.reference", "true = reference: precomputed"),
+    "ref_model": Alias(HF, "dpo.reference", "copy (the starting model), precomputed, or auto"),
+    "beta": Alias(HF, "dpo.beta"),
+    "label_smoothing": Alias(HF, "dpo.label_smoothing"),
+    "loss_type": Alias(HF, "dpo.loss_type"),
 }
 
 

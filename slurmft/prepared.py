@@ -69,7 +69,10 @@ def settings(cfg: RunConfig) -> dict[str, Any]:
     return {"sources": sources, "max_seq_length": cfg.data.max_seq_length, "packing": cfg.data.packing,
             "assistant_only_loss": cfg.data.assistant_only_loss, "seed": cfg.train.seed,
             "sft": {k: cfg.train.sft[k] for k in PREPARE_SFT_KEYS if k in cfg.train.sft},
-            "tokenizer": tokenizer_source(cfg), "revision": cfg.model.revision if not cfg.model.tokenizer else None}
+            "tokenizer": tokenizer_source(cfg), "revision": cfg.model.revision if not cfg.model.tokenizer else None,
+            # a dpo run prepares preference pairs (TRL's DPO tokenization), not SFT's sequences; an SFT record has no
+            # "method", as before DPO existed, so records written then still match
+            **({"method": cfg.method.value} if cfg.dpo is not None else {})}
 
 
 def inputs(cfg: RunConfig) -> dict[str, Any]:
@@ -103,18 +106,19 @@ def expected(cfg: RunConfig) -> dict[str, Any]:
 def _what(key: str) -> str:
     return {"max_seq_length": "data.max_seq_length", "packing": "data.packing", "seed": "train.seed",
             "assistant_only_loss": "data.assistant_only_loss", "tokenizer": "the tokenizer (model.tokenizer)",
-            "revision": "model.revision", "sft": "train.sft (the keys TRL's preparation reads)"}.get(key, key)
+            "revision": "model.revision", "sft": "train.sft (the keys TRL's preparation reads)",
+            "method": "the training method (a dpo: section)"}.get(key, key)
 
 
 def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """Each way the record ``saved`` differs from ``now`` (both as :func:`expected` makes them), in words."""
     out: list[str] = []
     was, cur = saved.get("settings", {}), now["settings"]
-    for key in cur:
+    for key in {**was, **cur}:
         if key == "sources":
             continue
-        if was.get(key) != cur[key]:
-            out.append(f"{_what(key)}: {was.get(key)!r} when prepared, {cur[key]!r} now")
+        if was.get(key) != cur.get(key):  # a key only one side has (method: dpo) differs too
+            out.append(f"{_what(key)}: {was.get(key)!r} when prepared, {cur.get(key)!r} now")
     old_src, new_src = was.get("sources", []), cur["sources"]
     if len(old_src) != len(new_src):
         out.append(f"data.datasets: {len(old_src)} source(s) when prepared, {len(new_src)} now")

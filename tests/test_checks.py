@@ -452,3 +452,43 @@ def test_validate_and_estimate_say_which_profile_they_assumed(tmp_path: Path, mo
         code, _, err = cli([command, str(path)], capsys)
         assert code == 0, err
         assert "note: no cluster.profile given; assuming 'ethernet': A100-80GB GPUs (80 GB)" in err
+
+
+# ====================================================================== preference data (dpo:)
+PAIR = {"prompt": "What is 2 plus 2?", "chosen": "4.", "rejected": "5."}
+HH = {"chosen": "\n\nHuman: What is 2 plus 2?\n\nAssistant: 4.", "rejected": "\n\nHuman: What is 2 plus 2?\n\nAssistant: 5."}
+ULTRAFEEDBACK = {"prompt": "What is 2 plus 2?", "score_chosen": 9.0, "score_rejected": 2.0,
+                 "chosen": [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "4."}],
+                 "rejected": [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "5."}]}
+
+
+@pytest.mark.parametrize("rows", [[PAIR] * 3, [HH] * 3, [ULTRAFEEDBACK] * 3,
+                                  [{"question": "What is 2 plus 2?", "good": "4.", "bad": "5."}] * 3])
+def test_preference_layouts_validate_under_dpo(rows: list[dict], tmp_path: Path, model_dir: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    data = jsonl(tmp_path / "p.jsonl", rows)
+    source: dict[str, Any] = {"path": str(data)}
+    if "good" in rows[0]:
+        source["columns"] = {"prompt": "question", "chosen": "good", "rejected": "bad"}
+    path = write_run(tmp_path, model_dir, data, dpo={}, data={"datasets": [source]})
+    code, out, err = cli(["validate", str(path)], capsys)
+    assert code == 0, err
+    assert "preference pairs" in err + out and "data.packing: does not apply to DPO" in err + out
+
+
+def test_sft_data_under_dpo_and_preference_data_without_it_are_refused_naming_the_columns(
+        tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sft = jsonl(tmp_path / "c.jsonl", [CHAT])
+    code, _, err = cli(["validate", str(write_run(tmp_path, model_dir, sft, dpo={}))], capsys)
+    assert code == 2 and "dpo: trains on preference data" in err and "the columns are ['messages']" in err
+    pairs = jsonl(tmp_path / "p.jsonl", [PAIR])
+    code, _, err = cli(["validate", str(write_run(tmp_path, model_dir, pairs))], capsys)
+    assert code == 2 and "the columns ['prompt', 'chosen', 'rejected'] are preference data" in err
+    assert "add a dpo: section" in err
+
+
+def test_a_preference_row_with_an_empty_chosen_is_refused(tmp_path: Path, model_dir: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    data = jsonl(tmp_path / "p.jsonl", [PAIR, {**PAIR, "chosen": "  "}, PAIR])
+    code, _, err = cli(["validate", str(write_run(tmp_path, model_dir, data, dpo={}))], capsys)
+    assert code == 2 and "row 1 has an empty 'chosen'" in err

@@ -156,3 +156,53 @@ def test_lora_spellings_from_axolotl_trl_and_torchtune_get_a_did_you_mean(where:
     with pytest.raises(ConfigError) as err:
         validate(data)
     assert f"did you mean {ours}?" in err.value.render()
+
+
+def test_dpo_section_defaults_and_method() -> None:
+    assert validate(minimal()).method == "sft" and validate(minimal()).dpo is None
+    cfg = validate(minimal(dpo={}))
+    assert cfg.method == "dpo"
+    assert (cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.label_smoothing, cfg.dpo.reference) == (0.1, ["sigmoid"], 0.0,
+                                                                                              "auto")
+    assert validate(minimal(dpo={"loss_type": "ipo"})).dpo.loss_type == ["ipo"]  # one name without brackets
+
+
+def test_dpo_loss_type_is_checked_against_the_installed_trl() -> None:
+    from slurmft.dpoopts import dpo_loss_types
+
+    known, _ = dpo_loss_types()
+    if known is None:
+        pytest.skip("trl is not installed here")
+    assert {"sigmoid", "ipo", "hinge"} <= set(known)
+    with pytest.raises(ConfigError) as err:
+        validate(minimal(dpo={"loss_type": ["sigmoid", "sigmod"]}))
+    (problem,) = err.value.problems
+    assert problem.startswith("dpo.loss_type: 'sigmod' is not a loss type of TRL") and "did you mean 'sigmoid'" in problem
+
+
+@pytest.mark.parametrize(("extra", "fragment"), [
+    ({"dpo": {"reference": "copy"}, "lora": {}}, "dpo.reference: copy loads a second model"),
+    ({"dpo": {}, "train": {"sft": {"packing_strategy": "wrapped"}}}, "train.sft: passes options to TRL's SFTConfig"),
+    ({"dpo": {"label_smoothing": 0.5}}, "dpo.label_smoothing"),
+    ({"dpo": {"reference": "precomputed"}}, "dpo.reference: precomputed is not supported yet"),
+])
+def test_dpo_refusals_name_the_field_and_the_fix(extra: dict, fragment: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(minimal(**extra))
+    assert any(p.startswith(fragment) for p in err.value.problems), err.value.problems
+
+
+@pytest.mark.parametrize(("where", "key", "ours"), [
+    ((), "rl", "dpo"), ((), "stage", "dpo"), ((), "rlhf_type", "dpo"), ((), "pref_beta", "dpo.beta"),
+    (("dpo",), "dpo_beta", "dpo.beta"), (("dpo",), "pref_loss", "dpo.loss_type"),
+    (("dpo",), "precompute_ref_log_probs", "dpo.reference"),
+])
+def test_dpo_spellings_from_axolotl_llamafactory_and_trl_get_a_did_you_mean(where: tuple, key: str, ours: str) -> None:
+    data = minimal(dpo={}) if where else minimal()
+    node = data
+    for part in where:
+        node = node[part]
+    node[key] = "dpo" if not where else 0.1
+    with pytest.raises(ConfigError) as err:
+        validate(data)
+    assert f"did you mean {ours}?" in err.value.problems[0]

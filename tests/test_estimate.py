@@ -778,3 +778,19 @@ def test_lora_table_says_what_trains():
     assert "LoRA r=16, alpha=32 on down_proj, gate_proj" in text and "207,093,760 trainable parameters" in text
     assert "frozen base bfloat16 + adapters fp32" in text and "adapters only, 2 fp32 states" in text
     assert "sharded checkpoint (adapters + optimizer, no base), each" in text and "merged model/ (bfloat16)" in text
+
+
+def test_dpo_counts_the_reference_copy_and_two_sequences_per_example():
+    sft = E.estimate(seed_config(), profile())
+    dpo = E.estimate(seed_config(dpo={}), profile())
+    n, g, d = sft["parameters"], sft["per_gpu"], dpo["per_gpu"]
+    ws = 16
+    # the reference: the model once more in the compute dtype (bf16), sharded over the 16 ranks
+    assert d["reference_weights"] == pytest.approx(2 * n / ws, rel=0.01) and g["reference_weights"] == 0
+    assert d["weights"] == g["weights"] + d["reference_weights"]
+    assert (d["gradients"], d["optimizer"]) == (g["gradients"], g["optimizer"])  # no training state for it
+    assert d["activations"] == E.estimate(seed_config(train__per_device_batch_size=2), profile())["per_gpu"][
+        "activations"]  # chosen and rejected in one forward: twice the micro-batch
+    assert d["comm_buffers"] > g["comm_buffers"]  # its layers are gathered too
+    lora = E.estimate(seed_config(dpo={}, lora={"r": 16}), profile())["per_gpu"]
+    assert lora["reference_weights"] == 0  # the base with adapters disabled: no copy

@@ -81,11 +81,20 @@ def test_a_touched_source_is_refused_too(run) -> None:  # noqa: ANN001 - same by
     ("data.assistant_only_loss=false", "data.assistant_only_loss"),
     ("train.seed=7", "train.seed: 42 when prepared, 7 now"),
     ("train.sft.packing_strategy=wrapped", "train.sft (the keys TRL's preparation reads)"),
+    ("dpo.beta=0.1", "the training method (a dpo: section): None when prepared, 'dpo' now"),
 ])
 def test_each_setting_of_the_preparation_is_compared(run, override: str, words: str) -> None:  # noqa: ANN001
     cfg, _, _, paths = run
     _prepare(paths, cfg())
     assert any(words in d for d in prepared.differences(prepared.read_record(paths), prepared.expected(cfg(override))))
+
+
+def test_preference_pairs_prepared_for_dpo_are_refused_for_sft(run) -> None:  # noqa: ANN001
+    cfg, _, _, paths = run
+    _prepare(paths, cfg("dpo.beta=0.1"))
+    assert prepared.differences(prepared.read_record(paths), prepared.expected(cfg("dpo.beta=0.1"))) == []
+    assert prepared.differences(prepared.read_record(paths), prepared.expected(cfg())) == [
+        "the training method (a dpo: section): 'dpo' when prepared, None now"]
 
 
 def test_another_source_or_weight_is_refused(run, tmp_path: Path) -> None:  # noqa: ANN001

@@ -88,6 +88,11 @@ def peak_rss_mib() -> float:
     return peak_rss_bytes() / MiB
 
 
+#: what TRL's DPOTrainer logs beside the loss: the implicit rewards (beta x log-ratio to the reference) and how often
+#: the chosen reply wins
+PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+
+
 class MetricsLog(TrainerCallback):
     """Rank 0 appends one JSON line per logging step: loss, lr, grad norm, tokens/s, peak memory."""
 
@@ -124,6 +129,7 @@ class MetricsLog(TrainerCallback):
             "peak_rss_mib": round(float(peaks[0]), 1),
             "peak_gpu_mem_mib": round(float(peaks[1]), 1) if self.ctx.on_gpu else None,
             "world_size": self.ctx.world_size,  # a resume may run on another allocation (the plot marks it)
+            **{k: logs[k] for k in PREFERENCE_METRICS if k in logs},  # DPO's own (TRL's names)
             **self.info,
         }
         with open(self.path, "a") as f:

@@ -433,13 +433,26 @@ def check_resume_precision(checkpoint: Path, precision: str) -> None:
         )
 
 
-def check_resume_method(checkpoint: Path, lora: bool) -> None:
-    """A full fine-tuning checkpoint resumes only without a ``lora`` section, an adapter checkpoint only with one.
+def check_resume_method(checkpoint: Path, lora: bool, method: str = "sft") -> None:
+    """A full fine-tuning checkpoint resumes only without a ``lora`` section, an adapter checkpoint only with one;
+    an SFT checkpoint only without a ``dpo`` section, a DPO checkpoint only with one.
 
     Checked before the model is built: neither kind of checkpoint can fill the other's model (an
-    adapter checkpoint has no base weights; a full one has no adapters).
+    adapter checkpoint has no base weights; a full one has no adapters). A DPO run resumed from an SFT checkpoint
+    would load SFT's optimizer and step into a DPO run (and its reference would be the base, not that checkpoint).
+    A marker written before DPO existed is an SFT checkpoint.
     """
-    saved = checkpoints.read_marker(checkpoint).get("lora")
+    marker = checkpoints.read_marker(checkpoint)
+    was = marker.get("method", "sft")
+    if was != method:
+        fix = ("start DPO from it in a new run: consolidate it (slurmft consolidate) and point model.name_or_path at "
+               "the consolidated model" if was == "sft" else f"put the {was}: section back to resume it")
+        raise JobSetupError(
+            f"{method if method != 'sft' else was}: {checkpoint.name} is {'an' if was == 'sft' else 'a'} {was.upper()} "
+            f"checkpoint and this run trains "
+            f"{method.upper()}; {fix}, or use a new output_dir; nothing was changed in the run directory"
+        )
+    saved = marker.get("lora")
     if lora and saved is None:
         raise JobSetupError(
             f"lora: {checkpoint.name} is a full fine-tuning checkpoint (every weight, no adapters), and this run "

@@ -27,12 +27,16 @@ log = logging.getLogger("slurmft.job")
 
 MAX_MIX_BLOWUP = 4  # a weighted mixture holds at most this many times the sources' total rows
 MESSAGES = "messages"
+PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
 
 
-def _features():
+def _features(preference: bool = False):
     from datasets import Features, List, Value
 
-    return Features({MESSAGES: List({"role": Value("string"), "content": Value("string")})})
+    turns = List({"role": Value("string"), "content": Value("string")})
+    if preference:  # TRL's explicit-prompt conversational preference layout
+        return Features({name: turns for name in PREFERENCE_COLUMNS})
+    return Features({MESSAGES: turns})
 
 
 def _is_usable(example: dict[str, Any]) -> bool:
@@ -72,8 +76,34 @@ def _convert(batch: dict[str, list[Any]], fmt: str, column: str, names: list[str
     return {MESSAGES: [formats.to_messages(row, fmt, column) for row in rows]}
 
 
-def load_source(source: DatasetSource, index: int, num_proc: int | None):
-    """One source as a ``messages``-only dataset, unusable rows dropped."""
+def _convert_preference(batch: dict[str, list[Any]], names: list[str]) -> dict[str, list[Any]]:
+    rows = ({name: batch[name][i] for name in names} for i in range(len(batch[names[0]])))
+    pairs = [formats.to_preference(row) for row in rows]
+    return {name: [pair[name] for pair in pairs] for name in PREFERENCE_COLUMNS}
+
+
+def _has_problem(pair: dict[str, Any]) -> bool:
+    return formats.preference_problem(pair) is not None
+
+
+def load_preference_source(ds, fmt: str, where: str, num_proc: int | None):
+    """A preference source as TRL's explicit-prompt conversations; a row that cannot train is an error, not dropped
+    (``slurmft validate`` refuses it on the first rows; here every row is checked)."""
+    names = list(ds.column_names)
+    ds = ds.map(_convert_preference, batched=True, fn_kwargs={"names": names}, remove_columns=names,
+                features=_features(preference=True), num_proc=num_proc, desc=f"{where}: {fmt} -> prompt/chosen/rejected")
+    bad = ds.filter(_has_problem, num_proc=num_proc)
+    if len(bad):
+        raise JobSetupError(f"{where}: {len(bad)} of {len(ds)} preference rows cannot train, e.g. one with "
+                            f"{formats.preference_problem(bad[0])} (DPO needs a prompt and a non-empty chosen and "
+                            "rejected reply each): fix or remove them")
+    log.info("%s: %d preference pairs", where, len(ds))
+    return ds
+
+
+def load_source(source: DatasetSource, index: int, num_proc: int | None, preference: bool = False):
+    """One source as a ``messages``-only dataset, unusable rows dropped; ``preference`` (dpo:): as
+    ``prompt``/``chosen``/``rejected`` conversations, refused when it is not preference data."""
     where = f"data.datasets[{index}] ({source.path})"
     ds = _load_source(source, where)
     if len(ds) == 0:
@@ -81,6 +111,11 @@ def load_source(source: DatasetSource, index: int, num_proc: int | None):
     if source.columns:
         ds = ds.rename_columns({theirs: ours for ours, theirs in source.columns.items() if theirs in ds.column_names})
     fmt, column = detect_format(source, list(ds.column_names), ds[0], where)
+    problem = formats.method_problem(fmt, preference, list(ds.column_names), where)
+    if problem:
+        raise JobSetupError(problem)
+    if preference:
+        return load_preference_source(ds, fmt, where, num_proc)
     ds = ds.map(
         _convert,
         batched=True,
@@ -103,17 +138,24 @@ def load_source(source: DatasetSource, index: int, num_proc: int | None):
 def check_template(ds, tokenizer, where: str, n: int = 16) -> None:
     """Render the first conversations with the chat template now, not deep inside TRL's preprocessing."""
     for i in range(min(n, len(ds))):
+        row = ds[i]
         try:
-            tokenizer.apply_chat_template(ds[i][MESSAGES], tokenize=False)
+            if MESSAGES in row:
+                tokenizer.apply_chat_template(row[MESSAGES], tokenize=False)
+            else:  # a preference pair: TRL renders the prompt alone, then with each reply
+                tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+                for side in ("chosen", "rejected"):
+                    tokenizer.apply_chat_template(row["prompt"] + row[side], tokenize=False)
         except Exception as exc:
             raise JobSetupError(chat_template.cannot_render_message(where, i, exc)) from None
 
 
-def load_mixture(data: DataConfig, seed: int, tokenizer: Any = None):
-    """All sources, mixed by weight into one ``messages`` dataset (checked against ``tokenizer``'s template)."""
+def load_mixture(data: DataConfig, seed: int, tokenizer: Any = None, preference: bool = False):
+    """All sources, mixed by weight into one ``messages`` dataset (checked against ``tokenizer``'s template);
+    ``preference`` (a dpo: run): one ``prompt``/``chosen``/``rejected`` dataset."""
     from datasets import interleave_datasets
 
-    parts = [load_source(src, i, data.num_proc) for i, src in enumerate(data.datasets)]
+    parts = [load_source(src, i, data.num_proc, preference) for i, src in enumerate(data.datasets)]
     if tokenizer is not None:
         for i, (src, part) in enumerate(zip(data.datasets, parts, strict=True)):
             check_template(part, tokenizer, f"data.datasets[{i}] ({src.path})")

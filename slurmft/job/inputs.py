@@ -193,7 +193,7 @@ def load_tokenizer(tokenizer_dir: Path, cfg: RunConfig) -> Any:
         tokenizer.chat_template = Path(str(template_path)).expanduser().read_text()
     if not tokenizer.chat_template:
         raise JobSetupError(chat_template.no_template_message(tokenizer_dir))
-    if cfg.data.assistant_only_loss:
+    if cfg.assistant_masks:
         from trl.chat_template_utils import get_training_chat_template
 
         try:

@@ -200,7 +200,7 @@ class ShardedModel:
 
 
 def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx: DistContext,
-                        weights: bool = True) -> ShardedModel:
+                        weights: bool = True, frozen: bool = False) -> ShardedModel:
     """Meta model on every rank -> checked against the files on rank 0 -> FSDP2 shards -> each rank's slice read.
 
     ``model_dir``: where this rank sees the model's files (None where it does not; rank 0 needs them). When
@@ -210,7 +210,11 @@ def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx
     read). A LoRA checkpoint holds only the adapters: the caller reads the base weights then too.
     The shards stay uninitialised until that load; the job never trains without one succeeding
     (slurmft/job/checkpointing.py). The names and shapes are still checked.
+    ``frozen``: a model that is never trained (DPO's reference, slurmft/job/dpo.py): stored in the compute dtype,
+    without adapters, ``requires_grad`` off (no gradients, and the optimizer never sees it).
     """
+    if frozen:
+        cfg = cfg.model_copy(update={"lora": None})
     mode = guarded(ctx, "choosing the precision", lambda: choose_precision(cfg, ctx.on_gpu))
     dtype, gather, reduce = mixed_precision_dtypes(cfg, mode)
     compute = gather or dtype
@@ -223,8 +227,11 @@ def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx
                 "attention: %s (%s); precision %s: %s parameters, %s compute, %s reduce", attn, why, mode.name,
                 *(str(d).removeprefix("torch.") for d in (dtype, compute, reduce)))
     # LoRA: the frozen base needs no master copy; it is stored in the compute dtype, the adapters in fp32
-    base_dtype = compute if cfg.lora is not None else dtype
+    base_dtype = compute if cfg.lora is not None or frozen else dtype
     model = guarded(ctx, "building the model", lambda: _build_meta_checked(config, cfg, base_dtype, attn))
+    if frozen:
+        model.requires_grad_(False)
+        gather = None  # stored in the compute dtype already
     wrap = wrap_class_names(model, cfg)
     lora = None
     if cfg.lora is not None:
@@ -232,7 +239,7 @@ def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx
     base = adapters.unwrap(model)
     plan = guarded(ctx, "checking the checkpoint", lambda: check_weights(base, model_dir) if ctx.is_main else None)
     num_params = sum(p.numel() for p in model.parameters())
-    parallelize_model(model, cfg, ctx, wrap, gather, reduce)
+    parallelize_model(model, cfg, ctx, wrap, gather, reduce, frozen)
     method, read = load_weights(base, plan, model_dir, ctx) if weights else ("checkpoint", 0)
     if lora is not None:  # a resume overwrites them from the checkpoint; the base weights are read either way
         adapters.init_adapters(model, cfg.train.seed)

@@ -119,21 +119,24 @@ def fsdp_mesh(cfg: RunConfig, ctx: DistContext) -> Any:
 
 
 def parallelize_model(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext, wrap: set[str],
-                      compute: torch.dtype | None, reduce: torch.dtype) -> None:
+                      compute: torch.dtype | None, reduce: torch.dtype, frozen: bool = False) -> None:
     """The meta model (adapters already added) becomes this rank's FSDP2 shards, in place: shard, materialize.
 
     ``wrap``: the decoder layer classes (:func:`wrap_class_names`); ``compute``: the dtype parameters
-    are gathered in (None: as stored); ``reduce``: the gradient reduce dtype.
+    are gathered in (None: as stored); ``reduce``: the gradient reduce dtype; ``frozen``: see :func:`shard`.
     """
-    shard(model, cfg, ctx, wrap, compute, reduce)
+    shard(model, cfg, ctx, wrap, compute, reduce, frozen)
     materialize(model, ctx, cfg.fsdp.cpu_offload)
 
 
 def shard(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext, wrap: set[str], compute: torch.dtype | None,
-           reduce: torch.dtype) -> None:
+          reduce: torch.dtype, frozen: bool = False) -> None:
     """Activation checkpointing, then FSDP2 units: each decoder layer, embeddings, head, root.
 
     ``compute``: the dtype parameters are gathered in (None: as stored); ``reduce``: the gradient reduce dtype.
+    ``frozen``: a model that only runs forwards without gradients (DPO's reference): no backward follows, so
+    nothing is checkpointed and every unit, the head included, reshards right after its forward (kept gathered,
+    the head and final norm would stay whole on every rank between steps).
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -144,14 +147,14 @@ def shard(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext, wrap: set[st
     mesh = fsdp_mesh(cfg, ctx)
     kwargs: dict[str, Any] = {
         "mesh": mesh,
-        "reshard_after_forward": cfg.fsdp.reshard_after_forward,
+        "reshard_after_forward": cfg.fsdp.reshard_after_forward or frozen,
         "mp_policy": MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce),
         "offload_policy": CPUOffloadPolicy() if cfg.fsdp.cpu_offload else OffloadPolicy(),
     }
     layer_names = [n for n, m in model.named_modules() if type(m).__name__ in wrap]
     for name in layer_names:
         layer = model.get_submodule(name)
-        if cfg.fsdp.activation_checkpointing:
+        if cfg.fsdp.activation_checkpointing and not frozen:
             # the recompute replays the forward's RNG state: the same dropout masks (LoRA's, the model's own) in
             # backward as in forward, so the gradients are those of the loss (measured cost: docs/lora.md)
             layer = checkpoint_wrapper(layer, preserve_rng_state=True)
@@ -166,7 +169,7 @@ def shard(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext, wrap: set[st
         fully_shard(embed, **kwargs)
     tail = [m for m in ((norm, embed, head) if tied else (norm, head)) if m is not None]
     if tail:  # used at the end of forward / start of backward: keep gathered in between
-        fully_shard(tail, **{**kwargs, "reshard_after_forward": False})
+        fully_shard(tail, **{**kwargs, "reshard_after_forward": frozen})
     fully_shard(root, **{k: v for k, v in kwargs.items() if k != "reshard_after_forward"})
 
 

@@ -93,6 +93,42 @@ class TrlPreparation:
         return SFTTrainer._prepare_dataset(self, dataset, self._tokenizer, args, args.packing, None, "train")
 
 
+def dpo_prepare_args(cfg: RunConfig, num_proc: int | None, workdir: Path) -> Any:
+    """TRL's DPOConfig with what its dataset preparation reads, as the train job's ``dpo.dpo_config`` sets it."""
+    from trl import DPOConfig
+
+    try:
+        return DPOConfig(output_dir=str(workdir), report_to="none", use_cpu=True, seed=cfg.train.seed,
+                         max_length=cfg.data.max_seq_length, dataset_num_proc=num_proc)
+    except (TypeError, ValueError) as exc:
+        raise JobSetupError(f"dpo: TRL rejected the preparation options: {exc}") from None
+
+
+class TrlDpoPreparation:
+    """What ``DPOTrainer._prepare_dataset`` reads from its trainer (the tokenizer, for the EOS of string data)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def run(self, dataset: Any, args: Any) -> Any:
+        """TRL's DPO preparation of ``dataset`` (prompt/chosen/rejected token ids; prompts that fill max_length
+        dropped)."""
+        from trl import DPOTrainer
+
+        return DPOTrainer._prepare_dataset(self, dataset, self._tokenizer, args, "train")
+
+
+def dpo_counts(ds: Any) -> dict[str, Any]:
+    """Pairs, and tokens in both sequences of every pair (prompt + chosen, prompt + rejected), before truncation."""
+    import pyarrow.compute as pc
+
+    table = ds.with_format("arrow")[:]
+    length = {c: pc.list_value_length(table[f"{c}_ids"]) for c in ("prompt", "chosen", "rejected")}
+    tokens = int(pc.sum(pc.add(pc.multiply(length["prompt"], 2), pc.add(length["chosen"], length["rejected"])))
+                 .as_py() or 0)
+    return {"sequences": len(ds), "tokens": tokens, "loss_tokens": None, "fill": None}
+
+
 def counts(ds: Any, max_length: int) -> dict[str, Any]:
     """Sequences, tokens, tokens in the loss, and how full the packed slots are."""
     import pyarrow.compute as pc
@@ -148,17 +184,23 @@ def prepare_run(run_dir: str, num_proc: int | None = None, cfg: RunConfig | None
     model_dir = resolve_model_dir(cfg.model, with_weights=False)
     tokenizer = load_tokenizer(resolve_tokenizer_dir(cfg.model, model_dir), cfg)
     mixed = data.load_mixture(cfg.data.model_copy(update={"num_proc": num_proc, "datasets": sources}),
-                              cfg.train.seed, tokenizer)
+                              cfg.train.seed, tokenizer, preference=cfg.dpo is not None)
     t_loaded = time.time()
     log.info("loaded %d conversations in %.1f s (%.0f rows/s); TRL's preparation next (%s, max_length %d, "
              "num_proc %s)", len(mixed), t_loaded - t0, len(mixed) / max(t_loaded - t0, 1e-9),
-             "packing" if cfg.data.packing else "no packing", cfg.data.max_seq_length, num_proc or 1)
+             "DPO pairs" if cfg.dpo else "packing" if cfg.data.packing else "no packing", cfg.data.max_seq_length,
+             num_proc or 1)
     tag = f"{os.environ.get('SLURM_JOB_ID', 'here')}-{os.getpid()}"
     staging = paths.prepared_staging(tag)
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        args = prepare_args(cfg, num_proc, staging)  # TRL writes nothing there: the output_dir of no trainer
-        trl = TrlPreparation(tokenizer, args, mixed[0])
+        # TRL writes nothing there: the output_dir of no trainer
+        if cfg.dpo is not None:
+            args = dpo_prepare_args(cfg, num_proc, staging)
+            trl: TrlPreparation | TrlDpoPreparation = TrlDpoPreparation(tokenizer)
+        else:
+            args = prepare_args(cfg, num_proc, staging)
+            trl = TrlPreparation(tokenizer, args, mixed[0])
         try:
             ready = trl.run(mixed, args)
         except SlurmftError:
@@ -172,7 +214,8 @@ def prepare_run(run_dir: str, num_proc: int | None = None, cfg: RunConfig | None
         log.info("TRL prepared %d conversations into %d sequences in %.1f s (%.0f rows/s)", len(mixed), len(ready),
                  t_ready - t_loaded, len(mixed) / max(t_ready - t_loaded, 1e-9))
         ready.save_to_disk(str(staging))
-        result = {"conversations": len(mixed), **counts(ready, cfg.data.max_seq_length),
+        result = {"conversations": len(mixed),
+                  **(dpo_counts(ready) if cfg.dpo is not None else counts(ready, cfg.data.max_seq_length)),
                   "seconds": round(time.time() - t0, 1)}
         record = {**before, "result": result, "num_proc": num_proc, "job_id": os.environ.get("SLURM_JOB_ID"),
                   "host": socket.gethostname(), "time": time.time(),

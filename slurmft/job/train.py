@@ -25,6 +25,7 @@ from slurmft.job import (
     cpu_fsdp,
     data,
     distributed,
+    dpo,
     elastic,
     loading,
     preemption,
@@ -89,6 +90,7 @@ def _prepare_inputs(cfg: RunConfig, ctx: DistContext) -> Inputs:
     then scatters the slices: weights.load_weights).
     """
     check_sft_keys(cfg)
+    dpo.check_loss_types(cfg)
     model_dir = resolve_model_dir(cfg.model, with_weights=ctx.is_main)
     if ctx.is_main:
         weight_files(model_dir)  # fail on missing weights before anything else waits
@@ -97,10 +99,38 @@ def _prepare_inputs(cfg: RunConfig, ctx: DistContext) -> Inputs:
     return Inputs(model_dir=model_dir, config=config, tokenizer=tokenizer)
 
 
+def training_args(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> Any:
+    """The run's TRL config: SFTConfig, or DPOConfig for a dpo: run (slurmft/job/dpo.py)."""
+    if cfg.dpo is not None:
+        return dpo.dpo_config(cfg, common_args(cfg, paths, ctx))
+    return sft_config(cfg, paths, ctx)
+
+
 def sft_config(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> Any:
     """TRL's SFTConfig from the run config; ``train.sft`` keys pass through."""
     from trl import SFTConfig
 
+    kwargs = common_args(cfg, paths, ctx)
+    kwargs.update({
+        "max_length": cfg.data.max_seq_length,
+        "packing": cfg.data.packing,
+        "assistant_only_loss": cfg.data.assistant_only_loss,
+        "activation_checkpointing": False,  # FSDP-level activation checkpointing is applied at load
+    })
+    kwargs.update(cfg.train.sft)
+    if cfg.prepare.enabled:  # RUN_DIR/prepared/ is TRL's prepared set already, its labels masked
+        kwargs["dataset_kwargs"] = {**(kwargs.get("dataset_kwargs") or {}), "skip_prepare_dataset": True}
+        # TRL checks assistant_only_loss against the first row, which holds token ids now, not messages; the
+        # assistant mask is in the labels already (-100 elsewhere)
+        kwargs["assistant_only_loss"] = False
+    try:
+        return SFTConfig(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise JobSetupError(f"train.sft: TRL rejected the training options: {exc}") from None
+
+
+def common_args(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> dict[str, Any]:
+    """The Trainer options every method shares (TrainingArguments'), from the run config."""
     t = cfg.train
     kwargs: dict[str, Any] = {
         "output_dir": str(paths.checkpoints),
@@ -120,11 +150,7 @@ def sft_config(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> Any:
         "save_steps": cfg.checkpoint.every_steps,
         "save_total_limit": None,  # rotated after COMPLETE by CompleteCheckpoints
         "save_only_model": False,
-        "max_length": cfg.data.max_seq_length,
-        "packing": cfg.data.packing,
-        "assistant_only_loss": cfg.data.assistant_only_loss,
         "dataset_num_proc": cfg.data.num_proc,
-        "activation_checkpointing": False,  # FSDP-level activation checkpointing is applied at load
         # autocast only for the mixed modes; bf16-true parameters are bf16 already (slurmft/precision.py)
         "bf16": resolve_precision(cfg.train.precision, ctx.on_gpu).name == "bf16-mixed",
         "fp16": resolve_precision(cfg.train.precision, ctx.on_gpu).name == "fp16-mixed",
@@ -156,16 +182,7 @@ def sft_config(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> Any:
     if "wandb" in t.report_to:  # one W&B run for every attempt (slurmft/job/tracking.py)
         tracking.use_one_wandb_run(paths, cfg.name)
         kwargs["run_name"] = os.environ["WANDB_NAME"]  # WandbCallback passes it to wandb.init, over WANDB_NAME
-    kwargs.update(t.sft)
-    if cfg.prepare.enabled:  # RUN_DIR/prepared/ is TRL's prepared set already, its labels masked
-        kwargs["dataset_kwargs"] = {**(kwargs.get("dataset_kwargs") or {}), "skip_prepare_dataset": True}
-        # TRL checks assistant_only_loss against the first row, which holds token ids now, not messages; the
-        # assistant mask is in the labels already (-100 elsewhere)
-        kwargs["assistant_only_loss"] = False
-    try:
-        return SFTConfig(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise JobSetupError(f"train.sft: TRL rejected the training options: {exc}") from None
+    return kwargs
 
 
 def optimizer_cls_and_kwargs(cfg: RunConfig, args: Any) -> tuple[type, dict[str, Any]] | None:
@@ -248,14 +265,16 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
         if ctx.is_main:
             log.info("data: loading and converting here; TRL tokenizes and packs it when the trainer is built")
         dataset = distributed.main_first(ctx, "loading the data",
-                                         lambda: data.load_mixture(cfg.data, cfg.train.seed, inputs.tokenizer))
-    args = distributed.guarded(ctx, "building the training options", lambda: sft_config(cfg, paths, ctx))
+                                         lambda: data.load_mixture(cfg.data, cfg.train.seed, inputs.tokenizer,
+                                                                   preference=cfg.dpo is not None))
+    args = distributed.guarded(ctx, "building the training options", lambda: training_args(cfg, paths, ctx))
 
     checkpointer = CheckpointManager(ctx, paths)
     candidates = checkpointer.resume_candidates()  # newest first; empty: a fresh start
     if candidates:  # a full fine-tune's checkpoint cannot fill an adapter model, nor the other way round
         distributed.guarded(ctx, "checking the checkpoint's kind",
-                            lambda: checkpointing.check_resume_method(candidates[0], cfg.lora is not None))
+                            lambda: checkpointing.check_resume_method(candidates[0], cfg.lora is not None,
+                                                                      cfg.method.value))
 
     # resuming a full fine-tune: the weights come from the checkpoint, the base weights are not read;
     # an adapter checkpoint holds only the adapters, so the base weights are read as on a fresh start
@@ -279,11 +298,24 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                      lora.trainable / 1e6, lora.total / 1e6, 100 * lora.trainable / lora.total,
                      str(sharded.base_dtype).removeprefix("torch."))
 
+    reference = None  # DPO, full fine-tuning: the frozen starting model, built from the model files on every start
+    if dpo.uses_reference_copy(cfg):
+        t_ref = time.time()
+        reference = dpo.reference_model(cfg, inputs.config, inputs.model_dir, ctx)
+        if ctx.is_main:
+            log.info("dpo: reference model (frozen, %s, no gradients or optimizer state) sharded like the policy in "
+                     "%.1fs; beta %g, loss %s", str(reference.dtype).removeprefix("torch."), time.time() - t_ref,
+                     cfg.dpo.beta, "+".join(cfg.dpo.loss_type))
+    elif cfg.dpo is not None and ctx.is_main:
+        log.info("dpo: the reference is the base model with the adapters disabled (no second copy); beta %g, loss %s",
+                 cfg.dpo.beta, "+".join(cfg.dpo.loss_type))
+
     info = {"job_id": env.job_id, "restart": env.restart_count}
     adapters = sharded.lora.marker() if sharded.lora is not None else None  # LoRA: what the adapters are
     t = cfg.train  # what a resume on another allocation keeps (slurmft/plan/elastic.py, slurmft/job/elastic.py)
     global_batch = ctx.world_size * t.per_device_batch_size * t.gradient_accumulation_steps
-    marker_info = {**info, "precision": sharded.precision,  # consolidate.dtype=auto and resume read it
+    marker_info = {**info, "method": cfg.method.value,  # a dpo run never resumes an SFT checkpoint, nor the reverse
+                   "precision": sharded.precision,  # consolidate.dtype=auto and resume read it
                    "global_batch": global_batch, "per_device_batch_size": t.per_device_batch_size,
                    "gradient_accumulation_steps": t.gradient_accumulation_steps, "mesh": list(mesh.shape)}
     if adapters is not None:  # an adapter checkpoint: consolidation merges it onto this base, resume checks it
@@ -316,8 +348,13 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
 
     def new_trainer() -> Any:
         """A Trainer on the sharded model; a fallback builds a fresh one (new optimizer, scheduler, state)."""
-        trainer = SFTTrainer(model=sharded.model, args=args, train_dataset=dataset, processing_class=inputs.tokenizer,
-                             callbacks=callbacks, optimizer_cls_and_kwargs=optimizer)
+        if cfg.dpo is not None:
+            trainer = dpo.new_trainer(sharded.model, reference.model if reference else None, args, dataset,
+                                      inputs.tokenizer, callbacks, optimizer)
+        else:
+            trainer = SFTTrainer(model=sharded.model, args=args, train_dataset=dataset,
+                                 processing_class=inputs.tokenizer, callbacks=callbacks,
+                                 optimizer_cls_and_kwargs=optimizer)
         _one_log_line(trainer, ctx)
         tracking.attach(trainer, wandb_run)
         batches.watch(trainer)  # what every step trains on (batches.jsonl)

@@ -243,6 +243,23 @@ def check_data(cfg: RunConfig, report: Report) -> list[Sample]:
         except ConfigError as exc:
             report.problems.append(str(exc))
             continue
+        problem = formats.method_problem(fmt, cfg.dpo is not None, list(rows[0]), label)
+        if problem:
+            report.problems.append(problem)
+            continue
+        if fmt == formats.PREFERENCE:
+            pairs = [formats.to_preference(r) for r in rows]
+            bad = [(n, why) for n, pair in enumerate(pairs) if (why := formats.preference_problem(pair))]
+            if bad:
+                n, why = bad[0]
+                report.problems.append(
+                    f"{label}: row {n} has {why}; {len(bad)} of the {len(rows)} rows read cannot train (DPO needs a "
+                    "prompt and a non-empty chosen and rejected reply each): fix or remove them")
+                continue
+            # the chat template and the token counts see the longer of the two sequences of each pair
+            samples.append(Sample(i, fmt, [p["prompt"] + max(p["chosen"], p["rejected"], key=_chars) for p in pairs],
+                                  path, complete=small))
+            continue
         converted = [formats.to_messages(r, fmt, column) for r in rows]
         usable = [m for m in converted if formats.is_usable(m)]
         if not any(formats.is_usable(m) for m in converted[:SAMPLE_ROWS]):
@@ -253,6 +270,10 @@ def check_data(cfg: RunConfig, report: Report) -> list[Sample]:
             continue
         samples.append(Sample(i, fmt, usable, path, complete=small))
     return samples
+
+
+def _chars(turns: list[dict[str, str]]) -> int:
+    return sum(len(t["content"]) for t in turns)
 
 
 # ====================================================================== model length
@@ -416,7 +437,7 @@ def check_chat_template(cfg: RunConfig, report: Report, samples: list[Sample]) -
     if not template.text:
         report.problems.append(f"{field_name}: {no_template_message(directory)}")
         return None
-    if cfg.data.assistant_only_loss and not has_generation_markers(template.text):
+    if cfg.assistant_masks and not has_generation_markers(template.text):
         if trl_can_patch(template.text):
             report.notes.append("chat template: no {% generation %} markers, but TRL ships a training version of it")
         elif importlib.util.find_spec("trl") is None:
@@ -498,15 +519,22 @@ def batch_notes(cfg: RunConfig, samples: list[Sample], template: Template | None
     """Sequences and tokens per optimizer step; steps per epoch when every source is a local file."""
     r, t = cfg.resources, cfg.train
     per_step = r.world_size * t.per_device_batch_size * t.gradient_accumulation_steps
-    unit = "packed sequences" if cfg.data.packing else "sequences (up to"
-    tokens = f"{per_step * cfg.data.max_seq_length:,} tokens" + ("" if cfg.data.packing else " at most")
+    packed = cfg.packed
+    unit = "packed sequences" if packed else "sequences (up to"
+    tokens = f"{per_step * cfg.data.max_seq_length:,} tokens" + ("" if packed else " at most")
     lines = [f"batch: {r.world_size} rank(s) x {t.per_device_batch_size} x {t.gradient_accumulation_steps} "
-             f"accumulation = {per_step} {unit} of {cfg.data.max_seq_length} tokens{')' if not cfg.data.packing else ''}"
+             f"accumulation = {per_step} {unit} of {cfg.data.max_seq_length} tokens{')' if not packed else ''}"
              f" = {tokens} per optimizer step"]
+    if cfg.dpo is not None:
+        lines = [f"batch: {r.world_size} rank(s) x {t.per_device_batch_size} x {t.gradient_accumulation_steps} "
+                 f"accumulation = {per_step} preference pairs per optimizer step, each a chosen and a rejected "
+                 f"sequence of up to {cfg.data.max_seq_length} tokens (prompt + reply)"]
+    if cfg.dpo is not None and cfg.data.packing:
+        lines.append("data.packing: does not apply to DPO (each pair is scored as its own padded sequences); ignored")
     exact = prepared.sequences(cfg)
     if exact is not None:  # counted by the prepare job: the job's own figure, not an estimate
         steps = steps_per_epoch(exact, r.world_size, t.per_device_batch_size, t.gradient_accumulation_steps)
-        lines.append(f"data: {exact:,} {'packed ' if cfg.data.packing else ''}sequences per epoch (prepared, "
+        lines.append(f"data: {exact:,} {'packed ' if packed else ''}sequences per epoch (prepared, "
                      f"exact) -> {steps} optimizer steps per epoch")
         if t.epochs is not None:
             lines.append(f"train.epochs {t.epochs:g} -> {math.ceil(t.epochs * steps)} steps")
@@ -520,7 +548,7 @@ def batch_notes(cfg: RunConfig, samples: list[Sample], template: Template | None
             lines.append(f"train.epochs {t.epochs:g}: the job computes the steps from the packed data at start")
         return lines
     steps = max(1, math.ceil(per_epoch / per_step))
-    lines.append(f"data: ~{per_epoch:,} {'packed ' if cfg.data.packing else ''}sequences per epoch -> ~{steps} "
+    lines.append(f"data: ~{per_epoch:,} {'packed ' if packed else ''}sequences per epoch -> ~{steps} "
                  "optimizer steps per epoch (estimated from the files; `slurmft prepare` counts them exactly)")
     if t.epochs is not None:
         lines.append(f"train.epochs {t.epochs:g} -> ~{math.ceil(t.epochs * steps)} steps (exact count computed in "
@@ -540,7 +568,7 @@ def sequences_per_epoch(cfg: RunConfig, samples: list[Sample], template: Templat
     probs = [w / total_w for w in weights]
     # interleave_datasets(all_exhausted) runs until every source was seen once: the rarest decides
     mixed = rows[0] if len(rows) == 1 else min(4 * sum(rows), math.ceil(max(n / p for n, p in zip(rows, probs, strict=True))))
-    if not cfg.data.packing:
+    if not cfg.packed:
         return mixed
     if template is None or template.text is None or template.tokenizer_json is None:
         return "tokenizer.json and a chat template are needed to count tokens"

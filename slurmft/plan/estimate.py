@@ -51,6 +51,10 @@ Assumptions, in one place (each is repeated where it is used):
   against a job's cgroup) plus one tensor at a time, the other ranks holding only their shard. By
   default every rank reads only its own slice, so node 0 maps only its ranks' share: less than this. Each rank adds a runtime allowance (Python, torch,
   CUDA libraries: 2 GiB per GPU rank, 0.5 GiB per CPU rank).
+* DPO (a ``dpo:`` section): chosen and rejected go through the model in one forward, so the activations are
+  those of twice the micro-batch; with full fine-tuning the reference is one more copy of the model in the
+  compute dtype, sharded like the policy (counted in ``weights``, also as ``reference_weights``), two of its
+  layers gathered at a time; with LoRA there is no copy. The reference's load (CPU RAM) is not counted.
 * Checkpoint (sharded DCP): fp32 parameters + two AdamW states = 12 bytes/parameter. Consolidated
   model: parameters × ``consolidate.dtype``.
 """
@@ -318,6 +322,7 @@ def _per_gpu(shape: ModelShape, k: Settings) -> dict[str, Any]:
     tensors = shape.all_tensors()
     ws = k.shards
     local = sum(_shard_numel(s, ws) for s in tensors)
+    local_base = local
     if k.lora is None:
         state = {name: local * b for name, b in per.items()}
         units = reduce_scatter_units(shape, ws) if k.fsdp else {}
@@ -343,12 +348,17 @@ def _per_gpu(shape: ModelShape, k: Settings) -> dict[str, Any]:
         comm = c * (2 * layer + root + max(adapter_layers) + sum(_numel(s) for s in adapters.root))
     else:  # DDP's gradient buckets: one more copy of the gradients
         comm = state["gradients"]
+    reference = 0
+    if k.dpo_reference:  # DPO's reference: the base once more, sharded, in the compute dtype; two layers gathered
+        reference = local_base * c
+        state["weights"] += reference
+        comm += c * 2 * max((sum(_numel(s) for s in t) for t in shape.layer_list), default=0)
     if k.cpu_offload and k.fsdp:
         offloaded = sum(state.values())
         state = dict.fromkeys(state, 0)
     else:
         offloaded = 0
-    act = activation_bytes(shape, k.seq_len, k.micro_batch, c, k.checkpointing, k.eager)
+    act = activation_bytes(shape, k.seq_len, k.sequences, c, k.checkpointing, k.eager)
     allocated = sum(state.values()) + comm + reduce_scatter + act["total"]
     if k.on_gpu:
         overhead = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * allocated)
@@ -370,6 +380,7 @@ def _per_gpu(shape: ModelShape, k: Settings) -> dict[str, Any]:
         "offloaded_to_cpu": offloaded,
         "sharded_state_elements": local,
         "sharded_weight_bytes": weight_bytes,
+        "reference_weights": reference,  # included in weights
         "reduce_scatter_units": {name: n * k.reduce_bytes for name, n in units.items()},
         "_activations_detail": act,
     }
@@ -503,9 +514,9 @@ def _total_if_fits(shape: ModelShape, k: Settings) -> int | None:
 def _activations(shape: ModelShape, k: Settings, detail: dict[str, int]) -> dict[str, int]:
     """This run's activation terms plus the totals with checkpointing flipped and with each attention kind."""
     c = COMPUTE_BYTES[k.precision]
-    other = activation_bytes(shape, k.seq_len, k.micro_batch, c, not k.checkpointing, k.eager)["total"]
-    flash = activation_bytes(shape, k.seq_len, k.micro_batch, c, k.checkpointing, False)["total"]
-    eager = activation_bytes(shape, k.seq_len, k.micro_batch, c, k.checkpointing, True)["total"]
+    other = activation_bytes(shape, k.seq_len, k.sequences, c, not k.checkpointing, k.eager)["total"]
+    flash = activation_bytes(shape, k.seq_len, k.sequences, c, k.checkpointing, False)["total"]
+    eager = activation_bytes(shape, k.seq_len, k.sequences, c, k.checkpointing, True)["total"]
     return {
         **detail,
         "with_checkpointing": detail["total"] if k.checkpointing else other,
@@ -601,6 +612,7 @@ def _knobs(cfg: RunConfig, profile: ClusterProfile) -> tuple[Settings, str | Non
         reshard_after_forward=cfg.fsdp.reshard_after_forward,
         accumulation=cfg.train.gradient_accumulation_steps,
         lora=LoraSettings.of(cfg.lora),
+        dpo=cfg.dpo is not None,
     )
     return knobs, capacity_note
 
@@ -689,6 +701,7 @@ def _setup_facts(k: Settings, profile: ClusterProfile) -> dict[str, Any]:
         "seq_len": k.seq_len,
         "micro_batch": k.micro_batch,
         "gradient_accumulation_steps": k.accumulation,
+        "dpo": k.dpo,  # chosen and rejected in one forward; a reference copy unless LoRA
     }
 
 

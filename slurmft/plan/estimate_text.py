@@ -197,7 +197,8 @@ def assumptions(k: Settings, counted: Counted, capacity_note: str | None) -> lis
         else "no activation checkpointing: every layer's activations kept until backward"
     )
     lines += [
-        f"activations: seq {k.seq_len} x micro-batch {k.micro_batch}; {ckpt}; {attn}; "
+        f"activations: seq {k.seq_len} x micro-batch {k.micro_batch}"
+        + (" x 2 (DPO: chosen and rejected in one forward)" if k.dpo else "") + f"; {ckpt}; {attn}; "
         "logits, their fp32 upcast and fp32 gradient counted"
         + ("; LoRA: as for full fine-tuning (the backward runs through every layer; the adapters' rank-r "
            "intermediates are negligible)" if k.lora is not None else ""),
@@ -335,7 +336,8 @@ def render_table(result: dict[str, Any]) -> RenderableType:
             f"FSDP full shard over {s['shards']}") if s["fsdp"] else "no FSDP (full copy per rank)")
         + (", CPU offload" if s["cpu_offload"] else "")
         + f", activation checkpointing {'on' if s['activation_checkpointing'] else 'off'}, "
-        f"{s['attention']} attention, seq {s['seq_len']} x micro-batch {s['micro_batch']}",
+        f"{s['attention']} attention, seq {s['seq_len']} x micro-batch {s['micro_batch']}"
+        + (" x 2 (DPO pairs)" if s.get("dpo") else ""),
     )
     lora = result.get("lora")
     if lora:
@@ -354,7 +356,8 @@ def render_table(result: dict[str, Any]) -> RenderableType:
     rows = [
         ("weights", g["weights"], ("sharded" if s["fsdp"] else "full copy")
          + (f", frozen base {lora['base_dtype']} + adapters fp32" if lora
-            else ", bf16" if s["precision"] == "bf16-true" else ", fp32")),
+            else ", bf16" if s["precision"] == "bf16-true" else ", fp32")
+         + (f", + DPO reference {decimal_gb(g['reference_weights'])}" if g.get("reference_weights") else "")),
         ("gradients", g["gradients"], "adapters only, fp32" if lora else
          "bf16" if s["precision"] == "bf16-true" else "fp32"),
         ("optimizer (AdamW)", g["optimizer"], "adapters only, 2 fp32 states" if lora else

@@ -66,6 +66,18 @@ class Settings:
     reshard_after_forward: bool = True
     accumulation: int = 1  # train.gradient_accumulation_steps: no memory term (gradients stay sharded)
     lora: LoraSettings | None = None  # adapters on a frozen base (None: every weight trains)
+    dpo: bool = False  # a dpo: section: chosen and rejected in one forward (two sequences per example)
+
+    @property
+    def dpo_reference(self) -> bool:
+        """DPO with full fine-tuning holds a frozen, sharded copy of the model in the compute dtype; LoRA-DPO uses the
+        base with the adapters disabled (so the LoRA remedy of a DPO run that does not fit drops the copy too)."""
+        return self.dpo and self.lora is None
+
+    @property
+    def sequences(self) -> int:
+        """Sequences in one forward per rank: the micro-batch, twice for DPO (chosen and rejected together)."""
+        return self.micro_batch * (2 if self.dpo else 1)
 
     @property
     def reduce_bytes(self) -> int:

@@ -1,0 +1,187 @@
+"""DPO on real two-rank FSDP2 (gloo, CPU): TRL's losses, a frozen sharded reference never saved, resume, refusals.
+
+One set of runs serves every check (tests/job/run_many.py: one start-up per launch):
+
+- launch 1: ``dpo`` (full fine-tuning, the reference a second sharded copy; 4 steps, checkpoints at 2 and 4) and
+  ``lora`` (LoRA-DPO: the reference is the base with the adapters disabled), both through
+  tests/job/dpo_check.py, which keeps the models the job builds and reports on them after training;
+- launch 2: ``resumed`` (a copy of ``dpo`` cut back to checkpoint-2, through dpo_check.py too), and two copies
+  that must be refused before anything is loaded: ``dpo``'s checkpoint under an SFT config, and an SFT
+  checkpoint (``dpo``'s with the marker an SFT run writes) under the DPO config;
+- ``prepared``: ``dpo`` with ``prepare.enabled``, its pairs tokenized by the prepare job first (in launch 1);
+- the single-process TRL reference (tests/job/dpo_reference.py: transformers + TRL's DPOTrainer with its own
+  reference model, no FSDP, the whole global batch on one process).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .helpers import REPO, launch_like_srun, read_metrics, write_run
+from .test_lora_cpu import _copy, _tree
+
+pytestmark = pytest.mark.train
+
+STEPS, EVERY = 4, 2
+RUN_ARGS = [f"train.max_steps={STEPS}", f"checkpoint.every_steps={EVERY}", "checkpoint.keep_last=2",
+            "checkpoint.async=false", "data.max_seq_length=128", "train.per_device_batch_size=1"]
+LORA = ["lora.r=4", "lora.alpha=8"]
+HERE = Path(__file__).resolve().parent
+LIMA = REPO / "examples" / "tiny" / "data" / "lima.jsonl"
+
+
+def preference_data(path: Path) -> Path:
+    """Explicit-prompt string pairs from the tiny example's chat data: its first reply chosen, another row's rejected."""
+    rows = [json.loads(line)["conversations"] for line in LIMA.read_text().splitlines()]
+    pairs = [{"prompt": c[0], "chosen": c[1], "rejected": rows[(i + 7) % len(rows)][1]}
+             for i, c in enumerate(rows[:64])]
+    path.write_text("".join(json.dumps(p) + "\n" for p in pairs if p["chosen"] != p["rejected"]))
+    return path
+
+
+def _check(where: Path) -> list[dict[str, Any]]:
+    return [json.loads((where / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def dpo_runs(tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("dpo")
+    pairs = preference_data(root / "pairs.jsonl")
+
+    def on_pairs(cfg: dict) -> None:
+        cfg["data"]["datasets"] = [{"path": str(pairs)}]
+        cfg["dpo"] = {"beta": 0.1}
+
+    runs = {"dpo": write_run(root / "dpo", tiny_model, RUN_ARGS, edit=on_pairs),
+            "lora": write_run(root / "lora", tiny_model, [*RUN_ARGS, *LORA], edit=on_pairs),
+            "prepared": write_run(root / "prepared", tiny_model, [*RUN_ARGS, "prepare.enabled=true"], edit=on_pairs)}
+    prepare = subprocess.run([sys.executable, "-m", "slurmft.job.entrypoint", "prepare", str(runs["prepared"])],
+                             env=job_env, capture_output=True, text=True, timeout=600, check=False)
+    assert prepare.returncode == 0, prepare.stdout[-3000:] + prepare.stderr[-3000:]
+    check = "call:tests.job.dpo_check:main:{run}:" + str(root) + "/check-{name}"
+    first = [*(check.format(run=runs[n], name=n) for n in ("dpo", "lora")), str(runs["prepared"])]
+    _, out = launch_like_srun(root / "first", job_env, program=[str(HERE / "run_many.py")],
+                              args=first).wait(timeout=600)
+    for path in sorted(root.glob("*.failed.rank*")):
+        pytest.fail(path.read_text()[-4000:])
+
+    def as_sft(cfg: dict) -> None:
+        cfg.pop("dpo")
+        cfg["data"]["datasets"] = [{"path": str(LIMA)}]
+
+    runs["resumed"] = _copy(runs["dpo"], root / "resumed", cut_after=EVERY)
+    runs["sftondpo"] = _copy(runs["dpo"], root / "sftondpo", cut_after=EVERY, edit=as_sft)
+    runs["dpoonsft"] = _copy(runs["dpo"], root / "dpoonsft", cut_after=EVERY)
+    marker = runs["dpoonsft"] / "checkpoints" / f"checkpoint-{EVERY}" / "COMPLETE"
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "method": "sft"}))  # what an SFT run writes
+    before = {name: _tree(runs[name]) for name in ("sftondpo", "dpoonsft")}
+    second = [check.format(run=runs["resumed"], name="resumed"), str(runs["sftondpo"]), str(runs["dpoonsft"])]
+    _, out2 = launch_like_srun(root / "second", job_env, program=[str(HERE / "run_many.py")],
+                               args=second).wait(timeout=600)
+    reference = subprocess.run([sys.executable, str(HERE / "dpo_reference.py"), str(runs["dpo"]),
+                                str(root / "reference" / "reference.json")], env=job_env, capture_output=True,
+                               text=True, timeout=600, check=False)
+    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    for path in sorted(root.glob("*.call.failed.rank*")):
+        pytest.fail(path.read_text()[-4000:])
+    return {"runs": runs, "root": root, "log": out + "\n" + out2, "before": before,
+            "reference": json.loads((root / "reference" / "reference.json").read_text())["logs"]}
+
+
+def test_losses_equal_trls_own_dpo_trainer_and_step_one_is_ln2(dpo_runs: dict[str, Any]) -> None:
+    ours = read_metrics(dpo_runs["runs"]["dpo"])
+    theirs = dpo_runs["reference"]
+    assert [m["step"] for m in ours] == list(range(1, STEPS + 1)) and len(theirs) == STEPS
+    # step 1: the policy is the reference, both log-ratios are 0, and the sigmoid loss is -log(sigmoid(0)) = ln 2
+    assert ours[0]["loss"] == pytest.approx(math.log(2), abs=1e-7), ours[0]["loss"]
+    assert ours[0]["rewards/margins"] == 0.0 and ours[0]["rewards/chosen"] == 0.0
+    for mine, trl in zip(ours, theirs, strict=True):
+        assert mine["loss"] == pytest.approx(trl["loss"], abs=2e-6), (mine, trl)
+        assert mine["grad_norm"] == pytest.approx(trl["grad_norm"], rel=1e-4), (mine, trl)
+        assert mine["rewards/margins"] == pytest.approx(trl["rewards/margins"], abs=1e-5), (mine, trl)
+    assert ours[-1]["loss"] != pytest.approx(math.log(2), abs=1e-3)  # it trained: the policy left the reference
+
+
+def test_policy_and_reference_are_fsdp2_shards_and_the_reference_never_changes(dpo_runs: dict[str, Any]) -> None:
+    for name in ("dpo", "resumed"):
+        for rank in _check(dpo_runs["root"] / f"check-{name}"):
+            policy, reference = rank["models"]
+            assert not policy["frozen"] and reference["frozen"]
+            for model in (policy, reference):
+                assert model["all_dtensor"] and model["local_numel"] < 0.6 * model["total_numel"], model["total_numel"]
+            assert reference["names"] == policy["names"]
+            assert reference["requires_grad"] == [] and reference["with_grad"] == []
+            assert reference["changed"] == [], f"{name}: the reference changed: {reference['changed'][:5]}"
+            assert len(policy["changed"]) > 0.9 * len(policy["names"])  # the policy trained (the test can fail)
+
+
+def test_the_checkpoint_holds_the_policy_only(dpo_runs: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    checkpoint = dpo_runs["runs"]["dpo"] / "checkpoints" / f"checkpoint-{STEPS}"
+    keys = set(FileSystemReader(str(checkpoint / "pytorch_model_fsdp_0")).read_metadata().state_dict_metadata)
+    policy = _check(dpo_runs["root"] / "check-dpo")[0]["models"][0]["names"]
+    assert len(keys) == len(policy) and not any("ref" in k for k in keys), sorted(keys)[:5]
+    assert json.loads((checkpoint / "COMPLETE").read_text())["method"] == "dpo"
+
+
+def test_a_resumed_dpo_run_continues_bitwise(dpo_runs: dict[str, Any]) -> None:
+    full, resumed = (read_metrics(dpo_runs["runs"][n]) for n in ("dpo", "resumed"))
+    assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
+    for a, b in zip(full[EVERY:], resumed[EVERY:], strict=True):
+        assert (a["loss"], a["grad_norm"], a["rewards/margins"]) == (b["loss"], b["grad_norm"], b["rewards/margins"])
+    assert "resuming from checkpoint-2" in dpo_runs["log"]
+
+
+def test_lora_dpo_uses_the_base_with_adapters_disabled_and_saves_the_adapters_only(dpo_runs: dict[str, Any]) -> None:
+    metrics = read_metrics(dpo_runs["runs"]["lora"])
+    assert metrics[0]["loss"] == pytest.approx(math.log(2), abs=1e-7)  # adapters start at B = 0: policy = base
+    assert metrics[-1]["loss"] != pytest.approx(math.log(2), abs=1e-4)
+    for rank in _check(dpo_runs["root"] / "check-lora"):
+        (policy,) = rank["models"]  # no second model: the reference is the policy with its adapters disabled
+        assert policy["all_dtensor"] and not any(".ref." in n for n in policy["names"])
+        assert policy["requires_grad"] and all("lora_" in n for n in policy["requires_grad"])
+        assert set(policy["changed"]) <= set(policy["requires_grad"]) and policy["changed"]  # the base never moved
+    marker = json.loads((dpo_runs["runs"]["lora"] / "checkpoints" / f"checkpoint-{STEPS}" / "COMPLETE").read_text())
+    assert marker["method"] == "dpo" and marker["lora"]["r"] == 4
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("sftondpo", "dpo: checkpoint-2 is a DPO checkpoint and this run trains SFT; put the dpo: section back"),
+    ("dpoonsft", "dpo: checkpoint-2 is an SFT checkpoint and this run trains DPO; start DPO from it in a new run"),
+])
+def test_dpo_and_sft_checkpoints_do_not_resume_each_other(dpo_runs: dict[str, Any], name: str, expected: str) -> None:
+    run = dpo_runs["runs"][name]
+    failures = sorted(run.parent.glob(f"{run.name}.failed.rank*"))
+    assert len(failures) == 2, f"{name} was not refused on every rank"
+    for path in failures:
+        assert expected in path.read_text(), path.read_text()[-2000:]
+    assert _tree(run) == dpo_runs["before"][name]  # nothing in the run directory changed
+
+
+def test_the_prepare_job_gives_the_same_training(dpo_runs: dict[str, Any]) -> None:
+    from slurmft import prepared
+    from slurmft.rundir import RunPaths
+
+    run = dpo_runs["runs"]["prepared"]
+    record = prepared.read_record(RunPaths.of(str(run)))
+    assert record["settings"]["method"] == "dpo" and record["result"]["sequences"] > 0
+    assert [(m["loss"], m["grad_norm"]) for m in read_metrics(run)] == [
+        (m["loss"], m["grad_norm"]) for m in read_metrics(dpo_runs["runs"]["dpo"])]
+
+
+def test_trl_dpo_preparation_reads_only_what_the_prepare_job_sets() -> None:
+    """The prepare job calls DPOTrainer._prepare_dataset on TrlDpoPreparation: it must need nothing else."""
+    from trl import DPOTrainer
+
+    from .test_prepare import _attributes
+
+    assert _attributes(DPOTrainer._prepare_dataset, "self") == {"_tokenizer"}
+    assert _attributes(DPOTrainer._prepare_dataset, "args") <= {"dataset_num_proc", "max_length", "truncation_mode"}
