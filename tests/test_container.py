@@ -224,3 +224,21 @@ def test_automatic_mounts_are_the_outermost_directories(tmp_path: Path) -> None:
     cfg = load_config(GOLDEN_CFG, ["model.name_or_path=/shared/models/llama", "output_dir=/shared/runs/x",
                                    "data.datasets[0].path=/shared/runs/x/data.jsonl", "cluster.env.HF_HOME=/shared"])
     assert automatic_mounts(cfg) == ["/shared"]
+
+
+def test_validate_names_a_missing_image_and_leaves_the_image_to_doctor(tmp_path: Path) -> None:
+    from slurmft.plan.checks import Report, check_container
+
+    image = tmp_path / "sft.sif"
+    cfg = load_config(GOLDEN_CFG, ["cluster.container.runtime=apptainer", f"cluster.container.image={image}"])
+    report = Report()
+    assert check_container(cfg, report) is not None  # still the run's container: the host checks follow it
+    assert [p for p in report.problems if p.startswith(f"cluster.container.image: {image} does not exist")]
+    image.write_text("sif")
+    report = Report()
+    assert check_container(cfg, report) is not None and report.problems == []
+    assert any("slurmft doctor --job" in line for line in report.skipped)
+    report = Report()
+    bad = load_config(GOLDEN_CFG, ["cluster.container.runtime=apptainer", f"cluster.container.image={image}",
+                                   "cluster.container.mounts=[/elsewhere:/shared/runs]"])
+    assert check_container(bad, report) is None and "hides /shared/runs/golden-2x8" in report.problems[0]
