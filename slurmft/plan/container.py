@@ -41,7 +41,7 @@ class Container:
     runtime: str
     image: str
     python: str
-    mounts: tuple[tuple[str, str], ...]  # (source on the host, destination in the image), automatic ones first
+    mounts: tuple[tuple[str, str], ...]  # (source on the host, destination in the image), outermost first
     env: dict[str, str] = field(default_factory=dict)
     writable: bool = False
     workdir: str = "/"
@@ -136,7 +136,8 @@ def resolve(cfg: RunConfig, profile: ClusterProfile) -> Container | None:
                                 f"path ({src}:{src})")
     if problems:
         raise ConfigError("cluster.container.mounts: a mount hides what the job needs", problems)
-    mounts = [*auto, *((s, d) for s, d in extra if (s, d) not in auto)]
+    # parents before what lies inside them (a bind's destination must exist in the image: ch-run, enroot)
+    mounts = sorted(dict.fromkeys([*auto, *extra]), key=lambda m: (len(PurePosixPath(m[1]).parts), m[1]))
     return Container(runtime=spec.runtime, image=spec.image, python=spec.python, mounts=tuple(mounts),
                      env=dict(spec.env), writable=spec.writable, workdir=spec.workdir or cfg.output_dir,
                      mount_home=spec.mount_home, shm_size=spec.shm_size)
