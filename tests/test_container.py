@@ -242,3 +242,31 @@ def test_validate_names_a_missing_image_and_leaves_the_image_to_doctor(tmp_path:
     bad = load_config(GOLDEN_CFG, ["cluster.container.runtime=apptainer", f"cluster.container.image={image}",
                                    "cluster.container.mounts=[/elsewhere:/shared/runs]"])
     assert check_container(bad, report) is None and "hides /shared/runs/golden-2x8" in report.problems[0]
+
+
+def test_the_configs_in_docs_containers_md_render(tmp_path: Path) -> None:
+    import yaml
+
+    from slurmft.plan.render import render_scripts
+    from slurmft.rundir import RunPaths
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "containers.md").read_text()
+    blocks = re.findall(r"^```yaml\n(.*?)^```", doc, flags=re.S | re.M)
+    assert len(blocks) == 5
+    marker = {"pyxis": "--container-image=", "apptainer": " apptainer exec ", "charliecloud": " ch-run ",
+              "podman": " podman run "}
+    seen = set()
+    for i, block in enumerate(blocks):
+        data = yaml.safe_load(GOLDEN_CFG.read_text())
+        data["cluster"].update(yaml.safe_load(block)["cluster"])
+        data["data"]["datasets"][0]["path"] = str(GOLDEN_CFG.parent / "chat.jsonl")
+        path = tmp_path / f"doc-{i}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        cfg = load_config(path)
+        profile = load_profile(cfg.cluster.profile)
+        container = resolve(cfg, profile)
+        assert container is not None
+        train = render_scripts(cfg, profile, RunPaths.of(cfg.output_dir))["train"]
+        assert marker[container.runtime] in srun_line(train), block
+        seen.add(container.runtime)
+    assert seen == set(RUNTIMES)

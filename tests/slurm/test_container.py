@@ -1,0 +1,92 @@
+"""The ranks in an image on the real two-node cluster: Charliecloud (Debian's charliecloud-runtime), the image
+built here with no registry (tests/slurm/image.sh: mmdebstrap + the pinned training stack; cached).
+
+One run of the shared ``reference`` config with ``cluster.container`` added, preempted once by the warning
+signal (``scancel --signal=USR2``: what Slurm sends at ``--signal=USR2@lead``, no ``B:``):
+
+* every rank of both attempts, and the consolidation job's task, ran inside the image: the image's test hook
+  (a sitecustomize.py there) records sys.executable (the image's venv, absent on the host), the image's
+  marker file and its os-release, and Charliecloud's CH_RUNNING;
+* the host's batch script requeued it: the same job id, restart count 1, steps 1..40 logged once each;
+* the final model is bitwise equal to the shared uninterrupted ``reference`` run (no container), consolidated
+  in the image.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from slurmft.rundir import RunPaths
+from tests.slurm.conftest import REFERENCE_CHECKPOINT, REFERENCE_TRAIN
+from tests.slurm.jobs import restarts, signal_rank_steps
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[2]
+IMAGE_PYTHON = "/opt/sft/bin/python"  # the venv tests/slurm/image.sh makes in the image
+
+
+@pytest.fixture(scope="session")
+def sft_image() -> Path:
+    """The cached test image (built on first use; .ci/run builds it before the tests)."""
+    out = subprocess.run(["bash", str(REPO / "tests" / "slurm" / "image.sh")], capture_output=True, text=True,
+                         timeout=1800)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def _marks(directory: Path, job: str) -> list[dict]:
+    """What the image's hook recorded for the processes of ``job`` that ran slurmft (not a helper process)."""
+    found = [json.loads(p.read_text()) for p in directory.glob(f"{job}-*.json")]
+    return [m for m in found if any("slurmft" in a or "submitit" in a for a in m["argv"])]
+
+
+def test_a_preempted_run_in_the_image_equals_the_uninterrupted_reference(
+        slurm_cluster, reference: Path, sft_image: Path, tiny_model: Path, chat_data: Path, tmp_path: Path,
+        slurmft, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("USER", getpass.getuser())  # ch-run refuses to start without it (sbatch passes it on)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    container = {
+        "runtime": "charliecloud", "image": str(sft_image), "python": IMAGE_PYTHON,
+        # slurmft from this checkout (the image has the stack only, so it outlives every commit); /tmp holds
+        # the tests' run, model and marks directories: bound whole, the automatic binds below it find their
+        # destinations in the read-only image
+        "mounts": ["/tmp", str(REPO)],
+        "env": {"PYTHONPATH": str(REPO), "SLURMFT_TEST_IMAGE_MARKS": str(marks)},
+    }
+    path = slurmft.write_config(tmp_path, tiny_model, chat_data, train=REFERENCE_TRAIN,
+                                checkpoint=REFERENCE_CHECKPOINT, cluster={"container": container})
+    jobs = slurmft.submit(path)
+    run = tmp_path / "run"
+    train = (run / "scripts" / "train.sbatch").read_text()
+    assert "ch-run --env-no-expand" in train and "#SBATCH --container" not in train
+
+    slurmft.wait_for("step 2", lambda: any(m["step"] >= 2 for m in slurmft.metrics(run)))
+    signal_rank_steps(jobs["train"])
+    slurmft.wait_for("restart 1", lambda: restarts(jobs["train"]) >= 1, timeout=120)
+    slurm_cluster.wait_state(jobs["train"], "COMPLETED", timeout=400)
+    slurm_cluster.wait_state(jobs["consolidate"], "COMPLETED", timeout=240)
+
+    steps = slurmft.metrics(run)
+    assert sorted(m["step"] for m in steps) == list(range(1, REFERENCE_TRAIN["max_steps"] + 1))
+    assert {m["restart"] for m in steps} == {0, 1}
+    log = (run / "logs" / f"train-{jobs['train']}.out").read_text()
+    assert "restart=0" in log and "restart=1" in log  # the host's batch script, both attempts, one job id
+
+    image = (sft_image / "etc" / "slurmft-test-image").read_text().strip()
+    assert not Path(IMAGE_PYTHON).exists()  # the host has no such interpreter: only the image does
+    rank_marks = _marks(marks, jobs["train"])
+    assert {(m["restart"], m["rank"]) for m in rank_marks} == {("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")}, rank_marks
+    consolidation = _marks(marks, jobs["consolidate"])
+    assert consolidation, "the consolidation job's task left no mark"
+    for mark in rank_marks + consolidation:
+        assert mark["executable"] == IMAGE_PYTHON and mark["image"] == image and mark["ch_running"], mark
+        assert "bookworm" in mark["os"], mark
+
+    slurmft.assert_same_model(RunPaths.of(run).model, reference)
