@@ -137,7 +137,9 @@ def resolve(cfg: RunConfig, profile: ClusterProfile) -> Container | None:
     if problems:
         raise ConfigError("cluster.container.mounts: a mount hides what the job needs", problems)
     # parents before what lies inside them (a bind's destination must exist in the image: ch-run, enroot)
-    mounts = sorted(dict.fromkeys([*auto, *extra]), key=lambda m: (len(PurePosixPath(m[1]).parts), m[1]))
+    same = set(_outermost([s for s, d in [*auto, *extra] if s == d]))  # /fsx bound whole covers /fsx/data
+    kept = [(s, d) for s, d in dict.fromkeys([*auto, *extra]) if s != d or s in same]
+    mounts = sorted(kept, key=lambda m: (len(PurePosixPath(m[1]).parts), m[1]))
     return Container(runtime=spec.runtime, image=spec.image, python=spec.python, mounts=tuple(mounts),
                      env=dict(spec.env), writable=spec.writable, workdir=spec.workdir or cfg.output_dir,
                      mount_home=spec.mount_home, shm_size=spec.shm_size)
@@ -181,11 +183,25 @@ def rank_python(cfg: RunConfig, profile: ClusterProfile) -> str:
 
 
 # ------------------------------------------------------------------ the wrapped step
+#: The exit code of a rank whose image lacks cluster.container.python (the shell's "command not found").
+NO_PYTHON_EXIT = 127
+
+
+def _python_check(container: Container) -> str:
+    """``sh -c`` text: exec ``$0`` (the interpreter) with the rest, or say that the image lacks it."""
+    return (f'command -v "$0" >/dev/null 2>&1 || {{ echo "[slurmft] cluster.container.python: $0 is not in the '
+            f'{container.runtime} image {container.image}: install slurmft[train] in the image, or set '
+            f'cluster.container.python to its interpreter (docs/containers.md)" >&2; exit {NO_PYTHON_EXIT}; }}; '
+            'exec "$0" "$@"')
 def wrap(container: Container, srun: list[str], command: str, env_names: list[str], gpus: bool,
          q: Callable[[object], str]) -> tuple[list[str], str]:
     """The step's ``srun`` options and command, run in ``container``: ``srun`` options (unquoted) and the command
-    line (quoted with ``q``, render's one quoting rule), with every name of ``env_names`` passed in explicitly."""
+    line (quoted with ``q``, render's one quoting rule), with every name of ``env_names`` passed in explicitly.
+    ``command`` starts with the image's interpreter (:func:`rank_python`); a ``sh`` in the image checks that it is
+    there before it execs it (same process: the signal still reaches the rank), so an image without it fails with
+    a line naming the image, not a runtime's own "No such file"."""
     names = list(dict.fromkeys([*env_names, *container.env]))
+    command = f"sh -c {q(_python_check(container))} {command}"
     runtime = container.runtime
     if runtime == "pyxis":
         opts = [f"--container-image={container.image}",
