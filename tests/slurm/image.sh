@@ -95,7 +95,7 @@ log "venv /opt/sft in the image"
 chroot "$tmp" /usr/bin/python3 -m venv --without-pip /opt/sft
 log "the training stack into it (this machine's pip, CI's pinned versions; torch==2.13.0 is the CPU build)"
 # --target: the image's own python3.11 (the same ABI as this one) imports what is written there
-python -m pip install --quiet --no-warn-script-location --progress-bar off --target "$tmp/$PY_SITE" \
+python -m pip install --quiet --no-warn-script-location --no-warn-conflicts --progress-bar off --target "$tmp/$PY_SITE" \
   -c "$REPO/.ci/constraints.txt" torch==2.13.0 transformers accelerate trl datasets safetensors tokenizers peft submitit
 printf '%s\n' "$HOOK" >"$tmp/$PY_SITE/sitecustomize.py"
 # mount points of the tests' binds (ch-run binds onto existing directories of a read-only image)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -40,6 +41,13 @@ def sft_image() -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
+def _copy_of_slurmft(dest: Path) -> Path:
+    """slurmft's package and its data folders (templates, configs: slurmft/resources.py) copied to ``dest``."""
+    for name in ("slurmft", "templates", "configs"):
+        shutil.copytree(REPO / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
 def _marks(directory: Path, job: str) -> list[dict]:
     """What the image's hook recorded for the processes of ``job`` that ran slurmft (not a helper process)."""
     found = [json.loads(p.read_text()) for p in directory.glob(f"{job}-*.json")]
@@ -52,15 +60,16 @@ def test_a_preempted_run_in_the_image_equals_the_uninterrupted_reference(
     monkeypatch.setenv("USER", getpass.getuser())  # ch-run refuses to start without it (sbatch passes it on)
     marks = tmp_path / "marks"
     marks.mkdir()
-    container = {
-        "runtime": "charliecloud", "image": str(sft_image), "python": IMAGE_PYTHON,
-        # slurmft from this checkout (the image has the stack only, so it outlives every commit); /tmp holds
-        # the tests' run, model and marks directories: bound whole, the automatic binds below it find their
-        # destinations in the read-only image
-        "mounts": ["/tmp", str(REPO)],
-        "env": {"PYTHONPATH": str(REPO), "SLURMFT_TEST_IMAGE_MARKS": str(marks)},
-    }
-    path = slurmft.write_config(tmp_path, tiny_model, chat_data, train=REFERENCE_TRAIN,
+    # Everything the job reads lies under /tmp, which ch-run shares with the image, so every automatic bind finds
+    # its destination in the read-only image: the model (tiny_model), the data, and slurmft itself, a copy of
+    # this checkout (the image holds the stack only, so it outlives every commit; host and image run the copy).
+    src = _copy_of_slurmft(tmp_path / "src")
+    data = tmp_path / "data" / chat_data.name
+    data.parent.mkdir()
+    shutil.copyfile(chat_data, data)
+    container = {"runtime": "charliecloud", "image": str(sft_image), "python": IMAGE_PYTHON,
+                 "env": {"PYTHONPATH": str(src), "SLURMFT_TEST_IMAGE_MARKS": str(marks)}}
+    path = slurmft.write_config(tmp_path, tiny_model, data, train=REFERENCE_TRAIN,
                                 checkpoint=REFERENCE_CHECKPOINT, cluster={"container": container})
     jobs = slurmft.submit(path)
     run = tmp_path / "run"
@@ -90,3 +99,29 @@ def test_a_preempted_run_in_the_image_equals_the_uninterrupted_reference(
         assert "bookworm" in mark["os"], mark
 
     slurmft.assert_same_model(RunPaths.of(run).model, reference)
+
+
+def test_an_image_without_the_python_fails_at_start_naming_the_image(sft_image: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The consolidation step's command as rendered (slurmft/plan/render.py), run as srun would run it: the image
+    has no ``nosuchpython``; the step ends with 127 and one line that names the field, the image and the fix."""
+    from slurmft.config import load_config
+    from slurmft.plan.render import render_scripts
+    from slurmft.profiles import load_profile
+    from slurmft.rundir import RunPaths
+
+    monkeypatch.setenv("USER", getpass.getuser())
+    run = tmp_path / "run.yaml"
+    run.write_text(f"name: nopy\noutput_dir: {tmp_path / 'out'}\nexecutor: slurm\nmodel: {{name_or_path: {tmp_path}}}\n"
+                   f"data: {{datasets: [{{path: {tmp_path / 'd.jsonl'}}}]}}\ncluster: {{profile: local-test, container: "
+                   f"{{runtime: charliecloud, image: {sft_image}, python: nosuchpython}}}}\n")
+    cfg = load_config(run)
+    (tmp_path / "out").mkdir()
+    script = render_scripts(cfg, load_profile("local-test"), RunPaths.of(cfg.output_dir))["consolidate"]
+    step = next(line for line in script.splitlines() if line.startswith("srun "))
+    command = step[step.index(" ch-run ") + 1:]
+    exports = "\n".join(line for line in script.splitlines() if line.startswith("export "))
+    out = subprocess.run(["bash", "-c", f"{exports}\n{command}"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 127, out
+    assert (f"[slurmft] cluster.container.python: nosuchpython is not in the charliecloud image {sft_image}: "
+            "install slurmft[train] in the image") in out.stderr, out.stderr
