@@ -231,7 +231,8 @@ def test_validate_names_a_missing_image_and_leaves_the_image_to_doctor(tmp_path:
     from slurmft.plan.checks import Report, check_container
 
     image = tmp_path / "sft.sif"
-    cfg = load_config(GOLDEN_CFG, ["cluster.container.runtime=apptainer", f"cluster.container.image={image}"])
+    cfg = load_config(GOLDEN_CFG, ["cluster.container.runtime=apptainer", f"cluster.container.image={image}",
+                                   "cluster.env.HF_HOME=/shared/hf"])
     report = Report()
     assert check_container(cfg, report) is not None  # still the run's container: the host checks follow it
     assert [p for p in report.problems if p.startswith(f"cluster.container.image: {image} does not exist")]
@@ -271,3 +272,21 @@ def test_the_configs_in_docs_containers_md_render(tmp_path: Path) -> None:
         assert marker[container.runtime] in srun_line(train), block
         seen.add(container.runtime)
     assert seen == set(RUNTIMES)
+
+
+def test_validate_asks_for_a_writable_hf_home_in_an_image(tmp_path: Path) -> None:
+    """The crossing with the Hugging Face caches, found on the real cluster: datasets writes ~/.cache, which in a
+    read-only image without the user's home fails with 'Read-only file system'."""
+    from slurmft.plan.checks import Report, check_container
+
+    image = tmp_path / "sft"
+    image.mkdir()
+    base = ["cluster.container.runtime=charliecloud", f"cluster.container.image={image}"]
+    report = Report()
+    check_container(load_config(GOLDEN_CFG, base), report)
+    assert [p for p in report.problems if p.startswith("cluster.env.HF_HOME: needed when the ranks run in an image")]
+    for fix in ("cluster.env.HF_HOME=/shared/hf", "cluster.container.env.HF_HOME=/shared/hf",
+                "cluster.container.mount_home=true"):
+        report = Report()
+        check_container(load_config(GOLDEN_CFG, [*base, fix]), report)
+        assert report.problems == [], fix

@@ -455,6 +455,12 @@ def check_container(cfg: RunConfig, report: Report) -> Any:
     if container is None:
         return None
     report.problems += image_problems(container)
+    if not container.mount_home and "HF_HOME" not in {**cfg.cluster.env, **container.env}:
+        report.problems.append(
+            "cluster.env.HF_HOME: needed when the ranks run in an image: the Hugging Face caches (models, datasets) "
+            "default to ~/.cache/huggingface, and the image's home is neither yours nor writable (datasets fails "
+            "with 'Read-only file system'); set cluster.env.HF_HOME to a shared writable directory (it is mounted "
+            "at the same path), or cluster.container.mount_home: true")
     report.skipped.append(f"cluster.container.python: {container.python} in {container.image} ({container.runtime}) "
                           "and the training stack there are checked by `slurmft doctor --job`, not here")
     return container

@@ -11,9 +11,10 @@
 # Knobs: SLURMFT_IMAGE_CACHE  where the image is built and kept   (/var/cache/slurmft)
 # Also installs Debian's charliecloud-runtime (ch-run) if missing. Needs root (mmdebstrap, apt-get).
 #
-# The image carries a test hook, /opt/sft/.../sitecustomize.py: a Python started in the image with
-# SLURMFT_TEST_IMAGE_MARKS set writes one JSON file there (its Slurm job, restart, rank, sys.executable,
-# the image's marker and os-release), the proof that a rank ran inside the image.
+# The image carries a test hook, slurmft_test_image_mark.py in the venv's site-packages, imported by a .pth
+# file there (Debian's own /usr/lib/python3.11/sitecustomize.py would shadow a sitecustomize.py): a Python
+# started in the image with SLURMFT_TEST_IMAGE_MARKS set writes one JSON file there (its Slurm job, restart,
+# rank, sys.executable, the image's marker and os-release), the proof that a rank ran inside the image.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -50,7 +51,8 @@ if _marks:
         print(f"[slurmft test image] could not record the mark: {_exc}", file=sys.stderr)
 EOF
 )
-WANT="bookworm python3 $(sha256sum "$REPO/.ci/constraints.txt" | cut -c1-16) $(printf '%s' "$HOOK" | sha256sum | cut -c1-16) v1"
+PACKAGES=(torch==2.13.0 transformers accelerate trl datasets safetensors tokenizers peft submitit)
+WANT="bookworm python3 ${PACKAGES[*]} $(sha256sum "$REPO/.ci/constraints.txt" | cut -c1-16) $(printf '%s' "$HOOK" | sha256sum | cut -c1-16) v2"
 
 log() { printf '[image +%ds] %s\n' "$SECONDS" "$*"; }
 
@@ -96,8 +98,9 @@ chroot "$tmp" /usr/bin/python3 -m venv --without-pip /opt/sft
 log "the training stack into it (this machine's pip, CI's pinned versions; torch==2.13.0 is the CPU build)"
 # --target: the image's own python3.11 (the same ABI as this one) imports what is written there
 python -m pip install --quiet --no-warn-script-location --no-warn-conflicts --progress-bar off --target "$tmp/$PY_SITE" \
-  -c "$REPO/.ci/constraints.txt" torch==2.13.0 transformers accelerate trl datasets safetensors tokenizers peft submitit
-printf '%s\n' "$HOOK" >"$tmp/$PY_SITE/sitecustomize.py"
+  -c "$REPO/.ci/constraints.txt" "${PACKAGES[@]}"
+printf '%s\n' "$HOOK" >"$tmp/$PY_SITE/slurmft_test_image_mark.py"
+echo "import slurmft_test_image_mark" >"$tmp/$PY_SITE/slurmft_test_image_mark.pth"
 # mount points of the tests' binds (ch-run binds onto existing directories of a read-only image)
 mkdir -p "$tmp/tmp" "$tmp/work" "$tmp/root" "$tmp/var/cache/slurmft"
 echo "$WANT" >"$tmp/etc/slurmft-test-image"

@@ -69,8 +69,11 @@ def test_a_preempted_run_in_the_image_equals_the_uninterrupted_reference(
     shutil.copyfile(chat_data, data)
     container = {"runtime": "charliecloud", "image": str(sft_image), "python": IMAGE_PYTHON,
                  "env": {"PYTHONPATH": str(src), "SLURMFT_TEST_IMAGE_MARKS": str(marks)}}
+    # HF_HOME: the image's home is not writable (validate asks for it: the datasets cache)
+    (tmp_path / "hf").mkdir()  # a bind's source must exist
+    cluster = {"container": container, "env": {"HF_HOME": str(tmp_path / "hf")}}
     path = slurmft.write_config(tmp_path, tiny_model, data, train=REFERENCE_TRAIN,
-                                checkpoint=REFERENCE_CHECKPOINT, cluster={"container": container})
+                                checkpoint=REFERENCE_CHECKPOINT, cluster=cluster)
     jobs = slurmft.submit(path)
     run = tmp_path / "run"
     train = (run / "scripts" / "train.sbatch").read_text()
@@ -125,3 +128,24 @@ def test_an_image_without_the_python_fails_at_start_naming_the_image(sft_image: 
     assert out.returncode == 127, out
     assert (f"[slurmft] cluster.container.python: nosuchpython is not in the charliecloud image {sft_image}: "
             "install slurmft[train] in the image") in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("runtime", ["pyxis", "apptainer", "charliecloud", "podman"])
+def test_sbatch_accepts_every_rendered_container_script(slurm_cluster, config_writer, tiny_model: Path,
+                                                        chat_data: Path, tmp_path: Path, runtime: str) -> None:
+    """``sbatch --test-only`` on the prepare, train and consolidation scripts of each runtime (the container flags
+    are on the srun line only: the #SBATCH directives are the host job's)."""
+    from slurmft.config import load_config
+    from slurmft.plan.render import render_scripts
+    from slurmft.profiles import load_profile
+    from slurmft.rundir import RunPaths
+
+    container = {"runtime": runtime, "image": str(tmp_path / "image") if runtime != "podman" else "localhost/sft:1"}
+    path = config_writer.write_config(tmp_path, tiny_model, chat_data, cluster={"container": container},
+                                      prepare={"enabled": True})
+    cfg = load_config(path)
+    for kind, text in render_scripts(cfg, load_profile(cfg.cluster.profile), RunPaths.of(cfg.output_dir)).items():
+        script = tmp_path / f"{kind}.sbatch"
+        script.write_text(text)
+        out = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "to start at" in out.stderr, (kind, out.stderr)
