@@ -74,10 +74,11 @@ def _merged(run: ContainerConfig | None, site: ContainerConfig | None) -> Contai
     return ContainerConfig.model_validate(merged)
 
 
-def automatic_mounts(cfg: RunConfig) -> list[str]:
+def automatic_mounts(cfg: RunConfig, container_env: dict[str, str] | None = None) -> list[str]:
     """Directories the ranks need at the same path in the image: the run directory (checkpoints, logs, the
     prepared data, submitit's pickles), the model and tokenizer directories, each local data file's directory,
-    a chat template's directory and HF_HOME when cluster.env (or the container's env) sets it."""
+    a chat template's directory and HF_HOME when the container's env (``container_env``; default: the run's
+    cluster.container.env) or cluster.env sets it."""
     dirs = [cfg.output_dir]
     for value in (cfg.model.name_or_path, cfg.model.tokenizer):
         if value and value.startswith("/"):
@@ -88,7 +89,8 @@ def automatic_mounts(cfg: RunConfig) -> list[str]:
     template = cfg.train.sft.get("chat_template_path")
     if isinstance(template, str) and template.startswith("/"):
         dirs.append(str(PurePosixPath(template).parent))
-    container_env = cfg.cluster.container.env if cfg.cluster.container else {}
+    if container_env is None:
+        container_env = cfg.cluster.container.env if cfg.cluster.container else {}
     hf_home = container_env.get("HF_HOME") or cfg.cluster.env.get("HF_HOME")
     if hf_home and hf_home.startswith("/"):
         dirs.append(hf_home)
@@ -125,7 +127,7 @@ def resolve(cfg: RunConfig, profile: ClusterProfile) -> Container | None:
     if spec.image is None:
         raise ConfigError(f"cluster.container.image: required {where}; set it to the image the ranks run in "
                           "(docs/containers.md)")
-    auto = [(d, d) for d in automatic_mounts(cfg)]
+    auto = [(d, d) for d in automatic_mounts(cfg, spec.env)]
     extra = [_split(m) for m in spec.mounts]
     problems = []
     for src, dst in extra:
