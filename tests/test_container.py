@@ -290,3 +290,25 @@ def test_validate_asks_for_a_writable_hf_home_in_an_image(tmp_path: Path) -> Non
         report = Report()
         check_container(load_config(GOLDEN_CFG, [*base, fix]), report)
         assert report.problems == [], fix
+
+
+def test_the_doctors_probe_runs_its_ranks_in_the_image_and_its_batch_side_on_the_host() -> None:
+    """The probe runs before the run directory exists: it binds the nearest existing parent (the one it writes its
+    token into) and its own directory instead, and no mount of the missing run dir (a bind's source must exist)."""
+    from slurmft.plan.render import PROBE_TEMPLATE, build_probe_context, render, signal_directive
+
+    overrides = [*COMMON, *RUNTIMES["charliecloud"]]
+    cfg = load_config(GOLDEN_CFG, overrides)
+    signal = signal_directive(scripts_for(GOLDEN_CFG, *overrides)["train"])
+    assert signal is not None
+    probe_dir = Path("/shared/home/.cache/slurmft/doctor/golden")
+    ctx = build_probe_context(cfg, load_profile(cfg.cluster.profile), probe_dir, signal, Path("/shared/runs"))
+    text = render(PROBE_TEMPLATE, ctx)
+    step = srun_line(text)
+    assert " ch-run " in step and " python -m slurmft.job.probe rank " in step
+    assert f"--bind={probe_dir}:{probe_dir}" in step and "--bind=/shared/runs:/shared/runs" in step
+    assert "/shared/runs/golden-2x8:" not in step
+    assert passed_names("charliecloud", step) >= {"MASTER_ADDR", "MASTER_PORT", "NCCL_SOCKET_IFNAME", "HF_HOME"}
+    batch = next(line for line in text.splitlines() if "-m slurmft.job.probe batch" in line)
+    assert batch.startswith("/opt/venv/bin/python -m slurmft.job.probe batch")
+    assert not [line for line in text.splitlines() if line.startswith("#SBATCH") and "container" in line]

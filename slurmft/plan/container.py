@@ -19,7 +19,7 @@ takes it. Everything here is pure: ``resolve`` and ``wrap`` read the config and 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
@@ -138,13 +138,26 @@ def resolve(cfg: RunConfig, profile: ClusterProfile) -> Container | None:
                                 f"path ({src}:{src})")
     if problems:
         raise ConfigError("cluster.container.mounts: a mount hides what the job needs", problems)
-    # parents before what lies inside them (a bind's destination must exist in the image: ch-run, enroot)
-    same = set(_outermost([s for s, d in [*auto, *extra] if s == d]))  # /fsx bound whole covers /fsx/data
-    kept = [(s, d) for s, d in dict.fromkeys([*auto, *extra]) if s != d or s in same]
-    mounts = sorted(kept, key=lambda m: (len(PurePosixPath(m[1]).parts), m[1]))
-    return Container(runtime=spec.runtime, image=spec.image, python=spec.python, mounts=tuple(mounts),
+    return Container(runtime=spec.runtime, image=spec.image, python=spec.python, mounts=_ordered([*auto, *extra]),
                      env=dict(spec.env), writable=spec.writable, workdir=spec.workdir or cfg.output_dir,
                      mount_home=spec.mount_home, shm_size=spec.shm_size)
+
+
+def _ordered(mounts: list[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    """Each mount once, a same-path one inside another same-path one dropped (/fsx bound whole covers
+    /fsx/data), parents before what lies inside them (a bind's destination must exist in the image: ch-run,
+    enroot)."""
+    same = set(_outermost([s for s, d in mounts if s == d]))
+    kept = [(s, d) for s, d in dict.fromkeys(mounts) if s != d or s in same]
+    return tuple(sorted(kept, key=lambda m: (len(PurePosixPath(m[1]).parts), m[1])))
+
+
+def rebound(container: Container, instead_of: str, paths: list[str]) -> Container:
+    """``container`` with the same-path mounts of ``paths`` in place of any mount inside ``instead_of``: the
+    doctor's probe runs before the run directory exists, and binds its nearest existing parent and its own
+    directory instead (a bind's source must exist)."""
+    kept = [(s, d) for s, d in container.mounts if not _within(s, instead_of)]
+    return replace(container, mounts=_ordered([*kept, *((p, p) for p in paths)]))
 
 
 def _why(cfg: RunConfig, path: str) -> str:

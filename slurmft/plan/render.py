@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from slurmft import __version__
 from slurmft.config import ConsolidateResources, PrepareResources, RunConfig, slurm_time_seconds
 from slurmft.errors import RenderError
-from slurmft.plan.container import Container, host_python, rank_python, resolve, wrap
+from slurmft.plan.container import Container, host_python, rank_python, rebound, resolve, wrap
 from slurmft.profiles import ClusterProfile, runs_on_gpu
 from slurmft.resources import data_dir
 from slurmft.rundir import RunPaths
@@ -340,9 +340,8 @@ def build_probe_context(
     paths = RunPaths.of(cfg.output_dir)
     env = _env_list(cfg, profile, extra)
     container = resolve(cfg, profile)
-    if container is not None:  # the probe's own directory and the run dir's parent it writes a token into
-        container = replace(container, mounts=(*container.mounts, *((str(d), str(d)) for d in (probe.root, run_dir_target)
-                                                                     if not any(str(d) == s for s, _ in container.mounts))))
+    if container is not None:  # the run dir may not exist yet: its nearest existing parent, and the probe's own dir
+        container = rebound(container, cfg.output_dir, [str(run_dir_target), str(probe.root)])
     rank_command = (f"{rank_python_for(cfg, profile)} -m slurmft.job.probe rank {q(probe.root)} "
                     + " ".join(q(a) for a in rank))
     srun_args, rank_command = _in_container(container, _rank_step(cfg, profile), rank_command, env, RENDEZVOUS_ENV,
