@@ -307,7 +307,7 @@ def test_the_doctors_probe_runs_its_ranks_in_the_image_and_its_batch_side_on_the
     step = srun_line(text)
     assert " ch-run " in step and " python -m slurmft.job.probe rank " in step
     assert f"--bind={probe_dir}:{probe_dir}" in step and "--bind=/shared/runs:/shared/runs" in step
-    assert "/shared/runs/golden-2x8:" not in step
+    assert "/shared/runs/golden-2x8" not in step and "--cd=/shared/runs " in step
     assert passed_names("charliecloud", step) >= {"MASTER_ADDR", "MASTER_PORT", "NCCL_SOCKET_IFNAME", "HF_HOME"}
     batch = next(line for line in text.splitlines() if "-m slurmft.job.probe batch" in line)
     assert batch.startswith("/opt/venv/bin/python -m slurmft.job.probe batch")

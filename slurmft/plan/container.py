@@ -155,9 +155,11 @@ def _ordered(mounts: list[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
 def rebound(container: Container, instead_of: str, paths: list[str]) -> Container:
     """``container`` with the same-path mounts of ``paths`` in place of any mount inside ``instead_of``: the
     doctor's probe runs before the run directory exists, and binds its nearest existing parent and its own
-    directory instead (a bind's source must exist)."""
+    directory instead (a bind's source must exist), and starts in the first of ``paths`` when the working
+    directory was inside ``instead_of``."""
     kept = [(s, d) for s, d in container.mounts if not _within(s, instead_of)]
-    return replace(container, mounts=_ordered([*kept, *((p, p) for p in paths)]))
+    workdir = paths[0] if _within(container.workdir, instead_of) else container.workdir
+    return replace(container, mounts=_ordered([*kept, *((p, p) for p in paths)]), workdir=workdir)
 
 
 def _why(cfg: RunConfig, path: str) -> str:
