@@ -182,7 +182,7 @@ class ContainerConfig(_Section):
         "explicitly, like every variable slurmft sets: an image's own ENV would otherwise win).")
     writable: bool = Field(
         False, description="A writable root file system in the image (pyxis --container-writable, apptainer "
-        "--writable-tmpfs, charliecloud --write; podman's is writable unless this is false: --read-only).")
+        "--writable-tmpfs, charliecloud --write; podman gets --read-only unless this is true).")
     workdir: str | None = Field(None, description="Working directory in the image (default: the run directory).")
     mount_home: bool = Field(
         False, description="Mount the user's home directory (pyxis --container-mount-home, apptainer without "

@@ -41,6 +41,27 @@ def sft_image() -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
+def _config_in_image(slurmft, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, image: Path,  # noqa: ANN001
+                     model: Path, data: Path, **sections: dict) -> Path:
+    """The test cluster's run config with its ranks in ``image`` (Charliecloud); the marks go to tmp_path/marks.
+
+    Everything the job reads lies under /tmp, which ch-run shares with the image, so every automatic bind finds
+    its destination in the read-only image: the model (tiny_model), the data, and slurmft itself, a copy of this
+    checkout (the image holds the stack only, so it outlives every commit; host and image run the copy)."""
+    monkeypatch.setenv("USER", getpass.getuser())  # ch-run refuses to start without it (sbatch passes it on)
+    (tmp_path / "marks").mkdir()
+    src = _copy_of_slurmft(tmp_path / "src")
+    copy = tmp_path / "data" / data.name
+    copy.parent.mkdir()
+    shutil.copyfile(data, copy)
+    container = {"runtime": "charliecloud", "image": str(image), "python": IMAGE_PYTHON,
+                 "env": {"PYTHONPATH": str(src), "SLURMFT_TEST_IMAGE_MARKS": str(tmp_path / "marks")}}
+    # HF_HOME: the image's home is not writable (validate asks for it: the datasets cache)
+    (tmp_path / "hf").mkdir()  # a bind's source must exist
+    cluster = {"container": container, "env": {"HF_HOME": str(tmp_path / "hf")}}
+    return slurmft.write_config(tmp_path, model, copy, cluster=cluster, **sections)
+
+
 def _copy_of_slurmft(dest: Path) -> Path:
     """slurmft's package and its data folders (templates, configs: slurmft/resources.py) copied to ``dest``."""
     for name in ("slurmft", "templates", "configs"):
@@ -49,31 +70,18 @@ def _copy_of_slurmft(dest: Path) -> Path:
 
 
 def _marks(directory: Path, job: str) -> list[dict]:
-    """What the image's hook recorded for the processes of ``job`` that ran slurmft (not a helper process)."""
+    """What the image's hook recorded for the processes of ``job`` that slurmft started (``python -m ...``; the
+    hook runs before runpy replaces argv[0]), not a helper process a library started (``python -c``)."""
     found = [json.loads(p.read_text()) for p in directory.glob(f"{job}-*.json")]
-    return [m for m in found if any("slurmft" in a or "submitit" in a for a in m["argv"])]
+    return [m for m in found if m["argv"][:1] == ["-m"]]
 
 
 def test_a_preempted_run_in_the_image_equals_the_uninterrupted_reference(
         slurm_cluster, reference: Path, sft_image: Path, tiny_model: Path, chat_data: Path, tmp_path: Path,
         slurmft, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("USER", getpass.getuser())  # ch-run refuses to start without it (sbatch passes it on)
     marks = tmp_path / "marks"
-    marks.mkdir()
-    # Everything the job reads lies under /tmp, which ch-run shares with the image, so every automatic bind finds
-    # its destination in the read-only image: the model (tiny_model), the data, and slurmft itself, a copy of
-    # this checkout (the image holds the stack only, so it outlives every commit; host and image run the copy).
-    src = _copy_of_slurmft(tmp_path / "src")
-    data = tmp_path / "data" / chat_data.name
-    data.parent.mkdir()
-    shutil.copyfile(chat_data, data)
-    container = {"runtime": "charliecloud", "image": str(sft_image), "python": IMAGE_PYTHON,
-                 "env": {"PYTHONPATH": str(src), "SLURMFT_TEST_IMAGE_MARKS": str(marks)}}
-    # HF_HOME: the image's home is not writable (validate asks for it: the datasets cache)
-    (tmp_path / "hf").mkdir()  # a bind's source must exist
-    cluster = {"container": container, "env": {"HF_HOME": str(tmp_path / "hf")}}
-    path = slurmft.write_config(tmp_path, tiny_model, data, train=REFERENCE_TRAIN,
-                                checkpoint=REFERENCE_CHECKPOINT, cluster=cluster)
+    path = _config_in_image(slurmft, monkeypatch, tmp_path, sft_image, tiny_model, chat_data,
+                            train=REFERENCE_TRAIN, checkpoint=REFERENCE_CHECKPOINT)
     jobs = slurmft.submit(path)
     run = tmp_path / "run"
     train = (run / "scripts" / "train.sbatch").read_text()
@@ -149,3 +157,23 @@ def test_sbatch_accepts_every_rendered_container_script(slurm_cluster, config_wr
         script.write_text(text)
         out = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and "to start at" in out.stderr, (kind, out.stderr)
+
+
+def test_doctor_job_probes_the_ranks_in_the_image(slurm_cluster, sft_image: Path, tiny_model: Path, chat_data: Path,
+                                                  tmp_path: Path, slurmft, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``doctor --job`` before the first submit: its probe ranks start through the same wrapped srun line, so they
+    report the image's Python and stack, slurmft's version against this one, and the warning signal in the image."""
+    from tests.slurm.test_slurm_doctor import doctor_json, free_port
+
+    monkeypatch.setenv("SLURMFT_MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the probe's directory: under /tmp, shared with the image
+    path = _config_in_image(slurmft, monkeypatch, tmp_path, sft_image, tiny_model, chat_data)
+    code, lines = doctor_json(slurmft, "--job", str(path))
+    assert code == 0 and {c: x for c, x in lines.items() if x["level"] != "ok"} == {}, lines
+    assert f"{IMAGE_PYTHON} in the charliecloud image {sft_image}" in lines["python [n1]"]["text"]
+    assert "torch 2.13.0" in lines["python [n2]"]["text"] and "peft" in lines["python [n2]"]["text"]
+    assert "as here" in lines["slurmft version"]["text"]
+    assert "reached all 2 rank(s)" in lines["warning signal"]["text"]
+    ranks = [m for m in (json.loads(p.read_text()) for p in (tmp_path / "marks").glob("*.json"))
+             if m["argv"][:2] == ["-m", "rank"]]  # python -m slurmft.job.probe rank ...
+    assert len(ranks) == 2 and all(m["executable"] == IMAGE_PYTHON and m["ch_running"] for m in ranks), ranks
