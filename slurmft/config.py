@@ -128,6 +128,137 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
 
 
+#: The container runtimes slurmft renders the rank step for (docs/containers.md).
+RUNTIMES = ("pyxis", "apptainer", "charliecloud", "podman")
+#: An image: a file path or a reference (nvcr.io#nvidia/pytorch:24.05-py3, docker://..., localhost/sft:1).
+IMAGE_RE = re.compile(r"^[A-Za-z0-9._/~+@=:#-]+$")
+#: One side of a mount: an absolute path without the separators the runtimes split on (',' and ':').
+MOUNT_PATH_RE = re.compile(r"^/[A-Za-z0-9._/~+@=-]*$")
+PODMAN_SIZE_RE = re.compile(r"^\d+[bkmgBKMG]?$")
+
+
+def mount_problem(mount: str) -> str | None:
+    """Why ``mount`` is not an absolute ``SRC:DST`` (or ``SRC``, bound at the same path) every runtime accepts."""
+    parts = mount.split(":")
+    if len(parts) > 2:
+        return (f"{mount!r}: expected SRC:DST (two absolute paths); pyxis and Apptainer split mounts on ':' and ',', "
+                "so neither may appear inside a path")
+    for side, path in zip(("the source", "the destination"), parts, strict=False):
+        if not path.startswith("/"):
+            return (f"{mount!r}: {side} {path!r} is not an absolute path (a mount is bound on every node, where a "
+                    f"relative path means nothing); write it from / (e.g. /shared/data:/data)")
+        if not MOUNT_PATH_RE.match(path):
+            return f"{mount!r}: {side} {path!r} has characters a mount cannot carry (spaces, ',', quotes, $)"
+    return None
+
+
+class ContainerConfig(_Section):
+    """The image the ranks run in (docs/containers.md); absent = the ranks run on the host (cluster.python).
+
+    The batch script, cluster.setup, the requeue and every Slurm command stay on the host; only the rank step and
+    the prepare and consolidation jobs' Python run in the image. A cluster profile may carry the site's defaults
+    (runtime, image, mounts); what is written here wins, and mounts add to the profile's.
+    """
+
+    runtime: str | None = Field(
+        None, description=f"Container runtime: {', '.join(RUNTIMES)} (default: the cluster profile's).")
+    image: str | None = Field(
+        None,
+        description="The image: pyxis an enroot URI (nvcr.io#nvidia/pytorch:24.05-py3) or a .sqsh path; apptainer a "
+        ".sif path or docker://...; charliecloud an image directory or SquashFS path; podman a reference (default: "
+        "the cluster profile's). A path must exist and be readable (validate checks it).")
+    mounts: list[str] = Field(
+        default_factory=list,
+        description="Extra bind mounts, SRC:DST with absolute paths (SRC alone: the same path inside). The run "
+        "directory, the model and tokenizer directories, the data files' directories and HF_HOME (cluster.env) are "
+        "mounted automatically at the same paths.")
+    python: str = Field(
+        "python",
+        description="The image's interpreter, with slurmft[train] installed. A bare name is looked up on the image's "
+        "PATH (srun resolves an absolute path on the host first: pyxis#104).")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra variables for the ranks in the image (exported by the batch script and passed in "
+        "explicitly, like every variable slurmft sets: an image's own ENV would otherwise win).")
+    writable: bool = Field(
+        False, description="A writable root file system in the image (pyxis --container-writable, apptainer "
+        "--writable-tmpfs, charliecloud --write; podman gets --read-only unless this is true).")
+    workdir: str | None = Field(None, description="Working directory in the image (default: the run directory).")
+    mount_home: bool = Field(
+        False, description="Mount the user's home directory (pyxis --container-mount-home, apptainer without "
+        "--no-home, charliecloud --home). Off: a ~/.cache or ~/.local in the home cannot shadow the image's packages.")
+    shm_size: str = Field(
+        "16g", description="podman --shm-size: /dev/shm of each rank (podman's default 64 MB breaks NCCL, nccl#342).")
+
+    @field_validator("runtime")
+    @classmethod
+    def _runtime(cls, v: str | None) -> str | None:
+        return None if v is None else runtime_choice(v)
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str | None) -> str | None:
+        return None if v is None else _check(IMAGE_RE, v, "image path or reference (no spaces, ',' or shell characters)")
+
+    @field_validator("mounts")
+    @classmethod
+    def _mounts(cls, v: list[str]) -> list[str]:
+        for mount in v:
+            if problem := mount_problem(mount):
+                raise ValueError(problem)
+        return v
+
+    @field_validator("python")
+    @classmethod
+    def _python(cls, v: str) -> str:
+        return _check(PATH_RE, v, "interpreter (a name on the image's PATH or an absolute path in the image)")
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        return _checked_env(v)
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir(cls, v: str | None) -> str | None:
+        return None if v is None else _check(MOUNT_PATH_RE, v, "absolute directory in the image")
+
+    @field_validator("shm_size")
+    @classmethod
+    def _shm(cls, v: str) -> str:
+        return _check(PODMAN_SIZE_RE, v, "podman size (e.g. 16g, 512m)")
+
+
+def runtime_choice(value: str) -> str:
+    """``value`` as one of :data:`RUNTIMES`, or a ValueError with a did-you-mean."""
+    import difflib
+
+    name = value.strip().lower()
+    aliases = {"enroot": "pyxis", "singularity": "apptainer", "ch-run": "charliecloud", "podman-hpc": "podman"}
+    if name in RUNTIMES:
+        return name
+    if name in aliases:
+        raise ValueError(f"unknown runtime {value!r}; did you mean {aliases[name]!r}? (use one of {', '.join(RUNTIMES)})")
+    close = difflib.get_close_matches(name, RUNTIMES, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ValueError(f"unknown runtime {value!r}; {hint}use one of {', '.join(RUNTIMES)}")
+
+
+def _checked_env(v: dict[str, str]) -> dict[str, str]:
+    """Variable names, no secrets, no control characters (cluster.env and cluster.container.env)."""
+    for key, value in v.items():
+        _check(ENV_KEY_RE, key, "environment variable name")
+        if SECRET_KEY_RE.search(key):
+            raise ValueError(
+                f"{key} looks like a secret; do not put secrets in run.yaml (they would be written into "
+                f"the sbatch script). Export {key} in the shell that runs 'slurmft submit' instead."
+            )
+        _no_control_chars(str(value), f"env value of {key}")
+        if key == "GLOO_SOCKET_IFNAME" and (problem := gloo_ifname_problem(str(value))):
+            raise ValueError(problem)
+    return v
+
+
 class ClusterConfig(_Section):
     """Where the job runs: the cluster profile and the scheduler account fields."""
 
@@ -153,8 +284,13 @@ class ClusterConfig(_Section):
     )
     python: str | None = Field(
         None,
-        description="Python interpreter on the compute nodes (default: the one running slurmft submit).",
+        description="Python interpreter on the compute nodes (default: the one running slurmft submit). With a "
+        "container it is the batch script's, on the host (rendezvous, requeue: slurmft without the training stack "
+        "is enough); the ranks use cluster.container.python.",
     )
+    container: ContainerConfig | None = Field(
+        None, description="Run the ranks in an image (docs/containers.md); absent: on the host, or in the cluster "
+        "profile's container when it has one.")
     master_addr: str | None = Field(
         None,
         description="Override the rendezvous address (default: NodeAddr of the allocation's first node).",
@@ -168,17 +304,7 @@ class ClusterConfig(_Section):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        for key, value in v.items():
-            _check(ENV_KEY_RE, key, "environment variable name")
-            if SECRET_KEY_RE.search(key):
-                raise ValueError(
-                    f"{key} looks like a secret; do not put secrets in run.yaml (they would be written into "
-                    f"the sbatch script). Export {key} in the shell that runs 'slurmft submit' instead."
-                )
-            _no_control_chars(str(value), f"env value of {key}")
-            if key == "GLOO_SOCKET_IFNAME" and (problem := gloo_ifname_problem(str(value))):
-                raise ValueError(problem)
-        return v
+        return _checked_env(v)
 
     @field_validator("setup")
     @classmethod
@@ -659,6 +785,11 @@ class RunConfig(_Section):
             )
         if self.dpo is not None:
             self._check_dpo(self.dpo)
+        if self.executor == Executor.LOCAL and self.cluster.container is not None:
+            raise ValueError(
+                "cluster.container: the local executor runs the job on this machine, outside any image; remove "
+                "cluster.container (or set executor=slurm)"
+            )
         if self.executor == Executor.LOCAL and self.resources.nodes != 1:
             raise ValueError(
                 "resources.nodes: the local executor runs on this machine only; set resources.nodes=1 "

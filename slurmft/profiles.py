@@ -7,7 +7,14 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from slurmft.config import ENV_KEY_RE, SECRET_KEY_RE, format_validation_error, gloo_ifname_problem, read_yaml
+from slurmft.config import (
+    ENV_KEY_RE,
+    SECRET_KEY_RE,
+    ContainerConfig,
+    format_validation_error,
+    gloo_ifname_problem,
+    read_yaml,
+)
 from slurmft.errors import ConfigError
 from slurmft.resources import data_dir
 
@@ -55,6 +62,9 @@ class ClusterProfile(BaseModel):
         f"{DEFAULT_CHECKPOINT_WRITE_GB_PER_S:g}: a conservative shared-filesystem figure; measure your checkpoint filesystem's write speed.",
     )
     env: dict[str, EnvVar] = Field(default_factory=dict)
+    container: ContainerConfig | None = Field(
+        None, description="The site's container defaults (runtime, image, mounts, ...): every run on this profile "
+        "runs its ranks in it; a run's cluster.container overrides field by field (docs/containers.md).")
 
     @field_validator("env")
     @classmethod
@@ -76,6 +86,32 @@ def profile_names() -> list[str]:
 
 def load_profile(name_or_path: str) -> ClusterProfile:
     """Load a shipped profile by name, or the user's own profile file by path."""
+    path = _profile_path(name_or_path)
+    try:
+        return ClusterProfile.model_validate(_profile_data(path, ()))
+    except ValidationError as err:
+        raise ConfigError(f"cluster.profile: {path} is not a valid profile", format_validation_error(err)) from None
+
+
+def _profile_data(path: Path, seen: tuple[Path, ...]) -> dict[str, object]:
+    """A profile file's mapping, on top of its ``base:`` profile's (a shipped name or a path): the base's
+    variables stay unless the file sets them again, every other key of the file replaces the base's. The
+    container form of a network profile (aws-efa-pyxis) carries the same NCCL/EFA values this way, once."""
+    data = read_yaml(path)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"cluster.profile: {path}: base: must name a profile (e.g. aws-efa), not {base!r}")
+    base_path = _profile_path(base)
+    if base_path in (*seen, path):
+        raise ConfigError(f"cluster.profile: {path}: base: {base} leads back to itself")
+    merged = _profile_data(base_path, (*seen, path))
+    env = {**(merged.get("env") or {}), **(data.pop("env", None) or {})}  # type: ignore[dict-item]
+    return {**merged, **data, "env": env}
+
+
+def _profile_path(name_or_path: str) -> Path:
     path = Path(name_or_path).expanduser()
     if not (path.suffix in (".yaml", ".yml") or "/" in name_or_path):
         path = data_dir("configs") / "clusters" / f"{name_or_path}.yaml"
@@ -86,10 +122,7 @@ def load_profile(name_or_path: str) -> ClusterProfile:
             )
     elif not path.is_file():
         raise ConfigError(f"cluster.profile: profile file {str(path)!r} does not exist")
-    try:
-        return ClusterProfile.model_validate(read_yaml(path))
-    except ValidationError as err:
-        raise ConfigError(f"cluster.profile: {path} is not a valid profile", format_validation_error(err)) from None
+    return path
 
 
 def runs_on_gpu(cfg: RunConfig, profile: ClusterProfile) -> bool:

@@ -268,3 +268,33 @@ def test_the_recorded_24_11_config_of_the_test_cluster_reads_like_its_22_05_one(
     for check in ("KillWait", "requeue delay", "MinJobAge", "job_comment", "lead time"):
         assert new[check].text == old[check].text, check
     assert new["preemption"].text.startswith("no preemption on debug (PreemptType=(null), PreemptMode=OFF)")
+
+
+def test_probe_in_an_image_names_it_and_holds_slurmft_to_the_login_nodes_version() -> None:
+    ranks, batch = probe_files()
+    for r in ranks.values():
+        r["slurmft"] = "0.0.9"
+    exp = expect(image="charliecloud image /scratch/sft", slurmft_version="0.1.0")
+    lines = probe_by_check(ranks, batch, exp)
+    version = lines["slurmft version"]
+    assert version.level is Level.PROBLEM and "0.0.9" in version.text and "0.1.0" in version.text
+    assert "in the image" in version.fix
+    assert "in the charliecloud image /scratch/sft" in lines["python [n1]"].text
+    for r in ranks.values():
+        r["slurmft"] = "0.1.0"
+    ranks[0]["versions"]["torch"] = None
+    lines = probe_by_check(ranks, batch, exp)
+    assert lines["slurmft version"].level is Level.OK
+    assert lines["python [n1]"].level is Level.PROBLEM and "rebuild" in lines["python [n1]"].fix
+
+
+def test_probe_on_efa_gpus_without_the_nccl_plugin_warns() -> None:
+    ranks, batch = probe_files()
+    for r in ranks.values():
+        r["cuda"] = {"available": True, "version": "12.4", "nccl": "2.21.5", "devices": 8}
+        r["nccl_net_plugin"] = None
+    lines = probe_by_check(ranks, batch, expect(profile="aws-efa", image="pyxis image /fsx/sft.sqsh"))
+    assert lines["NCCL net plugin"].level is Level.WARNING and "in the image" in lines["NCCL net plugin"].fix
+    ranks[0]["nccl_net_plugin"] = ranks[1]["nccl_net_plugin"] = "/opt/amazon/ofi-nccl/lib/libnccl-net.so"
+    lines = probe_by_check(ranks, batch, expect(profile="aws-efa"))
+    assert "NCCL net plugin" not in lines and "libnccl-net.so" in lines["python [n1]"].text

@@ -74,6 +74,22 @@ def _versions() -> dict[str, str | None]:
     return out
 
 
+def _nccl_net_plugin() -> str | None:
+    """The NCCL network plugin this process would load (aws-ofi-nccl's ``libnccl-net*.so``): NCCL_NET_PLUGIN's
+    library, else the first one on LD_LIBRARY_PATH or in the usual places; None when there is none."""
+    env = os.environ
+    names = [f"libnccl-net-{env['NCCL_NET_PLUGIN']}.so", f"libnccl-net_{env['NCCL_NET_PLUGIN']}.so"] \
+        if env.get("NCCL_NET_PLUGIN") else []
+    dirs = [d for d in env.get("LD_LIBRARY_PATH", "").split(":") if d]
+    dirs += ["/opt/amazon/ofi-nccl/lib", "/opt/amazon/ofi-nccl/lib64", "/opt/aws-ofi-nccl/lib", "/usr/local/lib",
+             "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu"]
+    for d in dirs:
+        for found in sorted(Path(d).glob("libnccl-net*.so*")) if Path(d).is_dir() else ():
+            if not names or found.name in names:
+                return str(found)
+    return None
+
+
 def _has_efa() -> bool | None:
     """``fi_info -p efa`` succeeds (libfabric sees EFA: a profile suggestion); None without fi_info."""
     import subprocess
@@ -135,9 +151,11 @@ def rank_main(args: argparse.Namespace) -> int:
     job = JobEnv.from_environ()  # as the train job's ranks read their place (MASTER_* from the batch script)
     rank, local, world, job_id = job.rank, job.local_rank, job.world_size, job.job_id
     node = env.get("SLURMD_NODENAME") or socket.gethostname()
+    from slurmft import __version__
+
     report: dict[str, Any] = {
         "rank": rank, "local_rank": local, "node": node, "python": sys.executable,
-        "python_version": sys.version.split()[0],
+        "python_version": sys.version.split()[0], "slurmft": __version__, "nccl_net_plugin": _nccl_net_plugin(),
         "vars": {k: env.get(k) for k in args.vars.split(",") if k},
         "handler_installed": preemption.installed(args.signal),
     }

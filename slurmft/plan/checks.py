@@ -89,8 +89,9 @@ def run_checks(cfg: RunConfig, job_python: bool = True) -> Report:
     check_precision(cfg, report)
     check_lora(cfg, report)
     template = check_chat_template(cfg, report, samples)
+    container = check_container(cfg, report)
     if job_python:
-        check_job_python(cfg, report)
+        check_job_python(cfg, report, in_image=container is not None)
     report.notes += batch_notes(cfg, samples, template)
     return report
 
@@ -457,10 +458,42 @@ def check_chat_template(cfg: RunConfig, report: Report, samples: list[Sample]) -
     return template
 
 
+# ====================================================================== the container
+def check_container(cfg: RunConfig, report: Report) -> Any:
+    """The run's container (slurmft/plan/container.py) as far as the login node can see it: the runtime, mounts
+    that hide nothing the job needs, an image file that exists and is readable. Returns it (None: no container,
+    or one that does not resolve). What is inside the image is `slurmft doctor --job`'s to check."""
+    from slurmft.plan.container import image_problems, resolve
+    from slurmft.profiles import load_profile
+
+    try:
+        profile = load_profile(cfg.cluster.profile)
+    except Exception:  # noqa: BLE001 - render/submit report a bad profile with its own message
+        return None
+    try:
+        container = resolve(cfg, profile)
+    except ConfigError as exc:
+        report.problems += exc.problems or [str(exc)]
+        return None
+    if container is None:
+        return None
+    report.problems += image_problems(container)
+    if not container.mount_home and "HF_HOME" not in {**cfg.cluster.env, **container.env}:
+        report.problems.append(
+            "cluster.env.HF_HOME: needed when the ranks run in an image: the Hugging Face caches (models, datasets) "
+            "default to ~/.cache/huggingface, and the image's home is neither yours nor writable (datasets fails "
+            "with 'Read-only file system'); set cluster.env.HF_HOME to a shared writable directory (it is mounted "
+            "at the same path), or cluster.container.mount_home: true")
+    report.skipped.append(f"cluster.container.python: {container.python} in {container.image} ({container.runtime}) "
+                          "and the training stack there are checked by `slurmft doctor --job`, not here")
+    return container
+
+
 # ====================================================================== the job's Python
-def check_job_python(cfg: RunConfig, report: Report) -> None:
+def check_job_python(cfg: RunConfig, report: Report, in_image: bool = False) -> None:
     """The job's Python exists and imports the training stack (with peft for a lora section, and the reporters'
-    packages)."""
+    packages). ``in_image``: the ranks run in a container, so the host's Python runs only the batch script's
+    slurmft steps (rendezvous, requeue) and needs slurmft alone."""
     python = cfg.cluster.job_python
     given = "cluster.python" if cfg.cluster.python else "cluster.python (not set: the Python running slurmft)"
     fix = ("set cluster.python to the interpreter of an environment with `pip install 'slurmft[train]'` on the "
@@ -488,6 +521,8 @@ def check_job_python(cfg: RunConfig, report: Report) -> None:
         return
     reporters = [m for name in cfg.train.report_to for m in REPORTERS.get(name, ())]
     stack = (*TRAINING_STACK, *(LORA_STACK if cfg.lora is not None else ()))
+    if in_image:
+        reporters, stack = [], ("slurmft",)
     code = ("import importlib.util as u, json, sys; "
             "print(json.dumps({m: u.find_spec(m) is not None for m in sys.argv[1:]}))")
     try:

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
+from slurmft import __version__
 from slurmft.config import RunConfig, slurm_time_seconds
 from slurmft.plan.estimate_text import lead_time_needed, lead_time_warning, stop_save_s
 from slurmft.profiles import ClusterProfile
@@ -389,6 +390,8 @@ class ProbeExpect:
     wants_gpus: bool
     profile: str
     lora: bool = False  # the run has a lora section: the nodes need peft too
+    image: str | None = None  # "RUNTIME image IMAGE" when the ranks run in a container (slurmft/plan/container.py)
+    slurmft_version: str = ""  # the login node's slurmft, which wrote the run dir the job reads
 
 
 def probe_expect(cfg: RunConfig, profile: ClusterProfile, estimate: dict[str, Any] | None, signal_name: str,
@@ -401,7 +404,7 @@ def probe_expect(cfg: RunConfig, profile: ClusterProfile, estimate: dict[str, An
         signal_name=signal_name, signal_text=signal_text, batch_only=batch_only, run_dir=run_dir,
         run_dir_bytes=None if ckpt is None else ckpt * (cfg.checkpoint.keep_last + 1) + (model or 0),
         model_bytes=model, wants_gpus=bool(cfg.resources.gpus_per_node and profile.gres_gpu and profile.name != "local-test"),
-        profile=profile.name, lora=cfg.lora is not None,
+        profile=profile.name, lora=cfg.lora is not None, image=_image_of(cfg, profile), slurmft_version=__version__,
     )
 
 
@@ -418,9 +421,30 @@ def _node_reports(ranks: dict[int, dict[str, Any]]) -> dict[str, dict[str, Any]]
     return {r["node"]: r for r in sorted(ranks.values(), key=lambda r: r["rank"]) if r.get("local_rank") == 0}
 
 
-def _probe_stack(nodes: dict[str, dict[str, Any]], lora: bool = False) -> list[Line]:
+def _image_of(cfg: RunConfig, profile: ClusterProfile) -> str | None:
+    from slurmft.plan.container import resolve
+
+    container = resolve(cfg, profile)
+    return f"{container.runtime} image {container.image}" if container else None
+
+
+def _probe_stack(nodes: dict[str, dict[str, Any]], expect: ProbeExpect) -> list[Line]:
     lines = []
-    needed = (*TRAINING_STACK, *(LORA_STACK if lora else ()))
+    needed = (*TRAINING_STACK, *(LORA_STACK if expect.lora else ()))
+    where = f" in the {expect.image}" if expect.image else ""
+    install = ("install slurmft[train] (peft included) in the image and rebuild it, or point cluster.container.python "
+               "at the image's interpreter that has it (docs/containers.md)" if expect.image else
+               "point cluster.python at the environment that has slurmft's training stack (pip install -e "
+               "'.[train]': peft included), or activate it in cluster.setup")
+    versions = {r.get("slurmft") for r in nodes.values()} - {None}
+    if expect.slurmft_version and versions and versions != {expect.slurmft_version}:
+        lines.append(Line("slurmft version", Level.PROBLEM,
+                          f"the ranks{where} run slurmft {', '.join(sorted(versions))}, this login node "
+                          f"{expect.slurmft_version} (one writes the run directory the other reads)",
+                          f"install slurmft {expect.slurmft_version} {'in the image' if expect.image else 'in cluster.python'}"
+                          " (or this login node's slurmft at the ranks' version)"))
+    elif expect.slurmft_version and versions:
+        lines.append(Line("slurmft version", Level.OK, f"the ranks{where} run slurmft {expect.slurmft_version}, as here"))
     seen = set()
     for node, r in nodes.items():
         v = r.get("versions", {})
@@ -428,11 +452,10 @@ def _probe_stack(nodes: dict[str, dict[str, Any]], lora: bool = False) -> list[L
         cuda = r.get("cuda", {})
         gpu = f"; CUDA {cuda.get('version')}, NCCL {cuda.get('nccl')}, {cuda.get('devices')} GPU(s)" if cuda.get("available") else ""
         missing = [k for k in needed if not v.get(k)]
-        text = f"{r.get('python')} (Python {r.get('python_version')}): {stack}{gpu}"
+        plugin = f"; NCCL net plugin {r.get('nccl_net_plugin') or 'none'}" if cuda.get("available") else ""
+        text = f"{r.get('python')}{where} (Python {r.get('python_version')}): {stack}{gpu}{plugin}"
         if missing:
-            lines.append(Line(f"python [{node}]", Level.PROBLEM, text + f"; missing: {', '.join(missing)}",
-                              "point cluster.python at the environment that has slurmft's training stack "
-                              "(pip install -e '.[train]': peft included), or activate it in cluster.setup"))
+            lines.append(Line(f"python [{node}]", Level.PROBLEM, text + f"; missing: {', '.join(missing)}", install))
         else:
             lines.append(Line(f"python [{node}]", Level.OK, text))
         seen.add((r.get("python"), tuple(sorted((k, str(x)) for k, x in v.items()))))
@@ -522,10 +545,18 @@ def probe_lines(ranks: dict[int, dict[str, Any]], batch: dict[str, Any] | None, 
     lines = [Line("probe", Level.PROBLEM if missing else Level.OK,
                   head + (f": no report from rank(s) {missing} (log: {log})" if missing else ""),
                   "read the log: the missing ranks failed or were killed" if missing else "")]
-    lines += _probe_stack(nodes, expect.lora)
+    lines += _probe_stack(nodes, expect)
     if expect.wants_gpus and not any((r.get("cuda") or {}).get("available") for r in nodes.values()):
         lines.append(Line("gpus", Level.PROBLEM, "no rank sees a GPU (torch.cuda.is_available() is False)",
                           "check the job's CUDA setup (cluster.setup: module load cuda) and that torch is a CUDA build"))
+    gpu_nodes = [n for n, r in nodes.items() if (r.get("cuda") or {}).get("available")]
+    no_plugin = [n for n in gpu_nodes if not nodes[n].get("nccl_net_plugin")]
+    if "efa" in expect.profile and no_plugin:
+        lines.append(Line("NCCL net plugin", Level.WARNING, f"no libnccl-net*.so (aws-ofi-nccl) found on "
+                                                            f"{', '.join(no_plugin)}{' in the ' + expect.image if expect.image else ''}: "
+                          "NCCL falls back to sockets over EFA's TCP", "install aws-ofi-nccl "
+                          + ("in the image (the AWS and NGC images carry it)" if expect.image else "on the nodes")
+                          + " or put its lib directory on LD_LIBRARY_PATH"))
     lines += _probe_vars(ranks, expect)
     lines += _probe_shared(nodes, "run_dir", "run dir", (expect.run_dir_bytes, "checkpoints and model need"), Level.PROBLEM,
                            "set output_dir to a path on a filesystem every node shares (not /tmp or a node-local disk)")

@@ -16,7 +16,8 @@ from typing import Any
 from slurmft import __version__
 from slurmft.config import ConsolidateResources, PrepareResources, RunConfig, slurm_time_seconds
 from slurmft.errors import RenderError
-from slurmft.profiles import ClusterProfile
+from slurmft.plan.container import Container, host_python, rank_python, rebound, resolve, wrap
+from slurmft.profiles import ClusterProfile, runs_on_gpu
 from slurmft.resources import data_dir
 from slurmft.rundir import RunPaths
 
@@ -58,8 +59,28 @@ def launcher_command(command: str, signal_name: str) -> str:
 
 
 def python_for(cfg: RunConfig) -> str:
-    """The job's interpreter (``ClusterConfig.job_python``), quoted for a script."""
-    return q(cfg.cluster.job_python)
+    """The batch shell's interpreter on the host (``container.host_python``), quoted for a script."""
+    return q(host_python(cfg))
+
+
+def rank_python_for(cfg: RunConfig, profile: ClusterProfile) -> str:
+    """The ranks' interpreter (``container.rank_python``: the image's in a container), quoted for a script. It is
+    the one submitit's per-task command starts, in the train, prepare and consolidation jobs alike."""
+    return q(rank_python(cfg, profile))
+
+
+#: Set by the rendezvous lookup in the batch shell (partials/rendezvous.j2), passed into an image with the rest.
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT")
+
+
+def _in_container(container: Container | None, srun: list[str], command: str, env: list[dict[str, str]],
+                  extra_names: tuple[str, ...] = (), gpus: bool = False) -> tuple[str, str]:
+    """The step's quoted ``srun`` options and command: as given on the host, or wrapped in the run's image with
+    every exported variable (``env``, ``extra_names``) passed in by name (and the GPUs, for a step that has them)."""
+    if container is not None:
+        names = [e["key"] for e in env] + list(extra_names)
+        srun, command = wrap(container, srun, command, names, gpus, q)
+    return " ".join(q(a) for a in srun), command
 
 
 def time_minutes(slurm_time: str) -> int:
@@ -78,6 +99,9 @@ def _env_list(cfg: RunConfig, profile: ClusterProfile, extra: dict[str, str]) ->
         merged[key] = (var.value, f"{var.reason} [profile {profile.name}]")
     for key, value in cfg.cluster.env.items():
         merged[key] = (value, "cluster.env")
+    container = resolve(cfg, profile)
+    for key, value in (container.env if container else {}).items():
+        merged[key] = (value, "cluster.container.env")
     for key, value in extra.items():
         merged[key] = (value, "slurmft")
     return [{"key": k, "value": q(v), "reason": r.replace("\n", " ")} for k, (v, r) in merged.items()]
@@ -149,12 +173,15 @@ def build_train_context(
     if cfg.cluster.master_addr:
         extra["SLURMFT_MASTER_ADDR"] = cfg.cluster.master_addr
     srun = ["--kill-on-bad-exit=1", *_rank_step(cfg, profile)]
+    env = _env_list(cfg, profile, extra)
+    srun_args, rank_command = _in_container(resolve(cfg, profile), srun, launcher_command(command, cfg.preemption.signal),
+                                            env, RENDEZVOUS_ENV, runs_on_gpu(cfg, profile))
     return {
         **_common(cfg, paths, "train", config_path),
         "directives": directives,
-        "env": _env_list(cfg, profile, extra),
-        "srun_args": " ".join(q(a) for a in srun),
-        "command": launcher_command(command, cfg.preemption.signal),
+        "env": env,
+        "srun_args": srun_args,
+        "command": rank_command,
         "warning_signal": q(cfg.preemption.signal.upper().removeprefix("SIG")),
     }
 
@@ -205,12 +232,14 @@ def _cpu_job_context(cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, c
     for e in env:
         if e["key"] == "OMP_NUM_THREADS":
             e["value"] = q(res.cpus_per_task)
+    srun = ["--unbuffered", "--ntasks=1", f"--cpus-per-task={res.cpus_per_task}"]
+    srun_args, task_command = _in_container(resolve(cfg, profile), srun, command, env)  # CPUs only
     return {
         **_common(cfg, paths, kind, config_path),
         "directives": directives,
         "env": env,
-        "srun_args": " ".join(q(a) for a in ["--unbuffered", "--ntasks=1", f"--cpus-per-task={res.cpus_per_task}"]),
-        "command": command,
+        "srun_args": srun_args,
+        "command": task_command,
     }
 
 
@@ -252,7 +281,7 @@ def render_scripts(
     template_dir: str | Path | None = None,
 ) -> dict[str, str]:
     """Render the job scripts (prepare, train, consolidate) exactly as ``submit`` will write them."""
-    command = submitit_command(python_for(cfg), paths.submitit)
+    command = submitit_command(rank_python_for(cfg, profile), paths.submitit)
     scripts = {}
     if cfg.prepare.enabled:
         ctx = build_prepare_context(cfg, profile, paths, command, config_path)
@@ -306,16 +335,23 @@ def build_probe_context(
                   signal.text, _flag("output", probe.log), _flag("error", probe.log)]
     env_keys = [*profile.env, *cfg.cluster.env]
     extra = {"SLURMFT_MASTER_ADDR": cfg.cluster.master_addr} if cfg.cluster.master_addr else {}
-    srun = _rank_step(cfg, profile)
     python = python_for(cfg)
     rank = [f"--signal={signal.name}", f"--run-dir={run_dir_target}", f"--vars={','.join(env_keys)}"]
     paths = RunPaths.of(cfg.output_dir)
+    env = _env_list(cfg, profile, extra)
+    container = resolve(cfg, profile)
+    if container is not None:  # the run dir may not exist yet: its nearest existing parent, and the probe's own dir
+        container = rebound(container, cfg.output_dir, [str(run_dir_target), str(probe.root)])
+    rank_command = (f"{rank_python_for(cfg, profile)} -m slurmft.job.probe rank {q(probe.root)} "
+                    + " ".join(q(a) for a in rank))
+    srun_args, rank_command = _in_container(container, _rank_step(cfg, profile), rank_command, env, RENDEZVOUS_ENV,
+                                            runs_on_gpu(cfg, profile))
     return {
         **_common(cfg, paths, "doctor probe", config_path),
         "directives": directives,
-        "env": _env_list(cfg, profile, extra),
-        "srun_args": " ".join(q(a) for a in srun),
-        "rank_command": f"{python} -m slurmft.job.probe rank {q(probe.root)} " + " ".join(q(a) for a in rank),
+        "env": env,
+        "srun_args": srun_args,
+        "rank_command": rank_command,
         "batch_command": f"{python} -m slurmft.job.probe batch {q(probe.root)} --lead={signal.lead_s}",
         "batch_signal_file": q(probe.batch_signal),
         "warning_signal": q(signal.name),

@@ -29,6 +29,7 @@ from slurmft.plan.render import (
     build_prepare_context,
     build_train_context,
     python_for,
+    rank_python_for,
     render,
     render_scripts,
     time_minutes,
@@ -61,7 +62,8 @@ def make_slurm_executor(
     python: str, kill_on_invalid_dep: bool = False,
 ) -> Any:
     """A submitit SlurmExecutor whose sbatch file is our rendered template (``kill_on_invalid_dep``: Slurm
-    cancels the job once its dependency can never be satisfied, instead of leaving it pending)."""
+    cancels the job once its dependency can never be satisfied, instead of leaving it pending). ``python``
+    starts submitit's per-task command: the ranks' interpreter (``render.rank_python_for``)."""
     from submitit import SlurmExecutor
 
     class TemplatedSlurmExecutor(SlurmExecutor):
@@ -276,7 +278,8 @@ def _submit_slurm(
         say(f"the data is prepared already ({paths.prepared}): no prepare job")
     try:
         ex = make_slurm_executor(
-            paths, cfg.resources.world_size, time_minutes(cfg.cluster.time), train_text, first, python_for(cfg),
+            paths, cfg.resources.world_size, time_minutes(cfg.cluster.time), train_text, first,
+            rank_python_for(cfg, profile),
             kill_on_invalid_dep=True,
         )
         train = ex.submit(run_train, str(paths.root), cfg.preemption.signal)
@@ -337,7 +340,8 @@ def submit_consolidation(
     _, consolidate_text = _texts(cfg, profile, paths, config_path, template_dir)
     try:
         cex = make_slurm_executor(
-            paths, 1, time_minutes(cfg.consolidate.resources.time), consolidate_text, dependency, python_for(cfg)
+            paths, 1, time_minutes(cfg.consolidate.resources.time), consolidate_text, dependency,
+            rank_python_for(cfg, profile),
         )
         cons = cex.submit(run_consolidate, str(paths.root), checkpoint, out)
     except (FailedJobError, OSError, RuntimeError) as exc:
@@ -364,7 +368,8 @@ def submit_prepare(cfg: RunConfig, profile: Any, paths: RunPaths, manifest: dict
         return render(PREPARE_TEMPLATE, build_prepare_context(cfg, profile, paths, command, config_path), template_dir)
 
     try:
-        ex = make_slurm_executor(paths, 1, time_minutes(cfg.prepare.resources.time), text, None, python_for(cfg))
+        ex = make_slurm_executor(paths, 1, time_minutes(cfg.prepare.resources.time), text, None,
+                                 rank_python_for(cfg, profile))
         job = ex.submit(run_prepare, str(paths.root))
     except (FailedJobError, OSError, RuntimeError) as exc:
         raise SubmissionError(f"sbatch refused the prepare job ({str(exc).strip()})") from None

@@ -88,13 +88,13 @@ def submit(paths: RunPaths, template_dir: str | None, say: Say, force: bool = Fa
         from slurmft.plan.render import (
             PREPARE_TEMPLATE,
             build_prepare_context,
-            python_for,
+            rank_python_for,
             render,
             submitit_command,
         )
         from slurmft.rundir import atomic_write
 
-        command = submitit_command(python_for(cfg), paths.submitit)
+        command = submitit_command(rank_python_for(cfg, profile), paths.submitit)
         text = render(PREPARE_TEMPLATE, build_prepare_context(cfg, profile, paths, command, str(paths.config)),
                       template_dir)
         atomic_write(paths.script("prepare"), text, executable=True)

@@ -24,8 +24,9 @@ BIG_MODEL = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidd
              "vocab_size": 32000, "max_position_embeddings": 2048, "tie_word_embeddings": False}
 B_SIGNAL_PARTIAL = ('{% for directive in directives %}\n'
                     '#SBATCH {{ directive | replace("--signal=", "--signal=B:") }}\n{% endfor %}\n')
-PROBE_CHECKS = {"probe", "python [n1]", "python [n2]", "profile variables", "run dir [n1]", "run dir [n2]",
-                "HF_HOME [n1]", "HF_HOME [n2]", "scontrol in batch", "MASTER_ADDR", "all-reduce", "warning signal"}
+PROBE_CHECKS = {"probe", "slurmft version", "python [n1]", "python [n2]", "profile variables", "run dir [n1]",
+                "run dir [n2]", "HF_HOME [n1]", "HF_HOME [n2]", "scontrol in batch", "MASTER_ADDR", "all-reduce",
+                "warning signal"}
 LOGIN_CHECKS = {"slurm", "accounting", "job_comment", "MinJobAge", "partition", "preemption", "requeue delay",
                 "MaxTime", "gpus", "lead time", "KillWait"}
 

@@ -1,0 +1,179 @@
+"""The ranks in an image on the real two-node cluster: Charliecloud (Debian's charliecloud-runtime), the image
+built here with no registry (tests/slurm/image.sh: mmdebstrap + the pinned training stack; cached).
+
+One run of the shared ``reference`` config with ``cluster.container`` added, preempted once by the warning
+signal (``scancel --signal=USR2``: what Slurm sends at ``--signal=USR2@lead``, no ``B:``):
+
+* every rank of both attempts, and the consolidation job's task, ran inside the image: the image's test hook
+  (a sitecustomize.py there) records sys.executable (the image's venv, absent on the host), the image's
+  marker file and its os-release, and Charliecloud's CH_RUNNING;
+* the host's batch script requeued it: the same job id, restart count 1, steps 1..40 logged once each;
+* the final model is bitwise equal to the shared uninterrupted ``reference`` run (no container), consolidated
+  in the image.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from slurmft.rundir import RunPaths
+from tests.slurm.conftest import REFERENCE_CHECKPOINT, REFERENCE_TRAIN
+from tests.slurm.jobs import restarts, signal_rank_steps
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[2]
+IMAGE_PYTHON = "/opt/sft/bin/python"  # the venv tests/slurm/image.sh makes in the image
+
+
+@pytest.fixture(scope="session")
+def sft_image() -> Path:
+    """The cached test image (built on first use; .ci/run builds it before the tests)."""
+    out = subprocess.run(["bash", str(REPO / "tests" / "slurm" / "image.sh")], capture_output=True, text=True,
+                         timeout=1800)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def _config_in_image(slurmft, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, image: Path,  # noqa: ANN001
+                     model: Path, data: Path, **sections: dict) -> Path:
+    """The test cluster's run config with its ranks in ``image`` (Charliecloud); the marks go to tmp_path/marks.
+
+    Everything the job reads lies under /tmp, which ch-run shares with the image, so every automatic bind finds
+    its destination in the read-only image: the model (tiny_model), the data, and slurmft itself, a copy of this
+    checkout (the image holds the stack only, so it outlives every commit; host and image run the copy)."""
+    monkeypatch.setenv("USER", getpass.getuser())  # ch-run refuses to start without it (sbatch passes it on)
+    (tmp_path / "marks").mkdir()
+    src = _copy_of_slurmft(tmp_path / "src")
+    copy = tmp_path / "data" / data.name
+    copy.parent.mkdir()
+    shutil.copyfile(data, copy)
+    container = {"runtime": "charliecloud", "image": str(image), "python": IMAGE_PYTHON,
+                 "env": {"PYTHONPATH": str(src), "SLURMFT_TEST_IMAGE_MARKS": str(tmp_path / "marks")}}
+    # HF_HOME: the image's home is not writable (validate asks for it: the datasets cache)
+    (tmp_path / "hf").mkdir()  # a bind's source must exist
+    cluster = {"container": container, "env": {"HF_HOME": str(tmp_path / "hf")}}
+    return slurmft.write_config(tmp_path, model, copy, cluster=cluster, **sections)
+
+
+def _copy_of_slurmft(dest: Path) -> Path:
+    """slurmft's package and its data folders (templates, configs: slurmft/resources.py) copied to ``dest``."""
+    for name in ("slurmft", "templates", "configs"):
+        shutil.copytree(REPO / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+def _marks(directory: Path, job: str) -> list[dict]:
+    """What the image's hook recorded for the processes of ``job`` that slurmft started (``python -m ...``; the
+    hook runs before runpy replaces argv[0]), not a helper process a library started (``python -c``)."""
+    found = [json.loads(p.read_text()) for p in directory.glob(f"{job}-*.json")]
+    return [m for m in found if m["argv"][:1] == ["-m"]]
+
+
+def test_a_preempted_run_in_the_image_equals_the_uninterrupted_reference(
+        slurm_cluster, reference: Path, sft_image: Path, tiny_model: Path, chat_data: Path, tmp_path: Path,
+        slurmft, monkeypatch: pytest.MonkeyPatch) -> None:
+    marks = tmp_path / "marks"
+    path = _config_in_image(slurmft, monkeypatch, tmp_path, sft_image, tiny_model, chat_data,
+                            train=REFERENCE_TRAIN, checkpoint=REFERENCE_CHECKPOINT)
+    jobs = slurmft.submit(path)
+    run = tmp_path / "run"
+    train = (run / "scripts" / "train.sbatch").read_text()
+    assert "ch-run --env-no-expand" in train and "#SBATCH --container" not in train
+
+    slurmft.wait_for("step 2", lambda: any(m["step"] >= 2 for m in slurmft.metrics(run)))
+    signal_rank_steps(jobs["train"])
+    slurmft.wait_for("restart 1", lambda: restarts(jobs["train"]) >= 1, timeout=120)
+    slurm_cluster.wait_state(jobs["train"], "COMPLETED", timeout=400)
+    slurm_cluster.wait_state(jobs["consolidate"], "COMPLETED", timeout=240)
+
+    steps = slurmft.metrics(run)
+    assert sorted(m["step"] for m in steps) == list(range(1, REFERENCE_TRAIN["max_steps"] + 1))
+    assert {m["restart"] for m in steps} == {0, 1}
+    log = (run / "logs" / f"train-{jobs['train']}.out").read_text()
+    assert "restart=0" in log and "restart=1" in log  # the host's batch script, both attempts, one job id
+
+    image = (sft_image / "etc" / "slurmft-test-image").read_text().strip()
+    assert not Path(IMAGE_PYTHON).exists()  # the host has no such interpreter: only the image does
+    rank_marks = _marks(marks, jobs["train"])
+    assert {(m["restart"], m["rank"]) for m in rank_marks} == {("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")}, rank_marks
+    consolidation = _marks(marks, jobs["consolidate"])
+    assert consolidation, "the consolidation job's task left no mark"
+    for mark in rank_marks + consolidation:
+        assert mark["executable"] == IMAGE_PYTHON and mark["image"] == image and mark["ch_running"], mark
+        assert "bookworm" in mark["os"], mark
+
+    slurmft.assert_same_model(RunPaths.of(run).model, reference)
+
+
+def test_an_image_without_the_python_fails_at_start_naming_the_image(sft_image: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The consolidation step's command as rendered (slurmft/plan/render.py), run as srun would run it: the image
+    has no ``nosuchpython``; the step ends with 127 and one line that names the field, the image and the fix."""
+    from slurmft.config import load_config
+    from slurmft.plan.render import render_scripts
+    from slurmft.profiles import load_profile
+    from slurmft.rundir import RunPaths
+
+    monkeypatch.setenv("USER", getpass.getuser())
+    run = tmp_path / "run.yaml"
+    run.write_text(f"name: nopy\noutput_dir: {tmp_path / 'out'}\nexecutor: slurm\nmodel: {{name_or_path: {tmp_path}}}\n"
+                   f"data: {{datasets: [{{path: {tmp_path / 'd.jsonl'}}}]}}\ncluster: {{profile: local-test, container: "
+                   f"{{runtime: charliecloud, image: {sft_image}, python: nosuchpython}}}}\n")
+    cfg = load_config(run)
+    (tmp_path / "out").mkdir()
+    script = render_scripts(cfg, load_profile("local-test"), RunPaths.of(cfg.output_dir))["consolidate"]
+    step = next(line for line in script.splitlines() if line.startswith("srun "))
+    command = step[step.index(" ch-run ") + 1:]
+    exports = "\n".join(line for line in script.splitlines() if line.startswith("export "))
+    out = subprocess.run(["bash", "-c", f"{exports}\n{command}"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 127, out
+    assert (f"[slurmft] cluster.container.python: nosuchpython is not in the charliecloud image {sft_image}: "
+            "install slurmft[train] in the image") in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("runtime", ["pyxis", "apptainer", "charliecloud", "podman"])
+def test_sbatch_accepts_every_rendered_container_script(slurm_cluster, config_writer, tiny_model: Path,
+                                                        chat_data: Path, tmp_path: Path, runtime: str) -> None:
+    """``sbatch --test-only`` on the prepare, train and consolidation scripts of each runtime (the container flags
+    are on the srun line only: the #SBATCH directives are the host job's)."""
+    from slurmft.config import load_config
+    from slurmft.plan.render import render_scripts
+    from slurmft.profiles import load_profile
+    from slurmft.rundir import RunPaths
+
+    container = {"runtime": runtime, "image": str(tmp_path / "image") if runtime != "podman" else "localhost/sft:1"}
+    path = config_writer.write_config(tmp_path, tiny_model, chat_data, cluster={"container": container},
+                                      prepare={"enabled": True})
+    cfg = load_config(path)
+    for kind, text in render_scripts(cfg, load_profile(cfg.cluster.profile), RunPaths.of(cfg.output_dir)).items():
+        script = tmp_path / f"{kind}.sbatch"
+        script.write_text(text)
+        out = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "to start at" in out.stderr, (kind, out.stderr)
+
+
+def test_doctor_job_probes_the_ranks_in_the_image(slurm_cluster, sft_image: Path, tiny_model: Path, chat_data: Path,
+                                                  tmp_path: Path, slurmft, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``doctor --job`` before the first submit: its probe ranks start through the same wrapped srun line, so they
+    report the image's Python and stack, slurmft's version against this one, and the warning signal in the image."""
+    from tests.slurm.test_slurm_doctor import doctor_json, free_port
+
+    monkeypatch.setenv("SLURMFT_MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the probe's directory: under /tmp, shared with the image
+    path = _config_in_image(slurmft, monkeypatch, tmp_path, sft_image, tiny_model, chat_data)
+    code, lines = doctor_json(slurmft, "--job", str(path))
+    assert code == 0 and {c: x for c, x in lines.items() if x["level"] != "ok"} == {}, lines
+    assert f"{IMAGE_PYTHON} in the charliecloud image {sft_image}" in lines["python [n1]"]["text"]
+    assert "torch 2.13.0" in lines["python [n2]"]["text"] and "peft" in lines["python [n2]"]["text"]
+    assert "as here" in lines["slurmft version"]["text"]
+    assert "reached all 2 rank(s)" in lines["warning signal"]["text"]
+    ranks = [m for m in (json.loads(p.read_text()) for p in (tmp_path / "marks").glob("*.json"))
+             if m["argv"][:2] == ["-m", "rank"]]  # python -m slurmft.job.probe rank ...
+    assert len(ranks) == 2 and all(m["executable"] == IMAGE_PYTHON and m["ch_running"] for m in ranks), ranks

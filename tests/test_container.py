@@ -1,0 +1,314 @@
+"""Containers (slurmft/plan/container.py): the rank step in the image, everything else on the host.
+
+Golden scripts for each runtime on the reference 2x8 EFA allocation, and the boundary's rules checked on
+every one of them: no ``#SBATCH --container*``, no ``B:`` on the signal, the rendezvous and the requeue on
+the host around the one wrapped step, every variable the script exports passed into the image by name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from slurmft.config import load_config
+from slurmft.errors import ConfigError
+from slurmft.plan.container import automatic_mounts, image_problems, resolve
+from slurmft.profiles import load_profile
+from tests.test_render import GOLDEN, GOLDEN_CFG, scripts_for
+
+# The reference allocation, its data and HF cache on the cluster's shared file system, one extra mount.
+COMMON = ("data.datasets[0].path=/fsx/data/chat.jsonl", "cluster.env.HF_HOME=/fsx/hf",
+          "cluster.container.mounts=[/fsx/cache:/cache]")
+RUNTIMES = {
+    "pyxis": ("cluster.profile=aws-efa-pyxis", "cluster.container.image=/fsx/images/sft.sqsh"),
+    "apptainer": ("cluster.container.runtime=apptainer", "cluster.container.image=/fsx/images/sft.sif"),
+    "charliecloud": ("cluster.container.runtime=charliecloud", "cluster.container.image=/fsx/images/sft"),
+    "podman": ("cluster.container.runtime=podman", "cluster.container.image=localhost/sft:1"),
+}
+KINDS = ("prepare", "train", "consolidate")
+
+
+def container_scripts(runtime: str, *more: str) -> dict[str, str]:
+    return scripts_for(GOLDEN_CFG, *COMMON, *RUNTIMES[runtime], *more)
+
+
+def srun_line(text: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith("srun "))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_matches_golden_and_is_clean_bash(runtime: str, kind: str, tmp_path: Path) -> None:
+    text = container_scripts(runtime)[kind]
+    golden = GOLDEN / f"{kind}-2x8-aws-efa-{runtime}.sbatch"
+    if os.environ.get("SLURMFT_UPDATE_GOLDEN"):
+        changed = not golden.exists() or golden.read_text() != text
+        golden.write_text(text)
+        pytest.fail(f"SLURMFT_UPDATE_GOLDEN is set: wrote {golden} ({'changed' if changed else 'unchanged'}); "
+                    "review the diff, then run again without it")
+    assert text == golden.read_text(), f"rendered {kind} differs from {golden} (SLURMFT_UPDATE_GOLDEN=1 to refresh)"
+    script = tmp_path / "s.sh"
+    script.write_text(text)
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    if not shutil.which("shellcheck"):
+        if os.environ.get("CI"):
+            pytest.fail("shellcheck is not installed but CI is set (.ci/run installs it)")
+        pytest.skip("shellcheck not installed (apt-get install shellcheck)")
+    out = subprocess.run(["shellcheck", "-S", "warning", str(script)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_the_batch_script_stays_on_the_host(runtime: str) -> None:
+    """No #SBATCH --container* (a batch script in the image has no scontrol: pyxis#129), no B: on the signal,
+    the rendezvous and the requeue run by the host's Python around the one step that enters the image."""
+    scripts = container_scripts(runtime)
+    for text in scripts.values():
+        directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+        assert not [d for d in directives if "container" in d], directives
+        assert not [d for d in directives if "--signal" in d and "B:" in d], directives
+        assert len([line for line in text.splitlines() if line.startswith("srun ")]) == 1
+    train = scripts["train"].splitlines()
+    assert "#SBATCH --signal=USR2@180" in train and "#SBATCH --requeue" in train
+    step = next(i for i, line in enumerate(train) if line.startswith("srun "))
+    requeue = next(i for i, line in enumerate(train) if "-m slurmft.job.requeue" in line)
+    rendezvous = next(i for i, line in enumerate(train) if "-m slurmft.job.rendezvous" in line)
+    assert rendezvous < step < requeue
+    for host_line in (train[requeue], train[rendezvous]):  # the host's cluster.python, not the image's
+        assert "/opt/venv/bin/python -m slurmft.job." in host_line
+        assert not re.search(r"container|apptainer|ch-run|podman", host_line), host_line
+    assert "/opt/venv/bin/python" not in srun_line(scripts["train"])  # the ranks run the image's python
+    assert " python -u -m slurmft.job.launch --signal=USR2 " in srun_line(scripts["train"])
+    for kind in ("prepare", "consolidate"):
+        assert " python -u -m submitit.core._submit /shared/runs/golden-2x8/submitit" in srun_line(scripts[kind])
+
+
+def passed_names(runtime: str, srun: str) -> set[str]:
+    """The variable names a rendered step passes into the image, in the runtime's own syntax."""
+    if runtime == "pyxis":
+        return set(re.search(r"--container-env=(\S+)", srun).group(1).split(","))  # type: ignore[union-attr]
+    pattern = {"apptainer": r'"APPTAINERENV_(\w+)=\$\{(\w+)\}"', "charliecloud": r'"--set-env=(\w+)=\$\{(\w+)\}"',
+               "podman": r"--env=(\w+)(?=\s)"}[runtime]
+    found = re.findall(pattern, srun)
+    if runtime != "podman":
+        assert all(a == b for a, b in found), found  # NAME=${NAME}: the batch shell's own value
+        return {a for a, _ in found}
+    return set(found)
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_every_exported_variable_is_passed_into_the_image(runtime: str) -> None:
+    """An image's ENV beats an inherited value (pyxis#124; NGC images set NCCL_* and MASTER_PORT): every variable
+    the script exports, and the rendezvous' MASTER_ADDR/PORT for the ranks, goes in by name."""
+    scripts = container_scripts(runtime, "cluster.container.env.TRITON_CACHE_DIR=/tmp/triton")
+    for kind, text in scripts.items():
+        exported = set(re.findall(r"^export (\w+)=", text, re.MULTILINE))
+        assert {"HF_HOME", "SLURMFT_RUN_DIR", "TRITON_CACHE_DIR", "OMP_NUM_THREADS", "WANDB_PROJECT"} <= exported
+        if kind == "train":
+            assert {"NCCL_DEBUG", "FI_EFA_USE_HUGE_PAGE", "NCCL_SOCKET_IFNAME"} <= exported
+            exported |= {"MASTER_ADDR", "MASTER_PORT"}
+        assert passed_names(runtime, srun_line(text)) == exported, kind
+    if runtime == "podman":  # the one runtime that starts from the image's environment only
+        assert "'--env=SLURM_*'" in srun_line(scripts["train"])
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_the_run_dir_data_and_cache_are_mounted_at_the_same_paths(runtime: str) -> None:
+    srun = srun_line(container_scripts(runtime)["train"])
+    same = re.findall(r"(?:^|[\s,=])(/[\w./-]*):\1(?=[\s,]|$)", srun)  # SRC:SRC binds
+    for path in ("/shared/runs/golden-2x8", "/fsx/data", "/fsx/hf"):  # itself, or a directory above it (pyxis: /fsx)
+        assert [m for m in same if path == m or path.startswith(m + "/")], (path, srun)
+    assert "/fsx/cache:/cache" in srun
+    gpu_flag = {"pyxis": None, "apptainer": "--nv", "charliecloud": None, "podman": "--device=nvidia.com/gpu=all"}
+    if gpu_flag[runtime]:
+        assert gpu_flag[runtime] in srun
+        assert gpu_flag[runtime] not in srun_line(container_scripts(runtime)["consolidate"])  # a CPU job
+
+
+def test_pyxis_flags_are_the_ones_pyxis_registers() -> None:
+    """pyxis's args.c (NVIDIA/pyxis, 2026-05): every --container* option it registers; nothing else renders."""
+    registered = {"container-image", "container-mounts", "container-workdir", "container-name", "container-save",
+                  "container-mount-home", "no-container-mount-home", "container-remap-root",
+                  "no-container-remap-root", "container-entrypoint", "no-container-entrypoint",
+                  "container-entrypoint-log", "container-writable", "container-readonly", "container-env",
+                  "container-unshare"}
+    for writable in ("false", "true"):
+        for mount_home in ("false", "true"):
+            srun = srun_line(container_scripts("pyxis", f"cluster.container.writable={writable}",
+                                               f"cluster.container.mount_home={mount_home}")["train"])
+            used = set(re.findall(r"--((?:no-)?container-[a-z-]+)", srun))
+            assert used <= registered, used - registered
+            assert ("container-writable" in used) is (writable == "true")
+            assert ("container-mount-home" in used) is (mount_home == "true")
+
+
+def test_no_container_renders_todays_scripts() -> None:
+    plain = scripts_for(GOLDEN_CFG)
+    for kind in KINDS:
+        assert plain[kind] == (GOLDEN / f"{kind}-2x8-aws-efa.sbatch").read_text()
+
+
+def test_the_profile_carries_the_site_defaults_and_the_run_overrides_them() -> None:
+    efa, pyxis = load_profile("aws-efa"), load_profile("aws-efa-pyxis")
+    assert pyxis.env == efa.env and pyxis.container is not None and pyxis.container.runtime == "pyxis"
+    cfg = load_config(GOLDEN_CFG, [*COMMON, *RUNTIMES["pyxis"], "cluster.container.python=/usr/bin/python3"])
+    container = resolve(cfg, pyxis)
+    assert container is not None and container.python == "/usr/bin/python3"
+    assert ("/fsx", "/fsx") in container.mounts and ("/fsx/cache", "/cache") in container.mounts
+    assert container.workdir == "/shared/runs/golden-2x8"
+
+
+# ------------------------------------------------------------------ bad input: each names its field and fix
+def problems(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        cfg = load_config(GOLDEN_CFG, list(overrides))
+        resolve(cfg, load_profile(cfg.cluster.profile))
+    return err.value.render()
+
+
+@pytest.mark.parametrize(("runtime", "hint"), [("singularity", "did you mean 'apptainer'"),
+                                               ("pyxsi", "did you mean 'pyxis'"),
+                                               ("docker", "use one of pyxis, apptainer, charliecloud, podman")])
+def test_an_unknown_runtime_says_which_it_meant(runtime: str, hint: str) -> None:
+    text = problems(f"cluster.container.runtime={runtime}", "cluster.container.image=x")
+    assert "cluster.container.runtime" in text and hint in text
+
+
+@pytest.mark.parametrize("mount", ["data:/data", "/data:data", "/a b:/c", "/a:/b:/c", "/a,/b"])
+def test_a_mount_must_be_two_absolute_paths(mount: str) -> None:
+    text = problems("cluster.container.runtime=pyxis", "cluster.container.image=x", f"cluster.container.mounts=['{mount}']")
+    assert "cluster.container.mounts" in text and mount in text
+
+
+@pytest.mark.parametrize("mount", ["/scratch/x:/shared/runs", "/scratch/x:/shared", "/tmp/y:/shared/runs/golden-2x8"])
+def test_a_mount_that_hides_the_run_dir_is_refused(mount: str) -> None:
+    text = problems("cluster.container.runtime=pyxis", "cluster.container.image=x", f"cluster.container.mounts=[{mount}]")
+    assert "hides /shared/runs/golden-2x8" in text and "the run directory" in text
+
+
+def test_a_mount_of_the_same_path_above_the_run_dir_is_fine() -> None:
+    cfg = load_config(GOLDEN_CFG, ["cluster.container.runtime=pyxis", "cluster.container.image=x",
+                                   "cluster.container.mounts=[/shared]"])
+    assert resolve(cfg, load_profile("aws-efa")) is not None
+
+
+def test_the_image_is_required_somewhere() -> None:
+    text = problems("cluster.profile=aws-efa-pyxis")
+    assert "cluster.container.image: required" in text and "aws-efa-pyxis" in text
+
+
+def test_an_image_file_must_exist_and_be_readable(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.sqsh"
+    cfg = load_config(GOLDEN_CFG, ["cluster.profile=aws-efa-pyxis", f"cluster.container.image={missing}"])
+    container = resolve(cfg, load_profile("aws-efa-pyxis"))
+    assert container is not None and "does not exist" in image_problems(container)[0]
+    missing.write_text("squashfs")
+    assert image_problems(container) == []
+    registry = resolve(load_config(GOLDEN_CFG, ["cluster.profile=aws-efa-pyxis",
+                                                "cluster.container.image=nvcr.io#nvidia/pytorch:25.01-py3"]),
+                       load_profile("aws-efa-pyxis"))
+    assert registry is not None and not registry.image_is_path and image_problems(registry) == []
+
+
+def test_the_local_executor_refuses_a_container() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(GOLDEN_CFG, ["executor=local", "resources.nodes=1", "cluster.container.runtime=pyxis"])
+    assert "cluster.container: the local executor runs the job on this machine" in err.value.render()
+
+
+def test_automatic_mounts_are_the_outermost_directories(tmp_path: Path) -> None:
+    cfg = load_config(GOLDEN_CFG, ["model.name_or_path=/shared/models/llama", "output_dir=/shared/runs/x",
+                                   "data.datasets[0].path=/shared/runs/x/data.jsonl", "cluster.env.HF_HOME=/shared"])
+    assert automatic_mounts(cfg) == ["/shared"]
+
+
+def test_validate_names_a_missing_image_and_leaves_the_image_to_doctor(tmp_path: Path) -> None:
+    from slurmft.plan.checks import Report, check_container
+
+    image = tmp_path / "sft.sif"
+    cfg = load_config(GOLDEN_CFG, ["cluster.container.runtime=apptainer", f"cluster.container.image={image}",
+                                   "cluster.env.HF_HOME=/shared/hf"])
+    report = Report()
+    assert check_container(cfg, report) is not None  # still the run's container: the host checks follow it
+    assert [p for p in report.problems if p.startswith(f"cluster.container.image: {image} does not exist")]
+    image.write_text("sif")
+    report = Report()
+    assert check_container(cfg, report) is not None and report.problems == []
+    assert any("slurmft doctor --job" in line for line in report.skipped)
+    report = Report()
+    bad = load_config(GOLDEN_CFG, ["cluster.container.runtime=apptainer", f"cluster.container.image={image}",
+                                   "cluster.container.mounts=[/elsewhere:/shared/runs]"])
+    assert check_container(bad, report) is None and "hides /shared/runs/golden-2x8" in report.problems[0]
+
+
+def test_the_configs_in_docs_containers_md_render(tmp_path: Path) -> None:
+    import yaml
+
+    from slurmft.plan.render import render_scripts
+    from slurmft.rundir import RunPaths
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "containers.md").read_text()
+    blocks = re.findall(r"^```yaml\n(.*?)^```", doc, flags=re.S | re.M)
+    assert len(blocks) == 5
+    marker = {"pyxis": "--container-image=", "apptainer": " apptainer exec ", "charliecloud": " ch-run ",
+              "podman": " podman run "}
+    seen = set()
+    for i, block in enumerate(blocks):
+        data = yaml.safe_load(GOLDEN_CFG.read_text())
+        data["cluster"].update(yaml.safe_load(block)["cluster"])
+        data["data"]["datasets"][0]["path"] = str(GOLDEN_CFG.parent / "chat.jsonl")
+        path = tmp_path / f"doc-{i}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        cfg = load_config(path)
+        profile = load_profile(cfg.cluster.profile)
+        container = resolve(cfg, profile)
+        assert container is not None
+        train = render_scripts(cfg, profile, RunPaths.of(cfg.output_dir))["train"]
+        assert marker[container.runtime] in srun_line(train), block
+        seen.add(container.runtime)
+    assert seen == set(RUNTIMES)
+
+
+def test_validate_asks_for_a_writable_hf_home_in_an_image(tmp_path: Path) -> None:
+    """The crossing with the Hugging Face caches, found on the real cluster: datasets writes ~/.cache, which in a
+    read-only image without the user's home fails with 'Read-only file system'."""
+    from slurmft.plan.checks import Report, check_container
+
+    image = tmp_path / "sft"
+    image.mkdir()
+    base = ["cluster.container.runtime=charliecloud", f"cluster.container.image={image}"]
+    report = Report()
+    check_container(load_config(GOLDEN_CFG, base), report)
+    assert [p for p in report.problems if p.startswith("cluster.env.HF_HOME: needed when the ranks run in an image")]
+    for fix in ("cluster.env.HF_HOME=/shared/hf", "cluster.container.env.HF_HOME=/shared/hf",
+                "cluster.container.mount_home=true"):
+        report = Report()
+        check_container(load_config(GOLDEN_CFG, [*base, fix]), report)
+        assert report.problems == [], fix
+
+
+def test_the_doctors_probe_runs_its_ranks_in_the_image_and_its_batch_side_on_the_host() -> None:
+    """The probe runs before the run directory exists: it binds the nearest existing parent (the one it writes its
+    token into) and its own directory instead, and no mount of the missing run dir (a bind's source must exist)."""
+    from slurmft.plan.render import PROBE_TEMPLATE, build_probe_context, render, signal_directive
+
+    overrides = [*COMMON, *RUNTIMES["charliecloud"]]
+    cfg = load_config(GOLDEN_CFG, overrides)
+    signal = signal_directive(scripts_for(GOLDEN_CFG, *overrides)["train"])
+    assert signal is not None
+    probe_dir = Path("/shared/home/.cache/slurmft/doctor/golden")
+    ctx = build_probe_context(cfg, load_profile(cfg.cluster.profile), probe_dir, signal, Path("/shared/runs"))
+    text = render(PROBE_TEMPLATE, ctx)
+    step = srun_line(text)
+    assert " ch-run " in step and " python -m slurmft.job.probe rank " in step
+    assert f"--bind={probe_dir}:{probe_dir}" in step and "--bind=/shared/runs:/shared/runs" in step
+    assert "/shared/runs/golden-2x8" not in step and "--cd=/shared/runs " in step
+    assert passed_names("charliecloud", step) >= {"MASTER_ADDR", "MASTER_PORT", "NCCL_SOCKET_IFNAME", "HF_HOME"}
+    batch = next(line for line in text.splitlines() if "-m slurmft.job.probe batch" in line)
+    assert batch.startswith("/opt/venv/bin/python -m slurmft.job.probe batch")
+    assert not [line for line in text.splitlines() if line.startswith("#SBATCH") and "container" in line]
