@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from tests.goldens import assert_matches_golden
 
 from slurmft.config import load_config
 from slurmft.errors import ConfigError
@@ -45,13 +46,7 @@ def srun_line(text: str) -> str:
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_matches_golden_and_is_clean_bash(runtime: str, kind: str, tmp_path: Path) -> None:
     text = container_scripts(runtime)[kind]
-    golden = GOLDEN / f"{kind}-2x8-aws-efa-{runtime}.sbatch"
-    if os.environ.get("SLURMFT_UPDATE_GOLDEN"):
-        changed = not golden.exists() or golden.read_text() != text
-        golden.write_text(text)
-        pytest.fail(f"SLURMFT_UPDATE_GOLDEN is set: wrote {golden} ({'changed' if changed else 'unchanged'}); "
-                    "review the diff, then run again without it")
-    assert text == golden.read_text(), f"rendered {kind} differs from {golden} (SLURMFT_UPDATE_GOLDEN=1 to refresh)"
+    assert_matches_golden(text, GOLDEN / f"{kind}-2x8-aws-efa-{runtime}.sbatch")
     script = tmp_path / "s.sh"
     script.write_text(text)
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0

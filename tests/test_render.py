@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from tests.goldens import assert_matches_golden
 
 from slurmft.config import load_config
 from slurmft.errors import RenderError
@@ -29,14 +30,7 @@ def scripts_for(path: Path, *overrides: str, template_dir: str | None = None) ->
 @pytest.mark.parametrize("kind", ["prepare", "train", "consolidate"])
 def test_matches_golden(kind: str) -> None:
     text = scripts_for(GOLDEN_CFG)[kind]
-    golden = GOLDEN / f"{kind}-2x8-aws-efa.sbatch"
-    if os.environ.get("SLURMFT_UPDATE_GOLDEN"):
-        changed = not golden.exists() or golden.read_text() != text
-        golden.write_text(text)
-        # A run that rewrites the golden file proves nothing about it: fail, so it cannot pass CI.
-        pytest.fail(f"SLURMFT_UPDATE_GOLDEN is set: wrote {golden} ({'changed' if changed else 'unchanged'}); "
-                    "review the diff, then run again without it")
-    assert text == golden.read_text(), f"rendered {kind} differs from {golden} (SLURMFT_UPDATE_GOLDEN=1 to refresh)"
+    assert_matches_golden(text, GOLDEN / f"{kind}-2x8-aws-efa.sbatch")
 
 
 @pytest.mark.parametrize("kind", ["prepare", "train", "consolidate"])
