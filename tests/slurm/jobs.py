@@ -3,6 +3,7 @@ checkpoints and their rank processes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import time
@@ -73,6 +74,24 @@ def restarts(job: str) -> int:
     """The job's restart count (``Restarts=`` of ``scontrol show job``)."""
     out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
     return int(out.split("Restarts=")[1].split()[0])
+
+
+def started_jobs(out: str) -> dict[str, str]:
+    """{kind: job id} from what submit, resume or prepare printed (``train job: 12``)."""
+    return dict(line.split(" job: ") for line in out.splitlines() if " job: " in line)
+
+
+def sacct_fields(job_ids: list[str], fields: str) -> dict[str, list[str]]:
+    """{job id: [field values]} of ``sacct -X`` for ``fields`` (comma-separated, as ``-o`` takes them)."""
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", ",".join(job_ids), "-o", f"JobID,{fields}"],
+                         capture_output=True, text=True, check=True).stdout
+    return {line.split("|")[0]: line.split("|")[1:] for line in out.splitlines() if line.strip()}
+
+
+def file_digests(directory: Path) -> dict[str, tuple[int, int, str]]:
+    """{name: (size, mtime_ns, sha256)} of every file in ``directory``: unchanged means neither rewritten nor touched."""
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(directory.iterdir())}
 
 
 def preempted_beside_uninterrupted(slurmft, slurm_cluster, tmp_path: Path, model: Path, data: Path,  # noqa: ANN001

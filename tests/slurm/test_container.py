@@ -1,15 +1,19 @@
 """The ranks in an image on the real two-node cluster: Charliecloud (Debian's charliecloud-runtime), the image
 built here with no registry (tests/slurm/image.sh: mmdebstrap + the pinned training stack; cached).
 
-One run of the shared ``reference`` config with ``cluster.container`` added, preempted once by the warning
-signal (``scancel --signal=USR2``: what Slurm sends at ``--signal=USR2@lead``, no ``B:``):
+One run of the shared ``reference`` config with ``cluster.container`` and the prepare job added, preempted once by
+the warning signal (``scancel --signal=USR2``: what Slurm sends at ``--signal=USR2@lead``, no ``B:``). It is also
+tests/slurm/test_prepare.py's happy path (one run serves both: CI time):
 
-* every rank of both attempts, and the consolidation job's task, ran inside the image: the image's test hook
-  (a sitecustomize.py there) records sys.executable (the image's venv, absent on the host), the image's
-  marker file and its os-release, and Charliecloud's CH_RUNNING;
+* the prepare job's task, every rank of both attempts and the consolidation job's task ran inside the image: the
+  image's test hook (a sitecustomize.py there) records sys.executable (the image's venv, absent on the host), the
+  image's marker file and its os-release, and Charliecloud's CH_RUNNING;
+* submit chains prepare (one CPU task, no GPU gres) -> train (afterok) -> consolidate; the prepare job ends before
+  the train job starts (sacct); the train job reads ``prepared/`` in both attempts (the files unchanged on disk)
+  and TRL tokenizes nothing there;
 * the host's batch script requeued it: the same job id, restart count 1, steps 1..40 logged once each;
-* the final model is bitwise equal to the shared uninterrupted ``reference`` run (no container), consolidated
-  in the image.
+* the final model is bitwise equal to the shared uninterrupted ``reference`` run (no container, prepared in the
+  allocation), consolidated in the image.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import pytest
 
 from slurmft.rundir import RunPaths
 from tests.slurm.conftest import REFERENCE_CHECKPOINT, REFERENCE_TRAIN
-from tests.slurm.jobs import restarts, signal_rank_steps
+from tests.slurm.jobs import file_digests, restarts, sacct_fields, signal_rank_steps, started_jobs
+from tests.slurm.test_prepare import PREPARE
 
 pytestmark = pytest.mark.slurm
 
@@ -76,19 +81,29 @@ def _marks(directory: Path, job: str) -> list[dict]:
     return [m for m in found if m["argv"][:1] == ["-m"]]
 
 
-def test_a_preempted_run_in_the_image_equals_the_uninterrupted_reference(
+def test_a_prepared_and_preempted_run_in_the_image_equals_the_uninterrupted_reference(
         slurm_cluster, reference: Path, sft_image: Path, tiny_model: Path, chat_data: Path, tmp_path: Path,
         slurmft, monkeypatch: pytest.MonkeyPatch) -> None:
     marks = tmp_path / "marks"
     path = _config_in_image(slurmft, monkeypatch, tmp_path, sft_image, tiny_model, chat_data,
-                            train=REFERENCE_TRAIN, checkpoint=REFERENCE_CHECKPOINT)
-    jobs = slurmft.submit(path)
+                            train=REFERENCE_TRAIN, checkpoint=REFERENCE_CHECKPOINT, prepare=PREPARE)
+    code, out, err = slurmft.cli(["submit", str(path)])
+    assert code == 0, err
+    jobs = started_jobs(out)
+    assert list(jobs) == ["prepare", "train", "consolidate"], out
     run = tmp_path / "run"
     train = (run / "scripts" / "train.sbatch").read_text()
     assert "ch-run --env-no-expand" in train and "#SBATCH --container" not in train
+    assert "ch-run --env-no-expand" in (run / "scripts" / "prepare.sbatch").read_text()
+    # the train job waits on the prepare job (the prepare job's Python takes seconds to start)
+    dep = subprocess.run(["squeue", "-h", "-j", jobs["train"], "-o", "%E"], capture_output=True, text=True).stdout
+    assert f"afterok:{jobs['prepare']}" in dep, dep
+    slurm_cluster.wait_state(jobs["prepare"], "COMPLETED", timeout=240)
+    prepared = file_digests(RunPaths.of(run).prepared)
+    assert "slurmft-prepared.json" in prepared and any(n.endswith(".arrow") for n in prepared)
 
     slurmft.wait_for("step 2", lambda: any(m["step"] >= 2 for m in slurmft.metrics(run)))
-    signal_rank_steps(jobs["train"])
+    signal_rank_steps(jobs["train"])  # the warning signal: save, requeue, the second attempt reads prepared/ again
     slurmft.wait_for("restart 1", lambda: restarts(jobs["train"]) >= 1, timeout=120)
     slurm_cluster.wait_state(jobs["train"], "COMPLETED", timeout=400)
     slurm_cluster.wait_state(jobs["consolidate"], "COMPLETED", timeout=240)
@@ -99,13 +114,29 @@ def test_a_preempted_run_in_the_image_equals_the_uninterrupted_reference(
     log = (run / "logs" / f"train-{jobs['train']}.out").read_text()
     assert "restart=0" in log and "restart=1" in log  # the host's batch script, both attempts, one job id
 
+    # the prepare job: first, without a GPU; its files read by both attempts, never written again
+    assert file_digests(RunPaths.of(run).prepared) == prepared
+    acct = sacct_fields([jobs["prepare"], jobs["train"]], "Start,End,ReqTRES,AllocTRES")
+    assert acct[jobs["prepare"]][1] <= acct[jobs["train"]][0], acct  # ISO times: the prepare job ended first
+    assert "gres/gpu" not in acct[jobs["prepare"]][2] + acct[jobs["prepare"]][3], acct
+    assert "#SBATCH --gpus" not in (run / "scripts" / "prepare.sbatch").read_text()
+    assert log.count("prepared sequences read from") == 2, log[-3000:]  # both attempts
+    for word in ("Tokenizing", "Packing", "loading and converting here", "Building labels"):
+        assert word not in log
+    prepare_log = (run / "logs" / f"prepare-{jobs['prepare']}.out").read_text()
+    assert "Tokenizing train dataset" in prepare_log and "examples/s" in prepare_log and "TRL prepared" in prepare_log
+    rows = slurmft.status_json(run)
+    assert rows["prepare"]["state"] == rows["train"]["state"] == "COMPLETED"
+
+    # every process slurmft started ran in the image
     image = (sft_image / "etc" / "slurmft-test-image").read_text().strip()
     assert not Path(IMAGE_PYTHON).exists()  # the host has no such interpreter: only the image does
     rank_marks = _marks(marks, jobs["train"])
     assert {(m["restart"], m["rank"]) for m in rank_marks} == {("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")}, rank_marks
-    consolidation = _marks(marks, jobs["consolidate"])
+    preparation, consolidation = _marks(marks, jobs["prepare"]), _marks(marks, jobs["consolidate"])
+    assert preparation, "the prepare job's task left no mark"
     assert consolidation, "the consolidation job's task left no mark"
-    for mark in rank_marks + consolidation:
+    for mark in rank_marks + preparation + consolidation:
         assert mark["executable"] == IMAGE_PYTHON and mark["image"] == image and mark["ch_running"], mark
         assert "bookworm" in mark["os"], mark
 

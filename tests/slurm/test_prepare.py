@@ -1,9 +1,8 @@
 """The prepare job on the real two-node cluster (prepare.enabled; slurmft/job/prepare.py, docs/prepare.md).
 
-* submit chains prepare (one CPU task, no GPU gres) -> train (afterok) -> consolidate; the prepare job ends
-  before the train job starts (sacct), the train job reads ``prepared/`` in both of its attempts around a
-  warning-signal requeue (the files unchanged on disk), TRL tokenizes nothing there, and the model is
-  bitwise equal to the shared in-allocation ``reference`` run (the same config but ``prepare``);
+* submit chains prepare (one CPU task, no GPU gres) -> train (afterok) -> consolidate: that run (preempted once,
+  bitwise equal to the shared in-allocation ``reference`` run) is tests/slurm/test_container.py's, whose three
+  jobs run in an image; one run serves both (CI time);
 * a row that only TRL's preparation refuses (a chat template that raises on it, past the rows checked up
   front): the prepare job fails, Slurm cancels the train job before it starts (``--kill-on-invalid-dep``)
   and ``status`` says why; ``resume`` then prepares again and re-chains the rest, ``cancel`` cancels all three;
@@ -13,75 +12,17 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from slurmft.rundir import RunPaths, read_manifest
-from tests.slurm.conftest import REFERENCE_CHECKPOINT, REFERENCE_TRAIN
-from tests.slurm.jobs import restarts, signal_rank_steps
+from tests.slurm.jobs import sacct_fields, started_jobs
 
 pytestmark = pytest.mark.slurm
 
 PREPARE = {"enabled": True, "resources": {"cpus_per_task": 1, "mem": "2G", "time": "00:10:00"}}
-
-
-def _jobs(out: str) -> dict[str, str]:
-    return dict(line.split(" job: ") for line in out.splitlines() if " job: " in line)
-
-
-def _sacct(job_ids: list[str], fields: str) -> dict[str, list[str]]:
-    out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", ",".join(job_ids), "-o", f"JobID,{fields}"],
-                         capture_output=True, text=True, check=True).stdout
-    return {line.split("|")[0]: line.split("|")[1:] for line in out.splitlines() if line.strip()}
-
-
-def _files(directory: Path) -> dict[str, tuple[int, int, str]]:
-    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
-            for p in sorted(directory.iterdir())}
-
-
-def test_prepare_runs_first_and_a_requeued_train_job_reads_the_same_files(
-        slurm_cluster, reference: Path, tiny_model: Path, chat_data: Path, tmp_path: Path, slurmft) -> None:
-    path = slurmft.write_config(tmp_path, tiny_model, chat_data, train=REFERENCE_TRAIN,
-                                checkpoint=REFERENCE_CHECKPOINT, prepare=PREPARE)
-    code, out, err = slurmft.cli(["submit", str(path)])
-    assert code == 0, err
-    jobs = _jobs(out)
-    assert list(jobs) == ["prepare", "train", "consolidate"], out
-    run = tmp_path / "run"
-    # the train job waits on the prepare job (the prepare job's Python takes seconds to start)
-    dep = subprocess.run(["squeue", "-h", "-j", jobs["train"], "-o", "%E"], capture_output=True, text=True).stdout
-    assert f"afterok:{jobs['prepare']}" in dep, dep
-    slurm_cluster.wait_state(jobs["prepare"], "COMPLETED", timeout=240)
-    prepared = _files(RunPaths.of(run).prepared)
-    assert "slurmft-prepared.json" in prepared and any(n.endswith(".arrow") for n in prepared)
-
-    slurmft.wait_for("step 2", lambda: any(m["step"] >= 2 for m in slurmft.metrics(run)))
-    signal_rank_steps(jobs["train"])  # the warning signal: save, requeue, the second attempt reads prepared/ again
-    slurmft.wait_for("restart 1", lambda: restarts(jobs["train"]) >= 1, timeout=120)
-    slurm_cluster.wait_state(jobs["train"], "COMPLETED", timeout=400)
-    slurm_cluster.wait_state(jobs["consolidate"], "COMPLETED", timeout=240)
-    assert {m["restart"] for m in slurmft.metrics(run)} == {0, 1}
-    assert _files(RunPaths.of(run).prepared) == prepared  # read, never written again
-
-    acct = _sacct([jobs["prepare"], jobs["train"]], "Start,End,ReqTRES,AllocTRES")
-    assert acct[jobs["prepare"]][1] <= acct[jobs["train"]][0], acct  # ISO times: the prepare job ended first
-    assert "gres/gpu" not in acct[jobs["prepare"]][2] + acct[jobs["prepare"]][3], acct
-    assert "#SBATCH --gpus" not in (run / "scripts" / "prepare.sbatch").read_text()
-
-    log = (run / "logs" / f"train-{jobs['train']}.out").read_text()
-    assert log.count("prepared sequences read from") == 2, log[-3000:]  # both attempts
-    for word in ("Tokenizing", "Packing", "loading and converting here", "Building labels"):
-        assert word not in log
-    prepare_log = (run / "logs" / f"prepare-{jobs['prepare']}.out").read_text()
-    assert "Tokenizing train dataset" in prepare_log and "examples/s" in prepare_log and "TRL prepared" in prepare_log
-    slurmft.assert_same_model(run / "model", reference)
-    rows = slurmft.status_json(run)
-    assert rows["prepare"]["state"] == rows["train"]["state"] == "COMPLETED"
 
 
 BAD_TEMPLATE = (
@@ -105,11 +46,11 @@ def test_a_failed_prepare_job_cancels_the_train_job_and_resume_prepares_again(
                                 train={"max_steps": 2, "sft": {"chat_template_path": str(template)}})
     code, out, err = slurmft.cli(["submit", str(path)])
     assert code == 0, err
-    jobs = _jobs(out)
+    jobs = started_jobs(out)
     run = tmp_path / "run"
     slurm_cluster.wait_state(jobs["prepare"], "FAILED", timeout=240)
     slurm_cluster.wait_state(jobs["train"], "CANCELLED", timeout=60)  # by Slurm, not pending forever
-    assert _sacct([jobs["train"]], "Start")[jobs["train"]] == ["None"]  # it never started
+    assert sacct_fields([jobs["train"]], "Start")[jobs["train"]] == ["None"]  # it never started
     log = (run / "logs" / f"prepare-{jobs['prepare']}.out").read_text()
     assert "TRL's preparation failed" in log and "the template refuses this row" in log
     assert not RunPaths.of(run).prepared.exists()
@@ -120,7 +61,7 @@ def test_a_failed_prepare_job_cancels_the_train_job_and_resume_prepares_again(
     data.write_text("\n".join(rows) + "\n")  # the fix
     code, out, err = slurmft.cli(["resume", str(run)])
     assert code == 0, err
-    again = _jobs(out)
+    again = started_jobs(out)
     assert list(again) == ["prepare", "train", "consolidate"], out  # prepared again, the rest re-chained
     assert f"cancelled stale consolidation job(s) {jobs['consolidate']}" in err
     code, out, err = slurmft.cli(["cancel", str(run)])  # the prepare job is one of the run's live jobs
@@ -131,7 +72,7 @@ def test_a_failed_prepare_job_cancels_the_train_job_and_resume_prepares_again(
 
     code, out, err = slurmft.cli(["prepare", str(run)])  # the data alone, as a job
     assert code == 0, err
-    slurm_cluster.wait_state(_jobs(out)["prepare"], "COMPLETED", timeout=240)
+    slurm_cluster.wait_state(started_jobs(out)["prepare"], "COMPLETED", timeout=240)
     with open(data, "a") as f:  # a source changed after preparation
         f.write(rows[0] + "\n")
     before = read_manifest(RunPaths.of(run))
@@ -142,10 +83,10 @@ def test_a_failed_prepare_job_cancels_the_train_job_and_resume_prepares_again(
 
     code, out, err = slurmft.cli(["prepare", str(run)])
     assert code == 0, err
-    slurm_cluster.wait_state(_jobs(out)["prepare"], "COMPLETED", timeout=240)
+    slurm_cluster.wait_state(started_jobs(out)["prepare"], "COMPLETED", timeout=240)
     code, out, err = slurmft.cli(["resume", str(run)])
     assert code == 0, err
-    last = _jobs(out)
+    last = started_jobs(out)
     assert list(last) == ["train", "consolidate"], out  # prepared already: no prepare job
     slurm_cluster.wait_state(last["train"], "COMPLETED", timeout=300)
     slurm_cluster.wait_state(last["consolidate"], "COMPLETED", timeout=240)
@@ -160,7 +101,7 @@ def test_prepare_run_yaml_as_a_job_gives_exact_counts_before_any_train_job(
                                 train={"max_steps": None, "epochs": 2})
     code, out, err = slurmft.cli(["prepare", str(path)])  # a run directory with its prepare job alone
     assert code == 0, err
-    jobs = _jobs(out)
+    jobs = started_jobs(out)
     assert list(jobs) == ["prepare"] and "slurmft resume" in out, out
     run = tmp_path / "run"
     slurm_cluster.wait_state(jobs["prepare"], "COMPLETED", timeout=240)
