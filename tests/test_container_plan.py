@@ -14,12 +14,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from tests.goldens import assert_matches_golden
 
 from slurmft.config import load_config
 from slurmft.errors import ConfigError
 from slurmft.plan.container import automatic_mounts, image_problems, resolve
 from slurmft.profiles import load_profile
+from tests.goldens import assert_matches_golden
 from tests.test_render import GOLDEN, GOLDEN_CFG, scripts_for
 
 # The reference allocation, its data and HF cache on the cluster's shared file system, one extra mount.

@@ -218,10 +218,10 @@ def test_time_limit_saves_requeues_and_finishes(slurm_cluster, tiny_model: Path,
     next time-limit pass, every 30 s, sends the warning: it sends at most 30 s early). Once the ranks stopped it
     raises the limit again, so the second allocation finishes instead of meeting the same early warning (with a
     fixed short limit, a slow machine needed more allocations than max_requeues allowed)."""
-    max_steps = 90  # the warning comes at most ~35 s after step 5: ~40 steps at this machine's ~1 step/s
+    max_steps = 240  # the warning comes at most ~35 s after step 5: ~100 steps at ~3 steps/s (the micro model)
     lead = 120
     run, jobs = _start(slurmft, tmp_path, tiny_model, chat_data, train={"max_steps": max_steps},
-                       checkpoint={"every_steps": 45, "keep_last": 2}, cluster={"time": "00:10:00"},
+                       checkpoint={"every_steps": 120, "keep_last": 2}, cluster={"time": "00:10:00"},
                        preemption={"lead_time_s": lead, "max_requeues": 1})
     job = jobs["train"]
     slurmft.wait_for("step 5", lambda: any(m["step"] >= 5 for m in slurmft.metrics(run)), timeout=300)
