@@ -27,6 +27,16 @@ REPO = Path(__file__).resolve().parents[2]
 TINY_EXAMPLE = REPO / "examples" / "tiny" / "run.yaml"
 
 
+def preference_data(path: Path) -> Path:
+    """Explicit-prompt string pairs from the tiny example's chat data: its first reply chosen, another row's rejected."""
+    lima = REPO / "examples" / "tiny" / "data" / "lima.jsonl"
+    rows = [json.loads(line)["conversations"] for line in lima.read_text().splitlines()]
+    pairs = [{"prompt": c[0], "chosen": c[1], "rejected": rows[(i + 7) % len(rows)][1]}
+             for i, c in enumerate(rows[:64])]
+    path.write_text("".join(json.dumps(p) + "\n" for p in pairs if p["chosen"] != p["rejected"]))
+    return path
+
+
 def write_run(run_dir: Path, model: Path, overrides: list[str] | None = None,
               edit: Callable[[dict[str, Any]], None] | None = None) -> Path:
     """A run directory with config.yaml made from examples/tiny/run.yaml (as submit would write it)."""

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from .helpers import REPO, launch_like_srun, read_metrics, write_run
+from .helpers import REPO, launch_like_srun, preference_data, read_metrics, write_run
 from .test_lora_cpu import _copy, _tree
 
 pytestmark = pytest.mark.train
@@ -35,15 +35,6 @@ RUN_ARGS = [f"train.max_steps={STEPS}", f"checkpoint.every_steps={EVERY}", "chec
 LORA = ["lora.r=4", "lora.alpha=8"]
 HERE = Path(__file__).resolve().parent
 LIMA = REPO / "examples" / "tiny" / "data" / "lima.jsonl"
-
-
-def preference_data(path: Path) -> Path:
-    """Explicit-prompt string pairs from the tiny example's chat data: its first reply chosen, another row's rejected."""
-    rows = [json.loads(line)["conversations"] for line in LIMA.read_text().splitlines()]
-    pairs = [{"prompt": c[0], "chosen": c[1], "rejected": rows[(i + 7) % len(rows)][1]}
-             for i, c in enumerate(rows[:64])]
-    path.write_text("".join(json.dumps(p) + "\n" for p in pairs if p["chosen"] != p["rejected"]))
-    return path
 
 
 def _check(where: Path) -> list[dict[str, Any]]:

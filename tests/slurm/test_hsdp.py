@@ -32,7 +32,8 @@ SECTIONS = {
 # fp32 tolerances. HSDP sums gradients in another order (reduce-scatter inside a node, then all-reduce across
 # the nodes): measured, losses agree to ~3e-6 and grad norms to ~1e-4 (relative) over 12 steps. AdamW normalises
 # each update, so a gradient component near zero whose rounding differs can move its weight by up to the
-# learning rate (1e-3) per step: measured 8e-6 at most.
+# learning rate (1e-3) per step: measured 8e-6 at most. Those figures are the tiny preset's; on the micro model
+# the cluster tests train now (8 steps): losses 1.2e-7, grad norms 1.2e-5, weights 1.3e-7 at most.
 LOSS_RTOL = 1e-4
 GRAD_NORM_RTOL = 1e-3
 WEIGHT_ATOL = 1e-4
@@ -102,7 +103,7 @@ def test_losses_equal_plain_fsdp(runs: dict) -> None:
     for a, b in zip(hsdp, fsdp, strict=True):
         assert math.isclose(a["loss"], b["loss"], rel_tol=LOSS_RTOL), (a["step"], a["loss"], b["loss"])
         assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=GRAD_NORM_RTOL), (a["step"], a, b)
-    assert fsdp[-1]["loss"] < 0.8 * fsdp[0]["loss"]  # it trained
+    assert fsdp[-1]["loss"] < 0.95 * fsdp[0]["loss"]  # it trained (the micro model: 8.33 -> 7.70 in 8 steps)
 
 
 def test_checkpoint_resume_and_consolidation_unchanged(runs: dict, tiny_model: Path) -> None:
