@@ -38,9 +38,9 @@ def wall(cmd: list[str]) -> tuple[float, float]:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
     elapsed = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode:
-        raise subprocess.CalledProcessError(proc.returncode, cmd)
+    code = os.waitstatus_to_exitcode(status)
+    if code:
+        raise subprocess.CalledProcessError(code, cmd)
     return elapsed, usage.ru_utime + usage.ru_stime
 
 

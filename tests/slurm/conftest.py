@@ -65,9 +65,9 @@ class SlurmftDriver:
         """Run a command that starts a train and a consolidation job (submit, resume); their ids."""
         code, out, err = self.cli(args)
         assert code == 0, err
-        jobs = dict(line.split(" job: ") for line in out.splitlines() if " job: " in line)
-        assert set(jobs) == {"train", "consolidate"}, out
-        return jobs
+        started = jobs.started_jobs(out)
+        assert set(started) == {"train", "consolidate"}, out
+        return started
 
     def submit(self, path: Path, *overrides: str) -> dict[str, str]:
         return self.started(["submit", str(path), *overrides])

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from slurmft import slurm
+from slurmft.config import slurm_time_seconds
 from slurmft.rundir import RunPaths, read_manifest
 from tests.slurm.jobs import restarts, signal_rank_steps
 from tests.tracker_check import WANDB_HOME, wandb_offline_runs
@@ -200,14 +201,6 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     assert [(a["job_id"], a["first_step"]) for a in record["attempts"]] == [(jobs["train"], 1), (new["train"], newest + 1)]
 
 
-def _run_time_s(job: str) -> int:
-    """Seconds the job has run in its current allocation (RunTime of ``scontrol show job``)."""
-    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, check=True).stdout
-    days, _, clock = re.search(r"RunTime=(\S+)", out).group(1).rpartition("-")
-    h, m, sec = (int(x) for x in clock.split(":"))
-    return (int(days or 0) * 24 + h) * 3600 + m * 60 + sec
-
-
 def test_time_limit_saves_requeues_and_finishes(slurm_cluster, tiny_model: Path, chat_data: Path,
                                                 tmp_path: Path, slurmft) -> None:
     """The warning signal Slurm itself sends lead_time_s before the time limit (``--signal``): the ranks save at
@@ -225,11 +218,11 @@ def test_time_limit_saves_requeues_and_finishes(slurm_cluster, tiny_model: Path,
                        preemption={"lead_time_s": lead, "max_requeues": 1})
     job = jobs["train"]
     slurmft.wait_for("step 5", lambda: any(m["step"] >= 5 for m in slurmft.metrics(run)), timeout=300)
-    minutes = -(-(_run_time_s(job) + 90) // 60)  # the end 90-150 s away: within lead + 30 s
-    subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={minutes}"], check=True)
+    run_time = slurm_time_seconds(slurm.parse_show(slurm.show_job(job).stdout)["RunTime"])
+    assert slurm.set_time_limit(job, -(-(run_time + 90) // 60)).ok  # the end 90-150 s away: within lead + 30 s
     slurmft.wait_for("the ranks' stop marker", lambda: (run / "requeue" / f"{job}-0").is_file(), timeout=120,
                      poll=0.05)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], check=True)
+    assert slurm.set_time_limit(job, 10).ok
     slurm_cluster.wait_state(job, "COMPLETED", timeout=600)
     slurm_cluster.wait_state(jobs["consolidate"], "COMPLETED", timeout=240)
     first = _marker(run, job, 0)

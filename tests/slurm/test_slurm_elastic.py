@@ -21,6 +21,7 @@ import pytest
 from slurmft.checkpoints import read_marker
 from slurmft.rundir import RunPaths, read_manifest
 from tests.slurm.conftest import REFERENCE_CHECKPOINT, REFERENCE_TRAIN
+from tests.slurm.jobs import started_jobs
 
 pytestmark = pytest.mark.slurm
 
@@ -75,7 +76,7 @@ def test_scancel_on_two_ranks_then_resume_on_another_allocation(slurm_cluster, r
 
     code, out, err = slurmft.cli(["resume", str(run), *overrides])
     assert code == 0, err
-    new = dict(line.split(" job: ") for line in out.splitlines() if " job: " in line)
+    new = started_jobs(out)
     world = nodes * per_node
     assert (f"checkpoint-{saved} was trained on 2 ranks, this attempt runs on {world}: global batch of 4 sequences "
             "per step kept") in err

@@ -11,6 +11,7 @@ import pytest
 
 from slurmft.rundir import RunPaths, read_manifest
 from tests.export_check import assert_export_matches_checkpoint
+from tests.slurm.jobs import started_jobs
 
 pytestmark = pytest.mark.slurm
 
@@ -85,7 +86,7 @@ def test_failed_train_leaves_consolidation_never_satisfied(slurm_cluster, tiny_m
     assert "no complete checkpoint, training starts again at step 0" in err
     assert f"cancelled stale consolidation job(s) {jobs['consolidate']}" in err
     slurm_cluster.wait_state(jobs["consolidate"], "CANCELLED", timeout=30)
-    again = dict(line.split(" job: ") for line in out.splitlines() if " job: " in line)
+    again = started_jobs(out)
     slurm_cluster.wait_state(again["train"], "FAILED", timeout=240)  # the data is still wrong
     code, out, _ = slurmft.cli(["cancel", str(tmp_path / "run")])
     assert code == 0 and again["consolidate"] in out
