@@ -6,18 +6,21 @@ dtype; the sharded bytes each rank holds equal ``slurmft estimate`` exactly; the
 second launch resumes a copy of the run from checkpoint-4 and must end bitwise equal (metrics and
 every checkpoint tensor). Consolidation with ``consolidate.dtype: auto`` writes the mode's compute
 dtype, and ``from_pretrained`` loads it with nothing missing.
+
+Two launches serve every check (tests/job/run_many.py: one start-up per launch, not one per run): the three
+modes and bf16-true with torchao's stochastic-rounding AdamW, then the two resumed copies.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from .helpers import launch, read_metrics, write_run
+from .helpers import launch_like_srun, read_metrics, write_run
 
 pytestmark = pytest.mark.train
 
@@ -31,17 +34,47 @@ EXPECTED = {  # mode -> (parameter/gradient/optimizer-state dtype, consolidated 
 
 def _overrides(mode: str) -> list[str]:
     return [f"train.precision={mode}", f"train.max_steps={STEPS}", f"checkpoint.every_steps={EVERY}",
-            "checkpoint.keep_last=2", "train.learning_rate=2e-3", "consolidate.dtype=auto"]
+            "checkpoint.keep_last=2", "train.learning_rate=2e-3", "consolidate.dtype=auto",
+            "data.max_seq_length=64"]  # bf16 matmuls are slow on CPU: 64-token sequences keep a step ~1 s
 
 
-@pytest.fixture(scope="module", params=list(EXPECTED))
-def mode_run(request, tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
-    mode = request.param
-    run = write_run(tmp_path_factory.mktemp(mode) / "run", tiny_model, _overrides(mode))
-    rc, out = launch(run, job_env).wait(timeout=420)
-    assert rc == 0, out[-6000:]
-    assert len(re.findall(rf"slurmft rank \d: completed at step {STEPS}", out)) == 2, out[-3000:]
-    return mode, run
+RESUMED = ("bf16-true", "bf16-mixed")  # fp32's resume: test_train_cpu.py::test_resume_continues_bitwise_like_...
+RUN_MANY = Path(__file__).resolve().parent / "run_many.py"
+
+
+def _resumable_copy(run: Path, to: Path) -> Path:
+    """``run`` as it stood after checkpoint-EVERY: later checkpoints, the model and later metrics left out."""
+    shutil.copytree(run, to, ignore=shutil.ignore_patterns(f"checkpoint-{STEPS}", "model", "fsdp_report"))
+    (to / "config.yaml").write_text((run / "config.yaml").read_text().replace(str(run), str(to)))
+    kept = [m for m in read_metrics(run) if m["step"] <= EVERY]
+    (to / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in kept))
+    return to
+
+
+def _launch_many(root: Path, name: str, runs: list[Path], env: dict[str, str]) -> str:
+    _, out = launch_like_srun(root / name, env, program=[str(RUN_MANY)], args=[str(r) for r in runs]).wait(timeout=900)
+    for path in sorted(root.glob("*.failed.rank*")):
+        pytest.fail(path.read_text()[-4000:])
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("precision")
+    first = {mode: write_run(root / mode, tiny_model, _overrides(mode)) for mode in EXPECTED}
+    first["sr"] = write_run(root / "sr", tiny_model, [*_overrides("bf16-true"), "train.optimizer=adamw-stochastic-rounding"])
+    out = _launch_many(root, "first", list(first.values()), job_env)
+    for name, run in first.items():  # every run trained to its last step and saved it
+        assert [m["step"] for m in read_metrics(run)] == list(range(1, STEPS + 1)), (name, out[-3000:])
+        assert (run / "checkpoints" / f"checkpoint-{STEPS}" / "COMPLETE").is_file(), name
+    resumed = {mode: _resumable_copy(first[mode], root / f"{mode}-resumed") for mode in RESUMED}
+    out += _launch_many(root, "second", list(resumed.values()), job_env)
+    return {"first": first, "resumed": resumed, "log": out}
+
+
+@pytest.fixture(params=list(EXPECTED))
+def mode_run(request, runs: dict[str, Any]) -> tuple[str, Path]:
+    return request.param, runs["first"][request.param]
 
 
 def _reports(run: Path) -> list[dict]:
@@ -90,25 +123,16 @@ def test_loss_falls(mode_run) -> None:
     assert sum(losses[-3:]) / 3 < 0.85 * sum(losses[:3]) / 3, losses
 
 
-# fp32's resume is tests/job/test_train_cpu.py::test_resume_continues_bitwise_like_an_uninterrupted_run.
-@pytest.mark.parametrize("mode_run", ["bf16-true", "bf16-mixed"], indirect=True)
-def test_resume_is_bitwise_equal_to_the_uninterrupted_run(mode_run, job_env: dict[str, str],
-                                                          tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", RESUMED)
+def test_resume_is_bitwise_equal_to_the_uninterrupted_run(mode: str, runs: dict[str, Any]) -> None:
     import torch
     from torch.distributed.checkpoint import FileSystemReader
 
-    mode, run = mode_run
-    copy = tmp_path / "run"
-    shutil.copytree(run, copy, ignore=shutil.ignore_patterns(f"checkpoint-{STEPS}", "model", "fsdp_report"))
-    (copy / "config.yaml").write_text((run / "config.yaml").read_text().replace(str(run), str(copy)))
-    metrics = [m for m in read_metrics(run) if m["step"] <= EVERY]
-    (copy / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
-    rc, out = launch(copy, job_env).wait(timeout=420)
-    assert rc == 0, out[-6000:]
-    assert f"resuming from checkpoint-{EVERY}" in out
+    run, copy = runs["first"][mode], runs["resumed"][mode]
+    assert runs["log"].count(f"resuming from checkpoint-{EVERY}") == len(RESUMED)  # rank 0 says it, once a run
     ref = {m["step"]: m for m in read_metrics(run)}
+    assert [m["step"] for m in read_metrics(copy)] == list(range(1, STEPS + 1))  # resumed: no step twice
     resumed = [m for m in read_metrics(copy) if m["step"] > EVERY]
-    assert [m["step"] for m in resumed] == list(range(EVERY + 1, STEPS + 1))
     for m in resumed:
         assert (m["loss"], m["grad_norm"]) == (ref[m["step"]]["loss"], ref[m["step"]]["grad_norm"])
 
@@ -148,15 +172,10 @@ def test_consolidation_writes_the_mode_dtype_and_loads(mode_run) -> None:
     assert {p.dtype for p in model.parameters()} == {getattr(torch, want)}
 
 
-@pytest.mark.parametrize("mode_run", ["bf16-true"], indirect=True)  # a bf16-true option only
-def test_stochastic_rounding_adamw_on_dtensors_tracks_plain_bf16_true(mode_run, tiny_model: Path,
-                                                                       job_env: dict[str, str], tmp_path: Path) -> None:
-    """train.optimizer=adamw-stochastic-rounding: torchao's AdamW on the FSDP2 DTensor shards, same loss curve.
-    torchao is part of the dev extra, so this runs in CI rather than skipping."""
-    mode, plain = mode_run
-    run = write_run(tmp_path / "run", tiny_model, [*_overrides(mode), "train.optimizer=adamw-stochastic-rounding"])
-    rc, out = launch(run, job_env).wait(timeout=420)
-    assert rc == 0, out[-6000:]
+def test_stochastic_rounding_adamw_on_dtensors_tracks_plain_bf16_true(runs: dict[str, Any]) -> None:
+    """train.optimizer=adamw-stochastic-rounding (a bf16-true option): torchao's AdamW on the FSDP2 DTensor shards,
+    same loss curve. torchao is part of the dev extra, so this runs in CI rather than skipping."""
+    run, plain = runs["first"]["sr"], runs["first"]["bf16-true"]
     for rep in _reports(run):
         assert rep["optimizer_class"] == "torchao.optim.adam._AdamW", rep["optimizer_class"]
         assert rep["optimizer_state_types"] == ["DTensor"] and rep["optimizer_state_dtypes"] == ["bfloat16"]
