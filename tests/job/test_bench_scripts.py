@@ -37,9 +37,9 @@ def test_gpu_smoke_dry_run(job_env: dict[str, str], tmp_path: Path) -> None:
         assert one["steps"] == 3 and one["final_checkpoint_complete"]
         assert one["tokens_per_s"] > 0 and one["mfu"] is None  # no GPU peak to divide by
         # the tiny model (h 256, 4 layers of 4 heads x 64, V 4096 untied), by hand: 6 N without the input
-        # embedding + 12 L H Dh T at T = 256
+        # embedding + 12 L H Dh T at the dry run's T = 64
         assert one["params"] == 5_261_568 and one["params_non_embedding"] == 5_261_568 - 4096 * 256
-        assert one["flops_per_token"] == 6 * (5_261_568 - 4096 * 256) + 12 * 4 * 4 * 64 * 256
+        assert one["seq"] == 64 and one["flops_per_token"] == 6 * (5_261_568 - 4096 * 256) + 12 * 4 * 4 * 64 * 64
     assert "[smoke] passed" in proc.stdout
 
 
