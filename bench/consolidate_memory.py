@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -137,6 +136,8 @@ def make_run(work: Path, model: dict[str, Any] = MODEL) -> tuple[Path, Path, int
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
+    from slurmft.job.rendezvous import free_port
+
     model_dir, run = work / "base", work / "run-fp32"
     LlamaConfig(**model).save_pretrained(model_dir)
     tok = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3}, unk_token="<unk>"))
@@ -158,9 +159,7 @@ def make_run(work: Path, model: dict[str, Any] = MODEL) -> tuple[Path, Path, int
     (work / "run-bf16" / "checkpoints").symlink_to(run / "checkpoints")
 
     ckpt = run / "checkpoints" / "checkpoint-5"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     t0 = time.monotonic()
     procs = [
         subprocess.Popen(

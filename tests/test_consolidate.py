@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,8 @@ from typing import Any
 import pytest
 import torch
 import yaml
+
+from slurmft.job.rendezvous import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,16 +84,10 @@ def _worker(spec_path: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(spec: list[dict[str, Any]], tmp: Path, world_size: int = 2) -> None:
     spec_path = tmp / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world_size):
         env = {

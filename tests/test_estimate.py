@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 from slurmft import modelinfo
 from slurmft.config import RunConfig, validate
 from slurmft.errors import ConfigError
+from slurmft.job.rendezvous import free_port
 from slurmft.plan import estimate as E
 from slurmft.plan import estimate_text as T
 from slurmft.profiles import ClusterProfile
@@ -583,12 +583,6 @@ MEASURED = {"tiny": TINY, "odd": ODD, "mid": MID}
 MEASURED_BF16 = ("tiny", "odd")  # also sharded with bf16 mixed precision (FSDP2 MixedPrecisionPolicy, as the job)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fsdp_worker(out_dir: str) -> None:
     """One rank: FSDP2-shard each MEASURED model on a CPU mesh, one AdamW step in fp32 (and with bf16
     mixed precision for MEASURED_BF16, the policy slurmft.job.loading uses), report local bytes."""
@@ -650,7 +644,7 @@ def _fsdp_worker(out_dir: str) -> None:
 def test_estimate_matches_measured_fsdp2_shards(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = dict(

@@ -35,7 +35,7 @@ def test_port_is_derived_from_the_job_id_and_in_range() -> None:
     # Jobs that share a node get different ports: a run of consecutive job ids never collides.
     ports = [port_for_job(str(j)) for j in range(1_000_000, 1_005_000)]
     assert len(set(ports)) == len(ports)
-    assert all(20000 <= p < 40000 for p in [*ports, *(port_for_job(str(j)) for j in (0, 1, 19999, 20000, 10**9))])
+    assert all(20000 <= p < 32768 for p in [*ports, *(port_for_job(str(j)) for j in (0, 1, 19999, 20000, 10**9))])
     assert port_for_job("12345_7") != port_for_job("12345_8")  # array tasks are jobs of their own
 
 
@@ -98,3 +98,27 @@ def test_a_test_cluster_never_listens_on_the_jobs_rendezvous_ports(tmp_path: Pat
     for port, suite in ((16817, "bookworm"), (16817, "trixie"), (PORT_BASE - 5, "bookworm"), (PORT_BASE + PORT_SPAN, "trixie")):
         out = env(port, suite)
         assert out.returncode == 0 and f"SLURMFT_CLUSTER_PORT={port}" in out.stdout, (port, suite, out.stderr)
+
+
+def test_a_free_port_is_one_the_kernel_never_hands_out_and_nothing_listens_on(monkeypatch) -> None:  # noqa: ANN001
+    """The local executor's and the tests' rendezvous port: outside the ephemeral range, so no outgoing connection
+    can take it between the pick and rank 0's bind (CI's EADDRINUSE), and below the Slurm jobs' ports."""
+    import socket
+
+    from slurmft.job import rendezvous
+
+    ephemeral = rendezvous._ephemeral_ports()
+    with socket.socket() as taken:  # a port someone listens on is never given out
+        taken.bind(("", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        monkeypatch.setattr(rendezvous, "FREE_PORTS", range(busy, busy + 1))
+        monkeypatch.setattr(rendezvous, "_ephemeral_ports", lambda: range(0))
+        port = rendezvous.free_port(attempts=5)
+        assert port != busy  # the window's one port was in use: the kernel's pick instead
+    monkeypatch.undo()
+    ports = {rendezvous.free_port() for _ in range(20)}
+    assert all(p in rendezvous.FREE_PORTS and p not in ephemeral and p < rendezvous.PORT_BASE for p in ports), ports
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("", port))  # free indeed

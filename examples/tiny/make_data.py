@@ -3,7 +3,12 @@
 Two files in the two layouts slurmft reads besides ``messages``:
 
 - ``data/lima.jsonl``: LIMA style, ``{"conversations": [user, assistant, user, assistant, ...]}``;
-- ``data/guanaco.jsonl``: openassistant-guanaco style, ``{"text": "### Human: ...### Assistant: ..."}``.
+- ``data/guanaco.jsonl``: openassistant-guanaco style, ``{"text": "### Human: ...### Assistant: ..."}``;
+
+and the preference pairs of the tiny DPO example (``dpo.yaml``), made from ``lima.jsonl``:
+
+- ``data/pairs.jsonl``: TRL's explicit-prompt layout, ``{"prompt": ..., "chosen": ..., "rejected": ...}``: a
+  conversation's first question, its own answer chosen, the answer of the conversation 7 rows on rejected.
 
 Simple arithmetic, counting and greeting questions with templated answers, so a 5M-parameter model's
 loss drops visibly within a few dozen steps.
@@ -48,6 +53,16 @@ def conversation(rng: random.Random) -> list[str]:
     return turns
 
 
+N_PAIRS = 64  # from the first lima conversations (a pair whose two answers are equal is left out)
+
+
+def pairs(conversations: list[list[str]]) -> list[dict[str, str]]:
+    """Preference pairs: each conversation's first question and answer, another conversation's answer rejected."""
+    out = [{"prompt": c[0], "chosen": c[1], "rejected": conversations[(i + 7) % len(conversations)][1]}
+           for i, c in enumerate(conversations[:N_PAIRS])]
+    return [p for p in out if p["chosen"] != p["rejected"]]
+
+
 def main() -> None:
     out = Path(__file__).resolve().parent / "data"
     out.mkdir(exist_ok=True)
@@ -62,7 +77,12 @@ def main() -> None:
                 f"### Human: {turns[i]}### Assistant: {turns[i + 1]}" for i in range(0, len(turns), 2)
             )
             f.write(json.dumps({"text": text}) + "\n")
-    print(f"wrote {N_EXAMPLES} examples each to {out}/lima.jsonl and {out}/guanaco.jsonl")
+    lima = [json.loads(line)["conversations"] for line in (out / "lima.jsonl").read_text().splitlines()]
+    preference = pairs(lima)
+    with open(out / "pairs.jsonl", "w") as f:
+        f.writelines(json.dumps(p) + "\n" for p in preference)
+    print(f"wrote {N_EXAMPLES} examples each to {out}/lima.jsonl and {out}/guanaco.jsonl, "
+          f"{len(preference)} preference pairs to {out}/pairs.jsonl")
 
 
 if __name__ == "__main__":

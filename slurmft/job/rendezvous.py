@@ -15,14 +15,55 @@ from dataclasses import dataclass
 
 from slurmft import slurm
 
+# A Slurm job's rendezvous port: 20000-32767, below Linux's ephemeral range (32768-60999 by default), so no
+# outgoing connection on the first node can hold it when rank 0 binds it (an ephemeral port may be in use).
 PORT_BASE = 20000
-PORT_SPAN = 20000
+PORT_SPAN = 12768
 
 
 def port_for_job(job_id: str) -> int:
     """A rendezvous port derived from the job id, so two jobs sharing a node do not collide."""
     digits = re.sub(r"\D", "", job_id) or "0"
     return PORT_BASE + int(digits) % PORT_SPAN
+
+
+#: Where :func:`free_port` looks: below the rendezvous ports of Slurm jobs (PORT_BASE) and, on Linux, below the
+#: ephemeral range (net.ipv4.ip_local_port_range, 32768-60999 by default) that the kernel hands out on its own.
+FREE_PORTS = range(10000, PORT_BASE)
+
+
+def _ephemeral_ports() -> range:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        return range(32768, 61000)  # Linux's default
+    return range(low, high + 1)
+
+
+def free_port(attempts: int = 200) -> int:
+    """A TCP port nothing listens on now, for a rendezvous on this machine (the local executor, tests).
+
+    Not the kernel's pick (``bind(("", 0))``): that is an ephemeral port, which the kernel may give any other
+    process's outgoing connection before the rank binds it, seconds later (seen in CI: rank 0's store failed with
+    EADDRINUSE and rank 1 waited out its time-out). A random port of :data:`FREE_PORTS` outside the ephemeral
+    range can only be taken by a process that binds it by number, and the bind here checks that none has.
+    """
+    import random
+
+    ephemeral = _ephemeral_ports()
+    candidates = [p for p in FREE_PORTS if p not in ephemeral]
+    for _ in range(attempts if candidates else 0):
+        port = random.choice(candidates)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every port of the window in use (or none outside the ephemeral range)
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
 
 
 def first_host(nodelist: str) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -398,12 +397,6 @@ def run_local_prepare(cfg: RunConfig, paths: RunPaths, manifest: dict[str, Any],
     return str(job.job_id)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_local(
     cfg: RunConfig, paths: RunPaths, manifest: dict[str, Any], attempt: dict[str, Any], result: SubmitResult,
     say: Say, need_prepare: bool = False,
@@ -414,10 +407,11 @@ def _run_local(
     from submitit.core.utils import JobPaths
 
     from slurmft.job.entrypoint import run_train
+    from slurmft.job.rendezvous import free_port
 
     env_backup = dict(os.environ)
     os.environ.update(cfg.cluster.env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), SLURMFT_RUN_DIR=str(paths.root))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), SLURMFT_RUN_DIR=str(paths.root))
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.resources.cpus_per_task))
     try:
         if need_prepare:

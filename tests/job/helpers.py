@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,17 +23,17 @@ from typing import Any
 import pytest
 import yaml
 
+from slurmft.job.rendezvous import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 TINY_EXAMPLE = REPO / "examples" / "tiny" / "run.yaml"
+TINY_DATA = REPO / "examples" / "tiny" / "data"
 
 
 def preference_data(path: Path) -> Path:
-    """Explicit-prompt string pairs from the tiny example's chat data: its first reply chosen, another row's rejected."""
-    lima = REPO / "examples" / "tiny" / "data" / "lima.jsonl"
-    rows = [json.loads(line)["conversations"] for line in lima.read_text().splitlines()]
-    pairs = [{"prompt": c[0], "chosen": c[1], "rejected": rows[(i + 7) % len(rows)][1]}
-             for i, c in enumerate(rows[:64])]
-    path.write_text("".join(json.dumps(p) + "\n" for p in pairs if p["chosen"] != p["rejected"]))
+    """The tiny DPO example's pairs (examples/tiny/data/pairs.jsonl: explicit-prompt strings, each a lima
+    conversation's first answer chosen and another row's rejected), copied to ``path``."""
+    shutil.copyfile(TINY_DATA / "pairs.jsonl", path)
     return path
 
 
@@ -98,13 +98,6 @@ class Launch:
             pytest.fail(f"job did not finish within {timeout}s (hang?); log:\n{self.log_path.read_text()[-4000:]}")
         codes = [p.returncode for p in self.procs]
         return next((c for c in codes if c != 0), 0), self.log_path.read_text()
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(run_dir: Path, env: dict[str, str], nproc: int = 2, target: list[str] | None = None) -> Launch:

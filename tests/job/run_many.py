@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 import sys
 import time
 import traceback
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from slurmft.job.entrypoint import run_train
+from slurmft.job.rendezvous import free_port
 
 
 class _Said:
@@ -45,9 +45,7 @@ def _port(run_dir: str, rank: str) -> str:
     """Rank 0: a port nobody listens on, written to RUN_DIR.port; the others: read it from there."""
     path = Path(run_dir + ".port")
     if rank == "0":
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = str(s.getsockname()[1])
+        port = str(free_port())
         path.with_suffix(".tmp").write_text(port)
         path.with_suffix(".tmp").rename(path)
         return port

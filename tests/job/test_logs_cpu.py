@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import free_port, read_metrics, write_run
+from slurmft.job.rendezvous import free_port
+
+from .helpers import read_metrics, write_run
 
 pytestmark = pytest.mark.train
 STEPS = 4

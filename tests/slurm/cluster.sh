@@ -19,7 +19,7 @@
 #   SLURMFT_CLUSTER_DIR      everything lives here (trixie: in DIR-trixie)          (/tmp/slurmft-cluster)
 #   SLURMFT_CLUSTER_PORT     slurmctld port; n1, n2, slurmdbd, mariadb use +1..+4; trixie adds 10 to
 #                            each, so the two versions run side by side from the same knobs   (16817); refused where
-#                            it would overlap the jobs' rendezvous ports 20000-39999 (slurmft/job/rendezvous.py)
+#                            it would overlap the jobs' rendezvous ports 20000-32767 (slurmft/job/rendezvous.py)
 #   SLURMFT_CLUSTER_TIMEOUT  seconds to wait for each daemon and for the idle nodes (60)
 #   SLURMFT_CLUSTER_SUITE    whose Slurm: bookworm (this Debian 12 machine's packages, Slurm 22.05.8)
 #                            or trixie (Debian 13's, Slurm 24.11.5, in a root file system)  (bookworm)
@@ -60,12 +60,12 @@ case $SUITE in
   trixie) DIR=$BASE_DIR-trixie PORT=$((BASE_PORT + 10)) ;;
   *) echo "SLURMFT_CLUSTER_SUITE must be bookworm or trixie, not $SUITE" >&2; exit 2 ;;
 esac
-# slurmft's rendezvous ports (MASTER_PORT = 20000 + job id mod 20000: slurmft/job/rendezvous.py PORT_BASE, PORT_SPAN)
+# slurmft's rendezvous ports (MASTER_PORT = 20000 + job id mod 12768: slurmft/job/rendezvous.py PORT_BASE, PORT_SPAN)
 # must stay free: a cluster whose daemons listen there makes the job with that id fail with EADDRINUSE
 case $PORT in *[!0-9]* | "") echo "SLURMFT_CLUSTER_PORT must be a number, not $BASE_PORT" >&2; exit 2 ;; esac
-if [ $((PORT + 4)) -ge 20000 ] && [ "$PORT" -lt 40000 ]; then
-  echo "SLURMFT_CLUSTER_PORT: ports $PORT-$((PORT + 4)) overlap slurmft's rendezvous ports 20000-39999 (a job whose" \
-    "id maps onto one would fail with EADDRINUSE); choose a port below 19995 or from 40000" >&2
+if [ $((PORT + 4)) -ge 20000 ] && [ "$PORT" -lt 32768 ]; then
+  echo "SLURMFT_CLUSTER_PORT: ports $PORT-$((PORT + 4)) overlap slurmft's rendezvous ports 20000-32767 (a job whose" \
+    "id maps onto one would fail with EADDRINUSE); choose a port below 19995 or from 32768" >&2
   exit 2
 fi
 ROOTFS=${SLURMFT_ROOTFS_CACHE:-/var/cache/slurmft}/rootfs-$SUITE

@@ -194,7 +194,8 @@ def test_doctor_job_probes_the_ranks_in_the_image(slurm_cluster, sft_image: Path
                                                   tmp_path: Path, slurmft, monkeypatch: pytest.MonkeyPatch) -> None:
     """``doctor --job`` before the first submit: its probe ranks start through the same wrapped srun line, so they
     report the image's Python and stack, slurmft's version against this one, and the warning signal in the image."""
-    from tests.slurm.test_slurm_doctor import doctor_json, free_port
+    from slurmft.job.rendezvous import free_port
+    from tests.slurm.test_slurm_doctor import doctor_json
 
     monkeypatch.setenv("SLURMFT_MASTER_PORT", str(free_port()))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the probe's directory: under /tmp, shared with the image

@@ -7,12 +7,12 @@ recorded output, without a cluster: tests/test_doctor.py."""
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from slurmft.job.rendezvous import free_port
 from tests.conftest import second_cluster
 
 pytestmark = pytest.mark.slurm
@@ -29,12 +29,6 @@ PROBE_CHECKS = {"probe", "slurmft version", "python [n1]", "python [n2]", "profi
                 "warning signal"}
 LOGIN_CHECKS = {"slurm", "accounting", "job_comment", "MinJobAge", "partition", "preemption", "requeue delay",
                 "MaxTime", "gpus", "lead time", "KillWait"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
