@@ -190,7 +190,7 @@ def run_job(run_dir: Path, env: dict[str, str], nproc: int) -> dict[str, Any]:
                       "start_peak_rss": int(rep["peak_rss_mib"] * MIB),
                       "weights": rep["weights_bytes"], "gradients": rep["gradients_bytes"],
                       "optimizer": rep["optimizer_bytes"], "trainable": (rep.get("lora") or {}).get("trainable_params"),
-                      "total_params": rep["num_params"]})
+                      "total_params": rep["num_params"], "reference": rep.get("reference_bytes")})
     return {"ranks": ranks, "checkpoint": checkpoint_sizes(ckpts[-1]), "checkpoint_name": ckpts[-1].name,
             "step_s": statistics.median(gaps) if gaps else None, "steps": len(records), "wall_s": round(wall, 1),
             "job_peak_rss_mib": max(r["peak_rss_mib"] for r in records)}
@@ -215,6 +215,7 @@ def estimate_of(run_dir: Path) -> dict[str, Any] | None:
     g = plan["per_gpu"]
     return {"weights": g["weights"], "gradients": g["gradients"], "optimizer": g["optimizer"],
             "state": g["weights"] + g["gradients"] + g["optimizer"], "total": g["total"],
+            "reference": g["reference_weights"],  # DPO's reference copy, included in weights (0: none)
             "checkpoint": plan["checkpoint_bytes"]}
 
 

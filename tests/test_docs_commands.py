@@ -52,7 +52,7 @@ def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
 
 def with_tiny_model(path: Path, tiny_model: Path) -> list[str]:
     """The tiny example's model is built by `python -m slurmft.tiny` (README); the tests build it once."""
-    return [f"model.name_or_path={tiny_model}"] if path == TINY else []
+    return [f"model.name_or_path={tiny_model}"] if path.parent == TINY.parent else []  # run.yaml, dpo.yaml
 
 
 def test_the_docs_show_commands_to_run() -> None:

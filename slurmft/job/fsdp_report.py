@@ -63,6 +63,11 @@ def _local_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def local_bytes(tensors: Any) -> int:
+    """Bytes this rank holds of ``tensors`` (a DTensor counts its local shard): e.g. DPO's frozen reference copy."""
+    return sum(_local_bytes(t) for t in tensors)
+
+
 def unsharded_grad_bytes(model: torch.nn.Module) -> int | None:
     """Bytes of full (unsharded) gradients FSDP2 holds back for a later reduce-scatter; None if unknown.
 

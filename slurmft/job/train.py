@@ -36,7 +36,7 @@ from slurmft.job.batches import BatchDigest
 from slurmft.job.callbacks import MetricsLog, PreemptionStop, StepLog, StopBeforeFirstStep
 from slurmft.job.checkpointing import CheckpointManager
 from slurmft.job.distributed import DistContext
-from slurmft.job.fsdp_report import FsdpReport
+from slurmft.job.fsdp_report import FsdpReport, local_bytes
 from slurmft.job.inputs import (
     base_identity,
     check_sft_keys,
@@ -335,7 +335,11 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                    "compute_dtype": str(sharded.compute_dtype).removeprefix("torch."), "attn_implementation": attn,
                    "attn_requested": cfg.model.attn_implementation, "wrap_class": sharded.wrap_class,
                    "num_params": sharded.num_params,
-                   "lora": adapters}
+                   "lora": adapters,
+                   # DPO: the frozen reference copy's local bytes (0: LoRA-DPO, no copy), what estimate's
+                   # reference_weights predicts for the largest rank (bench/dpo_memory.py compares them)
+                   "reference_bytes": (local_bytes(reference.model.parameters()) if reference is not None
+                                       else 0 if cfg.dpo is not None else None)}
     batches = BatchDigest(ctx, paths.batches, info)
     callbacks = [*saving, preempt, MetricsLog(ctx, paths.metrics, info),  # saving before preempt: its on_save first
                  FsdpReport(ctx, paths.fsdp_report, report_info), batches]

@@ -44,7 +44,7 @@ def test_gpu_smoke_dry_run(job_env: dict[str, str], tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("script", ["cli_latency.py", "load_memory.py", "consolidate_memory.py", "lora_memory.py",
-                                    "prepare_first_step.py"])
+                                    "dpo_memory.py", "prepare_first_step.py"])
 def test_readme_bench_quick_mode_meets_its_targets(script: str, job_env: dict[str, str], tmp_path: Path) -> None:
     env = {**job_env, "TMPDIR": str(tmp_path)}  # the benches cache their models under $TMPDIR
     env.pop("CUDA_VISIBLE_DEVICES", None)

@@ -102,7 +102,7 @@ def test_losses_equal_trls_own_dpo_trainer_and_step_one_is_ln2(dpo_runs: dict[st
 
 def test_policy_and_reference_are_fsdp2_shards_and_the_reference_never_changes(dpo_runs: dict[str, Any]) -> None:
     for name in ("dpo", "resumed"):
-        for rank in _check(dpo_runs["root"] / f"check-{name}"):
+        for r, rank in enumerate(_check(dpo_runs["root"] / f"check-{name}")):
             policy, reference = rank["models"]
             assert not policy["frozen"] and reference["frozen"]
             for model in (policy, reference):
@@ -111,6 +111,9 @@ def test_policy_and_reference_are_fsdp2_shards_and_the_reference_never_changes(d
             assert reference["requires_grad"] == [] and reference["with_grad"] == []
             assert reference["changed"] == [], f"{name}: the reference changed: {reference['changed'][:5]}"
             assert len(policy["changed"]) > 0.9 * len(policy["names"])  # the policy trained (the test can fail)
+            # the job's own report of the copy's shards (what bench/dpo_memory.py holds to the estimate): fp32 here
+            report = json.loads((dpo_runs["runs"][name] / "fsdp_report" / f"rank{r}.json").read_text())
+            assert report["reference_bytes"] == 4 * reference["local_numel"] > 0
 
 
 def test_the_checkpoint_holds_the_policy_only(dpo_runs: dict[str, Any]) -> None:
@@ -135,8 +138,9 @@ def test_lora_dpo_uses_the_base_with_adapters_disabled_and_saves_the_adapters_on
     metrics = read_metrics(dpo_runs["runs"]["lora"])
     assert metrics[0]["loss"] == pytest.approx(math.log(2), abs=1e-7)  # adapters start at B = 0: policy = base
     assert metrics[-1]["loss"] != pytest.approx(math.log(2), abs=1e-4)
-    for rank in _check(dpo_runs["root"] / "check-lora"):
+    for r, rank in enumerate(_check(dpo_runs["root"] / "check-lora")):
         (policy,) = rank["models"]  # no second model: the reference is the policy with its adapters disabled
+        assert json.loads((dpo_runs["runs"]["lora"] / "fsdp_report" / f"rank{r}.json").read_text())["reference_bytes"] == 0
         assert policy["all_dtensor"] and not any(".ref." in n for n in policy["names"])
         assert policy["requires_grad"] and all("lora_" in n for n in policy["requires_grad"])
         assert set(policy["changed"]) <= set(policy["requires_grad"]) and policy["changed"]  # the base never moved
