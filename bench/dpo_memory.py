@@ -39,10 +39,19 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-# bench/checkpoint.py: a local job's environment and the cached model preset; bench/lora_memory.py: the
-# instruments (peak RSS sampling, the import floor, fsdp_report and checkpoint figures, the estimate)
-from checkpoint import ensure_model, job_env
-from lora_memory import ADAMW_BYTES, CKPT_FIXED, CKPT_SLACK, MIB, estimate_of, import_floor, run_job
+# bench/checkpoint.py: the cached model preset; bench/lora_memory.py: the instruments (the jobs' environment, peak
+# RSS sampling, the import floor, fsdp_report and checkpoint figures, the estimate)
+from checkpoint import ensure_model
+from lora_memory import (
+    ADAMW_BYTES,
+    CKPT_FIXED,
+    CKPT_SLACK,
+    MIB,
+    estimate_of,
+    import_floor,
+    run_job,
+    same_imports_env,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_DPO = REPO / "examples" / "tiny" / "dpo.yaml"
@@ -179,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="slurmft-dpo-bench-", dir=base))
     try:
-        env = job_env(work)
+        env = same_imports_env(work)
         floor = import_floor(env)
         runs = {}
         for kind in KINDS:

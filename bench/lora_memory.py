@@ -125,6 +125,13 @@ class RankPeaks(threading.Thread):
             time.sleep(self.interval_s)
 
 
+def same_imports_env(work: Path) -> dict[str, str]:
+    """The jobs' environment, every installed package imported as the floor imports it: without this,
+    slurmft.job.unused_packages keeps peft out of a full fine-tune but not out of a LoRA run, and the floor
+    would no longer be the same for both."""
+    return {**job_env(work), "SLURMFT_IMPORT_EVERYTHING": "1"}
+
+
 def import_floor(env: dict[str, str]) -> int:
     """VmHWM (bytes) of a process that imports what a rank imports before it loads anything."""
     code = ("import torch.distributed, peft, trl, slurmft.job.train\n"
@@ -347,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="slurmft-lora-bench-", dir=base))
     try:
-        env = job_env(work)
+        env = same_imports_env(work)
         floor = import_floor(env)
         runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
         for rep in range(args.repeat):

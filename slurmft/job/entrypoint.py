@@ -23,6 +23,13 @@ from slurmft.job import preemption
 EXIT_SETUP_ERROR = 2
 
 
+def _keep_unused_packages_out(run_dir: str, job: str) -> None:
+    """Before torch and transformers load: the optional packages this job does not use stay out (unused_packages)."""
+    from slurmft.job.unused_packages import keep_out
+
+    keep_out(run_dir, job)
+
+
 def run_train(run_dir: str, signal_name: str = "USR2") -> dict[str, object]:
     """Train job body, run by every rank: FSDP2 supervised fine-tune of the run directory's config.
 
@@ -32,6 +39,7 @@ def run_train(run_dir: str, signal_name: str = "USR2") -> dict[str, object]:
     # Under Slurm the launcher (slurmft.job.launch) installed these before submitit ran; again here for
     # runs started otherwise (the local executor: warning signal only, SIGTERM still ends the process).
     preemption.install(signal_name, term="SLURM_JOB_ID" in os.environ)
+    _keep_unused_packages_out(run_dir, "train")
     from slurmft.errors import SlurmftError
     from slurmft.job.train import train
 
@@ -49,6 +57,7 @@ def run_prepare(run_dir: str) -> dict[str, object]:
 
     Bad input (a row TRL cannot prepare, a missing source) is printed without a traceback, exit status 2.
     """
+    _keep_unused_packages_out(run_dir, "prepare")
     from slurmft.errors import SlurmftError
     from slurmft.job.prepare import prepare_run
 
@@ -64,6 +73,7 @@ def run_prepare(run_dir: str) -> dict[str, object]:
 def run_consolidate(run_dir: str, checkpoint: str | None = None, out: str | None = None) -> dict[str, object]:
     """Consolidation job body (single process): the newest complete checkpoint (or ``checkpoint``) into
     ``RUN_DIR/model`` (or ``out``)."""
+    _keep_unused_packages_out(run_dir, "consolidate")
     from slurmft.job.consolidate import consolidate_run
     from slurmft.watch.report import write_report_safely
 

@@ -31,6 +31,7 @@ from slurmft.job import (
     preemption,
     prepare,
     tracking,
+    unused_packages,
 )
 from slurmft.job.batches import BatchDigest
 from slurmft.job.callbacks import MetricsLog, PreemptionStop, StepLog, StopBeforeFirstStep
@@ -254,6 +255,9 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
     if ctx.is_main:
         log.info("rank 0 of %d, device %s, backend %s, job %s (restart %d, launcher %s)", ctx.world_size,
                  ctx.device, ctx.backend, env.job_id, env.restart_count, env.launcher)
+        if unused_packages.kept_out:
+            log.info("not imported, this run does not use them: %s (%s=1 imports them)",
+                     ", ".join(unused_packages.kept_out), unused_packages.OPT_OUT)
     _quiet_libraries(ctx)
     if not ctx.on_gpu:
         cpu_fsdp.enable()

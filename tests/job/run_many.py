@@ -22,6 +22,11 @@ from typing import Any
 
 from slurmft.job.entrypoint import run_train
 from slurmft.job.rendezvous import free_port
+from slurmft.job.unused_packages import OPT_OUT
+
+# One process trains every run, and the first run's job would keep out what a later one needs (peft for a LoRA
+# run after a full one): the libraries import everything installed, as before slurmft.job.unused_packages.
+os.environ[OPT_OUT] = "1"
 
 
 class _Said:

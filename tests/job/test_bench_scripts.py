@@ -84,12 +84,13 @@ def test_async_save_bench_quick_mode_reports_every_figure(tiny_model: Path, job_
                                                           tmp_path: Path) -> None:
     """bench/async_save.py --quick: the real train job three times (no periodic save, synchronous, asynchronous
     saves) and every figure from metrics.jsonl's save lines. Its target is not asserted: 6 steps of the tiny
-    model on a busy machine make the ratios noise (the README's figures come from the full run)."""
+    model (64-token rows) on a busy machine make the ratios noise (the README's figures come from the full run)."""
     out = tmp_path / "async.json"
     env = {**job_env, "TMPDIR": str(tmp_path)}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "async_save.py"), "--quick", "--model", str(tiny_model),
-                           "--json", str(out)], env=env, cwd=str(REPO), capture_output=True, text=True, timeout=400)
+                           "--seq-len", "64", "--json", str(out)], env=env, cwd=str(REPO), capture_output=True,
+                          text=True, timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     figures = json.loads(out.read_text())
     runs, summary = figures["runs"], figures["summary"]

@@ -30,7 +30,8 @@ from .helpers import launch_like_srun, read_metrics, write_run
 
 MAX_STEPS = 10
 EVERY = 4
-SETTINGS = [f"train.max_steps={MAX_STEPS}", f"checkpoint.every_steps={EVERY}", "checkpoint.keep_last=2"]
+SETTINGS = [f"train.max_steps={MAX_STEPS}", f"checkpoint.every_steps={EVERY}", "checkpoint.keep_last=2",
+            "data.max_seq_length=64"]
 
 
 def _overwrite_in_place(path: Path) -> bytes:
@@ -61,9 +62,9 @@ def test_load_errors_read_in_one_line() -> None:
 
 
 @pytest.mark.train
-def test_a_checkpoint_that_does_not_load_falls_back_to_the_previous_one(tiny_model: Path, job_env: dict[str, str],
+def test_a_checkpoint_that_does_not_load_falls_back_to_the_previous_one(micro_model: Path, job_env: dict[str, str],
                                                                        tmp_path: Path) -> None:
-    run = write_run(tmp_path / "run", tiny_model, SETTINGS)
+    run = write_run(tmp_path / "run", micro_model, SETTINGS)
     root = run / "checkpoints"
     job = launch_like_srun(run, job_env, job_id="77", restart=0)
     deadline = time.time() + 180
@@ -118,7 +119,7 @@ def test_a_checkpoint_that_does_not_load_falls_back_to_the_previous_one(tiny_mod
     assert f"checkpoint-{previous}" in left  # rotation keeps the one it fell back to (keep_last is 2)
     assert f"checkpoint-{MAX_STEPS}" in left and not [n for n in left if "unloadable" in n], left
     assert (root / f"checkpoint-{MAX_STEPS}" / "COMPLETE").is_file()
-    shutil.rmtree(run / "checkpoints")  # ~60 MB of shards: do not leave them in the temp dir
+    shutil.rmtree(run / "checkpoints")  # the shards: do not leave them in the temp dir
 
 
 def test_asynchronous_saves_failing_in_a_row_stop_the_run(tmp_path: Path) -> None:

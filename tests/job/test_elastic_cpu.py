@@ -1,16 +1,18 @@
 """A checkpoint saved by 2 ranks resumes on 1 and on 4 (real FSDP2 on gloo): same global batch, same data.
 
 The uninterrupted reference is the session's local tiny run (``local_tiny_run``: 2 ranks x 2 sequences x
-no accumulation, 18 steps, checkpoints 12 and 18). Its checkpoint-12 is copied into two fresh run
-directories whose config is what ``slurmft resume RUN resources.tasks_per_node=N`` makes of it
+no accumulation, 18 steps of 64-token rows, checkpoints 12 and 18). Its checkpoint-12 is copied into two
+fresh run directories whose config is what ``slurmft resume RUN resources.tasks_per_node=N`` makes of it
 (``resume_config``: 1 rank x 2 x accumulation 2, and 4 ranks x 1 x 1, both a global batch of 4), and the
 job trains steps 13-18 there. Every later step must train on the same sequences as the reference
 (``batches.jsonl`` digests: the multiset of token sequences of the whole step) with the same loss, and
 end on the same weights, within fp32 reduction-order tolerance: the first step's loss bitwise (same
 weights, same sequences), later losses ``rel=5e-5``, grad norms ``rel=1e-3``, weights ``rtol=1e-4,
-atol=1e-6``. Measured (torch 2.13, CPU): losses within 1.7e-5 (most within 2e-6), grad norms within 3.3e-4,
-weights within 3.6e-7 absolute after moving up to 8e-4 in these six steps: accumulation and more or fewer
-ranks sum the same gradients in another order, and Adam's early steps amplify that.
+atol=1e-5``. Measured (torch 2.13, CPU): with 256-token rows, losses within 1.7e-5 (most within 2e-6), grad
+norms within 3.3e-4, weights within 3.6e-7 absolute after moving up to 8e-4 in these six steps; with the
+64-token rows the shared run trains now, weights within 3.3e-6 (1 rank) and 1.7e-6 (4 ranks), the largest
+difference in the input embedding both times: accumulation and more or fewer ranks sum the same gradients in another
+order, and Adam's early steps amplify that where a gradient is near zero.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def test_losses_and_weights_equal_the_uninterrupted_run(resumed: dict, local_tin
     a, b = _weights(local_tiny_run, TO), _weights(run, TO)
     assert a.keys() == b.keys() and a
     for key in a:
-        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-6, msg=key)
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5, msg=key)
     moved = [k for k in a if (a[k] - _weights(local_tiny_run, FROM)[k]).abs().max() > 1e-5]
     assert len(moved) > len(a) // 2  # steps 13-18 changed the weights: equal here is not equal to the start
 

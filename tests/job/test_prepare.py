@@ -25,13 +25,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import LOCAL_ARGS, LOCAL_EXAMPLE
 from tests.export_check import assert_same_model
 
 from .helpers import REPO, launch_like_srun
 
 pytestmark = pytest.mark.train
-
-LOCAL_EXAMPLE = REPO / "examples" / "tiny" / "run.yaml"
 
 
 def _attributes(fn: object, owner: str) -> set[str]:
@@ -59,7 +58,7 @@ def test_trl_preparation_reads_only_what_the_prepare_job_sets() -> None:
 def _submit(run: Path, tiny_model: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "slurmft.cli", "submit", str(LOCAL_EXAMPLE), f"output_dir={run}",
-         f"model.name_or_path={tiny_model}", "train.max_steps=18", "checkpoint.every_steps=6", *extra],
+         f"model.name_or_path={tiny_model}", *LOCAL_ARGS, *extra],
         capture_output=True, text=True, timeout=900, cwd=REPO, env={**os.environ, "HF_DATASETS_OFFLINE": "1"})
 
 
@@ -79,7 +78,7 @@ def test_local_chain_prepares_first_and_trains_bitwise_equal(local_tiny_run: Pat
     assert "prepare job" in (local_tiny_run.parent / "submit.err").read_text()
     record = json.loads((local_tiny_run / "prepared" / "slurmft-prepared.json").read_text())
     assert record["result"]["conversations"] > record["result"]["sequences"] > 0  # packed
-    assert record["settings"]["max_seq_length"] == 256 and record["num_proc"] is None
+    assert record["settings"]["max_seq_length"] == 64 and record["num_proc"] is None  # LOCAL_ARGS
     train_log = _rank0_log(local_tiny_run, manifest, "train")
     assert "prepared sequences read from" in train_log and "loading and converting here" not in train_log
     prepare_log = _rank0_log(local_tiny_run, manifest, "prepare")

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.train
 
 MAX_STEPS = 36  # examples/tiny/run.yaml
 EVERY = 10
+SEQ = ["data.max_seq_length=64"]  # the example's 256-token rows made 4x shorter: what these tests check is per step
 METRIC_FIELDS = {"step", "loss", "learning_rate", "grad_norm", "tokens_per_s", "peak_rss_mib", "peak_gpu_mem_mib"}
 
 
@@ -34,7 +35,7 @@ FAILING = 2 * EVERY  # the reference run's save that fails on rank 1
 
 @pytest.fixture(scope="module")
 def reference_run(tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = write_run(tmp_path_factory.mktemp("ref") / "run", tiny_model)
+    run = write_run(tmp_path_factory.mktemp("ref") / "run", tiny_model, SEQ)
     job = launch(run, job_env)
     done = f"checkpoint-{EVERY} complete"  # logged after its rotation (which removes directories without a marker)
     deadline = time.time() + 240
@@ -132,7 +133,7 @@ def test_metrics_have_the_fields(reference_run: Path) -> None:
 def preempted_run(tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
     """Launched as srun would (job 4242, restart 0); USR2 to rank 1 alone (not the rank that logs) while the
     asynchronous save of step 10 is in flight (its directory exists, its marker does not yet)."""
-    run = write_run(tmp_path_factory.mktemp("pre") / "run", tiny_model)
+    run = write_run(tmp_path_factory.mktemp("pre") / "run", tiny_model, SEQ)
     job = launch_like_srun(run, job_env, job_id="4242", restart=0)
     first = run / "checkpoints" / f"checkpoint-{EVERY}"
     deadline = time.time() + 240

@@ -20,13 +20,11 @@ REFERENCE_CHECKPOINT = {"every_steps": 10, "keep_last": 2}
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The cluster tests' model, in place of tests/conftest.py's ``tiny_model`` for every test under tests/slurm:
-    slurmft.tiny's ``micro`` preset (the tiny preset's tokenizer, a quarter of its width). What these tests check,
-    the jobs' endings, their saves and resumes bitwise, does not depend on the width; its steps are 2.6x faster."""
-    from slurmft.tiny import build
-
-    return build(tmp_path_factory.mktemp("micro-assets") / "model", "micro", "float32")
+def tiny_model(micro_model: Path) -> Path:
+    """The cluster tests' model, in place of tests/conftest.py's ``tiny_model`` for every test under tests/slurm: the
+    ``micro`` preset. What these tests check, the jobs' endings, their saves and resumes bitwise, does not depend on
+    the width."""
+    return micro_model
 
 
 class SlurmftDriver:

@@ -1,0 +1,62 @@
+"""Optional packages a job process does not use are kept out of it, before torch and transformers load.
+
+transformers, TRL and accelerate import some optional packages merely because they are installed:
+torchao (through transformers' quantizers, ~1.6 s and two "Failed to load ..._C_*.so" lines on a
+CPU-only or older GPU build), wandb (through TRL's trainer base, ~0.7 s) and peft (through
+``transformers.trainer_utils``, ~0.6 s). Every rank pays that at every start, requeue and resume. A run
+that uses none of them does not need them: they are marked absent (``sys.modules[name] = None``, the
+interpreter's own way of blocking an import), so the libraries' availability checks
+(``importlib.util.find_spec``) answer "not installed" and skip them. A run that uses one keeps it:
+
+- torchao: ``train.optimizer=adamw-stochastic-rounding``, or an ``optim`` passed through ``train.sft``;
+- wandb: ``train.report_to`` names wandb;
+- peft: the run has a ``lora`` section.
+
+``SLURMFT_IMPORT_EVERYTHING=1`` in the job's environment turns this off (a model's remote code that
+imports one of them itself, say).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from slurmft.config import RunConfig, read_run_config
+from slurmft.errors import SlurmftError
+from slurmft.rundir import RunPaths
+
+#: Set this to 1 in the job's environment to import every installed package as the libraries decide.
+OPT_OUT = "SLURMFT_IMPORT_EVERYTHING"
+
+#: What this process marked absent (empty: nothing, or the opt-out was set); the train job logs it.
+kept_out: tuple[str, ...] = ()
+
+
+def unused(cfg: RunConfig, job: str) -> list[str]:
+    """The optional packages that ``job`` (train, prepare or consolidate) of this run does not import."""
+    t = cfg.train
+    needs = {
+        "torchao": job == "train" and (t.optimizer == "adamw-stochastic-rounding" or "optim" in t.sft),
+        "wandb": job == "train" and "wandb" in t.report_to,
+        "peft": job != "prepare" and cfg.lora is not None,
+    }
+    return [name for name, needed in needs.items() if not needed]
+
+
+def keep_out(run_dir: str | os.PathLike[str], job: str) -> tuple[str, ...]:
+    """Mark the packages ``job`` of the run in ``run_dir`` does not use absent in this process; returns them.
+
+    A package this process imported already stays. Does nothing when the opt-out is set or when the run's
+    config cannot be read (the job itself then reports that, as it would have)."""
+    global kept_out
+    if os.environ.get(OPT_OUT, "").strip() in ("1", "true", "yes"):
+        return ()
+    try:
+        cfg = read_run_config(RunPaths.of(run_dir).config)
+    except (SlurmftError, OSError, ValueError):
+        return ()
+    names = tuple(n for n in unused(cfg, job) if n not in sys.modules)
+    for name in names:
+        sys.modules[name] = None  # type: ignore[assignment]  # import raises ImportError, find_spec says None
+    kept_out = names
+    return names
