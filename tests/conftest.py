@@ -23,6 +23,7 @@ daemon logs, because CI requires the real cluster.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shlex
 import shutil
@@ -168,16 +169,20 @@ def _cluster_env(suite_env: dict[str, str]) -> dict[str, str]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for pytest-xdist's ``--dist loadgroup`` (pyproject's addopts run two workers).
 
-    The Slurm tests run one after another on one worker: they share the cluster and the session's
-    uninterrupted reference run, and several time what the ranks do. The CPU tests run beside them
-    on the other worker, mostly while the Slurm tests wait on the scheduler (requeue delays, time
-    limits). The two local-executor tests share one uninterrupted run (``local_tiny_run``).
+    The Slurm tests of one version run one after another on one worker: they share that version's
+    cluster and its uninterrupted reference run, and several time what the ranks do. Each version is
+    its own group, so the few 24.11 tests can go to the other worker, beside the 22.05 ones (two
+    clusters, one user each; the 22.05 group alone is the longest piece of work, and a 24.11 group
+    tied to it only made that worker's share longer). The CPU tests fill both workers around them.
+    The local-executor tests share one uninterrupted run (``local_tiny_run``).
     """
     for item in items:
         if "slurm_cluster" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("slurm"):
             raise pytest.UsageError(f"{item.nodeid} uses slurm_cluster but is not marked slurm")
         if item.get_closest_marker("slurm"):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+            callspec = getattr(item, "callspec", None)
+            version = callspec.params.get("slurm_cluster") if callspec else None
+            item.add_marker(pytest.mark.xdist_group(f"slurm{version}" if version else "slurm"))
         elif "local_tiny_run" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("local-tiny"))
 
@@ -209,13 +214,13 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Which processes ran the Slurm tests (one is the plan: pytest_collection_modifyitems), and one line
-    per test that runs on every Slurm version: its outcome on each (the CI log must show them)."""
+    """Which processes used each Slurm cluster (one each is the plan: pytest_collection_modifyitems), and one
+    line per test that runs on every Slurm version: its outcome on each (the CI log must show them)."""
     users = terminalreporter.config.stash.get(_USERS_KEY, {})
     if users:
-        workers = sorted(set().union(*users.values()))
         where = "; ".join(f"{suite}: {', '.join(sorted(names))}" for suite, names in sorted(users.items()))
-        note = "" if len(workers) == 1 else " (more than one process: the Slurm tests were not kept together)"
+        shared = sorted(suite for suite, names in users.items() if len(names) > 1)
+        note = f" (more than one process used {', '.join(shared)}: its tests were not kept together)" if shared else ""
         terminalreporter.write_line(f"Slurm clusters used by: {where}{note}")
     if not _EVERY_SLURM:
         return
@@ -277,8 +282,17 @@ def ensure_cluster(suite: str) -> None:
     run's main process stops it at the end); a cluster that was up is left to whoever started it."""
     if cluster_healthy(suite):
         return
-    # Recorded before `up`, so that a half-started cluster is stopped at the end too. `up` holds
-    # cluster.sh's lock: a second process asking at the same time waits and then finds it healthy.
+    # One `up` at a time in this run, whatever the suite: the two workers may each start a version at once,
+    # and on a fresh machine both would install Debian packages (apt's lock). cluster.sh's own lock covers one
+    # suite: a second process asking for the same one waits and then finds it healthy.
+    with open(Path(os.environ[CLUSTER_RECORD_ENV]) / "up.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not cluster_healthy(suite):
+            _start_cluster(suite)
+
+
+def _start_cluster(suite: str) -> None:
+    # Recorded before `up`, so that a half-started cluster is stopped at the end too.
     (Path(os.environ[CLUSTER_RECORD_ENV]) / f"started-{suite}").touch()
     try:
         # A fresh machine installs the Debian packages first (24.11: builds its root file system): allow

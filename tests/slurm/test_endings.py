@@ -215,6 +215,7 @@ def test_time_limit_saves_requeues_and_finishes(slurm_cluster, tiny_model: Path,
     lead = 120
     run, jobs = _start(slurmft, tmp_path, tiny_model, chat_data, train={"max_steps": max_steps},
                        checkpoint={"every_steps": 120, "keep_last": 2}, cluster={"time": "00:10:00"},
+                       data={"max_seq_length": 128},  # the rate above
                        preemption={"lead_time_s": lead, "max_requeues": 1})
     job = jobs["train"]
     slurmft.wait_for("step 5", lambda: any(m["step"] >= 5 for m in slurmft.metrics(run)), timeout=300)
