@@ -1,4 +1,4 @@
-"""DPO's memory per rank: full fine-tuning with its frozen reference copy against LoRA-DPO, same model, same run.
+"""DPO's memory per rank: its frozen reference copy against precomputed reference log-probabilities and LoRA-DPO.
 
     python bench/dpo_memory.py [--model DIR | --size 150m|1b|tiny] [--nproc 2] [--steps 3] [--r 16]
                                [--seq 128] [--workdir DIR] [--json OUT] [--keep] [--quick]
@@ -10,10 +10,11 @@ examples/tiny/dpo.yaml (the tiny DPO example's 63 preference pairs) with this mo
 and one checkpoint at the last: once as it is (full fine-tuning, fp32 + AdamW: the reference is a second copy of
 the starting model, loaded and FSDP2-sharded like the policy, frozen), once with a ``lora:`` section
 (``lora.r=--r`` on every linear layer: the reference is the base with the adapters disabled, no copy). Nothing
-else differs; both run in this invocation and every ratio is LoRA-DPO / DPO with the copy.
+else differs; all run in this invocation and every ratio is against DPO with the copy.
 
-TRL's third way, reference log-probabilities computed once before training (``precompute_ref_log_probs``), has
-no row: slurmft refuses ``dpo.reference: precomputed`` for now (docs/dpo.md says why).
+A third run in the same invocation takes TRL's third way, ``dpo.reference: precomputed``
+(``precompute_ref_log_probs``): no reference model while training; the first attempt computes every pair's
+reference log-probabilities before step 1 and keeps them in the run directory (docs/dpo.md).
 
 What is measured, per rank, with bench/lora_memory.py's instruments: the rank process's **peak RSS** (VmHWM,
 sampled every 20 ms), also above the *import floor* (a process that only imports the job) and by the start of
@@ -24,9 +25,11 @@ local shards after the first optimizer step); the **reference copy** the rank ho
 
 Targets (exit 1 when one is missed): with the copy, the largest rank's reference shards are exactly the estimate's
 ``reference_weights`` and the checkpoint's model part holds the policy only (at most ``CKPT_SLACK`` x the
-policy's fp32 bytes + ``CKPT_FIXED``: no reference weight saved); LoRA-DPO holds no reference at all and its
-gradients and AdamW state are exactly the trainable parameters'; and (not with ``--quick``) every rank's peak RSS
-above the floor is lower with LoRA-DPO. ``--quick`` (what the test suite runs): the 5M tiny preset, 2 steps.
+policy's fp32 bytes + ``CKPT_FIXED``: no reference weight saved), also with precomputed values; precomputed and
+LoRA-DPO hold no reference at all, and the estimate counts none for them; the precomputed values take 8 bytes a
+pair (+ the file's header); LoRA-DPO's gradients and AdamW state are exactly the trainable parameters'; and (not
+with ``--quick``) every rank's peak RSS above the floor is lower with precomputed values and with LoRA-DPO than
+with the copy. ``--quick`` (what the test suite runs): the 5M tiny preset, 2 steps.
 """
 
 from __future__ import annotations
@@ -55,11 +58,12 @@ from lora_memory import (
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_DPO = REPO / "examples" / "tiny" / "dpo.yaml"
-KINDS = ("copy", "lora")  # DPO with the reference copy, LoRA-DPO
-NAMES = {"copy": "DPO, reference copy", "lora": "LoRA-DPO (no copy)"}
+KINDS = ("copy", "precomputed", "lora")  # DPO with the reference copy, with precomputed log-probabilities, LoRA-DPO
+NAMES = {"copy": "DPO, reference copy", "precomputed": "DPO, precomputed reference", "lora": "LoRA-DPO (no copy)"}
+EXTRA = {"copy": [], "precomputed": ["dpo.reference=precomputed"]}
 
 
-def write_run(run_dir: Path, model_dir: Path, steps: int, seq: int, lora: list[str] | None) -> None:
+def write_run(run_dir: Path, model_dir: Path, steps: int, seq: int, extra: list[str]) -> None:
     """run_dir/config.yaml from examples/tiny/dpo.yaml: this model, ``steps`` steps, one checkpoint at the last."""
     import yaml
 
@@ -68,7 +72,7 @@ def write_run(run_dir: Path, model_dir: Path, steps: int, seq: int, lora: list[s
     overrides = [f"model.name_or_path={model_dir}", f"output_dir={run_dir}", f"train.max_steps={steps}",
                  f"checkpoint.every_steps={steps}", "checkpoint.keep_last=1", f"data.max_seq_length={seq}",
                  "prepare.enabled=false"]
-    cfg = load_config(TINY_DPO, overrides + (lora or []))
+    cfg = load_config(TINY_DPO, overrides + extra)
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
@@ -81,57 +85,62 @@ def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / MIB:.1f}"
 
 
+def _row(name: str, values: dict[str, float | None], fmt: Any = _mib) -> str:
+    """One table row: the three runs, then precomputed / copy and LoRA-DPO / copy."""
+    cells = " | ".join(fmt(values[k]) for k in KINDS)
+    ratios = " | ".join(_ratio(values[k], values["copy"]) for k in KINDS[1:])
+    return f"| {name} | {cells} | {ratios} |"
+
+
 def table(res: dict[str, Any]) -> str:
     """The markdown table the README quotes."""
     copy, lora, floor = res["copy"], res["lora"], res["import_floor"]
     params = copy["ranks"][0]["total_params"]
     trainable = lora["ranks"][0]["trainable"]
+    whole = lambda n: "-" if n is None else f"{n / MIB:.0f}"  # noqa: E731
     lines = [
         f"Model: {params / 1e6:.1f}M parameters, fp32 + AdamW, {len(copy['ranks'])} CPU ranks (gloo), DPO (sigmoid, "
         f"beta {res['beta']:g}) on examples/tiny/dpo.yaml's pairs, {copy['steps']} steps, {res['micro_batch']} pairs "
         f"per rank and step (chosen + rejected: {2 * res['micro_batch']} sequences of up to {res['seq']} tokens), "
-        f"activation checkpointing on. LoRA-DPO: r={res['r']}, all-linear, {trainable:,} trainable parameters. "
-        f"Import floor: {floor / MIB:.0f} MiB. Reference log-probabilities precomputed (TRL's "
-        "precompute_ref_log_probs): not offered by slurmft yet (docs/dpo.md).",
+        f"activation checkpointing on. Precomputed: dpo.reference=precomputed (the log-probabilities of every pair "
+        f"computed before step 1 and kept in the run directory: {res['precomputed_file']:,} B). LoRA-DPO: "
+        f"r={res['r']}, all-linear, {trainable:,} trainable parameters. Import floor: {floor / MIB:.0f} MiB.",
         "",
-        f"| per rank unless said | {NAMES['copy']} | {NAMES['lora']} | LoRA-DPO / copy |",
-        "|---|---|---|---|",
+        f"| per rank unless said | {' | '.join(NAMES[k] for k in KINDS)} | precomputed / copy | LoRA-DPO / copy |",
+        "|---|---|---|---|---|---|",
     ]
-    for i, cr in enumerate(copy["ranks"]):
-        lr = lora["ranks"][i]
-        lines.append(f"| peak RSS, rank {i}, MiB | {cr['peak_rss'] / MIB:.0f} | {lr['peak_rss'] / MIB:.0f} "
-                     f"| {_ratio(lr['peak_rss'], cr['peak_rss'])} |")
-    for i, cr in enumerate(copy["ranks"]):
-        lr = lora["ranks"][i]
-        ca, la = cr["peak_rss"] - floor, lr["peak_rss"] - floor
-        lines.append(f"| peak RSS above the import floor, rank {i}, MiB | {ca / MIB:.0f} | {la / MIB:.0f} "
-                     f"| {_ratio(la, ca)} |")
-    for i, cr in enumerate(copy["ranks"]):
-        lr = lora["ranks"][i]
-        lines.append(f"| peak RSS by the start of training, rank {i}, MiB | {cr['start_peak_rss'] / MIB:.0f} "
-                     f"| {lr['start_peak_rss'] / MIB:.0f} | {_ratio(lr['start_peak_rss'], cr['start_peak_rss'])} |")
-    c0, l0 = copy["ranks"][0], lora["ranks"][0]
-    ce, le = res["estimate"]["copy"], res["estimate"]["lora"]
-    lines.append(f"| reference copy, rank 0, MiB | {_mib(c0['reference'])} | {_mib(l0['reference'])} | - |")
-    if ce is not None and le is not None:
-        lines.append(f"| &nbsp;&nbsp;estimate's reference copy, largest rank, MiB | {_mib(ce['reference'])} "
-                     f"| {_mib(le['reference'])} | - |")
+    ranks = range(len(copy["ranks"]))
+    for i in ranks:
+        lines.append(_row(f"peak RSS, rank {i}, MiB", {k: res[k]["ranks"][i]["peak_rss"] for k in KINDS}, whole))
+    for i in ranks:
+        lines.append(_row(f"peak RSS above the import floor, rank {i}, MiB",
+                          {k: res[k]["ranks"][i]["peak_rss"] - floor for k in KINDS}, whole))
+    for i in ranks:
+        lines.append(_row(f"peak RSS by the start of training, rank {i}, MiB",
+                          {k: res[k]["ranks"][i]["start_peak_rss"] for k in KINDS}, whole))
+    first = {k: res[k]["ranks"][0] for k in KINDS}
+    estimate = res["estimate"]
+    lines.append(_row("reference copy, rank 0, MiB", {k: first[k]["reference"] for k in KINDS}))
+    if all(estimate[k] is not None for k in KINDS):
+        lines.append(_row("&nbsp;&nbsp;estimate's reference copy, largest rank, MiB",
+                          {k: estimate[k]["reference"] for k in KINDS}))
     for key, name in (("weights", "policy weights"), ("gradients", "gradients"), ("optimizer", "AdamW state")):
-        lines.append(f"| {name}, rank 0, MiB | {_mib(c0[key])} | {_mib(l0[key])} | {_ratio(l0[key], c0[key])} |")
-    held = {k: r["weights"] + r["gradients"] + r["optimizer"] + (r["reference"] or 0) for k, r in (("c", c0), ("l", l0))}
-    lines.append(f"| training state + reference, rank 0, MiB | {_mib(held['c'])} | {_mib(held['l'])} "
-                 f"| {_ratio(held['l'], held['c'])} |")
-    if ce is not None and le is not None:
-        lines.append(f"| &nbsp;&nbsp;estimate's (weights incl. reference + gradients + AdamW), largest rank, MiB "
-                     f"| {_mib(ce['state'])} | {_mib(le['state'])} | {_ratio(le['state'], ce['state'])} |")
-        lines.append(f"| &nbsp;&nbsp;estimate's total per rank (+ buffers, activations, runtime), MiB "
-                     f"| {_mib(ce['total'])} | {_mib(le['total'])} | {_ratio(le['total'], ce['total'])} |")
-    cc, lc = copy["checkpoint"], lora["checkpoint"]
+        lines.append(_row(f"{name}, rank 0, MiB", {k: first[k][key] for k in KINDS}))
+    lines.append(_row("training state + reference, rank 0, MiB",
+                      {k: r["weights"] + r["gradients"] + r["optimizer"] + (r["reference"] or 0)
+                       for k, r in first.items()}))
+    if all(estimate[k] is not None for k in KINDS):
+        lines.append(_row("&nbsp;&nbsp;estimate's (weights incl. reference + gradients + AdamW), largest rank, MiB",
+                          {k: estimate[k]["state"] for k in KINDS}))
+        lines.append(_row("&nbsp;&nbsp;estimate's total per rank (+ buffers, activations, runtime), MiB",
+                          {k: estimate[k]["total"] for k in KINDS}))
     for key, name in (("model", "model part"), ("optimizer", "optimizer part"), ("total", "whole directory")):
-        lines.append(f"| checkpoint, {name}, all ranks, MiB | {cc[key] / MIB:.2f} | {lc[key] / MIB:.2f} "
-                     f"| {_ratio(lc[key], cc[key])} |")
-    lines.append(f"| time per step (median after the first), s | {copy['step_s']:.2f} | {lora['step_s']:.2f} "
-                 f"| {_ratio(lora['step_s'], copy['step_s'])} |")
+        lines.append(_row(f"checkpoint, {name}, all ranks, MiB", {k: res[k]["checkpoint"][key] for k in KINDS},
+                          lambda n: f"{n / MIB:.2f}"))
+    lines.append(_row("time per step (median after the first), s", {k: res[k]["step_s"] for k in KINDS},
+                      lambda n: f"{n:.2f}"))
+    lines.append(_row("whole job (start-up, reference values, steps, save), s", {k: res[k]["wall_s"] for k in KINDS},
+                      lambda n: f"{n:.1f}"))
     return "\n".join(lines)
 
 
@@ -148,21 +157,40 @@ def targets(res: dict[str, Any], quick: bool) -> list[str]:
                       f"{None if estimate is None else estimate['reference']} B")
     policy_bytes = copy["ranks"][0]["total_params"] * 4  # fp32
     bound = CKPT_SLACK * policy_bytes + CKPT_FIXED
-    if copy["checkpoint"]["model"] > bound:
-        missed.append(f"DPO checkpoint model part {copy['checkpoint']['model'] / MIB:.1f} MiB > {bound / MIB:.1f} MiB "
-                      "(the policy's fp32 weights): the reference saved too?")
-    if any(r["reference"] != 0 for r in lora["ranks"]):
-        missed.append(f"LoRA-DPO holds a reference copy: {[r['reference'] for r in lora['ranks']]} B")
+    for kind in ("copy", "precomputed"):
+        if res[kind]["checkpoint"]["model"] > bound:
+            missed.append(f"{NAMES[kind]}: checkpoint model part {res[kind]['checkpoint']['model'] / MIB:.1f} MiB > "
+                          f"{bound / MIB:.1f} MiB (the policy's fp32 weights): the reference saved too?")
+    for kind in ("precomputed", "lora"):
+        if any(r["reference"] != 0 for r in res[kind]["ranks"]):
+            missed.append(f"{NAMES[kind]} holds a reference copy: {[r['reference'] for r in res[kind]['ranks']]} B")
+        if res["estimate"][kind] is None or res["estimate"][kind]["reference"] != 0:
+            missed.append(f"{NAMES[kind]}: the estimate counts a reference copy ({res['estimate'][kind]})")
+    if res["precomputed_file"] != 8 * res["pairs"] + res["precomputed_header"]:
+        missed.append(f"the precomputed values take {res['precomputed_file']:,} B, not 8 B a pair for "
+                      f"{res['pairs']} pairs (+ the {res['precomputed_header']} B safetensors header)")
     trainable = lora["ranks"][0]["trainable"]
     held = sum(r["gradients"] + r["optimizer"] for r in lora["ranks"])
     if not trainable or held != trainable * (4 + ADAMW_BYTES):
         missed.append(f"LoRA-DPO gradients + AdamW state on all ranks {held:,} B != {trainable} trainable x 12 B")
     if not quick:
-        for cr, lr in zip(copy["ranks"], lora["ranks"], strict=True):
-            if lr["peak_rss"] - floor >= cr["peak_rss"] - floor:
-                missed.append(f"rank {cr['rank']}: LoRA-DPO peak RSS {lr['peak_rss'] / MIB:.0f} MiB >= with the copy "
-                              f"{cr['peak_rss'] / MIB:.0f} MiB")
+        for kind in ("precomputed", "lora"):
+            for cr, other in zip(copy["ranks"], res[kind]["ranks"], strict=True):
+                if other["peak_rss"] - floor >= cr["peak_rss"] - floor:
+                    missed.append(f"rank {cr['rank']}: {NAMES[kind]} peak RSS {other['peak_rss'] / MIB:.0f} MiB >= "
+                                  f"with the copy {cr['peak_rss'] / MIB:.0f} MiB")
     return missed
+
+
+def _values_file(run_dir: Path) -> tuple[int, int, int]:
+    """(pairs, file bytes, header bytes) of a precomputed run's reference_logps.safetensors."""
+    import struct
+
+    path = run_dir / "reference_logps.safetensors"
+    data = path.read_bytes()
+    header = 8 + struct.unpack("<Q", data[:8])[0]
+    meta = json.loads(data[8:header])
+    return int(meta["__metadata__"]["rows"]), len(data), header
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,13 +220,15 @@ def main(argv: list[str] | None = None) -> int:
         floor = import_floor(env)
         runs = {}
         for kind in KINDS:
-            write_run(work / kind, model, steps, args.seq, lora if kind == "lora" else None)
+            write_run(work / kind, model, steps, args.seq, lora if kind == "lora" else EXTRA[kind])
             runs[kind] = run_job(work / kind, env, args.nproc)
             print(f"{NAMES[kind]}: {runs[kind]['wall_s']} s", flush=True)
         from slurmft.config import read_run_config
 
         cfg = read_run_config(work / "lora" / "config.yaml")
+        pairs, size, header = _values_file(work / "precomputed")
         result = {"model": str(model), "import_floor": floor, "r": cfg.lora.r, "beta": cfg.dpo.beta,
+                  "pairs": pairs, "precomputed_file": size, "precomputed_header": header,
                   "seq": cfg.data.max_seq_length, "micro_batch": cfg.train.per_device_batch_size, **runs,
                   "estimate": {kind: estimate_of(work / kind) for kind in KINDS}, "quick": args.quick}
     finally:
@@ -211,9 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table(result))
     missed = targets(result, args.quick)
     verdict = "met" if not missed else "MISSED: " + "; ".join(missed)
-    peak = "" if args.quick else ", LoRA-DPO's peak RSS above the floor below the copy's on every rank"
-    print(f"\ntargets (the reference copy = the estimate's, exactly; checkpoints without it; LoRA-DPO without a copy, "
-          f"its gradients + AdamW = trainable x 12 B{peak}"
+    peak = "" if args.quick else ", precomputed's and LoRA-DPO's peak RSS above the floor below the copy's on every rank"
+    print(f"\ntargets (the reference copy = the estimate's, exactly; checkpoints without it; precomputed and LoRA-DPO "
+          f"without a copy, in the job and in the estimate; the precomputed values 8 B a pair; LoRA-DPO's gradients + "
+          f"AdamW = trainable x 12 B{peak}"
           f"{'; the peak target is not enforced with --quick' if args.quick else ''}): {verdict}")
     return 1 if missed else 0
 

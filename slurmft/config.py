@@ -701,10 +701,12 @@ class DPOConfig(_Section):
     reference: DPOReference = Field(
         DPOReference.AUTO,
         description="The frozen reference model: copy = a second copy of the starting model, loaded and "
-        "FSDP2-sharded like the policy, without gradients or optimizer state; precomputed = its log-probabilities "
-        "computed once over the data before the first step (TRL's precompute_ref_log_probs; not supported yet, "
-        "refused); auto = copy, or with a lora: section the base model with the adapters disabled (no second "
-        "copy). The reference is never saved: a resume rebuilds it from the model files.",
+        "FSDP2-sharded like the policy, without gradients or optimizer state; precomputed = no reference in memory "
+        "while training: the train job's first attempt runs the starting model (the policy before step 1, "
+        "dropout off) once over every pair and keeps the log-probabilities in RUN_DIR/reference_logps.safetensors, "
+        "which every later attempt reads (TRL's precompute_ref_log_probs); auto = copy, or with a lora: section the "
+        "base model with the adapters disabled (no second copy). The reference is never saved in a checkpoint: a "
+        "resume rebuilds the copy from the model files.",
     )
 
     @field_validator("loss_type", mode="before")
@@ -803,12 +805,6 @@ class RunConfig(_Section):
             raise ValueError(
                 "dpo.reference: copy loads a second model, but with a lora: section the reference is the base model "
                 "with the adapters disabled (no copy needed); remove dpo.reference (auto) or the lora: section"
-            )
-        if dpo.reference == DPOReference.PRECOMPUTED:
-            raise ValueError(
-                "dpo.reference: precomputed is not supported yet: TRL 1.16 computes the log-probabilities with an "
-                "unsharded copy of the reference under FSDP (and hashes its weights, which fails on FSDP2 shards); "
-                "use dpo.reference: auto (a sharded copy), or a lora: section (no copy at all)"
             )
         if self.train.sft:
             raise ValueError(

@@ -119,6 +119,12 @@ class RunPaths:
         return self.root / "model"
 
     @property
+    def reference_logps(self) -> Path:
+        """``dpo.reference: precomputed``: the starting model's log-probabilities of every pair's chosen and rejected
+        reply, written by the train job's first attempt before step 1 (slurmft/job/dpo_reference_logps.py)."""
+        return self.root / "reference_logps.safetensors"
+
+    @property
     def adapter(self) -> Path:
         """A LoRA run's adapter as PEFT saves it (``PeftModel.from_pretrained(base, adapter)`` loads it)."""
         return self.root / "adapter"
@@ -271,8 +277,8 @@ def umask() -> int:
 _UMASK: int | None = None
 
 
-def atomic_write(path: Path, text: str, executable: bool = False) -> None:
-    """Write ``text`` to ``path`` via a temporary file and rename (readers never see half a file).
+def atomic_write(path: Path, text: str | bytes, executable: bool = False) -> None:
+    """Write ``text`` (or bytes) to ``path`` via a temporary file and rename (readers never see half a file).
 
     ``mkstemp`` makes its file 0600 whatever the umask, so a teammate could not read a manifest written
     here: the file gets ``0666 & ~umask`` (``0777`` when ``executable``), as ``open`` would give it. Its
@@ -281,7 +287,7 @@ def atomic_write(path: Path, text: str, executable: bool = False) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, (0o777 if executable else 0o666) & ~umask())
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

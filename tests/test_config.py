@@ -184,7 +184,6 @@ def test_dpo_loss_type_is_checked_against_the_installed_trl() -> None:
     ({"dpo": {"reference": "copy"}, "lora": {}}, "dpo.reference: copy loads a second model"),
     ({"dpo": {}, "train": {"sft": {"packing_strategy": "wrapped"}}}, "train.sft: passes options to TRL's SFTConfig"),
     ({"dpo": {"label_smoothing": 0.5}}, "dpo.label_smoothing"),
-    ({"dpo": {"reference": "precomputed"}}, "dpo.reference: precomputed is not supported yet"),
 ])
 def test_dpo_refusals_name_the_field_and_the_fix(extra: dict, fragment: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -788,3 +788,18 @@ def test_dpo_counts_the_reference_copy_and_two_sequences_per_example():
     assert d["comm_buffers"] > g["comm_buffers"]  # its layers are gathered too
     lora = E.estimate(seed_config(dpo={}, lora={"r": 16}), profile())["per_gpu"]
     assert lora["reference_weights"] == 0  # the base with adapters disabled: no copy
+    precomputed = E.estimate(seed_config(dpo={"reference": "precomputed"}), profile())["per_gpu"]
+    assert precomputed["reference_weights"] == 0  # only the values, kept in the run directory
+    assert (precomputed["weights"], precomputed["comm_buffers"]) == (g["weights"], g["comm_buffers"])
+    assert precomputed["activations"] == d["activations"]  # still two sequences per example
+
+
+def test_a_dpo_run_whose_copy_does_not_fit_is_offered_precomputed_reference_log_probs():
+    small = profile(memory_gb=100)  # the seed's DPO needs ~106 GB a GPU with its copy, ~93 GB without
+    r = E.estimate(seed_config(dpo={}), small)
+    assert not r["per_gpu"]["fits"]
+    (offer,) = [m for m in r["remedies"] if m.startswith("set dpo.reference=precomputed")]
+    per_gpu = E.estimate(seed_config(dpo={"reference": "precomputed"}), small)["per_gpu"]
+    assert per_gpu["fits"] and f"{per_gpu['total'] / 1e9:.1f} GB per GPU" in offer, offer
+    assert not [m for m in E.estimate(seed_config(dpo={"reference": "precomputed"}, train__per_device_batch_size=8),
+                                      small)["remedies"] if "dpo.reference" in m]  # nothing left to drop

@@ -8,13 +8,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from tests.goldens import assert_matches_golden
 
 from slurmft.config import load_config
 from slurmft.errors import RenderError
 from slurmft.plan.render import render, render_scripts
 from slurmft.profiles import load_profile
 from slurmft.rundir import RunPaths
+from tests.goldens import assert_matches_golden
 
 HERE = Path(__file__).parent
 GOLDEN_CFG = HERE / "data" / "golden-2x8-aws-efa.yaml"

@@ -14,6 +14,9 @@ What we do instead (:func:`reference_model`, :func:`new_trainer`):
   ``ref_model``: ``prepare_fsdp`` sees an ``FSDPModule`` and leaves it alone; the optimizer never sees it (it
   is not the Trainer's model), so it has no gradients, no optimizer state and is in no checkpoint. A resume
   builds it again from the model files, never from the checkpoint.
+- **precomputed** (``dpo.reference: precomputed``): no reference model while training. The first attempt runs the
+  policy, still the starting model, once over every pair before step 1 and keeps the log-probabilities in the run
+  directory (slurmft/job/dpo_reference_logps.py); the trainer reads them from its batches.
 - **LoRA** (``lora:`` section): no second model. The reference is the policy with its adapters disabled
   (TRL's ``use_adapter(model, None)``, inside its own loss): the base weights are frozen, so that is the
   starting model at every step. TRL's "ref" adapter copy is skipped (:func:`_no_reference_adapter`).
@@ -49,7 +52,9 @@ def dpo_config(cfg: RunConfig, common: dict[str, Any]) -> Any:
     assert dpo is not None
     kwargs = {**common, "beta": dpo.beta, "loss_type": list(dpo.loss_type), "label_smoothing": dpo.label_smoothing,
               "max_length": cfg.data.max_seq_length,  # the whole pair's sequence: prompt + the longer reply
-              "precompute_ref_log_probs": False}  # dpo.reference: precomputed is refused by the config (for now)
+              # dpo.reference: precomputed is done by slurmft/job/dpo_reference_logps.py, not by TRL's __init__ (which
+              # would load an unsharded copy and hash DTensor weights): the trainer's flag is set after it
+              "precompute_ref_log_probs": False}
     try:
         return DPOConfig(**kwargs)
     except (TypeError, ValueError) as exc:
@@ -66,8 +71,17 @@ def check_loss_types(cfg: RunConfig) -> None:
 
 
 def uses_reference_copy(cfg: RunConfig) -> bool:
-    """A second, sharded model is built: full fine-tuning (LoRA disables its adapters instead)."""
-    return cfg.dpo is not None and cfg.lora is None
+    """A second, sharded model is built: full fine-tuning (LoRA disables its adapters instead), unless the reference's
+    log-probabilities are precomputed."""
+    return cfg.dpo is not None and cfg.lora is None and not precomputed(cfg)
+
+
+def precomputed(cfg: RunConfig) -> bool:
+    """``dpo.reference: precomputed``: the reference's log-probabilities come from the run directory
+    (slurmft/job/dpo_reference_logps.py), no reference model while training."""
+    from slurmft.config import DPOReference
+
+    return cfg.dpo is not None and cfg.dpo.reference == DPOReference.PRECOMPUTED
 
 
 def reference_model(cfg: RunConfig, model_config: Any, model_dir: Path | None, ctx: DistContext) -> Any:
@@ -123,12 +137,33 @@ def _no_reference_adapter(model: Any) -> Iterator[None]:
         raise JobSetupError("dpo: TRL added a reference adapter to the sharded model; this TRL is not supported")
 
 
+@contextlib.contextmanager
+def _no_reference_load(skip: bool) -> Iterator[None]:
+    """While ``DPOTrainer.__init__`` runs without ``ref_model`` on a full fine-tune whose reference log-probabilities
+    are precomputed: TRL would load a whole unsharded copy of the model from its files (``create_model_from_path``),
+    to run as the reference; it gets none, and the trainer reads the precomputed values instead."""
+    if not skip:
+        yield
+        return
+    from trl.trainer import dpo_trainer
+
+    original = dpo_trainer.create_model_from_path
+    dpo_trainer.create_model_from_path = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        dpo_trainer.create_model_from_path = original
+
+
 def new_trainer(model: Any, reference: Any, args: Any, dataset: Any, tokenizer: Any, callbacks: list[Any],
-                optimizer: Any) -> Any:
-    """TRL's DPOTrainer on the sharded policy; ``reference`` is the sharded copy, or None with LoRA."""
+                optimizer: Any, precomputed: bool = False) -> Any:
+    """TRL's DPOTrainer on the sharded policy; ``reference`` is the sharded copy, or None with LoRA or with
+    ``precomputed`` reference log-probabilities (slurmft/job/dpo_reference_logps.py attaches them)."""
     cls = trainer_class()
-    with _no_reference_adapter(model):
+    with _no_reference_adapter(model), _no_reference_load(precomputed and reference is None):
         trainer = cls(model=model, ref_model=reference, args=args, train_dataset=dataset, processing_class=tokenizer,
                       callbacks=callbacks)
+    if precomputed and trainer.ref_model is not None:
+        raise JobSetupError("dpo.reference: precomputed: TRL built a reference model anyway; this TRL is not supported")
     trainer.optimizer_cls_and_kwargs = optimizer  # DPOTrainer does not pass it on; the optimizer is made in train()
     return trainer

@@ -26,6 +26,7 @@ from slurmft.job import (
     data,
     distributed,
     dpo,
+    dpo_reference_logps,
     elastic,
     loading,
     preemption,
@@ -311,7 +312,9 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                      "%.1fs; beta %g, loss %s", str(reference.dtype).removeprefix("torch."), time.time() - t_ref,
                      cfg.dpo.beta, "+".join(cfg.dpo.loss_type))
     elif cfg.dpo is not None and ctx.is_main:
-        log.info("dpo: the reference is the base model with the adapters disabled (no second copy); beta %g, loss %s",
+        log.info("dpo: the reference is %s; beta %g, loss %s",
+                 "precomputed (its log-probabilities computed once, before step 1; no second copy)"
+                 if dpo.precomputed(cfg) else "the base model with the adapters disabled (no second copy)",
                  cfg.dpo.beta, "+".join(cfg.dpo.loss_type))
 
     info = {"job_id": env.job_id, "restart": env.restart_count}
@@ -354,11 +357,18 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
 
     optimizer = distributed.guarded(ctx, "choosing the optimizer", lambda: optimizer_cls_and_kwargs(cfg, args))
 
+    reference_logps: list[Any] = []  # dpo.reference: precomputed: the values, once obtained
+
     def new_trainer() -> Any:
         """A Trainer on the sharded model; a fallback builds a fresh one (new optimizer, scheduler, state)."""
         if cfg.dpo is not None:
             trainer = dpo.new_trainer(sharded.model, reference.model if reference else None, args, dataset,
-                                      inputs.tokenizer, callbacks, optimizer)
+                                      inputs.tokenizer, callbacks, optimizer, precomputed=dpo.precomputed(cfg))
+            if dpo.precomputed(cfg):  # read, or computed before step 1 (None: the warning signal came first)
+                if not reference_logps:
+                    reference_logps.append(dpo_reference_logps.obtain(trainer, cfg, paths, ctx, bool(candidates)))
+                if reference_logps[0] is not None:
+                    dpo_reference_logps.attach(trainer, reference_logps[0])
         else:
             trainer = SFTTrainer(model=sharded.model, args=args, train_dataset=dataset,
                                  processing_class=inputs.tokenizer, callbacks=callbacks,

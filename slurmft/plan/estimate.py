@@ -54,7 +54,8 @@ Assumptions, in one place (each is repeated where it is used):
 * DPO (a ``dpo:`` section): chosen and rejected go through the model in one forward, so the activations are
   those of twice the micro-batch; with full fine-tuning the reference is one more copy of the model in the
   compute dtype, sharded like the policy (counted in ``weights``, also as ``reference_weights``), two of its
-  layers gathered at a time; with LoRA there is no copy. The reference's load (CPU RAM) is not counted.
+  layers gathered at a time; with LoRA, or ``dpo.reference: precomputed``, there is no copy. The reference's load
+  (CPU RAM) is not counted.
 * Checkpoint (sharded DCP): fp32 parameters + two AdamW states = 12 bytes/parameter. Consolidated
   model: parameters × ``consolidate.dtype``.
 """
@@ -613,6 +614,7 @@ def _knobs(cfg: RunConfig, profile: ClusterProfile) -> tuple[Settings, str | Non
         accumulation=cfg.train.gradient_accumulation_steps,
         lora=LoraSettings.of(cfg.lora),
         dpo=cfg.dpo is not None,
+        dpo_precomputed=cfg.dpo is not None and cfg.dpo.reference.value == "precomputed",
     )
     return knobs, capacity_note
 
@@ -701,7 +703,7 @@ def _setup_facts(k: Settings, profile: ClusterProfile) -> dict[str, Any]:
         "seq_len": k.seq_len,
         "micro_batch": k.micro_batch,
         "gradient_accumulation_steps": k.accumulation,
-        "dpo": k.dpo,  # chosen and rejected in one forward; a reference copy unless LoRA
+        "dpo": k.dpo,  # chosen and rejected in one forward; a reference copy unless LoRA or precomputed
     }
 
 

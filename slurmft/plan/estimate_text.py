@@ -58,6 +58,9 @@ def remedies(k: Settings, fits: Callable[[Settings], int | None],
     if k.fsdp and k.hsdp and k.nodes > 1 and (t := fits(replace(k, hsdp=False))):
         out.append(f"set fsdp.replicate_across_nodes=false (the training state does not fit one node; FSDP over all "
                    f"{k.world_size} ranks: {decimal_gb(t)} per GPU)")
+    if k.dpo_reference and (t := fits(replace(k, dpo_precomputed=True))):
+        out.append(f"set dpo.reference=precomputed (the reference's log-probabilities computed once before step 1, "
+                   f"no copy of the model while training; {decimal_gb(t)} per GPU)")
     if k.lora is None and lora_words is not None and (t := fits(replace(k, lora=LoraSettings()))):
         out.append(f"add a lora: section (LoRA adapters on a frozen base, docs/lora.md; {lora_words(LoraSettings())}; "
                    f"{decimal_gb(t)} per GPU)")

@@ -67,12 +67,14 @@ class Settings:
     accumulation: int = 1  # train.gradient_accumulation_steps: no memory term (gradients stay sharded)
     lora: LoraSettings | None = None  # adapters on a frozen base (None: every weight trains)
     dpo: bool = False  # a dpo: section: chosen and rejected in one forward (two sequences per example)
+    dpo_precomputed: bool = False  # dpo.reference: precomputed: no reference model while training
 
     @property
     def dpo_reference(self) -> bool:
         """DPO with full fine-tuning holds a frozen, sharded copy of the model in the compute dtype; LoRA-DPO uses the
-        base with the adapters disabled (so the LoRA remedy of a DPO run that does not fit drops the copy too)."""
-        return self.dpo and self.lora is None
+        base with the adapters disabled (so the LoRA remedy of a DPO run that does not fit drops the copy too), and
+        precomputed reference log-probabilities need no model at all."""
+        return self.dpo and self.lora is None and not self.dpo_precomputed
 
     @property
     def sequences(self) -> int:

@@ -9,6 +9,8 @@ One set of runs serves every check (tests/job/run_many.py: one start-up per laun
   that must be refused before anything is loaded: ``dpo``'s checkpoint under an SFT config, and an SFT
   checkpoint (``dpo``'s with the marker an SFT run writes) under the DPO config;
 - ``prepared``: ``dpo`` with ``prepare.enabled``, its pairs tokenized by the prepare job first (in launch 1);
+- ``precomputed`` (launch 1, through dpo_check.py): ``dpo`` with ``dpo.reference: precomputed``, no reference model;
+  in launch 2 a copy cut back to checkpoint-2 resumes from the values it kept, and a copy without them is refused;
 - the single-process TRL reference (tests/job/dpo_reference.py: transformers + TRL's DPOTrainer with its own
   reference model, no FSDP, the whole global batch on one process).
 """
@@ -50,14 +52,19 @@ def dpo_runs(tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytest
         cfg["data"]["datasets"] = [{"path": str(pairs)}]
         cfg["dpo"] = {"beta": 0.1}
 
+    def on_pairs_precomputed(cfg: dict) -> None:
+        on_pairs(cfg)
+        cfg["dpo"]["reference"] = "precomputed"
+
     runs = {"dpo": write_run(root / "dpo", tiny_model, RUN_ARGS, edit=on_pairs),
+            "precomputed": write_run(root / "precomputed", tiny_model, RUN_ARGS, edit=on_pairs_precomputed),
             "lora": write_run(root / "lora", tiny_model, [*RUN_ARGS, *LORA], edit=on_pairs),
             "prepared": write_run(root / "prepared", tiny_model, [*RUN_ARGS, "prepare.enabled=true"], edit=on_pairs)}
     prepare = subprocess.run([sys.executable, "-m", "slurmft.job.entrypoint", "prepare", str(runs["prepared"])],
                              env=job_env, capture_output=True, text=True, timeout=600, check=False)
     assert prepare.returncode == 0, prepare.stdout[-3000:] + prepare.stderr[-3000:]
     check = "call:tests.job.dpo_check:main:{run}:" + str(root) + "/check-{name}"
-    first = [*(check.format(run=runs[n], name=n) for n in ("dpo", "lora")), str(runs["prepared"])]
+    first = [*(check.format(run=runs[n], name=n) for n in ("dpo", "lora", "precomputed")), str(runs["prepared"])]
     _, out = launch_like_srun(root / "first", job_env, program=[str(HERE / "run_many.py")],
                               args=first).wait(timeout=600)
     for path in sorted(root.glob("*.failed.rank*")):
@@ -72,8 +79,12 @@ def dpo_runs(tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytest
     runs["dpoonsft"] = _copy(runs["dpo"], root / "dpoonsft", cut_after=EVERY)
     marker = runs["dpoonsft"] / "checkpoints" / f"checkpoint-{EVERY}" / "COMPLETE"
     marker.write_text(json.dumps({**json.loads(marker.read_text()), "method": "sft"}))  # what an SFT run writes
-    before = {name: _tree(runs[name]) for name in ("sftondpo", "dpoonsft")}
-    second = [check.format(run=runs["resumed"], name="resumed"), str(runs["sftondpo"]), str(runs["dpoonsft"])]
+    runs["precomputed_resumed"] = _copy(runs["precomputed"], root / "precomputed_resumed", cut_after=EVERY)
+    runs["precomputed_lost"] = _copy(runs["precomputed"], root / "precomputed_lost", cut_after=EVERY)
+    (runs["precomputed_lost"] / "reference_logps.safetensors").unlink()
+    before = {name: _tree(runs[name]) for name in ("sftondpo", "dpoonsft", "precomputed_lost")}
+    second = [check.format(run=runs["resumed"], name="resumed"), str(runs["sftondpo"]), str(runs["dpoonsft"]),
+              str(runs["precomputed_resumed"]), str(runs["precomputed_lost"])]
     _, out2 = launch_like_srun(root / "second", job_env, program=[str(HERE / "run_many.py")],
                                args=second).wait(timeout=600)
     reference = subprocess.run([sys.executable, str(HERE / "dpo_reference.py"), str(runs["dpo"]),
@@ -180,3 +191,47 @@ def test_trl_dpo_preparation_reads_only_what_the_prepare_job_sets() -> None:
 
     assert _attributes(DPOTrainer._prepare_dataset, "self") == {"_tokenizer"}
     assert _attributes(DPOTrainer._prepare_dataset, "args") <= {"dataset_num_proc", "max_length", "truncation_mode"}
+
+
+def test_precomputed_reference_log_probs_train_as_trl_without_a_reference_model(dpo_runs: dict[str, Any]) -> None:
+    from safetensors import safe_open
+
+    run = dpo_runs["runs"]["precomputed"]
+    ours, copy, theirs = read_metrics(run), read_metrics(dpo_runs["runs"]["dpo"]), dpo_runs["reference"]
+    assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
+    # step 1: the stored values are the policy's own, so both log-ratios are 0 and the sigmoid loss is ln 2
+    assert ours[0]["loss"] == pytest.approx(math.log(2), abs=1e-7), ours[0]["loss"]
+    for mine, other in [*zip(ours, theirs, strict=True), *zip(ours, copy, strict=True)]:
+        assert mine["loss"] == pytest.approx(other["loss"], abs=2e-6), (mine, other)
+        assert mine["grad_norm"] == pytest.approx(other["grad_norm"], rel=1e-4), (mine, other)
+        assert mine["rewards/margins"] == pytest.approx(other["rewards/margins"], abs=1e-5), (mine, other)
+    assert ours[-1]["loss"] != pytest.approx(math.log(2), abs=1e-3)  # it trained
+    for r, rank in enumerate(_check(dpo_runs["root"] / "check-precomputed")):
+        (policy,) = rank["models"]  # the policy only: no reference copy was built
+        assert not policy["frozen"] and policy["all_dtensor"] and policy["changed"]
+        assert json.loads((run / "fsdp_report" / f"rank{r}.json").read_text())["reference_bytes"] == 0
+    with safe_open(str(run / "reference_logps.safetensors"), framework="pt") as f:
+        meta, chosen, rejected = f.metadata(), f.get_tensor("ref_chosen_logps"), f.get_tensor("ref_rejected_logps")
+    rows = int(meta["rows"])
+    assert chosen.shape == rejected.shape == (rows,) and rows > 2 * STEPS  # every pair, not only the ones trained
+    assert bool((chosen < 0).all()) and bool((rejected < 0).all()) and not chosen.equal(rejected)
+    assert "dpo: reference log-probabilities of" in dpo_runs["log"] and "computed in" in dpo_runs["log"]
+
+
+def test_a_resumed_precomputed_run_reads_its_values_and_continues_bitwise(dpo_runs: dict[str, Any]) -> None:
+    full, resumed = (read_metrics(dpo_runs["runs"][n]) for n in ("precomputed", "precomputed_resumed"))
+    assert not sorted(dpo_runs["root"].glob("precomputed_resumed.failed.rank*"))
+    assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
+    for a, b in zip(full[EVERY:], resumed[EVERY:], strict=True):
+        assert (a["loss"], a["grad_norm"], a["rewards/margins"]) == (b["loss"], b["grad_norm"], b["rewards/margins"])
+    assert f"read from {dpo_runs['runs']['precomputed_resumed'] / 'reference_logps.safetensors'}" in dpo_runs["log"]
+
+
+def test_a_precomputed_run_that_lost_its_values_is_refused_on_resume(dpo_runs: dict[str, Any]) -> None:
+    run = dpo_runs["runs"]["precomputed_lost"]
+    failures = sorted(run.parent.glob(f"{run.name}.failed.rank*"))
+    assert len(failures) == 2, "precomputed_lost was not refused on every rank"
+    for path in failures:
+        text = path.read_text()
+        assert "reference_logps.safetensors is missing, and this attempt resumes from a checkpoint" in text, text[-2000:]
+    assert _tree(run) == dpo_runs["before"]["precomputed_lost"]  # nothing in the run directory changed
