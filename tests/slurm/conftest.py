@@ -36,7 +36,7 @@ class SlurmftDriver:
     def __init__(self, capsys: pytest.CaptureFixture[str] | None) -> None:
         self.capsys = capsys
 
-    def write_config(self, tmp_path: Path, model: Path, data: Path, **sections: dict) -> Path:
+    def write_config(self, tmp_path: Path, model: Path, dataset: Path, /, **sections: dict) -> Path:
         cfg = {
             "name": "it",
             "output_dir": str(tmp_path / "run"),
@@ -44,7 +44,7 @@ class SlurmftDriver:
             "cluster": {"profile": "local-test", "time": "00:15:00"},
             "resources": {"nodes": 2, "gpus_per_node": 1, "cpus_per_task": 1, "exclusive": False},
             "model": {"name_or_path": str(model), "dtype": "float32", "attn_implementation": "sdpa"},
-            "data": {"datasets": [{"path": str(data)}], "max_seq_length": SEQ},
+            "data": {"datasets": [{"path": str(dataset)}], "max_seq_length": SEQ},
             "train": {"max_steps": 4, "per_device_batch_size": 2, "learning_rate": 1e-3, "warmup_ratio": 0.0},
             "checkpoint": {"every_steps": 2, "keep_last": 2},
             "consolidate": {"dtype": "float32", "resources": {"cpus_per_task": 1, "mem": "2G", "time": "00:10:00"}},
