@@ -111,7 +111,7 @@ def test_a_prepared_and_preempted_run_in_the_image_equals_the_uninterrupted_refe
     steps = slurmft.metrics(run)
     assert sorted(m["step"] for m in steps) == list(range(1, REFERENCE_TRAIN["max_steps"] + 1))
     assert {m["restart"] for m in steps} == {0, 1}
-    log = (run / "logs" / f"train-{jobs['train']}.out").read_text()
+    log = (run / "logs" / f"train-{jobs['train']}.out").read_text(errors="replace")
     assert "restart=0" in log and "restart=1" in log  # the host's batch script, both attempts, one job id
 
     # the prepare job: first, without a GPU; its files read by both attempts, never written again
@@ -123,7 +123,7 @@ def test_a_prepared_and_preempted_run_in_the_image_equals_the_uninterrupted_refe
     assert log.count("prepared sequences read from") == 2, log[-3000:]  # both attempts
     for word in ("Tokenizing", "Packing", "loading and converting here", "Building labels"):
         assert word not in log
-    prepare_log = (run / "logs" / f"prepare-{jobs['prepare']}.out").read_text()
+    prepare_log = (run / "logs" / f"prepare-{jobs['prepare']}.out").read_text(errors="replace")
     assert "Tokenizing train dataset" in prepare_log and "examples/s" in prepare_log and "TRL prepared" in prepare_log
     rows = slurmft.status_json(run)
     assert rows["prepare"]["state"] == rows["train"]["state"] == "COMPLETED"

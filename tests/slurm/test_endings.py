@@ -68,7 +68,7 @@ def test_scontrol_requeue_saves_at_the_next_step_and_resumes_there(
     slurmft.assert_same_model(run / "model", reference)
 
     assert _marker(run, job, 0)["ended"] == "slurm_requeue"  # the batch script left the requeue to Slurm
-    log = (run / "logs" / f"train-{job}.out").read_text()
+    log = (run / "logs" / f"train-{job}.out").read_text(errors="replace")
     assert "Slurm requeues the job itself" in log and "requeueing job" not in log
     by_restart = _each_step_once(slurmft, run, TRAIN["max_steps"])
     assert sorted(by_restart) == [0, 1] and min(by_restart[1]) == saved + 1  # resumed from that very step
@@ -183,7 +183,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     slurm_cluster.wait_state(new["train"], "COMPLETED", timeout=300)
     slurm_cluster.wait_state(new["consolidate"], "COMPLETED", timeout=240)
     slurmft.assert_same_model(run / "model", reference)
-    log = (run / "logs" / f"train-{new['train']}.out").read_text()
+    log = (run / "logs" / f"train-{new['train']}.out").read_text(errors="replace")
     assert (f"skipping damaged checkpoint checkpoint-{newest}: pytorch_model_fsdp_0/__1_0.distcp is {size // 2} "
             f"bytes, COMPLETE says {size}") in log
     assert "resuming from checkpoint-20" in log
@@ -230,6 +230,6 @@ def test_time_limit_saves_requeues_and_finishes(slurm_cluster, tiny_model: Path,
     assert first["saved"] and 5 <= first["step"] < max_steps and first["ended"] == "warning"
     by_restart = _each_step_once(slurmft, run, max_steps)
     assert sorted(by_restart) == [0, 1] and min(by_restart[1]) == first["step"] + 1
-    log = (run / "logs" / f"train-{job}.out").read_text()
+    log = (run / "logs" / f"train-{job}.out").read_text(errors="replace")
     assert "requeueing job" in log and "restart=1" in log and f"resuming from checkpoint-{first['step']}" in log
     assert (run / "model" / "model.safetensors.index.json").is_file()

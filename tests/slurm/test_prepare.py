@@ -51,7 +51,7 @@ def test_a_failed_prepare_job_cancels_the_train_job_and_resume_prepares_again(
     slurm_cluster.wait_state(jobs["prepare"], "FAILED", timeout=240)
     slurm_cluster.wait_state(jobs["train"], "CANCELLED", timeout=60)  # by Slurm, not pending forever
     assert sacct_fields([jobs["train"]], "Start")[jobs["train"]] == ["None"]  # it never started
-    log = (run / "logs" / f"prepare-{jobs['prepare']}.out").read_text()
+    log = (run / "logs" / f"prepare-{jobs['prepare']}.out").read_text(errors="replace")
     assert "TRL's preparation failed" in log and "the template refuses this row" in log
     assert not RunPaths.of(run).prepared.exists()
     status = slurmft.status_json(run)

@@ -83,7 +83,7 @@ def test_scancel_on_two_ranks_then_resume_on_another_allocation(slurm_cluster, r
     slurm_cluster.wait_state(new["train"], "COMPLETED", timeout=420)
     slurm_cluster.wait_state(new["consolidate"], "COMPLETED", timeout=240)
 
-    log = (run / "logs" / f"train-{new['train']}.out").read_text()
+    log = (run / "logs" / f"train-{new['train']}.out").read_text(errors="replace")
     assert (f"checkpoint-{saved} was saved by 2 ranks (2 x 2 x 1), resuming on {world} ({world} x {per_device} x "
             f"{accumulation}): global batch 4 kept, {saved * 4} sequences consumed") in log
     script = (run / "scripts" / "train.sbatch").read_text()

@@ -98,7 +98,7 @@ def test_scancel_then_resume(slurm_cluster, reference: Path, tiny_model: Path, c
     assert marker["saved"] and marker["signal"] == "SIGTERM" and marker["ended"] == "cancelled"
     assert saved > 12 and slurmft.complete(run, saved) and saved == max(m["step"] for m in slurmft.metrics(run))
     assert json.loads((run / "checkpoints" / f"checkpoint-{saved}" / "COMPLETE").read_text())["t"] - cancelled_at < 5
-    log = (run / "logs" / f"train-{jobs['train']}.out").read_text()
+    log = (run / "logs" / f"train-{jobs['train']}.out").read_text(errors="replace")
     assert "cancelled (scancel) and is not requeued" in log and "requeueing job" not in log
     assert slurm_cluster.squeue_state(jobs["train"]) == "CANCELLED"  # not requeued (a requeue would be PENDING)
     rows = slurmft.status_json(run)
@@ -128,7 +128,7 @@ def test_budget_used_up_then_resume_then_failed_consolidation_redone(
     slurmft.wait_for("step 4", lambda: any(m["step"] >= 4 for m in slurmft.metrics(run)))
     subprocess.run(["scancel", "--signal=USR2", jobs["train"]], check=True)  # the warning signal
     slurm_cluster.wait_state(jobs["train"], "FAILED", timeout=120)
-    log = (run / "logs" / f"train-{jobs['train']}.out").read_text()
+    log = (run / "logs" / f"train-{jobs['train']}.out").read_text(errors="replace")
     assert "preemption.max_requeues" in log
     saved = max(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("checkpoint-*") if slurmft.complete(run, int(p.name.split("-")[1])))
     assert 4 <= saved < TRAIN["max_steps"]

@@ -45,7 +45,7 @@ def test_submit_runs_train_then_consolidation(slurm_cluster, tiny_model: Path, c
     code, out, _ = slurmft.cli(["logs", str(run)])
     assert code == 0
     assert re.search(r"^0: ", out, re.M) and re.search(r"^1: ", out, re.M)  # srun --label: rank 0 and rank 1
-    log = (run / "logs" / f"train-{jobs['train']}.out").read_text()
+    log = (run / "logs" / f"train-{jobs['train']}.out").read_text(errors="replace")
     # n1 (rank 0) answers on 127.0.0.2: the address came from its NodeAddr, not a 127.0.0.1 fallback
     assert "master=127.0.0.2:" in log
     # the deployable model exists
@@ -75,7 +75,7 @@ def test_failed_train_leaves_consolidation_never_satisfied(slurm_cluster, tiny_m
     assert slurm_cluster.squeue_reason(jobs["consolidate"]) == "DependencyNeverSatisfied"
     rows = slurmft.status_json(tmp_path / "run")
     assert rows["train"]["state"] == "FAILED"
-    log = (tmp_path / "run" / "logs" / f"train-{jobs['train']}.out").read_text()
+    log = (tmp_path / "run" / "logs" / f"train-{jobs['train']}.out").read_text(errors="replace")
     assert "setup error: data.datasets[0]" in log and "Traceback" not in log  # the user's error, said plainly
     assert "will never start" in rows["consolidate"]["words"]
     code, out, _ = slurmft.cli(["status", str(tmp_path / "run")])  # the table says so in words too
@@ -123,7 +123,7 @@ def test_two_nodes_by_two_tasks_shard_over_four_ranks(slurm_cluster, tiny_model:
     for r in reports:  # real FSDP2 over 4 ranks on 2 nodes: every parameter a DTensor, ~1/4 of the bytes each
         assert r["param_types"] == ["DTensor"] and r["distributed_type"].endswith("FSDP")
         assert 0.2 < r["local_fraction"] < 0.3
-    log = (tmp_path / "run" / "logs" / f"train-{job}.out").read_text()
+    log = (tmp_path / "run" / "logs" / f"train-{job}.out").read_text(errors="replace")
     assert "nodes=n[1-2]" in log
 
 

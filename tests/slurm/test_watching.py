@@ -116,7 +116,7 @@ def test_preempted_twice_status_plot_report_logs_wandb(slurm_cluster, tiny_model
     assert (run / "loss.png").is_file()
 
     # the log: each step's loss line once (only global rank 0 prints them), three starts of the same job
-    log = (run / "logs" / f"train-{job}.out").read_text()
+    log = (run / "logs" / f"train-{job}.out").read_text(errors="replace")
     for step in range(1, 41):
         lines = re.findall(rf"\bstep {step}/40 +loss", log)
         assert len(lines) == 1, f"step {step} has {len(lines)} loss lines, not one"
