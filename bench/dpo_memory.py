@@ -97,7 +97,10 @@ def table(res: dict[str, Any]) -> str:
     copy, lora, floor = res["copy"], res["lora"], res["import_floor"]
     params = copy["ranks"][0]["total_params"]
     trainable = lora["ranks"][0]["trainable"]
-    whole = lambda n: "-" if n is None else f"{n / MIB:.0f}"  # noqa: E731
+
+    def whole(n: float | None) -> str:
+        return "-" if n is None else f"{n / MIB:.0f}"
+
     lines = [
         f"Model: {params / 1e6:.1f}M parameters, fp32 + AdamW, {len(copy['ranks'])} CPU ranks (gloo), DPO (sigmoid, "
         f"beta {res['beta']:g}) on examples/tiny/dpo.yaml's pairs, {copy['steps']} steps, {res['micro_batch']} pairs "

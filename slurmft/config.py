@@ -709,6 +709,11 @@ class DPOConfig(_Section):
         "resume rebuilds the copy from the model files.",
     )
 
+    @property
+    def precomputed(self) -> bool:
+        """``reference: precomputed``: no reference model while training (the job and the estimate ask this)."""
+        return self.reference == DPOReference.PRECOMPUTED
+
     @field_validator("loss_type", mode="before")
     @classmethod
     def _one_or_more(cls, v: Any) -> Any:

@@ -79,9 +79,7 @@ def uses_reference_copy(cfg: RunConfig) -> bool:
 def precomputed(cfg: RunConfig) -> bool:
     """``dpo.reference: precomputed``: the reference's log-probabilities come from the run directory
     (slurmft/job/dpo_reference_logps.py), no reference model while training."""
-    from slurmft.config import DPOReference
-
-    return cfg.dpo is not None and cfg.dpo.reference == DPOReference.PRECOMPUTED
+    return cfg.dpo is not None and cfg.dpo.precomputed
 
 
 def reference_model(cfg: RunConfig, model_config: Any, model_dir: Path | None, ctx: DistContext) -> Any:

@@ -44,7 +44,6 @@ SIGNAL_EVERY = 8
 
 def _identity(cfg: RunConfig, rows: int) -> dict[str, str]:
     """What the values depend on, kept in the file's metadata and checked when it is read."""
-    assert cfg.dpo is not None
     return {"rows": str(rows), "model": str(cfg.model.name_or_path), "max_length": str(cfg.data.max_seq_length),
             "lora": "yes" if cfg.lora is not None else "no"}
 

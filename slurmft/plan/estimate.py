@@ -614,7 +614,7 @@ def _knobs(cfg: RunConfig, profile: ClusterProfile) -> tuple[Settings, str | Non
         accumulation=cfg.train.gradient_accumulation_steps,
         lora=LoraSettings.of(cfg.lora),
         dpo=cfg.dpo is not None,
-        dpo_precomputed=cfg.dpo is not None and cfg.dpo.reference.value == "precomputed",
+        dpo_precomputed=cfg.dpo is not None and cfg.dpo.precomputed,
     )
     return knobs, capacity_note
 

@@ -16,10 +16,10 @@ from tests.slurm import jobs
 # The config of the shared uninterrupted reference run (``reference``): every interrupted run of it
 # must end with a bitwise-equal consolidated model.
 REFERENCE_TRAIN = {"max_steps": 40}
+REFERENCE_CHECKPOINT = {"every_steps": 10, "keep_last": 2}
 # 64-token rows: what the cluster tests check (endings, saves, resumes bitwise) does not depend on the row length,
 # and a micro-model step on 64 is ~20% cheaper than on 128 (the train-time test keeps 128, test_endings.py).
 SEQ = 64
-REFERENCE_CHECKPOINT = {"every_steps": 10, "keep_last": 2}
 
 
 @pytest.fixture(scope="session")
