@@ -134,7 +134,6 @@ RUNTIMES = ("pyxis", "apptainer", "charliecloud", "podman")
 IMAGE_RE = re.compile(r"^[A-Za-z0-9._/~+@=:#-]+$")
 #: One side of a mount: an absolute path without the separators the runtimes split on (',' and ':').
 MOUNT_PATH_RE = re.compile(r"^/[A-Za-z0-9._/~+@=-]*$")
-PODMAN_SIZE_RE = re.compile(r"^\d+[bkmgBKMG]?$")
 
 
 def mount_problem(mount: str) -> str | None:
@@ -187,8 +186,6 @@ class ContainerConfig(_Section):
     mount_home: bool = Field(
         False, description="Mount the user's home directory (pyxis --container-mount-home, apptainer without "
         "--no-home, charliecloud --home). Off: a ~/.cache or ~/.local in the home cannot shadow the image's packages.")
-    shm_size: str = Field(
-        "16g", description="podman --shm-size: /dev/shm of each rank (podman's default 64 MB breaks NCCL, nccl#342).")
 
     @field_validator("runtime")
     @classmethod
@@ -222,11 +219,6 @@ class ContainerConfig(_Section):
     @classmethod
     def _workdir(cls, v: str | None) -> str | None:
         return None if v is None else _check(MOUNT_PATH_RE, v, "absolute directory in the image")
-
-    @field_validator("shm_size")
-    @classmethod
-    def _shm(cls, v: str) -> str:
-        return _check(PODMAN_SIZE_RE, v, "podman size (e.g. 16g, 512m)")
 
 
 def runtime_choice(value: str) -> str:

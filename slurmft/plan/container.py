@@ -46,7 +46,6 @@ class Container:
     writable: bool = False
     workdir: str = "/"
     mount_home: bool = False
-    shm_size: str = "16g"
 
     @property
     def image_is_path(self) -> bool:
@@ -140,7 +139,7 @@ def resolve(cfg: RunConfig, profile: ClusterProfile) -> Container | None:
         raise ConfigError("cluster.container.mounts: a mount hides what the job needs", problems)
     return Container(runtime=spec.runtime, image=spec.image, python=spec.python, mounts=_ordered([*auto, *extra]),
                      env=dict(spec.env), writable=spec.writable, workdir=spec.workdir or cfg.output_dir,
-                     mount_home=spec.mount_home, shm_size=spec.shm_size)
+                     mount_home=spec.mount_home)
 
 
 def _ordered(mounts: list[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
@@ -256,8 +255,9 @@ def wrap(container: Container, srun: list[str], command: str, env_names: list[st
         args += [f"--cd={container.workdir}", container.image, "--"]
         return srun, f"ch-run --env-no-expand {passed} {' '.join(q(a) for a in args)} {command}"
     if runtime == "podman":
-        args = ["run", "--rm", "--init", "--sig-proxy=true", "--network=host", "--ipc=host",
-                f"--shm-size={container.shm_size}"]
+        # --ipc=host: each rank is its own container, and NCCL's shared-memory transport needs the node's ranks in
+        # one IPC namespace; they share the node's /dev/shm (podman refuses --shm-size beside it)
+        args = ["run", "--rm", "--init", "--sig-proxy=true", "--network=host", "--ipc=host"]
         if not container.writable:
             args.append("--read-only")
         if gpus:
