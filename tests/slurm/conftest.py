@@ -11,7 +11,7 @@ import yaml
 from cli_runner import cli
 
 from tests.export_check import assert_same_model
-from tests.slurm import jobs
+from tests.slurm import images, jobs
 
 # The config of the shared uninterrupted reference run (``reference``): every interrupted run of it
 # must end with a bitwise-equal consolidated model.
@@ -28,6 +28,18 @@ def tiny_model(micro_model: Path) -> Path:
     ``micro`` preset. What these tests check, the jobs' endings, their saves and resumes bitwise, does not depend on
     the width."""
     return micro_model
+
+
+@pytest.fixture(scope="session")
+def sft_image() -> Path:
+    """The cached container test image (tests/slurm/images.py; built on first use, .ci/run builds it first)."""
+    return Path(images.built())
+
+
+@pytest.fixture(scope="session")
+def podman_image(sft_image: Path) -> str:
+    """The same image in podman's storage (Debian's podman installed and the image imported on first use)."""
+    return images.built("podman")
 
 
 class SlurmftDriver:

@@ -7,6 +7,8 @@
 #
 #   bash tests/slurm/image.sh          build once (a no-op when the cached image matches), print its path
 #   bash tests/slurm/image.sh path     print the path only (exit 1 when not built)
+#   bash tests/slurm/image.sh podman   the same image imported into podman's storage (installs Debian's podman
+#                                      if missing; a no-op when imported), print its reference
 #
 # Knobs: SLURMFT_IMAGE_CACHE  where the image is built and kept   (/var/cache/slurmft)
 # Also installs Debian's charliecloud-runtime (ch-run) if missing. Needs root (mmdebstrap, apt-get).
@@ -59,6 +61,23 @@ log() { printf '[image +%ds] %s\n' "$SECONDS" "$*"; }
 if [ "${1:-build}" = path ]; then
   [ "$(cat "$IMAGE/etc/slurmft-test-image" 2>/dev/null)" = "$WANT" ] || exit 1
   echo "$IMAGE"
+  exit 0
+fi
+
+if [ "${1:-build}" = podman ]; then
+  built=$(bash "${BASH_SOURCE[0]}" build | tail -n 1)
+  REF="localhost/slurmft-sft:$(printf '%s' "$WANT" | sha256sum | cut -c1-12)"
+  if ! command -v podman >/dev/null || ! command -v runc >/dev/null || ! dpkg -s catatonit >/dev/null 2>&1; then
+    log "installing podman (catatonit: the --init that passes the warning signal on; runc: crun refuses a hybrid cgroup layout)" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends podman catatonit runc >/dev/null \
+      || { DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null \
+           && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends podman catatonit runc >/dev/null; }
+  fi
+  if ! podman image exists "$REF"; then
+    log "importing $built into podman as $REF" >&2
+    tar -C "$built" -c . | podman import --quiet - "$REF" >/dev/null
+  fi
+  echo "$REF"
   exit 0
 fi
 

@@ -95,15 +95,17 @@ def file_digests(directory: Path) -> dict[str, tuple[int, int, str]]:
 
 
 def preempted_beside_uninterrupted(slurmft, slurm_cluster, tmp_path: Path, model: Path, data: Path,  # noqa: ANN001
-                                   **sections: dict) -> tuple[Path, Path]:
+                                   cluster: dict | None = None, **sections: dict) -> tuple[Path, Path, dict[str, str]]:
     """Submit the same run twice (``sections`` of the config, 2 ranks on one node each, side by side), give one
     the warning signal after its step 2 and wait until it was requeued, then both trained and consolidated.
-    Returns (the preempted run, the uninterrupted run); the preempted one logged every step exactly once, in
-    two attempts."""
+    ``cluster``: the preempted run's own cluster section (its ranks in an image: one run serves two tests).
+    Returns (the preempted run, the uninterrupted run, the preempted run's jobs); the preempted one logged every
+    step exactly once, in two attempts."""
     runs = {}
     for name in ("uninterrupted", "preempted"):
         (tmp_path / name).mkdir()
-        path = slurmft.write_config(tmp_path / name, model, data, **sections)
+        own = {"cluster": cluster} if name == "preempted" and cluster else {}
+        path = slurmft.write_config(tmp_path / name, model, data, **sections, **own)
         runs[name] = (tmp_path / name / "run", slurmft.submit(path))
     run, jobs = runs["preempted"]
     job = jobs["train"]
@@ -116,4 +118,4 @@ def preempted_beside_uninterrupted(slurmft, slurm_cluster, tmp_path: Path, model
     steps = metrics(run)
     assert sorted(m["step"] for m in steps) == list(range(1, sections["train"]["max_steps"] + 1))
     assert {m["restart"] for m in steps} == {0, 1}  # the preemption happened between two steps it logged
-    return run, runs["uninterrupted"][0]
+    return run, runs["uninterrupted"][0], jobs

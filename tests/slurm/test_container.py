@@ -28,57 +28,21 @@ import pytest
 
 from slurmft.rundir import RunPaths
 from tests.slurm.conftest import REFERENCE_CHECKPOINT, REFERENCE_TRAIN
+from tests.slurm.images import IMAGE_PYTHON, in_image, ran_in_image
 from tests.slurm.jobs import file_digests, restarts, sacct_fields, signal_rank_steps, started_jobs
 from tests.slurm.test_prepare import PREPARE
 
 pytestmark = pytest.mark.slurm
 
-REPO = Path(__file__).resolve().parents[2]
-IMAGE_PYTHON = "/opt/sft/bin/python"  # the venv tests/slurm/image.sh makes in the image
-
-
-@pytest.fixture(scope="session")
-def sft_image() -> Path:
-    """The cached test image (built on first use; .ci/run builds it before the tests)."""
-    out = subprocess.run(["bash", str(REPO / "tests" / "slurm" / "image.sh")], capture_output=True, text=True,
-                         timeout=1800)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    return Path(out.stdout.strip().splitlines()[-1])
-
-
 def _config_in_image(slurmft, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, image: Path,  # noqa: ANN001
                      model: Path, data: Path, **sections: dict) -> Path:
-    """The test cluster's run config with its ranks in ``image`` (Charliecloud); the marks go to tmp_path/marks.
-
-    Everything the job reads lies under /tmp, which ch-run shares with the image, so every automatic bind finds
-    its destination in the read-only image: the model (tiny_model), the data, and slurmft itself, a copy of this
-    checkout (the image holds the stack only, so it outlives every commit; host and image run the copy)."""
+    """The test cluster's run config with its ranks in ``image`` (Charliecloud; tests/slurm/images.py), its data
+    copied under /tmp (ch-run shares /tmp with the image); the marks go to tmp_path/marks."""
     monkeypatch.setenv("USER", getpass.getuser())  # ch-run refuses to start without it (sbatch passes it on)
-    (tmp_path / "marks").mkdir()
-    src = _copy_of_slurmft(tmp_path / "src")
     copy = tmp_path / "data" / data.name
     copy.parent.mkdir()
     shutil.copyfile(data, copy)
-    container = {"runtime": "charliecloud", "image": str(image), "python": IMAGE_PYTHON,
-                 "env": {"PYTHONPATH": str(src), "SLURMFT_TEST_IMAGE_MARKS": str(tmp_path / "marks")}}
-    # HF_HOME: the image's home is not writable (validate asks for it: the datasets cache)
-    (tmp_path / "hf").mkdir()  # a bind's source must exist
-    cluster = {"container": container, "env": {"HF_HOME": str(tmp_path / "hf")}}
-    return slurmft.write_config(tmp_path, model, copy, cluster=cluster, **sections)
-
-
-def _copy_of_slurmft(dest: Path) -> Path:
-    """slurmft's package and its data folders (templates, configs: slurmft/resources.py) copied to ``dest``."""
-    for name in ("slurmft", "templates", "configs"):
-        shutil.copytree(REPO / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
-    return dest
-
-
-def _marks(directory: Path, job: str) -> list[dict]:
-    """What the image's hook recorded for the processes of ``job`` that slurmft started (``python -m ...``; the
-    hook runs before runpy replaces argv[0]), not a helper process a library started (``python -c``)."""
-    found = [json.loads(p.read_text()) for p in directory.glob(f"{job}-*.json")]
-    return [m for m in found if m["argv"][:1] == ["-m"]]
+    return slurmft.write_config(tmp_path, model, copy, cluster=in_image(tmp_path, "charliecloud", image), **sections)
 
 
 def test_a_prepared_and_preempted_run_in_the_image_equals_the_uninterrupted_reference(
@@ -128,18 +92,7 @@ def test_a_prepared_and_preempted_run_in_the_image_equals_the_uninterrupted_refe
     rows = slurmft.status_json(run)
     assert rows["prepare"]["state"] == rows["train"]["state"] == "COMPLETED"
 
-    # every process slurmft started ran in the image
-    image = (sft_image / "etc" / "slurmft-test-image").read_text().strip()
-    assert not Path(IMAGE_PYTHON).exists()  # the host has no such interpreter: only the image does
-    rank_marks = _marks(marks, jobs["train"])
-    assert {(m["restart"], m["rank"]) for m in rank_marks} == {("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")}, rank_marks
-    preparation, consolidation = _marks(marks, jobs["prepare"]), _marks(marks, jobs["consolidate"])
-    assert preparation, "the prepare job's task left no mark"
-    assert consolidation, "the consolidation job's task left no mark"
-    for mark in rank_marks + preparation + consolidation:
-        assert mark["executable"] == IMAGE_PYTHON and mark["image"] == image and mark["ch_running"], mark
-        assert "bookworm" in mark["os"], mark
-
+    ran_in_image(marks, jobs, sft_image, charliecloud=True)  # every process slurmft started
     slurmft.assert_same_model(RunPaths.of(run).model, reference)
 
 

@@ -33,7 +33,7 @@ def test_dpo_preempted_once_ends_bitwise_equal_to_its_uninterrupted_run(
 
     pairs = preference_data(tmp_path / "pairs.jsonl")
     sections = {**SECTIONS, **({"lora": lora} if lora else {})}
-    run, twin = preempted_beside_uninterrupted(slurmft, slurm_cluster, tmp_path, tiny_model, pairs, **sections)
+    run, twin, _ = preempted_beside_uninterrupted(slurmft, slurm_cluster, tmp_path, tiny_model, pairs, **sections)
 
     slurmft.assert_same_model(run / "model", twin / "model")
     if lora:

@@ -1,5 +1,11 @@
 """LoRA on the real two-node cluster: preempted once (the warning signal mid-run), the run ends with the adapter and
-the merged model bitwise equal to its uninterrupted run's, and every checkpoint it wrote holds adapters only."""
+the merged model bitwise equal to its uninterrupted run's, and every checkpoint it wrote holds adapters only.
+
+The preempted run's ranks and its consolidation task run in the container test image under podman (Debian's podman
+4.3; tests/slurm/images.py), its twin on the host: one run serves the LoRA test and podman's (CI time). So it also
+shows that the warning signal reaches the ranks through ``podman run --init --sig-proxy=true``, that the host's batch
+script requeues, and that the image trains bitwise as the host does.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.slurm.images import in_image, ran_in_image
 from tests.slurm.jobs import preempted_beside_uninterrupted
 
 pytestmark = pytest.mark.slurm
@@ -18,15 +25,21 @@ RESOURCES = {"nodes": 1, "gpus_per_node": 2}  # 2 ranks on one node: the two run
 LORA = {"r": 8, "alpha": 16}
 
 
-def test_lora_preempted_once_ends_bitwise_equal_to_its_uninterrupted_run(
-        slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path: Path, slurmft) -> None:
+def test_lora_preempted_once_in_a_podman_image_ends_bitwise_equal_to_its_uninterrupted_run_on_the_host(
+        slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path: Path, slurmft, sft_image: Path,
+        podman_image: str) -> None:
     from safetensors.torch import load_file
     from torch.distributed.checkpoint import FileSystemReader
 
     from slurmft.checkpoints import is_adapter_name
 
-    run, reference = preempted_beside_uninterrupted(slurmft, slurm_cluster, tmp_path, tiny_model, chat_data,
-                                                    train=TRAIN, checkpoint=CHECKPOINT, resources=RESOURCES, lora=LORA)
+    podman = in_image(tmp_path / "image", "podman", podman_image)
+    run, reference, jobs = preempted_beside_uninterrupted(
+        slurmft, slurm_cluster, tmp_path, tiny_model, chat_data, cluster=podman, train=TRAIN, checkpoint=CHECKPOINT,
+        resources=RESOURCES, lora=LORA)
+    train = (run / "scripts" / "train.sbatch").read_text()
+    assert "podman run --rm --init --sig-proxy=true" in train and "#SBATCH --container" not in train
+    ran_in_image(tmp_path / "image" / "marks", jobs, sft_image, charliecloud=False)
 
     adapter, expected = load_file(str(run / "adapter" / "adapter_model.safetensors")), \
         load_file(str(reference / "adapter" / "adapter_model.safetensors"))

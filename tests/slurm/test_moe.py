@@ -29,8 +29,8 @@ def mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_moe_preempted_once_ends_bitwise_equal_to_its_uninterrupted_run(
         slurm_cluster, mixtral: Path, chat_data: Path, tmp_path: Path, slurmft) -> None:
-    run, reference = preempted_beside_uninterrupted(slurmft, slurm_cluster, tmp_path, mixtral, chat_data,
-                                                    train=TRAIN, checkpoint=CHECKPOINT, resources=RESOURCES)
+    run, reference, _ = preempted_beside_uninterrupted(slurmft, slurm_cluster, tmp_path, mixtral, chat_data,
+                                                       train=TRAIN, checkpoint=CHECKPOINT, resources=RESOURCES)
     slurmft.assert_same_model(run / "model", reference / "model")
     from safetensors import safe_open
 
