@@ -794,6 +794,20 @@ def test_dpo_counts_the_reference_copy_and_two_sequences_per_example():
     assert precomputed["activations"] == d["activations"]  # still two sequences per example
 
 
+def test_the_dpo_copys_load_adds_cpu_ram_only_where_shards_live_in_cpu_ram():
+    """The copy loads after the policy, the same way: on GPUs its load's transient is the policy's (not added);
+    with fsdp.cpu_offload both models' shards are in RAM while the copy loads."""
+    sft, dpo = (E.estimate(seed_config(**kw), profile())["cpu_ram_per_node"] for kw in ({}, {"dpo": {}}))
+    assert dpo["reference_shards"] == 0 and dpo["slurmft"] == sft["slurmft"]
+    off_sft, off_dpo = (E.estimate(seed_config(fsdp__cpu_offload=True, **kw), profile())
+                        for kw in ({}, {"dpo": {}}))
+    shards = off_dpo["cpu_ram_per_node"]["reference_shards"]
+    assert shards == 8 * off_dpo["per_gpu"]["reference_weights"] > 0  # 8 ranks on node 0, bf16 copies
+    assert off_dpo["cpu_ram_per_node"]["slurmft"] == off_sft["cpu_ram_per_node"]["slurmft"] + shards
+    precomputed = E.estimate(seed_config(fsdp__cpu_offload=True, dpo={"reference": "precomputed"}), profile())
+    assert precomputed["cpu_ram_per_node"]["reference_shards"] == 0
+
+
 def test_a_dpo_run_whose_copy_does_not_fit_is_offered_precomputed_reference_log_probs():
     small = profile(memory_gb=100)  # the seed's DPO needs ~106 GB a GPU with its copy, ~93 GB without
     r = E.estimate(seed_config(dpo={}), small)

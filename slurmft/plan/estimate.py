@@ -54,8 +54,10 @@ Assumptions, in one place (each is repeated where it is used):
 * DPO (a ``dpo:`` section): chosen and rejected go through the model in one forward, so the activations are
   those of twice the micro-batch; with full fine-tuning the reference is one more copy of the model in the
   compute dtype, sharded like the policy (counted in ``weights``, also as ``reference_weights``), two of its
-  layers gathered at a time; with LoRA, or ``dpo.reference: precomputed``, there is no copy. The reference's load
-  (CPU RAM) is not counted.
+  layers gathered at a time; with LoRA, or ``dpo.reference: precomputed``, there is no copy. The copy is loaded
+  after the policy, the same way (slurmft/job/dpo.py), so its load's transient CPU RAM (the mapped files, one
+  tensor) is the policy's again, not added; where shards live in CPU RAM (CPU ranks, ``fsdp.cpu_offload``) the
+  copy's shards are held beside the policy's while it loads (``reference_shards``).
 * Checkpoint (sharded DCP): fp32 parameters + two AdamW states = 12 bytes/parameter. Consolidated
   model: parameters × ``consolidate.dtype``.
 """
@@ -544,7 +546,10 @@ def _cpu_ram_per_node(
         resident = 0
     param_bytes = PRECISIONS[k.precision].param_bytes
     shard_bytes = gpu["sharded_weight_bytes"]
-    load_resident = rpn * shard_bytes if (not k.on_gpu or k.cpu_offload) else 0
+    in_ram = not k.on_gpu or k.cpu_offload
+    # DPO's reference copy loads after the policy: the policy's shards stay while the copy's are filled
+    reference_shards = rpn * gpu["reference_weights"] if in_ram else 0
+    load_resident = rpn * shard_bytes + reference_shards if in_ram else 0
     ours = file_bytes + _largest_tensor_numel(shape) * param_bytes + runtime + load_resident
     training = runtime + resident
     return {
@@ -556,6 +561,7 @@ def _cpu_ram_per_node(
         "fits": max(ours, training) <= node_ram,
         "runtime_allowance": runtime,
         "safetensors_bytes": file_bytes,
+        "reference_shards": reference_shards,  # included in slurmft's load figure
     }
 
 

@@ -6,36 +6,31 @@ Run by test_lora_cpu.py with a run directory whose config.yaml has a ``lora`` se
 
 It reads the same data through the job's own data code (same mixture, tokenizer, packing, seed) and
 builds TRL's ``SFTConfig`` with the job's own options, but the model is transformers' ``from_pretrained``
-wrapped by PEFT's ``get_peft_model`` (PEFT's module matching and LoRA layers, not ours), and the batch is
-the whole global batch of the 2-rank run on one process (``per_device_batch_size`` x 2): the same
-sequences per optimizer step. The adapters start from slurmft's seeded initial values
-(``adapters.init_adapters``: a deterministic function of the seed and the tensor's name), so both runs
-start from the same point. Writes the per-step losses and the final adapter tensors (PEFT's names) to
-OUT.json / OUT.safetensors.
+wrapped by PEFT's ``get_peft_model``, its adapters starting where slurmft's start, and the batch is the whole
+global batch of the 2-rank run on one process (tests/job/one_process.py). Writes the per-step losses and the
+final adapter tensors (PEFT's names) to OUT.json / OUT.safetensors.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
 
+from one_process import job_context, load_model, one_process
+
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 
 def main(run_dir: str, out: str) -> None:
-    import torch
-    from peft import get_peft_model, get_peft_model_state_dict
+    from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import TrainerCallback
     from trl import SFTTrainer
 
-    from slurmft.job import adapters, data, train
-    from slurmft.job.distributed import DistContext
+    from slurmft.job import data, train
     from slurmft.job.inputs import load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
-    from slurmft.job.rendezvous import JobEnv
     from slurmft.rundir import RunPaths
 
     paths = RunPaths.of(run_dir)
@@ -44,20 +39,8 @@ def main(run_dir: str, out: str) -> None:
     model_dir = resolve_model_dir(cfg.model, with_weights=True)
     tokenizer = load_tokenizer(resolve_tokenizer_dir(cfg.model, model_dir), cfg)
     dataset = data.load_mixture(cfg.data, cfg.train.seed, tokenizer)
-
-    torch.manual_seed(cfg.train.seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    base.config.use_cache = False
-    model = get_peft_model(base, adapters.peft_config(cfg.lora, base))
-    assert adapters.init_adapters(model, cfg.train.seed) > 0
-
-    env = JobEnv.from_environ()
-    ctx = DistContext(env=env, device=torch.device("cpu"), backend="gloo", collective_timeout_s=60)
-    args = train.sft_config(cfg, paths, ctx)
-    args = dataclasses.replace(
-        args, output_dir=str(Path(out).parent / "reference-out"), fsdp="", fsdp_config=None, save_strategy="no",
-        per_device_train_batch_size=cfg.train.per_device_batch_size * 2, report_to="none",
-        accelerator_config={}, max_steps=cfg.train.max_steps)
+    model = load_model(cfg, model_dir)
+    args = one_process(train.sft_config(cfg, paths, job_context()), cfg, out)
     losses: list[float] = []
 
     class Losses(TrainerCallback):

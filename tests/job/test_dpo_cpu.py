@@ -8,11 +8,14 @@ One set of runs serves every check (tests/job/run_many.py: one start-up per laun
 - launch 2: ``resumed`` (a copy of ``dpo`` cut back to checkpoint-2, through dpo_check.py too), and two copies
   that must be refused before anything is loaded: ``dpo``'s checkpoint under an SFT config, and an SFT
   checkpoint (``dpo``'s with the marker an SFT run writes) under the DPO config;
-- ``prepared``: ``dpo`` with ``prepare.enabled``, its pairs tokenized by the prepare job first (in launch 1);
 - ``precomputed`` (launch 1, through dpo_check.py): ``dpo`` with ``dpo.reference: precomputed``, no reference model;
   in launch 2 a copy cut back to checkpoint-2 resumes from the values it kept, and a copy without them is refused;
-- the single-process TRL reference (tests/job/dpo_reference.py: transformers + TRL's DPOTrainer with its own
-  reference model, no FSDP, the whole global batch on one process).
+  ``lora_precomputed`` (launch 1, through dpo_check.py): ``lora`` with the values precomputed;
+- ``prepared``: ``precomputed`` with ``prepare.enabled``, its pairs tokenized by the prepare job first (in launch
+  1), so the values are computed over the prepared rows;
+- the single-process TRL references (tests/job/dpo_reference.py: transformers + TRL's DPOTrainer with its own
+  reference model, no FSDP, the whole global batch on one process), of ``dpo`` and, with PEFT's LoRA layers and
+  TRL's adapters-disabled reference, of ``lora``.
 """
 
 from __future__ import annotations
@@ -59,12 +62,16 @@ def dpo_runs(tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytest
     runs = {"dpo": write_run(root / "dpo", tiny_model, RUN_ARGS, edit=on_pairs),
             "precomputed": write_run(root / "precomputed", tiny_model, RUN_ARGS, edit=on_pairs_precomputed),
             "lora": write_run(root / "lora", tiny_model, [*RUN_ARGS, *LORA], edit=on_pairs),
-            "prepared": write_run(root / "prepared", tiny_model, [*RUN_ARGS, "prepare.enabled=true"], edit=on_pairs)}
+            "lora_precomputed": write_run(root / "lora_precomputed", tiny_model, [*RUN_ARGS, *LORA],
+                                          edit=on_pairs_precomputed),
+            "prepared": write_run(root / "prepared", tiny_model, [*RUN_ARGS, "prepare.enabled=true"],
+                                  edit=on_pairs_precomputed)}
     prepare = subprocess.run([sys.executable, "-m", "slurmft.job.entrypoint", "prepare", str(runs["prepared"])],
                              env=job_env, capture_output=True, text=True, timeout=600, check=False)
     assert prepare.returncode == 0, prepare.stdout[-3000:] + prepare.stderr[-3000:]
     check = "call:tests.job.dpo_check:main:{run}:" + str(root) + "/check-{name}"
-    first = [*(check.format(run=runs[n], name=n) for n in ("dpo", "lora", "precomputed")), str(runs["prepared"])]
+    first = [*(check.format(run=runs[n], name=n) for n in ("dpo", "lora", "precomputed", "lora_precomputed")),
+             str(runs["prepared"])]
     _, out = launch_like_srun(root / "first", job_env, program=[str(HERE / "run_many.py")],
                               args=first).wait(timeout=600)
     for path in sorted(root.glob("*.failed.rank*")):
@@ -87,27 +94,42 @@ def dpo_runs(tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytest
               str(runs["precomputed_resumed"]), str(runs["precomputed_lost"])]
     _, out2 = launch_like_srun(root / "second", job_env, program=[str(HERE / "run_many.py")],
                                args=second).wait(timeout=600)
-    reference = subprocess.run([sys.executable, str(HERE / "dpo_reference.py"), str(runs["dpo"]),
-                                str(root / "reference" / "reference.json")], env=job_env, capture_output=True,
-                               text=True, timeout=600, check=False)
-    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    for name in ("dpo", "lora"):
+        reference = subprocess.run([sys.executable, str(HERE / "dpo_reference.py"), str(runs[name]),
+                                    str(root / "reference" / f"{name}.json")], env=job_env, capture_output=True,
+                                   text=True, timeout=600, check=False)
+        assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
     for path in sorted(root.glob("*.call.failed.rank*")):
         pytest.fail(path.read_text()[-4000:])
     return {"runs": runs, "root": root, "log": out + "\n" + out2, "before": before,
-            "reference": json.loads((root / "reference" / "reference.json").read_text())["logs"]}
+            **{f"trl_{name}": json.loads((root / "reference" / f"{name}.json").read_text())["logs"]
+               for name in ("dpo", "lora")}}
+
+
+def _stored(run: Path) -> tuple[dict[str, str], dict[str, Any]]:
+    """A run's reference_logps.safetensors: its metadata (what the values were computed for) and its tensors."""
+    from safetensors import safe_open
+
+    with safe_open(str(run / "reference_logps.safetensors"), framework="pt") as f:
+        return f.metadata(), {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
+
+
+def _same_as_trl(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> None:
+    """fp32 on both sides; the sums differ only in order (two ranks' reduce-scatter vs one batch)."""
+    assert len(ours) == len(theirs) == STEPS
+    for mine, other in zip(ours, theirs, strict=True):
+        assert mine["loss"] == pytest.approx(other["loss"], abs=2e-6), (mine, other)
+        assert mine["grad_norm"] == pytest.approx(other["grad_norm"], rel=1e-4), (mine, other)
+        assert mine["rewards/margins"] == pytest.approx(other["rewards/margins"], abs=1e-5), (mine, other)
 
 
 def test_losses_equal_trls_own_dpo_trainer_and_step_one_is_ln2(dpo_runs: dict[str, Any]) -> None:
     ours = read_metrics(dpo_runs["runs"]["dpo"])
-    theirs = dpo_runs["reference"]
-    assert [m["step"] for m in ours] == list(range(1, STEPS + 1)) and len(theirs) == STEPS
+    assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
     # step 1: the policy is the reference, both log-ratios are 0, and the sigmoid loss is -log(sigmoid(0)) = ln 2
     assert ours[0]["loss"] == pytest.approx(math.log(2), abs=1e-7), ours[0]["loss"]
     assert ours[0]["rewards/margins"] == 0.0 and ours[0]["rewards/chosen"] == 0.0
-    for mine, trl in zip(ours, theirs, strict=True):
-        assert mine["loss"] == pytest.approx(trl["loss"], abs=2e-6), (mine, trl)
-        assert mine["grad_norm"] == pytest.approx(trl["grad_norm"], rel=1e-4), (mine, trl)
-        assert mine["rewards/margins"] == pytest.approx(trl["rewards/margins"], abs=1e-5), (mine, trl)
+    _same_as_trl(ours, dpo_runs["trl_dpo"])
     assert ours[-1]["loss"] != pytest.approx(math.log(2), abs=1e-3)  # it trained: the policy left the reference
 
 
@@ -149,6 +171,8 @@ def test_lora_dpo_uses_the_base_with_adapters_disabled_and_saves_the_adapters_on
     metrics = read_metrics(dpo_runs["runs"]["lora"])
     assert metrics[0]["loss"] == pytest.approx(math.log(2), abs=1e-7)  # adapters start at B = 0: policy = base
     assert metrics[-1]["loss"] != pytest.approx(math.log(2), abs=1e-4)
+    # TRL + PEFT on one process: PEFT's LoRA layers, TRL's reference = the PEFT model with its adapters disabled
+    _same_as_trl(metrics, dpo_runs["trl_lora"])
     for r, rank in enumerate(_check(dpo_runs["root"] / "check-lora")):
         (policy,) = rank["models"]  # no second model: the reference is the policy with its adapters disabled
         assert json.loads((dpo_runs["runs"]["lora"] / "fsdp_report" / f"rank{r}.json").read_text())["reference_bytes"] == 0
@@ -179,8 +203,12 @@ def test_the_prepare_job_gives_the_same_training(dpo_runs: dict[str, Any]) -> No
     run = dpo_runs["runs"]["prepared"]
     record = prepared.read_record(RunPaths.of(str(run)))
     assert record["settings"]["method"] == "dpo" and record["result"]["sequences"] > 0
-    assert [(m["loss"], m["grad_norm"]) for m in read_metrics(run)] == [
-        (m["loss"], m["grad_norm"]) for m in read_metrics(dpo_runs["runs"]["dpo"])]
+    # the reference values computed over the prepared rows are those computed over the rows tokenized in the job
+    (meta, values), (meta_in_job, values_in_job) = (_stored(r) for r in (run, dpo_runs["runs"]["precomputed"]))
+    assert meta == meta_in_job and values.keys() == values_in_job.keys()
+    assert all(values[k].equal(values_in_job[k]) for k in values)
+    assert [(m["loss"], m["grad_norm"], m["rewards/margins"]) for m in read_metrics(run)] == [
+        (m["loss"], m["grad_norm"], m["rewards/margins"]) for m in read_metrics(dpo_runs["runs"]["precomputed"])]
 
 
 def test_trl_dpo_preparation_reads_only_what_the_prepare_job_sets() -> None:
@@ -197,14 +225,12 @@ def test_precomputed_reference_log_probs_train_as_trl_without_a_reference_model(
     from safetensors import safe_open
 
     run = dpo_runs["runs"]["precomputed"]
-    ours, copy, theirs = read_metrics(run), read_metrics(dpo_runs["runs"]["dpo"]), dpo_runs["reference"]
+    ours = read_metrics(run)
     assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
     # step 1: the stored values are the policy's own, so both log-ratios are 0 and the sigmoid loss is ln 2
     assert ours[0]["loss"] == pytest.approx(math.log(2), abs=1e-7), ours[0]["loss"]
-    for mine, other in [*zip(ours, theirs, strict=True), *zip(ours, copy, strict=True)]:
-        assert mine["loss"] == pytest.approx(other["loss"], abs=2e-6), (mine, other)
-        assert mine["grad_norm"] == pytest.approx(other["grad_norm"], rel=1e-4), (mine, other)
-        assert mine["rewards/margins"] == pytest.approx(other["rewards/margins"], abs=1e-5), (mine, other)
+    _same_as_trl(ours, dpo_runs["trl_dpo"])
+    _same_as_trl(ours, read_metrics(dpo_runs["runs"]["dpo"]))  # the run with a reference copy
     assert ours[-1]["loss"] != pytest.approx(math.log(2), abs=1e-3)  # it trained
     for r, rank in enumerate(_check(dpo_runs["root"] / "check-precomputed")):
         (policy,) = rank["models"]  # the policy only: no reference copy was built
@@ -235,3 +261,18 @@ def test_a_precomputed_run_that_lost_its_values_is_refused_on_resume(dpo_runs: d
         text = path.read_text()
         assert "reference_logps.safetensors is missing, and this attempt resumes from a checkpoint" in text, text[-2000:]
     assert _tree(run) == dpo_runs["before"]["precomputed_lost"]  # nothing in the run directory changed
+
+
+def test_lora_dpo_with_precomputed_values_trains_as_trl_and_peft(dpo_runs: dict[str, Any]) -> None:
+    """LoRA's reference is the unchanged base, so its values are the adapters-disabled model's at any step."""
+    run = dpo_runs["runs"]["lora_precomputed"]
+    ours = read_metrics(run)
+    assert ours[0]["loss"] == pytest.approx(math.log(2), abs=1e-7), ours[0]["loss"]
+    _same_as_trl(ours, dpo_runs["trl_lora"])
+    for rank in _check(dpo_runs["root"] / "check-lora_precomputed"):
+        (policy,) = rank["models"]
+        assert set(policy["changed"]) <= set(policy["requires_grad"]) and policy["changed"]  # the base never moved
+    (meta, mine), (meta_full, full) = (_stored(r) for r in (run, dpo_runs["runs"]["precomputed"]))
+    assert mine.keys() == full.keys() and meta == {**meta_full, "lora": "yes"}
+    for name, values in full.items():  # the base with its adapters disabled is the full fine-tune's starting model
+        assert mine[name].equal(values), (name, (mine[name] - values).abs().max())
