@@ -1,4 +1,5 @@
-"""The loss types of the installed TRL's ``DPOTrainer``, read without importing TRL (nor torch).
+"""The loss types of the installed TRL's ``DPOTrainer``, read without importing TRL (nor torch), and the names of
+the metrics it logs.
 
 TRL 1.16 keeps no list of them: ``DPOConfig.loss_type`` is a free ``list[str]`` and an unknown name
 fails only when the first batch reaches ``DPOTrainer._compute_loss`` (a ``ValueError`` on every rank,
@@ -14,6 +15,10 @@ import functools
 import importlib.util
 import re
 from pathlib import Path
+
+#: what TRL's DPOTrainer logs beside the loss: the implicit rewards (beta x log-ratio to the reference), their margin
+#: and how often the chosen reply wins; the job keeps them in metrics.jsonl, status, plot and the report show them
+PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 
 BRANCH_RE = re.compile(r"""loss_type\s*==\s*["']([A-Za-z0-9_]+)["']""")
 DPO_TRAINER_FILE = "trainer/dpo_trainer.py"  # trl.trainer.dpo_trainer, inside the trl package

@@ -133,3 +133,39 @@ def test_report_shows_each_save_and_status_is_not_confused_by_them(tmp_path: Pat
     assert "| 10 | async | 0.05 s | 0.7 s | 3.0 MiB | 100 | 0 |" in text
     assert "| 36 | sync | 0.62 s | 0.62 s | 3.0 MiB | 100 | 2 |" in text
     assert f"({steps} logged)" in text
+
+
+def test_a_dpo_runs_own_metrics_are_in_status_plot_and_report(tmp_path: Path) -> None:
+    """TRL's DPO metrics in metrics.jsonl (what the job's MetricsLog keeps): status says the last step's, the plot
+    draws them in a panel of their own under the loss (markers there too), the report lists them."""
+    import math
+
+    from slurmft.rundir import RunPaths
+    from slurmft.watch.progress import overview, overview_lines
+
+    run = preempted_run(tmp_path)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        margin = 0.01 * r["step"]
+        r.update({"loss": math.log(1 + math.exp(-margin)), "rewards/chosen": margin / 2,
+                  "rewards/rejected": -margin / 2, "rewards/margins": margin,
+                  "rewards/accuracies": min(1.0, r["step"] / 36)})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    paths = RunPaths.of(run)
+    status = "\n".join(overview_lines(overview(paths, json.loads(paths.manifest.read_text()), slurm_rows())))
+    assert "  DPO: reward margin 0.3600, accuracy 1.00 (rewards: chosen 0.1800, rejected -0.1800)" in status, status
+
+    png = plot_run(run)
+    img = Image.open(png)
+    assert img.size[1] > int(SIZE_INCHES[1] * DPI * 1.5)  # a second panel under the loss
+    rgb = np.asarray(img.convert("RGB")).astype(int)
+    green = (abs(rgb[..., 0] - 44) < 30) & (abs(rgb[..., 1] - 160) < 30) & (abs(rgb[..., 2] - 44) < 30)  # tab:green
+    rows = np.nonzero(green.sum(axis=1))[0]
+    assert rows.size and rows.min() > 0.45 * img.size[1]  # the margins (and their axis label) in the lower panel
+    cols = _red_columns(png)
+    assert len([c for c in sorted(cols) if c - 1 not in cols]) == 2  # each restart marked (in both panels)
+
+    text = write_report(run, slurm_rows=slurm_rows()).read_text()
+    assert "| DPO, final step | reward margin 0.3600, accuracy 1.00 (rewards: chosen 0.1800, rejected -0.1800) |" in text
+    sft = write_report(preempted_run(tmp_path, "sft"), slurm_rows=slurm_rows()).read_text()
+    assert "DPO" not in sft

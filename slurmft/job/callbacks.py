@@ -21,6 +21,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from slurmft.checkpoints import latest_complete, step_of
+from slurmft.dpoopts import PREFERENCE_METRICS
 from slurmft.job import preemption
 from slurmft.job.distributed import DistContext, any_rank
 from slurmft.units import MiB, peak_rss_bytes
@@ -86,11 +87,6 @@ class PreemptionStop(TrainerCallback):
 
 def peak_rss_mib() -> float:
     return peak_rss_bytes() / MiB
-
-
-#: what TRL's DPOTrainer logs beside the loss: the implicit rewards (beta x log-ratio to the reference) and how often
-#: the chosen reply wins
-PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 
 
 class MetricsLog(TrainerCallback):

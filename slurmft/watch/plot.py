@@ -24,6 +24,7 @@ from slurmft.rundir import RunPaths
 from slurmft.watch.progress import read_metrics, segments
 
 SIZE_INCHES = (9.0, 4.8)
+DPO_HEIGHT = 1.8  # a DPO run's figure: the loss, and its rewards under it
 DPI = 100
 
 
@@ -93,9 +94,13 @@ def draw(records: list[dict[str, Any]], target: Path, title: str) -> None:
 
     steps, loss = series(records, "loss")
     lr_steps, lr = series(records, "learning_rate")
-    fig = Figure(figsize=SIZE_INCHES, dpi=DPI)
+    margin_steps, margins = series(records, "rewards/margins")
+    accuracy_steps, accuracies = series(records, "rewards/accuracies")
+    dpo = bool(margins or accuracies)
+    width, height = SIZE_INCHES
+    fig = Figure(figsize=(width, height * DPO_HEIGHT if dpo else height), dpi=DPI)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    ax = fig.add_subplot(2, 1, 1) if dpo else fig.add_subplot(1, 1, 1)
     ax.plot(steps, loss, color="tab:blue", alpha=0.4, linewidth=1, marker=".", markersize=3, label="loss")
     if len(loss) > 2:
         weight = min(0.9, max(0.5, 1 - 10 / len(loss)))  # light: ~a tenth of the run, at most ~10 points
@@ -118,9 +123,29 @@ def draw(records: list[dict[str, Any]], target: Path, title: str) -> None:
                     xytext=(3, -3), textcoords="offset points", va="top", fontsize=8, color="tab:red",
                     bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
     ax.set_title(f"{title}: loss and learning rate by step")
+    if dpo:  # DPO's own metrics (TRL's names) under the loss, on the same steps and markers
+        low = fig.add_subplot(2, 1, 2, sharex=ax)
+        low.plot(margin_steps, margins, color="tab:green", linewidth=1.5, marker=".", markersize=3,
+                 label="reward margin (chosen - rejected)")
+        low.axhline(0.0, color="grey", linewidth=0.8)
+        low.set_ylabel("reward margin", color="tab:green")
+        low.set_xlabel("step")
+        low.grid(True, alpha=0.3)
+        h3, l3 = low.get_legend_handles_labels()
+        if accuracies:
+            acc = low.twinx()
+            acc.plot(accuracy_steps, accuracies, color="tab:purple", linewidth=1.2, label="reward accuracy")
+            acc.set_ylim(-0.05, 1.05)
+            acc.set_ylabel("accuracy", color="tab:purple")
+            h4, l4 = acc.get_legend_handles_labels()
+            h3, l3 = h3 + h4, l3 + l4
+        handles, labels = handles + h3, labels + l3
+        for m in marker_steps(records):
+            low.axvline(m.step, color="tab:red", linestyle="--", linewidth=1.2)
+        low.set_title("DPO: implicit rewards (beta x log-ratio to the reference)")
     # Below the axes: inside, it would cover a marker's label or the curves' ends.
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.1 if dpo else 0.06, 1, 1))
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp")
     fig.savefig(tmp, format="png")

@@ -27,6 +27,7 @@ import yaml
 
 from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, read_marker, step_of
 from slurmft.config import lora_scaling
+from slurmft.dpoopts import PREFERENCE_METRICS
 from slurmft.rundir import ADAPTER_CONFIG, SAVE_EVENT, RunPaths, planned_max_steps
 from slurmft.rundir import MODEL_INDEX as SAFE_INDEX_NAME  # what consolidation writes last
 from slurmft.slurm_states import State, is_live, parse, words
@@ -151,18 +152,36 @@ def progress(paths: RunPaths, cfg_max_steps: int | None) -> dict[str, Any]:
 def progress_of(metrics: Metrics, max_steps: int | None) -> dict[str, Any]:
     """:func:`progress` over already-read metrics."""
     out: dict[str, Any] = {"step": None, "max_steps": max_steps, "loss": None, "tokens_per_s": None,
-                           "eta_s": None, "problem": "; ".join(metrics.problems) or None}
+                           "eta_s": None, "preference": None, "problem": "; ".join(metrics.problems) or None}
     if not metrics.records:
         return out
     last = metrics.records[-1]
     steps_per_s, tokens_per_s = rate(metrics.records)
     out.update(step=last["step"], loss=_num(last.get("loss")),
-               tokens_per_s=round(tokens_per_s, 2) if tokens_per_s is not None else None)
+               tokens_per_s=round(tokens_per_s, 2) if tokens_per_s is not None else None,
+               preference=preference_of(last))
     if max_steps is not None and last["step"] >= max_steps:
         out["eta_s"] = 0.0
     elif max_steps is not None and steps_per_s:
         out["eta_s"] = round((max_steps - last["step"]) / steps_per_s, 1)
     return out
+
+
+def preference_of(record: dict[str, Any]) -> dict[str, float] | None:
+    """A DPO step's own metrics (TRL's names, slurmft/dpoopts.py), or None for an SFT step."""
+    found = {name: record[name] for name in PREFERENCE_METRICS if isinstance(record.get(name), (int, float))}
+    return found or None
+
+
+def preference_words(values: dict[str, float]) -> str:
+    """``reward margin 0.0123, accuracy 0.62 (rewards: chosen -0.0100, rejected -0.0223)``, with what there is."""
+    parts = []
+    if "rewards/margins" in values:
+        parts.append(f"reward margin {values['rewards/margins']:.4f}")
+    if "rewards/accuracies" in values:
+        parts.append(f"accuracy {values['rewards/accuracies']:.2f}")
+    sides = [f"{side} {values[f'rewards/{side}']:.4f}" for side in ("chosen", "rejected") if f"rewards/{side}" in values]
+    return ", ".join(parts) + (f" (rewards: {', '.join(sides)})" if sides else "")
 
 
 def dir_bytes(path: Path) -> int:
@@ -559,6 +578,8 @@ def overview_lines(ov: dict[str, Any]) -> list[str]:
         tps = f", {p['tokens_per_s']:.0f} tokens/s" if p["tokens_per_s"] is not None else ""
         eta = f", ETA {fmt_duration(p['eta_s'])}" if p["eta_s"] else (", done" if p["eta_s"] == 0 else "")
         lines = [f"progress: step {p['step']}/{p['max_steps'] or '?'}, loss {loss}{tps}{eta}"]
+        if p.get("preference"):
+            lines.append(f"  DPO: {preference_words(p['preference'])}")
         if p["problem"]:
             lines.append(f"  note: {p['problem']}")
     if ov.get("lora"):

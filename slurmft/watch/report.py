@@ -32,6 +32,7 @@ from slurmft.watch.progress import (
     lost_to_preemption,
     max_steps_of,
     model_info,
+    preference_words,
     progress_of,
     read_metrics,
     requeue_markers,
@@ -198,7 +199,10 @@ def render(s: dict[str, Any], plot_name: str | None) -> str:
           f"| final loss | {_loss(s['final_loss'])} (step {_dash(s['final_step'])}); "
           f"mean of the last 10 logged: {_loss(s['mean_loss_last10'])} |",
           f"| tokens/s | {_dash(s['tokens_per_s_mean'])} (mean over logged steps); "
-          f"{_dash(s['tokens_seen'])} tokens seen |", ""]
+          f"{_dash(s['tokens_seen'])} tokens seen |"]
+    if p.get("preference"):
+        L.append(f"| DPO, final step | {preference_words(p['preference'])} |")
+    L.append("")
     if p["problem"]:
         L += [f"> metrics: {p['problem']}", ""]
     if s["tracker"]:
