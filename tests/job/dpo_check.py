@@ -47,6 +47,7 @@ def main(run_dir: str, out: str) -> None:
             "frozen": frozen,
             "all_dtensor": all(isinstance(p, DTensor) for p in params.values()),
             "local_numel": sum(t.numel() for t in local.values()),
+            "dtypes": sorted({str(t.dtype) for t in local.values()}),  # as stored (the compute dtype is FSDP's)
             "total_numel": sum(p.numel() for p in params.values()),
             "requires_grad": sorted(n for n, p in params.items() if p.requires_grad),
             "with_grad": sorted(n for n, p in params.items() if p.grad is not None),

@@ -11,6 +11,8 @@ One set of runs serves every check (tests/job/run_many.py: one start-up per laun
 - ``precomputed`` (launch 1, through dpo_check.py): ``dpo`` with ``dpo.reference: precomputed``, no reference model;
   in launch 2 a copy cut back to checkpoint-2 resumes from the values it kept, and a copy without them is refused;
   ``lora_precomputed`` (launch 1, through dpo_check.py): ``lora`` with the values precomputed;
+- ``bf16`` (launch 1, through dpo_check.py): ``dpo`` with ``train.precision: bf16-mixed``: the reference stored in
+  bf16, the policy's fp32 master weights;
 - ``prepared``: ``precomputed`` with ``prepare.enabled``, its pairs tokenized by the prepare job first (in launch
   1), so the values are computed over the prepared rows;
 - the single-process TRL references (tests/job/dpo_reference.py: transformers + TRL's DPOTrainer with its own
@@ -64,13 +66,14 @@ def dpo_runs(tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytest
             "lora": write_run(root / "lora", tiny_model, [*RUN_ARGS, *LORA], edit=on_pairs),
             "lora_precomputed": write_run(root / "lora_precomputed", tiny_model, [*RUN_ARGS, *LORA],
                                           edit=on_pairs_precomputed),
+            "bf16": write_run(root / "bf16", tiny_model, [*RUN_ARGS, "train.precision=bf16-mixed"], edit=on_pairs),
             "prepared": write_run(root / "prepared", tiny_model, [*RUN_ARGS, "prepare.enabled=true"],
                                   edit=on_pairs_precomputed)}
     prepare = subprocess.run([sys.executable, "-m", "slurmft.job.entrypoint", "prepare", str(runs["prepared"])],
                              env=job_env, capture_output=True, text=True, timeout=600, check=False)
     assert prepare.returncode == 0, prepare.stdout[-3000:] + prepare.stderr[-3000:]
     check = "call:tests.job.dpo_check:main:{run}:" + str(root) + "/check-{name}"
-    first = [*(check.format(run=runs[n], name=n) for n in ("dpo", "lora", "precomputed", "lora_precomputed")),
+    first = [*(check.format(run=runs[n], name=n) for n in ("dpo", "lora", "precomputed", "lora_precomputed", "bf16")),
              str(runs["prepared"])]
     _, out = launch_like_srun(root / "first", job_env, program=[str(HERE / "run_many.py")],
                               args=first).wait(timeout=600)
@@ -276,3 +279,19 @@ def test_lora_dpo_with_precomputed_values_trains_as_trl_and_peft(dpo_runs: dict[
     assert mine.keys() == full.keys() and meta == {**meta_full, "lora": "yes"}
     for name, values in full.items():  # the base with its adapters disabled is the full fine-tune's starting model
         assert mine[name].equal(values), (name, (mine[name] - values).abs().max())
+
+
+def test_bf16_mixed_dpo_keeps_its_reference_in_bf16_and_never_changes_it(dpo_runs: dict[str, Any]) -> None:
+    """train.precision: bf16-mixed: the reference copy is stored in the compute dtype (half the fp32 copy's bytes),
+    the policy keeps fp32 master weights; at step 1 both forwards run on the same bf16 weights (ln 2)."""
+    run = dpo_runs["runs"]["bf16"]
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert metrics[0]["loss"] == pytest.approx(math.log(2), abs=1e-6), metrics[0]["loss"]
+    assert all(math.isfinite(m["loss"]) for m in metrics) and metrics[-1]["loss"] != pytest.approx(math.log(2), abs=1e-3)
+    for r, rank in enumerate(_check(dpo_runs["root"] / "check-bf16")):
+        policy, reference = rank["models"]
+        assert policy["dtypes"] == ["torch.float32"] and reference["dtypes"] == ["torch.bfloat16"]
+        assert reference["changed"] == [] and policy["changed"]
+        report = json.loads((run / "fsdp_report" / f"rank{r}.json").read_text())
+        assert report["reference_bytes"] == 2 * reference["local_numel"] > 0
