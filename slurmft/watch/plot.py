@@ -116,7 +116,8 @@ def draw(records: list[dict[str, Any]], target: Path, title: str) -> None:
         ax2.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
         h2, l2 = ax2.get_legend_handles_labels()
         handles, labels = handles + h2, labels + l2
-    for k, m in enumerate(marker_steps(records)):
+    markers = marker_steps(records)
+    for k, m in enumerate(markers):
         ax.axvline(m.step, color="tab:red", linestyle="--", linewidth=1.2)
         # Labels step down the axes in turn, so close markers (two preemptions a few steps apart) stay legible.
         ax.annotate(f"{m.label}\nstep {m.step}", xy=(m.step, 1.0 - 0.12 * (k % 3)), xycoords=("data", "axes fraction"),
@@ -140,7 +141,7 @@ def draw(records: list[dict[str, Any]], target: Path, title: str) -> None:
             h4, l4 = acc.get_legend_handles_labels()
             h3, l3 = h3 + h4, l3 + l4
         handles, labels = handles + h3, labels + l3
-        for m in marker_steps(records):
+        for m in markers:
             low.axvline(m.step, color="tab:red", linestyle="--", linewidth=1.2)
         low.set_title("DPO: implicit rewards (beta x log-ratio to the reference)")
     # Below the axes: inside, it would cover a marker's label or the curves' ends.
