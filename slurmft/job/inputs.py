@@ -206,6 +206,7 @@ def load_tokenizer(tokenizer_dir: Path, cfg: RunConfig) -> Any:
 # ----------------------------------------------------------------------------- train.sft
 def check_sft_keys(cfg: RunConfig) -> None:
     """The login side's train.sft and report_to rules (slurmft.sftopts), here with TRL imported; values coerced."""
+    from slurmft.job.unused_packages import installed
     from slurmft.sftopts import REPORTERS, sft_field_kinds, sft_problems
 
     kinds, trl_version = sft_field_kinds()
@@ -213,14 +214,9 @@ def check_sft_keys(cfg: RunConfig) -> None:
     for name in cfg.train.report_to:
         if name not in REPORTERS:
             problems.append(f"train.report_to: {name!r} is not supported here; use tensorboard or wandb")
-        elif REPORTERS[name] and not any(_importable(m) for m in REPORTERS[name]):
+        elif REPORTERS[name] and not any(installed(m) for m in REPORTERS[name]):
             problems.append(f"train.report_to: {name} is enabled but the {REPORTERS[name][0]} package is not installed")
     if problems:
         raise JobSetupError("invalid training options", problems=problems)
     cfg.train.sft = coerced
 
-
-def _importable(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None

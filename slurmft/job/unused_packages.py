@@ -14,6 +14,12 @@ interpreter's own way of blocking an import), so the libraries' availability che
 
 ``SLURMFT_IMPORT_EVERYTHING=1`` in the job's environment turns this off (a model's remote code that
 imports one of them itself, say).
+
+A package kept out is still installed: :func:`installed` answers for it as the interpreter did before it was
+marked, so a check that asks "is wandb installed?" (``train.report_to``, which the prepare job checks for the
+train job that follows it) gets the same answer in every job. tests/job/test_prepare.py runs the prepare job with
+every optional feature on, which is how the first version of this module was found to break it (W&B runs failed
+in their prepare job: "wandb is enabled but the wandb package is not installed").
 """
 
 from __future__ import annotations
@@ -30,6 +36,17 @@ OPT_OUT = "SLURMFT_IMPORT_EVERYTHING"
 
 #: What this process marked absent (empty: nothing, or the opt-out was set); the train job logs it.
 kept_out: tuple[str, ...] = ()
+#: Of those, the ones installed here (found before they were marked absent).
+_installed_but_kept_out: frozenset[str] = frozenset()
+
+
+def installed(name: str) -> bool:
+    """Whether package ``name`` is installed for this interpreter, whether or not this process keeps it out."""
+    import importlib.util
+
+    if name in kept_out:
+        return name in _installed_but_kept_out
+    return importlib.util.find_spec(name) is not None
 
 
 def unused(cfg: RunConfig, job: str) -> list[str]:
@@ -48,14 +65,17 @@ def keep_out(run_dir: str | os.PathLike[str], job: str) -> tuple[str, ...]:
 
     A package this process imported already stays. Does nothing when the opt-out is set or when the run's
     config cannot be read (the job itself then reports that, as it would have)."""
-    global kept_out
+    global kept_out, _installed_but_kept_out
     if os.environ.get(OPT_OUT, "").strip() in ("1", "true", "yes"):
         return ()
     try:
         cfg = read_run_config(RunPaths.of(run_dir).config)
     except (SlurmftError, OSError, ValueError):
         return ()
+    import importlib.util
+
     names = tuple(n for n in unused(cfg, job) if n not in sys.modules)
+    _installed_but_kept_out = frozenset(n for n in names if importlib.util.find_spec(n) is not None)
     for name in names:
         sys.modules[name] = None  # type: ignore[assignment]  # import raises ImportError, find_spec says None
     kept_out = names
