@@ -15,14 +15,16 @@ reads). The result is saved with ``datasets.Dataset.save_to_disk`` into a stagin
 The train job loads it with ``load_from_disk`` and passes ``dataset_kwargs={"skip_prepare_dataset": True}``,
 so TRL prepares nothing there; a record that no longer matches the config is refused, never reused.
 
-The packed set depends on ``num_proc``: TRL packs each 1,000-row batch of each process's shard, so the
-same data prepared with another number of processes is grouped into packs differently (the same tokens).
-A run with ``prepare.enabled: false`` gives the bitwise same model when ``data.num_proc`` is the same.
+Packing is not TRL's own: TRL packs each 1,000-row batch of each process's shard, so the packs depended on
+``num_proc``. TRL prepares the rows unpacked (in parallel) and :mod:`slurmft.job.packing` plans the packs in one
+pass over the whole set, so the prepared set is the same whatever the number of CPUs. The train job preparing in
+its allocation (``prepare.enabled: false``) runs this same :func:`prepare_rows`, so both train bitwise the same.
 Measured with ``bench/prepare_first_step.py``: the numbers are in docs/prepare.md.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import shutil
@@ -87,10 +89,24 @@ class TrlPreparation:
             self.completion_only_loss = args.completion_only_loss
 
     def run(self, dataset: Any, args: Any) -> Any:
-        """TRL's preparation of ``dataset`` (convert, tokenize, labels from the masks, truncate or pack, shuffle)."""
+        """TRL's preparation of ``dataset`` (convert, tokenize, labels from the masks, truncate, shuffle); packed by
+        :func:`slurmft.job.packing.pack` when ``args.packing``.
+
+        Packing: TRL's preparation runs with ``packing=False`` and no ``max_length`` (TRL's packing path neither
+        truncates nor drops a row before packing: the pack cuts each sequence), which ends with TRL's shuffle when
+        ``shuffle_dataset`` is set (its packing path shuffles before packing); the packed rows are shuffled again,
+        as TRL does after packing."""
         from trl import SFTTrainer
 
-        return SFTTrainer._prepare_dataset(self, dataset, self._tokenizer, args, args.packing, None, "train")
+        from slurmft.job import packing
+
+        if not args.packing:
+            return SFTTrainer._prepare_dataset(self, dataset, self._tokenizer, args, False, None, "train")
+        unpacked = copy.copy(args)
+        unpacked.max_length = None
+        rows = SFTTrainer._prepare_dataset(self, dataset, self._tokenizer, unpacked, False, None, "train")
+        packed = packing.pack(rows, args.max_length, args.packing_strategy, args.dataset_num_proc)
+        return packed.shuffle(seed=args.seed) if args.shuffle_dataset else packed
 
 
 def dpo_prepare_args(cfg: RunConfig, num_proc: int | None, workdir: Path) -> Any:
@@ -144,6 +160,29 @@ def counts(ds: Any, max_length: int) -> dict[str, Any]:
             "fill": round(tokens / (len(ds) * max_length), 4) if len(ds) else 0.0}
 
 
+def prepare_rows(cfg: RunConfig, tokenizer: Any, mixed: Any, num_proc: int | None, workdir: Path,
+                 paths: RunPaths) -> Any:
+    """The mixed conversations (or preference pairs) as the trainer reads them: TRL's preparation, packed by
+    slurmft (``TrlPreparation.run``). The prepare job and the train job preparing in its allocation both call this,
+    so they train on the same sequences. ``workdir``: the output_dir of a TRL config that writes nothing there."""
+    if cfg.dpo is not None:
+        args = dpo_prepare_args(cfg, num_proc, workdir)
+        trl: TrlPreparation | TrlDpoPreparation = TrlDpoPreparation(tokenizer)
+    else:
+        args = prepare_args(cfg, num_proc, workdir)
+        trl = TrlPreparation(tokenizer, args, mixed[0])
+    try:
+        return trl.run(mixed, args)
+    except SlurmftError:
+        raise
+    except Exception as exc:  # a row TRL cannot prepare: name it, no traceback (the user's data)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        fix = (f"then `slurmft prepare {paths.root}` (or `slurmft resume {paths.root}`)" if cfg.prepare.enabled
+               else f"then `slurmft resume {paths.root}`")
+        raise JobSetupError(f"data: TRL's preparation failed ({type(exc).__name__}: {first}); fix the data or the chat "
+                            f"template, {fix}") from None
+
+
 def _swap_in(staging: Path, target: Path, tag: str) -> None:
     """``staging`` becomes ``target``; an older ``target`` is moved aside first and removed after."""
     old = target.parent / f".prepared.{tag}.old"
@@ -194,22 +233,7 @@ def prepare_run(run_dir: str, num_proc: int | None = None, cfg: RunConfig | None
     staging = paths.prepared_staging(tag)
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        # TRL writes nothing there: the output_dir of no trainer
-        if cfg.dpo is not None:
-            args = dpo_prepare_args(cfg, num_proc, staging)
-            trl: TrlPreparation | TrlDpoPreparation = TrlDpoPreparation(tokenizer)
-        else:
-            args = prepare_args(cfg, num_proc, staging)
-            trl = TrlPreparation(tokenizer, args, mixed[0])
-        try:
-            ready = trl.run(mixed, args)
-        except SlurmftError:
-            raise
-        except Exception as exc:  # a row TRL cannot prepare: name it, no traceback (the user's data)
-            first = (str(exc).strip().splitlines() or [""])[0]
-            raise JobSetupError(f"data: TRL's preparation failed ({type(exc).__name__}: {first}); fix the data or "
-                                f"the chat template, then `slurmft prepare {paths.root}` (or `slurmft resume "
-                                f"{paths.root}`)") from None
+        ready = prepare_rows(cfg, tokenizer, mixed, num_proc, staging, paths)
         t_ready = time.time()
         log.info("TRL prepared %d conversations into %d sequences in %.1f s (%.0f rows/s)", len(mixed), len(ready),
                  t_ready - t_loaded, len(mixed) / max(t_ready - t_loaded, 1e-9))
@@ -227,6 +251,15 @@ def prepare_run(run_dir: str, num_proc: int | None = None, cfg: RunConfig | None
         raise
     log.info("prepared data in %s: %s", paths.prepared, prepared.summary_line(prepared.read_record(paths) or {}))
     return prepared.read_record(paths) or {}
+
+
+def prepare_in_allocation(cfg: RunConfig, tokenizer: Any, paths: RunPaths) -> Any:
+    """``prepare.enabled: false``: the train job loads, converts and prepares the data itself, with the prepare job's
+    own :func:`prepare_rows` (``data.num_proc`` processes; the result does not depend on it)."""
+    from slurmft.job import data
+
+    mixed = data.load_mixture(cfg.data, cfg.train.seed, tokenizer, preference=cfg.dpo is not None)
+    return prepare_rows(cfg, tokenizer, mixed, cfg.data.num_proc, paths.checkpoints, paths)
 
 
 def _version(module: str) -> str | None:

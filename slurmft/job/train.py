@@ -23,7 +23,6 @@ from slurmft.errors import JobSetupError, SlurmftError
 from slurmft.job import (
     checkpointing,
     cpu_fsdp,
-    data,
     distributed,
     dpo,
     dpo_reference_logps,
@@ -120,11 +119,12 @@ def sft_config(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> Any:
         "activation_checkpointing": False,  # FSDP-level activation checkpointing is applied at load
     })
     kwargs.update(cfg.train.sft)
-    if cfg.prepare.enabled:  # RUN_DIR/prepared/ is TRL's prepared set already, its labels masked
-        kwargs["dataset_kwargs"] = {**(kwargs.get("dataset_kwargs") or {}), "skip_prepare_dataset": True}
-        # TRL checks assistant_only_loss against the first row, which holds token ids now, not messages; the
-        # assistant mask is in the labels already (-100 elsewhere)
-        kwargs["assistant_only_loss"] = False
+    # the data is prepared already (slurmft/job/prepare.py, by the prepare job or in this allocation): TRL's own
+    # preparation, packed by slurmft, its labels masked
+    kwargs["dataset_kwargs"] = {**(kwargs.get("dataset_kwargs") or {}), "skip_prepare_dataset": True}
+    # TRL checks assistant_only_loss against the first row, which holds token ids now, not messages; the assistant
+    # mask is in the labels already (-100 elsewhere)
+    kwargs["assistant_only_loss"] = False
     try:
         return SFTConfig(**kwargs)
     except (TypeError, ValueError) as exc:
@@ -266,12 +266,11 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                                             lambda: _prepare_inputs(cfg, ctx))
     if cfg.prepare.enabled:  # the prepare job tokenized and packed it: every rank reads the same files
         dataset = distributed.guarded(ctx, "reading the prepared data", lambda: prepare.load_prepared(paths, cfg))
-    else:
+    else:  # prepared here, by the prepare job's own code (rank 0 first; the others read its cached results)
         if ctx.is_main:
-            log.info("data: loading and converting here; TRL tokenizes and packs it when the trainer is built")
-        dataset = distributed.main_first(ctx, "loading the data",
-                                         lambda: data.load_mixture(cfg.data, cfg.train.seed, inputs.tokenizer,
-                                                                   preference=cfg.dpo is not None))
+            log.info("data: loading and converting here; TRL tokenizes, slurmft packs, before the trainer is built")
+        dataset = distributed.main_first(ctx, "loading and preparing the data",
+                                         lambda: prepare.prepare_in_allocation(cfg, inputs.tokenizer, paths))
     args = distributed.guarded(ctx, "building the training options", lambda: training_args(cfg, paths, ctx))
 
     checkpointer = CheckpointManager(ctx, paths)

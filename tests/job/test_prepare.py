@@ -160,3 +160,72 @@ def test_changed_source_is_refused_by_resume_and_the_train_job_until_prepared_ag
     from slurmft import prepared
 
     assert prepared.check(paths, cfg)["result"]["conversations"] == 61
+
+
+PREPARE_WITH = """
+import sys
+from slurmft.config import read_run_config
+from slurmft.job import prepare
+from slurmft.rundir import RunPaths
+
+run, how = sys.argv[1], sys.argv[2]
+if how == "allocation":  # what the train job does with prepare.enabled: false (rank 0's part)
+    from slurmft.job.inputs import load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
+
+    paths = RunPaths.of(run)
+    cfg = read_run_config(paths.config)
+    model_dir = resolve_model_dir(cfg.model, with_weights=False)
+    ready = prepare.prepare_in_allocation(cfg, load_tokenizer(resolve_tokenizer_dir(cfg.model, model_dir), cfg), paths)
+    ready.save_to_disk(str(paths.prepared))
+else:
+    prepare.prepare_run(run, num_proc=int(how))
+"""
+
+
+def test_the_prepared_set_does_not_depend_on_the_number_of_processes(tiny_model: Path, tmp_path: Path,
+                                                                      job_env: dict[str, str]) -> None:
+    """The tiny example's 800 conversations, prepared by 1 and by 3 processes and as the train job prepares them in
+    its allocation: the same packed rows, in the same order (TRL alone packed each process's share apart: issue 45)."""
+    from datasets import load_from_disk
+
+    from tests.job.helpers import write_run
+
+    sets = {}
+    for how in ("1", "3", "allocation"):
+        run = write_run(tmp_path / f"run-{how}", tiny_model, ["data.max_seq_length=64"])
+        proc = subprocess.run([sys.executable, "-c", PREPARE_WITH, str(run), how], capture_output=True, text=True,
+                              timeout=600, cwd=REPO, env=job_env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        sets[how] = load_from_disk(str(run / "prepared"))
+    first = sets["1"][:]
+    assert len(sets["1"]) > 100 and set(first) == {"input_ids", "labels", "seq_lengths"}
+    assert max(map(len, first["input_ids"])) <= 64
+    for how in ("3", "allocation"):
+        assert sets[how][:] == first, how
+
+
+def test_the_prepare_job_of_a_run_using_every_optional_package(tiny_model: Path, tmp_path: Path,
+                                                                job_env: dict[str, str]) -> None:
+    """The prepare job keeps wandb, torchao and peft out of its process (slurmft/job/unused_packages.py) and still
+    checks what the train job after it needs: a run reporting to W&B and TensorBoard, with LoRA and torchao's
+    optimizer, prepares (it failed with "wandb is enabled but the wandb package is not installed": issue 45)."""
+    from tests.job.helpers import write_run
+
+    rows = (REPO / "examples" / "tiny" / "data" / "lima.jsonl").read_text().splitlines()[:40]
+    (tmp_path / "chat.jsonl").write_text("\n".join(rows) + "\n")
+
+    def every_package(cfg: dict) -> None:
+        cfg["data"]["datasets"] = [{"path": str(tmp_path / "chat.jsonl")}]
+        cfg["train"].update(report_to=["wandb", "tensorboard"], precision="bf16-true",
+                            optimizer="adamw-stochastic-rounding")
+        cfg["model"]["dtype"] = "bfloat16"
+        cfg["lora"] = {"r": 4}
+
+    run = write_run(tmp_path / "run", tiny_model, ["prepare.enabled=true"], edit=every_package)
+    probe = ("import sys; from slurmft.job import entrypoint, unused_packages as u; entrypoint.run_prepare(sys.argv[1]);"
+             " print('kept out:', ','.join(u.kept_out))")
+    proc = subprocess.run([sys.executable, "-c", probe, str(run)], capture_output=True, text=True, timeout=600,
+                          cwd=REPO, env={**job_env, "WANDB_MODE": "offline"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "kept out: torchao,wandb,peft" in proc.stdout  # the job did keep them out
+    assert (run / "prepared" / "slurmft-prepared.json").is_file()
