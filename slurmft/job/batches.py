@@ -8,7 +8,19 @@ hashed again. The digest does not depend on how the step's sequences were spread
 micro-batches or rows, so a run resumed on another number of ranks (slurmft/job/elastic.py) must write
 the same digest at every step as the uninterrupted run.
 
-Cost: one blake2b per sequence on the rank that trains it, one ``all_gather_object`` of a few short
+Where: in the data collator, while the micro-batch is still on the host (the collator's tensors, in the
+process or the loader worker that collates them), never from the device: a ``.cpu()`` of the batch per
+micro-batch would make a GPU rank wait there for the previous backward (issue 45). The hashes travel in the
+batch under :data:`HASHES` (accelerate moves only tensors to the device) and the training step takes them out
+before the model sees the batch. tests/job/test_batches.py runs the step on a batch on the meta device (whose
+data cannot be read) under the profiler: no copy, no item.
+
+The Trainer's own count of the tokens seen (``include_num_input_tokens_seen``, what ``tokens_per_s`` in
+metrics.jsonl is made of) gathers a device tensor and reads it back after every micro-batch too; this
+callback counts the same tokens (each sequence without its padding) on the host and adds them to
+``state.num_input_tokens_seen`` at the step's end instead.
+
+Cost: one blake2b per sequence where the batch is collated, one ``all_gather_object`` of a few short
 strings per optimizer step, one line written by rank 0.
 """
 
@@ -24,21 +36,24 @@ from transformers import TrainerCallback
 
 from slurmft.job.distributed import DistContext
 
+#: the key of a collated micro-batch that carries its sequences' hashes to the training step
+HASHES = "slurmft_sequence_hashes"
+
 
 def sequences(inputs: dict[str, Any]) -> list[Any]:
-    """The token sequences of one micro-batch, as 1-D CPU tensors: each row without its padding (the attention
-    mask), split where ``position_ids`` restart at 0 (padding-free packing puts several in one row)."""
-    ids = inputs["input_ids"].detach().cpu()
+    """The token sequences of one collated micro-batch (host tensors), as 1-D tensors: each row without its padding
+    (the attention mask), split where ``position_ids`` restart at 0 (padding-free packing puts several in one row)."""
+    ids = inputs["input_ids"]
     mask = inputs.get("attention_mask")
     pos = inputs.get("position_ids")
     out = []
     for row in range(ids.shape[0]):
-        keep = mask[row].detach().cpu().bool() if mask is not None else None
+        keep = mask[row].bool() if mask is not None else None
         tokens = ids[row][keep] if keep is not None else ids[row]
         if pos is None:
             out.append(tokens)
             continue
-        p = pos[row].detach().cpu()
+        p = pos[row]
         p = p[keep] if keep is not None else p
         starts = [int(i) for i in (p == 0).nonzero().flatten()] or [0]
         if starts[0] != 0:
@@ -67,25 +82,41 @@ class BatchDigest(TrainerCallback):
         self.info = {k: info[k] for k in ("job_id", "restart") if k in info}
         self._hashes: list[str] = []
         self._tokens = 0
+        self._counts_tokens = False  # state.num_input_tokens_seen: counted here, not by the Trainer per micro-batch
 
     def watch(self, trainer: Any) -> None:
-        """Every ``training_step`` of ``trainer`` (one micro-batch) adds its sequences first."""
+        """``trainer``'s collator hashes each micro-batch's sequences on the host; its ``training_step`` (one
+        micro-batch) records them and hands the model the batch without them."""
+        collate = trainer.data_collator
+
+        def collate_and_hash(examples: list[Any]) -> Any:
+            batch = collate(examples)
+            seqs = sequences(batch)
+            batch[HASHES] = ([sequence_hash(s) for s in seqs], sum(len(s) for s in seqs))
+            return batch
+
         original = trainer.training_step
 
         def training_step(model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-            for seq in sequences(inputs):
-                self._hashes.append(sequence_hash(seq))
-                self._tokens += len(seq)
+            hashes, tokens = inputs.pop(HASHES)
+            self._hashes.extend(hashes)
+            self._tokens += tokens
             return original(model, inputs, *args, **kwargs)
 
+        trainer.data_collator = collate_and_hash
         trainer.training_step = training_step
+        if hasattr(trainer, "_track_num_input_tokens"):  # the Trainer counts in this method: ours instead (on_step_end)
+            trainer._track_num_input_tokens = lambda inputs: None
+            self._counts_tokens = True
 
     def on_step_end(self, args, state, control, **kwargs):
         import torch.distributed as dist
 
         gathered: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(gathered, (self._hashes, self._tokens))
+        dist.all_gather_object(gathered, (self._hashes, self._tokens))  # over gloo: host memory, on GPU nodes too
         self._hashes, self._tokens = [], 0
+        if self._counts_tokens:
+            state.num_input_tokens_seen += sum(t for _, t in gathered)
         if self.ctx.is_main:
             hashes = [h for part, _ in gathered for h in part]
             record = {
