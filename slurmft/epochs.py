@@ -17,10 +17,11 @@ if TYPE_CHECKING:
 
 def steps_per_epoch(sequences: int, world_size: int, per_device_batch_size: int,
                     gradient_accumulation_steps: int) -> int:
-    """Each rank gets ``ceil(sequences / world_size)`` sequences per epoch (the sampler pads the last round),
-    in micro-batches of ``per_device_batch_size``; ``gradient_accumulation_steps`` of those make a step."""
-    micro_batches = math.ceil(math.ceil(sequences / world_size) / per_device_batch_size)
-    return max(1, micro_batches // gradient_accumulation_steps)
+    """Every step trains one whole global batch (``world_size x per_device_batch_size x
+    gradient_accumulation_steps`` sequences; the last one of an epoch is completed from the epoch's first
+    sequences: slurmft/job/sampler.py), so an epoch is ``ceil(sequences / global batch)`` steps on every shape."""
+    global_batch = world_size * per_device_batch_size * gradient_accumulation_steps
+    return max(1, math.ceil(sequences / global_batch))
 
 
 def plan_steps(cfg: RunConfig, sequences: int, world_size: int) -> dict[str, Any]:

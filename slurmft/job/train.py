@@ -30,6 +30,7 @@ from slurmft.job import (
     loading,
     preemption,
     prepare,
+    sampler,
     tracking,
     unused_packages,
 )
@@ -375,6 +376,7 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
         _one_log_line(trainer, ctx)
         tracking.attach(trainer, wandb_run)
         batches.watch(trainer)  # what every step trains on (batches.jsonl)
+        sampler.use_whole_global_batches(trainer, global_batch)  # every step the same sequences on every shape
         elastic.reseed_on_change(trainer, ctx.rank, ctx.world_size, cfg.train.seed)  # before the loads are guarded
         checkpointer.attach(trainer)  # saves timed, checkpoint loads agreed by every rank
         return trainer

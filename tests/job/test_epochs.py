@@ -22,8 +22,8 @@ def test_epochs_are_counted_from_the_packed_data(tiny_model: Path, job_env: dict
     rc, out = launch(run, job_env).wait(timeout=300)
     assert rc == 0, out[-6000:]
     plan = json.loads((run / "plan.json").read_text())
-    # 2 ranks x 2 sequences per micro-batch, no accumulation: ceil(ceil(n / 2) / 2) steps per epoch
-    assert plan["steps_per_epoch"] == math.ceil(math.ceil(plan["sequences"] / 2) / 2) and plan["sequences"] > 20
+    # 2 ranks x 2 sequences per micro-batch, no accumulation: ceil(n / 4) steps per epoch (slurmft/job/sampler.py)
+    assert plan["steps_per_epoch"] == math.ceil(plan["sequences"] / 4) and plan["sequences"] > 20
     assert plan["max_steps"] == math.ceil(plan["steps_per_epoch"] / 10)
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(line)]
