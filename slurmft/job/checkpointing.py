@@ -66,6 +66,7 @@ import functools
 import gc
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -79,6 +80,7 @@ from transformers import TrainerCallback
 from slurmft import checkpoints
 from slurmft.checkpoints import COMPLETE_MARKER, damaged, make_durable, mark_complete, prune
 from slurmft.errors import CheckpointError, JobSetupError
+from slurmft.job import preemption
 from slurmft.job.distributed import DistContext, any_rank, barrier, gather_errors
 from slurmft.rundir import SAVE_EVENT, RunPaths
 
@@ -132,6 +134,8 @@ class BackgroundWriter:
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=ctx.collective_timeout_s))
         self.stager = DefaultStager(StagingOptions(ctx.on_gpu, False, False, False))
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slurmft-checkpoint")
+        self.deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slurmft-checkpoint-delete")
+        self.closing = threading.Event()
         self._writes: list[tuple[Any, Any, Any, Any]] = []
 
     @contextlib.contextmanager
@@ -169,15 +173,37 @@ class BackgroundWriter:
         return self.thread.submit(write_all), dirs
 
     def delete_later(self, path: Path) -> None:
-        """Remove a pruned checkpoint (already renamed out of the way) in the writer's thread, after the write
-        in flight if any: a deletion of gigabytes never holds training, and never races a write's I/O."""
-        import shutil
+        """Remove a pruned checkpoint (already renamed out of the way) in a thread of its own: a deletion of
+        gigabytes never holds training, nor a write (a write queued behind it would hold the next save and the
+        stop's), nor the stop: :meth:`close` drops what is left of it (the next attempt's prune removes the rest,
+        slurmft.checkpoints.prune)."""
+        self.deleter.submit(_remove_unless, path, self.closing)
 
-        self.thread.submit(shutil.rmtree, path, True)
-
-    def close(self) -> None:
+    def close(self, abandon_deletions: bool = False) -> None:
+        """The writes finish. Deletions finish too at the end of training; after the warning signal they stop at
+        their next file instead (never waited for: the stop writes its requeue marker and the rank exits)."""
+        if abandon_deletions:
+            self.closing.set()
+        self.deleter.shutdown(wait=not abandon_deletions, cancel_futures=abandon_deletions)
         self.thread.shutdown(wait=True)
         self.stager.close()
+
+
+def _remove_unless(path: Path, stop: threading.Event) -> None:
+    """``rmtree(path)``, file by file, until ``stop`` is set."""
+    import os
+
+    for root, dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            if stop.is_set():
+                return
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(root, name))
+        for name in dirs:
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(root, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
 
 
 def skip_unchecked_crc32() -> None:
@@ -257,12 +283,15 @@ class CompleteCheckpoints(TrainerCallback):
         original = trainer._save_checkpoint
 
         def save_checkpoint(model: Any, trial: Any, *args: Any, **kwargs: Any) -> Any:
-            self.finish_pending()  # one save in flight: the previous one is marked (or failed) first
+            final = trainer.control.should_training_stop  # max_steps or a stop: synchronous, and first
+            # one save in flight: the previous one is marked (or failed) first; a failure never stops the final
+            # save from being attempted (max_failed_saves is checked after it)
+            self.finish_pending(final=final)
             self._trainer, self._model = trainer, model
             started = time.time()
             save = Save(step=trainer.state.global_step, started=started,
                         directory=Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}")
-            if self.writer is None or trainer.control.should_training_stop:  # the final save: synchronous
+            if self.writer is None or final:
                 result = original(model, trial, *args, **kwargs)
             else:
                 with self.writer.deferring():
@@ -292,18 +321,19 @@ class CompleteCheckpoints(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         """Training ended (``max_steps`` or a stop): the save in flight is waited for and marked; a stop right
         after a failed asynchronous save of this step saves again, synchronously."""
-        if not self.finish_pending() and self._trainer is not None and not (
+        if not self.finish_pending(final=True) and self._trainer is not None and not (
                 Path(args.output_dir) / f"checkpoint-{state.global_step}" / COMPLETE_MARKER).is_file():
             log.warning("saving checkpoint-%d again, synchronously, before stopping", state.global_step)
             self._trainer.control.should_training_stop = True
             self._trainer._save_checkpoint(self._model, None)
             self.on_save(args, state, control)
 
-    def finish_pending(self) -> bool:
+    def finish_pending(self, final: bool = False) -> bool:
         """Wait for the save in flight and mark it when every rank's write succeeded; False when it failed.
 
-        Raises :class:`CheckpointError` on every rank after ``max_failed_saves`` failures in a row. True
-        when nothing was in flight.
+        Raises :class:`CheckpointError` on every rank after ``max_failed_saves`` failures in a row, unless
+        ``final``: the final save (``max_steps``, a stop) is attempted first, synchronously, and a synchronous
+        save that succeeds ends the streak (it would raise by itself otherwise). True when nothing was in flight.
         """
         save, self.pending = self.pending, None
         if save is None or save.future is None:
@@ -328,7 +358,10 @@ class CompleteCheckpoints(TrainerCallback):
                         for msg, ranks in _by_message(failed).items())
         log.warning("asynchronous save of %s failed (%d in a row; no COMPLETE, training goes on, the next save "
                     "retries): %s", save.directory.name, self.failed_in_a_row, why)
-        if self.failed_in_a_row >= self.max_failed_saves:
+        if self.failed_in_a_row >= self.max_failed_saves and final:
+            log.warning("%d asynchronous saves in a row failed (checkpoint.max_failed_saves=%d): the final save is "
+                        "made synchronously first", self.failed_in_a_row, self.max_failed_saves)
+        elif self.failed_in_a_row >= self.max_failed_saves:
             raise CheckpointError(
                 f"{self.failed_in_a_row} asynchronous saves in a row failed (checkpoint.max_failed_saves="
                 f"{self.max_failed_saves}); the run stops rather than train on without checkpoints. Fix the "
@@ -357,6 +390,7 @@ class CompleteCheckpoints(TrainerCallback):
         if save.future is None:  # synchronous: the files are made durable now (in the write's thread otherwise)
             barrier()  # every rank's DCP shards exist (rank 0 fsyncs the directories)
             self._finish_files(ckpt)
+            self.failed_in_a_row = 0  # a save that succeeded: the storage works again
         barrier()  # every rank's files are durable
         if self.ctx.is_main:
             seconds = time.time() - save.started
@@ -391,7 +425,7 @@ class CompleteCheckpoints(TrainerCallback):
                 with contextlib.suppress(BaseException):
                     self.pending.future.result()
             self.pending = None
-            self.writer.close()
+            self.writer.close(abandon_deletions=preemption.requested())
             self.writer = None
 
 

@@ -174,6 +174,60 @@ def test_asynchronous_saves_failing_in_a_row_stop_the_run(tmp_path: Path) -> Non
     assert "asynchronous save of checkpoint-10 failed (1 in a row" in proc.stderr, proc.stderr
 
 
+def test_the_final_save_comes_before_the_failed_saves_limit(tmp_path: Path) -> None:
+    """A stop (or max_steps) right after a background write failed for the ``max_failed_saves``-th time in a row:
+    the stop's own synchronous save is made first and, having succeeded, ends the streak; nothing raises and the
+    work since the last checkpoint is kept (before issue 45 the limit raised before the stop's save was tried)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import json, time
+        from concurrent.futures import Future
+        from pathlib import Path
+        from types import SimpleNamespace
+        import torch, torch.distributed as dist
+        from torch.distributed.checkpoint.api import CheckpointException
+        from transformers import LlamaConfig
+        from slurmft.job.checkpointing import CompleteCheckpoints, Save
+        from slurmft.job.distributed import DistContext
+        from slurmft.job.rendezvous import JobEnv
+
+        root = Path({str(tmp_path)!r})
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        env = JobEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, num_nodes=1, job_id="1",
+                     restart_count=0, master_addr="127.0.0.1", master_port=0, launcher="local")
+        ctx = DistContext(env=env, device=torch.device("cpu"), backend="gloo", collective_timeout_s=30)
+        tokenizer = SimpleNamespace(save_pretrained=lambda d: (Path(d) / "tokenizer.json").write_text("{{}}"))
+        saver = CompleteCheckpoints(ctx, LlamaConfig(), None, tokenizer, keep_last=2, info={{}}, asynchronous=True,
+                                    max_failed_saves=1)
+
+        def write(model, trial):  # what the Trainer's _save_checkpoint leaves: some files in checkpoint-<step>
+            out = root / f"checkpoint-{{trainer.state.global_step}}"
+            out.mkdir(parents=True)
+            (out / "trainer_state.json").write_text(json.dumps({{"global_step": trainer.state.global_step}}))
+
+        trainer = SimpleNamespace(state=SimpleNamespace(global_step=11), args=SimpleNamespace(output_dir=str(root)),
+                                  control=SimpleNamespace(should_training_stop=True), _save_checkpoint=write)
+        saver.watch(trainer)
+        future = Future()
+        future.set_exception(CheckpointException("write", {{0: (OSError(28, "No space left on device"), None)}}))
+        saver.pending = Save(step=10, directory=root / "checkpoint-10", started=time.time(), future=future)
+        trainer._save_checkpoint(None, None)  # the stop's save, with the failure pending
+        saver.on_save(trainer.args, trainer.state, trainer.control)
+        print("complete:", (root / "checkpoint-11" / "COMPLETE").is_file(), "streak:", saver.failed_in_a_row)
+        saver.close()
+        dist.destroy_process_group()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "complete: True streak: 0" in proc.stdout, proc.stdout
+    assert "asynchronous save of checkpoint-10 failed (1 in a row" in proc.stderr, proc.stderr
+    assert "the final save is made synchronously first" in proc.stderr, proc.stderr
+
+
 def test_dcp_never_checks_the_crc32_it_writes_so_saves_skip_it(tmp_path: Path) -> None:
     """Why :func:`skip_unchecked_crc32` loses nothing: with the CRC written (torch's default), a flipped byte in a
     DCP shard still loads, silently wrong; only sizes (the COMPLETE marker) and fsyncs protect a save. Without

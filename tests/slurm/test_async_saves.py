@@ -3,7 +3,10 @@ enough to be caught in flight (tests/slurm/slow_writes: every fsync of the backg
 
 - The warning signal while checkpoint-20 is being written in the background: that save is waited for and
   marked, the stop saves its own step synchronously, the job is requeued and the final model is bitwise equal to
-  the shared uninterrupted ``reference`` run (tests/slurm/conftest.py).
+  the shared uninterrupted ``reference`` run (tests/slurm/conftest.py). The rotation after the stop's save deletes
+  checkpoint-10 slowly (every file a second and a half): the requeue marker is written without waiting for it
+  (issue 45: the stop waited for the deletion, inside the warning's lead time), and the next attempt removes
+  what was left.
 - A rank killed while checkpoint-20 is being written: no COMPLETE for step 20, the job fails, and
   ``slurmft resume`` continues from checkpoint-10, bitwise equal to the same reference.
 """
@@ -26,6 +29,7 @@ TRAIN = {"max_steps": 40}
 CHECKPOINT = {"every_steps": 10, "keep_last": 2}
 SLOW_WRITES = Path(__file__).parent / "slow_writes"
 FSYNC_DELAY_S = 0.4  # per fsync of the background writer: rank 0 makes ~15 per save, so ~6 s in flight
+DELETE_DELAY_S = 1.5  # per file a checkpoint thread deletes, first attempt only: a checkpoint holds ~16 files
 
 
 @pytest.fixture
@@ -52,7 +56,8 @@ def _in_flight(slurmft, run: Path, step: int) -> Path:
 
 def test_warning_signal_during_an_async_write_finishes_it_then_saves_and_requeues(
         slurm_cluster, reference: Path, tiny_model: Path, chat_data: Path, tmp_path: Path, slurmft,
-        slow_writes: None) -> None:
+        slow_writes: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURMFT_SLOW_DELETES_S", str(DELETE_DELAY_S))
     run, jobs = _start(slurmft, tmp_path, tiny_model, chat_data)
     job = jobs["train"]
     ckpt = _in_flight(slurmft, run, 20)
@@ -72,6 +77,10 @@ def test_warning_signal_during_an_async_write_finishes_it_then_saves_and_requeue
     # training went on while step 20 was written; its blocked_s counts the stop's wait for it as well
     assert any(m["step"] > 20 and m["time"] < done_20 for m in slurmft.metrics(run) if m["restart"] == 0)
     assert by_step[20]["blocked_s"] < by_step[20]["durable_s"]
+    # the stop's rotation deleted checkpoint-10 (20 and the stop's checkpoint stay), as many files as a checkpoint
+    # holds at 1.5 s each: the marker came right after the save, not after the deletion
+    files = [f for f in (run / "checkpoints" / f"checkpoint-{stopped}").rglob("*") if f.is_file()]
+    assert len(files) >= 12 and marker["t"] - done_stop < 6 * DELETE_DELAY_S, (len(files), marker["t"] - done_stop)
 
     slurm_cluster.wait_state(job, "COMPLETED", timeout=300)
     slurm_cluster.wait_state(jobs["consolidate"], "COMPLETED", timeout=240)
@@ -79,6 +88,7 @@ def test_warning_signal_during_an_async_write_finishes_it_then_saves_and_requeue
     steps = slurmft.metrics(run)
     assert sorted(m["step"] for m in steps) == list(range(1, TRAIN["max_steps"] + 1))
     assert min(m["step"] for m in steps if m["restart"] == 1) == stopped + 1
+    assert not list((run / "checkpoints").glob(".deleting-*"))  # the next attempt removed what the stop left
     code, out, _ = slurmft.cli(["status", str(run)])
     assert code == 0 and "saves:" in out, out
 
