@@ -328,9 +328,11 @@ def test_seed_setting_without_fsdp_does_not_fit_with_reason():
     assert not r["per_gpu"]["fits"] and not r["fits"]
     assert r["per_gpu"]["weights"] == 2 * r["parameters"]  # one GPU holds everything (bf16 weights in bf16-true)
     problems = T.fit_problems(r)
-    assert len(problems) == 1
+    assert len(problems) == 2
     assert "GPU memory" in problems[0] and "fsdp.enabled=false" in problems[0]
     assert "set fsdp.enabled=true" in problems[0]  # the fix, with its estimate
+    # unsharded, every rank's asynchronous staging copy is the whole checkpoint: 8 x 414 GB on a node
+    assert problems[1].startswith("CPU RAM") and "staging copy" in problems[1]
     assert r["verdict"].startswith("does not fit")
 
 
@@ -817,3 +819,32 @@ def test_a_dpo_run_whose_copy_does_not_fit_is_offered_precomputed_reference_log_
     assert per_gpu["fits"] and f"{per_gpu['total'] / 1e9:.1f} GB per GPU" in offer, offer
     assert not [m for m in E.estimate(seed_config(dpo={"reference": "precomputed"}, train__per_device_batch_size=8),
                                       small)["remedies"] if "dpo.reference" in m]  # nothing left to drop
+
+
+# ====================================================================== asynchronous saves' staging copy
+def test_the_async_staging_copy_is_counted_in_cpu_ram_and_refused_when_it_does_not_fit():
+    """checkpoint.async (the default) keeps each rank's checkpoint share in CPU RAM for the whole job (issue 45):
+    the seed article's 70B on 2 x 8 GPUs holds 207 GB of it per node in bf16-true and twice that in bf16-mixed.
+    A node with 200 GB fits the load (156 GB) and the training without the copy, not with it: the estimate says so
+    and offers checkpoint.async: false with its cost; with it the run fits."""
+    n = E.count_parameters(modelinfo.read_model_config("meta-llama/Llama-2-70b-hf"))
+    for precision, bytes_per_param in (("bf16-true", 6), ("bf16-mixed", 12)):
+        r = E.estimate(seed_config(train__precision=precision, **(
+            {"model__dtype": "bfloat16"} if precision == "bf16-true" else {"model__dtype": "auto"})), profile())
+        c = r["cpu_ram_per_node"]
+        assert r["checkpoint_bytes"] == bytes_per_param * n
+        assert c["async_staging"] == 8 * math.ceil(r["checkpoint_bytes"] / 16)  # node 0's eight ranks' shares
+        assert c["training"] == c["runtime_allowance"] + c["async_staging"]  # no shards in CPU RAM on GPUs
+    assert abs(E.estimate(seed_config(train__precision="bf16-true"), profile())["cpu_ram_per_node"]["async_staging"]
+               / 1e9 - 207) < 1
+
+    small = profile(node_memory_gb=200)
+    r = E.estimate(seed_config(train__precision="bf16-true"), small)
+    assert not r["fits"] and r["per_gpu"]["fits"]
+    (problem,) = r["problems"]
+    assert "asynchronous saves' staging copy" in problem and "set checkpoint.async: false" in problem, problem
+    assert f"about {r['checkpoint_save_s']:.0f} s" in problem
+    sync = E.estimate(seed_config(train__precision="bf16-true", checkpoint__async=False), small)
+    assert sync["fits"] and sync["cpu_ram_per_node"]["async_staging"] == 0
+    hsdp = E.estimate(seed_config(fsdp__replicate_across_nodes=True), profile())  # a node's 8 ranks hold it all
+    assert hsdp["cpu_ram_per_node"]["async_staging"] == 8 * math.ceil(hsdp["checkpoint_bytes"] / 8)

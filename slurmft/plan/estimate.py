@@ -60,6 +60,11 @@ Assumptions, in one place (each is repeated where it is used):
   copy's shards are held beside the policy's while it loads (``reference_shards``).
 * Checkpoint (sharded DCP): fp32 parameters + two AdamW states = 12 bytes/parameter. Consolidated
   model: parameters × ``consolidate.dtype``.
+* Asynchronous saves (``checkpoint.async``, the default): each rank keeps a CPU copy of its share of the
+  checkpoint (its model and optimizer shards, pinned on GPU nodes) from the first periodic save to the end of
+  the job (slurmft/job/checkpointing.py ``BackgroundWriter``): node 0 holds its ranks' shares, counted in the
+  training figure as ``async_staging``. ``checkpoint.async: false`` has no copy; each periodic save then
+  holds training for the whole write (``checkpoint_save_s``).
 """
 
 from __future__ import annotations
@@ -529,10 +534,17 @@ def _activations(shape: ModelShape, k: Settings, detail: dict[str, int]) -> dict
     }
 
 
+def async_staging_bytes(checkpoint_bytes: int, k: Settings) -> int:
+    """CPU RAM of node 0 for the asynchronous saves' staging copy: every rank's share of the checkpoint (its shards
+    of the model and optimizer state, split over ``k.shards`` ranks), 0 for synchronous saves."""
+    return k.ranks_per_node * math.ceil(checkpoint_bytes / k.shards) if k.async_saves else 0
+
+
 def _cpu_ram_per_node(
-    shape: ModelShape, n_params: int, k: Settings, gpu: dict[str, Any], node_ram: int
+    shape: ModelShape, n_params: int, k: Settings, gpu: dict[str, Any], node_ram: int, staging: int = 0
 ) -> dict[str, Any]:
-    """CPU RAM of node 0 (it hosts rank 0) at load, for each loading strategy, and while training."""
+    """CPU RAM of node 0 (it hosts rank 0) at load, for each loading strategy, and while training (``staging``:
+    :func:`async_staging_bytes`, held from the first periodic save on)."""
     rpn = k.ranks_per_node
     runtime = rpn * k.runtime_bytes_per_rank
     full_fp32 = n_params * MASTER_BYTES
@@ -551,7 +563,7 @@ def _cpu_ram_per_node(
     reference_shards = rpn * gpu["reference_weights"] if in_ram else 0
     load_resident = rpn * shard_bytes + reference_shards if in_ram else 0
     ours = file_bytes + _largest_tensor_numel(shape) * param_bytes + runtime + load_resident
-    training = runtime + resident
+    training = runtime + resident + staging
     return {
         "every_rank_loads": rpn * full_fp32 + runtime + load_resident,
         "rank0_broadcast": full_fp32 + runtime + load_resident,
@@ -560,6 +572,7 @@ def _cpu_ram_per_node(
         "capacity": node_ram,
         "fits": max(ours, training) <= node_ram,
         "runtime_allowance": runtime,
+        "async_staging": staging,  # included in the training figure
         "safetensors_bytes": file_bytes,
         "reference_shards": reference_shards,  # included in slurmft's load figure
     }
@@ -621,6 +634,7 @@ def _knobs(cfg: RunConfig, profile: ClusterProfile) -> tuple[Settings, str | Non
         lora=LoraSettings.of(cfg.lora),
         dpo=cfg.dpo is not None,
         dpo_precomputed=cfg.dpo is not None and cfg.dpo.precomputed,
+        async_saves=cfg.checkpoint.asynchronous,
     )
     return knobs, capacity_note
 
@@ -781,9 +795,10 @@ def estimate(
 
     gpu = _per_gpu(shape, knobs)
     activations = _activations(shape, knobs, gpu.pop("_activations_detail"))
-    cpu = _cpu_ram_per_node(shape, n_params, knobs, gpu, int(profile.node_memory_gb * GB))
-    mode = PRECISIONS[knobs.precision]
     checkpoint_bytes = checkpoint_size(shape, knobs)
+    staging = async_staging_bytes(checkpoint_bytes, knobs)
+    cpu = _cpu_ram_per_node(shape, n_params, knobs, gpu, int(profile.node_memory_gb * GB), staging)
+    mode = PRECISIONS[knobs.precision]
     out_dtype = consolidated_dtype(cfg.consolidate.dtype, mode)
     both = layouts(shape, n_params, knobs)
     lora = _lora_facts(cfg, shape, knobs, n_params, DTYPE_BYTES[out_dtype])

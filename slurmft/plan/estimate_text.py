@@ -217,6 +217,10 @@ def assumptions(k: Settings, counted: Counted, capacity_note: str | None) -> lis
         "CPU RAM at load: fp32 full copies for every-rank / rank-0 loading; slurmft = its worst case (scatter "
         "fallback: safetensors memory-mapped on rank 0 + one tensor at a time; by default each rank reads its slice); "
         f"+ {counted.runtime_bytes_per_rank // MiB} MiB runtime per rank",
+        ("CPU RAM while training: the runtime, shards that live in CPU RAM, and the asynchronous saves' staging copy "
+         "(checkpoint.async: each rank's checkpoint share, kept from the first periodic save on"
+         + (", pinned" if k.on_gpu else "") + "; checkpoint.async: false has none)") if k.async_saves else
+        "CPU RAM while training: the runtime and shards that live in CPU RAM (checkpoint.async: false: no staging copy)",
         (f"checkpoint = parameters + 2 AdamW states in {PRECISIONS[k.precision].param_dtype} "
          f"({PRECISIONS[k.precision].param_bytes * 3} bytes/parameter); consolidated = parameters x consolidate.dtype "
          "(auto: the compute dtype)") if k.lora is None else
@@ -299,10 +303,17 @@ def fit_problems(result: dict[str, Any]) -> list[str]:
     c = result["cpu_ram_per_node"]
     if not c["fits"]:
         need = max(c["slurmft"], c.get("training", 0))
-        problems.append(
-            f"CPU RAM: node 0 needs {decimal_gb(need)} (loading {decimal_gb(c['slurmft'])}, training {decimal_gb(c.get('training', 0))}) "
-            f"but a node has {decimal_gb(c['capacity'])}; use more nodes or a profile with more node_memory_gb"
-        )
+        staging = c.get("async_staging", 0)
+        msg = (f"CPU RAM: node 0 needs {decimal_gb(need)} (loading {decimal_gb(c['slurmft'])}, training "
+               f"{decimal_gb(c.get('training', 0))}"
+               + (f", of which {decimal_gb(staging)} is the asynchronous saves' staging copy: each rank's model and "
+                  "optimizer shards, in CPU memory for the whole job" if staging else "")
+               + f") but a node has {decimal_gb(c['capacity'])}; ")
+        fixes = ["use more nodes", "a profile with more node_memory_gb"]
+        if staging and max(c["slurmft"], c["training"] - staging) <= c["capacity"]:
+            fixes.insert(0, f"set checkpoint.async: false (no staging copy; each periodic save then holds training "
+                            f"for the whole write, about {result.get('checkpoint_save_s', 0):.0f} s)")
+        problems.append(msg + "to fix: " + ", or ".join(fixes))
     return problems
 
 
@@ -394,6 +405,8 @@ def render_table(result: dict[str, Any]) -> RenderableType:
         ("every rank loads", "every_rank_loads"),
         ("rank 0 loads + broadcast", "rank0_broadcast"),
         ("slurmft (mmap + shard broadcast)", "slurmft"),
+        ("while training" + (f" (async saves' staging copy {decimal_gb(c['async_staging'])})"
+                             if c.get("async_staging") else ""), "training"),
     ):
         ok = c[key] <= c["capacity"]
         r.add_row(name, decimal_gb(c[key]), Text("ok" if ok else "too much", style="green" if ok else "red"))

@@ -68,6 +68,7 @@ class Settings:
     lora: LoraSettings | None = None  # adapters on a frozen base (None: every weight trains)
     dpo: bool = False  # a dpo: section: chosen and rejected in one forward (two sequences per example)
     dpo_precomputed: bool = False  # dpo.reference: precomputed: no reference model while training
+    async_saves: bool = False  # checkpoint.async: each rank keeps a CPU staging copy of its checkpoint share
 
     @property
     def dpo_reference(self) -> bool:
