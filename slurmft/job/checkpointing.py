@@ -519,6 +519,27 @@ def check_resume_adapters(checkpoint: Path, adapters: dict[str, Any] | None) -> 
             "with, or start a new run (new output_dir)", problems=differ)
 
 
+def check_resume_base(checkpoint: Path, base: dict[str, Any] | None) -> None:
+    """The base model read now (``inputs.base_identity``) is the one ``checkpoint`` was trained on (its marker's
+    ``base``), for the runs that read the base on every attempt: LoRA (the frozen base under the adapters), DPO (the
+    reference: a copy, or the values computed from it). A checkpoint from before markers recorded it is not checked.
+    A hub id follows the checkpoint's commit (``inputs.follow_trained_base``), so this refuses a replaced local
+    directory, a cache whose files changed, or a revision the user pinned to another commit."""
+    from slurmft.job.inputs import base_differences
+
+    trained = checkpoints.read_marker(checkpoint).get("base")
+    if base is None or not isinstance(trained, dict):
+        return
+    differ = base_differences(trained, base)
+    if differ:
+        raise JobSetupError(
+            f"model.name_or_path: the base model is not the one {checkpoint.name} was trained on "
+            f"({trained.get('name_or_path')}{', revision ' + trained['revision'] if trained.get('revision') else ''}); "
+            "resuming would continue on other weights. Put that base back (or point model.name_or_path and "
+            "model.revision at it), or start a new run (new output_dir); nothing was changed in the run directory",
+            problems=differ)
+
+
 # ----------------------------------------------------------------------------- the adapters' part of a checkpoint
 def _trainable_state(model: Any) -> dict[str, Any]:
     """The trainable parameters' sharded state dict (DTensors; torch's names, wrapper segments removed).

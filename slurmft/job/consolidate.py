@@ -1124,10 +1124,12 @@ def consolidate_run(
             f"{', modules_to_save ' + ', '.join(lora['modules_to_save']) if lora.get('modules_to_save') else ''})"
             f" -> adapter {adapter_dir}: {len(adapter.adapter)} tensors, {decimal_bytes(adapter_bytes)}")
         if merge:
-            from slurmft.job.inputs import resolve_model_dir
+            from slurmft.job.inputs import follow_trained_base, resolve_model_dir
             from slurmft.job.weights import check_weights
 
-            base_dir = resolve_model_dir(cfg.model, with_weights=True)
+            # a hub base: the commit the adapters trained on, not what its branch points at now
+            base_dir = resolve_model_dir(follow_trained_base(cfg.model, read_marker(ckpt).get("base")),
+                                         with_weights=True)
             check_base(ckpt, cfg, base_dir)
             plan = check_weights(layout.model, base_dir)  # base file keys -> model tensors, as the loader reads them
             entries = {e.name: e for e in plan.entries}

@@ -260,6 +260,16 @@ def main_first(ctx: DistContext, phase: str, fn: Callable[[], T]) -> T:
     return result  # type: ignore[return-value]
 
 
+def from_main(ctx: DistContext, phase: str, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0 alone (what only it sees: the weight files), then give its result to every rank; a
+    JobSetupError there stops every rank."""
+    result, error = _attempt(fn) if ctx.is_main else (None, None)
+    agree(ctx, error, phase)
+    box = [result]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]  # type: ignore[return-value]
+
+
 def barrier() -> None:
     """Barrier over the default group (no-op when not distributed)."""
     if dist.is_initialized():

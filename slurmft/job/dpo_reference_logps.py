@@ -13,9 +13,16 @@ train job does it itself, on its first attempt, before step 1:
   vectors, one value per pair and reply, in the trainer dataset's row order) atomically, with what it was computed
   from;
 - every attempt (a requeue, ``slurmft resume``, a resume on another number of ranks) reads that file instead: the
-  rows do not depend on the world size. A resumed full fine-tune has no starting model to compute them from, so a
-  checkpoint without the file is refused in words; LoRA's reference is the base with the adapters disabled, which
-  a resume still has, so there the file is computed again when it is missing.
+  rows do not depend on the world size.
+
+The file is bound to what the values were computed from (issue 45: fixed data, prepared again, trained on the old
+pairs' values): a digest of the pairs' token ids in row order (:func:`rows_digest`), ``data.max_seq_length``, the
+LoRA flag and the base model's identity (``inputs.base_identity``: its hub commit, its files' sizes and sampled
+hashes). A file that does not match this attempt's data is computed again from the starting model, which is on
+disk: on a fresh start it is the policy; a resumed LoRA run has it too (the base with the adapters disabled); a
+resumed full fine-tune reads the model files into the policy's shards first (they hold nothing yet: the
+checkpoint's load replaces them before step 1). A base that changed under a checkpoint is refused earlier, by
+the train job's base check (slurmft/job/checkpointing.py ``check_resume_base``).
 
 The trainer then reads the values from its batches (TRL's ``ref_chosen_logps``/``ref_rejected_logps`` columns and
 ``precompute_ref_logps``): no reference forward during training and no second model in memory. A warning signal
@@ -27,10 +34,10 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from slurmft.config import RunConfig
-from slurmft.errors import JobSetupError
 from slurmft.job import distributed, preemption
 from slurmft.job.distributed import DistContext
 from slurmft.rundir import RunPaths, atomic_write
@@ -42,37 +49,55 @@ COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 SIGNAL_EVERY = 8
 
 
-def _identity(cfg: RunConfig, rows: int) -> dict[str, str]:
-    """What the values depend on, kept in the file's metadata and checked when it is read."""
-    return {"rows": str(rows), "model": str(cfg.model.name_or_path), "max_length": str(cfg.data.max_seq_length),
-            "lora": "yes" if cfg.lora is not None else "no"}
+def rows_digest(dataset: Any) -> str:
+    """SHA-256 of the pairs' token ids (prompt, chosen, rejected), row by row in the dataset's order: what the values
+    were computed over."""
+    import hashlib
+
+    import numpy as np
+    import pyarrow.compute as pc
+
+    columns = [c for c in ("prompt_ids", "chosen_ids", "rejected_ids") if c in dataset.column_names]
+    digest = hashlib.sha256(",".join(columns).encode())
+    for batch in dataset.select_columns(columns).with_format("arrow").iter(batch_size=1000):
+        for name in columns:
+            digest.update(pc.list_value_length(batch[name]).to_numpy(zero_copy_only=False).astype(np.int64).tobytes())
+            digest.update(pc.list_flatten(batch[name]).to_numpy(zero_copy_only=False).astype(np.int64).tobytes())
+    return digest.hexdigest()
 
 
-def read(cfg: RunConfig, paths: RunPaths, rows: int) -> tuple[Any, Any] | None:
-    """The stored values, or None when there is no file; a file made for other data or another model is refused."""
+def identity(cfg: RunConfig, dataset: Any, base: dict[str, Any] | None) -> dict[str, str]:
+    """What the values depend on, kept in the file's metadata and compared when it is read."""
+    import json
+
+    return {"rows": str(len(dataset)), "data_sha256": rows_digest(dataset), "max_length": str(cfg.data.max_seq_length),
+            "lora": "yes" if cfg.lora is not None else "no",
+            "base": json.dumps({k: (base or {}).get(k) for k in ("revision", "files")}, sort_keys=True)}
+
+
+WHAT = {"rows": "the number of pairs", "data_sha256": "the pairs' token ids", "max_length": "data.max_seq_length",
+        "lora": "the lora section", "base": "the base model's files"}
+
+
+def read(paths: RunPaths, expected: dict[str, str]) -> tuple[tuple[Any, Any] | None, list[str]]:
+    """(the stored values, []) when the file matches ``expected``; (None, []) without a file; (None, what differs)
+    for a file computed from other data or another model."""
     from safetensors import safe_open
 
     path = paths.reference_logps
     if not path.is_file():
-        return None
+        return None, []
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
-        chosen, rejected = (f.get_tensor(name) for name in COLUMNS)
-    expected = _identity(cfg, rows)
-    different = [f"{key}: the file says {meta.get(key)!r}, this run {value!r}" for key, value in expected.items()
-                 if meta.get(key) != value]
-    if different:
-        raise JobSetupError(
-            f"dpo.reference: precomputed: {path} was computed for another run (its data, model or length changed "
-            f"since); move it away to compute the values again on a fresh start", problems=different)
-    return chosen, rejected
+        values = tuple(f.get_tensor(name) for name in COLUMNS)
+    different = [WHAT[key] for key, value in expected.items() if meta.get(key) != value]
+    return (None, different) if different else ((values[0], values[1]), [])
 
 
-def _write(cfg: RunConfig, paths: RunPaths, chosen: Any, rejected: Any) -> None:
+def _write(paths: RunPaths, chosen: Any, rejected: Any, expected: dict[str, str]) -> None:
     from safetensors.torch import save
 
-    data = save({COLUMNS[0]: chosen.contiguous(), COLUMNS[1]: rejected.contiguous()},
-                metadata=_identity(cfg, chosen.numel()))
+    data = save({COLUMNS[0]: chosen.contiguous(), COLUMNS[1]: rejected.contiguous()}, metadata=expected)
     atomic_write(paths.reference_logps, data)
 
 
@@ -121,26 +146,34 @@ def compute(trainer: Any, cfg: RunConfig, ctx: DistContext) -> tuple[Any, Any] |
     return out[0], out[1]
 
 
-def obtain(trainer: Any, cfg: RunConfig, paths: RunPaths, ctx: DistContext, resuming: bool) -> tuple[Any, Any] | None:
-    """The values for ``trainer``'s dataset: read from the run directory, or computed and written there (a fresh start,
-    or LoRA); None when the warning signal stopped the computation."""
+def obtain(trainer: Any, cfg: RunConfig, paths: RunPaths, ctx: DistContext, resuming: bool,
+           base: dict[str, Any] | None, starting_weights: Callable[[], object]) -> tuple[Any, Any] | None:
+    """The values for ``trainer``'s dataset: read from the run directory when they were computed from this data and
+    this base, else computed (from the starting model: ``starting_weights()`` reads it into a resumed full
+    fine-tune's policy first) and written there; None when the warning signal stopped the computation."""
     rows = len(trainer.train_dataset)
-    stored = distributed.guarded(ctx, "reading the reference log-probabilities", lambda: read(cfg, paths, rows))
+    expected = identity(cfg, trainer.train_dataset, base)
+    stored, stale = distributed.guarded(ctx, "reading the reference log-probabilities",
+                                        lambda: read(paths, expected))
     if stored is not None:
         if ctx.is_main:
-            log.info("dpo: reference log-probabilities of %d pairs read from %s (computed by the first attempt)", rows,
+            log.info("dpo: reference log-probabilities of %d pairs read from %s (computed by an earlier attempt)", rows,
                      paths.reference_logps)
         return stored
-    if resuming and cfg.lora is None:
-        raise JobSetupError(
-            f"dpo.reference: precomputed: {paths.reference_logps} is missing, and this attempt resumes from a "
-            f"checkpoint: its policy is no longer the starting model, so the values cannot be computed again; put the "
-            f"file back, or train the run again from the start in a new output_dir")
+    if ctx.is_main and stale:
+        log.warning("dpo: %s was computed from other data or another model (%s changed since): computing the values "
+                    "again", paths.reference_logps, ", ".join(stale))
+    if resuming and cfg.lora is None:  # the policy's shards hold nothing yet: the starting model first
+        t0 = time.time()
+        starting_weights()
+        if ctx.is_main:
+            log.info("dpo: the starting model read from its files to compute the values (%.1fs); the checkpoint's "
+                     "load replaces it before step 1", time.time() - t0)
     values = compute(trainer, cfg, ctx)
     if values is None:
         return None
     distributed.guarded(ctx, "writing the reference log-probabilities",
-                        lambda: _write(cfg, paths, *values) if ctx.is_main else None)
+                        lambda: _write(paths, *values, expected) if ctx.is_main else None)
     if ctx.is_main:
         log.info("dpo: kept in %s: later attempts read them", paths.reference_logps)
     return values

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,20 @@ def base_identity(model: ModelConfig, model_dir: Path) -> dict[str, Any]:
     config = (model_dir / "config.json").read_bytes()
     files["config.json"] = {"bytes": len(config), "sha256": hashlib.sha256(config).hexdigest()}
     return {"name_or_path": model.name_or_path, "revision": revision, "dir": str(model_dir), "files": files}
+
+
+def follow_trained_base(model: ModelConfig, trained: dict[str, Any] | None) -> ModelConfig:
+    """The model to read when resuming a checkpoint trained on ``trained`` (its marker's ``base``): a hub id
+    resolves to the commit the checkpoint was trained on, not to what ``model.revision`` (a branch, or the
+    default branch) points at now; a local directory, or a checkpoint that records no commit, stays as it is."""
+    commit = (trained or {}).get("revision")
+    if not commit or trained.get("name_or_path") != model.name_or_path or model.revision == commit:
+        return model
+    if Path(model.name_or_path).expanduser().exists():
+        return model
+    if model.revision and re.fullmatch(r"[0-9a-f]{40}", model.revision):
+        return model  # pinned to another commit by the user: the base check names the difference
+    return model.model_copy(update={"revision": commit})
 
 
 def base_differences(trained: dict[str, Any], now: dict[str, Any]) -> list[str]:

@@ -250,6 +250,16 @@ def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx
                         bytes_read=read, lora=lora, base_dtype=base_dtype)
 
 
+def read_base_weights(sharded: ShardedModel, model_dir: Path | None, ctx: DistContext) -> int:
+    """The model files' weights read into the shards of a model built with ``weights=False`` (a resumed full
+    fine-tune), where the starting model is needed once more before the checkpoint's load replaces them: DPO's
+    precomputed reference values computed again (slurmft/job/dpo_reference_logps.py). Bytes this rank read."""
+    base = adapters.unwrap(sharded.model)
+    plan = guarded(ctx, "checking the checkpoint", lambda: check_weights(base, model_dir) if ctx.is_main else None)
+    _, read = load_weights(base, plan, model_dir, ctx)
+    return read
+
+
 def _build_meta_checked(config: Any, cfg: RunConfig, dtype: torch.dtype, attn: str) -> torch.nn.Module:
     try:
         model = build_meta(config, cfg, dtype, attn)

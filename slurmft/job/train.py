@@ -23,6 +23,7 @@ from slurmft.errors import JobSetupError, SlurmftError
 from slurmft.job import (
     checkpointing,
     cpu_fsdp,
+    data,
     distributed,
     dpo,
     dpo_reference_logps,
@@ -42,6 +43,7 @@ from slurmft.job.fsdp_report import FsdpReport, local_bytes
 from slurmft.job.inputs import (
     base_identity,
     check_sft_keys,
+    follow_trained_base,
     load_model_config,
     load_tokenizer,
     resolve_model_dir,
@@ -99,6 +101,21 @@ def _prepare_inputs(cfg: RunConfig, ctx: DistContext) -> Inputs:
     config = load_model_config(model_dir, cfg.model, cfg.data.max_seq_length)
     tokenizer = load_tokenizer(resolve_tokenizer_dir(cfg.model, model_dir), cfg)
     return Inputs(model_dir=model_dir, config=config, tokenizer=tokenizer)
+
+
+def _base_model(cfg: RunConfig, inputs: Inputs, ctx: DistContext, candidates: list[Path]) -> dict[str, Any] | None:
+    """The identity of the base model's files (``inputs.base_identity``), on every rank, for the runs that read the
+    base on every attempt: LoRA (the frozen weights under the adapters) and DPO (the reference: a copy, or the
+    values computed from it); None for the others (a resumed full fine-tune reads only its checkpoint). A resume
+    onto another base than the checkpoint's is refused here, before anything is loaded."""
+    if cfg.lora is None and cfg.dpo is None:
+        return None
+    base = distributed.from_main(ctx, "identifying the base model's files",  # rank 0 sees the weight files
+                                 lambda: base_identity(cfg.model, inputs.model_dir))
+    if candidates:
+        distributed.guarded(ctx, "checking the base model",
+                            lambda: checkpointing.check_resume_base(candidates[0], base))
+    return base
 
 
 def training_args(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> Any:
@@ -263,19 +280,28 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
     _quiet_libraries(ctx)
     if not ctx.on_gpu:
         cpu_fsdp.enable()
-    inputs: Inputs = distributed.main_first(ctx, "preparing the model files and tokenizer",
-                                            lambda: _prepare_inputs(cfg, ctx))
-    if cfg.prepare.enabled:  # the prepare job tokenized and packed it: every rank reads the same files
-        dataset = distributed.guarded(ctx, "reading the prepared data", lambda: prepare.load_prepared(paths, cfg))
-    else:  # prepared here, by the prepare job's own code (rank 0 first; the others read its cached results)
-        if ctx.is_main:
-            log.info("data: loading and converting here; TRL tokenizes, slurmft packs, before the trainer is built")
-        dataset = distributed.main_first(ctx, "loading and preparing the data",
-                                         lambda: prepare.prepare_in_allocation(cfg, inputs.tokenizer, paths))
-    args = distributed.guarded(ctx, "building the training options", lambda: training_args(cfg, paths, ctx))
-
     checkpointer = CheckpointManager(ctx, paths)
     candidates = checkpointer.resume_candidates()  # newest first; empty: a fresh start
+    if candidates:  # a hub base is read at the commit the checkpoint trained on, not at what its branch is now
+        trained_on = checkpoints.read_marker(candidates[0]).get("base")
+        cfg = cfg.model_copy(update={"model": follow_trained_base(cfg.model, trained_on)})
+    inputs: Inputs = distributed.main_first(ctx, "preparing the model files and tokenizer",
+                                            lambda: _prepare_inputs(cfg, ctx))
+    base = _base_model(cfg, inputs, ctx, candidates)  # LoRA and DPO read the base on every attempt: the same one
+    if cfg.prepare.enabled:  # the prepare job tokenized and packed it: every rank reads the same files
+        dataset = distributed.guarded(ctx, "reading the prepared data", lambda: prepare.load_prepared(paths, cfg))
+    else:  # prepared here, by the prepare job's own code
+        if ctx.is_main:
+            log.info("data: loading and converting here; TRL tokenizes, slurmft packs, before the trainer is built")
+        mixed = distributed.main_first(ctx, "loading the data",  # rank 0 first: the others read its dataset caches
+                                       lambda: data.load_mixture(cfg.data, cfg.train.seed, inputs.tokenizer,
+                                                                 preference=cfg.dpo is not None))
+        # every rank at once: TRL's preparation orders the ranks itself (rank 0 first, a barrier between)
+        dataset = distributed.guarded(ctx, "preparing the data",
+                                      lambda: prepare.prepare_rows(cfg, inputs.tokenizer, mixed, cfg.data.num_proc,
+                                                                   paths.checkpoints, paths))
+    args = distributed.guarded(ctx, "building the training options", lambda: training_args(cfg, paths, ctx))
+
     if candidates:  # a full fine-tune's checkpoint cannot fill an adapter model, nor the other way round
         distributed.guarded(ctx, "checking the checkpoint's kind",
                             lambda: checkpointing.check_resume_method(candidates[0], cfg.lora is not None,
@@ -325,11 +351,10 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                    "precision": sharded.precision,  # consolidate.dtype=auto and resume read it
                    "global_batch": global_batch, "per_device_batch_size": t.per_device_batch_size,
                    "gradient_accumulation_steps": t.gradient_accumulation_steps, "mesh": list(mesh.shape)}
-    if adapters is not None:  # an adapter checkpoint: consolidation merges it onto this base, resume checks it
+    if adapters is not None:  # an adapter checkpoint: consolidation merges it onto its base
         marker_info["lora"] = adapters
-        marker_info["base"] = distributed.guarded(  # rank 0 writes the markers (and sees the files)
-            ctx, "identifying the base model's files",
-            lambda: base_identity(cfg.model, inputs.model_dir) if ctx.is_main else None)
+    if base is not None:  # every later attempt and the consolidation check the base against it
+        marker_info["base"] = base
     preempt = PreemptionStop(ctx)
     saving = checkpointer.callbacks(sharded.model.config, getattr(sharded.model, "generation_config", None),
                                     inputs.tokenizer, cfg.checkpoint.keep_last, info, marker_info,
@@ -366,7 +391,9 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                                       inputs.tokenizer, callbacks, optimizer, precomputed=dpo.precomputed(cfg))
             if dpo.precomputed(cfg):  # read, or computed before step 1 (None: the warning signal came first)
                 if not reference_logps:
-                    reference_logps.append(dpo_reference_logps.obtain(trainer, cfg, paths, ctx, bool(candidates)))
+                    reference_logps.append(dpo_reference_logps.obtain(
+                        trainer, cfg, paths, ctx, bool(candidates), base,
+                        starting_weights=lambda: loading.read_base_weights(sharded, inputs.model_dir, ctx)))
                 if reference_logps[0] is not None:
                     dpo_reference_logps.attach(trainer, reference_logps[0])
         else:

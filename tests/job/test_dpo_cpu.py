@@ -9,7 +9,9 @@ One set of runs serves every check (tests/job/run_many.py: one start-up per laun
   that must be refused before anything is loaded: ``dpo``'s checkpoint under an SFT config, and an SFT
   checkpoint (``dpo``'s with the marker an SFT run writes) under the DPO config;
 - ``precomputed`` (launch 1, through dpo_check.py): ``dpo`` with ``dpo.reference: precomputed``, no reference model;
-  in launch 2 a copy cut back to checkpoint-2 resumes from the values it kept, and a copy without them is refused;
+  in launch 2 a copy cut back to checkpoint-2 resumes from the values it kept; a copy without them computes them
+  again from the model files (its policy's shards hold nothing before the checkpoint loads); a copy whose pairs
+  were fixed (chosen and rejected swapped) computes them again for the new pairs (issue 45: they were reused);
   ``lora_precomputed`` (launch 1, through dpo_check.py): ``lora`` with the values precomputed;
 - ``bf16`` (launch 1, through dpo_check.py): ``dpo`` with ``train.precision: bf16-mixed``: the reference stored in
   bf16, the policy's fp32 master weights;
@@ -92,9 +94,18 @@ def dpo_runs(tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytest
     runs["precomputed_resumed"] = _copy(runs["precomputed"], root / "precomputed_resumed", cut_after=EVERY)
     runs["precomputed_lost"] = _copy(runs["precomputed"], root / "precomputed_lost", cut_after=EVERY)
     (runs["precomputed_lost"] / "reference_logps.safetensors").unlink()
-    before = {name: _tree(runs[name]) for name in ("sftondpo", "dpoonsft", "precomputed_lost")}
+    swapped = root / "pairs-swapped.jsonl"  # the same rows, chosen and rejected swapped: the data fixed
+    swapped.write_text("".join(json.dumps({**row, "chosen": row["rejected"], "rejected": row["chosen"]}) + "\n"
+                               for row in map(json.loads, pairs.read_text().splitlines())))
+
+    def on_swapped(cfg: dict) -> None:
+        cfg["data"]["datasets"] = [{"path": str(swapped)}]
+
+    runs["precomputed_swapped"] = _copy(runs["precomputed"], root / "precomputed_swapped", cut_after=EVERY,
+                                        edit=on_swapped)
+    before = {name: _tree(runs[name]) for name in ("sftondpo", "dpoonsft")}
     second = [check.format(run=runs["resumed"], name="resumed"), str(runs["sftondpo"]), str(runs["dpoonsft"]),
-              str(runs["precomputed_resumed"]), str(runs["precomputed_lost"])]
+              str(runs["precomputed_resumed"]), str(runs["precomputed_lost"]), str(runs["precomputed_swapped"])]
     _, out2 = launch_like_srun(root / "second", job_env, program=[str(HERE / "run_many.py")],
                                args=second).wait(timeout=600)
     for name in ("dpo", "lora"):
@@ -256,14 +267,38 @@ def test_a_resumed_precomputed_run_reads_its_values_and_continues_bitwise(dpo_ru
     assert f"read from {dpo_runs['runs']['precomputed_resumed'] / 'reference_logps.safetensors'}" in dpo_runs["log"]
 
 
-def test_a_precomputed_run_that_lost_its_values_is_refused_on_resume(dpo_runs: dict[str, Any]) -> None:
-    run = dpo_runs["runs"]["precomputed_lost"]
-    failures = sorted(run.parent.glob(f"{run.name}.failed.rank*"))
-    assert len(failures) == 2, "precomputed_lost was not refused on every rank"
-    for path in failures:
-        text = path.read_text()
-        assert "reference_logps.safetensors is missing, and this attempt resumes from a checkpoint" in text, text[-2000:]
-    assert _tree(run) == dpo_runs["before"]["precomputed_lost"]  # nothing in the run directory changed
+def test_a_resumed_precomputed_run_that_lost_its_values_computes_them_again_from_the_model_files(
+        dpo_runs: dict[str, Any]) -> None:
+    """Resuming from checkpoint-2 without the values: the starting model is read from the model files into the
+    policy's (still empty) shards, the values computed again are the first attempt's, bitwise, and the steps after
+    the checkpoint train as the uninterrupted run's."""
+    runs = dpo_runs["runs"]
+    run = runs["precomputed_lost"]
+    assert not sorted(run.parent.glob(f"{run.name}.failed.rank*"))
+    (meta, values), (meta_first, first) = (_stored(r) for r in (run, runs["precomputed"]))
+    assert meta == meta_first and all(values[k].equal(first[k]) for k in first)
+    full, resumed = (read_metrics(runs[n]) for n in ("precomputed", "precomputed_lost"))
+    assert [(m["loss"], m["grad_norm"]) for m in resumed[EVERY:]] == [(m["loss"], m["grad_norm"]) for m in full[EVERY:]]
+    assert "the starting model read from its files to compute the values" in dpo_runs["log"]
+
+
+def test_fixed_pairs_get_their_values_computed_again_never_the_old_ones(dpo_runs: dict[str, Any]) -> None:
+    """The data fixed under a paused run (chosen and rejected swapped, the same rows): the values kept for the old
+    pairs no longer match the pairs' token ids, so the resumed job computes them again from the starting model: the
+    new chosen values are the old rejected ones and the reverse (the same sequences, the same model)."""
+    runs = dpo_runs["runs"]
+    run = runs["precomputed_swapped"]
+    assert not sorted(run.parent.glob(f"{run.name}.failed.rank*"))
+    (meta, values), (meta_old, old) = (_stored(r) for r in (run, runs["precomputed"]))
+    assert meta["data_sha256"] != meta_old["data_sha256"] and meta["rows"] == meta_old["rows"]
+    assert {k: v for k, v in meta.items() if k != "data_sha256"} == {k: v for k, v in meta_old.items()
+                                                                      if k != "data_sha256"}
+    import torch
+
+    assert torch.allclose(values["ref_chosen_logps"], old["ref_rejected_logps"], rtol=0, atol=1e-5)
+    assert torch.allclose(values["ref_rejected_logps"], old["ref_chosen_logps"], rtol=0, atol=1e-5)
+    assert f"{run / 'reference_logps.safetensors'} was computed from other data or another model (the pairs' token " \
+           "ids changed since): computing the values again" in dpo_runs["log"]
 
 
 def test_lora_dpo_with_precomputed_values_trains_as_trl_and_peft(dpo_runs: dict[str, Any]) -> None:
