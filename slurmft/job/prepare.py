@@ -253,15 +253,6 @@ def prepare_run(run_dir: str, num_proc: int | None = None, cfg: RunConfig | None
     return prepared.read_record(paths) or {}
 
 
-def prepare_in_allocation(cfg: RunConfig, tokenizer: Any, paths: RunPaths) -> Any:
-    """``prepare.enabled: false``: the train job loads, converts and prepares the data itself, with the prepare job's
-    own :func:`prepare_rows` (``data.num_proc`` processes; the result does not depend on it)."""
-    from slurmft.job import data
-
-    mixed = data.load_mixture(cfg.data, cfg.train.seed, tokenizer, preference=cfg.dpo is not None)
-    return prepare_rows(cfg, tokenizer, mixed, cfg.data.num_proc, paths.checkpoints, paths)
-
-
 def _version(module: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 

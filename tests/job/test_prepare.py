@@ -169,13 +169,16 @@ from slurmft.job import prepare
 from slurmft.rundir import RunPaths
 
 run, how = sys.argv[1], sys.argv[2]
-if how == "allocation":  # what the train job does with prepare.enabled: false (rank 0's part)
+if how == "allocation":  # what the train job does with prepare.enabled: false (slurmft/job/train.py, one rank)
+    from slurmft.job import data
     from slurmft.job.inputs import load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
 
     paths = RunPaths.of(run)
     cfg = read_run_config(paths.config)
     model_dir = resolve_model_dir(cfg.model, with_weights=False)
-    ready = prepare.prepare_in_allocation(cfg, load_tokenizer(resolve_tokenizer_dir(cfg.model, model_dir), cfg), paths)
+    tokenizer = load_tokenizer(resolve_tokenizer_dir(cfg.model, model_dir), cfg)
+    mixed = data.load_mixture(cfg.data, cfg.train.seed, tokenizer)
+    ready = prepare.prepare_rows(cfg, tokenizer, mixed, cfg.data.num_proc, paths.checkpoints, paths)
     ready.save_to_disk(str(paths.prepared))
 else:
     prepare.prepare_run(run, num_proc=int(how))
