@@ -20,6 +20,13 @@ REFERENCE_CHECKPOINT = {"every_steps": 10, "keep_last": 2}
 # 64-token rows: what the cluster tests check (endings, saves, resumes bitwise) does not depend on the row length,
 # and a micro-model step on 64 is ~20% cheaper than on 128 (the train-time test keeps 128, test_endings.py).
 SEQ = 64
+# The runs here prepare their data in a prepare job first, the product's default (prepare.resources too: 8 CPUs, so
+# the shared reference run packs with 8 processes). A test whose runs check what data preparation does not meet
+# (how a job ends, saves, resumes, what status shows) passes ``prepare=IN_ALLOCATION`` and says so where it does: the
+# train job then prepares in its allocation, which saves each run a job start and a Python start-up with datasets
+# and TRL imported. Those runs that are compared bitwise with the reference are also the check that both paths, and
+# any number of CPUs, pack the same sequences (issue 45: they did not).
+IN_ALLOCATION = {"enabled": False}
 
 
 @pytest.fixture(scope="session")
@@ -60,10 +67,6 @@ class SlurmftDriver:
             "train": {"max_steps": 4, "per_device_batch_size": 2, "learning_rate": 1e-3, "warmup_ratio": 0.0},
             "checkpoint": {"every_steps": 2, "keep_last": 2},
             "consolidate": {"dtype": "float32", "resources": {"cpus_per_task": 1, "mem": "2G", "time": "00:10:00"}},
-            # prepare.enabled is the default, but a prepare job costs every cluster test a job start and a
-            # Python start-up: these tests train on tiny files in the allocation, tests/slurm/test_prepare.py
-            # turns it on (and shows the prepared run bitwise equal to the shared reference run)
-            "prepare": {"enabled": False},
         }
         for key, value in sections.items():
             cfg.setdefault(key, {}).update(value)
@@ -75,11 +78,12 @@ class SlurmftDriver:
         return cli(args, self.capsys)
 
     def started(self, args: list[str]) -> dict[str, str]:
-        """Run a command that starts a train and a consolidation job (submit, resume); their ids."""
+        """Run a command that starts a train and a consolidation job, and a prepare job before them when the data is
+        not prepared yet (submit, resume); their ids."""
         code, out, err = self.cli(args)
         assert code == 0, err
         started = jobs.started_jobs(out)
-        assert set(started) == {"train", "consolidate"}, out
+        assert set(started) - {"prepare"} == {"train", "consolidate"}, out
         return started
 
     def submit(self, path: Path, *overrides: str) -> dict[str, str]:
@@ -119,7 +123,9 @@ def config_writer() -> SlurmftDriver:
 def reference(slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path_factory: pytest.TempPathFactory,
               config_writer: SlurmftDriver) -> Path:
     """The uninterrupted run (REFERENCE_TRAIN/REFERENCE_CHECKPOINT) every interrupted one must equal: its
-    consolidated model directory. One per session, shared by every test file that needs it."""
+    consolidated model directory. One per session, shared by every test file that needs it. Its data is prepared
+    by a prepare job with the default resources (8 CPUs: 8 processes tokenize and pack); the runs compared with it
+    prepare in their allocation (one process) or in a prepare job of one CPU (test_container.py)."""
     from slurmft.config import load_config
     from slurmft.profiles import load_profile
     from slurmft.submit.dispatch import submit_run
@@ -129,6 +135,8 @@ def reference(slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path_factory
                                       checkpoint=REFERENCE_CHECKPOINT)
     cfg = load_config(path)
     jobs = submit_run(cfg, load_profile(cfg.cluster.profile), str(path)).jobs
+    slurm_cluster.wait_state(jobs["prepare"], "COMPLETED", timeout=300)
+    assert json.loads((tmp / "run" / "prepared" / "slurmft-prepared.json").read_text())["num_proc"] == 8
     slurm_cluster.wait_state(jobs["train"], "COMPLETED", timeout=300)
     slurm_cluster.wait_state(jobs["consolidate"], "COMPLETED", timeout=240)
     return tmp / "run" / "model"

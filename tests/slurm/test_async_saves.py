@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.slurm.conftest import IN_ALLOCATION
 from tests.slurm.jobs import restarts, saves, signal_rank_steps
 
 pytestmark = pytest.mark.slurm
@@ -40,7 +41,8 @@ def slow_writes(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _start(slurmft, tmp_path: Path, tiny_model: Path, chat_data: Path) -> tuple[Path, dict]:
-    path = slurmft.write_config(tmp_path, tiny_model, chat_data, train=TRAIN, checkpoint=CHECKPOINT)
+    path = slurmft.write_config(tmp_path, tiny_model, chat_data, train=TRAIN, checkpoint=CHECKPOINT,
+                                prepare=IN_ALLOCATION)  # saves and requeues: no data preparation in them
     return tmp_path / "run", slurmft.submit(path)
 
 

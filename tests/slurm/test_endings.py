@@ -17,6 +17,7 @@ import pytest
 from slurmft import slurm
 from slurmft.config import slurm_time_seconds
 from slurmft.rundir import RunPaths, read_manifest
+from tests.slurm.conftest import IN_ALLOCATION
 from tests.slurm.jobs import restarts, signal_rank_steps
 from tests.tracker_check import WANDB_HOME, wandb_offline_runs
 
@@ -30,8 +31,9 @@ CHAOS_SEED = 8
 
 
 def _start(slurmft, tmp_path: Path, tiny_model: Path, chat_data: Path, **sections: dict) -> tuple[Path, dict]:
+    # how a job ends, saves and resumes: no data preparation in it
     path = slurmft.write_config(tmp_path, tiny_model, chat_data, **{"train": TRAIN, "checkpoint": CHECKPOINT,
-                                                                    **sections})
+                                                                    "prepare": IN_ALLOCATION, **sections})
     return tmp_path / "run", slurmft.submit(path)
 
 

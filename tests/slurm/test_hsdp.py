@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.export_check import assert_export_matches_checkpoint, load_safetensors_dir
+from tests.slurm.conftest import IN_ALLOCATION
 
 pytestmark = pytest.mark.slurm
 
@@ -28,6 +29,7 @@ SECTIONS = {
     "train": {"max_steps": STEPS, "warmup_ratio": 0.0},
     "checkpoint": {"every_steps": 3, "keep_last": 2},
     "preemption": {"lead_time_s": 30},
+    "prepare": IN_ALLOCATION,  # the mesh, its losses and its checkpoints: no data preparation in them
 }
 # fp32 tolerances. HSDP sums gradients in another order (reduce-scatter inside a node, then all-reduce across
 # the nodes): measured, losses agree to ~3e-6 and grad norms to ~1e-4 (relative) over 12 steps. AdamW normalises

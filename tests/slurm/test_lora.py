@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.slurm.conftest import IN_ALLOCATION
 from tests.slurm.images import in_image, ran_in_image
 from tests.slurm.jobs import preempted_beside_uninterrupted
 
@@ -36,7 +37,7 @@ def test_lora_preempted_once_in_a_podman_image_ends_bitwise_equal_to_its_uninter
     podman = in_image(tmp_path / "image", "podman", podman_image)
     run, reference, jobs = preempted_beside_uninterrupted(
         slurmft, slurm_cluster, tmp_path, tiny_model, chat_data, cluster=podman, train=TRAIN, checkpoint=CHECKPOINT,
-        resources=RESOURCES, lora=LORA)
+        resources=RESOURCES, lora=LORA, prepare=IN_ALLOCATION)  # adapters through a preemption: no data preparation
     train = (run / "scripts" / "train.sbatch").read_text()
     assert "podman run --rm --init --sig-proxy=true" in train and "#SBATCH --container" not in train
     ran_in_image(tmp_path / "image" / "marks", jobs, sft_image, charliecloud=False)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.slurm.conftest import IN_ALLOCATION
 from tests.slurm.jobs import preempted_beside_uninterrupted
 
 pytestmark = pytest.mark.slurm
@@ -30,7 +31,8 @@ def mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_moe_preempted_once_ends_bitwise_equal_to_its_uninterrupted_run(
         slurm_cluster, mixtral: Path, chat_data: Path, tmp_path: Path, slurmft) -> None:
     run, reference, _ = preempted_beside_uninterrupted(slurmft, slurm_cluster, tmp_path, mixtral, chat_data,
-                                                       train=TRAIN, checkpoint=CHECKPOINT, resources=RESOURCES)
+                                                       train=TRAIN, checkpoint=CHECKPOINT, resources=RESOURCES,
+                                                       prepare=IN_ALLOCATION)  # experts' shards: no data preparation
     slurmft.assert_same_model(run / "model", reference / "model")
     from safetensors import safe_open
 

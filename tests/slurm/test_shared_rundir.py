@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO_ROOT, second_cluster
+from tests.slurm.conftest import IN_ALLOCATION
 
 pytestmark = pytest.mark.slurm
 
@@ -101,7 +102,8 @@ def team_dir(teammate: Teammate) -> Iterator[Path]:
 
 
 def _submit_as_a(slurmft, tmp_path: Path, tiny_model: Path, chat_data: Path, run: Path) -> dict[str, str]:
-    path = slurmft.write_config(tmp_path, tiny_model, chat_data, train={"max_steps": 400})
+    path = slurmft.write_config(tmp_path, tiny_model, chat_data, train={"max_steps": 400},
+                                prepare=IN_ALLOCATION)  # who may see and resume a run: no data preparation in it
     old = os.umask(0o002)
     try:
         return slurmft.submit(path, f"output_dir={run}")

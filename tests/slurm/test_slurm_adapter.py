@@ -13,6 +13,7 @@ import pytest
 from slurmft import slurm
 from slurmft.job.requeue import JobView
 from slurmft.rundir import RunPaths, read_manifest
+from tests.slurm.conftest import IN_ALLOCATION
 
 pytestmark = [pytest.mark.slurm, pytest.mark.every_slurm]
 
@@ -78,7 +79,8 @@ def test_the_users_slurm_environment_changes_nothing_in_status_runs_cancel_resum
     SCANCEL_STATE=PENDING would spare the running train job, SQUEUE_PARTITION=nope would make a live run
     look dead, SLURM_TIME_FORMAT=relative would turn sacct's Start into a clock time."""
     path = slurmft.write_config(tmp_path, tiny_model, chat_data, train={"max_steps": 400},
-                                checkpoint={"every_steps": 2})
+                                checkpoint={"every_steps": 2},
+                                prepare=IN_ALLOCATION)  # what Slurm's answers say: no data preparation in it
     run = tmp_path / "run"
     jobs = slurmft.submit(path)
     new: dict[str, str] = {}

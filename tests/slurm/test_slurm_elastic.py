@@ -20,7 +20,7 @@ import pytest
 
 from slurmft.checkpoints import read_marker
 from slurmft.rundir import RunPaths, read_manifest
-from tests.slurm.conftest import REFERENCE_CHECKPOINT, REFERENCE_TRAIN
+from tests.slurm.conftest import IN_ALLOCATION, REFERENCE_CHECKPOINT, REFERENCE_TRAIN
 from tests.slurm.jobs import started_jobs
 
 pytestmark = pytest.mark.slurm
@@ -60,7 +60,8 @@ def test_scancel_on_two_ranks_then_resume_on_another_allocation(slurm_cluster, r
     import torch
 
     overrides, (nodes, per_node), (per_device, accumulation) = TARGETS[target]
-    path = slurmft.write_config(tmp_path, tiny_model, chat_data, train=REFERENCE_TRAIN, checkpoint=REFERENCE_CHECKPOINT)
+    path = slurmft.write_config(tmp_path, tiny_model, chat_data, train=REFERENCE_TRAIN, checkpoint=REFERENCE_CHECKPOINT,
+                                prepare=IN_ALLOCATION)  # the data position on another allocation: no preparation
     run, jobs = tmp_path / "run", slurmft.submit(path)
     slurmft.wait_for("step 6", lambda: any(m["step"] >= 6 for m in slurmft.metrics(run)))
     subprocess.run(["scancel", jobs["train"]], check=True)  # SIGTERM: the ranks save at the next step boundary

@@ -16,6 +16,7 @@ import pytest
 
 from slurmft.rundir import RunPaths, read_manifest, write_manifest
 from tests.export_check import assert_export_matches_checkpoint
+from tests.slurm.conftest import IN_ALLOCATION
 
 pytestmark = pytest.mark.slurm
 
@@ -25,8 +26,9 @@ CHECKPOINT = {"every_steps": 10, "keep_last": 2}
 
 
 def _start(slurmft, tmp_path: Path, tiny_model: Path, chat_data: Path, **sections: dict) -> tuple[Path, dict]:
+    # how a run that died continues: no data preparation in it
     path = slurmft.write_config(tmp_path, tiny_model, chat_data, **{"train": TRAIN, "checkpoint": CHECKPOINT,
-                                                                    **sections})
+                                                                    "prepare": IN_ALLOCATION, **sections})
     return tmp_path / "run", slurmft.submit(path)
 
 
@@ -162,7 +164,8 @@ def test_budget_used_up_then_resume_then_failed_consolidation_redone(
 def test_job_the_manifest_missed_is_shown_and_cancelled(slurm_cluster, tiny_model: Path, chat_data: Path,
                                                         tmp_path: Path, slurmft) -> None:
     path = slurmft.write_config(tmp_path, tiny_model, chat_data, train={"max_steps": 400},
-                                checkpoint={"every_steps": 200})
+                                checkpoint={"every_steps": 200},
+                                prepare=IN_ALLOCATION)  # a job the manifest missed: no data preparation in it
     jobs = slurmft.submit(path)
     run = RunPaths.of(tmp_path / "run")
     # a submit killed after sbatch accepted the consolidation job, before the manifest recorded it

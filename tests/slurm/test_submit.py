@@ -11,6 +11,7 @@ import pytest
 
 from slurmft.rundir import RunPaths, read_manifest
 from tests.export_check import assert_export_matches_checkpoint
+from tests.slurm.conftest import IN_ALLOCATION
 from tests.slurm.jobs import started_jobs
 
 pytestmark = pytest.mark.slurm
@@ -23,10 +24,10 @@ def test_submit_runs_train_then_consolidation(slurm_cluster, tiny_model: Path, c
                                               slurmft, monkeypatch: pytest.MonkeyPatch) -> None:
     for key, value in SECRETS.items():  # in the submitting shell, as users keep them
         monkeypatch.setenv(key, value)
-    path = slurmft.write_config(tmp_path, tiny_model, chat_data)
+    path = slurmft.write_config(tmp_path, tiny_model, chat_data)  # the product's defaults: a prepare job first
     jobs = slurmft.submit(path)
     run = tmp_path / "run"
-    # the consolidation job waits on the train job
+    # the train job waits on the prepare job, the consolidation job on the train job
     assert slurm_cluster.squeue_reason(jobs["consolidate"]) == "Dependency"
     assert slurm_cluster.squeue_state(jobs["consolidate"]) == "PENDING"
     slurm_cluster.wait_state(jobs["train"], "COMPLETED", timeout=240)
@@ -37,9 +38,11 @@ def test_submit_runs_train_then_consolidation(slurm_cluster, tiny_model: Path, c
     assert rows["consolidate"]["words"] == "completed"
     # the run directory holds everything
     manifest = read_manifest(RunPaths.of(run))
-    assert [(j["kind"], j["job_id"]) for j in manifest["jobs"]] == [("train", jobs["train"]),
-                                                                      ("consolidate", jobs["consolidate"])]
-    assert manifest["jobs"][1]["dependency"] == f"afterok:{jobs['train']}"
+    assert [(j["kind"], j["job_id"]) for j in manifest["jobs"]] == [
+        ("prepare", jobs["prepare"]), ("train", jobs["train"]), ("consolidate", jobs["consolidate"])]
+    assert manifest["jobs"][1]["dependency"] == f"afterok:{jobs['prepare']}"
+    assert manifest["jobs"][2]["dependency"] == f"afterok:{jobs['train']}"
+    assert (run / "prepared" / "slurmft-prepared.json").is_file()
     assert (run / "config.yaml").is_file() and (run / "scripts" / "train.sbatch").is_file()
     # ranks ran on both nodes and met through MASTER_ADDR from the allocation
     code, out, _ = slurmft.cli(["logs", str(run)])
@@ -65,7 +68,7 @@ def test_failed_train_leaves_consolidation_never_satisfied(slurm_cluster, tiny_m
                                                            tmp_path: Path, slurmft) -> None:
     wrong = tmp_path / "wrong-columns.jsonl"
     wrong.write_text(chat_data.read_text())  # valid when `submit` checks it...
-    path = slurmft.write_config(tmp_path, tiny_model, wrong)
+    path = slurmft.write_config(tmp_path, tiny_model, wrong, prepare=IN_ALLOCATION)  # the train job must read it
     jobs = slurmft.submit(path)
     wrong.write_text('{"question": "2+2?", "answer": "4"}\n' * 8)  # ...replaced before the job reads it
     slurm_cluster.wait_state(jobs["train"], "FAILED", timeout=240)
@@ -95,7 +98,8 @@ def test_failed_train_leaves_consolidation_never_satisfied(slurm_cluster, tiny_m
 
 def test_cancel_cancels_both_and_refuses_a_second_submit(slurm_cluster, tiny_model: Path, chat_data: Path,
                                                          tmp_path: Path, slurmft) -> None:
-    path = slurmft.write_config(tmp_path, tiny_model, chat_data, train={"max_steps": 400}, checkpoint={"every_steps": 200})
+    path = slurmft.write_config(tmp_path, tiny_model, chat_data, train={"max_steps": 400}, checkpoint={"every_steps": 200},
+                                prepare=IN_ALLOCATION)  # cancel and a second submit: no data preparation in them
     jobs = slurmft.submit(path)
     # a second submit into the same live run directory is refused, nothing is clobbered
     before = (tmp_path / "run" / "manifest.json").read_text()
@@ -113,7 +117,8 @@ def test_cancel_cancels_both_and_refuses_a_second_submit(slurm_cluster, tiny_mod
 def test_two_nodes_by_two_tasks_shard_over_four_ranks(slurm_cluster, tiny_model: Path, chat_data: Path,
                                                       tmp_path: Path, slurmft) -> None:
     path = slurmft.write_config(tmp_path, tiny_model, chat_data, resources={"tasks_per_node": 2},
-                                train={"max_steps": 2}, consolidate={"enabled": False})
+                                train={"max_steps": 2}, consolidate={"enabled": False},
+                                prepare=IN_ALLOCATION)  # four ranks' shards: no data preparation in them
     code, out, err = slurmft.cli(["submit", str(path)])
     assert code == 0, err
     job = out.split("train job: ")[1].split()[0]
@@ -129,7 +134,8 @@ def test_two_nodes_by_two_tasks_shard_over_four_ranks(slurm_cluster, tiny_model:
 
 def test_sbatch_refusal_is_reported_and_leaves_no_run_dir(slurm_cluster, tiny_model: Path, chat_data: Path,
                                                           tmp_path: Path, slurmft) -> None:
-    path = slurmft.write_config(tmp_path, tiny_model, chat_data, cluster={"partition": "nosuchpartition"})
+    path = slurmft.write_config(tmp_path, tiny_model, chat_data, cluster={"partition": "nosuchpartition"},
+                                prepare=IN_ALLOCATION)  # sbatch's refusal of the train job itself
     code, _, err = slurmft.cli(["submit", str(path)])
     assert code == 2 and "sbatch refused the train job" in err and "partition" in err.lower(), err
     assert "Traceback" not in err and not (tmp_path / "run").exists()

@@ -14,6 +14,7 @@ import pytest
 
 from slurmft import slurm
 from slurmft.rundir import RunPaths, read_manifest
+from tests.slurm.conftest import IN_ALLOCATION
 
 pytestmark = pytest.mark.slurm
 
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.slurm
 def test_suspended_train_job_is_refused_by_resume_shown_and_cancelled(
         slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path: Path, slurmft) -> None:
     path = slurmft.write_config(tmp_path, tiny_model, chat_data, train={"max_steps": 400},
-                                checkpoint={"every_steps": 2})
+                                checkpoint={"every_steps": 2},
+                                prepare=IN_ALLOCATION)  # a suspended train job: no data preparation in it
     run = tmp_path / "run"
     jobs = slurmft.submit(path)
     try:

@@ -25,6 +25,7 @@ from runfixture import local_run
 
 from slurmft.rundir import RunPaths, read_manifest
 from tests.export_check import assert_export_matches_checkpoint
+from tests.slurm.conftest import IN_ALLOCATION
 from tests.slurm.jobs import metrics, rank_pid, wait_for
 from tests.tracker_check import WANDB_HOME, tensorboard_steps, wandb_offline_runs
 
@@ -159,7 +160,8 @@ def test_runs_lists_every_run_with_one_squeue_and_one_sacct(slurm_cluster, tiny_
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         path = slurmft.write_config(tmp_path / name, tiny_model, chat_data, train={"max_steps": 400},
-                                    checkpoint={"every_steps": 200})
+                                    checkpoint={"every_steps": 200},
+                                    prepare=IN_ALLOCATION)  # one squeue and one sacct for every run: no preparation
         cfg = path.read_text().replace(str(tmp_path / name / "run"), str(root / name))
         path.write_text(cfg)
         submitted.append(slurmft.submit(path))
