@@ -296,6 +296,12 @@ def parse_gres_gpus(text: str) -> list[int]:
     return counts
 
 
+def parse_node_memory(text: str) -> list[int]:
+    """Megabytes per node of each node configuration ``sinfo -o %m`` prints (``128000``; ``128000+`` where a
+    line groups nodes of that much and more: the smallest is what a job can count on)."""
+    return [int(m.group(1)) for line in text.splitlines() if (m := re.match(r"\s*(\d+)", line))]
+
+
 def seconds(value: str | None) -> int | None:
     """``30 sec`` / ``30`` -> 30; None for anything else (unset, ``INFINITE``)."""
     match = re.fullmatch(r"\s*(\d+)(?:\s*sec)?\s*", value or "")
@@ -325,6 +331,7 @@ class ClusterFacts:
     partition: str | None  # the run's (cluster.partition) or the cluster's default one
     gpus_per_node: list[int] | None  # one count per node configuration of that partition
     accounting_problem: str | None  # None: sacct answered
+    node_memory_mb: list[int] | None = None  # RealMemory (MB) of each node configuration of that partition
 
 
 def cluster_facts(partition: str | None) -> ClusterFacts:
@@ -335,10 +342,12 @@ def cluster_facts(partition: str | None) -> ClusterFacts:
     partitions = parse_partitions(parts.stdout) if parts.ok else None
     if partition is None and partitions:
         partition = next((n for n, f in partitions.items() if f.get("Default") == "YES"), None)
-    gpus = None
+    gpus = memory = None
     if partition and partitions and partition in partitions:
         gres = call(["sinfo", "-h", "-p", partition, "-o", "%G"])
         gpus = parse_gres_gpus(gres.stdout) if gres.ok else None
+        mem = call(["sinfo", "-h", "-p", partition, "-o", "%m"])
+        memory = parse_node_memory(mem.stdout) if mem.ok else None
     acct = call(["sacct", "-n", "-X", "-j", "1", "-o", "JobID"])
     return ClusterFacts(
         client_version=version.stdout.split()[-1] if version.ok and version.stdout.split() else None,
@@ -349,4 +358,5 @@ def cluster_facts(partition: str | None) -> ClusterFacts:
         partition=partition,
         gpus_per_node=gpus,
         accounting_problem=None if acct.ok else acct.problem,
+        node_memory_mb=memory,
     )

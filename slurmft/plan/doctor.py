@@ -72,6 +72,8 @@ class RunFacts:
     save_why: str = ""  # why there is none
     lead_warning: str | None = None  # estimate_text.lead_time_warning: the lead time is below the save
     asynchronous: bool = False  # checkpoint.async: a stop may first finish a save in flight (two saves' time)
+    cpu_ram_bytes: int | None = None  # the estimate's CPU RAM of node 0: the larger of loading and training
+    cpu_ram_without_staging: int | None = None  # the same without the asynchronous saves' staging copy
 
 
 def run_facts(cfg: RunConfig, profile: ClusterProfile, estimate: dict[str, Any] | None, why: str = "") -> RunFacts:
@@ -88,6 +90,11 @@ def run_facts(cfg: RunConfig, profile: ClusterProfile, estimate: dict[str, Any] 
         lead_warning=None if estimate is None else lead_time_warning(
             estimate, cfg.resources.nodes, profile.checkpoint_write_gb_per_s),
         asynchronous=cfg.checkpoint.asynchronous,
+        cpu_ram_bytes=None if estimate is None else max(estimate["cpu_ram_per_node"]["slurmft"],
+                                                        estimate["cpu_ram_per_node"]["training"]),
+        cpu_ram_without_staging=None if estimate is None else max(
+            estimate["cpu_ram_per_node"]["slurmft"],
+            estimate["cpu_ram_per_node"]["training"] - estimate["cpu_ram_per_node"].get("async_staging", 0)),
     )
 
 
@@ -291,6 +298,28 @@ def check_gpus(facts: ClusterFacts, run: RunFacts | None, name: str | None, part
     return [Line("gpus", Level.OK, f"resources.gpus_per_node={run.gpus_per_node}; nodes of {name} have {most} (gres)")]
 
 
+def check_node_memory(facts: ClusterFacts, run: RunFacts | None, name: str | None,
+                      part: dict[str, str] | None) -> list[Line]:
+    """The estimate's CPU RAM of node 0 (loading, or training with the asynchronous saves' staging copy) against
+    the memory Slurm reports for the partition's nodes (``sinfo -o %m``: RealMemory), not the profile's figure."""
+    if run is None or run.cpu_ram_bytes is None or part is None:
+        return []
+    if not facts.node_memory_mb:
+        return [Line("node memory", Level.WARNING, f"memory per node of {name}: {NOT_REPORTED} (sinfo -o %m)")]
+    have = min(facts.node_memory_mb) * 10**6
+    need, bare = run.cpu_ram_bytes, run.cpu_ram_without_staging or run.cpu_ram_bytes
+    text = f"node 0 needs ~{need / 1e9:.0f} GB of CPU RAM; nodes of {name} have {have / 1e9:.0f} GB (RealMemory)"
+    if need <= have:
+        return [Line("node memory", Level.OK, text)]
+    if bare <= have:
+        return [Line("node memory", Level.PROBLEM,
+                     text + f", of which ~{(need - bare) / 1e9:.0f} GB is the asynchronous saves' staging copy (each "
+                     "rank's model and optimizer shards, kept for the whole job)",
+                     "set checkpoint.async: false (each periodic save then holds training for its write), or use "
+                     "more nodes")]
+    return [Line("node memory", Level.PROBLEM, text, "use more nodes, or a partition whose nodes have more memory")]
+
+
 # ------------------------------------------------------------------ the save against the time Slurm gives
 def check_save(facts: ClusterFacts, run: RunFacts | None, name: str | None, part: dict[str, str] | None) -> list[Line]:
     """The run's projected save against KillWait, GraceTime + KillWait and preemption.lead_time_s, in words."""
@@ -354,6 +383,7 @@ def diagnose(facts: ClusterFacts, run: RunFacts | None) -> list[Line]:
         *check_requeue_delay(facts),
         *check_time_limit(run, name, part),
         *check_gpus(facts, run, name, part),
+        *check_node_memory(facts, run, name, part),
         *check_save(facts, run, name, part),
     ]
 

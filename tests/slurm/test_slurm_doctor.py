@@ -27,7 +27,7 @@ B_SIGNAL_PARTIAL = ('{% for directive in directives %}\n'
 PROBE_CHECKS = {"probe", "slurmft version", "python [n1]", "python [n2]", "profile variables", "run dir [n1]",
                 "run dir [n2]", "HF_HOME [n1]", "HF_HOME [n2]", "scontrol in batch", "MASTER_ADDR", "all-reduce",
                 "warning signal"}
-LOGIN_CHECKS = {"slurm", "accounting", "job_comment", "MinJobAge", "partition", "preemption", "requeue delay",
+LOGIN_CHECKS = {"slurm", "accounting", "job_comment", "MinJobAge", "partition", "preemption", "requeue delay", "node memory",
                 "MaxTime", "gpus", "lead time", "KillWait"}
 
 
