@@ -330,7 +330,7 @@ def async_figures(one: dict, steps: int) -> dict | None:
 
 def text_report(summary: dict) -> str:
     """The short text beside the JSON: one line per case, the saves, flash-attn, what failed, the targets."""
-    lines = [f"slurmft GPU smoke, {summary['date']}, {summary['device']} ({'dry run' if summary['dry_run'] else 'GPU'})",
+    lines = [f"slurmft GPU smoke, {summary['date']}, {summary['device']}",
              "versions: " + ", ".join(f"{k} {summary['versions'].get(k)}" for k in KEY_PACKAGES)]
     lines += [f"unmet: {u}" for u in summary["unmet"]]
     lines.append("| case | tok/s | MFU | peak GPU MiB (x estimate) | load RSS MiB | sync save s | attention |")
