@@ -255,6 +255,14 @@ def job_environment(image: Image) -> tuple[dict[str, str], list[str], list[str]]
     return found, [n for n in names if n not in found], problems
 
 
+def unlisted(image: Image) -> list[str]:
+    """Distributions installed in the running Python that the image's list does not name, the carried wheels
+    apart (on the lent machine: names the list lacks; here: what this set has that the image may not)."""
+    carried_here = {canonical(Path(p).name.split("-")[0]) for p in (REPO / ".whl").glob("*.whl")}
+    names = {canonical(d.metadata["Name"]) for d in metadata.distributions() if d.metadata["Name"]}
+    return sorted(n for n in names if not image.has(n) and n not in carried_here)
+
+
 def _installed(name: str) -> bool:
     try:
         metadata.distribution(name)
@@ -288,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"not installed: {name}")
         for problem in unmet:
             print(f"unmet: {problem}")
+        print(f"installed, not in the image's list: {', '.join(unlisted(image)) or 'none'}")
         return 1 if missing or unmet else 0
     return 0
 

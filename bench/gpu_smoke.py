@@ -333,6 +333,8 @@ def text_report(summary: dict) -> str:
     lines = [f"slurmft GPU smoke, {summary['date']}, {summary['device']}",
              "versions: " + ", ".join(f"{k} {summary['versions'].get(k)}" for k in KEY_PACKAGES)]
     lines += [f"unmet: {u}" for u in summary["unmet"]]
+    if summary["unlisted"] and not summary["dry_run"]:  # on the lent machine: names the image's list lacks
+        lines.append(f"installed, not in bench/gpu_image_packages.txt: {', '.join(summary['unlisted'])}")
     lines.append("| case | tok/s | MFU | peak GPU MiB (x estimate) | load RSS MiB | sync save s | attention |")
     lines.append("|---|---|---|---|---|---|---|")
     for name, one in summary["cases"].items():
@@ -418,8 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     cases = plan_cases(modes, args.steps, args.attn, on_gpu, flash_problem is None)
     summary: dict = {"date": time.strftime("%Y-%m-%d"), "device": device_name, "dry_run": not on_gpu,
-                     "versions": versions, "unmet": unmet, "flash_attn": {"usable": flash_problem is None,
-                                                                          "why": flash_problem},
+                     "versions": versions, "unmet": unmet, "unlisted": gpu_image.unlisted(image),
+                     "flash_attn": {"usable": flash_problem is None, "why": flash_problem},
                      "settings": {"steps": args.steps, "seq": args.seq, "batch": args.batch, "layers": args.layers,
                                   "budget_s": args.budget_s},
                      "cases": {}, "skipped": {}, "problems": {}, "async_save": None, "total_wall_s": 0.0}

@@ -83,3 +83,11 @@ def test_this_environment_meets_the_jobs_needs(gi, image) -> None:
     """What the smoke records on the device (versions, missing, unmet), here: CI's set has everything."""
     found, missing, _unmet = gi.job_environment(image)
     assert missing == [] and found["trl"] == metadata.version("trl") and "torch" in found
+
+
+def test_what_is_installed_but_not_listed_is_named(gi) -> None:
+    """On the lent machine this names the packages the image's list lacks: here, a list of everything installed
+    but pytest names pytest alone."""
+    installed = {gi.canonical(d.metadata["Name"]): d.version for d in metadata.distributions() if d.metadata["Name"]}
+    listed = gi.Image("3.12.3", {name: version for name, version in installed.items() if name != "pytest"})
+    assert gi.unlisted(listed) == ["pytest"]

@@ -33,6 +33,7 @@ def test_gpu_smoke_dry_run(job_env: dict[str, str], tmp_path: Path) -> None:
     assert summary["problems"] == {"tiny/bf16-true": [], "8b-shaped/bf16-mixed": []}
     assert summary["skipped"] == {} and summary["dry_run"] and summary["device"] == "cpu (dry run)"
     assert summary["versions"]["torch"].startswith("2.") and "trl" in summary["versions"]
+    assert summary["unlisted"] and summary["unmet"] == []  # this set is not the image's; it meets the job's needs
     assert summary["flash_attn"] == {"usable": False, "why": "no CUDA device"}
     cases = summary["cases"]
     assert (cases["tiny/bf16-true"]["dtype"], cases["tiny/bf16-true"]["compute_dtype"]) == ("bfloat16", "bfloat16")
