@@ -13,8 +13,9 @@
 #   requirement the set does not meet.
 # test: in that set, slurmft from this checkout: the job's import, bench/gpu_smoke.sh --dry-run, and the job's
 #   CPU tests that matter (LANE_TESTS below: sliced FSDP2 loading, one run per precision with a resume and a
-#   consolidation, asynchronous saves with preemption and a bitwise resume, every architecture, the version
-#   differences). About 15 minutes on a quiet 2-core machine.
+#   consolidation, asynchronous saves with preemption and a bitwise resume, a resume on 1 and 4 ranks, every
+#   architecture, the version differences). The lane took 32 minutes on a 2-core machine shared with other work
+#   (load 5-7; 16 CPU-minutes), the build 2-3 minutes with pip's cache warm.
 # PYTHON: the project's own environment (pip install -e '.[train]'), which derives the lists; PY312: the 3.12
 # interpreter (default: python3.12, else pyenv's newest 3.12).
 set -euo pipefail
@@ -33,6 +34,7 @@ LANE_TESTS=(
   tests/job/test_precision_cpu.py
   tests/test_consolidate.py
   tests/job/test_train_cpu.py
+  tests/job/test_elastic_cpu.py
   tests/job/test_architectures_cpu.py
 )
 

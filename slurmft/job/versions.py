@@ -27,7 +27,7 @@ def reusable_stager(options: Any) -> Any:
     """A DCP ``DefaultStager`` that stages again and again into the CPU buffers of its first stage.
 
     torch 2.11's ``DefaultStager._stage`` closes its inner ``StateDictStager`` at the end of every stage (a
-    2.11 regression, pytorch#183413, fixed by pytorch#183424 in later releases): that empties the stager's
+    2.11 regression, pytorch#183413, fixed by pytorch#183424; 2.13 keeps it open): that empties the stager's
     deepcopy table and its buffer cache, so the next ``stage`` of the same stager raises ``KeyError: <class
     'type'>`` (a checkpoint is two stages, the model and the optimizer: the first asynchronous save failed), and
     even a fresh stager per save would allocate every CPU copy (pinned, on a GPU) anew. Where the installed torch
