@@ -1,4 +1,5 @@
-"""The README's and docs/first-run.md's commands work, as far as they need no GPU.
+"""The README's and docs/first-run.md's commands work, as far as they need no GPU; docs/development.md's device
+command for the GPU smoke parses and fits its time limit.
 
 Every ``slurmft validate|render|estimate`` line in a fenced block of those two files is run as
 written (the ``run.yaml`` placeholder is run against each shipped Slurm example; any other
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from bench_module import load_bench
 from cli_runner import cli
 
 REPO = Path(__file__).resolve().parent.parent
@@ -151,3 +153,19 @@ def test_the_tiny_example_with_a_lora_section_validates_on_the_readmes_install(
     code, output = run(["validate", str(TINY), *with_tiny_model(TINY, tiny_model), "lora.r=8"], capsys)
     assert code == 0, output
     assert "LoRA: r=8, alpha=32 on all-linear" in output and "cannot import" not in output
+
+
+def test_the_gpu_smoke_device_command_installs_the_wheels_and_fits_its_limit() -> None:
+    """The one device command of docs/development.md: it installs what bench/gpu_wheels.sh writes the way the
+    device tool's recipe says, the smoke's options parse, and its budget leaves the command's time limit room to
+    install, start and write the results (twice that limit plus a start fits the 15-minute lease)."""
+    doc = REPO / "docs" / "development.md"
+    [command] = [line for block in fenced(doc, "bash") for line in block.splitlines() if "bench/gpu_smoke.sh" in line
+                 and "--out" in line]
+    assert "--no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl" in command
+    assert 'OUT="${1:-.whl}"' in (REPO / "bench" / "gpu_wheels.sh").read_text()  # where the wheels are written
+    timeout = int(re.search(r"`timeout_s: (\d+)`", doc.read_text()).group(1))
+    smoke = shlex.split(command.split("bench/gpu_smoke.sh", 1)[1].split("2>&1")[0])
+    args = load_bench("gpu_smoke").parser().parse_args(smoke)
+    assert str(args.out) == "$OUT" and not args.dry_run
+    assert 0 < args.budget_s <= timeout - 45 and 2 * timeout + 120 <= 15 * 60

@@ -1,31 +1,27 @@
-"""bench/gpu_smoke.py's checks and FLOP count, without running anything (tests/job/test_bench_scripts.py
-runs the whole dry run)."""
+"""bench/gpu_smoke.py's checks, cases, budget and FLOP count, without running anything
+(tests/job/test_bench_scripts.py runs the whole dry run)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "gpu_smoke.py"
+from bench_module import load_bench
 
 
 @pytest.fixture(scope="module")
 def smoke():
-    spec = importlib.util.spec_from_file_location("gpu_smoke", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_smoke"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("gpu_smoke")
 
 
 def _good(**changes) -> dict:
     one = {"precision": "bf16-mixed", "dtype": "float32", "compute_dtype": "bfloat16",
            "attn_implementation": "flash_attention_2", "backend": "cuda:nccl,cpu:gloo", "steps": 30,
            "first_loss": 9.0, "last_loss": 7.5, "final_checkpoint_complete": True, "tokens_per_s": 50_000.0,
-           "sharded_state_bytes": 100, "estimated_state_bytes": 100, "mfu": 0.41}
+           "sharded_state_bytes": 100, "estimated_state_bytes": 100, "mfu": 0.41,
+           "saves": [{"step": 10, "mode": "async", "blocked_s": 0.1, "durable_s": 4.0, "bytes": 10},
+                     {"step": 20, "mode": "async", "blocked_s": 0.05, "durable_s": 3.0, "bytes": 10},
+                     {"step": 30, "mode": "sync", "blocked_s": 2.5, "durable_s": 2.5, "bytes": 10}]}
     return {**one, **changes}
 
 
@@ -47,6 +43,8 @@ def test_a_good_gpu_run_passes(smoke) -> None:
     ({"mfu": 1.7}, "MFU 1.7 is outside (0, 1)"),
     ({"sharded_state_bytes": 200}, "slurmft estimate says 100 B"),
     ({"steps": 29}, "29 steps logged, expected 30"),
+    ({"saves": [{"step": 10, "mode": "sync"}, {"step": 30, "mode": "sync"}]}, "periodic saves not asynchronous"),
+    ({"saves": [{"step": 10, "mode": "async"}, {"step": 30, "mode": "async"}]}, "is not one synchronous save"),
 ])
 def test_each_failure_is_named(smoke, change: dict, words: str) -> None:
     problems = smoke.check(_good(**change), GPU_BF16_MIXED, 30, on_gpu=True)
@@ -78,3 +76,31 @@ def test_flops_per_token_for_llama_2_7b(smoke, tmp_path: Path) -> None:
     assert f["params"] == 6_738_415_616 and f["params_non_embedding"] == 6_738_415_616 - 32000 * 4096
     assert f["flops_per_token"] == 6 * (6_738_415_616 - 32000 * 4096) + 12 * 32 * 32 * 128 * 4096
     assert f["attention_flops_per_token"] == 6_442_450_944  # 14 % of the total at 4096 tokens
+
+
+def test_the_cases_run_the_async_save_first_then_the_8b_shape_and_sdpa_beside_flash(smoke) -> None:
+    modes = ["bf16-true", "bf16-mixed"]
+    gpu = smoke.plan_cases(modes, 30, "auto", on_gpu=True, flash_usable=False)
+    assert [(c.name, c.every) for c in gpu] == [("1b/bf16-true", 10), ("1b/bf16-mixed", 30),
+                                                ("8b-shaped/bf16-true", 30), ("8b-shaped/bf16-mixed", 30)]
+    with_flash = smoke.plan_cases(modes, 30, "auto", on_gpu=True, flash_usable=True)
+    assert with_flash[-1].name == "1b/bf16-true/sdpa" and with_flash[:-1] == gpu
+    dry = smoke.plan_cases(modes, 3, "auto", on_gpu=False, flash_usable=False)  # each mode and model once
+    assert [(c.name, c.every) for c in dry] == [("tiny/bf16-true", 1), ("8b-shaped/bf16-mixed", 3)]
+    one_mode = smoke.plan_cases(["bf16-mixed"], 3, "auto", on_gpu=False, flash_usable=False)
+    assert [c.name for c in one_mode] == ["tiny/bf16-mixed", "8b-shaped/bf16-mixed"]
+
+
+def test_a_case_starts_only_when_the_budget_holds_it(smoke) -> None:
+    small, wide = smoke.Case("1b", "bf16-true", "auto", 30), smoke.Case("8b-shaped", "bf16-true", "auto", 30)
+    assert smoke.over_budget(small, {}, None) is None and smoke.over_budget(small, {}, 5.0) is None  # the first runs
+    assert smoke.over_budget(small, {"1b": 60.0}, 61.0) is None
+    assert smoke.over_budget(small, {"1b": 60.0}, 59.0) == "budget: 59s left, the case needs ~60s"
+    assert smoke.over_budget(wide, {"1b": 60.0}, 89.0) == "budget: 89s left, the case needs ~90s"  # 1.5x: larger
+
+
+def test_async_figures_set_the_waits_against_the_synchronous_save(smoke) -> None:
+    figures = smoke.async_figures(_good(), 30)
+    assert figures == {"async_blocked_s": [0.1, 0.05], "async_durable_s": [4.0, 3.0], "sync_save_s": 2.5,
+                       "bytes": 10, "blocked_over_sync": 0.02}
+    assert smoke.async_figures(_good(saves=[{"step": 30, "mode": "sync", "durable_s": 1.0}]), 30) is None

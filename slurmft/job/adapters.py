@@ -202,7 +202,7 @@ def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> tuple[torch.nn.Mod
         from peft import get_peft_model
     except ImportError as exc:
         raise JobSetupError(f"lora: needs the peft package ({type(exc).__name__}: {exc}); pip install -e '.[train]' "
-                            "(or 'peft>=0.20') in the job's Python (cluster.python), or remove the lora section to "
+                            "(or 'peft>=0.21.2') in the job's Python (cluster.python), or remove the lora section to "
                             "fine-tune every weight") from None
     config = peft_config(lora, model)
     remapped = expert_remapped(config, model)

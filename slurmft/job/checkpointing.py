@@ -80,7 +80,7 @@ from transformers import TrainerCallback
 from slurmft import checkpoints
 from slurmft.checkpoints import COMPLETE_MARKER, damaged, make_durable, mark_complete, prune
 from slurmft.errors import CheckpointError, JobSetupError
-from slurmft.job import preemption
+from slurmft.job import preemption, versions
 from slurmft.job.distributed import DistContext, any_rank, barrier, gather_errors
 from slurmft.rundir import SAVE_EVENT, RunPaths
 
@@ -129,10 +129,10 @@ class BackgroundWriter:
         from datetime import timedelta
 
         import torch.distributed as dist
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.staging import StagingOptions
 
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=ctx.collective_timeout_s))
-        self.stager = DefaultStager(StagingOptions(ctx.on_gpu, False, False, False))
+        self.stager = versions.reusable_stager(StagingOptions(ctx.on_gpu, False, False, False))
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slurmft-checkpoint")
         self.deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slurmft-checkpoint-delete")
         self.closing = threading.Event()

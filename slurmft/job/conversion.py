@@ -208,13 +208,14 @@ def export_groups(model: torch.nn.Module, names: list[str]) -> list[list[str]]:
     """The model tensor ``names`` grouped as ``save_pretrained`` converts them: a group of model names is
     turned into checkpoint tensors together (usually one name each; a reversed many-to-one converter
     gathers its inputs), in the order given."""
-    from transformers.core_model_loading import apply_converters
+    from transformers.core_model_loading import rename_source_key
 
     reverse = [c.reverse_transform() for c in model_conversions(model, legacy=False)[::-1]]
     _, converters = _split(reverse)
     groups: dict[str, list[str]] = {}
     for name in names:
-        renamed, pattern = apply_converters(name, converters)
+        # at most one converter renames it (5.24's apply_converters, which 5.17 lacks, is this call without renamings)
+        renamed, pattern = rename_source_key(name, [], converters)
         groups.setdefault(renamed if pattern is not None else "\0" + name, []).append(name)
     return list(groups.values())
 

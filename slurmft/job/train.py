@@ -34,6 +34,7 @@ from slurmft.job import (
     sampler,
     tracking,
     unused_packages,
+    versions,
 )
 from slurmft.job.batches import BatchDigest
 from slurmft.job.callbacks import MetricsLog, PreemptionStop, StepLog, StopBeforeFirstStep
@@ -134,7 +135,7 @@ def sft_config(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> Any:
         "max_length": cfg.data.max_seq_length,
         "packing": cfg.data.packing,
         "assistant_only_loss": cfg.data.assistant_only_loss,
-        "activation_checkpointing": False,  # FSDP-level activation checkpointing is applied at load
+        **versions.no_trainer_checkpointing(SFTConfig),  # FSDP-level activation checkpointing is applied at load
     })
     kwargs.update(cfg.train.sft)
     # the data is prepared already (slurmft/job/prepare.py, by the prepare job or in this allocation): TRL's own

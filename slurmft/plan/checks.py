@@ -537,7 +537,7 @@ def check_job_python(cfg: RunConfig, report: Report, in_image: bool = False) -> 
     missing = [m for m in stack if not found_mods.get(m)]
     if missing == list(LORA_STACK):
         report.problems.append(f"lora: {given}: {python} cannot import peft, which LoRA needs in the job: the job "
-                               f"would die at start; pip install -e '.[train]' (or 'peft>=0.20') in that Python, "
+                               f"would die at start; pip install -e '.[train]' (or 'peft>=0.21.2') in that Python, "
                                "or remove the lora section to fine-tune every weight")
     elif missing:
         report.problems.append(f"{given}: {python} cannot import {', '.join(missing)}: the job would die at start; "

@@ -19,28 +19,49 @@ pytestmark = pytest.mark.train
 
 
 def test_gpu_smoke_dry_run(job_env: dict[str, str], tmp_path: Path) -> None:
-    """The GPU run's modes and checks on CPU: bf16-mixed's master dtype (float32) differs from its compute
-    dtype (bfloat16), so a smoke test that checked the wrong field fails here, not first on a GPU."""
-    out = tmp_path / "summary.json"
+    """The GPU run's cases and checks on CPU: bf16-mixed's master dtype (float32) differs from its compute
+    dtype (bfloat16), so a smoke test that checked the wrong field fails here, not first on a GPU; the first case's
+    periodic saves are asynchronous and its final one synchronous; the 8B-shaped model is built (narrower) and
+    trained in the other mode; the JSON and the text land in --out."""
+    out = tmp_path / "out"
     proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_smoke.sh"), "--dry-run", "--workdir", str(tmp_path),
-                           "--json", str(out)], env={**job_env, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
-                          text=True, timeout=240)
+                           "--out", str(out)], env={**job_env, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
+                          text=True, timeout=360)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    summary = json.loads(out.read_text())
-    assert summary["problems"] == {"bf16-true": [], "bf16-mixed": []}  # gpu_smoke.check ran on both, nothing failed
-    modes = summary["modes"]
-    assert (modes["bf16-true"]["dtype"], modes["bf16-true"]["compute_dtype"]) == ("bfloat16", "bfloat16")
-    assert (modes["bf16-mixed"]["dtype"], modes["bf16-mixed"]["compute_dtype"]) == ("float32", "bfloat16")
-    for one in modes.values():
+    summary = json.loads((out / "gpu_smoke.json").read_text())
+    # gpu_smoke.check ran on every case, nothing failed
+    assert summary["problems"] == {"tiny/bf16-true": [], "8b-shaped/bf16-mixed": []}
+    assert summary["skipped"] == {} and summary["dry_run"] and summary["device"] == "cpu (dry run)"
+    assert summary["versions"]["torch"].startswith("2.") and "trl" in summary["versions"]
+    assert summary["unlisted"] and summary["unmet"] == []  # this set is not the image's; it meets the job's needs
+    assert summary["flash_attn"] == {"usable": False, "why": "no CUDA device"}
+    cases = summary["cases"]
+    assert (cases["tiny/bf16-true"]["dtype"], cases["tiny/bf16-true"]["compute_dtype"]) == ("bfloat16", "bfloat16")
+    mixed = cases["8b-shaped/bf16-mixed"]
+    assert (mixed["dtype"], mixed["compute_dtype"]) == ("float32", "bfloat16")
+    for one in cases.values():
         assert one["attn_implementation"] == "sdpa" and one["attn_requested"] == "auto"  # what transformers set up
         assert one["estimate"]["total"] > 0 and one["sharded_state_bytes"] == one["estimated_state_bytes"] > 0
-        assert one["steps"] == 3 and one["final_checkpoint_complete"]
+        assert one["steps"] == 3 and one["final_checkpoint_complete"] and one["load_peak_rss_mib"] > 0
         assert one["tokens_per_s"] > 0 and one["mfu"] is None  # no GPU peak to divide by
-        # the tiny model (h 256, 4 layers of 4 heads x 64, V 4096 untied), by hand: 6 N without the input
-        # embedding + 12 L H Dh T at the dry run's T = 64
-        assert one["params"] == 5_261_568 and one["params_non_embedding"] == 5_261_568 - 4096 * 256
-        assert one["seq"] == 64 and one["flops_per_token"] == 6 * (5_261_568 - 4096 * 256) + 12 * 4 * 4 * 64 * 64
-    assert "[smoke] passed" in proc.stdout
+    assert [(s["step"], s["mode"]) for s in cases["tiny/bf16-true"]["saves"]] == [(1, "async"), (2, "async"),
+                                                                                 (3, "sync")]
+    assert [(s["step"], s["mode"]) for s in mixed["saves"]] == [(3, "sync")]
+    async_save = summary["async_save"]
+    assert async_save["case"] == "tiny/bf16-true" and len(async_save["async_blocked_s"]) == 2
+    assert async_save["sync_save_s"] > 0 and async_save["blocked_over_sync"] > 0
+    # the tiny model (h 256, 4 layers of 4 heads x 64, V 4096 untied), by hand: 6 N without the input
+    # embedding + 12 L H Dh T at the dry run's T = 64
+    tiny = cases["tiny/bf16-true"]
+    assert tiny["params"] == 5_261_568 and tiny["params_non_embedding"] == 5_261_568 - 4096 * 256
+    assert tiny["seq"] == 64 and tiny["flops_per_token"] == 6 * (5_261_568 - 4096 * 256) + 12 * 4 * 4 * 64 * 64
+    # the narrow 8B shape: 1 layer of h 256, 4 query heads and 1 KV head of 64, MLP 896, V 4096 untied, by hand
+    layer = 256 * 256 * 2 + 256 * 64 * 2 + 3 * 256 * 896 + 2 * 256
+    assert mixed["params"] == 2 * 4096 * 256 + layer + 256
+    text = (out / "gpu_smoke.txt").read_text()
+    assert "| tiny/bf16-true |" in text and "| 8b-shaped/bf16-mixed |" in text and "async save (tiny/bf16-true" in text
+    assert text.rstrip().splitlines()[-1].startswith("passed in")
+    assert "[smoke] passed" not in proc.stdout and "passed in" in proc.stdout
 
 
 @pytest.mark.parametrize("script", ["cli_latency.py", "load_memory.py", "consolidate_memory.py", "lora_memory.py",

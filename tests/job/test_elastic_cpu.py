@@ -7,7 +7,7 @@ fresh run directories whose config is what ``slurmft resume RUN resources.tasks_
 job trains steps 13-18 there. Every later step must train on the same sequences as the reference
 (``batches.jsonl`` digests: the multiset of token sequences of the whole step) with the same loss, and
 end on the same weights, within fp32 reduction-order tolerance: the first step's loss bitwise (same
-weights, same sequences), later losses ``rel=5e-5``, grad norms ``rel=1e-3``, weights ``rtol=1e-4,
+weights, same sequences; on torch 2.11 within 1e-6 where a rank's micro-batch holds 1 sequence instead of 2), later losses ``rel=5e-5``, grad norms ``rel=1e-3``, weights ``rtol=1e-4,
 atol=1e-5``. Measured (torch 2.13, CPU): with 256-token rows, losses within 1.7e-5 (most within 2e-6), grad
 norms within 3.3e-4, weights within 3.6e-7 absolute after moving up to 8e-4 in these six steps; with the
 64-token rows the shared run trains now, weights within 3.3e-6 (1 rank) and 1.7e-6 (4 ranks), the largest
@@ -106,7 +106,15 @@ def test_losses_and_weights_equal_the_uninterrupted_run(resumed: dict, local_tin
     ref = {m["step"]: m for m in read_metrics(local_tiny_run)}
     new = read_metrics(run)
     assert [m["step"] for m in new] == list(range(FROM + 1, TO + 1))
-    assert new[0]["loss"] == ref[FROM + 1]["loss"]  # the checkpoint's weights on the same sequences
+    # the checkpoint's weights on the same sequences: bitwise where each micro-batch has the reference's 2 sequences,
+    # and on torch 2.13 (CI's) with 1 a rank too; on torch 2.11 (the GPU image's set, bench/gpu_image_env.sh) a
+    # micro-batch of 1 sums in another order in its CPU kernels: 9.4e-8 relative, measured
+    import torch
+
+    if SHAPES[n][0] == 2 or tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
+        assert new[0]["loss"] == ref[FROM + 1]["loss"]
+    else:
+        assert new[0]["loss"] == pytest.approx(ref[FROM + 1]["loss"], rel=1e-6, abs=0)
     for m in new:
         assert m["loss"] == pytest.approx(ref[m["step"]]["loss"], rel=5e-5), (m, ref[m["step"]])
         assert m["grad_norm"] == pytest.approx(ref[m["step"]]["grad_norm"], rel=1e-3), (m, ref[m["step"]])
