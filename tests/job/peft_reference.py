@@ -4,7 +4,8 @@ Run by test_lora_cpu.py with a run directory whose config.yaml has a ``lora`` se
 
     python tests/job/peft_reference.py RUN_DIR OUT.json
 
-It reads the same data through the job's own data code (same mixture, tokenizer, packing, seed) and
+It reads the same data through the job's own data code (same mixture, tokenizer, TRL's preparation, slurmft's
+packing, seed: slurmft/job/prepare.py ``prepare_rows``, as the train job does in its allocation) and
 builds TRL's ``SFTConfig`` with the job's own options, but the model is transformers' ``from_pretrained``
 wrapped by PEFT's ``get_peft_model``, its adapters starting where slurmft's start, and the batch is the whole
 global batch of the 2-rank run on one process (tests/job/one_process.py). Writes the per-step losses and the
@@ -29,7 +30,7 @@ def main(run_dir: str, out: str) -> None:
     from transformers import TrainerCallback
     from trl import SFTTrainer
 
-    from slurmft.job import data, train
+    from slurmft.job import data, prepare, train
     from slurmft.job.inputs import load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
     from slurmft.rundir import RunPaths
 
@@ -38,7 +39,8 @@ def main(run_dir: str, out: str) -> None:
     assert cfg.lora is not None
     model_dir = resolve_model_dir(cfg.model, with_weights=True)
     tokenizer = load_tokenizer(resolve_tokenizer_dir(cfg.model, model_dir), cfg)
-    dataset = data.load_mixture(cfg.data, cfg.train.seed, tokenizer)
+    dataset = prepare.prepare_rows(cfg, tokenizer, data.load_mixture(cfg.data, cfg.train.seed, tokenizer),
+                                   cfg.data.num_proc, paths.checkpoints, paths)
     model = load_model(cfg, model_dir)
     args = one_process(train.sft_config(cfg, paths, job_context()), cfg, out)
     losses: list[float] = []

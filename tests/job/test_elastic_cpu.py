@@ -109,7 +109,6 @@ def test_losses_and_weights_equal_the_uninterrupted_run(resumed: dict, local_tin
     # the checkpoint's weights on the same sequences: bitwise where each micro-batch has the reference's 2 sequences,
     # and on torch 2.13 (CI's) with 1 a rank too; on torch 2.11 (the GPU image's set, bench/gpu_image_env.sh) a
     # micro-batch of 1 sums in another order in its CPU kernels: 9.4e-8 relative, measured
-    import torch
 
     if SHAPES[n][0] == 2 or tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
         assert new[0]["loss"] == ref[FROM + 1]["loss"]
