@@ -72,9 +72,22 @@ def test_ended_how(state: str, code: str, words: str) -> None:
                                  "consolidate.dtype=bfloat16", "checkpoint.keep_last=3",
                                  "resources.cpus_per_task=4", "resources.mem=100G", "resources.exclusive=false",
                                  "resources.nodes=4", "resources.tasks_per_node=2", "resources.gpus_per_node=4",
-                                 "train.gradient_accumulation_steps=2", "train.per_device_batch_size=1"])
+                                 "train.gradient_accumulation_steps=2", "train.per_device_batch_size=1",
+                                 # issue 47: how often and how a save is written, and how often a step is logged,
+                                 # change nothing the training computes (the async-failure message names them)
+                                 "checkpoint.async=false", "checkpoint.every_steps=50", "checkpoint.max_failed_saves=10",
+                                 "train.logging_steps=10"])
 def test_allowed_overrides(key: str) -> None:
     check_overrides([key])
+
+
+def test_a_refused_key_that_changes_no_math_is_refused_with_its_own_reason() -> None:
+    with pytest.raises(ConfigError) as info:
+        check_overrides(["output_dir=/elsewhere", "train.report_to=[wandb]", "train.seed=3"])
+    text = str(info.value)
+    assert "train.seed: it would change what the resumed training computes" in text
+    assert "output_dir: the run directory is the run" in text and "output_dir: it would change" not in text
+    assert "train.report_to: the trackers' packages are checked" in text
 
 
 def test_forbidden_overrides_are_all_named_with_the_allowed_list() -> None:

@@ -56,11 +56,22 @@ from slurmft.slurm import scancel
 from slurmft.slurm_states import State, is_allocated, is_live, is_waiting, parse, words
 from slurmft.watch.status import SQUEUE_SILENT, RunState, describe, run_state
 
-# Keys a resume may change: where and how the job runs, never what it computes (the batch keys only when the
-# global batch stays: slurmft/plan/elastic.py).
+# Keys a resume may change: where and how the job runs, how often it saves and logs, never what it computes (the
+# batch keys only when the global batch stays: slurmft/plan/elastic.py). The checkpoint keys change when and how a
+# save is written, not the training (a resumed run is bitwise the uninterrupted one whatever they are: saves touch
+# no RNG and no state; tests/test_resume_local.py); the async-failure message tells the user to change them.
 ALLOWED_PREFIXES = ("cluster.", "preemption.", "consolidate.", "prepare.resources.")
-ALLOWED_KEYS = ("checkpoint.keep_last", "resources.cpus_per_task", "resources.mem", "resources.exclusive",
+ALLOWED_KEYS = ("checkpoint.keep_last", "checkpoint.every_steps", "checkpoint.async", "checkpoint.max_failed_saves",
+                "train.logging_steps", "resources.cpus_per_task", "resources.mem", "resources.exclusive",
                 *ALLOCATION_KEYS, *BATCH_KEYS)
+#: Refused keys that do not change what the training computes, each with the reason that holds for it (every other
+#: refused key would change the training math).
+REFUSED_WHY = {
+    "name": "it names the run's jobs and tracker runs, which stay as submitted",
+    "output_dir": "the run directory is the run; it does not move",
+    "executor": "a run continues where it was started",
+    "train.report_to": "the trackers' packages are checked in the job's Python only at submit",
+}
 
 
 class Phase(str, Enum):
@@ -73,23 +84,27 @@ class Phase(str, Enum):
 
 
 def check_overrides(overrides: list[str]) -> None:
-    """Refuse overrides that could change the training math (every refused key named)."""
+    """Refuse overrides that could change the training math, or the run's identity (every refused key named,
+    each with the reason that holds for it)."""
     refused = []
     for text in overrides:
         key = ".".join(parse_override(text)[0])
         if not (key.startswith(ALLOWED_PREFIXES) or key in ALLOWED_KEYS):
             refused.append(key)
-    if refused:
-        allowed = ", ".join([p + "*" for p in ALLOWED_PREFIXES] + list(ALLOWED_KEYS))
-        hints = [f"allowed on resume: {allowed}",
-                 "to train differently, submit a new run (a new output_dir) instead"]
-        if any(key.startswith("lora.") for key in refused):
-            hints.insert(0, "lora: the checkpoint holds adapters of the shape they were trained with (r, alpha, "
-                            "targets); a resume on another allocation reshards them, it cannot change them")
-        if any(key.startswith("model.") for key in refused):
-            hints.insert(0, "model: the checkpoint holds this model's weights; another model cannot continue them")
-        raise ConfigError(
-            f"resume cannot change {', '.join(refused)}: it would change what the resumed training computes", hints)
+    if not refused:
+        return
+    allowed = ", ".join([p + "*" for p in ALLOWED_PREFIXES] + list(ALLOWED_KEYS))
+    hints = [f"allowed on resume: {allowed}",
+             "to train differently, submit a new run (a new output_dir) instead"]
+    if any(key.startswith("lora.") for key in refused):
+        hints.insert(0, "lora: the checkpoint holds adapters of the shape they were trained with (r, alpha, "
+                        "targets); a resume on another allocation reshards them, it cannot change them")
+    if any(key.startswith("model.") for key in refused):
+        hints.insert(0, "model: the checkpoint holds this model's weights; another model cannot continue them")
+    math = [key for key in refused if key not in REFUSED_WHY]
+    reasons = ([f"{', '.join(math)}: it would change what the resumed training computes"] if math else []) + [
+        f"{key}: {REFUSED_WHY[key]}" for key in refused if key in REFUSED_WHY]
+    raise ConfigError(f"resume cannot change {'; '.join(reasons)}", hints)
 
 
 def classify(live_train: list[str], trained_step: int | None, max_steps: int | None, model_ready: bool) -> Phase:
