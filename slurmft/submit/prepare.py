@@ -104,6 +104,10 @@ def submit(paths: RunPaths, template_dir: str | None, say: Say, force: bool = Fa
 
 
 def run_dir_of(target: Path) -> RunPaths | None:
-    """RunPaths when ``target`` is a run directory (it has a manifest), else None (a run.yaml)."""
+    """RunPaths when ``target`` is a run directory (it has a manifest, or we may not look: read_manifest then says
+    whose it is and the fix), else None (a run.yaml)."""
     paths = RunPaths.of(target)
-    return paths if target.is_dir() and paths.manifest.is_file() else None
+    try:
+        return paths if target.is_dir() and paths.manifest.is_file() else None
+    except PermissionError:
+        return paths

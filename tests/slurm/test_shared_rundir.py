@@ -178,6 +178,49 @@ def test_a_teammate_sees_a_shared_run_cannot_resume_it_and_two_resumes_submit_on
     assert code == 0, err
 
 
+def test_a_teammate_who_may_not_read_or_write_the_run_gets_words_not_a_traceback(
+        teammate: Teammate, team_dir: Path) -> None:
+    """Issue 47, defect 7: A's run in the team's directory, submitted with umask 077 (the team may not read its
+    manifest, or not even look in), then with 022 (the team may read, not write), and A's lock left unreadable. No
+    Slurm is asked: every command stops at the run directory, in words, with the fix."""
+    from slurmft.rundir import RunPaths, new_manifest, write_manifest
+
+    run = RunPaths.of(team_dir / "run")
+    run.root.mkdir()  # made by the team (2775, its group): A's umask 077 then writes a manifest only A may read
+    write_manifest(run, new_manifest("it", "slurm", run.run_id))
+    commands = (["status"], ["resume", "--force"], ["cancel", "--force"], ["prepare", "--force"], ["consolidate"],
+                ["logs"])
+    for mode, manifest_mode in ((0o2775, 0o600), (0o2700, 0o600)):
+        run.root.chmod(mode)
+        run.manifest.chmod(manifest_mode)
+        for args in commands:
+            result = teammate.slurmft(args[0], str(run.root), *args[1:])
+            assert result.returncode == 2 and "Traceback" not in result.stderr, (oct(mode), args, result.stderr)
+            assert f"may not read {run.root} (mode {mode:04o}, root's, group slurmft-team)" in result.stderr, (
+                oct(mode), args, result.stderr)
+            assert "chmod -R g+rwX" in result.stderr and "umask 002" in result.stderr
+        report = teammate.slurmft("report", str(run.root))  # the report says what it could not read, where it may
+        assert "Traceback" not in report.stderr, report.stderr
+        if mode == 0o2775:
+            assert report.returncode == 0 and f"may not read {run.root}" in (run.root / "report.md").read_text()
+        else:
+            assert report.returncode == 2 and f"may not read {run.root}" in report.stderr, report.stderr
+    run.root.chmod(0o2775)
+    run.manifest.chmod(0o664)
+    run.lock.write_text(json.dumps({"host": "login-9", "pid": 4242, "what": "resume"}))  # A's, under umask 077
+    run.lock.chmod(0o600)
+    for args in (["resume", "--force"], ["cancel", "--force"]):
+        result = teammate.slurmft(args[0], str(run.root), *args[1:])
+        assert result.returncode == 2 and "Traceback" not in result.stderr, (args, result.stderr)
+        assert "is locked" in result.stderr and "may not read who holds it" in result.stderr, (args, result.stderr)
+    run.lock.unlink()
+    run.root.chmod(0o2755)  # umask 022: the team reads, and may not take the lock (a file in the run directory)
+    for args in (["resume", "--force"], ["cancel", "--force"]):
+        result = teammate.slurmft(args[0], str(run.root), *args[1:])
+        assert result.returncode == 2 and "Traceback" not in result.stderr, (args, result.stderr)
+        assert "you need write access to the run directory" in result.stderr, (args, result.stderr)
+
+
 @pytest.fixture
 def private_cluster(slurm_cluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A second cluster (own directory, port +200) with PrivateData=jobs; its directory. SLURM_CONF points there."""
