@@ -248,8 +248,10 @@ def status(run_dir: Path, as_json: bool) -> None:
     for col in ("job", "id", "attempt", "state", "reason", "restarts", "elapsed"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["kind"], r["job_id"] + (" (adopted)" if r.get("adopted") else ""), str(r["attempt"]),
-                      r["state"], r["reason"], str(r["restarts"]), r["elapsed"])
+        by = r.get("submitter") or {}
+        theirs = f" ({by.get('user')}'s)" if state.owner and by.get("uid", state.owner.uid) != state.owner.uid else ""
+        table.add_row(r["kind"], r["job_id"] + (" (adopted)" if r.get("adopted") else "") + theirs,
+                      str(r["attempt"]), r["state"], r["reason"], str(r["restarts"]), r["elapsed"])
     Console().print(table)
     for r in rows:  # what each state means, one unwrapped line per job
         click.echo(f"{r['kind']} {r['job_id']}: {r['words']}")

@@ -377,9 +377,12 @@ def start_attempt(manifest: dict[str, Any], how: str, **extra: Any) -> dict[str,
 
 
 def record_job(manifest: dict[str, Any], kind: str, job_id: str, **extra: Any) -> dict[str, Any]:
-    """Append one job (prepare, train or consolidate) to the manifest and return its entry."""
+    """Append one job (prepare, train or consolidate) to the manifest and return its entry, with who submitted it
+    (``submitter``: this process's real uid and name; a teammate's ``resume --force`` submits under the teammate's
+    uid, and under ``PrivateData=jobs`` the run's owner cannot see that job: :func:`job_submitter`)."""
     attempt = 1 + sum(1 for j in manifest["jobs"] if j["kind"] == kind)
-    entry = {"kind": kind, "job_id": str(job_id), "attempt": attempt, "submitted": time.time(), **extra}
+    entry = {"kind": kind, "job_id": str(job_id), "attempt": attempt, "submitted": time.time(),
+             "submitter": current_user().record(), **extra}
     manifest["jobs"].append(entry)
     return entry
 
@@ -425,6 +428,15 @@ def run_owner(paths: RunPaths, manifest: dict[str, Any]) -> User:
         return User.of_uid(paths.manifest.stat().st_uid)
     except OSError:
         return current_user()
+
+
+def job_submitter(job: dict[str, Any], owner: User) -> User:
+    """Who submitted a job of the manifest: its ``submitter``; for an entry written before that was recorded (or a
+    tagged job a killed submit never recorded, adopted later), the run's owner."""
+    who = job.get("submitter")
+    if isinstance(who, dict) and isinstance(who.get("uid"), int):
+        return User(who["uid"], str(who.get("user") or f"uid {who['uid']}"))
+    return owner
 
 
 def check_owner(paths: RunPaths, manifest: dict[str, Any], what: str, force: bool) -> None:

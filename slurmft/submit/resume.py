@@ -53,8 +53,8 @@ from slurmft.rundir import (
     write_manifest,
 )
 from slurmft.slurm import scancel
-from slurmft.slurm_states import State, is_allocated, is_live, is_waiting, parse, words
-from slurmft.watch.status import SQUEUE_SILENT, RunState, describe, run_state
+from slurmft.slurm_states import State, parse, words
+from slurmft.watch.status import KINDS, RunState, run_state
 
 # Keys a resume may change: where and how the job runs, how often it saves and logs, never what it computes (the
 # batch keys only when the global batch stays: slurmft/plan/elastic.py). The checkpoint keys change when and how a
@@ -208,14 +208,6 @@ def _previous_end(state: RunState) -> dict[str, Any] | None:
             "ended": ended_how(last["state"], last.get("exit_code", ""))}
 
 
-def _stale_consolidations(state: RunState) -> list[str]:
-    """Queued consolidation jobs chained (afterok) to a train job that will never succeed; a consolidation
-    submitted by hand without a dependency is left alone. Adopted jobs count as chained."""
-    chained = {j["job_id"] for j in state.manifest.get("jobs", [])
-               if j["kind"] == "consolidate" and (j.get("dependency") or j.get("adopted"))}
-    return [r["job_id"] for r in state.rows if r["job_id"] in chained and is_waiting(r["state"])]
-
-
 def check_hub_commits(paths: RunPaths, say: Any) -> None:
     """A hub data set pushed again since its preparation is refused with the fix (the train job would read
     the old commit's sequences while the config names the data set); one the hub cannot be asked about is said."""
@@ -265,44 +257,23 @@ def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | No
     executor = state.manifest.get("executor", "slurm")
     for job in state.adopted:
         say(f"found {job['kind']} job {job['job_id']} tagged with this run but missing from the manifest; adopted it")
-    unseen = state.unseen()
-    if unseen:
-        raise RunDirError(f"cannot tell whether {paths.root} still runs, so nothing is submitted: "
-                          + "; ".join(f"{r['kind']} job {r['job_id']}: {r['words']}" for r in unseen))
+    # live, hidden or unjudgeable (squeue silent) jobs refuse the resume; a consolidation queued or running too
+    # (it would export the model while the new train job trains); waiting jobs that never start do not count
+    state.check_quiet(KINDS, "nothing to resume")
     latest = latest_complete(paths.checkpoints)
     notes: list[str] = []  # said once nothing refuses the resume
     cfg = resume_config(paths, overrides, executor, latest, notes.append)
-    # a train job whose prepare job failed waits for nothing (Slurm cancels it: --kill-on-invalid-dep)
-    never = [r["job_id"] for r in state.rows if r["kind"] == "train" and is_waiting(r["state"])
-             and r.get("reason") == "DependencyNeverSatisfied"]
-    train_rows = [r for r in state.rows if r["kind"] in ("train", "prepare")]
-    live_train = [r["job_id"] for r in train_rows if is_live(r["state"]) and r["job_id"] not in never]
-    if not state.squeue_answered and executor != "local" and not live_train:
-        raise RunDirError(f"{SQUEUE_SILENT}: cannot tell whether train job(s) "
-                          f"{', '.join(r['job_id'] for r in train_rows) or '(none recorded)'} of {paths.root} still "
-                          "run, so nothing is submitted; try again when squeue answers")
     step = step_of(latest) if latest else None
     max_steps = planned_max_steps(paths, cfg.train.max_steps, cfg.train.epochs)
     adapter_only = cfg.lora is not None and not cfg.consolidate.merge  # consolidation writes adapter/ only
-    phase = classify(live_train, step, max_steps, model_ready(paths, latest, adapter_only))
+    live = [r["job_id"] for r in state.may_run(("prepare", "train"))]  # none: check_quiet refused those
+    phase = classify(live, step, max_steps, model_ready(paths, latest, adapter_only))
     result = ResumeResult(phase, paths.root, executor, resumed_from=latest, step=step)
-    if phase == Phase.LIVE:
-        how = ". ".join(f"Job {r['job_id']}: {describe(r['state'], r['reason'], str(paths.root), r['kind'], False, r['job_id'])}"
-                        for r in train_rows if r["job_id"] in live_train)
-        live = " and ".join(f"{kind} job(s) {', '.join(r['job_id'] for r in train_rows if r['kind'] == kind and r['job_id'] in live_train)}"
-                            for kind in ("prepare", "train") if any(r["kind"] == kind and r["job_id"] in live_train
-                                                                    for r in train_rows))
-        raise RunDirError(f"{paths.root} is live: {live} still queued or running; "
-                          f"nothing to resume, nothing submitted (follow it with `slurmft status`, or `slurmft "
-                          f"cancel` it first). {how}")
     if phase == Phase.FINISHED:
         return result
     if phase == Phase.TRAINED:
         raise RunDirError(f"training already reached train.max_steps ({max_steps}, {latest}) but there is "
                           f"no consolidated model: run `slurmft consolidate {paths.root}`")
-    running_cons = [r["job_id"] for r in state.rows if r["kind"] == "consolidate" and is_allocated(r["state"])]
-    if running_cons:
-        raise RunDirError(f"consolidation job(s) {', '.join(running_cons)} of {paths.root} are running; wait for them")
     check_submittable(cfg)
     need_prepare = prepare_needed(paths, cfg)  # prepared/ changed since: refused here, nothing submitted
     if not need_prepare and cfg.prepare.enabled:
@@ -312,21 +283,23 @@ def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | No
     scripts = render_scripts(cfg, profile, paths, config_path, template_dir)
     check_executor(cfg.resolved_executor)
 
-    stale = [*never, *_stale_consolidations(state)] if executor != "local" else []
+    # jobs still queued that will never start (their prepare or train job failed): a run submitted before every
+    # dependent job got --kill-on-invalid-dep, or one Slurm has not cancelled yet
+    stale = [r for r in state.rows if r["kind"] in ("train", "consolidate") and state.never_runs(r)
+             and r.get("dependency")] if executor != "local" else []
     if stale:
+        ids = [r["job_id"] for r in stale]
         try:
-            scancel(stale)
+            scancel(ids)
         except SubmissionError as exc:
-            raise SubmissionError(f"{exc}; the stale consolidation job(s) stay queued and nothing was "
-                                  "submitted") from None
-        result.cancelled = stale
-        cons = [j for j in stale if j not in never]
-        if cons:
-            say(f"cancelled stale consolidation job(s) {', '.join(cons)} (they waited on a train job that "
-                "will never succeed)")
-        if len(cons) < len(stale):
-            say(f"cancelled train job(s) {', '.join(j for j in stale if j in never)} (they waited on a prepare "
-                "job that did not succeed)")
+            raise SubmissionError(f"{exc}; the stale job(s) stay queued and nothing was submitted") from None
+        result.cancelled = ids
+        for kind, after in (("consolidate", "a train job that will never succeed"),
+                            ("train", "a prepare job that did not succeed")):
+            of_kind = [r["job_id"] for r in stale if r["kind"] == kind]
+            if of_kind:
+                say(f"cancelled {'stale consolidation' if kind == 'consolidate' else 'train'} job(s) "
+                    f"{', '.join(of_kind)} (they waited on {after})")
     manifest = state.manifest
     if overrides:
         atomic_write(paths.config, dump_config(cfg))
@@ -335,7 +308,7 @@ def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | No
     result.previous = _previous_end(state)
     attempt = start_attempt(
         manifest, "resume", resumed_from=str(latest) if latest else None, resumed_from_step=step,
-        previous=result.previous, overrides=overrides, cancelled=stale, **allocation(cfg))
+        previous=result.previous, overrides=overrides, cancelled=result.cancelled, **allocation(cfg))
     write_manifest(paths, manifest)
     if latest:
         say(f"resuming {paths.root} from {latest.name} (step {step})")
