@@ -210,6 +210,40 @@ def test_an_image_file_must_exist_and_be_readable(tmp_path: Path) -> None:
     assert registry is not None and not registry.image_is_path and image_problems(registry) == []
 
 
+def test_an_image_path_is_resolved_like_every_other_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 47, defect 4: cluster.container.image against run.yaml's folder (an override: the current directory),
+    ``~`` expanded; validate checks that file, and the script names it absolutely. A registry reference stays."""
+    from slurmft.plan.checks import Report, check_container
+
+    folder, elsewhere, home = tmp_path / "project", tmp_path / "elsewhere", tmp_path / "home"
+    for d in (folder / "images", elsewhere, home):
+        d.mkdir(parents=True)
+    (folder / "images" / "sft.sif").write_text("sif")
+    (home / "sft.sif").write_text("sif")
+    run_yaml = folder / "run.yaml"
+    run_yaml.write_text(GOLDEN_CFG.read_text() + "\n")
+    cfg_text = run_yaml.read_text()
+    assert "container" not in cfg_text and "\ncluster:\n" in cfg_text  # the run's own section goes in there
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(elsewhere)  # validate runs from anywhere
+    for image, expected in (("./images/sft.sif", folder / "images" / "sft.sif"), ("~/sft.sif", home / "sft.sif"),
+                            ("images/sft.sif", folder / "images" / "sft.sif")):
+        run_yaml.write_text(cfg_text.replace("cluster:\n", f"cluster:\n  container: {{runtime: apptainer, image: "
+                                                          f"'{image}'}}\n", 1))
+        cfg = load_config(run_yaml, ["cluster.env.HF_HOME=/shared/hf"])
+        assert cfg.cluster.container is not None and cfg.cluster.container.image == str(expected), image
+        report = Report()
+        assert check_container(cfg, report) is not None and report.problems == [], (image, report.problems)
+        train = scripts_for(run_yaml, "cluster.env.HF_HOME=/shared/hf")["train"]
+        assert f" {expected} " in srun_line(train), image
+    (elsewhere / "other.sif").write_text("sif")
+    cfg = load_config(run_yaml, ["cluster.container.image=./other.sif"])  # the command line's: the current directory
+    assert cfg.cluster.container is not None and cfg.cluster.container.image == str(elsewhere / "other.sif")
+    for reference in ("docker://nvcr.io/nvidia/pytorch:25.01-py3", "localhost/sft:1", "nvcr.io#nvidia/pytorch:25.01"):
+        cfg = load_config(run_yaml, [f"cluster.container.image={reference}"])
+        assert cfg.cluster.container is not None and cfg.cluster.container.image == reference
+
+
 def test_the_local_executor_refuses_a_container() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(GOLDEN_CFG, ["executor=local", "resources.nodes=1", "cluster.container.runtime=pyxis"])
