@@ -125,6 +125,29 @@ def test_the_run_dir_data_and_cache_are_mounted_at_the_same_paths(runtime: str) 
         assert gpu_flag[runtime] not in srun_line(container_scripts(runtime)["consolidate"])  # a CPU job
 
 
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_the_batch_script_creates_hf_home_on_the_host_before_the_step(runtime: str, tmp_path: Path) -> None:
+    """Issue 47, defect 5: pyxis refuses a step whose mount source does not exist (found with pyxis 0.24 + enroot
+    4.1), after the queue wait; so does every runtime. The batch script makes HF_HOME first, on the host, and stops
+    with a line naming it when it cannot. Run for real here: the script's own line creates a missing directory."""
+    for kind, text in container_scripts(runtime).items():
+        lines = text.splitlines()
+        made = [i for i, line in enumerate(lines) if line.startswith("mkdir -p -- /fsx/hf ||")]
+        assert len(made) == 1 and made[0] < lines.index(srun_line(text)), (kind, text)
+        assert "cannot create /fsx/hf (HF_HOME" in lines[made[0]] and "exit 1" in lines[made[0]]
+    hf = tmp_path / "not yet" / "hf"
+    line = next(line for line in container_scripts(runtime, f"cluster.env.HF_HOME={hf}")["prepare"].splitlines()
+                if line.startswith("mkdir -p -- "))
+    assert subprocess.run(["bash", "-c", f"set -u; {line}"], capture_output=True).returncode == 0 and hf.is_dir()
+    (tmp_path / "file").write_text("")
+    line = next(line for line in container_scripts(runtime, f"cluster.env.HF_HOME={tmp_path / 'file' / 'hf'}")[
+        "train"].splitlines() if line.startswith("mkdir -p -- "))
+    out = subprocess.run(["bash", "-c", f"set -u; {line}; echo went on"], capture_output=True, text=True)
+    assert out.returncode == 1 and "went on" not in out.stdout and "[slurmft] cannot create" in out.stderr
+    assert not any(line.startswith("mkdir") for text in scripts_for(GOLDEN_CFG, "cluster.env.HF_HOME=/fsx/hf").values()
+                   for line in text.splitlines())  # no image: nothing to mount, the libraries make their cache
+
+
 def test_pyxis_flags_are_the_ones_pyxis_registers() -> None:
     """pyxis's args.c (NVIDIA/pyxis, 2026-05): every --container* option it registers; nothing else renders."""
     registered = {"container-image", "container-mounts", "container-workdir", "container-name", "container-save",

@@ -88,12 +88,30 @@ def automatic_mounts(cfg: RunConfig, container_env: dict[str, str] | None = None
     template = cfg.train.sft.get("chat_template_path")
     if isinstance(template, str) and template.startswith("/"):
         dirs.append(str(PurePosixPath(template).parent))
+    home = hf_home(cfg, container_env)
+    if home:
+        dirs.append(home)
+    return _outermost(dirs)
+
+
+def hf_home(cfg: RunConfig, container_env: dict[str, str] | None = None) -> str | None:
+    """HF_HOME as the ranks get it (the container's env first, then cluster.env) when it is an absolute path: the
+    Hugging Face caches, which slurmft mounts into the image at the same path."""
     if container_env is None:
         container_env = cfg.cluster.container.env if cfg.cluster.container else {}
-    hf_home = container_env.get("HF_HOME") or cfg.cluster.env.get("HF_HOME")
-    if hf_home and hf_home.startswith("/"):
-        dirs.append(hf_home)
-    return _outermost(dirs)
+    home = container_env.get("HF_HOME") or cfg.cluster.env.get("HF_HOME")
+    return home if home and home.startswith("/") else None
+
+
+def created_before_step(cfg: RunConfig, container: Container) -> list[tuple[str, str]]:
+    """(directory, what it is) that the batch script creates on the host before the step: what slurmft mounts and
+    owns that may not exist yet. Every runtime refuses a bind whose source does not exist, and only once the job
+    has waited in the queue: pyxis 0.24 "--container-mounts: source path does not exist" (found with enroot 4.1),
+    Charliecloud's bind, podman's --volume. HF_HOME is a cache (the libraries create it themselves without an
+    image); the run directory exists from the submit on, and the model, data and chat template are inputs that
+    validate checks."""
+    home = hf_home(cfg, container.env)
+    return [(home, "HF_HOME, the Hugging Face caches")] if home else []
 
 
 def _outermost(dirs: list[str]) -> list[str]:
