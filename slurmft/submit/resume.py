@@ -2,8 +2,9 @@
 
 Slurm's own requeue (the warning signal, ``scontrol requeue``) keeps the job id, so the ``afterok``
 consolidation job stays valid. Every other ending leaves the train job FAILED, CANCELLED, TIMEOUT,
-NODE_FAIL or OUT_OF_MEMORY, and its consolidation job in ``DependencyNeverSatisfied`` forever: a new
-job id is needed, and a new consolidation chained to it. With ``prepare.enabled`` the train job reads
+NODE_FAIL or OUT_OF_MEMORY, and Slurm cancels its consolidation job (``--kill-on-invalid-dep=yes``; one
+still queued, of a run submitted before that, is cancelled here): a new job id is needed, and a new
+consolidation chained to it. With ``prepare.enabled`` the train job reads
 ``RUN_DIR/prepared/``: a failed prepare job is submitted again and the rest chained to it; a prepared set
 that no longer matches the config (a source edited since) is refused with the fix (``slurmft prepare``). A resume is a submit of an existing run
 directory: the resolved ``config.yaml`` (overrides only where they cannot change the training math),

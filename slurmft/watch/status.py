@@ -33,9 +33,9 @@ from slurmft.slurm_states import (
 
 REASON_WORDS = {
     "Dependency": "waiting for the train job to finish successfully",
-    "DependencyNeverSatisfied": "will never start: the train job did not succeed "
-    "(`slurmft resume {run}` cancels this job, continues training from the newest complete checkpoint "
-    "and chains a new consolidation)",
+    "DependencyNeverSatisfied": "will never start: the train job did not succeed; Slurm cancels this job "
+    "(--kill-on-invalid-dep; `slurmft resume {run}` cancels it if it is still queued, continues training from the "
+    "newest complete checkpoint and chains a new consolidation)",
     "BeginTime": "requeued; waiting for its earliest start time",
     "Priority": "waiting in the queue (priority)",
     "Resources": "waiting for free nodes",
@@ -155,7 +155,7 @@ def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView
         rows.append({**_base(job), "state": state, "reason": reason, "elapsed": elapsed,
                      "exit_code": (a or {}).get("exit_code", ""), "restarts": int(restarts),
                      "start": (a or {}).get("start", ""), "end": (a or {}).get("end", ""), "words": text})
-    explain_prepare_failures(rows, jobs, run_dir)
+    explain_dependency_failures(rows, jobs, run_dir)
     return rows
 
 
@@ -190,6 +190,13 @@ def prepare_failed_words(prepare_job: str, run_dir: str) -> str:
             f"resume {run_dir}` (it prepares again and chains the train job)")
 
 
+def train_failed_words(train_job: str, run_dir: str) -> str:
+    """A consolidation job Slurm cancelled before it started because its train job did not succeed."""
+    return (f"cancelled by Slurm before it started: train job {train_job} did not succeed "
+            f"(DependencyNeverSatisfied); `slurmft resume {run_dir}` continues training from the newest complete "
+            "checkpoint and chains a new consolidation")
+
+
 def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", newest_train: bool = False,
              job_id: str = "JOB") -> str:
     """The state in words a user can act on: :data:`slurmft.slurm_states.WORDS`, plus what to do next."""
@@ -219,19 +226,24 @@ def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", 
     return text
 
 
-def explain_prepare_failures(rows: list[dict[str, Any]], jobs: list[dict[str, Any]], run_dir: str) -> None:
-    """A train job cancelled before it started, whose prepare job failed: say so (its own state says only
-    CANCELLED)."""
+#: How a job that Slurm cancelled before it started, because the job it waited on did not succeed, is said.
+NEVER_STARTED_WORDS = {"train": prepare_failed_words, "consolidate": train_failed_words}
+
+
+def explain_dependency_failures(rows: list[dict[str, Any]], jobs: list[dict[str, Any]], run_dir: str) -> None:
+    """A train job cancelled before it started whose prepare job failed, a consolidation job cancelled before it
+    started whose train job failed (or was cancelled): say so (its own state says only CANCELLED). Slurm cancels
+    them (--kill-on-invalid-dep=yes on every dependent job)."""
     by_id = {r["job_id"]: r for r in rows}
     for job, row in zip(jobs, rows, strict=True):
         dep = str(job.get("dependency") or "")
-        if job["kind"] != "train" or not dep.startswith("afterok:"):
+        if job["kind"] not in NEVER_STARTED_WORDS or not dep.startswith("afterok:"):
             continue
         first = by_id.get(dep.removeprefix("afterok:"))
         started = row.get("start") not in ("", "None", "Unknown", None)
         if (first and parse(row["state"]) == State.CANCELLED and not started
                 and parse(first["state"]) in RESUMABLE_ENDINGS - {State.UNKNOWN}):
-            row["words"] = prepare_failed_words(first["job_id"], run_dir)
+            row["words"] = NEVER_STARTED_WORDS[job["kind"]](first["job_id"], run_dir)
 
 
 #: Why a pending job waits on a dependency that can never be satisfied (Slurm cancels slurmft's such jobs: every
