@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO_ROOT, second_cluster
+from tests.slurm.jobs import started_jobs
 
 pytestmark = pytest.mark.slurm
 
@@ -221,6 +222,25 @@ def test_a_teammate_who_may_not_read_or_write_the_run_gets_words_not_a_traceback
         assert "you need write access to the run directory" in result.stderr, (args, result.stderr)
 
 
+def _submit_as_b(slurmft, teammate: Teammate, team_dir: Path, model: Path, data: Path) -> tuple[Path, dict[str, str]]:  # noqa: ANN001
+    """B submits a run of their own (its model and data copied where B may read them), with umask 002. B's job
+    itself cannot start Python: the interpreter lives under /root (0700), which only B's commands get bound in
+    (AS_TEAMMATE); so it fails at once: a run whose train job died, for A to resume."""
+    inputs = team_dir / "inputs"
+    shutil.copytree(model, inputs / "model")
+    shutil.copyfile(data, inputs / data.name)
+    (team_dir / "b").mkdir()
+    (team_dir / "b").chmod(0o2775)
+    path = slurmft.write_config(team_dir / "b", inputs / "model", inputs / data.name, train={"max_steps": 400})
+    old = os.umask(0o002)
+    try:
+        submitted = teammate.slurmft("submit", str(path), timeout=240)
+    finally:
+        os.umask(old)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    return team_dir / "b" / "run", started_jobs(submitted.stdout)
+
+
 @pytest.fixture
 def private_cluster(slurm_cluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A second cluster (own directory, port +200) with PrivateData=jobs; its directory. SLURM_CONF points there."""
@@ -257,5 +277,42 @@ def test_a_teammate_who_cannot_see_the_jobs_cannot_tell_and_submits_nothing(
                 assert not Path(f"/proc/{pid}").exists()
         own = slurmft.status_json(run)  # A, slurmdbd down: squeue still shows A its own job as live
         assert own["train"]["state"] in ("PENDING", "RUNNING", "CONFIGURING"), own
+        code, _, err = slurmft.cli(["cancel", str(run)])
+        assert code == 0, err
+
+        # issue 47, defects 1 and 2 (slurmdbd still down): B owns a run; its train job died; A, who looks after it
+        # too, resumes it with --force, so the new train job is A's (root's here). B must see that job as alive:
+        # B's resume, prepare and consolidate refuse and submit nothing, and B's cancel names its owner.
+        b_run, b_jobs = _submit_as_b(slurmft, teammate, team_dir, tiny_model, chat_data)
+        slurm_cluster.wait_state(b_jobs["train"], "FAILED", timeout=120)  # B's own job cannot start Python (below)
+        old = os.umask(0o002)
+        try:
+            code, out, err = slurmft.cli(["resume", str(b_run), "--force"])
+        finally:
+            os.umask(old)
+        assert code == 0, err
+        theirs = started_jobs(out)
+        slurm_cluster.wait_state(theirs["train"], "RUNNING", timeout=120)
+        slurmft.wait_for("root's train job's checkpoint-2", lambda: slurmft.complete(b_run, 2), timeout=180)
+        before = set(subprocess.run(squeue_as_root, capture_output=True, text=True, check=True).stdout.split())
+        for command in ("resume", "prepare", "consolidate"):
+            refused = teammate.slurmft(command, str(b_run))
+            assert refused.returncode == 2 and "cannot tell whether" in refused.stderr, (command, refused.stdout,
+                                                                                        refused.stderr)
+            assert f"train job {theirs['train']}: cannot tell: root submitted it" in refused.stderr, refused.stderr
+        after = set(subprocess.run(squeue_as_root, capture_output=True, text=True, check=True).stdout.split())
+        assert after == before  # no second train job into the same checkpoints, no prepare job, no consolidation
+        manifest = json.loads((b_run / "manifest.json").read_text())
+        by_id = {j["job_id"]: j for j in manifest["jobs"]}
+        assert by_id[b_jobs["train"]]["submitter"] == {"uid": teammate.uid, "user": USER}
+        assert by_id[theirs["train"]]["submitter"] == {"uid": 0, "user": "root"}
+        rows = {r["job_id"]: r for r in json.loads(teammate.slurmft("status", str(b_run), "--json").stdout)["jobs"]}
+        assert rows[theirs["train"]]["state"] == "HIDDEN" and rows[b_jobs["train"]]["state"] == "FAILED", rows
+        cancel = teammate.slurmft("cancel", str(b_run))
+        assert cancel.returncode == 0, cancel.stderr
+        assert f"not cancelled: train job {theirs['train']} is root's (submitted by root)" in cancel.stderr, cancel.stderr
+        assert slurm_cluster.squeue_state(theirs["train"]) == "RUNNING"  # Slurm refused B: it is root's
     finally:
         slurmft.cli(["cancel", str(run)])
+        if (team_dir / "b" / "run" / "manifest.json").is_file():
+            slurmft.cli(["cancel", str(team_dir / "b" / "run"), "--force"])
