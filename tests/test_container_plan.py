@@ -77,7 +77,11 @@ def test_the_batch_script_stays_on_the_host(runtime: str) -> None:
     for host_line in (train[requeue], train[rendezvous]):  # the host's cluster.python, not the image's
         assert "/opt/venv/bin/python -m slurmft.job." in host_line
         assert not re.search(r"container|apptainer|ch-run|podman", host_line), host_line
-    assert "/opt/venv/bin/python" not in srun_line(scripts["train"])  # the ranks run the image's python
+    # the ranks run the image's python; podman's tasks first run the host's, to pass each its own environment and
+    # GPUs (slurmft/job/podman_task.py), then exec podman
+    task = "/opt/venv/bin/python -m slurmft.job.podman_task "
+    assert (task in srun_line(scripts["train"])) is (runtime == "podman")
+    assert "/opt/venv/bin/python" not in srun_line(scripts["train"]).replace(task, "")
     assert " python -u -m slurmft.job.launch --signal=USR2 " in srun_line(scripts["train"])
     for kind in ("prepare", "consolidate"):
         assert " python -u -m submitit.core._submit /shared/runs/golden-2x8/submitit" in srun_line(scripts[kind])
@@ -119,7 +123,7 @@ def test_the_run_dir_data_and_cache_are_mounted_at_the_same_paths(runtime: str) 
     for path in ("/shared/runs/golden-2x8", "/fsx/data", "/fsx/hf"):  # itself, or a directory above it (pyxis: /fsx)
         assert [m for m in same if path == m or path.startswith(m + "/")], (path, srun)
     assert "/fsx/cache:/cache" in srun
-    gpu_flag = {"pyxis": None, "apptainer": "--nv", "charliecloud": None, "podman": "--device=nvidia.com/gpu=all"}
+    gpu_flag = {"pyxis": None, "apptainer": "--nv", "charliecloud": None, "podman": "--gpus=exclusive"}
     if gpu_flag[runtime]:
         assert gpu_flag[runtime] in srun
         assert gpu_flag[runtime] not in srun_line(container_scripts(runtime)["consolidate"])  # a CPU job
@@ -146,6 +150,19 @@ def test_the_batch_script_creates_hf_home_on_the_host_before_the_step(runtime: s
     assert out.returncode == 1 and "went on" not in out.stdout and "[slurmft] cannot create" in out.stderr
     assert not any(line.startswith("mkdir") for text in scripts_for(GOLDEN_CFG, "cluster.env.HF_HOME=/fsx/hf").values()
                    for line in text.splitlines())  # no image: nothing to mount, the libraries make their cache
+
+
+def test_each_podman_task_passes_the_users_environment_and_its_own_gpus() -> None:
+    """Issue 47, defect 3: podman gives a container the image's environment and what it is told. Each task runs
+    slurmft/job/podman_task.py on the host first (the user's exported variables by name, the GPUs Slurm gave it),
+    never ``--device=nvidia.com/gpu=all`` from the script: with shared nodes that was another job's GPUs too."""
+    for kind, text in container_scripts("podman", "resources.exclusive=false").items():
+        line = srun_line(text)
+        assert "nvidia.com/gpu" not in line, (kind, line)
+        assert " /opt/venv/bin/python -m slurmft.job.podman_task --signal=USR2 " in line, (kind, line)  # the host's
+        assert ("--gpus=shared podman run " in line) is (kind == "train"), (kind, line)  # the CPU jobs: no GPU
+    train = srun_line(container_scripts("podman")["train"])  # whole nodes: their every GPU is the job's
+    assert "--gpus=exclusive podman run " in train
 
 
 def test_pyxis_flags_are_the_ones_pyxis_registers() -> None:

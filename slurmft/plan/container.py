@@ -228,9 +228,12 @@ def _python_check(container: Container) -> str:
             f'cluster.container.python to its interpreter (docs/containers.md)" >&2; exit {NO_PYTHON_EXIT}; }}; '
             'exec "$0" "$@"')
 def wrap(container: Container, srun: list[str], command: str, env_names: list[str], gpus: bool,
-         q: Callable[[object], str]) -> tuple[list[str], str]:
+         q: Callable[[object], str], *, host_python: str = "python", warning_signal: str = "USR2",
+         exclusive: bool = True) -> tuple[list[str], str]:
     """The step's ``srun`` options and command, run in ``container``: ``srun`` options (unquoted) and the command
     line (quoted with ``q``, render's one quoting rule), with every name of ``env_names`` passed in explicitly.
+    podman's command starts with ``host_python`` (quoted already) running slurmft/job/podman_task.py on each task:
+    the task's own environment by name and its GPUs (``exclusive``: the job has its nodes to itself).
     ``command`` starts with the image's interpreter (:func:`rank_python`); a ``sh`` in the image checks that it is
     there before it execs it (same process: the signal still reaches the rank), so an image without it fails with
     a line naming the image, not a runtime's own "No such file"."""
@@ -278,8 +281,6 @@ def wrap(container: Container, srun: list[str], command: str, env_names: list[st
         args = ["run", "--rm", "--init", "--sig-proxy=true", "--network=host", "--ipc=host"]
         if not container.writable:
             args.append("--read-only")
-        if gpus:
-            args.append("--device=nvidia.com/gpu=all")
         for glob in TASK_ENV_GLOBS:
             args.append(f"--env={glob}")
         for n in names:
@@ -287,5 +288,8 @@ def wrap(container: Container, srun: list[str], command: str, env_names: list[st
         for s, d in container.mounts:
             args.append(f"--volume={s}:{d}")
         args += [f"--workdir={container.workdir}", container.image]
-        return srun, f"podman {' '.join(q(a) for a in args)} {command}"
+        # each task adds its own: the user's exported variables by name, the GPUs Slurm gave it (podman_task.py)
+        task = [f"--signal={warning_signal}", *([f"--gpus={'exclusive' if exclusive else 'shared'}"] if gpus else [])]
+        return srun, (f"{host_python} -m slurmft.job.podman_task {' '.join(q(a) for a in task)} "
+                      f"podman {' '.join(q(a) for a in args)} {command}")
     raise ConfigError(f"cluster.container.runtime: {runtime!r} has no rendering")  # config.RUNTIMES keeps it out

@@ -81,13 +81,15 @@ def rank_python_for(cfg: RunConfig, profile: ClusterProfile) -> str:
 RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT")
 
 
-def _in_container(container: Container | None, srun: list[str], command: str, env: list[dict[str, str]],
-                  extra_names: tuple[str, ...] = (), gpus: bool = False) -> tuple[str, str]:
+def _in_container(cfg: RunConfig, container: Container | None, srun: list[str], command: str,
+                  env: list[dict[str, str]], extra_names: tuple[str, ...] = (), gpus: bool = False) -> tuple[str, str]:
     """The step's quoted ``srun`` options and command: as given on the host, or wrapped in the run's image with
     every exported variable (``env``, ``extra_names``) passed in by name (and the GPUs, for a step that has them)."""
     if container is not None:
         names = [e["key"] for e in env] + list(extra_names)
-        srun, command = wrap(container, srun, command, names, gpus, q)
+        srun, command = wrap(container, srun, command, names, gpus, q, host_python=python_for(cfg),
+                             warning_signal=cfg.preemption.signal.upper().removeprefix("SIG"),
+                             exclusive=cfg.resources.exclusive)
     return " ".join(q(a) for a in srun), command
 
 
@@ -194,7 +196,7 @@ def build_train_context(
     srun = ["--kill-on-bad-exit=1", *_rank_step(cfg, profile)]
     env = _env_list(cfg, profile, extra)
     container = resolve(cfg, profile)
-    srun_args, rank_command = _in_container(container, srun, launcher_command(command, cfg.preemption.signal),
+    srun_args, rank_command = _in_container(cfg, container, srun, launcher_command(command, cfg.preemption.signal),
                                             env, RENDEZVOUS_ENV, runs_on_gpu(cfg, profile))
     return {
         **_common(cfg, paths, "train", config_path),
@@ -255,7 +257,7 @@ def _cpu_job_context(cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, c
             e["value"] = q(res.cpus_per_task)
     srun = ["--unbuffered", "--ntasks=1", f"--cpus-per-task={res.cpus_per_task}"]
     container = resolve(cfg, profile)
-    srun_args, task_command = _in_container(container, srun, command, env)  # CPUs only
+    srun_args, task_command = _in_container(cfg, container, srun, command, env)  # CPUs only
     return {
         **_common(cfg, paths, kind, config_path),
         "directives": directives,
@@ -367,7 +369,7 @@ def build_probe_context(
         container = rebound(container, cfg.output_dir, [str(run_dir_target), str(probe.root)])
     rank_command = (f"{rank_python_for(cfg, profile)} -m slurmft.job.probe rank {q(probe.root)} "
                     + " ".join(q(a) for a in rank))
-    srun_args, rank_command = _in_container(container, _rank_step(cfg, profile), rank_command, env, RENDEZVOUS_ENV,
+    srun_args, rank_command = _in_container(cfg, container, _rank_step(cfg, profile), rank_command, env, RENDEZVOUS_ENV,
                                             runs_on_gpu(cfg, profile))
     return {
         **_common(cfg, paths, "doctor probe", config_path),
