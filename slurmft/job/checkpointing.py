@@ -274,6 +274,13 @@ class CompleteCheckpoints(TrainerCallback):
 
         trainer._save_checkpoint = save_checkpoint
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        # A resumed Trainer keeps the save and logging cadence of the checkpoint's trainer_state.json (transformers
+        # 5.24 only warns that they differ from its arguments): the run's config decides, so a resume may change
+        # checkpoint.every_steps and train.logging_steps (issue 47; found by tests/test_resume_local.py, whose resumed
+        # run saved every 6 steps though it asked for 4).
+        state.compute_steps(args, state.max_steps)
+
     def on_save(self, args, state, control, **kwargs):
         save, self.current = self.current, None
         if save is None:  # not through watch(): a save of its own step, written synchronously
