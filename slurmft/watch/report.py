@@ -122,8 +122,9 @@ def summary(paths: RunPaths, slurm_rows: list[dict[str, Any]] | None = None) -> 
 
 
 def _rows(manifest: dict[str, Any], paths: RunPaths | None = None) -> list[dict[str, Any]]:
-    """Slurm's view of the jobs (asked for the run owner's jobs); on any failure (no Slurm here, a busy
-    controller) none."""
+    """Slurm's view of the jobs (a job another user submitted that Slurm hides from us is 'cannot tell', judged
+    against the run's owner for entries that name no submitter); on any failure (no Slurm here, a busy controller)
+    none."""
     try:
         from slurmft.rundir import run_owner
         from slurmft.watch.status import job_rows

@@ -78,8 +78,9 @@ if _marks and os.path.exists("/etc/slurmft-test-image"):  # in the image only: t
             "slurm_gpus": _env.get("SLURM_STEP_GPUS") or _env.get("SLURM_JOB_GPUS"),
             "hf_token_sha256": hashlib.sha256(_env["HF_TOKEN"].encode()).hexdigest() if "HF_TOKEN" in _env else None,
             "from_setup": _env.get("SLURMFT_TEST_FROM_SETUP")}
-    try:
-        with open(os.path.join(_marks, f"env-{_rec['job']}-{_rec['restart']}-{_rec['rank']}-{os.getpid()}.json"),
+    try:  # a folder of its own: the image hook's marks are the *.json beside it
+        os.makedirs(os.path.join(_marks, "env"), exist_ok=True)
+        with open(os.path.join(_marks, "env", f"{_rec['job']}-{_rec['restart']}-{_rec['rank']}-{os.getpid()}.json"),
                   "w") as _f:
             json.dump(_rec, _f)
     except OSError as _exc:
@@ -89,7 +90,7 @@ if _marks and os.path.exists("/etc/slurmft-test-image"):  # in the image only: t
 
 def env_marks(directory: Path, job: str) -> list[dict]:
     """What :data:`ENV_HOOK` recorded for the processes of ``job`` that slurmft started (``python -m ...``)."""
-    found = [json.loads(p.read_text()) for p in directory.glob(f"env-{job}-*.json")]
+    found = [json.loads(p.read_text()) for p in (directory / "env").glob(f"{job}-*.json")]
     return [m for m in found if m["argv"][:1] == ["-m"]]
 
 
