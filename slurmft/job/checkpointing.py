@@ -340,7 +340,10 @@ class CompleteCheckpoints(TrainerCallback):
                 f"{self.failed_in_a_row} asynchronous saves in a row failed (checkpoint.max_failed_saves="
                 f"{self.max_failed_saves}); the run stops rather than train on without checkpoints. Fix the "
                 "cause below, then `slurmft resume` continues from the newest complete checkpoint",
-                problems=[f"{save.directory.name}: {why}"])
+                problems=[f"{save.directory.name}: {why}",
+                          "a resume may change how saves are written, not what trains: `slurmft resume RUN_DIR "
+                          "checkpoint.async=false` (every save synchronous), checkpoint.every_steps=N (fewer saves), "
+                          "checkpoint.max_failed_saves=N"])
         return False
 
     def _finish_files(self, ckpt: Path) -> None:
