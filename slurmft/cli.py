@@ -13,7 +13,8 @@ from slurmft.errors import SlurmftError
 
 OVERRIDES = click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 CONFIG = click.argument("config", type=click.Path(dir_okay=False, path_type=Path), metavar="RUN.yaml")
-RUN_DIR = click.argument("run_dir", type=click.Path(path_type=Path), metavar="RUN_DIR")
+# readable=False: a run directory we may not read is said by read_manifest, with whose it is and the fix
+RUN_DIR = click.argument("run_dir", type=click.Path(path_type=Path, readable=False), metavar="RUN_DIR")
 
 
 def _err(text: str) -> None:
@@ -247,8 +248,10 @@ def status(run_dir: Path, as_json: bool) -> None:
     for col in ("job", "id", "attempt", "state", "reason", "restarts", "elapsed"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["kind"], r["job_id"] + (" (adopted)" if r.get("adopted") else ""), str(r["attempt"]),
-                      r["state"], r["reason"], str(r["restarts"]), r["elapsed"])
+        by = r.get("submitter") or {}
+        theirs = f" ({by.get('user')}'s)" if state.owner and by.get("uid", state.owner.uid) != state.owner.uid else ""
+        table.add_row(r["kind"], r["job_id"] + (" (adopted)" if r.get("adopted") else "") + theirs,
+                      str(r["attempt"]), r["state"], r["reason"], str(r["restarts"]), r["elapsed"])
     Console().print(table)
     for r in rows:  # what each state means, one unwrapped line per job
         click.echo(f"{r['kind']} {r['job_id']}: {r['words']}")
@@ -407,7 +410,7 @@ def consolidate(run_dir: Path, checkpoint: str | None, out: str | None, here: bo
 
 
 @cli.command()
-@click.argument("target", type=click.Path(exists=True, path_type=Path), metavar="RUN.yaml|RUN_DIR")
+@click.argument("target", type=click.Path(exists=True, path_type=Path, readable=False), metavar="RUN.yaml|RUN_DIR")
 @OVERRIDES
 @click.option("--here", is_flag=True, help="Prepare in this process (needs the training stack), not as a job.")
 @click.option("--template-dir", type=click.Path(file_okay=False, exists=True), help="Your own templates first.")

@@ -165,7 +165,8 @@ class ContainerConfig(_Section):
         None,
         description="The image: pyxis an enroot URI (nvcr.io#nvidia/pytorch:24.05-py3) or a .sqsh path; apptainer a "
         ".sif path or docker://...; charliecloud an image directory or SquashFS path; podman a reference (default: "
-        "the cluster profile's). A path must exist and be readable (validate checks it).")
+        "the cluster profile's). A path must exist and be readable (validate checks it); a relative one is relative to "
+        "run.yaml's folder (on the command line: the current directory), ~ is expanded.")
     mounts: list[str] = Field(
         default_factory=list,
         description="Extra bind mounts, SRC:DST with absolute paths (SRC alone: the same path inside). The run "
@@ -1057,7 +1058,7 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
     """Read run.yaml, apply overrides and validate; every relative path becomes absolute.
 
     One rule for every path (output_dir, model, tokenizer, data files, a profile file, the job's
-    Python, a chat template): a relative path is relative to where it was written — the run.yaml's
+    Python, a chat template, a container image file): a relative path is relative to where it was written — the run.yaml's
     folder for a value in the file, the current directory for a ``key=value`` on the command line.
     Whether the files exist is checked by :mod:`slurmft.plan.checks`, which reports every problem at once.
     """
@@ -1080,6 +1081,8 @@ def _path_kind(loc: str) -> str:
         return "profile"
     if loc == "cluster.python":
         return "program"
+    if loc == "cluster.container.image":
+        return "image"
     return "path-or-hub-id"  # model.name_or_path, model.tokenizer, data.datasets[i].path
 
 
@@ -1099,6 +1102,8 @@ def _resolve_one(value: str, kind: str, base: Path) -> str:
         return local if ("/" in value or value.endswith((".yaml", ".yml"))) else value
     if kind == "program":
         return local if "/" in value else value  # a bare name is looked up on the job's PATH
+    if kind == "image":  # a file or directory here, or a registry reference (docker://..., nvcr.io#..., localhost/x:1)
+        return local if looks_like_path(value) or (base / expanded).exists() else value
     if looks_like_path(value) or value.endswith(DATA_SUFFIXES) or (base / expanded).exists():
         return local
     return value  # a hub id
@@ -1117,6 +1122,8 @@ def _path_fields(data: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
                                   ("cluster", "model", "data", "train"))
     take("cluster.profile", cluster, "profile")
     take("cluster.python", cluster, "python")
+    if isinstance(cluster.get("container"), dict):
+        take("cluster.container.image", cluster["container"], "image")
     take("model.name_or_path", model, "name_or_path")
     take("model.tokenizer", model, "tokenizer")
     if isinstance(train.get("sft"), dict):

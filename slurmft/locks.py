@@ -302,6 +302,10 @@ def acquire(path: Path, what: str, say: Callable[[str], None] | None = None, wai
                 seen, raw = os.stat(path), path.read_text(errors="replace")
             except FileNotFoundError:
                 continue  # released in between
+            except PermissionError:  # a holder whose umask leaves its lock unreadable to us (077)
+                raise LockError(f"{target} is locked ({path} exists, and you may not read who holds it); cannot "
+                                f"{what} now: wait for it, or ask the run's owner (the team needs read access to "
+                                "the run directory: umask 002)") from None
             held = parse_holder(raw)
             stale = judge(held, seen.st_mtime, time.time(), socket.gethostname(), pid_alive, _flock_held(path))
             if stale:

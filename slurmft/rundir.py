@@ -7,11 +7,13 @@ the rendered scripts, a manifest of every job id and attempt, logs, checkpoints,
 from __future__ import annotations
 
 import contextlib
+import grp
 import hashlib
 import json
 import os
 import pwd
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -319,17 +321,45 @@ def new_manifest(name: str, executor: str, run_id: str = "") -> dict[str, Any]:
 
 
 def read_manifest(paths: RunPaths) -> dict[str, Any]:
-    """Read the manifest, or explain why there is none."""
-    if not paths.root.is_dir():
-        raise RunDirError(f"run directory {str(paths.root)!r} does not exist")
-    if not paths.manifest.is_file():
-        raise RunDirError(
-            f"{paths.root} has no manifest.json: it is not a slurmft run directory (or its submit failed)"
-        )
+    """Read the manifest, or explain why there is none (or why we may not read it)."""
     try:
+        if not paths.root.is_dir():
+            raise RunDirError(f"run directory {str(paths.root)!r} does not exist")
+        if not paths.manifest.is_file():
+            raise RunDirError(
+                f"{paths.root} has no manifest.json: it is not a slurmft run directory (or its submit failed)"
+            )
         return json.loads(paths.manifest.read_text())
     except json.JSONDecodeError as exc:
         raise RunDirError(f"{paths.manifest} is corrupt: {exc}") from None
+    except PermissionError:
+        raise unreadable(paths) from None
+
+
+def unreadable(paths: RunPaths) -> RunDirError:
+    """The error for a run directory we may not read (a teammate's run written with umask 077, or 022 outside the
+    team's group), with whose it is and the fix."""
+    me = current_user()
+    try:
+        st = paths.root.stat()
+        whose, mode, group = User.of_uid(st.st_uid), f"{stat.S_IMODE(st.st_mode):04o}", f", group {_group(st.st_gid)}"
+    except OSError:
+        whose, mode, group = None, "?", ""
+    owner = whose.name if whose else "its owner"
+    return RunDirError(
+        f"you ({me.name}) may not read {paths.root} (mode {mode}, {owner}'s{group}): status, resume, cancel and the "
+        "other commands read its manifest", [
+            f"{owner} can let the team in: chgrp -R TEAM {paths.root} && chmod -R g+rwX {paths.root} (TEAM: a group "
+            "you are in)",
+            "runs submitted with umask 002 in a setgid team directory are readable and writable by the team from the "
+            "start (docs/watching.md, 'A run directory that a team shares')"])
+
+
+def _group(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:  # a gid without a group entry here (another site's NSS)
+        return f"id {gid}"
 
 
 def write_manifest(paths: RunPaths, manifest: dict[str, Any]) -> None:
@@ -347,9 +377,12 @@ def start_attempt(manifest: dict[str, Any], how: str, **extra: Any) -> dict[str,
 
 
 def record_job(manifest: dict[str, Any], kind: str, job_id: str, **extra: Any) -> dict[str, Any]:
-    """Append one job (prepare, train or consolidate) to the manifest and return its entry."""
+    """Append one job (prepare, train or consolidate) to the manifest and return its entry, with who submitted it
+    (``submitter``: this process's real uid and name; a teammate's ``resume --force`` submits under the teammate's
+    uid, and under ``PrivateData=jobs`` the run's owner cannot see that job: :func:`job_submitter`)."""
     attempt = 1 + sum(1 for j in manifest["jobs"] if j["kind"] == kind)
-    entry = {"kind": kind, "job_id": str(job_id), "attempt": attempt, "submitted": time.time(), **extra}
+    entry = {"kind": kind, "job_id": str(job_id), "attempt": attempt, "submitted": time.time(),
+             "submitter": current_user().record(), **extra}
     manifest["jobs"].append(entry)
     return entry
 
@@ -395,6 +428,15 @@ def run_owner(paths: RunPaths, manifest: dict[str, Any]) -> User:
         return User.of_uid(paths.manifest.stat().st_uid)
     except OSError:
         return current_user()
+
+
+def job_submitter(job: dict[str, Any], owner: User) -> User:
+    """Who submitted a job of the manifest: its ``submitter``; for an entry written before that was recorded (or a
+    tagged job a killed submit never recorded, adopted later), the run's owner."""
+    who = job.get("submitter")
+    if isinstance(who, dict) and isinstance(who.get("uid"), int):
+        return User(who["uid"], str(who.get("user") or f"uid {who['uid']}"))
+    return owner
 
 
 def check_owner(paths: RunPaths, manifest: dict[str, Any], what: str, force: bool) -> None:

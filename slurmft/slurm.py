@@ -59,7 +59,7 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from slurmft.errors import SubmissionError
@@ -131,17 +131,16 @@ def decode(data: bytes) -> str:
 
 
 # ------------------------------------------------------------------ squeue / sacct
-def squeue_args(uid: int | Iterable[int] | None = None) -> list[str]:
-    """Every job slurmctld still knows of user ``uid`` (or of several; default: this process's real uid), whole values,
-    :data:`SEP` after each. A numeric ``--user`` ("user names or user id numbers"; checked on 22.05.8 and
-    24.11.5: ``--user=0`` lists root's jobs, ``--user=0,99999`` prints "Invalid user: 99999" on stderr, exits 0
-    and still lists root's) names the user by what the kernel says, not by
-    ``$USER``/``$LOGNAME`` (which ``getpass.getuser`` reads first), and a teammate's ``status`` asks for the
-    run owner's jobs. Where Slurm hides other users' jobs (``PrivateData=jobs``) the answer is empty, not an
-    error: the caller decides what an absent job means (slurmft/watch/status.py)."""
-    uids = [os.getuid()] if uid is None else [uid] if isinstance(uid, int) else sorted({int(u) for u in uid})
-    return ["squeue", "-h", "-t", "all", f"--user={','.join(str(u) for u in uids or [os.getuid()])}",
-            "-O", ",".join(f"{f}:{SEP}" for f in SQUEUE_FIELDS)]
+def squeue_args() -> list[str]:
+    """Every job slurmctld still knows that this user may see (queued, running, recently finished; every user's,
+    every partition's: ``--all``), whole values, :data:`SEP` after each. No ``--user``: a run's jobs are not all
+    its owner's (a teammate's ``resume --force`` submits under the teammate's uid), and a filter on the owner
+    hid the teammate's live train job, which then looked ended (issue 47). No ``--jobs`` either: squeue with
+    one id it has forgotten fails ("Invalid job id specified", exit 1, on 22.05.8 and 24.11.5) where several
+    such ids print nothing, and a run's tagged jobs that no manifest recorded are found by their comment, which
+    squeue cannot filter on. Where Slurm hides other users' jobs (``PrivateData=jobs``) they are simply absent,
+    not an error: the caller decides what an absent job means (slurmft/watch/status.py)."""
+    return ["squeue", "-h", "--all", "-t", "all", "-O", ",".join(f"{f}:{SEP}" for f in SQUEUE_FIELDS)]
 
 
 def parse_squeue(text: str) -> dict[str, dict[str, str]]:
@@ -156,16 +155,18 @@ def parse_squeue(text: str) -> dict[str, dict[str, str]]:
     return info
 
 
-def squeue_jobs(uid: int | Iterable[int] | None = None) -> dict[str, dict[str, str]] | None:
-    """Every job slurmctld still knows of user ``uid`` (queued, running, recently finished), one call; None
-    when squeue is missing, hangs or fails."""
-    answer = call(squeue_args(uid))
+def squeue_jobs() -> dict[str, dict[str, str]] | None:
+    """Every job slurmctld still knows that we may see (:func:`squeue_args`), one call; None when squeue is
+    missing, hangs or fails."""
+    answer = call(squeue_args())
     return parse_squeue(answer.stdout) if answer.ok else None
 
 
 def sacct_args(job_ids: list[str]) -> list[str]:
-    """Allocation lines only, :data:`SEP`-separated whole values."""
-    return ["sacct", "-n", "-X", "-P", f"--delimiter={SEP}", "-j", ",".join(job_ids), "-o", ",".join(SACCT_FIELDS)]
+    """Allocation lines only, :data:`SEP`-separated whole values, whoever submitted the jobs (``--allusers``: a
+    run's jobs may be a teammate's; where PrivateData=jobs hides them, sacct shows only our own)."""
+    return ["sacct", "-n", "-X", "-P", "--allusers", f"--delimiter={SEP}", "-j", ",".join(job_ids), "-o",
+            ",".join(SACCT_FIELDS)]
 
 
 def parse_sacct(text: str) -> dict[str, dict[str, str]]:
@@ -202,7 +203,13 @@ def scancel(job_ids: list[str]) -> None:
 
 def try_scancel(job_ids: list[str]) -> bool:
     """``scancel``, True when it worked (for clean-up paths that report, not raise)."""
-    return call(["scancel", *job_ids]).ok
+    return scancel_answer(job_ids).ok
+
+
+def scancel_answer(job_ids: list[str]) -> Answer:
+    """``scancel`` and what it said: for a job another user submitted, which Slurm cancels only for an operator
+    or a coordinator ("Access/permission denied" otherwise), the caller reports the refusal."""
+    return call(["scancel", *job_ids])
 
 
 # ------------------------------------------------------------------ scontrol

@@ -77,7 +77,11 @@ def test_the_batch_script_stays_on_the_host(runtime: str) -> None:
     for host_line in (train[requeue], train[rendezvous]):  # the host's cluster.python, not the image's
         assert "/opt/venv/bin/python -m slurmft.job." in host_line
         assert not re.search(r"container|apptainer|ch-run|podman", host_line), host_line
-    assert "/opt/venv/bin/python" not in srun_line(scripts["train"])  # the ranks run the image's python
+    # the ranks run the image's python; podman's tasks first run the host's, to pass each its own environment and
+    # GPUs (slurmft/job/podman_task.py), then exec podman
+    task = "/opt/venv/bin/python -m slurmft.job.podman_task "
+    assert (task in srun_line(scripts["train"])) is (runtime == "podman")
+    assert "/opt/venv/bin/python" not in srun_line(scripts["train"]).replace(task, "")
     assert " python -u -m slurmft.job.launch --signal=USR2 " in srun_line(scripts["train"])
     for kind in ("prepare", "consolidate"):
         assert " python -u -m submitit.core._submit /shared/runs/golden-2x8/submitit" in srun_line(scripts[kind])
@@ -119,10 +123,46 @@ def test_the_run_dir_data_and_cache_are_mounted_at_the_same_paths(runtime: str) 
     for path in ("/shared/runs/golden-2x8", "/fsx/data", "/fsx/hf"):  # itself, or a directory above it (pyxis: /fsx)
         assert [m for m in same if path == m or path.startswith(m + "/")], (path, srun)
     assert "/fsx/cache:/cache" in srun
-    gpu_flag = {"pyxis": None, "apptainer": "--nv", "charliecloud": None, "podman": "--device=nvidia.com/gpu=all"}
+    gpu_flag = {"pyxis": None, "apptainer": "--nv", "charliecloud": None, "podman": "--gpus=exclusive"}
     if gpu_flag[runtime]:
         assert gpu_flag[runtime] in srun
         assert gpu_flag[runtime] not in srun_line(container_scripts(runtime)["consolidate"])  # a CPU job
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_the_batch_script_creates_hf_home_on_the_host_before_the_step(runtime: str, tmp_path: Path) -> None:
+    """Issue 47, defect 5: pyxis refuses a step whose mount source does not exist (found with pyxis 0.24 + enroot
+    4.1), after the queue wait; so does every runtime. The batch script makes HF_HOME first, on the host, and stops
+    with a line naming it when it cannot. Run for real here: the script's own line creates a missing directory."""
+    for kind, text in container_scripts(runtime).items():
+        lines = text.splitlines()
+        made = [i for i, line in enumerate(lines) if line.startswith("mkdir -p -- /fsx/hf ||")]
+        assert len(made) == 1 and made[0] < lines.index(srun_line(text)), (kind, text)
+        assert "cannot create /fsx/hf (HF_HOME" in lines[made[0]] and "exit 1" in lines[made[0]]
+    hf = tmp_path / "not yet" / "hf"
+    line = next(line for line in container_scripts(runtime, f"cluster.env.HF_HOME={hf}")["prepare"].splitlines()
+                if line.startswith("mkdir -p -- "))
+    assert subprocess.run(["bash", "-c", f"set -u; {line}"], capture_output=True).returncode == 0 and hf.is_dir()
+    (tmp_path / "file").write_text("")
+    line = next(line for line in container_scripts(runtime, f"cluster.env.HF_HOME={tmp_path / 'file' / 'hf'}")[
+        "train"].splitlines() if line.startswith("mkdir -p -- "))
+    out = subprocess.run(["bash", "-c", f"set -u; {line}; echo went on"], capture_output=True, text=True)
+    assert out.returncode == 1 and "went on" not in out.stdout and "[slurmft] cannot create" in out.stderr
+    assert not any(line.startswith("mkdir") for text in scripts_for(GOLDEN_CFG, "cluster.env.HF_HOME=/fsx/hf").values()
+                   for line in text.splitlines())  # no image: nothing to mount, the libraries make their cache
+
+
+def test_each_podman_task_passes_the_users_environment_and_its_own_gpus() -> None:
+    """Issue 47, defect 3: podman gives a container the image's environment and what it is told. Each task runs
+    slurmft/job/podman_task.py on the host first (the user's exported variables by name, the GPUs Slurm gave it),
+    never ``--device=nvidia.com/gpu=all`` from the script: with shared nodes that was another job's GPUs too."""
+    for kind, text in container_scripts("podman", "resources.exclusive=false").items():
+        line = srun_line(text)
+        assert "nvidia.com/gpu" not in line, (kind, line)
+        assert " /opt/venv/bin/python -m slurmft.job.podman_task --signal=USR2 " in line, (kind, line)  # the host's
+        assert ("--gpus=shared podman run " in line) is (kind == "train"), (kind, line)  # the CPU jobs: no GPU
+    train = srun_line(container_scripts("podman")["train"])  # whole nodes: their every GPU is the job's
+    assert "--gpus=exclusive podman run " in train
 
 
 def test_pyxis_flags_are_the_ones_pyxis_registers() -> None:
@@ -208,6 +248,40 @@ def test_an_image_file_must_exist_and_be_readable(tmp_path: Path) -> None:
                                                 "cluster.container.image=nvcr.io#nvidia/pytorch:25.01-py3"]),
                        load_profile("aws-efa-pyxis"))
     assert registry is not None and not registry.image_is_path and image_problems(registry) == []
+
+
+def test_an_image_path_is_resolved_like_every_other_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 47, defect 4: cluster.container.image against run.yaml's folder (an override: the current directory),
+    ``~`` expanded; validate checks that file, and the script names it absolutely. A registry reference stays."""
+    from slurmft.plan.checks import Report, check_container
+
+    folder, elsewhere, home = tmp_path / "project", tmp_path / "elsewhere", tmp_path / "home"
+    for d in (folder / "images", elsewhere, home):
+        d.mkdir(parents=True)
+    (folder / "images" / "sft.sif").write_text("sif")
+    (home / "sft.sif").write_text("sif")
+    run_yaml = folder / "run.yaml"
+    run_yaml.write_text(GOLDEN_CFG.read_text() + "\n")
+    cfg_text = run_yaml.read_text()
+    assert "container" not in cfg_text and "\ncluster:\n" in cfg_text  # the run's own section goes in there
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(elsewhere)  # validate runs from anywhere
+    for image, expected in (("./images/sft.sif", folder / "images" / "sft.sif"), ("~/sft.sif", home / "sft.sif"),
+                            ("images/sft.sif", folder / "images" / "sft.sif")):
+        run_yaml.write_text(cfg_text.replace("cluster:\n", f"cluster:\n  container: {{runtime: apptainer, image: "
+                                                          f"'{image}'}}\n", 1))
+        cfg = load_config(run_yaml, ["cluster.env.HF_HOME=/shared/hf"])
+        assert cfg.cluster.container is not None and cfg.cluster.container.image == str(expected), image
+        report = Report()
+        assert check_container(cfg, report) is not None and report.problems == [], (image, report.problems)
+        train = scripts_for(run_yaml, "cluster.env.HF_HOME=/shared/hf")["train"]
+        assert f" {expected} " in srun_line(train), image
+    (elsewhere / "other.sif").write_text("sif")
+    cfg = load_config(run_yaml, ["cluster.container.image=./other.sif"])  # the command line's: the current directory
+    assert cfg.cluster.container is not None and cfg.cluster.container.image == str(elsewhere / "other.sif")
+    for reference in ("docker://nvcr.io/nvidia/pytorch:25.01-py3", "localhost/sft:1", "nvcr.io#nvidia/pytorch:25.01"):
+        cfg = load_config(run_yaml, [f"cluster.container.image={reference}"])
+        assert cfg.cluster.container is not None and cfg.cluster.container.image == reference
 
 
 def test_the_local_executor_refuses_a_container() -> None:

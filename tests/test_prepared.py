@@ -13,7 +13,7 @@ from slurmft import prepared
 from slurmft.config import load_config
 from slurmft.errors import RunDirError
 from slurmft.rundir import RunPaths
-from slurmft.watch.status import explain_prepare_failures, prepare_failed_words
+from slurmft.watch.status import explain_dependency_failures, prepare_failed_words, train_failed_words
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "tiny" / "run.yaml"
@@ -127,15 +127,19 @@ def test_status_says_why_a_train_job_never_started() -> None:
     rows = [{"kind": "prepare", "job_id": "11", "state": "FAILED", "start": "2026-12-03T15:00:00", "words": "failed"},
             {"kind": "train", "job_id": "12", "state": "CANCELLED", "start": "None", "words": "cancelled"},
             {"kind": "consolidate", "job_id": "13", "state": "PENDING", "start": "", "words": "w"}]
-    explain_prepare_failures(rows, jobs, "/runs/x")
+    explain_dependency_failures(rows, jobs, "/runs/x")
     assert rows[1]["words"] == prepare_failed_words("11", "/runs/x")
     assert "prepare job 11 did not succeed" in rows[1]["words"] and "slurmft resume /runs/x" in rows[1]["words"]
+    assert rows[2]["words"] == "w"  # still pending: its own words
+    rows[2].update(state="CANCELLED", start="None")  # then Slurm cancels the consolidation too (issue 47)
+    explain_dependency_failures(rows, jobs, "/runs/x")
+    assert rows[2]["words"] == train_failed_words("12", "/runs/x") and "train job 12 did not succeed" in rows[2]["words"]
     # a train job cancelled by the user after it started, or one whose prepare job succeeded: its own words
     rows[1].update(words="cancelled", start="2026-12-03T15:01:00")
-    explain_prepare_failures(rows, jobs, "/runs/x")
+    explain_dependency_failures(rows, jobs, "/runs/x")
     assert rows[1]["words"] == "cancelled"
     rows[0]["state"], rows[1]["start"] = "COMPLETED", "None"
-    explain_prepare_failures(rows, jobs, "/runs/x")
+    explain_dependency_failures(rows, jobs, "/runs/x")
     assert rows[1]["words"] == "cancelled"
 
 

@@ -72,9 +72,22 @@ def test_ended_how(state: str, code: str, words: str) -> None:
                                  "consolidate.dtype=bfloat16", "checkpoint.keep_last=3",
                                  "resources.cpus_per_task=4", "resources.mem=100G", "resources.exclusive=false",
                                  "resources.nodes=4", "resources.tasks_per_node=2", "resources.gpus_per_node=4",
-                                 "train.gradient_accumulation_steps=2", "train.per_device_batch_size=1"])
+                                 "train.gradient_accumulation_steps=2", "train.per_device_batch_size=1",
+                                 # issue 47: how often and how a save is written, and how often a step is logged,
+                                 # change nothing the training computes (the async-failure message names them)
+                                 "checkpoint.async=false", "checkpoint.every_steps=50", "checkpoint.max_failed_saves=10",
+                                 "train.logging_steps=10"])
 def test_allowed_overrides(key: str) -> None:
     check_overrides([key])
+
+
+def test_a_refused_key_that_changes_no_math_is_refused_with_its_own_reason() -> None:
+    with pytest.raises(ConfigError) as info:
+        check_overrides(["output_dir=/elsewhere", "train.report_to=[wandb]", "train.seed=3"])
+    text = str(info.value)
+    assert "train.seed: it would change what the resumed training computes" in text
+    assert "output_dir: the run directory is the run" in text and "output_dir: it would change" not in text
+    assert "train.report_to: the trackers' packages are checked" in text
 
 
 def test_forbidden_overrides_are_all_named_with_the_allowed_list() -> None:
@@ -214,20 +227,88 @@ def test_a_job_slurm_hides_in_a_teammates_run_is_cannot_tell_and_resume_submits_
     asked: list = []
     from slurmft import slurm
 
-    monkeypatch.setattr(slurm, "squeue_jobs", lambda uid=None: asked.append(uid) or {})  # PrivateData=jobs
+    monkeypatch.setattr(slurm, "squeue_jobs", lambda: asked.append(True) or {})  # PrivateData=jobs
     monkeypatch.setattr(os, "getuid", lambda: 1000)  # we are a teammate, not root (root sees every job)
     before = paths.manifest.read_text()
     code, out, err = cli(["status", str(paths.root)], capsys)
-    assert code == 0 and asked == [4242]  # ann's jobs asked for, by uid
-    print(out)
+    assert code == 0 and asked == [True]  # one squeue: every job we may see (no user: slurm.squeue_args)
     assert "cannot tell" in out and "PrivateData=jobs" in out and "ask ann" in out
     code, _, err = cli(["resume", str(paths.root)], capsys)
     assert code == 2 and "ann's run" in err and "--force" in err
     code, _, err = cli(["resume", str(paths.root), "--force"], capsys)
     assert code == 2 and "cannot tell whether" in err and "nothing is submitted" in err
-    code, out, err = cli(["cancel", str(paths.root), "--force"], capsys)
-    assert code == 0 and "not cancelled: train job 7: cannot tell" in err and "no live jobs" in out
     assert calls == [] and paths.manifest.read_text() == before
+    code, out, err = cli(["cancel", str(paths.root), "--force"], capsys)  # Slurm decides: tried, refused, said
+    assert code == 0 and "not cancelled: train job 7 is ann's (submitted by ann)" in err and "no live jobs" in out
+    assert calls == [["scancel", "7"], ["scancel", "8"]] and paths.manifest.read_text() == before
+
+
+def _teammates_train_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[RunPaths, list[list[str]]]:
+    """Ann's run (we are ann, uid 1000): her train job 7 was cancelled, then bob's `resume --force` submitted train
+    job 9 and consolidation 10 under his uid. Slurm (PrivateData=jobs) shows ann none of bob's jobs; sacct has her 7.
+    Every other Slurm call (scancel, sbatch) is recorded and refused."""
+    from slurmft import slurm
+    from slurmft.rundir import read_manifest
+
+    paths = _slurm_run(tmp_path)
+    manifest = read_manifest(paths)
+    manifest["owner"] = {"uid": 1000, "user": "ann"}
+    bob = {"uid": 1001, "user": "bob"}
+    manifest["jobs"][1]["submitter"] = {"uid": 1000, "user": "ann"}
+    manifest["jobs"] += [{"kind": "train", "job_id": "9", "attempt": 2, "submitter": bob},
+                         {"kind": "consolidate", "job_id": "10", "attempt": 2, "dependency": "afterok:9",
+                          "submitter": bob}]
+    write_manifest(paths, manifest)
+    calls: list[list[str]] = []
+
+    def call(args: list[str], timeout: float = 0) -> slurm.Answer:
+        calls.append(args)
+        return slurm.Answer(False, problem="Access/permission denied", code=1)
+
+    monkeypatch.setattr(slurm, "squeue_jobs", lambda *_: {})  # PrivateData=jobs: none of bob's
+    monkeypatch.setattr(slurm, "sacct_jobs", lambda ids: {"7": {"state": "CANCELLED", "elapsed": "0:10",
+                                                                "exit_code": "0:15", "start": "x", "end": "y"}})
+    monkeypatch.setattr(slurm, "call", call)
+    monkeypatch.setattr(slurm, "available", lambda cmd: True)
+    monkeypatch.setattr(os, "getuid", lambda: 1000)  # we are ann, the owner (not root: root sees every job)
+    return paths, calls
+
+
+def test_the_owner_never_takes_a_teammates_train_job_it_cannot_see_for_ended(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 47, defects 1 and 2: the owner's status, resume, prepare and consolidate judge bob's job by who
+    submitted it (the manifest records it), and cancel tries it, then says whose it is."""
+    paths, calls = _teammates_train_job(tmp_path, monkeypatch)
+    before = paths.manifest.read_text()
+    code, out, err = cli(["status", str(paths.root), "--json"], capsys)
+    assert code == 0, err
+    rows = {r["job_id"]: r for r in json.loads(out)["jobs"]}
+    assert rows["7"]["state"] == "CANCELLED"
+    assert rows["9"]["state"] == "HIDDEN" and "bob submitted it" in rows["9"]["words"], rows["9"]
+    assert rows["9"]["submitter"] == {"uid": 1001, "user": "bob"}
+    for command in (["resume"], ["prepare"], ["consolidate"]):
+        code, _, err = cli([*command, str(paths.root)], capsys)
+        assert code == 2 and "cannot tell whether" in err and "nothing is submitted" in err, (command, err)
+        assert "train job 9" in err and "bob" in err, (command, err)
+    assert calls == [] and paths.manifest.read_text() == before  # nothing submitted, nothing recorded
+    code, out, err = cli(["cancel", str(paths.root)], capsys)
+    assert code == 0, err
+    assert calls == [["scancel", "9"], ["scancel", "10"]]  # each tried on its own: Slurm decides
+    assert "not cancelled: train job 9 is bob's (submitted by bob)" in err and "Access/permission denied" in err
+    assert "consolidate job 10 is bob's" in err and "no live jobs to cancel" in out
+
+
+def test_prepare_and_consolidate_refuse_while_squeue_does_not_answer(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 47, defect 2: `slurmft prepare RUN_DIR` had its own, weaker liveness (no squeue-answered check, no
+    HIDDEN); prepare and consolidate ask the run's one now, as resume does."""
+    paths = _slurm_run(tmp_path)
+    calls = _squeue_says(monkeypatch, None)
+    before = paths.manifest.read_text()
+    for command in (["resume"], ["prepare"], ["consolidate"], ["prepare", "--here"], ["consolidate", "--here"]):
+        code, _, err = cli([*command[:1], str(paths.root), *command[1:]], capsys)
+        assert code == 2 and "squeue did not answer" in err and "nothing is submitted" in err, (command, err)
+    assert calls == [] and paths.manifest.read_text() == before and not paths.prepared.exists()
 
 
 def test_a_pid_on_another_host_is_never_killed(tmp_path: Path, capsys: pytest.CaptureFixture[str],

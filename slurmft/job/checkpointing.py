@@ -303,6 +303,13 @@ class CompleteCheckpoints(TrainerCallback):
 
         trainer._save_checkpoint = save_checkpoint
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        # A resumed Trainer keeps the save and logging cadence of the checkpoint's trainer_state.json (transformers
+        # 5.24 only warns that they differ from its arguments): the run's config decides, so a resume may change
+        # checkpoint.every_steps and train.logging_steps (issue 47; found by tests/test_resume_local.py, whose resumed
+        # run saved every 6 steps though it asked for 4).
+        state.compute_steps(args, state.max_steps)
+
     def on_save(self, args, state, control, **kwargs):
         save, self.current = self.current, None
         if save is None:  # not through watch(): a save of its own step, written synchronously
@@ -366,7 +373,10 @@ class CompleteCheckpoints(TrainerCallback):
                 f"{self.failed_in_a_row} asynchronous saves in a row failed (checkpoint.max_failed_saves="
                 f"{self.max_failed_saves}); the run stops rather than train on without checkpoints. Fix the "
                 "cause below, then `slurmft resume` continues from the newest complete checkpoint",
-                problems=[f"{save.directory.name}: {why}"])
+                problems=[f"{save.directory.name}: {why}",
+                          "a resume may change how saves are written, not what trains: `slurmft resume RUN_DIR "
+                          "checkpoint.async=false` (every save synchronous), checkpoint.every_steps=N (fewer saves), "
+                          "checkpoint.max_failed_saves=N"])
         return False
 
     def _finish_files(self, ckpt: Path) -> None:

@@ -88,12 +88,30 @@ def automatic_mounts(cfg: RunConfig, container_env: dict[str, str] | None = None
     template = cfg.train.sft.get("chat_template_path")
     if isinstance(template, str) and template.startswith("/"):
         dirs.append(str(PurePosixPath(template).parent))
+    home = hf_home(cfg, container_env)
+    if home:
+        dirs.append(home)
+    return _outermost(dirs)
+
+
+def hf_home(cfg: RunConfig, container_env: dict[str, str] | None = None) -> str | None:
+    """HF_HOME as the ranks get it (the container's env first, then cluster.env) when it is an absolute path: the
+    Hugging Face caches, which slurmft mounts into the image at the same path."""
     if container_env is None:
         container_env = cfg.cluster.container.env if cfg.cluster.container else {}
-    hf_home = container_env.get("HF_HOME") or cfg.cluster.env.get("HF_HOME")
-    if hf_home and hf_home.startswith("/"):
-        dirs.append(hf_home)
-    return _outermost(dirs)
+    home = container_env.get("HF_HOME") or cfg.cluster.env.get("HF_HOME")
+    return home if home and home.startswith("/") else None
+
+
+def created_before_step(cfg: RunConfig, container: Container) -> list[tuple[str, str]]:
+    """(directory, what it is) that the batch script creates on the host before the step: what slurmft mounts and
+    owns that may not exist yet. Every runtime refuses a bind whose source does not exist, and only once the job
+    has waited in the queue: pyxis 0.24 "--container-mounts: source path does not exist" (found with enroot 4.1),
+    Charliecloud's bind, podman's --volume. HF_HOME is a cache (the libraries create it themselves without an
+    image); the run directory exists from the submit on, and the model, data and chat template are inputs that
+    validate checks."""
+    home = hf_home(cfg, container.env)
+    return [(home, "HF_HOME, the Hugging Face caches")] if home else []
 
 
 def _outermost(dirs: list[str]) -> list[str]:
@@ -210,9 +228,12 @@ def _python_check(container: Container) -> str:
             f'cluster.container.python to its interpreter (docs/containers.md)" >&2; exit {NO_PYTHON_EXIT}; }}; '
             'exec "$0" "$@"')
 def wrap(container: Container, srun: list[str], command: str, env_names: list[str], gpus: bool,
-         q: Callable[[object], str]) -> tuple[list[str], str]:
+         q: Callable[[object], str], *, host_python: str = "python", warning_signal: str = "USR2",
+         exclusive: bool = True) -> tuple[list[str], str]:
     """The step's ``srun`` options and command, run in ``container``: ``srun`` options (unquoted) and the command
     line (quoted with ``q``, render's one quoting rule), with every name of ``env_names`` passed in explicitly.
+    podman's command starts with ``host_python`` (quoted already) running slurmft/job/podman_task.py on each task:
+    the task's own environment by name and its GPUs (``exclusive``: the job has its nodes to itself).
     ``command`` starts with the image's interpreter (:func:`rank_python`); a ``sh`` in the image checks that it is
     there before it execs it (same process: the signal still reaches the rank), so an image without it fails with
     a line naming the image, not a runtime's own "No such file"."""
@@ -260,8 +281,6 @@ def wrap(container: Container, srun: list[str], command: str, env_names: list[st
         args = ["run", "--rm", "--init", "--sig-proxy=true", "--network=host", "--ipc=host"]
         if not container.writable:
             args.append("--read-only")
-        if gpus:
-            args.append("--device=nvidia.com/gpu=all")
         for glob in TASK_ENV_GLOBS:
             args.append(f"--env={glob}")
         for n in names:
@@ -269,5 +288,8 @@ def wrap(container: Container, srun: list[str], command: str, env_names: list[st
         for s, d in container.mounts:
             args.append(f"--volume={s}:{d}")
         args += [f"--workdir={container.workdir}", container.image]
-        return srun, f"podman {' '.join(q(a) for a in args)} {command}"
+        # each task adds its own: the user's exported variables by name, the GPUs Slurm gave it (podman_task.py)
+        task = [f"--signal={warning_signal}", *([f"--gpus={'exclusive' if exclusive else 'shared'}"] if gpus else [])]
+        return srun, (f"{host_python} -m slurmft.job.podman_task {' '.join(q(a) for a in task)} "
+                      f"podman {' '.join(q(a) for a in args)} {command}")
     raise ConfigError(f"cluster.container.runtime: {runtime!r} has no rendering")  # config.RUNTIMES keeps it out

@@ -16,7 +16,15 @@ from typing import Any
 from slurmft import __version__
 from slurmft.config import ConsolidateResources, PrepareResources, RunConfig, slurm_time_seconds
 from slurmft.errors import RenderError
-from slurmft.plan.container import Container, host_python, rank_python, rebound, resolve, wrap
+from slurmft.plan.container import (
+    Container,
+    created_before_step,
+    host_python,
+    rank_python,
+    rebound,
+    resolve,
+    wrap,
+)
 from slurmft.profiles import ClusterProfile, runs_on_gpu
 from slurmft.resources import data_dir
 from slurmft.rundir import RunPaths
@@ -73,14 +81,27 @@ def rank_python_for(cfg: RunConfig, profile: ClusterProfile) -> str:
 RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT")
 
 
-def _in_container(container: Container | None, srun: list[str], command: str, env: list[dict[str, str]],
-                  extra_names: tuple[str, ...] = (), gpus: bool = False) -> tuple[str, str]:
+def _in_container(cfg: RunConfig, container: Container | None, srun: list[str], command: str,
+                  env: list[dict[str, str]], extra_names: tuple[str, ...] = (), gpus: bool = False) -> tuple[str, str]:
     """The step's quoted ``srun`` options and command: as given on the host, or wrapped in the run's image with
     every exported variable (``env``, ``extra_names``) passed in by name (and the GPUs, for a step that has them)."""
     if container is not None:
         names = [e["key"] for e in env] + list(extra_names)
-        srun, command = wrap(container, srun, command, names, gpus, q)
+        srun, command = wrap(container, srun, command, names, gpus, q, host_python=python_for(cfg),
+                             warning_signal=cfg.preemption.signal.upper().removeprefix("SIG"),
+                             exclusive=cfg.resources.exclusive)
     return " ".join(q(a) for a in srun), command
+
+
+def _made_before_step(cfg: RunConfig, container: Container | None) -> list[dict[str, str]]:
+    """The directories the batch script creates before the step (``container.created_before_step``), quoted, each
+    with the line it prints when it cannot."""
+    if container is None:
+        return []
+    return [{"path": q(d), "error": q(f"[slurmft] cannot create {d} ({what}), which the {container.runtime} image "
+                                      "mounts: create it on the shared file system, or point HF_HOME (cluster.env) at "
+                                      "a directory you may write there")}
+            for d, what in created_before_step(cfg, container)]
 
 
 def time_minutes(slurm_time: str) -> int:
@@ -174,12 +195,14 @@ def build_train_context(
         extra["SLURMFT_MASTER_ADDR"] = cfg.cluster.master_addr
     srun = ["--kill-on-bad-exit=1", *_rank_step(cfg, profile)]
     env = _env_list(cfg, profile, extra)
-    srun_args, rank_command = _in_container(resolve(cfg, profile), srun, launcher_command(command, cfg.preemption.signal),
+    container = resolve(cfg, profile)
+    srun_args, rank_command = _in_container(cfg, container, srun, launcher_command(command, cfg.preemption.signal),
                                             env, RENDEZVOUS_ENV, runs_on_gpu(cfg, profile))
     return {
         **_common(cfg, paths, "train", config_path),
         "directives": directives,
         "env": env,
+        "make_dirs": _made_before_step(cfg, container),
         "srun_args": srun_args,
         "command": rank_command,
         "warning_signal": q(cfg.preemption.signal.upper().removeprefix("SIG")),
@@ -233,11 +256,13 @@ def _cpu_job_context(cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, c
         if e["key"] == "OMP_NUM_THREADS":
             e["value"] = q(res.cpus_per_task)
     srun = ["--unbuffered", "--ntasks=1", f"--cpus-per-task={res.cpus_per_task}"]
-    srun_args, task_command = _in_container(resolve(cfg, profile), srun, command, env)  # CPUs only
+    container = resolve(cfg, profile)
+    srun_args, task_command = _in_container(cfg, container, srun, command, env)  # CPUs only
     return {
         **_common(cfg, paths, kind, config_path),
         "directives": directives,
         "env": env,
+        "make_dirs": _made_before_step(cfg, container),
         "srun_args": srun_args,
         "command": task_command,
     }
@@ -344,12 +369,13 @@ def build_probe_context(
         container = rebound(container, cfg.output_dir, [str(run_dir_target), str(probe.root)])
     rank_command = (f"{rank_python_for(cfg, profile)} -m slurmft.job.probe rank {q(probe.root)} "
                     + " ".join(q(a) for a in rank))
-    srun_args, rank_command = _in_container(container, _rank_step(cfg, profile), rank_command, env, RENDEZVOUS_ENV,
+    srun_args, rank_command = _in_container(cfg, container, _rank_step(cfg, profile), rank_command, env, RENDEZVOUS_ENV,
                                             runs_on_gpu(cfg, profile))
     return {
         **_common(cfg, paths, "doctor probe", config_path),
         "directives": directives,
         "env": env,
+        "make_dirs": _made_before_step(cfg, container),
         "srun_args": srun_args,
         "rank_command": rank_command,
         "batch_command": f"{python} -m slurmft.job.probe batch {q(probe.root)} --lead={signal.lead_s}",

@@ -12,16 +12,19 @@ from slurmft.rundir import (
     RunPaths,
     acquire_lock,
     check_owner,
+    current_user,
+    job_submitter,
     read_manifest,
     release_lock,
+    run_owner,
 )
-from slurmft.slurm import scancel
-from slurmft.watch.status import run_state
+from slurmft.slurm import scancel, scancel_answer
+from slurmft.watch.status import run_state, unseen_means_hidden
 
 
 @dataclass
 class CancelResult:
-    """What ``cancel`` did: the ids it cancelled, and the jobs it could not judge (with why)."""
+    """What ``cancel`` did: the ids it cancelled, and the jobs it could not judge or reach (with why)."""
 
     cancelled: list[str] = field(default_factory=list)
     not_touched: list[str] = field(default_factory=list)
@@ -29,11 +32,12 @@ class CancelResult:
 
 def cancel_run(run_dir: Path, force: bool = False, say=lambda _: None) -> CancelResult:  # noqa: ANN001
     """scancel (or, for processes started on this host, SIGTERM) every live job, tagged jobs the manifest
-    missed included, under the run's lock. Live is :data:`slurmft.slurm_states.LIVE` less COMPLETING (already
-    ending): a SUSPENDED job is cancelled as it is (Slurm 22.05 ends it CANCELLED, no ``scontrol resume``
-    needed). Another user's run is refused unless ``force``; a process recorded on another host is never
-    signalled (its pid means another process here), and a job Slurm hides from us is left alone; both are
-    said in ``not_touched``."""
+    missed included, under the run's lock. Live is :meth:`slurmft.watch.status.RunState.live` less COMPLETING
+    (already ending): a SUSPENDED job is cancelled as it is (Slurm 22.05 ends it CANCELLED, no ``scontrol resume``
+    needed). Another user's run is refused unless ``force``. A job another user submitted (a teammate's ``resume
+    --force``), live or hidden from us by Slurm, gets its own ``scancel``: Slurm cancels it where we may (an
+    operator, a coordinator), and where it refuses, ``not_touched`` names who submitted it. A process recorded on
+    another host is never signalled (its pid means another process here): said in ``not_touched`` too."""
     paths = RunPaths.of(run_dir)
     manifest = read_manifest(paths)
     check_owner(paths, manifest, "cancel", force)
@@ -43,15 +47,30 @@ def cancel_run(run_dir: Path, force: bool = False, say=lambda _: None) -> Cancel
         acquire_lock(paths, "cancel", say, wait_s=COMMAND_LOCK_WAIT_S)
     try:
         state = run_state(paths)
-        result = CancelResult(not_touched=[f"{r['kind']} job {r['job_id']}: {r['words']}" for r in state.unseen()])
+        owner, me = run_owner(paths, state.manifest), current_user()
+        entries = {j["job_id"]: j for j in state.manifest["jobs"]}
+        pids = {jid: int(j["pid"]) for jid, j in entries.items() if "pid" in j}
+        result = CancelResult(not_touched=[f"{r['kind']} job {r['job_id']}: {r['words']}" for r in state.unseen()
+                                           if r["job_id"] in pids])
         live = state.live(include_completing=False)
-        pids = {j["job_id"]: int(j["pid"]) for j in state.manifest["jobs"] if "pid" in j}
         for job_id in [j for j in live if j in pids]:
             os.kill(pids[job_id], signal.SIGTERM)  # live means alive on this host (process_here)
-        live_slurm = [j for j in live if j not in pids]
-        if live_slurm:
-            scancel(live_slurm)
-        result.cancelled = live
+        unseen = {r["job_id"] for r in state.unseen()}
+        theirs = [r for r in state.rows if r["job_id"] not in pids and (r["job_id"] in live or r["job_id"] in unseen)
+                  and unseen_means_hidden(job_submitter(entries.get(r["job_id"], {}), owner), me)]
+        ours = [j for j in live if j not in pids and j not in {r["job_id"] for r in theirs}]
+        if ours:
+            scancel(ours)
+        result.cancelled = [j for j in live if j in pids or j in ours]
+        for row in theirs:  # one call each: Slurm refuses another user's job unless we may cancel it
+            who = job_submitter(entries.get(row["job_id"], {}), owner).name
+            answer = scancel_answer([row["job_id"]])
+            if answer.ok:
+                result.cancelled.append(row["job_id"])
+            else:
+                result.not_touched.append(
+                    f"{row['kind']} job {row['job_id']} is {who}'s (submitted by {who}); Slurm refused to cancel it "
+                    f"for you ({answer.problem}): ask {who} to run `slurmft cancel {paths.root}`, or an administrator")
         return result
     finally:
         if locked:

@@ -59,11 +59,25 @@ def check_request(paths: RunPaths, checkpoint: str | None, out: str | None) -> C
     return ConsolidationRequest(chosen.resolve(), target)
 
 
+def check_not_live(paths: RunPaths, request: ConsolidationRequest) -> None:
+    """Into the run's own ``model/`` (the default), refuse while a job of the run may still run or cannot be seen
+    (the run's one liveness, slurmft.watch.status.RunState.check_quiet): a live train job rotates the checkpoints
+    being read and its chained consolidation writes ``model/`` when it ends, another consolidation writes it now.
+    Elsewhere (``--out DIR``) an intermediate checkpoint may be exported while the run trains."""
+    if request.out != paths.model:
+        return
+    from slurmft.watch.status import KINDS, run_state
+
+    run_state(paths).check_quiet(KINDS, f"{paths.model} is not written under them (`--out DIR` exports a "
+                                        "checkpoint elsewhere while the run trains)")
+
+
 def consolidate_here(paths: RunPaths, request: ConsolidationRequest, say: Say, bar: bool) -> dict[str, Any]:
     """Run the consolidation in this process (a progress bar when ``bar``), recorded in the manifest."""
     from slurmft.job.consolidate import consolidate_run
 
-    with recorded_here(paths, "consolidate", say, checkpoint=str(request.checkpoint), out=str(request.out)):
+    with recorded_here(paths, "consolidate", say, check=lambda: check_not_live(paths, request),
+                       checkpoint=str(request.checkpoint), out=str(request.out)):
         if not bar:
             return consolidate_run(str(paths.root), str(request.checkpoint), str(request.out))
         from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
@@ -90,6 +104,7 @@ def submit(paths: RunPaths, request: ConsolidationRequest, template_dir: str | N
     profile = load_profile(cfg.cluster.profile)
     acquire_lock(paths, "consolidate", say, wait_s=COMMAND_LOCK_WAIT_S)
     try:
+        check_not_live(paths, request)
         manifest = read_manifest(paths)
         if manifest.get("executor") == "local":
             return run_local_consolidation(cfg, paths, manifest, say, checkpoint=str(request.checkpoint),

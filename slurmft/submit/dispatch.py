@@ -56,13 +56,21 @@ def _quiet(_: str) -> None:
     pass
 
 
+#: What every job slurmft submits after another one carries: Slurm cancels it once its dependency can never be
+#: satisfied (the job before it failed or was cancelled) instead of leaving it pending in DependencyNeverSatisfied
+#: forever (issue 47; the train job after a failed prepare job, the consolidation after a failed train job or after
+#: that cancelled train job). A requeue is not a failure: an ``afterok`` dependency is judged once the job has
+#: completed, and a requeued job is pending again, not completed (DESIGN §3; Slurm 22.05 and 24.11 both take it).
+KILL_ON_INVALID_DEP = "--kill-on-invalid-dep=yes"
+
+
 def make_slurm_executor(
     paths: RunPaths, ntasks: int, timeout_min: int, make_text: Callable[[str], str], dependency: str | None,
-    python: str, kill_on_invalid_dep: bool = False,
+    python: str,
 ) -> Any:
-    """A submitit SlurmExecutor whose sbatch file is our rendered template (``kill_on_invalid_dep``: Slurm
-    cancels the job once its dependency can never be satisfied, instead of leaving it pending). ``python``
-    starts submitit's per-task command: the ranks' interpreter (``render.rank_python_for``)."""
+    """A submitit SlurmExecutor whose sbatch file is our rendered template, started after ``dependency`` succeeds
+    (:data:`KILL_ON_INVALID_DEP`: cancelled if it cannot). ``python`` starts submitit's per-task command: the
+    ranks' interpreter (``render.rank_python_for``)."""
     from submitit import SlurmExecutor
 
     class TemplatedSlurmExecutor(SlurmExecutor):
@@ -72,9 +80,7 @@ def make_slurm_executor(
             return make_text(command)
 
         def _make_submission_command(self, submission_file_path: Path) -> list[str]:
-            dep = [f"--dependency=afterok:{dependency}"] if dependency else []
-            if dependency and kill_on_invalid_dep:
-                dep.append("--kill-on-invalid-dep=yes")
+            dep = [f"--dependency=afterok:{dependency}", KILL_ON_INVALID_DEP] if dependency else []
             return ["sbatch", *dep, str(submission_file_path)]
 
         def _num_tasks(self) -> int:
@@ -279,7 +285,6 @@ def _submit_slurm(
         ex = make_slurm_executor(
             paths, cfg.resources.world_size, time_minutes(cfg.cluster.time), train_text, first,
             rank_python_for(cfg, profile),
-            kill_on_invalid_dep=True,
         )
         train = ex.submit(run_train, str(paths.root), cfg.preemption.signal)
     except (FailedJobError, OSError, RuntimeError) as exc:

@@ -25,21 +25,16 @@ from slurmft.rundir import (
     recorded_here,
     release_lock,
 )
-from slurmft.slurm_states import is_live
 
 Say = Callable[[str], None]
 
 
 def check_not_live(paths: RunPaths) -> None:
-    """Refuse to replace ``prepared/`` under a job that reads or writes it (a live train or prepare job)."""
+    """Refuse to replace ``prepared/`` under a job that reads or writes it: a prepare or train job that may still
+    run, or that we cannot see (the run's one liveness, slurmft.watch.status.RunState.check_quiet)."""
     from slurmft.watch.status import run_state
 
-    state = run_state(paths)
-    live = [f"{r['kind']} job {r['job_id']}" for r in state.rows
-            if r["kind"] in ("train", "prepare") and is_live(r["state"])]
-    if live:
-        raise RunDirError(f"{paths.root} has {', '.join(live)} queued or running, which would read the data while "
-                          f"it is replaced; wait for it, or `slurmft cancel {paths.root}` first")
+    run_state(paths).check_quiet(("prepare", "train"), "its data is not replaced under them")
 
 
 def prepare_here(paths: RunPaths, say: Say) -> dict[str, Any]:
@@ -104,6 +99,10 @@ def submit(paths: RunPaths, template_dir: str | None, say: Say, force: bool = Fa
 
 
 def run_dir_of(target: Path) -> RunPaths | None:
-    """RunPaths when ``target`` is a run directory (it has a manifest), else None (a run.yaml)."""
+    """RunPaths when ``target`` is a run directory (it has a manifest, or we may not look: read_manifest then says
+    whose it is and the fix), else None (a run.yaml)."""
     paths = RunPaths.of(target)
-    return paths if target.is_dir() and paths.manifest.is_file() else None
+    try:
+        return paths if target.is_dir() and paths.manifest.is_file() else None
+    except PermissionError:
+        return paths

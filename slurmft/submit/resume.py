@@ -2,8 +2,9 @@
 
 Slurm's own requeue (the warning signal, ``scontrol requeue``) keeps the job id, so the ``afterok``
 consolidation job stays valid. Every other ending leaves the train job FAILED, CANCELLED, TIMEOUT,
-NODE_FAIL or OUT_OF_MEMORY, and its consolidation job in ``DependencyNeverSatisfied`` forever: a new
-job id is needed, and a new consolidation chained to it. With ``prepare.enabled`` the train job reads
+NODE_FAIL or OUT_OF_MEMORY, and Slurm cancels its consolidation job (``--kill-on-invalid-dep=yes``; one
+still queued, of a run submitted before that, is cancelled here): a new job id is needed, and a new
+consolidation chained to it. With ``prepare.enabled`` the train job reads
 ``RUN_DIR/prepared/``: a failed prepare job is submitted again and the rest chained to it; a prepared set
 that no longer matches the config (a source edited since) is refused with the fix (``slurmft prepare``). A resume is a submit of an existing run
 directory: the resolved ``config.yaml`` (overrides only where they cannot change the training math),
@@ -53,14 +54,25 @@ from slurmft.rundir import (
     write_manifest,
 )
 from slurmft.slurm import scancel
-from slurmft.slurm_states import State, is_allocated, is_live, is_waiting, parse, words
-from slurmft.watch.status import SQUEUE_SILENT, RunState, describe, run_state
+from slurmft.slurm_states import State, parse, words
+from slurmft.watch.status import KINDS, RunState, run_state
 
-# Keys a resume may change: where and how the job runs, never what it computes (the batch keys only when the
-# global batch stays: slurmft/plan/elastic.py).
+# Keys a resume may change: where and how the job runs, how often it saves and logs, never what it computes (the
+# batch keys only when the global batch stays: slurmft/plan/elastic.py). The checkpoint keys change when and how a
+# save is written, not the training (a resumed run is bitwise the uninterrupted one whatever they are: saves touch
+# no RNG and no state; tests/test_resume_local.py); the async-failure message tells the user to change them.
 ALLOWED_PREFIXES = ("cluster.", "preemption.", "consolidate.", "prepare.resources.")
-ALLOWED_KEYS = ("checkpoint.keep_last", "resources.cpus_per_task", "resources.mem", "resources.exclusive",
+ALLOWED_KEYS = ("checkpoint.keep_last", "checkpoint.every_steps", "checkpoint.async", "checkpoint.max_failed_saves",
+                "train.logging_steps", "resources.cpus_per_task", "resources.mem", "resources.exclusive",
                 *ALLOCATION_KEYS, *BATCH_KEYS)
+#: Refused keys that do not change what the training computes, each with the reason that holds for it (every other
+#: refused key would change the training math).
+REFUSED_WHY = {
+    "name": "it names the run's jobs and tracker runs, which stay as submitted",
+    "output_dir": "the run directory is the run; it does not move",
+    "executor": "a run continues where it was started",
+    "train.report_to": "the trackers' packages are checked in the job's Python only at submit",
+}
 
 
 class Phase(str, Enum):
@@ -73,23 +85,27 @@ class Phase(str, Enum):
 
 
 def check_overrides(overrides: list[str]) -> None:
-    """Refuse overrides that could change the training math (every refused key named)."""
+    """Refuse overrides that could change the training math, or the run's identity (every refused key named,
+    each with the reason that holds for it)."""
     refused = []
     for text in overrides:
         key = ".".join(parse_override(text)[0])
         if not (key.startswith(ALLOWED_PREFIXES) or key in ALLOWED_KEYS):
             refused.append(key)
-    if refused:
-        allowed = ", ".join([p + "*" for p in ALLOWED_PREFIXES] + list(ALLOWED_KEYS))
-        hints = [f"allowed on resume: {allowed}",
-                 "to train differently, submit a new run (a new output_dir) instead"]
-        if any(key.startswith("lora.") for key in refused):
-            hints.insert(0, "lora: the checkpoint holds adapters of the shape they were trained with (r, alpha, "
-                            "targets); a resume on another allocation reshards them, it cannot change them")
-        if any(key.startswith("model.") for key in refused):
-            hints.insert(0, "model: the checkpoint holds this model's weights; another model cannot continue them")
-        raise ConfigError(
-            f"resume cannot change {', '.join(refused)}: it would change what the resumed training computes", hints)
+    if not refused:
+        return
+    allowed = ", ".join([p + "*" for p in ALLOWED_PREFIXES] + list(ALLOWED_KEYS))
+    hints = [f"allowed on resume: {allowed}",
+             "to train differently, submit a new run (a new output_dir) instead"]
+    if any(key.startswith("lora.") for key in refused):
+        hints.insert(0, "lora: the checkpoint holds adapters of the shape they were trained with (r, alpha, "
+                        "targets); a resume on another allocation reshards them, it cannot change them")
+    if any(key.startswith("model.") for key in refused):
+        hints.insert(0, "model: the checkpoint holds this model's weights; another model cannot continue them")
+    math = [key for key in refused if key not in REFUSED_WHY]
+    reasons = ([f"{', '.join(math)}: it would change what the resumed training computes"] if math else []) + [
+        f"{key}: {REFUSED_WHY[key]}" for key in refused if key in REFUSED_WHY]
+    raise ConfigError(f"resume cannot change {'; '.join(reasons)}", hints)
 
 
 def classify(live_train: list[str], trained_step: int | None, max_steps: int | None, model_ready: bool) -> Phase:
@@ -193,14 +209,6 @@ def _previous_end(state: RunState) -> dict[str, Any] | None:
             "ended": ended_how(last["state"], last.get("exit_code", ""))}
 
 
-def _stale_consolidations(state: RunState) -> list[str]:
-    """Queued consolidation jobs chained (afterok) to a train job that will never succeed; a consolidation
-    submitted by hand without a dependency is left alone. Adopted jobs count as chained."""
-    chained = {j["job_id"] for j in state.manifest.get("jobs", [])
-               if j["kind"] == "consolidate" and (j.get("dependency") or j.get("adopted"))}
-    return [r["job_id"] for r in state.rows if r["job_id"] in chained and is_waiting(r["state"])]
-
-
 def check_hub_commits(paths: RunPaths, say: Any) -> None:
     """A hub data set pushed again since its preparation is refused with the fix (the train job would read
     the old commit's sequences while the config names the data set); one the hub cannot be asked about is said."""
@@ -250,44 +258,23 @@ def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | No
     executor = state.manifest.get("executor", "slurm")
     for job in state.adopted:
         say(f"found {job['kind']} job {job['job_id']} tagged with this run but missing from the manifest; adopted it")
-    unseen = state.unseen()
-    if unseen:
-        raise RunDirError(f"cannot tell whether {paths.root} still runs, so nothing is submitted: "
-                          + "; ".join(f"{r['kind']} job {r['job_id']}: {r['words']}" for r in unseen))
+    # live, hidden or unjudgeable (squeue silent) jobs refuse the resume; a consolidation queued or running too
+    # (it would export the model while the new train job trains); waiting jobs that never start do not count
+    state.check_quiet(KINDS, "nothing to resume")
     latest = latest_complete(paths.checkpoints)
     notes: list[str] = []  # said once nothing refuses the resume
     cfg = resume_config(paths, overrides, executor, latest, notes.append)
-    # a train job whose prepare job failed waits for nothing (Slurm cancels it: --kill-on-invalid-dep)
-    never = [r["job_id"] for r in state.rows if r["kind"] == "train" and is_waiting(r["state"])
-             and r.get("reason") == "DependencyNeverSatisfied"]
-    train_rows = [r for r in state.rows if r["kind"] in ("train", "prepare")]
-    live_train = [r["job_id"] for r in train_rows if is_live(r["state"]) and r["job_id"] not in never]
-    if not state.squeue_answered and executor != "local" and not live_train:
-        raise RunDirError(f"{SQUEUE_SILENT}: cannot tell whether train job(s) "
-                          f"{', '.join(r['job_id'] for r in train_rows) or '(none recorded)'} of {paths.root} still "
-                          "run, so nothing is submitted; try again when squeue answers")
     step = step_of(latest) if latest else None
     max_steps = planned_max_steps(paths, cfg.train.max_steps, cfg.train.epochs)
     adapter_only = cfg.lora is not None and not cfg.consolidate.merge  # consolidation writes adapter/ only
-    phase = classify(live_train, step, max_steps, model_ready(paths, latest, adapter_only))
+    live = [r["job_id"] for r in state.may_run(("prepare", "train"))]  # none: check_quiet refused those
+    phase = classify(live, step, max_steps, model_ready(paths, latest, adapter_only))
     result = ResumeResult(phase, paths.root, executor, resumed_from=latest, step=step)
-    if phase == Phase.LIVE:
-        how = ". ".join(f"Job {r['job_id']}: {describe(r['state'], r['reason'], str(paths.root), r['kind'], False, r['job_id'])}"
-                        for r in train_rows if r["job_id"] in live_train)
-        live = " and ".join(f"{kind} job(s) {', '.join(r['job_id'] for r in train_rows if r['kind'] == kind and r['job_id'] in live_train)}"
-                            for kind in ("prepare", "train") if any(r["kind"] == kind and r["job_id"] in live_train
-                                                                    for r in train_rows))
-        raise RunDirError(f"{paths.root} is live: {live} still queued or running; "
-                          f"nothing to resume, nothing submitted (follow it with `slurmft status`, or `slurmft "
-                          f"cancel` it first). {how}")
     if phase == Phase.FINISHED:
         return result
     if phase == Phase.TRAINED:
         raise RunDirError(f"training already reached train.max_steps ({max_steps}, {latest}) but there is "
                           f"no consolidated model: run `slurmft consolidate {paths.root}`")
-    running_cons = [r["job_id"] for r in state.rows if r["kind"] == "consolidate" and is_allocated(r["state"])]
-    if running_cons:
-        raise RunDirError(f"consolidation job(s) {', '.join(running_cons)} of {paths.root} are running; wait for them")
     check_submittable(cfg)
     need_prepare = prepare_needed(paths, cfg)  # prepared/ changed since: refused here, nothing submitted
     if not need_prepare and cfg.prepare.enabled:
@@ -297,21 +284,23 @@ def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | No
     scripts = render_scripts(cfg, profile, paths, config_path, template_dir)
     check_executor(cfg.resolved_executor)
 
-    stale = [*never, *_stale_consolidations(state)] if executor != "local" else []
+    # jobs still queued that will never start (their prepare or train job failed): a run submitted before every
+    # dependent job got --kill-on-invalid-dep, or one Slurm has not cancelled yet
+    stale = [r for r in state.rows if r["kind"] in ("train", "consolidate") and state.never_runs(r)
+             and r.get("dependency")] if executor != "local" else []
     if stale:
+        ids = [r["job_id"] for r in stale]
         try:
-            scancel(stale)
+            scancel(ids)
         except SubmissionError as exc:
-            raise SubmissionError(f"{exc}; the stale consolidation job(s) stay queued and nothing was "
-                                  "submitted") from None
-        result.cancelled = stale
-        cons = [j for j in stale if j not in never]
-        if cons:
-            say(f"cancelled stale consolidation job(s) {', '.join(cons)} (they waited on a train job that "
-                "will never succeed)")
-        if len(cons) < len(stale):
-            say(f"cancelled train job(s) {', '.join(j for j in stale if j in never)} (they waited on a prepare "
-                "job that did not succeed)")
+            raise SubmissionError(f"{exc}; the stale job(s) stay queued and nothing was submitted") from None
+        result.cancelled = ids
+        for kind, after in (("consolidate", "a train job that will never succeed"),
+                            ("train", "a prepare job that did not succeed")):
+            of_kind = [r["job_id"] for r in stale if r["kind"] == kind]
+            if of_kind:
+                say(f"cancelled {'stale consolidation' if kind == 'consolidate' else 'train'} job(s) "
+                    f"{', '.join(of_kind)} (they waited on {after})")
     manifest = state.manifest
     if overrides:
         atomic_write(paths.config, dump_config(cfg))
@@ -320,7 +309,7 @@ def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | No
     result.previous = _previous_end(state)
     attempt = start_attempt(
         manifest, "resume", resumed_from=str(latest) if latest else None, resumed_from_step=step,
-        previous=result.previous, overrides=overrides, cancelled=stale, **allocation(cfg))
+        previous=result.previous, overrides=overrides, cancelled=result.cancelled, **allocation(cfg))
     write_manifest(paths, manifest)
     if latest:
         say(f"resuming {paths.root} from {latest.name} (step {step})")

@@ -10,6 +10,7 @@ it (a missing matplotlib, an unreachable ``sacct``, a torn metrics line) may fai
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -20,7 +21,7 @@ import yaml
 
 from slurmft import __version__
 from slurmft.errors import RunDirError
-from slurmft.rundir import RunPaths, atomic_write, read_manifest
+from slurmft.rundir import RunPaths, atomic_write, read_manifest, unreadable
 from slurmft.trackers import read_tracker, sync_command, tracker_lines
 from slurmft.units import binary_bytes, fmt_duration
 from slurmft.watch.progress import (
@@ -121,8 +122,9 @@ def summary(paths: RunPaths, slurm_rows: list[dict[str, Any]] | None = None) -> 
 
 
 def _rows(manifest: dict[str, Any], paths: RunPaths | None = None) -> list[dict[str, Any]]:
-    """Slurm's view of the jobs (asked for the run owner's jobs); on any failure (no Slurm here, a busy
-    controller) none."""
+    """Slurm's view of the jobs (a job another user submitted that Slurm hides from us is 'cannot tell', judged
+    against the run's owner for entries that name no submitter); on any failure (no Slurm here, a busy controller)
+    none."""
     try:
         from slurmft.rundir import run_owner
         from slurmft.watch.status import job_rows
@@ -268,6 +270,8 @@ def write_report(run_dir: str | Path, slurm_rows: list[dict[str, Any]] | None = 
     paths = RunPaths.of(run_dir)
     if not paths.root.is_dir():
         raise RunDirError(f"run directory {str(paths.root)!r} does not exist")
+    if not os.access(paths.root, os.R_OK | os.X_OK):  # nothing in it can be read: say whose it is and the fix
+        raise unreadable(paths)
     s = summary(paths, slurm_rows)
     plot_name: str | None = None
     problem = None

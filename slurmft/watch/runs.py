@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from slurmft import slurm
-from slurmft.rundir import RunPaths, current_user, read_manifest, run_owner
+from slurmft.rundir import RunPaths, current_user, job_submitter, read_manifest, run_owner
 from slurmft.slurm_states import State, is_allocated, is_live, parse
 from slurmft.units import fmt_age
 from slurmft.watch.progress import max_steps_of, model_info, read_metrics
-from slurmft.watch.status import unseen_means_hidden
+from slurmft.watch.status import missing_state
 
 MAX_DEPTH = 3
 # A live train job's state in one word (any other live state: "training").
@@ -106,11 +106,7 @@ def run_lines(root: Path, now: float | None = None,
     slurm_ids = [str(j["job_id"]) for _, m, _ in runs if m and m.get("executor") != "local"
                  for j in m.get("jobs", [])]
     owners = {str(p.root): run_owner(p, m) for p, m, _ in runs if m}
-    if query is None:
-        uids = sorted({o.uid for o in owners.values()} | {current_user().uid})
-        states = slurm_states(slurm_ids, uids) if slurm_ids else {}
-    else:
-        states = query(slurm_ids) if slurm_ids else {}
+    states = (query or slurm_states)(slurm_ids) if slurm_ids else {}
     me = current_user()
     rows = []
     for paths, manifest, problem in runs:
@@ -122,8 +118,8 @@ def run_lines(root: Path, now: float | None = None,
             jobs = [{"kind": r["kind"], "state": r["state"], "reason": ""} for r in job_rows(manifest)]
         else:
             owner = owners.get(str(paths.root), me)
-            missing = State.HIDDEN.value if unseen_means_hidden(owner, me) else State.UNKNOWN.value
-            jobs = [{"kind": j["kind"], **states.get(str(j["job_id"]), {"state": missing, "reason": ""})}
+            jobs = [{"kind": j["kind"], **states.get(str(j["job_id"]), {
+                "state": missing_state(job_submitter(j, owner), me), "reason": ""})}
                     for j in (manifest or {}).get("jobs", [])]
         t_last = last.get("time") if isinstance(last.get("time"), (int, float)) else None
         if t_last is None:
@@ -138,10 +134,10 @@ def run_lines(root: Path, now: float | None = None,
     return rows
 
 
-def slurm_states(job_ids: list[str], uids: list[int] | None = None) -> dict[str, dict[str, str]]:
-    """{job id: {state, reason}}: one squeue call (the jobs of ``uids``: the runs' owners and ours), one sacct
-    call for the ones squeue has forgotten."""
-    queued = slurm.squeue_jobs(uids) or {}
+def slurm_states(job_ids: list[str]) -> dict[str, dict[str, str]]:
+    """{job id: {state, reason}}: one squeue call (every job we may see, whoever submitted it), one sacct call for
+    the ones squeue has forgotten."""
+    queued = slurm.squeue_jobs() or {}
     out = {jid: {"state": queued[jid]["state"], "reason": queued[jid]["reason"]} for jid in job_ids if jid in queued}
     missing = [j for j in job_ids if j not in out]
     if missing:

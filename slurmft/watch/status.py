@@ -2,27 +2,40 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from slurmft import locks, slurm
+from slurmft.errors import RunDirError
 from slurmft.rundir import (
     JOB_TAG_PREFIX,
     RunPaths,
     User,
     current_user,
+    job_submitter,
     process_here,
     read_manifest,
     run_owner,
     write_manifest,
 )
-from slurmft.slurm_states import PAUSED_HINT, RELEASE_HINT, State, is_live, is_unseen, parse, words
+from slurmft.slurm_states import (
+    ENDED,
+    PAUSED_HINT,
+    RELEASE_HINT,
+    State,
+    is_live,
+    is_unseen,
+    is_waiting,
+    parse,
+    words,
+)
 
 REASON_WORDS = {
     "Dependency": "waiting for the train job to finish successfully",
-    "DependencyNeverSatisfied": "will never start: the train job did not succeed "
-    "(`slurmft resume {run}` cancels this job, continues training from the newest complete checkpoint "
-    "and chains a new consolidation)",
+    "DependencyNeverSatisfied": "will never start: the train job did not succeed; Slurm cancels this job "
+    "(--kill-on-invalid-dep; `slurmft resume {run}` cancels it if it is still queued, continues training from the "
+    "newest complete checkpoint and chains a new consolidation)",
     "BeginTime": "requeued; waiting for its earliest start time",
     "Priority": "waiting in the queue (priority)",
     "Resources": "waiting for free nodes",
@@ -34,13 +47,16 @@ REASON_WORDS = {
 RESUMABLE_ENDINGS = frozenset({State.FAILED, State.CANCELLED, State.TIMEOUT, State.PREEMPTED, State.NODE_FAIL,
                                State.OUT_OF_MEMORY, State.BOOT_FAIL, State.DEADLINE, State.UNKNOWN, State.KILLED})
 SQUEUE_SILENT = "squeue did not answer (is SLURM_CONF right? is slurmctld up?)"
+#: The kinds of job a run has, in the order they run.
+KINDS = ("prepare", "train", "consolidate")
 
 
-def hidden_words(owner: str) -> str:
-    """What a job of ``owner``'s that Slurm does not show us means, with the fix."""
-    return (f"cannot tell: Slurm shows you none of {owner}'s jobs here (PrivateData=jobs hides other users' jobs, "
-            f"or slurmdbd is down), so it may still run; ask {owner}, run the command as {owner}, or ask an "
-            "administrator to let your account see the team's jobs")
+def hidden_words(submitter: str) -> str:
+    """What a job ``submitter`` submitted that Slurm does not show us means, with the fix."""
+    return (f"cannot tell: {submitter} submitted it and Slurm shows you none of {submitter}'s jobs here "
+            f"(PrivateData=jobs hides other users' jobs, or slurmdbd is down), so it may still run; ask "
+            f"{submitter}, run the command as {submitter}, or ask an administrator to let your account see the "
+            "team's jobs")
 
 
 def elsewhere_words(host: str) -> str:
@@ -48,10 +64,11 @@ def elsewhere_words(host: str) -> str:
     return f"unknown (running on {host}?): a process there cannot be seen from here; look on {host}"
 
 
-def unseen_means_hidden(owner: User, me: User) -> bool:
-    """A job that neither squeue nor sacct shows us is hidden, not gone, when the run is another user's (root
-    sees every job; so does the owner)."""
-    return owner.uid != me.uid and me.uid != 0
+def unseen_means_hidden(submitter: User, me: User) -> bool:
+    """A job that neither squeue nor sacct shows us is hidden, not gone, when another user submitted it (root sees
+    every job; squeue always shows us our own). Asked per job: a teammate's ``resume --force`` submits into the
+    owner's run under the teammate's uid, and the owner must not take that job for ended (issue 47)."""
+    return submitter.uid != me.uid and me.uid != 0
 
 
 @dataclass
@@ -65,12 +82,12 @@ class SlurmView:
     squeue_answered: bool = True
 
 
-def slurm_view(manifest: dict[str, Any], job_tags: set[str] | frozenset[str] = frozenset(),
-               owner_uid: int | None = None) -> SlurmView:
-    """One squeue (every job of the run's owner, so tagged jobs the manifest missed show up) and one sacct."""
+def slurm_view(manifest: dict[str, Any], job_tags: set[str] | frozenset[str] = frozenset()) -> SlurmView:
+    """One squeue (every job we may see, whoever submitted it: the run's job ids, and tagged jobs the manifest
+    missed) and one sacct."""
     view = SlurmView()
     known = {j["job_id"] for j in manifest.get("jobs", []) if "pid" not in j}  # not the processes run here
-    queued = slurm.squeue_jobs(owner_uid)
+    queued = slurm.squeue_jobs()
     if queued is None:
         view.problems.append(SQUEUE_SILENT)
         view.squeue_answered = False
@@ -95,14 +112,15 @@ def adopt_tagged(manifest: dict[str, Any], view: SlurmView) -> list[dict[str, An
     adopted = []
     for jid, row in sorted(view.tagged.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):
         kind = next((k for k in ("consolidate", "prepare") if row["name"].endswith(f"-{k}")), "train")
-        adopted.append(record_job(manifest, kind, jid, adopted=True, job_name=row["name"]))
+        # who submitted it is not known (squeue's answer does not say): job_submitter falls back to the owner
+        adopted.append(record_job(manifest, kind, jid, adopted=True, job_name=row["name"], submitter=None))
     return adopted
 
 
 def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView | None = None,
              owner: User | None = None, me: User | None = None) -> list[dict[str, Any]]:
-    """One row per job of the run (oldest first), with state and what it means in words. A job Slurm does
-    not show us in another user's run, and a process recorded on another host, are ``HIDDEN`` (cannot tell),
+    """One row per job of the run (oldest first), with state and what it means in words. A job another user
+    submitted that Slurm does not show us, and a process recorded on another host, are ``HIDDEN`` (cannot tell),
     never UNKNOWN (which counts as ended)."""
     jobs = manifest.get("jobs", [])
     rows: list[dict[str, Any]] = []
@@ -110,7 +128,7 @@ def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView
     me = me or current_user()
     owner = owner or me
     if view is None:
-        view = SlurmView() if manifest.get("executor") == "local" else slurm_view(manifest, owner_uid=owner.uid)
+        view = SlurmView() if manifest.get("executor") == "local" else slurm_view(manifest)
     for job in jobs:
         jid = job["job_id"]
         if "pid" in job:  # a process: a local run, or `slurmft consolidate --here`
@@ -124,26 +142,34 @@ def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView
                          "words": text})
             continue
         q, a = view.queued.get(jid), view.acct.get(jid)
+        submitter = job_submitter(job, owner)
         if q:  # slurmctld is current; accounting may lag by a second
             state, reason, elapsed = q["state"], q["reason"], q["elapsed"]
         elif a:
             state, reason, elapsed = a["state"], "", a["elapsed"]
-        elif unseen_means_hidden(owner, me):
-            state, reason, elapsed = State.HIDDEN.value, "", ""
         else:
-            state, reason, elapsed = State.UNKNOWN.value, "", ""
+            state, reason, elapsed = missing_state(submitter, me), "", ""
         restarts = q["restarts"] if q and q["restarts"].isdigit() else "0"
-        text = (hidden_words(owner.name) if is_unseen(state) else
+        text = (hidden_words(submitter.name) if is_unseen(state) else
                 describe(state, reason, run_dir, job["kind"], jid == newest_train, jid))
         rows.append({**_base(job), "state": state, "reason": reason, "elapsed": elapsed,
                      "exit_code": (a or {}).get("exit_code", ""), "restarts": int(restarts),
                      "start": (a or {}).get("start", ""), "end": (a or {}).get("end", ""), "words": text})
-    explain_prepare_failures(rows, jobs, run_dir)
+    explain_dependency_failures(rows, jobs, run_dir)
     return rows
+
+
+def missing_state(submitter: User, me: User) -> str:
+    """The state of a Slurm job that neither squeue nor sacct shows us: HIDDEN (cannot tell) when another user
+    submitted it, else UNKNOWN (ended: squeue always shows us our own live jobs)."""
+    return State.HIDDEN.value if unseen_means_hidden(submitter, me) else State.UNKNOWN.value
 
 
 def _base(job: dict[str, Any]) -> dict[str, Any]:
     base = {"kind": job["kind"], "job_id": job["job_id"], "attempt": job.get("attempt", 1)}
+    for key in ("submitter", "dependency"):
+        if job.get(key):
+            base[key] = job[key]
     if job.get("adopted"):
         base["adopted"] = True
     return base
@@ -162,6 +188,13 @@ def prepare_failed_words(prepare_job: str, run_dir: str) -> str:
     return (f"cancelled by Slurm before it started: prepare job {prepare_job} did not succeed "
             f"(DependencyNeverSatisfied); see `slurmft logs {run_dir} --job prepare`, fix the data, then `slurmft "
             f"resume {run_dir}` (it prepares again and chains the train job)")
+
+
+def train_failed_words(train_job: str, run_dir: str) -> str:
+    """A consolidation job Slurm cancelled before it started because its train job did not succeed."""
+    return (f"cancelled by Slurm before it started: train job {train_job} did not succeed "
+            f"(DependencyNeverSatisfied); `slurmft resume {run_dir}` continues training from the newest complete "
+            "checkpoint and chains a new consolidation")
 
 
 def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", newest_train: bool = False,
@@ -193,24 +226,39 @@ def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", 
     return text
 
 
-def explain_prepare_failures(rows: list[dict[str, Any]], jobs: list[dict[str, Any]], run_dir: str) -> None:
-    """A train job cancelled before it started, whose prepare job failed: say so (its own state says only
-    CANCELLED)."""
+#: How a job that Slurm cancelled before it started, because the job it waited on did not succeed, is said.
+NEVER_STARTED_WORDS = {"train": prepare_failed_words, "consolidate": train_failed_words}
+
+
+def explain_dependency_failures(rows: list[dict[str, Any]], jobs: list[dict[str, Any]], run_dir: str) -> None:
+    """A train job cancelled before it started whose prepare job failed, a consolidation job cancelled before it
+    started whose train job failed (or was cancelled): say so (its own state says only CANCELLED). Slurm cancels
+    them (--kill-on-invalid-dep=yes on every dependent job)."""
     by_id = {r["job_id"]: r for r in rows}
     for job, row in zip(jobs, rows, strict=True):
         dep = str(job.get("dependency") or "")
-        if job["kind"] != "train" or not dep.startswith("afterok:"):
+        if job["kind"] not in NEVER_STARTED_WORDS or not dep.startswith("afterok:"):
             continue
         first = by_id.get(dep.removeprefix("afterok:"))
         started = row.get("start") not in ("", "None", "Unknown", None)
         if (first and parse(row["state"]) == State.CANCELLED and not started
                 and parse(first["state"]) in RESUMABLE_ENDINGS - {State.UNKNOWN}):
-            row["words"] = prepare_failed_words(first["job_id"], run_dir)
+            row["words"] = NEVER_STARTED_WORDS[job["kind"]](first["job_id"], run_dir)
+
+
+#: Why a pending job waits on a dependency that can never be satisfied (Slurm cancels slurmft's such jobs: every
+#: dependent job is submitted with --kill-on-invalid-dep=yes).
+NEVER_SATISFIED = "DependencyNeverSatisfied"
 
 
 @dataclass
 class RunState:
-    """A run directory as the login side sees it: manifest, one row per job, and what could not be asked."""
+    """A run directory as the login side sees it: manifest, one row per job, and what could not be asked.
+
+    It is also the one answer to "is this run live" (issue 47: resume had one copy, ``slurmft prepare`` a weaker
+    second): :meth:`may_run` says which jobs may still run by themselves, :meth:`unseen` which ones we cannot
+    judge, and :meth:`check_quiet` refuses a command that would change what such a job reads or writes; resume,
+    prepare and consolidate ask it, and cancel cancels what :meth:`live` lists."""
 
     paths: RunPaths
     manifest: dict[str, Any]
@@ -220,15 +268,59 @@ class RunState:
     squeue_answered: bool = True  # False: a job squeue would list may look unknown (or finished) here
     owner: User | None = None
 
-    def unseen(self) -> list[dict[str, Any]]:
+    def unseen(self, kinds: Collection[str] = KINDS) -> list[dict[str, Any]]:
         """Rows we cannot tell about (another user's job Slurm hides, a process on another host)."""
-        return [r for r in self.rows if is_unseen(r["state"])]
+        return [r for r in self.rows if is_unseen(r["state"]) and r["kind"] in kinds]
 
     def live(self, include_completing: bool = True) -> list[str]:
-        """Job ids that may still run: queued, starting, running, suspended, requeued, held (and, optionally,
-        completing); a state word slurmft does not know counts as live."""
+        """Job ids still in the queue or running: queued, starting, running, suspended, requeued, held (and,
+        optionally, completing); a state word slurmft does not know counts as live. What ``cancel`` cancels: a job
+        that waits on a dependency that can never be satisfied is still in the queue."""
         return [r["job_id"] for r in self.rows
                 if is_live(r["state"]) and (include_completing or parse(r["state"]) != State.COMPLETING)]
+
+    def never_runs(self, row: dict[str, Any]) -> bool:
+        """A waiting job that will never start: Slurm says its dependency can never be satisfied, or the job it
+        waits on (``afterok``, the manifest's record) ended without success."""
+        if not is_waiting(row["state"]):
+            return False
+        if row.get("reason") == NEVER_SATISFIED:
+            return True
+        dep = str(row.get("dependency") or "")
+        if not dep.startswith("afterok:"):
+            return False
+        first = next((r for r in self.rows if r["job_id"] == dep.removeprefix("afterok:")), None)
+        return first is not None and parse(first["state"]) in ENDED and parse(first["state"]) != State.COMPLETED
+
+    def may_run(self, kinds: Collection[str] = KINDS) -> list[dict[str, Any]]:
+        """Rows of ``kinds`` whose job may still run (or run again) by itself: live, and not :meth:`never_runs`."""
+        return [r for r in self.rows if r["kind"] in kinds and is_live(r["state"]) and not self.never_runs(r)]
+
+    def check_quiet(self, kinds: Collection[str], refused: str) -> None:
+        """Refuse (RunDirError; the caller has changed nothing) while a job of ``kinds`` may still run, while one of
+        them cannot be seen (another user's job Slurm hides, a process on another host: never taken for ended), and
+        while squeue does not answer (a live job would look ended). ``refused``: what is not done, in words."""
+        root = self.paths.root
+        live = self.may_run(kinds)
+        waiting_on = {r["job_id"] for r in live}  # a job chained to one of these is said through it
+        live = [r for r in live if str(r.get("dependency") or "").removeprefix("afterok:") not in waiting_on]
+        if live:
+            jobs = " and ".join(f"{kind} job(s) {', '.join(r['job_id'] for r in live if r['kind'] == kind)}"
+                                for kind in KINDS if any(r["kind"] == kind for r in live))
+            how = ". ".join(f"Job {r['job_id']}: {describe(r['state'], r['reason'], str(root), r['kind'], False, r['job_id'])}"
+                            for r in live)
+            raise RunDirError(f"{root} is live: {jobs} still queued or running; {refused}, nothing submitted (follow "
+                              f"it with `slurmft status`, or `slurmft cancel` it first). {how}")
+        unseen = self.unseen(kinds)
+        if unseen:
+            raise RunDirError(f"cannot tell whether {root} still runs, so nothing is submitted: "
+                              + "; ".join(f"{r['kind']} job {r['job_id']}: {r['words']}" for r in unseen))
+        if not self.squeue_answered and self.manifest.get("executor") != "local":
+            rows = [r for r in self.rows if r["kind"] in kinds]
+            asked = " and ".join(f"{kind} job(s) {', '.join(r['job_id'] for r in rows if r['kind'] == kind)}"
+                                 for kind in KINDS if any(r["kind"] == kind for r in rows)) or "job(s) (none recorded)"
+            raise RunDirError(f"{SQUEUE_SILENT}: cannot tell whether {asked} of {root} still run, so nothing is "
+                              "submitted; try again when squeue answers")
 
 
 def run_state(paths: RunPaths, adopt: bool = True) -> RunState:
@@ -241,7 +333,7 @@ def run_state(paths: RunPaths, adopt: bool = True) -> RunState:
     view = None
     if manifest.get("executor") != "local":
         tags = {paths.job_tag} | ({JOB_TAG_PREFIX + manifest["run_id"]} if manifest.get("run_id") else set())
-        view = slurm_view(manifest, tags, owner.uid)
+        view = slurm_view(manifest, tags)
         problems = view.problems
         if adopt and view.tagged:
             adopted = adopt_tagged(manifest, view)

@@ -171,6 +171,7 @@ def test_asynchronous_saves_failing_in_a_row_stop_the_run(tmp_path: Path) -> Non
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 asynchronous saves in a row failed (checkpoint.max_failed_saves=2)" in proc.stdout, proc.stdout
     assert "checkpoint-20: rank 0: OSError: [Errno 28] No space left on device" in proc.stdout, proc.stdout
+    assert "slurmft resume RUN_DIR checkpoint.async=false" in proc.stdout  # which resume accepts (issue 47)
     assert "asynchronous save of checkpoint-10 failed (1 in a row" in proc.stderr, proc.stderr
 
 

@@ -35,7 +35,9 @@ def in_image(where: Path, runtime: str, image: Path | str) -> dict:
     not told to: the copy and the marks are two more mounts (the run directory, model, data and HF_HOME slurmft
     mounts itself)."""
     (where / "marks").mkdir(parents=True)
-    (where / "hf").mkdir()  # HF_HOME: the image's home is not writable (validate asks for it: the datasets cache)
+    # HF_HOME (the image's home is not writable; validate asks for it: the datasets cache) is not made here: the
+    # batch script makes it before the step, as a user's first run needs (issue 47: a runtime refuses a mount whose
+    # source does not exist, pyxis "--container-mounts: source path does not exist", ch-run and podman alike)
     src = copy_of_slurmft(where / "src")
     container = {"runtime": runtime, "image": str(image), "python": IMAGE_PYTHON,
                  "env": {"PYTHONPATH": str(src), "SLURMFT_TEST_IMAGE_MARKS": str(where / "marks")}}
@@ -57,10 +59,59 @@ def podman_conf(path: Path) -> Path:
     return path
 
 
+#: A sitecustomize.py for the copy of slurmft the image's PYTHONPATH names (it comes before Debian's own there): a
+#: Python started in the image with SLURMFT_TEST_IMAGE_MARKS set also records what its environment says of the
+#: user's variables and the GPUs (issue 47). A secret is recorded as its sha256, never as itself.
+ENV_HOOK = """\"\"\"slurmft's tests: what a process in the test image sees of its environment (tests/slurm/images.py).\"\"\"
+import hashlib
+import json
+import os
+import sys
+
+_marks = os.environ.get("SLURMFT_TEST_IMAGE_MARKS")
+if _marks and os.path.exists("/etc/slurmft-test-image"):  # in the image only: the host's Pythons read this path too
+    _env = os.environ
+    _rec = {"job": _env.get("SLURM_JOB_ID", ""), "restart": _env.get("SLURM_RESTART_COUNT") or "0",
+            "rank": _env.get("SLURM_PROCID", ""), "argv": sys.argv[:3],
+            "cdi_gpus": sorted(n.rsplit("_", 1)[1] for n in _env if n.startswith("SLURMFT_TEST_CDI_GPU_")),
+            "cuda_visible_devices": _env.get("CUDA_VISIBLE_DEVICES"),
+            "slurm_gpus": _env.get("SLURM_STEP_GPUS") or _env.get("SLURM_JOB_GPUS"),
+            "hf_token_sha256": hashlib.sha256(_env["HF_TOKEN"].encode()).hexdigest() if "HF_TOKEN" in _env else None,
+            "from_setup": _env.get("SLURMFT_TEST_FROM_SETUP")}
+    try:  # a folder of its own: the image hook's marks are the *.json beside it
+        os.makedirs(os.path.join(_marks, "env"), exist_ok=True)
+        with open(os.path.join(_marks, "env", f"{_rec['job']}-{_rec['restart']}-{_rec['rank']}-{os.getpid()}.json"),
+                  "w") as _f:
+            json.dump(_rec, _f)
+    except OSError as _exc:
+        print(f"[slurmft test image] could not record the environment: {_exc}", file=sys.stderr)
+"""
+
+
+def env_marks(directory: Path, job: str) -> list[dict]:
+    """What :data:`ENV_HOOK` recorded for the processes of ``job`` that slurmft started (``python -m ...``)."""
+    found = [json.loads(p.read_text()) for p in (directory / "env").glob(f"{job}-*.json")]
+    return [m for m in found if m["argv"][:1] == ["-m"]]
+
+
+#: A CDI spec with the NVIDIA toolkit's kind (nvidia.com/gpu) for the test cluster's fake GPUs: device N sets
+#: SLURMFT_TEST_CDI_GPU_N in the container (as the real one injects /dev/nvidiaN), ``all`` every one of them, as
+#: ``nvidia-ctk cdi generate`` writes it. podman 4.3 reads specs from /var/run/cdi (a tmpfs: gone at reboot).
+CDI_SPEC = Path("/var/run/cdi/slurmft-test-gpus.yaml")
+
+
+def fake_gpus_cdi(count: int = 8) -> str:
+    """The CDI spec of ``count`` fake GPUs (JSON is YAML)."""
+    devices = [{"name": str(i), "containerEdits": {"env": [f"SLURMFT_TEST_CDI_GPU_{i}={i}"]}} for i in range(count)]
+    devices.append({"name": "all", "containerEdits": {"env": [f"SLURMFT_TEST_CDI_GPU_{i}={i}" for i in range(count)]}})
+    return json.dumps({"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": devices}, indent=1)
+
+
 def copy_of_slurmft(dest: Path) -> Path:
     """slurmft's package and its data folders (templates, configs: slurmft/resources.py) copied to ``dest``."""
     for name in ("slurmft", "templates", "configs"):
         shutil.copytree(REPO / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+    (dest / "sitecustomize.py").write_text(ENV_HOOK)
     return dest
 
 

@@ -33,6 +33,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT, second_cluster
 from tests.slurm.conftest import IN_ALLOCATION
+from tests.slurm.jobs import started_jobs
 
 pytestmark = pytest.mark.slurm
 
@@ -180,6 +181,69 @@ def test_a_teammate_sees_a_shared_run_cannot_resume_it_and_two_resumes_submit_on
     assert code == 0, err
 
 
+def test_a_teammate_who_may_not_read_or_write_the_run_gets_words_not_a_traceback(
+        teammate: Teammate, team_dir: Path) -> None:
+    """Issue 47, defect 7: A's run in the team's directory, submitted with umask 077 (the team may not read its
+    manifest, or not even look in), then with 022 (the team may read, not write), and A's lock left unreadable. No
+    Slurm is asked: every command stops at the run directory, in words, with the fix."""
+    from slurmft.rundir import RunPaths, new_manifest, write_manifest
+
+    run = RunPaths.of(team_dir / "run")
+    run.root.mkdir()  # made by the team (2775, its group): A's umask 077 then writes a manifest only A may read
+    write_manifest(run, new_manifest("it", "slurm", run.run_id))
+    commands = (["status"], ["resume", "--force"], ["cancel", "--force"], ["prepare", "--force"], ["consolidate"],
+                ["logs"])
+    for mode, manifest_mode in ((0o2775, 0o600), (0o2700, 0o600)):
+        run.root.chmod(mode)
+        run.manifest.chmod(manifest_mode)
+        for args in commands:
+            result = teammate.slurmft(args[0], str(run.root), *args[1:])
+            assert result.returncode == 2 and "Traceback" not in result.stderr, (oct(mode), args, result.stderr)
+            assert f"may not read {run.root} (mode {mode:04o}, root's, group slurmft-team)" in result.stderr, (
+                oct(mode), args, result.stderr)
+            assert "chmod -R g+rwX" in result.stderr and "umask 002" in result.stderr
+        report = teammate.slurmft("report", str(run.root))  # the report says what it could not read, where it may
+        assert "Traceback" not in report.stderr, report.stderr
+        if mode == 0o2775:
+            assert report.returncode == 0 and f"may not read {run.root}" in (run.root / "report.md").read_text()
+        else:
+            assert report.returncode == 2 and f"may not read {run.root}" in report.stderr, report.stderr
+    run.root.chmod(0o2775)
+    run.manifest.chmod(0o664)
+    run.lock.write_text(json.dumps({"host": "login-9", "pid": 4242, "what": "resume"}))  # A's, under umask 077
+    run.lock.chmod(0o600)
+    for args in (["resume", "--force"], ["cancel", "--force"]):
+        result = teammate.slurmft(args[0], str(run.root), *args[1:])
+        assert result.returncode == 2 and "Traceback" not in result.stderr, (args, result.stderr)
+        assert "is locked" in result.stderr and "may not read who holds it" in result.stderr, (args, result.stderr)
+    run.lock.unlink()
+    run.root.chmod(0o2755)  # umask 022: the team reads, and may not take the lock (a file in the run directory)
+    for args in (["resume", "--force"], ["cancel", "--force"]):
+        result = teammate.slurmft(args[0], str(run.root), *args[1:])
+        assert result.returncode == 2 and "Traceback" not in result.stderr, (args, result.stderr)
+        assert "you need write access to the run directory" in result.stderr, (args, result.stderr)
+
+
+def _submit_as_b(slurmft, teammate: Teammate, team_dir: Path, model: Path, data: Path) -> tuple[Path, dict[str, str]]:  # noqa: ANN001
+    """B submits a run of their own (its model and data copied where B may read them), with umask 002. B's job
+    itself cannot start Python: the interpreter lives under /root (0700), which only B's commands get bound in
+    (AS_TEAMMATE); so it fails at once: a run whose train job died, for A to resume."""
+    inputs = team_dir / "inputs"
+    shutil.copytree(model, inputs / "model")
+    shutil.copyfile(data, inputs / data.name)
+    (team_dir / "b").mkdir()
+    (team_dir / "b").chmod(0o2775)
+    path = slurmft.write_config(team_dir / "b", inputs / "model", inputs / data.name, train={"max_steps": 400},
+                                prepare=IN_ALLOCATION)  # a train job that dies at start: no data preparation
+    old = os.umask(0o002)
+    try:
+        submitted = teammate.slurmft("submit", str(path), timeout=240)
+    finally:
+        os.umask(old)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    return team_dir / "b" / "run", started_jobs(submitted.stdout)
+
+
 @pytest.fixture
 def private_cluster(slurm_cluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A second cluster (own directory, port +200) with PrivateData=jobs; its directory. SLURM_CONF points there."""
@@ -216,5 +280,41 @@ def test_a_teammate_who_cannot_see_the_jobs_cannot_tell_and_submits_nothing(
                 assert not Path(f"/proc/{pid}").exists()
         own = slurmft.status_json(run)  # A, slurmdbd down: squeue still shows A its own job as live
         assert own["train"]["state"] in ("PENDING", "RUNNING", "CONFIGURING"), own
+        code, _, err = slurmft.cli(["cancel", str(run)])
+        assert code == 0, err
+
+        # issue 47, defects 1 and 2 (slurmdbd still down): B owns a run; its train job died; A, who looks after it
+        # too, resumes it with --force, so the new train job is A's (root's here). B must see that job as alive:
+        # B's resume and prepare refuse and submit nothing, and B's cancel names its owner.
+        b_run, b_jobs = _submit_as_b(slurmft, teammate, team_dir, tiny_model, chat_data)
+        slurm_cluster.wait_state(b_jobs["train"], "FAILED", timeout=120)  # B's own job cannot start Python (below)
+        old = os.umask(0o002)
+        try:
+            code, out, err = slurmft.cli(["resume", str(b_run), "--force"])
+        finally:
+            os.umask(old)
+        assert code == 0, err
+        theirs = started_jobs(out)
+        slurm_cluster.wait_state(theirs["train"], "RUNNING", timeout=120)
+        before = set(subprocess.run(squeue_as_root, capture_output=True, text=True, check=True).stdout.split())
+        for command in ("resume", "prepare"):  # consolidate asks the same once a checkpoint exists (test_resume.py)
+            refused = teammate.slurmft(command, str(b_run))
+            assert refused.returncode == 2 and "cannot tell whether" in refused.stderr, (command, refused.stdout,
+                                                                                        refused.stderr)
+            assert f"train job {theirs['train']}: cannot tell: root submitted it" in refused.stderr, refused.stderr
+        after = set(subprocess.run(squeue_as_root, capture_output=True, text=True, check=True).stdout.split())
+        assert after == before  # no second train job into the same checkpoints, no prepare job, no consolidation
+        manifest = json.loads((b_run / "manifest.json").read_text())
+        by_id = {j["job_id"]: j for j in manifest["jobs"]}
+        assert by_id[b_jobs["train"]]["submitter"] == {"uid": teammate.uid, "user": USER}
+        assert by_id[theirs["train"]]["submitter"] == {"uid": 0, "user": "root"}
+        rows = {r["job_id"]: r for r in json.loads(teammate.slurmft("status", str(b_run), "--json").stdout)["jobs"]}
+        assert rows[theirs["train"]]["state"] == "HIDDEN" and rows[b_jobs["train"]]["state"] == "FAILED", rows
+        cancel = teammate.slurmft("cancel", str(b_run))
+        assert cancel.returncode == 0, cancel.stderr
+        assert f"not cancelled: train job {theirs['train']} is root's (submitted by root)" in cancel.stderr, cancel.stderr
+        assert slurm_cluster.squeue_state(theirs["train"]) == "RUNNING"  # Slurm refused B: it is root's
     finally:
         slurmft.cli(["cancel", str(run)])
+        if (team_dir / "b" / "run" / "manifest.json").is_file():
+            slurmft.cli(["cancel", str(team_dir / "b" / "run"), "--force"])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -64,36 +63,35 @@ def test_submit_runs_train_then_consolidation(slurm_cluster, tiny_model: Path, c
                 assert value.encode() not in data, f"{key} leaked into {file}"
 
 
-def test_failed_train_leaves_consolidation_never_satisfied(slurm_cluster, tiny_model: Path, chat_data: Path,
-                                                           tmp_path: Path, slurmft) -> None:
+def test_failed_train_takes_its_consolidation_with_it(slurm_cluster, tiny_model: Path, chat_data: Path,
+                                                      tmp_path: Path, slurmft) -> None:
     wrong = tmp_path / "wrong-columns.jsonl"
     wrong.write_text(chat_data.read_text())  # valid when `submit` checks it...
     path = slurmft.write_config(tmp_path, tiny_model, wrong, prepare=IN_ALLOCATION)  # the train job must read it
     jobs = slurmft.submit(path)
     wrong.write_text('{"question": "2+2?", "answer": "4"}\n' * 8)  # ...replaced before the job reads it
     slurm_cluster.wait_state(jobs["train"], "FAILED", timeout=240)
-    deadline = time.time() + 60
-    while slurm_cluster.squeue_reason(jobs["consolidate"]) != "DependencyNeverSatisfied" and time.time() < deadline:
-        time.sleep(0.5)
+    # issue 47: Slurm cancels the consolidation (--kill-on-invalid-dep=yes), it is not left pending forever in
+    # DependencyNeverSatisfied
+    slurm_cluster.wait_state(jobs["consolidate"], "CANCELLED", timeout=60)
     assert slurm_cluster.squeue_reason(jobs["consolidate"]) == "DependencyNeverSatisfied"
     rows = slurmft.status_json(tmp_path / "run")
     assert rows["train"]["state"] == "FAILED"
     log = (tmp_path / "run" / "logs" / f"train-{jobs['train']}.out").read_text(errors="replace")
     assert "setup error: data.datasets[0]" in log and "Traceback" not in log  # the user's error, said plainly
-    assert "will never start" in rows["consolidate"]["words"]
+    assert f"train job {jobs['train']} did not succeed" in rows["consolidate"]["words"]
     code, out, _ = slurmft.cli(["status", str(tmp_path / "run")])  # the table says so in words too
-    assert code == 0 and "will never start" in out and f"slurmft resume {tmp_path / 'run'}" in out
-    # resume with no complete checkpoint: says it starts at step 0, replaces the stranded consolidation
+    assert code == 0 and "cancelled by Slurm before it started" in out and f"slurmft resume {tmp_path / 'run'}" in out
+    # resume with no complete checkpoint: says it starts at step 0; nothing stale is left to cancel
     code, out, err = slurmft.cli(["resume", str(tmp_path / "run")])
     assert code == 0, err
     assert "no complete checkpoint, training starts again at step 0" in err
-    assert f"cancelled stale consolidation job(s) {jobs['consolidate']}" in err
-    slurm_cluster.wait_state(jobs["consolidate"], "CANCELLED", timeout=30)
+    assert "cancelled" not in err
     again = started_jobs(out)
     slurm_cluster.wait_state(again["train"], "FAILED", timeout=240)  # the data is still wrong
+    slurm_cluster.wait_state(again["consolidate"], "CANCELLED", timeout=60)
     code, out, _ = slurmft.cli(["cancel", str(tmp_path / "run")])
-    assert code == 0 and again["consolidate"] in out
-    slurm_cluster.wait_state(again["consolidate"], "CANCELLED", timeout=30)
+    assert code == 0 and "no live jobs to cancel" in out
 
 
 def test_cancel_cancels_both_and_refuses_a_second_submit(slurm_cluster, tiny_model: Path, chat_data: Path,

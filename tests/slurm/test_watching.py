@@ -195,6 +195,15 @@ def test_runs_lists_every_run_with_one_squeue_and_one_sacct(slurm_cluster, tiny_
         (root / "a" / "manifest.json").write_text("{torn")
         code, out, err = slurmft.cli(["status", str(root / "a")])
         assert code == 2 and "manifest.json is corrupt" in err and "Traceback" not in err
+
+        # issue 47: a train job that ends without success takes its consolidation job with it (Slurm cancels it,
+        # --kill-on-invalid-dep=yes), on both Slurm versions: nothing slurmft submitted waits for a dependency
+        # that can never be satisfied
+        first = submitted[0]
+        subprocess.run(["scancel", first["train"]], check=True)
+        slurm_cluster.wait_state(first["train"], "CANCELLED", timeout=60)
+        slurm_cluster.wait_state(first["consolidate"], "CANCELLED", timeout=60)
+        assert slurm_cluster.squeue_reason(first["consolidate"]) == "DependencyNeverSatisfied"
     finally:
         for jobs in submitted:
             subprocess.run(["scancel", *jobs.values()], check=False)
