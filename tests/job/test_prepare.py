@@ -164,42 +164,43 @@ def test_changed_source_is_refused_by_resume_and_the_train_job_until_prepared_ag
 
 PREPARE_WITH = """
 import sys
+
+import datasets
+
 from slurmft.config import read_run_config
-from slurmft.job import prepare
+from slurmft.job import data, prepare
+from slurmft.job.inputs import load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
 from slurmft.rundir import RunPaths
 
-run, how = sys.argv[1], sys.argv[2]
-if how == "allocation":  # what the train job does with prepare.enabled: false (slurmft/job/train.py, one rank)
-    from slurmft.job import data
-    from slurmft.job.inputs import load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
-
-    paths = RunPaths.of(run)
-    cfg = read_run_config(paths.config)
-    model_dir = resolve_model_dir(cfg.model, with_weights=False)
-    tokenizer = load_tokenizer(resolve_tokenizer_dir(cfg.model, model_dir), cfg)
-    mixed = data.load_mixture(cfg.data, cfg.train.seed, tokenizer)
-    ready = prepare.prepare_rows(cfg, tokenizer, mixed, cfg.data.num_proc, paths.checkpoints, paths)
-    ready.save_to_disk(str(paths.prepared))
-else:
-    prepare.prepare_run(run, num_proc=int(how))
+datasets.disable_caching()  # each preparation computes every step itself, with its own number of processes
+one, three, allocation = sys.argv[1:4]
+prepare.prepare_run(one, num_proc=1)
+prepare.prepare_run(three, num_proc=3)
+paths = RunPaths.of(allocation)  # what the train job does with prepare.enabled: false (slurmft/job/train.py)
+cfg = read_run_config(paths.config)
+model_dir = resolve_model_dir(cfg.model, with_weights=False)
+tokenizer = load_tokenizer(resolve_tokenizer_dir(cfg.model, model_dir), cfg)
+mixed = data.load_mixture(cfg.data, cfg.train.seed, tokenizer)
+prepare.prepare_rows(cfg, tokenizer, mixed, cfg.data.num_proc, paths.checkpoints, paths).save_to_disk(
+    str(paths.prepared))
 """
 
 
 def test_the_prepared_set_does_not_depend_on_the_number_of_processes(tiny_model: Path, tmp_path: Path,
                                                                       job_env: dict[str, str]) -> None:
     """The tiny example's 800 conversations, prepared by 1 and by 3 processes and as the train job prepares them in
-    its allocation: the same packed rows, in the same order (TRL alone packed each process's share apart: issue 45)."""
+    its allocation (one process for the three: one start-up): the same packed rows, in the same order (TRL alone
+    packed each process's share apart: issue 45)."""
     from datasets import load_from_disk
 
     from tests.job.helpers import write_run
 
-    sets = {}
-    for how in ("1", "3", "allocation"):
-        run = write_run(tmp_path / f"run-{how}", tiny_model, ["data.max_seq_length=64"])
-        proc = subprocess.run([sys.executable, "-c", PREPARE_WITH, str(run), how], capture_output=True, text=True,
-                              timeout=600, cwd=REPO, env=job_env)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        sets[how] = load_from_disk(str(run / "prepared"))
+    runs = {how: write_run(tmp_path / f"run-{how}", tiny_model, ["data.max_seq_length=64"])
+            for how in ("1", "3", "allocation")}
+    proc = subprocess.run([sys.executable, "-c", PREPARE_WITH, *map(str, runs.values())], capture_output=True,
+                          text=True, timeout=600, cwd=REPO, env=job_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sets = {how: load_from_disk(str(run / "prepared")) for how, run in runs.items()}
     first = sets["1"][:]
     assert len(sets["1"]) > 100 and set(first) == {"input_ids", "labels", "seq_lengths"}
     assert max(map(len, first["input_ids"])) <= 64
