@@ -23,9 +23,9 @@ sync run's saves); target <= 0.2 for the latter. The bench also says whether a s
 fifth of the time between saves (the issue's condition for a meaningful comparison). Prints a markdown table;
 ``--json OUT`` writes the raw figures; exits 1 when the target is missed. ``--seq-len``/``--batch`` set
 ``data.max_seq_length``/``train.per_device_batch_size``: a short sequence makes a step cheap beside the save of
-a larger model (the README's figures: ``--size 150m --seq-len 64 --batch 1``). ``--quick`` (what the test suite
-runs): the tiny preset, 6 steps, a save every 2, the target not enforced. The machine's other load hits the three
-runs differently: run it on an idle machine and look at the per-save columns first.
+a larger model (docs/benchmarks.md's figures: ``--size 150m --seq-len 64 --batch 1``). ``--quick`` (what the test
+suite runs): the tiny preset, 6 steps, a save every 2, the target not enforced. The machine's other load hits the
+three runs differently: run it on an idle machine and look at the per-save columns first.
 """
 
 from __future__ import annotations

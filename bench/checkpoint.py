@@ -17,8 +17,8 @@ repetition:
   ``dcp.save`` of the model and of ``get_optimizer_state_dict``), then slurmft's ``make_durable`` (each
   rank its own files, rank 0 the shared ones and the directories) and a barrier, as ``CompleteCheckpoints``
   does before the marker, with DCP's unchecked per-tensor CRC-32 off as in the job (``skip_unchecked_crc32``;
-  the README's figures were measured before both changes: every rank fsyncing every file, the CRC on). DCP's
-  ``FileSystemWriter`` fsyncs each file it writes (``sync_files=True``, accelerate's default).
+  docs/benchmarks.md's figures were measured before both changes: every rank fsyncing every file, the CRC
+  on). DCP's ``FileSystemWriter`` fsyncs each file it writes (``sync_files=True``, accelerate's default).
 - *write baseline*: each rank writes a buffer of random bytes exactly as large as its own DCP files
   (rank 0 adds the ``.metadata`` files) front to back in 8 MiB calls, fsyncs, closes; barrier. Both
   sides fsync; both use ``--nproc`` writers at once; same total bytes, same directory; both read
@@ -367,7 +367,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def table(tp: dict[str, Any], rs: dict[str, Any]) -> str:
-    """The markdown table the README quotes, then every repetition's ratio."""
+    """The markdown table docs/benchmarks.md quotes, then every repetition's ratio."""
     cached = "n/a" if tp["max_cached_before_read"] is None else f"{tp['max_cached_before_read']:.0%}"
     pair = rs["median_pair"]
     lines = [

@@ -14,8 +14,8 @@ baseline ~1x.
 Pass/fail (exit 1 when missed): each streaming method peaks at most ``STREAM_MAX_LARGEST`` x the
 largest fp32 tensor (what "bounded by the largest tensor" promises: the read buffer, its cast and the
 bytes on their way to the file) and, on the full model, at most ``STREAM_MAX_MODEL`` x the model (the
-README's figure). ``--quick`` (what the test suite runs) uses 2 decoder layers instead of 12, and only
-the fp32 streaming and the load-all-keys baseline; the largest tensor is then a larger share of the
+figure docs/benchmarks.md quotes). ``--quick`` (what the test suite runs) uses 2 decoder layers instead of 12,
+and only the fp32 streaming and the load-all-keys baseline; the largest tensor is then a larger share of the
 model, so only the first target applies.
 """
 

@@ -93,7 +93,7 @@ def _row(name: str, values: dict[str, float | None], fmt: Any = _mib) -> str:
 
 
 def table(res: dict[str, Any]) -> str:
-    """The markdown table the README quotes."""
+    """The markdown table docs/benchmarks.md quotes."""
     copy, lora, floor = res["copy"], res["lora"], res["import_floor"]
     params = copy["ranks"][0]["total_params"]
     trainable = lora["ranks"][0]["trainable"]

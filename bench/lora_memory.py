@@ -246,7 +246,7 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def table(res: dict[str, Any]) -> str:
-    """The markdown table the README quotes."""
+    """The markdown table docs/benchmarks.md quotes."""
     full, lora, floor = res["full"], res["lora"], res["import_floor"]
     fr0 = full["ranks"][0]
     trainable = lora["ranks"][0]["trainable"]

@@ -12,7 +12,7 @@ of the same run from launch to their first logged step:
   ``RUN_DIR/prepared/``.
 
 Each train job gets its own empty datasets cache (a requeue on another node finds none). The ratio is
-what the README quotes. Target (exit 1 when missed): the prepared train job reaches its first step at
+what docs/benchmarks.md quotes. Target (exit 1 when missed): the prepared train job reaches its first step at
 least ``TARGET_RATIO`` times sooner. ``--quick`` (500 rows) checks that the pipeline runs, not the ratio.
 """
 

@@ -1,11 +1,15 @@
-"""The README's and docs/first-run.md's commands work, as far as they need no GPU; docs/development.md's device
-command for the GPU smoke parses and fits its time limit.
+"""The docs' commands work, as far as they need no GPU; docs/development.md's device command for the GPU smoke
+parses and fits its time limit; the docs' links and the repository files they cite exist; the README stays a
+landing page.
 
-Every ``slurmft validate|render|estimate`` line in a fenced block of those two files is run as
+Every ``slurmft validate|render|estimate`` line in a fenced block of README.md and docs/*.md is run as
 written (the ``run.yaml`` placeholder is run against each shipped Slurm example; any other
 path must exist), every shipped
 example passes validate, render and estimate, the README's override line validates, and the
 data and profile snippets of docs/first-run.md are read by the code that reads users' files.
+Every relative link of README.md and docs/*.md reaches a file, and its ``#anchor`` a heading of that file (as
+GitHub renders it); the README opens with the two commands, ``.ci/run`` runs its test command, it names every
+file of the run directory and links every doc; every figure of docs/benchmarks.md has its command and date.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from bench_module import load_bench
 from cli_runner import cli
 
 REPO = Path(__file__).resolve().parent.parent
-DOCS = [REPO / "README.md", REPO / "docs" / "first-run.md"]
+README = REPO / "README.md"
+DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
 EXAMPLES = sorted(p for p in (REPO / "examples").rglob("*.yaml"))
 SLURM_EXAMPLES = [p for p in EXAMPLES if yaml.safe_load(p.read_text()).get("executor") != "local"]
 TINY = REPO / "examples" / "tiny" / "run.yaml"
@@ -59,7 +64,7 @@ def with_tiny_model(path: Path, tiny_model: Path) -> list[str]:
 
 def test_the_docs_show_commands_to_run() -> None:
     found = {doc for doc, _ in doc_commands()}
-    assert found == {"README.md", "first-run.md"}
+    assert found >= {"README.md", "first-run.md"}  # the 70B example's and the first run's commands
 
 
 @pytest.mark.parametrize(("doc", "line"), doc_commands(), ids=[f"{d}:{c}" for d, c in doc_commands()])
@@ -122,6 +127,9 @@ def test_first_run_profile_example_is_a_valid_profile(tmp_path: Path) -> None:
 
 # Files slurmft writes into a run directory: named by the docs, never part of the repository.
 RUN_DIR_FILES = {"report.md"}
+# Pages of tools outside the repository that a file names as its source (bench/gpu_image_packages.txt: the
+# device tool's page of the GPU image's packages).
+OUTSIDE_FILES = {"KINDS.md"}
 
 
 def test_the_repository_cites_only_files_it_contains() -> None:
@@ -136,7 +144,7 @@ def test_the_repository_cites_only_files_it_contains() -> None:
         text = (REPO / rel).read_text(errors="replace")
         for cited in set(re.findall(r"[A-Za-z0-9_./-]*[A-Za-z0-9_-]+\.md\b", text)):
             local = (REPO / rel).parent / cited
-            if Path(cited).name in RUN_DIR_FILES:
+            if Path(cited).name in RUN_DIR_FILES | OUTSIDE_FILES:
                 continue
             if cited not in names and cited.lstrip("./") not in names and not local.exists():
                 missing.append(f"{rel} cites {cited}")
@@ -169,3 +177,96 @@ def test_the_gpu_smoke_device_command_installs_the_wheels_and_fits_its_limit() -
     args = load_bench("gpu_smoke").parser().parse_args(smoke)
     assert str(args.out) == "$OUT" and not args.dry_run
     assert 0 < args.budget_s <= timeout - 45 and 2 * timeout + 120 <= 15 * 60
+
+
+FENCE = re.compile(r"^```.*?^```", flags=re.S | re.M)
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def github_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings: the text as rendered (no backticks, emphasis or
+    link targets), lower-cased, punctuation dropped but ``-`` and ``_``, spaces as ``-``; a repeat gets ``-1``..."""
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", FENCE.sub("", path.read_text()), flags=re.M):
+        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "").replace("*", "")
+        slug = re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+        anchor, n = slug, 0
+        while anchor in anchors:
+            n += 1
+            anchor = f"{slug}-{n}"
+        anchors.add(anchor)
+    return anchors
+
+
+def test_the_anchor_rule_is_githubs() -> None:
+    """The rule above on headings whose GitHub anchors are known (the links that worked before this test)."""
+    docs = REPO / "docs"
+    assert "check-a-cluster-before-the-first-long-run-slurmft-doctor" in github_anchors(docs / "preemption.md")
+    assert "asynchronous-saves-checkpointasync-default-true" in github_anchors(docs / "training.md")
+    assert "the-gpu-smoke-on-a-lent-machine" in github_anchors(docs / "development.md")
+    assert "cluster" in github_anchors(docs / "config.md")  # "## `cluster`", linked from its own table
+
+
+def test_every_link_in_the_docs_resolves() -> None:
+    broken = []
+    for doc in DOCS:
+        name = doc.relative_to(REPO)
+        for target in LINK.findall(FENCE.sub("", doc.read_text())):
+            if re.match(r"^[a-z]+:", target):  # https:, mailto:: not ours to check offline
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            if not dest.exists() or REPO not in dest.parents:
+                broken.append(f"{name}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in github_anchors(dest):
+                broken.append(f"{name}: {target} (no heading with that anchor in {dest.name})")
+    assert not broken, broken
+
+
+def test_the_docs_cite_only_repository_files_that_exist() -> None:
+    """A module, test, bench or example named in the docs exists (one that moved leaves a stale pointer)."""
+    cited = re.compile(r"(?<![\w/.-])((?:bench|tests|slurmft|examples|configs|templates|docs|\.ci)/[\w./-]*?"
+                       r"\.(?:py|sh|yaml|j2|json|txt|toml|md|png))\b")
+    missing = [f"{doc.relative_to(REPO)}: {path}" for doc in DOCS
+               for path in sorted(set(cited.findall(doc.read_text()))) if not (REPO / path).exists()]
+    assert not missing, missing
+
+
+def test_the_readme_is_a_landing_page() -> None:
+    """Issue 46: what it is, the two commands, the commands, a config, where the files are, a line per doc."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 250, "the README is a landing page: move details into docs/"
+    first, second = [block.strip() for block in fenced(README, "bash")][:2]
+    assert first.startswith("pip install torch==2.13.0 ") and "\n" not in first  # one command: set-up to model
+    assert first.endswith(" && python -m slurmft.tiny examples/tiny/assets/model"
+                          " && slurmft submit examples/tiny/run.yaml")
+    assert second == "bash .ci/run"
+    test_cmd = re.search(r"^TEST_CMD=\((.+)\)$", (REPO / ".ci" / "run").read_text(), flags=re.M)
+    assert test_cmd and f"runs the test command `{test_cmd.group(1)}`" in text  # what CI runs is what it says
+    linked = {target.partition("#")[0] for target in LINK.findall(text)}
+    assert {f"docs/{doc.name}" for doc in (REPO / "docs").glob("*.md")} <= linked  # every doc one click away
+
+
+def test_the_readme_names_every_file_of_the_run_directory() -> None:
+    """Its run-directory tree holds every name ``RunPaths`` gives directly inside a run directory."""
+    from slurmft.rundir import RunPaths
+
+    paths = RunPaths(Path("/run"))
+    names = {value.name for name, attr in vars(RunPaths).items() if isinstance(attr, property)
+             for value in [getattr(paths, name)] if isinstance(value, Path) and value.parent == paths.root}
+    [tree] = [block for block in fenced(README) if block.startswith("<output_dir>/")]
+    assert names >= {"config.yaml", "manifest.json", "checkpoints", "model"}
+    assert not [n for n in sorted(names) if not re.search(rf"(?<![\w.]){re.escape(n)}(?![\w.])", tree)]
+
+
+def test_every_benchmark_has_its_command_and_its_date() -> None:
+    doc = REPO / "docs" / "benchmarks.md"
+    sections = re.split(r"^## ", FENCE.sub("", doc.read_text()), flags=re.M)[1:]
+    figures = [s for s in sections if not s.startswith("Figures kept beside")]
+    assert len(figures) >= 12
+    for section in figures:
+        title = section.splitlines()[0]
+        command = re.search(r"`(?:python|bash) (bench/[\w.]+)|`slurmft estimate (examples/[\w./-]+\.yaml)`",
+                            section)
+        assert command and (REPO / (command.group(1) or command.group(2))).is_file(), title
+        assert re.search(r"\b20\d\d-\d\d-\d\d\b", section) or "not measured yet" in section, title

@@ -1,5 +1,5 @@
 """The benchmark scripts, so a bench that silently breaks turns CI red: bench/gpu_smoke.sh --dry-run runs
-the whole pipeline on CPU, and every bench behind a number in the README's "Measured" section runs in
+the whole pipeline on CPU, and every bench behind a number in docs/benchmarks.md runs in
 its ``--quick`` mode and must meet its own targets (each exits 1 when one is missed) — except
 bench/checkpoint.py, whose quick ratios are noise (a 60 MB checkpoint, time-to-first-step on a busy
 machine): its test checks that every figure is reported, not the targets."""
@@ -74,14 +74,15 @@ def test_readme_bench_quick_mode_meets_its_targets(script: str, job_env: dict[st
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "targets" in out and ": met" in out and "MISSED" not in out, out[-2000:]
-    assert "| " in proc.stdout  # the table the README quotes
+    assert "| " in proc.stdout  # the table docs/benchmarks.md quotes
 
 
 def test_checkpoint_bench_quick_mode_reports_every_figure(tiny_model: Path, job_env: dict[str, str],
                                                           tmp_path: Path) -> None:
     """bench/checkpoint.py --quick: the whole bench runs (2-rank DCP save/load with AdamW state, the sequential
     baselines, a fresh and a resumed job) and reports every figure. Its targets are not asserted here: with a
-    60 MB checkpoint and no warm-up run both ratios are noise (the README's figures come from the full run)."""
+    60 MB checkpoint and no warm-up run both ratios are noise (docs/benchmarks.md's figures come from the full
+    run)."""
     out = tmp_path / "checkpoint.json"
     env = {**job_env, "TMPDIR": str(tmp_path)}
     env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -105,7 +106,8 @@ def test_async_save_bench_quick_mode_reports_every_figure(tiny_model: Path, job_
                                                           tmp_path: Path) -> None:
     """bench/async_save.py --quick: the real train job three times (no periodic save, synchronous, asynchronous
     saves) and every figure from metrics.jsonl's save lines. Its target is not asserted: 6 steps of the tiny
-    model (64-token rows) on a busy machine make the ratios noise (the README's figures come from the full run)."""
+    model (64-token rows) on a busy machine make the ratios noise (docs/benchmarks.md's figures come from the full
+    run)."""
     out = tmp_path / "async.json"
     env = {**job_env, "TMPDIR": str(tmp_path)}
     env.pop("CUDA_VISIBLE_DEVICES", None)
