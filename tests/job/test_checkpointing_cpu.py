@@ -21,6 +21,9 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -122,52 +125,68 @@ def test_a_checkpoint_that_does_not_load_falls_back_to_the_previous_one(micro_mo
     shutil.rmtree(run / "checkpoints")  # the shards: do not leave them in the temp dir
 
 
+# A CompleteCheckpoints on a one-rank gloo group in a fresh interpreter: the script's body has ``root`` (the test's
+# tmp_path), ``saver(**kwargs)`` (a saver with those CompleteCheckpoints arguments) and ``failed_write(step)`` (a Save
+# whose background write failed with ENOSPC, as a DCP CheckpointException carried by the write's future).
+ONE_RANK_SAVER = """
+import json, time
+from concurrent.futures import Future
+from pathlib import Path
+from types import SimpleNamespace
+import torch, torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from slurmft.errors import CheckpointError
+from slurmft.job.checkpointing import CompleteCheckpoints, Save
+from slurmft.job.distributed import DistContext
+from slurmft.job.rendezvous import JobEnv
+
+root = Path(ROOT)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+env = JobEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, num_nodes=1, job_id="1",
+             restart_count=0, master_addr="127.0.0.1", master_port=0, launcher="local")
+ctx = DistContext(env=env, device=torch.device("cpu"), backend="gloo", collective_timeout_s=30)
+
+
+def saver(**kwargs):
+    return CompleteCheckpoints(ctx, kwargs.pop("model_config", None), None, kwargs.pop("tokenizer", None),
+                               keep_last=2, info={}, asynchronous=True, **kwargs)
+
+
+def failed_write(step):
+    future = Future()
+    future.set_exception(CheckpointException("write", {0: (OSError(28, "No space left on device"), None)}))
+    return Save(step=step, directory=root / f"checkpoint-{step}", started=time.time(), future=future)
+"""
+
+
+def _one_rank_saver(root: Path, body: str) -> subprocess.CompletedProcess[str]:
+    """Run ``body`` after :data:`ONE_RANK_SAVER` in a fresh interpreter; its process group is left at the end."""
+    script = ONE_RANK_SAVER.replace("ROOT", repr(str(root))) + textwrap.dedent(body) + "\ndist.destroy_process_group()\n"
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+
+
 def test_asynchronous_saves_failing_in_a_row_stop_the_run(tmp_path: Path) -> None:
     """The counting rule of ``checkpoint.max_failed_saves`` on a one-rank gloo group: a failed background write
     (a DCP CheckpointException carried by the write's future) is logged and training goes on; the N-th failure
     in a row raises CheckpointError naming the field and the cause.
     (Two ranks with a failing write: test_train_cpu.py's reference run.)"""
-    import subprocess
-    import sys
-    import textwrap
-
-    script = textwrap.dedent(f"""
-        import time
-        from concurrent.futures import Future
-        from pathlib import Path
-        import torch, torch.distributed as dist
-        from torch.distributed.checkpoint.api import CheckpointException
-        from slurmft.errors import CheckpointError
-        from slurmft.job.checkpointing import CompleteCheckpoints, Save
-        from slurmft.job.distributed import DistContext
-        from slurmft.job.rendezvous import JobEnv
-
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        env = JobEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, num_nodes=1, job_id="1",
-                     restart_count=0, master_addr="127.0.0.1", master_port=0, launcher="local")
-        ctx = DistContext(env=env, device=torch.device("cpu"), backend="gloo", collective_timeout_s=30)
-        saver = CompleteCheckpoints(ctx, None, None, None, keep_last=2, info={{}}, asynchronous=True,
-                                    max_failed_saves=2)
+    proc = _one_rank_saver(tmp_path, """
+        checkpoints = saver(max_failed_saves=2)
 
         def failed(step):
-            future = Future()
-            future.set_exception(CheckpointException("write", {{0: (OSError(28, "No space left on device"), None)}}))
-            saver.pending = Save(step=step, directory=Path({str(tmp_path)!r}) / f"checkpoint-{{step}}",
-                                 started=time.time(), future=future)
-            return saver.finish_pending()
+            checkpoints.pending = failed_write(step)
+            return checkpoints.finish_pending()
 
-        assert failed(10) is False and saver.failed_in_a_row == 1
+        assert failed(10) is False and checkpoints.failed_in_a_row == 1
         try:
             failed(20)
         except CheckpointError as exc:
             print(exc.render())
         else:
             raise SystemExit("no CheckpointError")
-        saver.close()
-        dist.destroy_process_group()
+        checkpoints.close()
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 asynchronous saves in a row failed (checkpoint.max_failed_saves=2)" in proc.stdout, proc.stdout
     assert "checkpoint-20: rank 0: OSError: [Errno 28] No space left on device" in proc.stdout, proc.stdout
@@ -179,50 +198,26 @@ def test_the_final_save_comes_before_the_failed_saves_limit(tmp_path: Path) -> N
     """A stop (or max_steps) right after a background write failed for the ``max_failed_saves``-th time in a row:
     the stop's own synchronous save is made first and, having succeeded, ends the streak; nothing raises and the
     work since the last checkpoint is kept (before issue 45 the limit raised before the stop's save was tried)."""
-    import subprocess
-    import sys
-    import textwrap
-
-    script = textwrap.dedent(f"""
-        import json, time
-        from concurrent.futures import Future
-        from pathlib import Path
-        from types import SimpleNamespace
-        import torch, torch.distributed as dist
-        from torch.distributed.checkpoint.api import CheckpointException
+    proc = _one_rank_saver(tmp_path, """
         from transformers import LlamaConfig
-        from slurmft.job.checkpointing import CompleteCheckpoints, Save
-        from slurmft.job.distributed import DistContext
-        from slurmft.job.rendezvous import JobEnv
 
-        root = Path({str(tmp_path)!r})
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        env = JobEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, num_nodes=1, job_id="1",
-                     restart_count=0, master_addr="127.0.0.1", master_port=0, launcher="local")
-        ctx = DistContext(env=env, device=torch.device("cpu"), backend="gloo", collective_timeout_s=30)
-        tokenizer = SimpleNamespace(save_pretrained=lambda d: (Path(d) / "tokenizer.json").write_text("{{}}"))
-        saver = CompleteCheckpoints(ctx, LlamaConfig(), None, tokenizer, keep_last=2, info={{}}, asynchronous=True,
-                                    max_failed_saves=1)
+        tokenizer = SimpleNamespace(save_pretrained=lambda d: (Path(d) / "tokenizer.json").write_text("{}"))
+        checkpoints = saver(model_config=LlamaConfig(), tokenizer=tokenizer, max_failed_saves=1)
 
         def write(model, trial):  # what the Trainer's _save_checkpoint leaves: some files in checkpoint-<step>
-            out = root / f"checkpoint-{{trainer.state.global_step}}"
+            out = root / f"checkpoint-{trainer.state.global_step}"
             out.mkdir(parents=True)
-            (out / "trainer_state.json").write_text(json.dumps({{"global_step": trainer.state.global_step}}))
+            (out / "trainer_state.json").write_text(json.dumps({"global_step": trainer.state.global_step}))
 
         trainer = SimpleNamespace(state=SimpleNamespace(global_step=11), args=SimpleNamespace(output_dir=str(root)),
                                   control=SimpleNamespace(should_training_stop=True), _save_checkpoint=write)
-        saver.watch(trainer)
-        future = Future()
-        future.set_exception(CheckpointException("write", {{0: (OSError(28, "No space left on device"), None)}}))
-        saver.pending = Save(step=10, directory=root / "checkpoint-10", started=time.time(), future=future)
+        checkpoints.watch(trainer)
+        checkpoints.pending = failed_write(10)
         trainer._save_checkpoint(None, None)  # the stop's save, with the failure pending
-        saver.on_save(trainer.args, trainer.state, trainer.control)
-        print("complete:", (root / "checkpoint-11" / "COMPLETE").is_file(), "streak:", saver.failed_in_a_row)
-        saver.close()
-        dist.destroy_process_group()
+        checkpoints.on_save(trainer.args, trainer.state, trainer.control)
+        print("complete:", (root / "checkpoint-11" / "COMPLETE").is_file(), "streak:", checkpoints.failed_in_a_row)
+        checkpoints.close()
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "complete: True streak: 0" in proc.stdout, proc.stdout
     assert "asynchronous save of checkpoint-10 failed (1 in a row" in proc.stderr, proc.stderr
