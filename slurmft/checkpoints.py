@@ -215,6 +215,12 @@ def read_marker(path: Path) -> dict[str, Any]:
     return record if isinstance(record, dict) else {}
 
 
+def saved_world_size(path: Path) -> int | None:
+    """The number of ranks that saved checkpoint ``path`` (its COMPLETE marker), None for a marker without it."""
+    value = read_marker(path).get("world_size")
+    return value if isinstance(value, int) else None
+
+
 def fsync_dir(path: Path) -> None:
     """fsync a directory (a rename in it is durable)."""
     try:
