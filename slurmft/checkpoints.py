@@ -19,7 +19,7 @@ and ``SHARDED_STATE_DICT``, checked by tests/job/test_train_cpu.py)::
 
 A checkpoint whose files match its marker but fail to load is moved to
 ``unloadable-checkpoint-<step>/`` (with a ``LOAD_FAILED`` note) once an older one loaded
-(slurmft/job/checkpointing.py); discovery ignores that name and rotation removes it.
+(slurmft/job/checkpointing/fallback.py); discovery ignores that name and rotation removes it.
 
 DCP keys of ``pytorch_model_fsdp_0/``: ``"model." + <Hugging Face parameter name>``, e.g.
 ``model.model.embed_tokens.weight``, ``model.model.layers.0.self_attn.q_proj.weight``,

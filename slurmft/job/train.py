@@ -441,7 +441,7 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
         if change and ctx.is_main:
             log.info("%s", change)
 
-    try:  # the newest checkpoint that loads on every rank; older ones when loading fails (slurmft/job/checkpointing.py)
+    try:  # the newest checkpoint that loads on every rank; older ones when loading fails (slurmft/job/checkpointing/)
         trainer, _ = checkpointer.train(trainer, new_trainer, candidates, check_precision)
     except StopBeforeFirstStep:
         return _stopped(paths, env, ctx, preempt.stopped_at or 0, saved=False, t_start=t_start)

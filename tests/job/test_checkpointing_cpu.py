@@ -48,7 +48,7 @@ def test_load_errors_read_in_one_line() -> None:
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from slurmft.job.checkpointing import reason
+    from slurmft.job.checkpointing.failures import reason
 
     garbage = pickle.UnpicklingError("Weights only load failed. In PyTorch 2.6, we changed the default value ...\n"
                                      "WeightsUnpickler error: \n\nUnsupported operand 255\n\nCheck the documentation")
@@ -138,7 +138,8 @@ def test_asynchronous_saves_failing_in_a_row_stop_the_run(tmp_path: Path) -> Non
         import torch, torch.distributed as dist
         from torch.distributed.checkpoint.api import CheckpointException
         from slurmft.errors import CheckpointError
-        from slurmft.job.checkpointing import CompleteCheckpoints, Save
+        from slurmft.job.checkpointing.complete import CompleteCheckpoints
+        from slurmft.job.checkpointing.writing import Save
         from slurmft.job.distributed import DistContext
         from slurmft.job.rendezvous import JobEnv
 
@@ -191,7 +192,8 @@ def test_the_final_save_comes_before_the_failed_saves_limit(tmp_path: Path) -> N
         import torch, torch.distributed as dist
         from torch.distributed.checkpoint.api import CheckpointException
         from transformers import LlamaConfig
-        from slurmft.job.checkpointing import CompleteCheckpoints, Save
+        from slurmft.job.checkpointing.complete import CompleteCheckpoints
+        from slurmft.job.checkpointing.writing import Save
         from slurmft.job.distributed import DistContext
         from slurmft.job.rendezvous import JobEnv
 
@@ -239,7 +241,7 @@ def test_dcp_never_checks_the_crc32_it_writes_so_saves_skip_it(tmp_path: Path) -
     import torch.distributed.checkpoint as dcp
     import torch.utils.serialization.config as serialization
 
-    from slurmft.job.checkpointing import skip_unchecked_crc32
+    from slurmft.job.checkpointing.writing import skip_unchecked_crc32
 
     state = {"w": torch.full((1024,), 1234.5), "b": torch.arange(16, dtype=torch.float32)}
     was = serialization.save.compute_crc32
