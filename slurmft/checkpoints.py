@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 COMPLETE_MARKER = "COMPLETE"
+#: accelerate's directory for the model part of a checkpoint (DCP); an adapter checkpoint uses the same name.
+MODEL_DIR = "pytorch_model_fsdp_0"
 # Module-wrapper segments that appear in parameter names (activation checkpointing, FSDP1,
 # torch.compile) but never in a Hugging Face checkpoint.
 # PEFT's LoRA wrapper adds ``base_layer`` (the wrapped linear layer) and ``original_module`` (what a
@@ -59,6 +61,11 @@ def step_of(path: Path) -> int | None:
     """Step number of a ``checkpoint-<step>`` directory, else None."""
     m = _STEP_DIR.match(path.name)
     return int(m.group(1)) if m else None
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """``root/checkpoint-<step>``: where the Trainer saves ``step`` (the name :func:`step_of` reads)."""
+    return root / f"checkpoint-{step}"
 
 
 def is_complete(path: Path) -> bool:

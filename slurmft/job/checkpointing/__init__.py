@@ -5,7 +5,7 @@
 - candidates.py: what a resume may start from (verified, newest first) and the checks each must pass.
 - fallback.py: loads every rank agrees on, and the fall back to an older checkpoint when one does not load.
 - adapter_state.py: a LoRA checkpoint holds the adapters only, every rank's shard.
-- failures.py: how a failed read or write is said (one line).
+- failures.py: how a failed read or write is said (one line, once per message).
 
 Discovery (which directories count) is torch-free and shared with the login side: slurmft/checkpoints.py.
 """

@@ -19,9 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from slurmft import checkpoints
-
-#: accelerate's directory for the model part of a checkpoint; an adapter checkpoint uses the same name.
-MODEL_DIR = "pytorch_model_fsdp_0"
+from slurmft.checkpoints import MODEL_DIR
 
 
 def _trainable_state(model: Any) -> dict[str, Any]:

@@ -31,23 +31,15 @@ from typing import Any
 from torch.distributed.checkpoint.api import CheckpointException
 from transformers import TrainerCallback
 
-from slurmft.checkpoints import COMPLETE_MARKER, damaged, make_durable, mark_complete, prune
+from slurmft.checkpoints import COMPLETE_MARKER, damaged, make_durable, mark_complete, prune, step_dir
 from slurmft.errors import CheckpointError
 from slurmft.job import preemption
-from slurmft.job.checkpointing.failures import reason
+from slurmft.job.checkpointing.failures import per_message, reason
 from slurmft.job.checkpointing.writing import BackgroundWriter, Save
 from slurmft.job.distributed import DistContext, any_rank, barrier, gather_errors
 from slurmft.rundir import SAVE_EVENT
 
 log = logging.getLogger(__name__)
-
-
-def _by_message(failed: list[tuple[int, str]]) -> dict[str, list[int]]:
-    """Each rank's error once, with the ranks that had it (DCP gives every rank the same error)."""
-    out: dict[str, list[int]] = {}
-    for rank, msg in failed:
-        out.setdefault(msg, []).append(rank)
-    return out
 
 
 class CompleteCheckpoints(TrainerCallback):
@@ -110,7 +102,7 @@ class CompleteCheckpoints(TrainerCallback):
             self._trainer, self._model = trainer, model
             started = time.time()
             save = Save(step=trainer.state.global_step, started=started,
-                        directory=Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}")
+                        directory=step_dir(Path(trainer.args.output_dir), trainer.state.global_step))
             if self.writer is None or final:
                 result = original(model, trial, *args, **kwargs)
             else:
@@ -133,7 +125,7 @@ class CompleteCheckpoints(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         save, self.current = self.current, None
         if save is None:  # not through watch(): a save of its own step, written synchronously
-            save = Save(step=state.global_step, directory=Path(args.output_dir) / f"checkpoint-{state.global_step}",
+            save = Save(step=state.global_step, directory=step_dir(Path(args.output_dir), state.global_step),
                         started=time.time())
         if save.future is None:
             self._complete(save)
@@ -149,7 +141,7 @@ class CompleteCheckpoints(TrainerCallback):
         """Training ended (``max_steps`` or a stop): the save in flight is waited for and marked; a stop right
         after a failed asynchronous save of this step saves again, synchronously."""
         if not self.finish_pending(final=True) and self._trainer is not None and not (
-                Path(args.output_dir) / f"checkpoint-{state.global_step}" / COMPLETE_MARKER).is_file():
+                step_dir(Path(args.output_dir), state.global_step) / COMPLETE_MARKER).is_file():
             log.warning("saving checkpoint-%d again, synchronously, before stopping", state.global_step)
             self._trainer.control.should_training_stop = True
             self._trainer._save_checkpoint(self._model, None)
@@ -181,8 +173,7 @@ class CompleteCheckpoints(TrainerCallback):
             self._complete(save)
             return True
         self.failed_in_a_row += 1
-        why = "; ".join(msg if len(ranks) == self.ctx.world_size else f"{msg} (on rank {', '.join(map(str, ranks))})"
-                        for msg, ranks in _by_message(failed).items())
+        why = "; ".join(per_message(failed, self.ctx.world_size))
         log.warning("asynchronous save of %s failed (%d in a row; no COMPLETE, training goes on, the next save "
                     "retries): %s", save.directory.name, self.failed_in_a_row, why)
         if self.failed_in_a_row >= self.max_failed_saves and final:

@@ -49,7 +49,7 @@ from transformers import TrainerCallback
 
 from slurmft import checkpoints
 from slurmft.errors import CheckpointError
-from slurmft.job.checkpointing.failures import reason
+from slurmft.job.checkpointing.failures import per_message, reason
 from slurmft.job.distributed import DistContext, barrier, gather_errors
 
 log = logging.getLogger(__name__)
@@ -78,12 +78,7 @@ def _agree_loaded(ctx: DistContext, checkpoint: Path, what: str, error: str | No
     failed = gather_errors(ctx, error)
     if not failed:
         return
-    problems = []
-    for msg in dict.fromkeys(msg for _, msg in failed):
-        ranks = [rank for rank, m in failed if m == msg]
-        where = "" if len(ranks) == ctx.world_size else f" (on rank {', '.join(map(str, ranks))})"
-        problems.append(f"{what}: {msg}{where}")
-    raise CheckpointLoadFailed(checkpoint, problems)
+    raise CheckpointLoadFailed(checkpoint, [f"{what}: {line}" for line in per_message(failed, ctx.world_size)])
 
 
 def _agreed(load: Callable[..., Any], what: str, ctx: DistContext) -> Callable[..., Any]:
