@@ -11,7 +11,7 @@ is waited for. Figures per mode (rank 0, medians): *blocked* (how long ``async_s
 staging, planning), *durable* (the call to the future's result), the steps' slowdown while the write was in
 flight against steps with none, and, for the process mode, the one-off cost of its first save (the
 background process starts and joins its own process group). What the train job uses (thread:
-``slurmft.job.checkpointing.BackgroundWriter``) is said in its docstring with these figures.
+``slurmft.job.checkpointing.writing.BackgroundWriter``) is said in its docstring with these figures.
 """
 
 from __future__ import annotations

@@ -166,7 +166,7 @@ def throughput_worker(model_dir: Path, work: Path, repeat: int, out: Path) -> No
     from slurmft.checkpoints import make_durable
     from slurmft.config import RunConfig
     from slurmft.job import cpu_fsdp, distributed, inputs, loading
-    from slurmft.job.checkpointing import skip_unchecked_crc32
+    from slurmft.job.checkpointing.writing import skip_unchecked_crc32
     from slurmft.job.rendezvous import JobEnv
 
     ctx = distributed.init(JobEnv.from_environ())

@@ -4,7 +4,7 @@
 
 DCP writes every tensor with ``torch.save``, whose zip writer computes a CRC-32 of each record unless
 ``torch.utils.serialization.config.save.compute_crc32`` is off; the train job turns it off
-(``slurmft.job.checkpointing.skip_unchecked_crc32``) because nothing reads it: neither ``torch.load`` nor DCP's
+(``slurmft.job.checkpointing.writing.skip_unchecked_crc32``) because nothing reads it: neither ``torch.load`` nor DCP's
 reader checks it (tests/job/test_checkpointing_cpu.py flips a byte of a shard and the load succeeds). This bench
 saves ``--mib`` MiB of float32 state in ``--tensors`` tensors ``--repeat`` times each way, alternating (with,
 without, with, ...) so that the machine's other load hits both alike, each save fsynced (``sync_files``, DCP's

@@ -19,7 +19,7 @@ and ``SHARDED_STATE_DICT``, checked by tests/job/test_train_cpu.py)::
 
 A checkpoint whose files match its marker but fail to load is moved to
 ``unloadable-checkpoint-<step>/`` (with a ``LOAD_FAILED`` note) once an older one loaded
-(slurmft/job/checkpointing.py); discovery ignores that name and rotation removes it.
+(slurmft/job/checkpointing/fallback.py); discovery ignores that name and rotation removes it.
 
 DCP keys of ``pytorch_model_fsdp_0/``: ``"model." + <Hugging Face parameter name>``, e.g.
 ``model.model.embed_tokens.weight``, ``model.model.layers.0.self_attn.q_proj.weight``,
@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 COMPLETE_MARKER = "COMPLETE"
+#: accelerate's directory for the model part of a checkpoint (DCP); an adapter checkpoint uses the same name.
+MODEL_DIR = "pytorch_model_fsdp_0"
 # Module-wrapper segments that appear in parameter names (activation checkpointing, FSDP1,
 # torch.compile) but never in a Hugging Face checkpoint.
 # PEFT's LoRA wrapper adds ``base_layer`` (the wrapped linear layer) and ``original_module`` (what a
@@ -59,6 +61,11 @@ def step_of(path: Path) -> int | None:
     """Step number of a ``checkpoint-<step>`` directory, else None."""
     m = _STEP_DIR.match(path.name)
     return int(m.group(1)) if m else None
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """``root/checkpoint-<step>``: where the Trainer saves ``step`` (the name :func:`step_of` reads)."""
+    return root / f"checkpoint-{step}"
 
 
 def is_complete(path: Path) -> bool:
@@ -213,6 +220,12 @@ def read_marker(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}
+
+
+def saved_world_size(path: Path) -> int | None:
+    """The number of ranks that saved checkpoint ``path`` (its COMPLETE marker), None for a marker without it."""
+    value = read_marker(path).get("world_size")
+    return value if isinstance(value, int) else None
 
 
 def fsync_dir(path: Path) -> None:

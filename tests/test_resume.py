@@ -15,14 +15,13 @@ from pathlib import Path
 import pytest
 from cli_runner import cli
 
-from slurmft.checkpoints import mark_complete
+from slurmft.checkpoints import mark_complete, saved_world_size
 from slurmft.errors import ConfigError, RunDirError
 from slurmft.rundir import RunPaths, acquire_lock, new_manifest, release_lock, write_manifest
 from slurmft.slurm_states import words
 from slurmft.submit.resume import (
     Phase,
     check_overrides,
-    checkpoint_world_size,
     classify,
     ended_how,
     model_ready,
@@ -113,7 +112,7 @@ def test_model_ready_needs_a_model_newer_than_the_final_checkpoint(tmp_path: Pat
     assert not model_ready(paths, ckpt)
     os.utime(index, None)
     assert model_ready(paths, ckpt)
-    assert checkpoint_world_size(ckpt) == 2
+    assert saved_world_size(ckpt) == 2
 
 
 def test_words_point_to_resume_and_consolidate() -> None:

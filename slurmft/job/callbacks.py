@@ -1,7 +1,7 @@
 """Trainer callbacks: preemption at a step boundary, metrics, the step log.
 
 The checkpoint callbacks (complete checkpoints, setting unloadable ones aside) are in
-slurmft/job/checkpointing.py, the FSDP report in slurmft/job/fsdp_report.py.
+slurmft/job/checkpointing/ (complete.py, fallback.py), the FSDP report in slurmft/job/fsdp_report.py.
 
 Every callback method here runs on every rank at the same point of the loop (the Trainer calls
 ``on_step_end``, ``on_save`` and ``on_log`` everywhere), which is what makes the collectives inside
@@ -44,7 +44,7 @@ class PreemptionStop(TrainerCallback):
     - at each step end: save and stop, unless the newest complete checkpoint is at this step already;
     - right after each periodic save: stop without saving again (the flag came during that save).
 
-    Must come after :class:`~slurmft.job.checkpointing.CompleteCheckpoints` in the callback list (its
+    Must come after :class:`~slurmft.job.checkpointing.complete.CompleteCheckpoints` in the callback list (its
     ``on_save`` runs first).
     """
 

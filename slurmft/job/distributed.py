@@ -10,7 +10,7 @@ agent already ran the rendezvous and owns the store, so we use it.
 
 Why :func:`agree`: a setup error on one rank while the others walk into a collective is a hang. Every
 setup phase ends with an all-gather of "my error or None" (:func:`gather_errors`, which the checkpoint
-loads share, slurmft/job/checkpointing.py); if any rank failed, all raise the same
+loads share, slurmft/job/checkpointing/fallback.py); if any rank failed, all raise the same
 :class:`~slurmft.errors.JobSetupError` and exit non-zero together. :func:`any_rank` is the boolean
 agreement (one all-reduce), e.g. on the preemption flag at a step boundary.
 """

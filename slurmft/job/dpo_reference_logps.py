@@ -22,7 +22,7 @@ hashes). A file that does not match this attempt's data is computed again from t
 disk: on a fresh start it is the policy; a resumed LoRA run has it too (the base with the adapters disabled); a
 resumed full fine-tune reads the model files into the policy's shards first (they hold nothing yet: the
 checkpoint's load replaces them before step 1). A base that changed under a checkpoint is refused earlier, by
-the train job's base check (slurmft/job/checkpointing.py ``check_resume_base``).
+the train job's base check (slurmft/job/checkpointing/candidates.py ``check_resume_base``).
 
 The trainer then reads the values from its batches (TRL's ``ref_chosen_logps``/``ref_rejected_logps`` columns and
 ``precompute_ref_logps``): no reference forward during training and no second model in memory. A warning signal

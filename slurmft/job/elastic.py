@@ -34,12 +34,6 @@ from slurmft.errors import JobSetupError
 log = logging.getLogger("slurmft.job")
 
 
-def saved_world_size(checkpoint: Path) -> int | None:
-    """The number of ranks that saved ``checkpoint`` (its COMPLETE marker), None for a marker without it."""
-    value = checkpoints.read_marker(checkpoint).get("world_size")
-    return value if isinstance(value, int) else None
-
-
 def check_data_position(checkpoint: Path, global_batch: int) -> int:
     """Sequences ``checkpoint`` had consumed; raises JobSetupError when its global batch is not this run's."""
     record = checkpoints.read_marker(checkpoint)
@@ -70,7 +64,7 @@ def reseed_on_change(trainer: Any, rank: int, world_size: int, seed: int) -> Non
     def load_rng_state(checkpoint: str | None) -> None:
         if checkpoint is None:
             return original(checkpoint)
-        saved = saved_world_size(Path(checkpoint))
+        saved = checkpoints.saved_world_size(Path(checkpoint))
         if saved is None or saved == world_size:
             return original(checkpoint)
         from transformers import set_seed
@@ -97,7 +91,7 @@ def describe(checkpoint: Path, world_size: int, per_device: int, accumulation: i
     :func:`check_data_position` (at any world size)."""
     global_batch = world_size * per_device * accumulation
     consumed = check_data_position(checkpoint, global_batch)
-    saved = saved_world_size(checkpoint)
+    saved = checkpoints.saved_world_size(checkpoint)
     if saved is None or saved == world_size:
         return None
     record = checkpoints.read_marker(checkpoint)

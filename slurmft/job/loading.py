@@ -31,7 +31,7 @@ What we do, before the Trainer sees the model (:func:`build_sharded_model`, the 
 4. every rank reads only the part of each tensor its DTensor holds, in the file's dtype, and casts
    it into its shard; when some rank cannot see the files, rank 0 reads and scatters the parts
    (slurmft/job/weights.py, with the measured memory and time). A resuming job skips this step: the
-   checkpoint's strict load overwrites every shard (slurmft/job/checkpointing.py).
+   checkpoint's strict load overwrites every shard (slurmft/job/checkpointing/fallback.py).
 
 accelerate's ``_prepare_fsdp2`` sees an ``FSDPModule`` and leaves the sharding alone; its optimizer,
 checkpointing and state-dict code work on it unchanged.
@@ -209,7 +209,7 @@ def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx
     parameter and persistent buffer, so reading the base weights would only be thrown away (70B: 140 GB
     read). A LoRA checkpoint holds only the adapters: the caller reads the base weights then too.
     The shards stay uninitialised until that load; the job never trains without one succeeding
-    (slurmft/job/checkpointing.py). The names and shapes are still checked.
+    (slurmft/job/checkpointing/fallback.py). The names and shapes are still checked.
     ``frozen``: a model that is never trained (DPO's reference, slurmft/job/dpo.py): stored in the compute dtype,
     without adapters, ``requires_grad`` off (no gradients, and the optimizer never sees it).
     """

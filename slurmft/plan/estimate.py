@@ -62,7 +62,7 @@ Assumptions, in one place (each is repeated where it is used):
   model: parameters × ``consolidate.dtype``.
 * Asynchronous saves (``checkpoint.async``, the default): each rank keeps a CPU copy of its share of the
   checkpoint (its model and optimizer shards, pinned on GPU nodes) from the first periodic save to the end of
-  the job (slurmft/job/checkpointing.py ``BackgroundWriter``): node 0 holds its ranks' shares, counted in the
+  the job (slurmft/job/checkpointing/writing.py ``BackgroundWriter``): node 0 holds its ranks' shares, counted in the
   training figure as ``async_staging``. ``checkpoint.async: false`` has no copy; each periodic save then
   holds training for the whole write (``checkpoint_save_s``).
 """

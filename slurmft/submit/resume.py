@@ -143,12 +143,6 @@ def model_ready(paths: RunPaths, final_checkpoint: Path | None, adapter_only: bo
     return index.stat().st_mtime >= (final_checkpoint / COMPLETE_MARKER).stat().st_mtime
 
 
-def checkpoint_world_size(ckpt: Path) -> int | None:
-    """World size recorded in a checkpoint's COMPLETE marker (None for old markers)."""
-    value = read_marker(ckpt).get("world_size")
-    return int(value) if isinstance(value, int) else None
-
-
 def _shape(cfg: RunConfig) -> BatchShape:
     return BatchShape(cfg.resources.world_size, cfg.train.per_device_batch_size, cfg.train.gradient_accumulation_steps)
 

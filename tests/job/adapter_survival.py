@@ -8,9 +8,9 @@ or inside tests/job/run_many.py's launches (``call:tests.job.adapter_survival:ma
 ``save``: builds the run's sharded LoRA model as the job does (slurmft.job.loading.build_sharded_model),
 writes into each rank's local shard of every trainable tensor values that depend on the rank (so a save
 that kept only rank 0's slice, or one rank's slice for every rank, cannot pass), saves the adapter
-checkpoint with the job's own function (checkpointing.save_adapter_model, what the Trainer calls) and
+checkpoint with the job's own function (adapter_state.save_adapter_model, what the Trainer calls) and
 keeps each rank's local shards in ``OUT/rank<r>.pt``. ``load``: new processes build the model afresh
-(seeded initial adapters), load the checkpoint with checkpointing.load_adapter_model, and compare every
+(seeded initial adapters), load the checkpoint with adapter_state.load_adapter_model, and compare every
 local shard bit for bit with what this rank held before the save; ``OUT/rank<r>.json`` lists mismatches.
 """
 
@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from slurmft.job import checkpointing, distributed, loading, train
+from slurmft.job import distributed, loading, train
+from slurmft.job.checkpointing import adapter_state
 from slurmft.job.inputs import load_model_config, resolve_model_dir
 from slurmft.job.rendezvous import JobEnv
 from slurmft.rundir import RunPaths
@@ -51,12 +52,12 @@ def main(phase: str, run_dir: str, out: str) -> None:
                 local = p.to_local()
                 local.copy_(torch.arange(local.numel(), dtype=local.dtype).reshape(local.shape) * 1e-3
                             + 100.0 * (ctx.rank + 1) + i)
-        checkpointing.save_adapter_model(model, directory)
+        adapter_state.save_adapter_model(model, directory)
         torch.save({n: _local(p) for n, p in trainable.items()}, mine)
     else:
         before = torch.load(mine)
         fresh_equal = sum(torch.equal(_local(p), before[n]) for n, p in trainable.items() if before[n].numel())
-        checkpointing.load_adapter_model(model, directory)
+        adapter_state.load_adapter_model(model, directory)
         mismatches = [n for n, p in trainable.items() if not torch.equal(_local(p), before[n])]
         frozen = sum(1 for p in model.parameters() if not p.requires_grad)
         Path(out, f"rank{ctx.rank}.json").write_text(json.dumps({

@@ -51,7 +51,7 @@ def test_load_errors_read_in_one_line() -> None:
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from slurmft.job.checkpointing import reason
+    from slurmft.job.checkpointing.failures import reason
 
     garbage = pickle.UnpicklingError("Weights only load failed. In PyTorch 2.6, we changed the default value ...\n"
                                      "WeightsUnpickler error: \n\nUnsupported operand 255\n\nCheck the documentation")
@@ -136,7 +136,8 @@ from types import SimpleNamespace
 import torch, torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from slurmft.errors import CheckpointError
-from slurmft.job.checkpointing import CompleteCheckpoints, Save
+from slurmft.job.checkpointing.complete import CompleteCheckpoints
+from slurmft.job.checkpointing.writing import Save
 from slurmft.job.distributed import DistContext
 from slurmft.job.rendezvous import JobEnv
 
@@ -234,7 +235,7 @@ def test_dcp_never_checks_the_crc32_it_writes_so_saves_skip_it(tmp_path: Path) -
     import torch.distributed.checkpoint as dcp
     import torch.utils.serialization.config as serialization
 
-    from slurmft.job.checkpointing import skip_unchecked_crc32
+    from slurmft.job.checkpointing.writing import skip_unchecked_crc32
 
     state = {"w": torch.full((1024,), 1234.5), "b": torch.arange(16, dtype=torch.float32)}
     was = serialization.save.compute_crc32
