@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slurmft.config import looks_like_path
+from slurmft.config_paths import looks_like_path
 from slurmft.errors import ConfigError
 from slurmft.resources import data_dir
 

@@ -7,14 +7,9 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from slurmft.config import (
-    ENV_KEY_RE,
-    SECRET_KEY_RE,
-    ContainerConfig,
-    format_validation_error,
-    gloo_ifname_problem,
-    read_yaml,
-)
+from slurmft.config_cluster import ContainerConfig
+from slurmft.config_loading import format_validation_error, read_yaml
+from slurmft.config_values import ENV_KEY_RE, SECRET_KEY_RE, gloo_ifname_problem
 from slurmft.errors import ConfigError
 from slurmft.resources import data_dir
 

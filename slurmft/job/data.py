@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from slurmft import chat_template, formats
-from slurmft.config import DATA_BUILDERS, DataConfig, DatasetSource
+from slurmft.config import DataConfig, DatasetSource
+from slurmft.config_paths import DATA_BUILDERS
 from slurmft.errors import ConfigError, JobSetupError
 
 log = logging.getLogger("slurmft.job")

@@ -48,9 +48,11 @@ from slurmft.chat_template import (
     no_template_message,
     template_path_problem,
 )
-from slurmft.config import ALL_LINEAR, DATA_SUFFIXES, EMBEDDING_MODULES, RunConfig, tied_target_problem
+from slurmft.config import RunConfig
+from slurmft.config_paths import DATA_SUFFIXES
 from slurmft.epochs import steps_per_epoch
 from slurmft.errors import ConfigError
+from slurmft.lora import ALL_LINEAR, EMBEDDING_MODULES, tied_target_problem
 from slurmft.modelinfo import find_tokenizer, is_local, read_model_config, seq_length_problem
 from slurmft.profiles import runs_on_gpu
 from slurmft.sftopts import REPORTERS, sft_field_kinds, sft_problems

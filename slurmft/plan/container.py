@@ -23,7 +23,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from slurmft.config import ContainerConfig, RunConfig, looks_like_path
+from slurmft.config import RunConfig
+from slurmft.config_cluster import ContainerConfig
+from slurmft.config_paths import looks_like_path
 from slurmft.errors import ConfigError
 
 if TYPE_CHECKING:

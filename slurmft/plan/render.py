@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from slurmft import __version__
-from slurmft.config import ConsolidateResources, PrepareResources, RunConfig, slurm_time_seconds
+from slurmft.config import RunConfig
+from slurmft.config_cluster import ConsolidateResources, PrepareResources
+from slurmft.config_values import slurm_time_seconds
 from slurmft.errors import RenderError
 from slurmft.plan.container import (
     Container,
