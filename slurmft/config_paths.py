@@ -1,4 +1,20 @@
-"""Which values of run.yaml are local paths, and making the relative ones absolute.
+"""Which values of run.yaml are local paths, and making them absolute: the one home of "does this look like a path".
+
+A path field holds a local path or a name that something else resolves: a hub id (``org/name``), a
+registry reference (``nvcr.io#nvidia/pytorch:24.05-py3``), a shipped cluster profile's name, a program on
+the job's PATH. Each way of telling them apart is written once, here, and the config's reader, ``validate``,
+the render and the job ask the same function:
+
+- :func:`looks_like_path`: written as a local path (``/``, ``./``, ``../``, ``~``, ``.`` or ``..``). A hub id
+  or a registry reference never starts that way, so this alone decides when the value does not exist.
+- :func:`is_local`: meant as a local path: written as one, or naming something that exists here.
+- :func:`is_profile_file`: ``cluster.profile`` names a file (a slash or a .yaml/.yml suffix), not a shipped profile.
+- :func:`is_program_path`: ``cluster.python`` is a path when it has a slash; a bare name is looked up on PATH,
+  as the shell does, so ``python3`` stays a name even when a file of that name lies here.
+- :func:`local_dir`: an existing local directory (``~`` expanded), whatever the value looks like.
+
+Not here, because it means something else: an *absolute* path (``startswith("/")``), which the mounts, HF_HOME
+and the image's working directory need (a relative path means nothing on another node or in an image).
 
 A relative path is relative to where it was written: the run.yaml's folder for a value in the file, the
 current directory for a ``key=value`` on the command line (:func:`absolutize`, called by
@@ -16,6 +32,34 @@ DATA_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "
 DATA_SUFFIXES = tuple(DATA_BUILDERS)
 
 
+def looks_like_path(value: str) -> bool:
+    """A value written as a local path (not a hub id like org/name)."""
+    return value.startswith(("/", "./", "../", "~")) or value in (".", "..")
+
+
+def is_local(value: str, base: Path | None = None) -> bool:
+    """A value meant as a local path: it looks like one, or it exists here (relative to ``base``; default: the
+    current directory)."""
+    return looks_like_path(value) or ((base or Path()) / value).exists()
+
+
+def is_profile_file(value: str) -> bool:
+    """``cluster.profile`` names a profile file (it has a slash or ends in .yaml/.yml), not a shipped profile's name
+    (configs/clusters/NAME.yaml)."""
+    return "/" in value or value.endswith((".yaml", ".yml"))
+
+
+def is_program_path(value: str) -> bool:
+    """``cluster.python`` names a file (it has a slash); a bare name is looked up on the job's PATH."""
+    return "/" in value
+
+
+def local_dir(value: str) -> Path | None:
+    """The existing local directory ``value`` names (``~`` expanded), else None (a hub id, a file, nothing)."""
+    path = Path(value).expanduser()
+    return path if path.is_dir() else None
+
+
 def _path_kind(loc: str) -> str:
     """How a path field is told apart from a name: always a path, a path when it looks like one, ..."""
     if loc in ("output_dir", "train.sft.chat_template_path"):
@@ -29,11 +73,6 @@ def _path_kind(loc: str) -> str:
     return "path-or-hub-id"  # model.name_or_path, model.tokenizer, data.datasets[i].path
 
 
-def looks_like_path(value: str) -> bool:
-    """A value written as a local path (not a hub id like org/name)."""
-    return value.startswith(("/", "./", "../", "~")) or value in (".", "..")
-
-
 def _resolve_one(value: str, kind: str, base: Path) -> str:
     expanded = Path(os.path.expanduser(value))
     if expanded.is_absolute():
@@ -42,12 +81,12 @@ def _resolve_one(value: str, kind: str, base: Path) -> str:
     if kind == "path":
         return local
     if kind == "profile":
-        return local if ("/" in value or value.endswith((".yaml", ".yml"))) else value
+        return local if is_profile_file(value) else value
     if kind == "program":
-        return local if "/" in value else value  # a bare name is looked up on the job's PATH
+        return local if is_program_path(value) else value
     if kind == "image":  # a file or directory here, or a registry reference (docker://..., nvcr.io#..., localhost/x:1)
-        return local if looks_like_path(value) or (base / expanded).exists() else value
-    if looks_like_path(value) or value.endswith(DATA_SUFFIXES) or (base / expanded).exists():
+        return local if is_local(value, base) else value
+    if is_local(value, base) or value.endswith(DATA_SUFFIXES):  # a data file that is not there yet is still a file
         return local
     return value  # a hub id
 
@@ -82,4 +121,3 @@ def absolutize(data: dict[str, Any], base: Path, only: str | None = None) -> Non
     for loc, holder, key in _path_fields(data):
         if only is None or loc == only or loc.startswith((only + ".", only + "[")):
             holder[key] = _resolve_one(holder[key], _path_kind(loc), base)
-
