@@ -25,12 +25,14 @@ import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from slurmft.config import RunConfig
 from slurmft.config_paths import local_dir
 from slurmft.errors import RunDirError
 from slurmft.rundir import RunPaths, atomic_write
+
+if TYPE_CHECKING:  # annotations only: `slurmft status` reads the record without importing the schema (pydantic)
+    from slurmft.config import RunConfig
 
 PREPARED_VERSION = 1
 #: Seconds to wait for the hub's answer about a data set's newest commit.
