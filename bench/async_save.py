@@ -51,7 +51,7 @@ def write_run(run_dir: Path, model_dir: Path, steps: int, every: int, asynchrono
               batch: int) -> None:
     import yaml
 
-    from slurmft.config import load_config
+    from slurmft.config_loading import load_config
 
     cfg = load_config(TINY_EXAMPLE, [f"model.name_or_path={model_dir}", f"output_dir={run_dir}", "prepare.enabled=false",
                                      f"train.max_steps={steps}", f"checkpoint.every_steps={every}",

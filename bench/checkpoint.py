@@ -270,7 +270,7 @@ def write_run(run_dir: Path, model_dir: Path) -> None:
     """run_dir/config.yaml from examples/tiny/run.yaml: this model, 2 steps, a checkpoint every step."""
     import yaml
 
-    from slurmft.config import load_config
+    from slurmft.config_loading import load_config
 
     cfg = load_config(TINY_EXAMPLE, [f"model.name_or_path={model_dir}", f"output_dir={run_dir}", "train.max_steps=2",
                                      "prepare.enabled=false",

@@ -67,7 +67,7 @@ def write_run(run_dir: Path, model_dir: Path, steps: int, seq: int, extra: list[
     """run_dir/config.yaml from examples/tiny/dpo.yaml: this model, ``steps`` steps, one checkpoint at the last."""
     import yaml
 
-    from slurmft.config import load_config
+    from slurmft.config_loading import load_config
 
     overrides = [f"model.name_or_path={model_dir}", f"output_dir={run_dir}", f"train.max_steps={steps}",
                  f"checkpoint.every_steps={steps}", "checkpoint.keep_last=1", f"data.max_seq_length={seq}",
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             write_run(work / kind, model, steps, args.seq, lora if kind == "lora" else EXTRA[kind])
             runs[kind] = run_job(work / kind, env, args.nproc)
             print(f"{NAMES[kind]}: {runs[kind]['wall_s']} s", flush=True)
-        from slurmft.config import read_run_config
+        from slurmft.config_loading import read_run_config
 
         cfg = read_run_config(work / "lora" / "config.yaml")
         pairs, size, header = _values_file(work / "precomputed")

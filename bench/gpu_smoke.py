@@ -173,7 +173,7 @@ def build_8b_shaped(out: Path, tokenizer_dir: Path, layers: int, on_gpu: bool) -
 
 def write_run(run: Path, model: Path, data: Path, args: argparse.Namespace, on_gpu: bool, case: Case) -> Path:
     """config.yaml as ``slurmft submit`` would resolve it."""
-    from slurmft.config import validate
+    from slurmft.config_loading import validate
 
     cfg = {
         "name": "gpu-smoke", "output_dir": str(run), "executor": "local",

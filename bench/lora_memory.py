@@ -146,7 +146,7 @@ def write_run(run_dir: Path, model_dir: Path, steps: int, lora: list[str] | None
     ``lora``: the overrides of the LoRA run (None: full fine-tuning)."""
     import yaml
 
-    from slurmft.config import load_config
+    from slurmft.config_loading import load_config
 
     overrides = [f"model.name_or_path={model_dir}", f"output_dir={run_dir}", f"train.max_steps={steps}",
                  f"checkpoint.every_steps={steps}", "checkpoint.keep_last=1", "train.logging_steps=1",
@@ -207,7 +207,7 @@ def estimate_of(run_dir: Path) -> dict[str, Any] | None:
     """``slurmft estimate`` of the run as written, on a profile of this machine (CPU ranks); None if it fails."""
     import psutil
 
-    from slurmft.config import read_run_config
+    from slurmft.config_loading import read_run_config
     from slurmft.plan.estimate import estimate
     from slurmft.profiles import ClusterProfile
     from slurmft.rundir import RunPaths
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                 write_run(run, model, steps, lora if kind == "lora" else None)
                 runs[kind].append(run_job(run, env, args.nproc))
                 print(f"{kind} run {rep + 1}/{args.repeat}: {runs[kind][-1]['wall_s']} s", flush=True)
-        from slurmft.config import read_run_config
+        from slurmft.config_loading import read_run_config
 
         cfg = read_run_config(work / "lora-0" / "config.yaml")
         result = {

@@ -28,7 +28,7 @@ def lengths_of_prepared(rows: int, seq: int, work: Path) -> list[int]:
     """The token count of each conversation, as TRL's preparation (chat template, assistant masks) makes it."""
     from prepare_first_step import write_data
 
-    from slurmft.config import load_config
+    from slurmft.config_loading import load_config
     from slurmft.job import data, packing
     from slurmft.job.inputs import load_tokenizer
     from slurmft.job.prepare import TrlPreparation, prepare_args

@@ -47,7 +47,7 @@ def write_data(path: Path, rows: int, seed: int = 0) -> None:
 
 
 def write_run(run: Path, model: Path, data: Path, prepare: bool) -> None:
-    from slurmft.config import dump_config, load_config
+    from slurmft.config_loading import dump_config, load_config
 
     cfg = load_config(REPO / "examples" / "tiny" / "run.yaml", [
         f"model.name_or_path={model}", f"output_dir={run}", "data.datasets=[{path: " + str(data) + "}]",

@@ -22,7 +22,7 @@ def _err(text: str) -> None:
 
 
 def _load(config: Path, overrides: tuple[str, ...]):  # noqa: ANN202 - returns (RunConfig, ClusterProfile)
-    from slurmft.config import load_config
+    from slurmft.config_loading import load_config
     from slurmft.profiles import load_profile
 
     cfg = load_config(config, list(overrides))

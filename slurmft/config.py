@@ -1,118 +1,35 @@
-"""The run config (``run.yaml``): one pydantic model per section, unknown keys rejected.
+"""The run config's schema: one pydantic model per section of ``run.yaml``, unknown keys rejected.
 
-Every string that can reach a shell script is validated here (and quoted again at render time),
-so a bad value fails at ``submit`` with the dotted field name, never inside a job.
+These are the sections users write, each field with its type, default and description (docs/config.md
+is generated from them: ``python -m slurmft.plan.configdoc``), and the checks that need more than one
+field (:class:`RunConfig`). The sections that say where and how the jobs run (cluster, container,
+resources, preemption, the jobs' allocations) are in :mod:`slurmft.config_cluster`; the values that
+reach a batch script are typed and checked in :mod:`slurmft.config_values`. Reading a file into a
+:class:`RunConfig` (the YAML, ``key=value`` overrides, relative paths, the error lines) is
+:mod:`slurmft.config_loading`.
 """
 
 from __future__ import annotations
 
-import math
-import os
 import re
-import sys
 from enum import Enum
-from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-import yaml
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from slurmft.config_cluster import (
+    ClusterConfig,
+    ConsolidateResources,
+    PreemptionConfig,
+    PrepareResources,
+    ResourcesConfig,
 )
-
-from slurmft.errors import ConfigError, RunDirError
+from slurmft.config_values import NAME_RE, PATH_RE, Section, Size, check_value, slurm_time_seconds
+from slurmft.lora import ALL_LINEAR, lora_scaling
 from slurmft.precision import PRECISIONS
-from slurmft.units import SIZE_RE
-
-# ------------------------------------------------------------------ shell-safe value patterns
-NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
-SLURM_WORD_RE = re.compile(r"^[A-Za-z0-9._-]+$")  # partition, account, qos
-CONSTRAINT_RE = re.compile(r"^[A-Za-z0-9._,:&|\[\]*()-]+$")
-TIME_RE = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")  # [D-]HH[:MM[:SS]] or minutes
-MEM_RE = re.compile(r"^\d+[KMGT]?$")
-ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-PATH_RE = re.compile(r"^[A-Za-z0-9._/~+@=,-]+$")  # no spaces, quotes, $, `, ;, |, &, <, >
-SECRET_KEY_RE = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|CREDENTIALS?)($|_)", re.I)
-SIGNALS = ("USR1", "USR2", "TERM", "INT", "URG")
-
-
-class YamlLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2 numbers.
-
-    PyYAML follows YAML 1.1: ``16:00:00`` is a base-60 integer (57600) and ``1e-8`` (no dot) is a
-    string. Neither is what anyone writing a run.yaml means: here ``16:00:00`` stays the string it
-    looks like, and ``1e-8`` is a float, in the file and in ``key=value`` overrides alike.
-    """
-
-
-YamlLoader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
-    list("-+0123456789"),
-)
-YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)"
-               r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+0123456789."),
-)
-
-
-def load_yaml_text(text: str) -> Any:
-    """Parse YAML text with :class:`YamlLoader` (YAML 1.2 numbers)."""
-    return yaml.load(text, Loader=YamlLoader)  # noqa: S506 - a SafeLoader subclass
-
-
-def _check(pattern: re.Pattern[str], value: str, what: str) -> str:
-    if not pattern.match(value):
-        raise ValueError(f"{value!r} is not a valid {what}")
-    return value
-
-
-def _matching(pattern: re.Pattern[str], what: str) -> AfterValidator:
-    """A validator that accepts strings matching ``pattern`` and names ``what`` was expected otherwise."""
-    return AfterValidator(lambda v: _check(pattern, v, what))
-
-
-# One type per kind of Slurm value, so every field of that kind says the same thing when it is wrong.
-SlurmWord = Annotated[str, _matching(SLURM_WORD_RE, "Slurm name (letters, digits, . _ -)")]
-SlurmTime = Annotated[str, _matching(TIME_RE, "Slurm time limit (use [D-]HH:MM:SS, e.g. 04:00:00 or 1-12:00:00)")]
-SlurmMem = Annotated[str, _matching(MEM_RE, "Slurm memory size (e.g. 0, 64G, 500000M)")]
-Size = Annotated[str, _matching(SIZE_RE, "size (e.g. 5GB, 500MB)")]
 
 #: train.precision's choices: ``auto`` and the modes of slurmft/precision.py, listed once there.
 PrecisionName = Literal[("auto", *PRECISIONS)]  # type: ignore[valid-type]
-
-IFNAME_RE = re.compile(r"^[A-Za-z0-9_.:@-]+$")
-
-
-def gloo_ifname_problem(value: str) -> str | None:
-    """Why ``value`` is not a GLOO_SOCKET_IFNAME gloo can use (None: it is one).
-
-    gloo takes a comma-separated list of interface names and binds one device to each (torch's
-    ProcessGroupGloo); NCCL_SOCKET_IFNAME's ``^`` exclusion and ``=`` exact-match prefixes are not
-    understood and fail at process-group creation ("Unable to find address for: ^docker").
-    """
-    names = value.split(",")
-    if all(IFNAME_RE.match(n) for n in names):
-        return None
-    return (f"GLOO_SOCKET_IFNAME={value!r}: gloo takes interface names (e.g. eth0, or ens5,ens6), not NCCL's "
-            "'^'/'=' patterns; leave it unset and the job binds gloo to the interface that reaches MASTER_ADDR")
-
-
-def _no_control_chars(value: str, what: str) -> str:
-    if any(ord(c) < 32 and c != "\t" for c in value) or "\x7f" in value:
-        raise ValueError(f"{what} must not contain newlines or control characters")
-    return value
 
 
 class Executor(str, Enum):
@@ -123,230 +40,7 @@ class Executor(str, Enum):
     LOCAL = "local"
 
 
-class _Section(BaseModel):
-    # A number where a string is wanted (``mem: 0``, ``cluster.env.X: 1``, ``time: 240``) means its digits.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
-
-
-#: The container runtimes slurmft renders the rank step for (docs/containers.md).
-RUNTIMES = ("pyxis", "apptainer", "charliecloud", "podman")
-#: An image: a file path or a reference (nvcr.io#nvidia/pytorch:24.05-py3, docker://..., localhost/sft:1).
-IMAGE_RE = re.compile(r"^[A-Za-z0-9._/~+@=:#-]+$")
-#: One side of a mount: an absolute path without the separators the runtimes split on (',' and ':').
-MOUNT_PATH_RE = re.compile(r"^/[A-Za-z0-9._/~+@=-]*$")
-
-
-def mount_problem(mount: str) -> str | None:
-    """Why ``mount`` is not an absolute ``SRC:DST`` (or ``SRC``, bound at the same path) every runtime accepts."""
-    parts = mount.split(":")
-    if len(parts) > 2:
-        return (f"{mount!r}: expected SRC:DST (two absolute paths); pyxis and Apptainer split mounts on ':' and ',', "
-                "so neither may appear inside a path")
-    for side, path in zip(("the source", "the destination"), parts, strict=False):
-        if not path.startswith("/"):
-            return (f"{mount!r}: {side} {path!r} is not an absolute path (a mount is bound on every node, where a "
-                    f"relative path means nothing); write it from / (e.g. /shared/data:/data)")
-        if not MOUNT_PATH_RE.match(path):
-            return f"{mount!r}: {side} {path!r} has characters a mount cannot carry (spaces, ',', quotes, $)"
-    return None
-
-
-class ContainerConfig(_Section):
-    """The image the ranks run in (docs/containers.md); absent = the ranks run on the host (cluster.python).
-
-    The batch script, cluster.setup, the requeue and every Slurm command stay on the host; only the rank step and
-    the prepare and consolidation jobs' Python run in the image. A cluster profile may carry the site's defaults
-    (runtime, image, mounts); what is written here wins, and mounts add to the profile's.
-    """
-
-    runtime: str | None = Field(
-        None, description=f"Container runtime: {', '.join(RUNTIMES)} (default: the cluster profile's).")
-    image: str | None = Field(
-        None,
-        description="The image: pyxis an enroot URI (nvcr.io#nvidia/pytorch:24.05-py3) or a .sqsh path; apptainer a "
-        ".sif path or docker://...; charliecloud an image directory or SquashFS path; podman a reference (default: "
-        "the cluster profile's). A path must exist and be readable (validate checks it); a relative one is relative to "
-        "run.yaml's folder (on the command line: the current directory), ~ is expanded.")
-    mounts: list[str] = Field(
-        default_factory=list,
-        description="Extra bind mounts, SRC:DST with absolute paths (SRC alone: the same path inside). The run "
-        "directory, the model and tokenizer directories, the data files' directories and HF_HOME (cluster.env) are "
-        "mounted automatically at the same paths.")
-    python: str = Field(
-        "python",
-        description="The image's interpreter, with slurmft[train] installed. A bare name is looked up on the image's "
-        "PATH (srun resolves an absolute path on the host first: pyxis#104).")
-    env: dict[str, str] = Field(
-        default_factory=dict,
-        description="Extra variables for the ranks in the image (exported by the batch script and passed in "
-        "explicitly, like every variable slurmft sets: an image's own ENV would otherwise win).")
-    writable: bool = Field(
-        False, description="A writable root file system in the image (pyxis --container-writable, apptainer "
-        "--writable-tmpfs, charliecloud --write; podman gets --read-only unless this is true).")
-    workdir: str | None = Field(None, description="Working directory in the image (default: the run directory).")
-    mount_home: bool = Field(
-        False, description="Mount the user's home directory (pyxis --container-mount-home, apptainer without "
-        "--no-home, charliecloud --home). Off: a ~/.cache or ~/.local in the home cannot shadow the image's packages.")
-
-    @field_validator("runtime")
-    @classmethod
-    def _runtime(cls, v: str | None) -> str | None:
-        return None if v is None else runtime_choice(v)
-
-    @field_validator("image")
-    @classmethod
-    def _image(cls, v: str | None) -> str | None:
-        return None if v is None else _check(IMAGE_RE, v, "image path or reference (no spaces, ',' or shell characters)")
-
-    @field_validator("mounts")
-    @classmethod
-    def _mounts(cls, v: list[str]) -> list[str]:
-        for mount in v:
-            if problem := mount_problem(mount):
-                raise ValueError(problem)
-        return v
-
-    @field_validator("python")
-    @classmethod
-    def _python(cls, v: str) -> str:
-        return _check(PATH_RE, v, "interpreter (a name on the image's PATH or an absolute path in the image)")
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        return _checked_env(v)
-
-    @field_validator("workdir")
-    @classmethod
-    def _workdir(cls, v: str | None) -> str | None:
-        return None if v is None else _check(MOUNT_PATH_RE, v, "absolute directory in the image")
-
-
-def runtime_choice(value: str) -> str:
-    """``value`` as one of :data:`RUNTIMES`, or a ValueError with a did-you-mean."""
-    import difflib
-
-    name = value.strip().lower()
-    aliases = {"enroot": "pyxis", "singularity": "apptainer", "ch-run": "charliecloud", "podman-hpc": "podman"}
-    if name in RUNTIMES:
-        return name
-    if name in aliases:
-        raise ValueError(f"unknown runtime {value!r}; did you mean {aliases[name]!r}? (use one of {', '.join(RUNTIMES)})")
-    close = difflib.get_close_matches(name, RUNTIMES, n=1, cutoff=0.6)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    raise ValueError(f"unknown runtime {value!r}; {hint}use one of {', '.join(RUNTIMES)}")
-
-
-def _checked_env(v: dict[str, str]) -> dict[str, str]:
-    """Variable names, no secrets, no control characters (cluster.env and cluster.container.env)."""
-    for key, value in v.items():
-        _check(ENV_KEY_RE, key, "environment variable name")
-        if SECRET_KEY_RE.search(key):
-            raise ValueError(
-                f"{key} looks like a secret; do not put secrets in run.yaml (they would be written into "
-                f"the sbatch script). Export {key} in the shell that runs 'slurmft submit' instead."
-            )
-        _no_control_chars(str(value), f"env value of {key}")
-        if key == "GLOO_SOCKET_IFNAME" and (problem := gloo_ifname_problem(str(value))):
-            raise ValueError(problem)
-    return v
-
-
-class ClusterConfig(_Section):
-    """Where the job runs: the cluster profile and the scheduler account fields."""
-
-    profile: str = Field(
-        "ethernet",
-        description="Cluster profile: a name from configs/clusters/ (aws-efa, aws-efa-legacy, infiniband, "
-        "ethernet, local-test) or a path to your own YAML profile.",
-    )
-    partition: SlurmWord | None = Field(None, description="Slurm partition (--partition).")
-    account: SlurmWord | None = Field(None, description="Slurm account (--account).")
-    qos: SlurmWord | None = Field(None, description="Slurm QOS (--qos).")
-    constraint: str | None = Field(None, description="Slurm node constraint (--constraint), e.g. 'a100&ib'.")
-    time: SlurmTime = Field("04:00:00", description="Wall-clock limit of the train job, [D-]HH:MM:SS.")
-    env: dict[str, str] = Field(
-        default_factory=dict,
-        description="Extra environment variables for the job (added after the profile's; never secrets: "
-        "tokens are read from the submitting environment at run time).",
-    )
-    setup: list[str] = Field(
-        default_factory=list,
-        description="Shell lines run before srun (module load, source venv). They are your own commands and "
-        "are written verbatim, one per line.",
-    )
-    python: str | None = Field(
-        None,
-        description="Python interpreter on the compute nodes (default: the one running slurmft submit). With a "
-        "container it is the batch script's, on the host (rendezvous, requeue: slurmft without the training stack "
-        "is enough); the ranks use cluster.container.python.",
-    )
-    container: ContainerConfig | None = Field(
-        None, description="Run the ranks in an image (docs/containers.md); absent: on the host, or in the cluster "
-        "profile's container when it has one.")
-    master_addr: str | None = Field(
-        None,
-        description="Override the rendezvous address (default: NodeAddr of the allocation's first node).",
-    )
-
-    @field_validator("constraint")
-    @classmethod
-    def _constraint(cls, v: str | None) -> str | None:
-        return None if v is None else _check(CONSTRAINT_RE, v, "Slurm constraint expression")
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        return _checked_env(v)
-
-    @field_validator("setup")
-    @classmethod
-    def _setup(cls, v: list[str]) -> list[str]:
-        for line in v:
-            _no_control_chars(line, "a setup line")
-        return v
-
-    @field_validator("python")
-    @classmethod
-    def _python(cls, v: str | None) -> str | None:
-        return None if v is None else _check(PATH_RE, v, "interpreter path (no spaces or shell characters)")
-
-    @field_validator("master_addr")
-    @classmethod
-    def _addr(cls, v: str | None) -> str | None:
-        return None if v is None else _check(re.compile(r"^[A-Za-z0-9.:-]+$"), v, "host name or IP address")
-
-    @property
-    def job_python(self) -> str:
-        """The interpreter the job runs on the compute nodes: ``cluster.python``, else the one running slurmft
-        (the one place this is decided: the scripts, the submitit executors and ``validate``'s check use it)."""
-        return self.python or sys.executable
-
-
-class ResourcesConfig(_Section):
-    """The allocation of the train job. One Slurm task per GPU."""
-
-    nodes: int = Field(2, ge=1, le=4096, description="Number of nodes.")
-    gpus_per_node: int = Field(8, ge=0, le=64, description="GPUs per node; one task (rank) per GPU.")
-    tasks_per_node: int | None = Field(
-        None, ge=1, le=256, description="Ranks per node (default: gpus_per_node, or 1 without GPUs)."
-    )
-    cpus_per_task: int = Field(8, ge=1, le=1024, description="CPU cores per rank (--cpus-per-task).")
-    mem: SlurmMem | None = Field(None, description="Memory per node (--mem), e.g. '0' for all, '500G'.")
-    exclusive: bool = Field(True, description="Request whole nodes (--exclusive).")
-
-    @property
-    def ranks_per_node(self) -> int:
-        """Tasks per node: explicit, else one per GPU, else one."""
-        return self.tasks_per_node or self.gpus_per_node or 1
-
-    @property
-    def world_size(self) -> int:
-        """Total number of ranks."""
-        return self.nodes * self.ranks_per_node
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """The model to fine-tune."""
 
     name_or_path: str = Field(..., description="Hugging Face hub id or local directory with config.json.")
@@ -364,7 +58,7 @@ class ModelConfig(_Section):
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
 
 
-class DatasetSource(_Section):
+class DatasetSource(Section):
     """One data source; several are mixed by weight."""
 
     path: str = Field(..., description="Hub id or local .json/.jsonl/.csv/.parquet file.")
@@ -402,7 +96,7 @@ class DatasetSource(_Section):
         return v
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     """Training data."""
 
     datasets: list[DatasetSource] = Field(..., min_length=1, description="Sources to mix.")
@@ -415,7 +109,7 @@ class DataConfig(_Section):
 DEFAULT_MAX_STEPS = 500
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     """Optimisation settings; anything TRL's SFTConfig accepts can go under ``sft``."""
 
     max_steps: int | None = Field(
@@ -458,7 +152,7 @@ class TrainConfig(_Section):
     @field_validator("lr_scheduler")
     @classmethod
     def _sched(cls, v: str) -> str:
-        return _check(NAME_RE, v, "scheduler name")
+        return check_value(NAME_RE, v, "scheduler name")
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> TrainConfig:
@@ -472,7 +166,7 @@ class TrainConfig(_Section):
         return self
 
 
-class FSDPConfig(_Section):
+class FSDPConfig(Section):
     """FSDP2 sharding."""
 
     enabled: bool = Field(
@@ -500,7 +194,7 @@ class FSDPConfig(_Section):
     )
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     """Sharded (torch.distributed.checkpoint) checkpoints."""
 
     # ``async`` is a Python keyword: the field is ``asynchronous`` in code, ``async`` in YAML and when written back.
@@ -522,27 +216,11 @@ class CheckpointConfig(_Section):
     )
 
 
-class PreemptionConfig(_Section):
-    """Slurm's warning signal before the time limit or a preemption."""
-
-    signal: str = Field("USR2", description="Signal Slurm sends ahead of the end (--signal).")
-    lead_time_s: int = Field(300, ge=30, le=86400, description="Seconds of warning before the end.")
-    max_requeues: int = Field(5, ge=0, le=1000, description="Requeue at most N times, then fail.")
-
-    @field_validator("signal")
-    @classmethod
-    def _signal(cls, v: str) -> str:
-        v = v.upper().removeprefix("SIG")
-        if v not in SIGNALS:
-            raise ValueError(f"unsupported signal {v!r}; use one of {', '.join(SIGNALS)}")
-        return v
-
-
+#: A module name as PEFT's ``target_modules`` takes it (q_proj, model.layers.0.mlp).
 MODULE_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
-ALL_LINEAR = "all-linear"
 
 
-class LoraConfig(_Section):
+class LoraConfig(Section):
     """LoRA adapters (PEFT's ``LoraConfig`` meanings, without its ``lora_`` prefix); absent = full fine-tuning."""
 
     r: int = Field(16, description="Adapter rank: the inner dimension of B·A (typical 8-64).")
@@ -602,32 +280,7 @@ class LoraConfig(_Section):
         return lora_scaling(self.alpha, self.r, self.use_rslora)
 
 
-#: The input and output embeddings as ``target_modules`` names them (Llama-style models).
-EMBEDDING_MODULES = ("embed_tokens", "lm_head")
-
-
-def tied_target_problem(target: str, model: str) -> str:
-    """Why an adapter on a tied input/output embedding is refused (the job and ``validate`` say the same)."""
-    return (f"lora.target_modules: {target!r} is one of the tied input and output embeddings of {model} "
-            "(tie_word_embeddings: one matrix used twice); an adapter there trains a change of one use only, which "
-            "the merged model cannot hold. Leave it out (adapt the decoder layers: all-linear, or e.g. q_proj, v_proj)")
-
-
-def lora_scaling(alpha: float, r: int, use_rslora: bool) -> float:
-    """PEFT's rule (``LoraLayer.update_layer``): alpha / r, or alpha / sqrt(r) with use_rslora."""
-    return alpha / math.sqrt(r) if use_rslora else alpha / r
-
-
-class ConsolidateResources(_Section):
-    """The consolidation job's allocation (CPU is enough)."""
-
-    cpus_per_task: int = Field(4, ge=1, le=1024, description="CPU cores.")
-    mem: SlurmMem | None = Field("32G", description="Memory (--mem).")
-    time: SlurmTime = Field("02:00:00", description="Time limit.")
-    partition: SlurmWord | None = Field(None, description="Partition (default: the train job's).")
-
-
-class ConsolidateConfig(_Section):
+class ConsolidateConfig(Section):
     """Turn the final sharded checkpoint into a deployable Hugging Face model."""
 
     enabled: bool = Field(True, description="Chain a consolidation job after training (afterok).")
@@ -647,16 +300,7 @@ class ConsolidateConfig(_Section):
     resources: ConsolidateResources = Field(default_factory=ConsolidateResources)
 
 
-class PrepareResources(_Section):
-    """The prepare job's allocation: CPUs only, no GPU is asked for."""
-
-    cpus_per_task: int = Field(8, ge=1, le=1024, description="CPU cores; data.num_proc defaults to this.")
-    mem: SlurmMem | None = Field("32G", description="Memory (--mem).")
-    time: SlurmTime = Field("04:00:00", description="Time limit.")
-    partition: SlurmWord | None = Field(None, description="Partition (default: the train job's).")
-
-
-class PrepareConfig(_Section):
+class PrepareConfig(Section):
     """Tokenize once: a CPU job before the train job prepares the data into RUN_DIR/prepared/ (docs/prepare.md)."""
 
     enabled: bool = Field(
@@ -676,7 +320,7 @@ class DPOReference(str, Enum):
     PRECOMPUTED = "precomputed"
 
 
-class DPOConfig(_Section):
+class DPOConfig(Section):
     """Direct preference optimisation (TRL's ``DPOTrainer``/``DPOConfig`` meanings); absent = supervised fine-tuning.
 
     A later method (KTO, ORPO, ...) is one more section like this one: RunConfig.method names the one set.
@@ -734,7 +378,7 @@ class Method(str, Enum):
     DPO = "dpo"
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     """A whole run: the contents of run.yaml."""
 
     name: str = Field(..., description="Run name (job names, directories): letters, digits, . _ -")
@@ -761,12 +405,12 @@ class RunConfig(_Section):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        return _check(NAME_RE, v, "run name (letters, digits, '.', '_', '-')")
+        return check_value(NAME_RE, v, "run name (letters, digits, '.', '_', '-')")
 
     @field_validator("output_dir")
     @classmethod
     def _outdir(cls, v: str) -> str:
-        return _check(PATH_RE, v, "path (no spaces, quotes or shell characters)")
+        return check_value(PATH_RE, v, "path (no spaces, quotes or shell characters)")
 
     @model_validator(mode="after")
     def _cross(self) -> RunConfig:
@@ -851,296 +495,3 @@ class RunConfig(_Section):
         return Executor.SLURM if available("sbatch") else Executor.LOCAL
 
 
-def slurm_time_seconds(slurm_time: str) -> int:
-    """Seconds in a Slurm time limit (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S)."""
-    days, _, rest = slurm_time.rpartition("-")
-    parts = [int(p) for p in rest.split(":")]
-    if days:
-        h, m, s = (parts + [0, 0])[:3]
-    elif len(parts) == 3:
-        h, m, s = parts
-    else:
-        h, (m, s) = 0, (parts + [0])[:2]
-    return int(days or 0) * 86400 + h * 3600 + m * 60 + s
-
-
-# ------------------------------------------------------------------ loading
-def _format_loc(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + str(part)
-    return out or "(top level)"
-
-
-def format_validation_error(err: ValidationError) -> list[str]:
-    """One readable line per problem: ``dotted.field: message (got value)``."""
-    problems = []
-    for e in err.errors():
-        loc = _format_loc(tuple(p for p in e["loc"] if p not in ("function-after",)))
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = _unknown_key_message(e["loc"])
-        elif e["type"] == "string_type" and isinstance(e.get("input"), bool):
-            msg = f"expected a string, got {e['input']!r}: YAML reads yes/no/true/false as booleans; quote it " \
-                  f"(\"{str(e['input']).lower()}\")"
-        elif e["type"] == "missing":
-            msg = "required field is missing"
-        elif "input" in e and not isinstance(e["input"], dict | list) and repr(e["input"]) not in msg:
-            msg += f" (got {e['input']!r})"
-        if not e["loc"] and re.match(r"^[a-z_.]+: ", msg):  # cross-field check that names its own field
-            problems.append(msg)
-            continue
-        problems.append(f"{loc}: {msg}")
-    return problems
-
-
-def _unknown_key_message(loc: tuple[Any, ...]) -> str:
-    """Unknown key: a did-you-mean (our field for a foreign spelling), the valid keys, the sft passthrough."""
-    from slurmft.names import suggest
-
-    parent = ".".join(str(p) for p in loc[:-1])
-    valid = _valid_keys(parent)
-    hint = suggest(str(loc[-1]), _format_loc(loc[:-1]) if loc[:-1] else "", valid, all_fields())
-    msg = f"unknown key; {hint + '; ' if hint else ''}valid keys here: {', '.join(valid)}"
-    if parent == "train" and not hint:
-        msg += f"; an option of TRL's SFTConfig goes under train.sft: (train.sft.{loc[-1]}=...)"
-    return msg
-
-
-def all_fields(model: Any = None, prefix: str = "") -> list[str]:
-    """Every field of the schema as a dotted path (list sections as ``name[]``)."""
-    out = []
-    for name, field in (model or RunConfig).model_fields.items():
-        ann = field.annotation
-        inner = getattr(ann, "__args__", None) or ()
-        sub = next((a for a in (ann, *inner) if isinstance(a, type) and issubclass(a, BaseModel)), None)
-        path = f"{prefix}{field.alias or name}"  # the YAML key (checkpoint.async)
-        if sub is not None:
-            out += all_fields(sub, path + ("[]." if sub is not ann else "."))
-        else:
-            out.append(path)
-    return out
-
-
-def _valid_keys(dotted_parent: str) -> list[str]:
-    model: Any = RunConfig
-    for part in filter(None, dotted_parent.split(".")):
-        if part.isdigit():
-            continue
-        field = model.model_fields.get(part)
-        if field is None:
-            return []
-        ann = field.annotation
-        inner = getattr(ann, "__args__", None)
-        if inner:  # list[DatasetSource] and friends
-            ann = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), ann)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return []
-        model = ann
-    return sorted(field.alias or name for name, field in model.model_fields.items())
-
-
-KEY_PART_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)((?:\[\d+\])*)$")
-
-
-def parse_override(text: str) -> tuple[list[str | int], Any]:
-    """Parse ``a.b.c=value`` or ``a.b[0].c=value`` (value read as YAML) into (path, value)."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r}: expected key=value with a dotted key, e.g. train.max_steps=10")
-    key, raw = text.split("=", 1)
-    path: list[str | int] = []
-    for part in key.strip().split("."):
-        m = KEY_PART_RE.match(part)
-        if part.isdigit() and path:
-            path.append(int(part))
-        elif m:
-            path.append(m.group(1))
-            path += [int(i) for i in re.findall(r"\[(\d+)\]", m.group(2))]
-        else:
-            raise ConfigError(
-                f"override {text!r}: {key!r} is not a dotted key like resources.nodes or data.datasets[0].weight"
-            )
-    try:
-        value = load_yaml_text(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc.__class__.__name__})") from None
-    return path, value
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str], base: Path | None = None) -> dict[str, Any]:
-    """Return a copy of ``data`` with dotted ``key=value`` overrides applied.
-
-    With ``base``, a relative path given on the command line is made absolute against it (the current
-    directory: see :func:`absolutize_paths`).
-    """
-    import copy
-
-    out = copy.deepcopy(data)
-    given: set[str] = set()
-    for text in overrides:
-        path, value = parse_override(text)
-        given.add(_format_loc(tuple(path)))
-        node: Any = out
-        for depth, part in enumerate(path):
-            last = depth == len(path) - 1
-            where = _format_loc(tuple(path[: depth + 1]))
-            if isinstance(part, int):
-                if not isinstance(node, list):
-                    raise ConfigError(f"override {text!r}: {_format_loc(tuple(path[:depth]))} is not a list")
-                if part > len(node):
-                    raise ConfigError(f"override {text!r}: {where} does not exist (the list has {len(node)} items)")
-                if part == len(node):  # one past the end appends
-                    node.append({} if not last else None)
-            elif not isinstance(node, dict):
-                raise ConfigError(f"override {text!r}: {_format_loc(tuple(path[:depth]))} is not a section")
-            if last:
-                node[part] = value
-            else:
-                child = node[part] if isinstance(part, int) else node.get(part)
-                if child is None:
-                    child = [] if isinstance(path[depth + 1], int) else {}
-                    node[part] = child
-                node = child
-        if path in (["train", "max_steps"], ["train", "epochs"]) and value is not None:
-            # the command line picks the length: train.max_steps=10 on a file with epochs is a smoke test
-            out["train"].pop("epochs" if path[1] == "max_steps" else "max_steps", None)
-        if base is not None:
-            _absolutize(out, base, only=_format_loc(tuple(path)))
-    # The command line picks the precision: train.precision=bf16-true on a file with model.dtype: float32
-    # (or the reverse) replaces the file's other knob instead of contradicting it.
-    for chosen, other in (("train.precision", ("model", "dtype")), ("model.dtype", ("train", "precision"))):
-        if chosen in given and ".".join(other) not in given and isinstance(out.get(other[0]), dict):
-            out[other[0]].pop(other[1], None)
-    return out
-
-
-def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a YAML mapping with readable errors."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist (give the path to your run.yaml)")
-    try:
-        data = load_yaml_text(p.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{p}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: the top level must be a mapping of sections (name:, model:, data:, ...)")
-    return data
-
-
-def validate(data: dict[str, Any], source: str = "config") -> RunConfig:
-    """Validate a mapping into a RunConfig; every problem is collected into one ConfigError."""
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as err:
-        problems = format_validation_error(err)
-        raise ConfigError(f"{source}: {len(problems)} problem(s) in the run config", problems) from None
-
-
-def read_run_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> RunConfig:
-    """A run directory's resolved ``config.yaml`` (with ``overrides``), read the one way every command and the
-    job read it: the YAML 1.2 reader of ``run.yaml`` and the schema. Readers that must survive a broken
-    file (the report, ``runs``) read the raw YAML themselves."""
-    p = Path(path)
-    if not p.is_file():
-        raise RunDirError(f"{p.parent} is not a slurmft run directory: {p.name} is missing")
-    return validate(apply_overrides(read_yaml(p), overrides or []), source=str(p))
-
-
-def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> RunConfig:
-    """Read run.yaml, apply overrides and validate; every relative path becomes absolute.
-
-    One rule for every path (output_dir, model, tokenizer, data files, a profile file, the job's
-    Python, a chat template, a container image file): a relative path is relative to where it was written — the run.yaml's
-    folder for a value in the file, the current directory for a ``key=value`` on the command line.
-    Whether the files exist is checked by :mod:`slurmft.plan.checks`, which reports every problem at once.
-    """
-    data = read_yaml(path)
-    _absolutize(data, Path(path).resolve().parent)
-    data = apply_overrides(data, overrides or [], base=Path.cwd())
-    return validate(data, source=str(path))
-
-
-#: Local data file suffix -> the ``datasets`` builder the job reads it with.
-DATA_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-DATA_SUFFIXES = tuple(DATA_BUILDERS)
-
-
-def _path_kind(loc: str) -> str:
-    """How a path field is told apart from a name: always a path, a path when it looks like one, ..."""
-    if loc in ("output_dir", "train.sft.chat_template_path"):
-        return "path"
-    if loc == "cluster.profile":
-        return "profile"
-    if loc == "cluster.python":
-        return "program"
-    if loc == "cluster.container.image":
-        return "image"
-    return "path-or-hub-id"  # model.name_or_path, model.tokenizer, data.datasets[i].path
-
-
-def looks_like_path(value: str) -> bool:
-    """A value written as a local path (not a hub id like org/name)."""
-    return value.startswith(("/", "./", "../", "~")) or value in (".", "..")
-
-
-def _resolve_one(value: str, kind: str, base: Path) -> str:
-    expanded = Path(os.path.expanduser(value))
-    if expanded.is_absolute():
-        return str(expanded)
-    local = str((base / expanded).resolve())
-    if kind == "path":
-        return local
-    if kind == "profile":
-        return local if ("/" in value or value.endswith((".yaml", ".yml"))) else value
-    if kind == "program":
-        return local if "/" in value else value  # a bare name is looked up on the job's PATH
-    if kind == "image":  # a file or directory here, or a registry reference (docker://..., nvcr.io#..., localhost/x:1)
-        return local if looks_like_path(value) or (base / expanded).exists() else value
-    if looks_like_path(value) or value.endswith(DATA_SUFFIXES) or (base / expanded).exists():
-        return local
-    return value  # a hub id
-
-
-def _path_fields(data: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
-    """(dotted location, the mapping holding it, key) for every path-valued field present in raw data."""
-    found: list[tuple[str, dict[str, Any], str]] = []
-
-    def take(loc: str, holder: Any, key: str) -> None:
-        if isinstance(holder, dict) and isinstance(holder.get(key), str) and holder[key]:
-            found.append((loc, holder, key))
-
-    take("output_dir", data, "output_dir")
-    cluster, model, dat, train = (data.get(k) if isinstance(data.get(k), dict) else {} for k in
-                                  ("cluster", "model", "data", "train"))
-    take("cluster.profile", cluster, "profile")
-    take("cluster.python", cluster, "python")
-    if isinstance(cluster.get("container"), dict):
-        take("cluster.container.image", cluster["container"], "image")
-    take("model.name_or_path", model, "name_or_path")
-    take("model.tokenizer", model, "tokenizer")
-    if isinstance(train.get("sft"), dict):
-        take("train.sft.chat_template_path", train["sft"], "chat_template_path")
-    datasets = dat.get("datasets")
-    for i, ds in enumerate(datasets if isinstance(datasets, list) else []):
-        take(f"data.datasets[{i}].path", ds, "path")
-    return found
-
-
-def _absolutize(data: dict[str, Any], base: Path, only: str | None = None) -> None:
-    """Make the relative paths in raw config ``data`` absolute against ``base`` (only those under ``only``)."""
-    for loc, holder, key in _path_fields(data):
-        if only is None or loc == only or loc.startswith((only + ".", only + "[")):
-            holder[key] = _resolve_one(holder[key], _path_kind(loc), base)
-
-
-def dump_config(cfg: RunConfig) -> str:
-    """The resolved config as YAML (what the job reads back)."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

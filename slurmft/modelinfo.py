@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slurmft.config import looks_like_path
+from slurmft.config_paths import is_local, looks_like_path
 from slurmft.errors import ConfigError
 from slurmft.resources import data_dir
 
@@ -107,7 +107,7 @@ def locate_model_config(name_or_path: str, revision: str | None = None) -> Path:
         )
     if local.is_file() and local.suffix == ".json":
         return local
-    if local.is_absolute() or name_or_path.startswith(("./", "../", "~")):
+    if looks_like_path(name_or_path):
         raise ConfigError(f"model.name_or_path: local path {name_or_path!r} does not exist")
     if name_or_path.count("/") == 1:
         cached = hub_snapshot(name_or_path, revision, "config.json")
@@ -139,11 +139,6 @@ def read_model_config(name_or_path: str, revision: str | None = None) -> dict[st
     if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
         cfg = {**cfg, **cfg["text_config"]}
     return cfg
-
-
-def is_local(value: str) -> bool:
-    """A value meant as a local path (it looks like one, or it exists here)."""
-    return looks_like_path(value) or Path(value).exists()
 
 
 def find_tokenizer(cfg: RunConfig) -> tuple[Path | None, str]:

@@ -1,4 +1,5 @@
-"""Keys users bring from other tools, mapped to ours, so an unknown key gets a did-you-mean.
+"""Keys users bring from other tools, mapped to ours, so an unknown key gets a did-you-mean (and the
+container runtimes' other names, so an unknown runtime gets one too).
 
 People arrive with a Hugging Face ``TrainingArguments``/TRL ``SFTConfig``, an Axolotl or a
 torchtune config in their head. A bare "unknown key" sends them to the reference; the same error
@@ -128,6 +129,10 @@ ALIASES: dict[str, Alias] = {
     "label_smoothing": Alias(HF, "dpo.label_smoothing"),
     "loss_type": Alias(HF, "dpo.loss_type"),
 }
+
+
+#: A container runtime by the name of its program or its former name -> ours (cluster.container.runtime).
+RUNTIME_ALIASES = {"enroot": "pyxis", "singularity": "apptainer", "ch-run": "charliecloud", "podman-hpc": "podman"}
 
 
 def suggest(key: str, section: str, valid_here: list[str], all_fields: list[str]) -> str:

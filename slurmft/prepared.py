@@ -25,11 +25,14 @@ import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from slurmft.config import RunConfig
+from slurmft.config_paths import local_dir
 from slurmft.errors import RunDirError
 from slurmft.rundir import RunPaths, atomic_write
+
+if TYPE_CHECKING:  # annotations only: `slurmft status` reads the record without importing the schema (pydantic)
+    from slurmft.config import RunConfig
 
 PREPARED_VERSION = 1
 #: Seconds to wait for the hub's answer about a data set's newest commit.
@@ -49,11 +52,6 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _local_dir(value: str) -> Path | None:
-    path = Path(value).expanduser()
-    return path if path.is_dir() else None
 
 
 def tokenizer_source(cfg: RunConfig) -> str:
@@ -86,7 +84,7 @@ def inputs(cfg: RunConfig) -> dict[str, Any]:
         else:
             sources.append({"hub": s.path, "name": s.name, "split": s.split})
     out: dict[str, Any] = {"sources": sources}
-    tok = _local_dir(tokenizer_source(cfg))
+    tok = local_dir(tokenizer_source(cfg))
     if tok is not None:
         files = sorted({p for g in TOKENIZER_GLOBS for p in tok.glob(g) if p.is_file()})
         out["tokenizer_files"] = {p.name: sha256_file(p) for p in files}

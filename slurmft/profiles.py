@@ -7,14 +7,10 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from slurmft.config import (
-    ENV_KEY_RE,
-    SECRET_KEY_RE,
-    ContainerConfig,
-    format_validation_error,
-    gloo_ifname_problem,
-    read_yaml,
-)
+from slurmft.config_cluster import ContainerConfig
+from slurmft.config_loading import format_validation_error, read_yaml
+from slurmft.config_paths import is_profile_file
+from slurmft.config_values import ENV_KEY_RE, SECRET_KEY_RE, gloo_ifname_problem
 from slurmft.errors import ConfigError
 from slurmft.resources import data_dir
 
@@ -113,7 +109,7 @@ def _profile_data(path: Path, seen: tuple[Path, ...]) -> dict[str, object]:
 
 def _profile_path(name_or_path: str) -> Path:
     path = Path(name_or_path).expanduser()
-    if not (path.suffix in (".yaml", ".yml") or "/" in name_or_path):
+    if not is_profile_file(name_or_path):
         path = data_dir("configs") / "clusters" / f"{name_or_path}.yaml"
         if not path.is_file():
             raise ConfigError(

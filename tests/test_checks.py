@@ -20,7 +20,7 @@ import pytest
 import yaml
 from cli_runner import cli
 
-from slurmft.config import load_config
+from slurmft.config_loading import load_config
 from slurmft.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -180,7 +180,7 @@ def test_yaml_numbers_mean_what_they_look_like(tmp_path: Path, model_dir: Path) 
     assert cfg.cluster.time == "16:00:00" and cfg.consolidate.resources.time == "2:00:00"
     assert cfg.resources.mem == "0" and cfg.cluster.env == {"NCCL_NSOCKS_PERTHREAD": "4"}
     assert cfg.train.sft["adam_epsilon"] == 1e-8 and isinstance(cfg.train.sft["adam_epsilon"], float)
-    from slurmft.config import load_yaml_text
+    from slurmft.config_loading import load_yaml_text
 
     assert load_yaml_text("a: 1e-8\nb: 010\nc: 12:30")["a"] == 1e-8
 
@@ -199,7 +199,7 @@ def test_sft_values_are_coerced_to_sftconfig_types(tmp_path: Path, model_dir: Pa
     cfg.train.sft.pop("adam_beta2")
     assert run_checks(cfg, job_python=False).problems == []
     assert cfg.train.sft["adam_epsilon"] == 1e-8 and cfg.train.sft["warmup_steps"] in (5, 5.0)
-    from slurmft.config import dump_config
+    from slurmft.config_loading import dump_config
 
     assert yaml.safe_load(dump_config(cfg))["train"]["sft"]["adam_epsilon"] == 1e-8  # what the job reads
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from slurmft.config import RunConfig, apply_overrides, load_config, parse_override, validate
+from slurmft.config import RunConfig
+from slurmft.config_loading import apply_overrides, load_config, parse_override, validate
 from slurmft.errors import ConfigError
 
 DATA = Path(__file__).parent / "data"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmft.config import load_config
+from slurmft.config_loading import load_config
 from slurmft.errors import ConfigError
 from slurmft.plan.container import automatic_mounts, image_problems, resolve
 from slurmft.profiles import load_profile

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from slurmft.checkpoints import mark_complete
-from slurmft.config import load_config
+from slurmft.config_loading import load_config
 from slurmft.errors import ConfigError
 from slurmft.plan.elastic import BatchShape, allocation, refit, reshape, world_sizes_for
 from slurmft.submit.resume import saved_shape
@@ -87,7 +87,7 @@ def test_validate_and_estimate_check_a_new_allocation_before_anything_is_queued(
         tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from cli_runner import cli
 
-    from slurmft.config import dump_config
+    from slurmft.config_loading import dump_config
     from slurmft.rundir import RunPaths, new_manifest, write_manifest
 
     paths = RunPaths.of(tmp_path / "run")

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from slurmft import modelinfo
-from slurmft.config import RunConfig, validate
+from slurmft.config import RunConfig
+from slurmft.config_loading import validate
 from slurmft.errors import ConfigError
 from slurmft.job.rendezvous import free_port
 from slurmft.plan import estimate as E

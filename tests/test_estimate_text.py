@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from slurmft.cli import main
-from slurmft.config import slurm_time_seconds, validate
+from slurmft.config_loading import validate
+from slurmft.config_values import slurm_time_seconds
 from slurmft.errors import ConfigError
 from slurmft.plan import estimate as E
 from slurmft.plan import estimate_text as T

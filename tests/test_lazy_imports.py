@@ -50,6 +50,20 @@ def test_watching_commands_import_no_training_stack(tmp_path: Path) -> None:
     assert (run / "loss.png").stat().st_size > 0 and (run / "report.md").is_file()
 
 
+def test_watching_commands_do_not_build_the_config_schema(tmp_path: Path) -> None:
+    """status, runs, plot and report read the run directory's files, not a RunConfig: neither the schema nor
+    pydantic is imported (building its 20 models was most of `slurmft status`'s time)."""
+    from runfixture import preempted_run
+
+    run = preempted_run(tmp_path)
+    schema = ["pydantic", "slurmft.config"]
+    for args in (["status", str(run)], ["runs", str(tmp_path)], ["plot", str(run)], ["report", str(run)]):
+        out = subprocess.run([sys.executable, "-c", PROBE.format(heavy=schema), *args], capture_output=True,
+                             text=True, env={**os.environ, "PATH": "/nonexistent"})  # no Slurm to ask
+        assert out.returncode == 0, (args, out.stderr)
+        assert "HEAVY []" in out.stdout, (args, out.stdout[-500:])
+
+
 def test_doctor_imports_no_training_stack_and_answers_without_slurm() -> None:
     """doctor (login side) with no Slurm on PATH: problems in words, exit 1, never a traceback or torch."""
     probe = PROBE.replace("assert not exc.code, exc.code", "assert exc.code == 1, exc.code")

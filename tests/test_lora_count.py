@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from slurmft.config import validate
+from slurmft.config_loading import validate
 from slurmft.plan import estimate as E
 from slurmft.plan.paramcount import adapter_count
 from slurmft.profiles import ClusterProfile

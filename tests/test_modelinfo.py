@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from slurmft import modelinfo
-from slurmft.config import validate
+from slurmft.config_loading import validate
 from slurmft.errors import ConfigError
 
 TINY = dict(

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from slurmft.config import load_config, validate
+from slurmft.config_loading import load_config, validate
 from slurmft.errors import ConfigError
 from slurmft.plan import estimate as E
 from slurmft.precision import PRECISIONS, bf16_unsupported, reconcile

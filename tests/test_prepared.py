@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from slurmft import prepared
-from slurmft.config import load_config
+from slurmft.config_loading import load_config
 from slurmft.errors import RunDirError
 from slurmft.rundir import RunPaths
 from slurmft.watch.status import explain_dependency_failures, prepare_failed_words, train_failed_words

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from slurmft.config import gloo_ifname_problem, load_config
+from slurmft.config_loading import load_config
+from slurmft.config_values import gloo_ifname_problem
 from slurmft.errors import ConfigError
 from slurmft.profiles import load_profile, profile_names
 from slurmft.resources import data_dir

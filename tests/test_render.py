@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmft.config import load_config
+from slurmft.config_loading import load_config
 from slurmft.errors import RenderError
 from slurmft.plan.render import render, render_scripts
 from slurmft.profiles import load_profile

@@ -137,7 +137,7 @@ def test_words_of_a_suspended_or_held_job_say_what_continues_it() -> None:
 # ------------------------------------------------------------------ resume beside a live train job
 def _slurm_run(tmp_path: Path) -> RunPaths:
     """A Slurm run directory with train job 7 and its consolidation 8, a complete checkpoint-6 of 12 steps."""
-    from slurmft.config import dump_config, load_config
+    from slurmft.config_loading import dump_config, load_config
 
     paths = RunPaths.of(tmp_path / "run")
     cfg = load_config(EXAMPLE, [f"output_dir={paths.root}", "train.max_steps=12", "checkpoint.every_steps=6"])
@@ -400,7 +400,7 @@ def test_resume_of_a_directory_that_is_not_a_run(tmp_path: Path, capsys: pytest.
 
 def _finished_local_run(tmp_path: Path, step: int, model: bool) -> RunPaths:
     """A local run directory as submit leaves it, trained to ``step``, with or without a model."""
-    from slurmft.config import dump_config, load_config
+    from slurmft.config_loading import dump_config, load_config
 
     paths = RunPaths.of(tmp_path / "run")
     cfg = load_config(EXAMPLE, [f"output_dir={paths.root}", "train.max_steps=12", "checkpoint.every_steps=6"])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slurmft.config import validate
+from slurmft.config_loading import validate
 from slurmft.job.unused_packages import OPT_OUT, unused
 from tests.runfixture import CONFIG
 

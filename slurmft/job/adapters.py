@@ -53,8 +53,9 @@ from typing import Any
 import torch
 
 from slurmft.checkpoints import is_adapter_name, strip_wrappers
-from slurmft.config import ALL_LINEAR, LoraConfig, tied_target_problem
+from slurmft.config import LoraConfig
 from slurmft.errors import JobSetupError
+from slurmft.lora import ALL_LINEAR, tied_target_problem
 
 log = logging.getLogger(__name__)
 

@@ -90,7 +90,8 @@ from slurmft.checkpoints import (
     read_marker,
     strip_wrappers,
 )
-from slurmft.config import RunConfig, read_run_config
+from slurmft.config import RunConfig
+from slurmft.config_loading import read_run_config
 from slurmft.errors import CheckpointError, LockError, SlurmftError
 from slurmft.job.dtypes import DTYPES, SAFETENSORS_CODES, SAFETENSORS_DTYPES
 from slurmft.rundir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_INDEX, RunPaths, umask

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from slurmft import chat_template, formats
-from slurmft.config import DATA_BUILDERS, DataConfig, DatasetSource
+from slurmft.config import DataConfig, DatasetSource
+from slurmft.config_paths import DATA_BUILDERS, looks_like_path
 from slurmft.errors import ConfigError, JobSetupError
 
 log = logging.getLogger("slurmft.job")
@@ -61,7 +62,7 @@ def _load_source(source: DatasetSource, where: str):
             if builder is None:
                 raise JobSetupError(f"{where}: {source.path!r} is not a .json, .jsonl, .csv or .parquet file")
             return load_dataset(builder, data_files=str(path), split="train")
-        if source.path.startswith(("/", "./", "../", "~")) or path.suffix.lower() in DATA_BUILDERS:
+        if looks_like_path(source.path) or path.suffix.lower() in DATA_BUILDERS:
             raise JobSetupError(f"{where}: file {source.path!r} does not exist")
         return load_dataset(source.path, source.name, split=source.split, revision=source.revision)
     except JobSetupError:

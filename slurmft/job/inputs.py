@@ -24,6 +24,7 @@ from typing import Any
 
 from slurmft import chat_template
 from slurmft.config import ModelConfig, RunConfig
+from slurmft.config_paths import looks_like_path
 from slurmft.errors import JobSetupError
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ def _local_path(value: str, field: str) -> Path | None:
         if not path.is_dir():
             raise JobSetupError(f"{field}: {value!r} is a file; give the model directory (with config.json)")
         return path.resolve()
-    if value.startswith(("/", "./", "../", "~")) or value.count("/") > 1:
+    if looks_like_path(value) or value.count("/") > 1:  # a hub id is org/name
         raise JobSetupError(
             f"{field}: local directory {value!r} does not exist (give an existing directory with config.json "
             "and *.safetensors, or a hub id like meta-llama/Llama-2-7b-hf)"

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from slurmft import prepared
-from slurmft.config import RunConfig, read_run_config
+from slurmft.config import RunConfig
+from slurmft.config_loading import read_run_config
 from slurmft.errors import JobSetupError, RunDirError, SlurmftError
 from slurmft.rundir import PREPARED_RECORD, RunPaths
 

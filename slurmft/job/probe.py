@@ -231,7 +231,7 @@ def rank_main(args: argparse.Namespace) -> int:
 def batch_main(args: argparse.Namespace) -> int:
     """The batch shell's side: scontrol from the batch script, then bring the warning signal's time."""
     from slurmft import slurm
-    from slurmft.config import slurm_time_seconds
+    from slurmft.config_values import slurm_time_seconds
 
     paths = _paths(args.probe_dir)
     job_id = os.environ.get("SLURM_JOB_ID", "")

@@ -34,7 +34,7 @@ from enum import Enum
 from pathlib import Path
 
 from slurmft import slurm
-from slurmft.config import read_run_config
+from slurmft.config_loading import read_run_config
 from slurmft.rundir import RunPaths, atomic_write
 
 EXIT_REQUEUE_REFUSED = 3

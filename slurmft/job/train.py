@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from slurmft import checkpoints
-from slurmft.config import RunConfig, read_run_config
+from slurmft.config import RunConfig
+from slurmft.config_loading import read_run_config
 from slurmft.epochs import plan_steps
 from slurmft.errors import JobSetupError, SlurmftError
 from slurmft.job import (

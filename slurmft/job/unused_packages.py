@@ -27,7 +27,8 @@ from __future__ import annotations
 import os
 import sys
 
-from slurmft.config import RunConfig, read_run_config
+from slurmft.config import RunConfig
+from slurmft.config_loading import read_run_config
 from slurmft.errors import SlurmftError
 from slurmft.rundir import RunPaths
 

@@ -48,10 +48,12 @@ from slurmft.chat_template import (
     no_template_message,
     template_path_problem,
 )
-from slurmft.config import ALL_LINEAR, DATA_SUFFIXES, EMBEDDING_MODULES, RunConfig, tied_target_problem
+from slurmft.config import RunConfig
+from slurmft.config_paths import DATA_SUFFIXES, is_local, is_program_path
 from slurmft.epochs import steps_per_epoch
 from slurmft.errors import ConfigError
-from slurmft.modelinfo import find_tokenizer, is_local, read_model_config, seq_length_problem
+from slurmft.lora import ALL_LINEAR, EMBEDDING_MODULES, tied_target_problem
+from slurmft.modelinfo import find_tokenizer, read_model_config, seq_length_problem
 from slurmft.profiles import runs_on_gpu
 from slurmft.sftopts import REPORTERS, sft_field_kinds, sft_problems
 
@@ -499,7 +501,7 @@ def check_job_python(cfg: RunConfig, report: Report, in_image: bool = False) -> 
     fix = ("set cluster.python to the interpreter of an environment with `pip install 'slurmft[train]'` on the "
            "shared filesystem (e.g. /shared/venvs/sft/bin/python), or add cluster.setup lines that provide one "
            "(module load ..., source .../activate) and set cluster.python: python")
-    if "/" not in python:
+    if not is_program_path(python):
         if cfg.cluster.setup:
             report.skipped.append(f"cluster.python: {python!r} comes from cluster.setup on the compute nodes; "
                                   "not checked here")

@@ -23,7 +23,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from slurmft.config import ContainerConfig, RunConfig, looks_like_path
+from slurmft.config import RunConfig
+from slurmft.config_cluster import ContainerConfig
+from slurmft.config_paths import looks_like_path
 from slurmft.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -56,7 +58,7 @@ class Container:
             return False  # podman runs references; a saved image is `podman load`ed first
         if self.runtime == "apptainer":
             return "://" not in self.image
-        return self.image.startswith(("/", "./", "../", "~"))  # pyxis: what enroot imports from a file
+        return looks_like_path(self.image)  # pyxis: what enroot imports from a file
 
 
 def _merged(run: ContainerConfig | None, site: ContainerConfig | None) -> ContainerConfig | None:
@@ -83,7 +85,7 @@ def automatic_mounts(cfg: RunConfig, container_env: dict[str, str] | None = None
         if value and value.startswith("/"):
             dirs.append(value)
     for source in cfg.data.datasets:
-        if source.path.startswith("/") or looks_like_path(source.path):
+        if looks_like_path(source.path):
             dirs.append(str(PurePosixPath(source.path).parent))
     template = cfg.train.sft.get("chat_template_path")
     if isinstance(template, str) and template.startswith("/"):

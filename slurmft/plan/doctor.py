@@ -27,7 +27,8 @@ from enum import StrEnum
 from typing import Any
 
 from slurmft import __version__
-from slurmft.config import RunConfig, slurm_time_seconds
+from slurmft.config import RunConfig
+from slurmft.config_values import slurm_time_seconds
 from slurmft.plan.estimate_text import lead_time_needed, lead_time_warning, stop_save_s
 from slurmft.profiles import ClusterProfile
 from slurmft.slurm import UNSET, ClusterFacts, option, seconds

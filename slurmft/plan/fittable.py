@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from slurmft.config import validate
+from slurmft.config_loading import validate
 from slurmft.plan import estimate as E
 from slurmft.profiles import ClusterProfile
 from slurmft.units import decimal_gb

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from slurmft import __version__
-from slurmft.config import ConsolidateResources, PrepareResources, RunConfig, slurm_time_seconds
+from slurmft.config import RunConfig
+from slurmft.config_cluster import ConsolidateResources, PrepareResources
+from slurmft.config_values import slurm_time_seconds
 from slurmft.errors import RenderError
 from slurmft.plan.container import (
     Container,
@@ -284,12 +286,13 @@ def template_env(template_dir: str | Path | None = None) -> Any:
     )
 
 
-def render(template: str, context: dict[str, Any], template_dir: str | Path | None = None) -> str:
-    """Render one template; a missing template or variable is a RenderError."""
+def render(template: str, context: dict[str, Any], template_dir: str | Path | None = None, env: Any = None) -> str:
+    """Render one template; a missing template or variable is a RenderError. ``env``: the :func:`template_env` of
+    ``template_dir`` to render in (one environment compiles the partials the scripts share once, not per script)."""
     import jinja2
 
     try:
-        text = template_env(template_dir).get_template(template).render(**context)
+        text = (env or template_env(template_dir)).get_template(template).render(**context)
     except jinja2.TemplateNotFound as exc:
         raise RenderError(f"template {exc.name!r} not found (looked in {template_dir or 'shipped templates'})") from None
     except jinja2.UndefinedError as exc:
@@ -307,15 +310,16 @@ def render_scripts(
 ) -> dict[str, str]:
     """Render the job scripts (prepare, train, consolidate) exactly as ``submit`` will write them."""
     command = submitit_command(rank_python_for(cfg, profile), paths.submitit)
+    env = template_env(template_dir)
     scripts = {}
     if cfg.prepare.enabled:
         ctx = build_prepare_context(cfg, profile, paths, command, config_path)
-        scripts["prepare"] = render(PREPARE_TEMPLATE, ctx, template_dir)
+        scripts["prepare"] = render(PREPARE_TEMPLATE, ctx, template_dir, env)
     scripts["train"] = render(TRAIN_TEMPLATE, build_train_context(cfg, profile, paths, command, config_path),
-                              template_dir)
+                              template_dir, env)
     if cfg.consolidate.enabled:
         ctx = build_consolidate_context(cfg, profile, paths, command, config_path)
-        scripts["consolidate"] = render(CONSOLIDATE_TEMPLATE, ctx, template_dir)
+        scripts["consolidate"] = render(CONSOLIDATE_TEMPLATE, ctx, template_dir, env)
     return scripts
 
 

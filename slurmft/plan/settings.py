@@ -34,8 +34,8 @@ class LoraSettings:
 
     @property
     def scaling(self) -> float:
-        """What B·A is multiplied by (slurmft.config.lora_scaling)."""
-        from slurmft.config import lora_scaling
+        """What B·A is multiplied by (slurmft.lora.lora_scaling)."""
+        from slurmft.lora import lora_scaling
 
         return lora_scaling(self.alpha, self.r, self.use_rslora)
 

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from slurmft.checkpoints import COMPLETE_MARKER, is_complete, latest_complete, list_checkpoints, named
-from slurmft.config import Executor, read_run_config
+from slurmft.config import Executor
+from slurmft.config_loading import read_run_config
 from slurmft.errors import CheckpointError
 from slurmft.rundir import (
     COMMAND_LOCK_WAIT_S,

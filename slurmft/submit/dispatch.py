@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from slurmft import prepared, slurm
-from slurmft.config import Executor, RunConfig, dump_config
+from slurmft.config import Executor, RunConfig
+from slurmft.config_loading import dump_config
 from slurmft.errors import ConfigError, RunDirError, SubmissionError
 from slurmft.plan.elastic import allocation
 from slurmft.plan.render import (

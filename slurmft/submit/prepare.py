@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slurmft.config import Executor, RunConfig, read_run_config
+from slurmft.config import Executor, RunConfig
+from slurmft.config_loading import read_run_config
 from slurmft.errors import RunDirError
 from slurmft.rundir import (
     COMMAND_LOCK_WAIT_S,

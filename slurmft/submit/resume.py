@@ -29,13 +29,8 @@ from typing import Any
 
 from slurmft import prepared
 from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, read_marker, step_of
-from slurmft.config import (
-    Executor,
-    RunConfig,
-    dump_config,
-    parse_override,
-    read_run_config,
-)
+from slurmft.config import Executor, RunConfig
+from slurmft.config_loading import dump_config, parse_override, read_run_config
 from slurmft.errors import ConfigError, RunDirError, SubmissionError
 from slurmft.job.requeue import EXIT_REQUEUE_REFUSED  # torch-free: the batch shell runs it
 from slurmft.plan.elastic import ALLOCATION_KEYS, BATCH_KEYS, BatchShape, allocation, reshape

@@ -26,8 +26,8 @@ from typing import Any
 import yaml
 
 from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, read_marker, step_of
-from slurmft.config import lora_scaling
 from slurmft.dpoopts import PREFERENCE_METRICS
+from slurmft.lora import lora_scaling
 from slurmft.rundir import ADAPTER_CONFIG, SAVE_EVENT, RunPaths, planned_max_steps
 from slurmft.rundir import MODEL_INDEX as SAFE_INDEX_NAME  # what consolidation writes last
 from slurmft.slurm_states import State, is_live, parse, words

@@ -40,7 +40,7 @@ def preference_data(path: Path) -> Path:
 def write_run(run_dir: Path, model: Path, overrides: list[str] | None = None,
               edit: Callable[[dict[str, Any]], None] | None = None) -> Path:
     """A run directory with config.yaml made from examples/tiny/run.yaml (as submit would write it)."""
-    from slurmft.config import load_config
+    from slurmft.config_loading import load_config
 
     # prepare off unless an override turns it on: these runs start the entrypoint directly, with no prepare step
     cfg = load_config(TINY_EXAMPLE, ["prepare.enabled=false", f"model.name_or_path={model}", f"output_dir={run_dir}",

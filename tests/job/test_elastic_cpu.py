@@ -54,7 +54,7 @@ def _weights(run: Path, step: int) -> dict:
 @pytest.fixture(scope="module")
 def resumed(local_tiny_run: Path, job_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict:
     """world size -> (run directory, log) of checkpoint-12 resumed there; both jobs run side by side."""
-    from slurmft.config import dump_config
+    from slurmft.config_loading import dump_config
     from slurmft.rundir import RunPaths
     from slurmft.submit.resume import resume_config
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import transformers.utils
 
-from slurmft.config import validate
+from slurmft.config_loading import validate
 from slurmft.errors import JobSetupError
 from slurmft.job import loading
 

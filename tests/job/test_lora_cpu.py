@@ -270,7 +270,7 @@ def test_bad_lora_input_stops_every_rank_with_a_clear_error_and_loses_nothing(
 def lora_on_one_rank(lora_runs: dict[str, Any], job_env: dict[str, str]) -> tuple[Path, str]:
     """The LoRA run's checkpoint-2 (2 ranks x 1 x 1) resumed on 1 rank, as `slurmft resume RUN
     resources.tasks_per_node=1` configures it (accumulation 2: the global batch of 2 kept)."""
-    from slurmft.config import dump_config
+    from slurmft.config_loading import dump_config
     from slurmft.rundir import RunPaths
     from slurmft.submit.resume import resume_config
 

@@ -101,7 +101,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_changed_source_is_refused_by_resume_and_the_train_job_until_prepared_again(
         tiny_model: Path, tmp_path: Path, job_env: dict[str, str]) -> None:
-    from slurmft.config import dump_config, load_config
+    from slurmft.config_loading import dump_config, load_config
     from slurmft.rundir import RunPaths, new_manifest, record_job, start_attempt, write_manifest
 
     data = tmp_path / "chat.jsonl"

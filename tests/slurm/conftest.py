@@ -126,7 +126,7 @@ def reference(slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path_factory
     consolidated model directory. One per session, shared by every test file that needs it. Its data is prepared
     by a prepare job with the default resources (8 CPUs: 8 processes tokenize and pack); the runs compared with it
     prepare in their allocation (one process) or in a prepare job of one CPU (test_container.py)."""
-    from slurmft.config import load_config
+    from slurmft.config_loading import load_config
     from slurmft.profiles import load_profile
     from slurmft.submit.dispatch import submit_run
 

@@ -100,7 +100,7 @@ def test_an_image_without_the_python_fails_at_start_naming_the_image(sft_image: 
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The consolidation step's command as rendered (slurmft/plan/render.py), run as srun would run it: the image
     has no ``nosuchpython``; the step ends with 127 and one line that names the field, the image and the fix."""
-    from slurmft.config import load_config
+    from slurmft.config_loading import load_config
     from slurmft.plan.render import render_scripts
     from slurmft.profiles import load_profile
     from slurmft.rundir import RunPaths
@@ -127,7 +127,7 @@ def test_sbatch_accepts_every_rendered_container_script(slurm_cluster, config_wr
                                                         chat_data: Path, tmp_path: Path, runtime: str) -> None:
     """``sbatch --test-only`` on the prepare, train and consolidation scripts of each runtime (the container flags
     are on the srun line only: the #SBATCH directives are the host job's)."""
-    from slurmft.config import load_config
+    from slurmft.config_loading import load_config
     from slurmft.plan.render import render_scripts
     from slurmft.profiles import load_profile
     from slurmft.rundir import RunPaths

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from slurmft import slurm
-from slurmft.config import slurm_time_seconds
+from slurmft.config_values import slurm_time_seconds
 from slurmft.rundir import RunPaths, read_manifest
 from tests.slurm.conftest import IN_ALLOCATION
 from tests.slurm.jobs import restarts, signal_rank_steps

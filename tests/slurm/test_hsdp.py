@@ -49,7 +49,7 @@ def _reports(run: Path) -> list[dict]:
 def runs(slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path_factory: pytest.TempPathFactory,
          config_writer) -> dict:
     """The HSDP run (preempted once, then requeued) and the plain FSDP run, both trained and consolidated."""
-    from slurmft.config import load_config
+    from slurmft.config_loading import load_config
     from slurmft.profiles import load_profile
     from slurmft.submit.dispatch import submit_run
     from tests.slurm import jobs as watch
