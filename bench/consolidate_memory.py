@@ -205,7 +205,7 @@ def measure(method: str, work: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: F401
 
-    import slurmft.job.consolidate as consolidate
+    from slurmft.job.consolidate.job import consolidate_run
 
     ckpt = work / "run-fp32" / "checkpoints" / "checkpoint-5" / "pytorch_model_fsdp_0"
     out = work / f"out-{method}"
@@ -217,7 +217,7 @@ def measure(method: str, work: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     if method.startswith("stream"):
         run = work / ("run-fp32" if method == "stream-fp32" else "run-bf16")
-        consolidate.consolidate_run(str(run), out=str(out))
+        consolidate_run(str(run), out=str(out))
     elif method == "load-all-keys":
         from safetensors.torch import save_file
 

@@ -141,16 +141,26 @@ def read_model_config(name_or_path: str, revision: str | None = None) -> dict[st
     return cfg
 
 
+def tokenizer_name(cfg: RunConfig) -> str:
+    """The tokenizer the run names: ``model.tokenizer``, else the model's own (``model.name_or_path``)."""
+    return cfg.model.tokenizer or cfg.model.name_or_path
+
+
+def tokenizer_revision(cfg: RunConfig) -> str | None:
+    """The revision the run's tokenizer is read at: ``model.revision`` for the model's own; a ``model.tokenizer``
+    of its own is read as found (the train job's rule, slurmft/job/inputs.py ``resolve_tokenizer_dir``)."""
+    return None if cfg.model.tokenizer else cfg.model.revision
+
+
 def find_tokenizer(cfg: RunConfig) -> tuple[Path | None, str]:
     """The local directory of the tokenizer the job will use (local path or hub cache), and its name."""
-    name = cfg.model.tokenizer or cfg.model.name_or_path
+    name = tokenizer_name(cfg)
     path = Path(name)
     if path.is_dir():
         return path, name
     if is_local(name) or name.count("/") != 1:
         return None, name
-    revision = None if cfg.model.tokenizer else cfg.model.revision
-    found = hub_snapshot(name, revision, "tokenizer_config.json")
+    found = hub_snapshot(name, tokenizer_revision(cfg), "tokenizer_config.json")
     return found, name
 
 

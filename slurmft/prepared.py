@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from slurmft.config_paths import local_dir
 from slurmft.errors import RunDirError
+from slurmft.modelinfo import tokenizer_name, tokenizer_revision
 from slurmft.rundir import RunPaths, atomic_write
 
 if TYPE_CHECKING:  # annotations only: `slurmft status` reads the record without importing the schema (pydantic)
@@ -54,11 +55,6 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def tokenizer_source(cfg: RunConfig) -> str:
-    """The tokenizer the job loads: ``model.tokenizer``, else the model's own."""
-    return cfg.model.tokenizer or cfg.model.name_or_path
-
-
 def settings(cfg: RunConfig) -> dict[str, Any]:
     """What the config says about preparation (compared as a whole, field by field)."""
     sources = [{"path": s.path, "name": s.name, "split": s.split, "weight": s.weight, "format": s.format,
@@ -67,7 +63,7 @@ def settings(cfg: RunConfig) -> dict[str, Any]:
     return {"sources": sources, "max_seq_length": cfg.data.max_seq_length, "packing": cfg.data.packing,
             "assistant_only_loss": cfg.data.assistant_only_loss, "seed": cfg.train.seed,
             "sft": {k: cfg.train.sft[k] for k in PREPARE_SFT_KEYS if k in cfg.train.sft},
-            "tokenizer": tokenizer_source(cfg), "revision": cfg.model.revision if not cfg.model.tokenizer else None,
+            "tokenizer": tokenizer_name(cfg), "revision": tokenizer_revision(cfg),
             # a dpo run prepares preference pairs (TRL's DPO tokenization), not SFT's sequences; an SFT record has no
             # "method", as before DPO existed, so records written then still match
             **({"method": cfg.method.value} if cfg.dpo is not None else {})}
@@ -84,12 +80,12 @@ def inputs(cfg: RunConfig) -> dict[str, Any]:
         else:
             sources.append({"hub": s.path, "name": s.name, "split": s.split})
     out: dict[str, Any] = {"sources": sources}
-    tok = local_dir(tokenizer_source(cfg))
+    tok = local_dir(tokenizer_name(cfg))
     if tok is not None:
         files = sorted({p for g in TOKENIZER_GLOBS for p in tok.glob(g) if p.is_file()})
         out["tokenizer_files"] = {p.name: sha256_file(p) for p in files}
     else:
-        out["tokenizer_hub"] = tokenizer_source(cfg)
+        out["tokenizer_hub"] = tokenizer_name(cfg)
     template = cfg.train.sft.get("chat_template_path")
     if template and Path(str(template)).expanduser().is_file():
         out["chat_template_sha256"] = sha256_file(Path(str(template)).expanduser())

@@ -241,7 +241,7 @@ def _no_leftovers(parent: Path) -> None:
 def test_float32_is_bitwise_and_uses_newest_complete_checkpoint(env: dict[str, Path]) -> None:
     from transformers import AutoTokenizer
 
-    from slurmft.job.consolidate import consolidate_run
+    from slurmft.job.consolidate.job import consolidate_run
     from tests.export_check import assert_export_matches_checkpoint
 
     run = env["run_untied"]
@@ -277,7 +277,7 @@ def test_float32_is_bitwise_and_uses_newest_complete_checkpoint(env: dict[str, P
 def test_bfloat16_multi_shard(env: dict[str, Path], tmp_path: Path) -> None:
     from safetensors import safe_open
 
-    from slurmft.job.consolidate import consolidate_run
+    from slurmft.job.consolidate.job import consolidate_run
 
     run = _run_sharing(
         tmp_path / "run",
@@ -327,7 +327,7 @@ def test_tied_embeddings_and_tokenizer_from_checkpoint(env: dict[str, Path]) -> 
     from safetensors import safe_open
     from transformers import AutoTokenizer
 
-    from slurmft.job.consolidate import consolidate_run
+    from slurmft.job.consolidate.job import consolidate_run
 
     run = env["run_tied"]
     summary = consolidate_run(str(run))
@@ -362,11 +362,12 @@ def test_no_read_exceeds_the_largest_tensor(
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    import slurmft.job.consolidate as consolidate
+    from slurmft.job.consolidate import read_dcp
+    from slurmft.job.consolidate.job import consolidate_run
 
     reads: list[int] = []  # tensor bytes requested by each read_data call (= one dcp.load)
 
-    class MeasuredReader(consolidate._CachedMetadataReader):
+    class MeasuredReader(read_dcp.CachedMetadataReader):
         """The real reader; it also adds up what each load asks for (shape x dtype of every chunk)."""
 
         def read_data(self, plan: Any, planner: Any) -> Any:
@@ -375,9 +376,9 @@ def test_no_read_exceeds_the_largest_tensor(
                              for item in plan.items))
             return super().read_data(plan, planner)
 
-    monkeypatch.setattr(consolidate, "_CachedMetadataReader", MeasuredReader)
+    monkeypatch.setattr(read_dcp, "CachedMetadataReader", MeasuredReader)
     run = _run_sharing(tmp_path / "run", env["run_untied"], env["untied"], env["data"], max_shard_size="5GB")
-    consolidate.consolidate_run(str(run))
+    consolidate_run(str(run))
 
     md = FileSystemReader(str(run / "checkpoints/checkpoint-5/pytorch_model_fsdp_0")).read_metadata()
     sizes = [v.size.numel() * v.properties.dtype.itemsize for k, v in md.state_dict_metadata.items()
@@ -391,7 +392,7 @@ def test_no_read_exceeds_the_largest_tensor(
 # ------------------------------------------------------------------ refusals
 def test_incomplete_checkpoint_is_refused(env: dict[str, Path], tmp_path: Path) -> None:
     from slurmft.errors import CheckpointError
-    from slurmft.job.consolidate import consolidate_run
+    from slurmft.job.consolidate.job import consolidate_run
 
     with pytest.raises(CheckpointError) as exc:
         consolidate_run(str(env["run_untied"]), checkpoint="checkpoint-10", out=str(tmp_path / "m"))
@@ -403,7 +404,7 @@ def test_incomplete_checkpoint_is_refused(env: dict[str, Path], tmp_path: Path) 
 
 def test_missing_checkpoints_are_refused(env: dict[str, Path], tmp_path: Path) -> None:
     from slurmft.errors import CheckpointError
-    from slurmft.job.consolidate import consolidate_run
+    from slurmft.job.consolidate.job import consolidate_run
 
     with pytest.raises(CheckpointError, match="does not exist"):
         consolidate_run(str(env["run_untied"]), checkpoint="checkpoint-99", out=str(tmp_path / "m"))
@@ -436,7 +437,7 @@ def test_architecture_mismatch_is_refused_before_writing(
     from transformers import LlamaConfig
 
     from slurmft.errors import CheckpointError
-    from slurmft.job.consolidate import consolidate_run
+    from slurmft.job.consolidate.job import consolidate_run
 
     other = tmp_path / "other-model"
     LlamaConfig(**{**TINY, "num_hidden_layers": layers}, tie_word_embeddings=False).save_pretrained(other)
@@ -452,7 +453,7 @@ def test_missing_tokenizer_is_refused_before_writing(env: dict[str, Path], tmp_p
     from transformers import LlamaConfig
 
     from slurmft.errors import CheckpointError
-    from slurmft.job.consolidate import consolidate_run
+    from slurmft.job.consolidate.job import consolidate_run
 
     bare = tmp_path / "config-only"
     LlamaConfig(**TINY, tie_word_embeddings=False).save_pretrained(bare)
@@ -467,7 +468,7 @@ def test_missing_tokenizer_is_refused_before_writing(env: dict[str, Path], tmp_p
 def test_failure_midway_keeps_the_old_model(
     env: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import slurmft.job.consolidate as consolidate
+    import slurmft.job.consolidate.job as consolidate
 
     run = _run_sharing(
         tmp_path / "run", env["run_untied"], env["untied"], env["data"], max_shard_size="200KB"
@@ -495,21 +496,22 @@ def test_failure_midway_keeps_the_old_model(
 def test_full_disk_is_refused_up_front(
     env: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import slurmft.job.consolidate as consolidate
     from slurmft.errors import CheckpointError
+    from slurmft.job.consolidate import output_dir
+    from slurmft.job.consolidate.job import consolidate_run
 
     run = _run_sharing(tmp_path / "run", env["run_untied"], env["untied"], env["data"])
     monkeypatch.setattr(
-        consolidate.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, 10**6)
+        output_dir.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, 10**6)
     )
     with pytest.raises(CheckpointError, match=r"needs \d.* MB, 1.00 MB free at " + str(run)):
-        consolidate.consolidate_run(str(run))
+        consolidate_run(str(run))
     assert not (run / "model").exists()
     _no_leftovers(run)
 
 
 def test_leftovers_of_a_killed_consolidation_are_removed(env: dict[str, Path], tmp_path: Path) -> None:
-    from slurmft.job.consolidate import consolidate_run
+    from slurmft.job.consolidate.job import consolidate_run
 
     run = _run_sharing(tmp_path / "run", env["run_untied"], env["untied"], env["data"])
     (run / ".model.partial-dead").mkdir()
@@ -522,7 +524,7 @@ def test_leftovers_of_a_killed_consolidation_are_removed(env: dict[str, Path], t
 def test_a_second_concurrent_consolidation_is_refused(env: dict[str, Path], tmp_path: Path) -> None:
     from slurmft import locks
     from slurmft.errors import CheckpointError
-    from slurmft.job.consolidate import consolidate_run
+    from slurmft.job.consolidate.job import consolidate_run
     from slurmft.rundir import RunPaths
 
     run = _run_sharing(tmp_path / "run", env["run_untied"], env["untied"], env["data"])
@@ -535,7 +537,7 @@ def test_a_second_concurrent_consolidation_is_refused(env: dict[str, Path], tmp_
 
 
 def test_cli(env: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from slurmft.job.consolidate import main
+    from slurmft.job.consolidate.__main__ import main
 
     out = tmp_path / "cli-model"
     assert main([str(env["run_untied"]), "--checkpoint", str(env["run_untied"] / "checkpoints/checkpoint-5"),
@@ -549,7 +551,7 @@ def test_cli(env: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
 
 # ------------------------------------------------------------------ pure helpers
 def test_parse_size_and_shard_plan() -> None:
-    from slurmft.job.consolidate import TensorPlan, plan_shards
+    from slurmft.job.consolidate.plan import TensorPlan, plan_shards
     from slurmft.units import parse_size  # what consolidation splits max_shard_size with
 
     assert parse_size("5GB") == 5 * 10**9 and parse_size("500MB") == 5 * 10**8 and parse_size("2GiB") == 2**31
@@ -564,7 +566,7 @@ def test_parse_size_and_shard_plan() -> None:
 
 
 def test_dcp_key_mapping() -> None:
-    from slurmft.job.consolidate import model_name_of_dcp_key
+    from slurmft.job.consolidate.plan import model_name_of_dcp_key
 
     assert model_name_of_dcp_key("model.model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj.weight"
     assert model_name_of_dcp_key("model.lm_head.weight") == "lm_head.weight"

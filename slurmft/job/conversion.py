@@ -13,7 +13,7 @@ groups checkpoint keys by the model key they feed, and ``revert_weight_conversio
 reversed list to a state dict. Qwen2/3-MoE, DeepSeek-V2/V3, OLMoE and more share the ``qwen2_moe``
 entry; gpt-oss is stored fused already and has none. Why that is not enough for us: those functions
 work on whole state dicts, and our loader reads only each rank's slice of each tensor
-(slurmft/job/weights.py) while consolidation streams one tensor at a time (slurmft/job/consolidate.py).
+(slurmft/job/weights.py) while consolidation streams one tensor at a time (slurmft/job/consolidate/).
 
 What we do: use that mapping and its operations unchanged (no table of our own, so every
 architecture transformers converts is converted the same way), and choose only *what to read*:

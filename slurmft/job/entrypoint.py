@@ -74,7 +74,7 @@ def run_consolidate(run_dir: str, checkpoint: str | None = None, out: str | None
     """Consolidation job body (single process): the newest complete checkpoint (or ``checkpoint``) into
     ``RUN_DIR/model`` (or ``out``)."""
     _keep_unused_packages_out(run_dir, "consolidate")
-    from slurmft.job.consolidate import consolidate_run
+    from slurmft.job.consolidate.job import consolidate_run
     from slurmft.watch.report import write_report_safely
 
     summary = consolidate_run(run_dir, checkpoint, out)

@@ -75,7 +75,7 @@ def check_not_live(paths: RunPaths, request: ConsolidationRequest) -> None:
 
 def consolidate_here(paths: RunPaths, request: ConsolidationRequest, say: Say, bar: bool) -> dict[str, Any]:
     """Run the consolidation in this process (a progress bar when ``bar``), recorded in the manifest."""
-    from slurmft.job.consolidate import consolidate_run
+    from slurmft.job.consolidate.job import consolidate_run
 
     with recorded_here(paths, "consolidate", say, check=lambda: check_not_live(paths, request),
                        checkpoint=str(request.checkpoint), out=str(request.out)):

@@ -165,7 +165,7 @@ def test_embedding_targets_are_in_the_summary() -> None:
 
 def test_an_adapter_on_tied_embeddings_is_refused_with_the_fix() -> None:
     """Gemma ties lm_head to embed_tokens: an adapter on either is one use of a shared matrix, which no merged model
-    holds; refused by name (the same words as slurmft validate, slurmft/config.py tied_target_problem)."""
+    holds; refused by name (the same words as slurmft validate, slurmft/lora.py tied_target_problem)."""
     problems = adapters.target_problems(_meta("gemma"), LoraConfig(target_modules=["q_proj", "lm_head", "embed_tokens"]))
     assert [p.split(" is ")[0] for p in problems] == ["lora.target_modules: 'lm_head'", "lora.target_modules: 'embed_tokens'"]
     assert all("tied input and output embeddings of GemmaForCausalLM" in p and "Leave it out" in p for p in problems)

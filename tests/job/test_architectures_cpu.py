@@ -39,7 +39,7 @@ def arch_runs(job_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory)
     Two launches for all of them (tests/job/run_many.py: one start-up per rank, not one per run): the
     uninterrupted runs, then the copies cut back to checkpoint-2, which resume.
     """
-    from slurmft.job.consolidate import consolidate_run
+    from slurmft.job.consolidate.job import consolidate_run
     from slurmft.tiny import SIZES, build_arch, build_tokenizer
 
     root = tmp_path_factory.mktemp("arch")

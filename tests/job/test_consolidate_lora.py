@@ -44,19 +44,20 @@ def lora_run(tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytest
 @pytest.fixture(scope="module")
 def consolidated(lora_run: Path) -> dict[str, Any]:
     """``consolidate_run`` on the run, with its log and every read of the base model's files recorded."""
-    import slurmft.job.consolidate as consolidate
+    from slurmft.job.consolidate import merge
+    from slurmft.job.consolidate.job import consolidate_run
 
-    readers: list[consolidate.BaseWeights] = []
+    readers: list[merge.BaseWeights] = []
 
-    class Recorded(consolidate.BaseWeights):
+    class Recorded(merge.BaseWeights):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             readers.append(self)
 
     log = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(log):
-        mp.setattr(consolidate, "BaseWeights", Recorded)
-        summary = consolidate.consolidate_run(str(lora_run))
+        mp.setattr(merge, "BaseWeights", Recorded)
+        summary = consolidate_run(str(lora_run))
     assert len(readers) == 1
     return {"summary": summary, "log": log.getvalue(), "reads": readers[0].reads}
 
@@ -221,7 +222,7 @@ def test_merge_streams_the_base_model_one_tensor_at_a_time(consolidated: dict[st
 
 
 def test_merge_false_writes_the_adapter_only(lora_run: Path, consolidated: dict[str, Any], tmp_path: Path) -> None:
-    from slurmft.job.consolidate import consolidate_run
+    from slurmft.job.consolidate.job import consolidate_run
     from slurmft.rundir import RunPaths
     from slurmft.submit.resume import model_ready
     from slurmft.watch.progress import model_info
@@ -253,7 +254,8 @@ def test_merged_weight_is_peft_merge_for_linear_and_embedding_layers() -> None:
     stored transposed): bitwise in float32."""
     from peft import LoraConfig, get_peft_model
 
-    from slurmft.job.consolidate import LoraDelta, merged_weight
+    from slurmft.job.consolidate.lora import LoraDelta
+    from slurmft.job.consolidate.merge import merged_weight
 
     class Tiny(torch.nn.Module):
         def __init__(self) -> None:
@@ -288,7 +290,7 @@ def test_the_marker_records_the_base_and_a_replaced_base_is_refused(
     from safetensors.torch import load_file, save_file
 
     from slurmft.errors import CheckpointError
-    from slurmft.job.consolidate import consolidate_run
+    from slurmft.job.consolidate.job import consolidate_run
     from slurmft.job.inputs import base_differences, base_identity
 
     marker = json.loads((lora_run / "checkpoints/checkpoint-4/COMPLETE").read_text())
@@ -336,7 +338,9 @@ def test_a_trained_update_the_merged_model_has_no_tensor_for_is_refused() -> Non
     from torch.distributed.checkpoint.metadata import Metadata
 
     from slurmft.errors import CheckpointError
-    from slurmft.job.consolidate import LoraDelta, LoraLayout, ModelLayout, plan_merge
+    from slurmft.job.consolidate.lora import LoraDelta, LoraLayout
+    from slurmft.job.consolidate.merge import plan_merge
+    from slurmft.job.consolidate.plan import ModelLayout
 
     layout = ModelLayout("GemmaForCausalLM", {"model.embed_tokens.weight": (10, 4)},
                          {"lm_head.weight": "model.embed_tokens.weight"}, None)

@@ -166,7 +166,7 @@ def test_consolidation_writes_the_mode_dtype_and_loads(mode_run) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from slurmft.job.consolidate import consolidate_run
+    from slurmft.job.consolidate.job import consolidate_run
 
     mode, run = mode_run
     summary = consolidate_run(str(run))
