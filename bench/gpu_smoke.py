@@ -194,7 +194,7 @@ def write_run(run: Path, model: Path, data: Path, args: argparse.Namespace, on_g
 
 def flops_per_token(model_dir: Path, seq: int) -> dict[str, int]:
     """Parameters and training FLOPs per token, torchtitan's way (module docstring), from config.json."""
-    from slurmft.plan.estimate import count_parameters, model_shape
+    from slurmft.plan.modelshape import count_parameters, model_shape
 
     cfg = json.loads((model_dir / "config.json").read_text())
     shape = model_shape(cfg)

@@ -1,5 +1,6 @@
-"""slurmft.plan.estimate: parameter counts, the course-notes sizing rule, the seed article's 70B setting,
-config.json discovery, and the estimate checked against real FSDP2 shards and saved activations on CPU.
+"""slurmft.plan.estimate and slurmft.plan.modelshape: parameter counts, the course-notes sizing rule, the seed
+article's 70B setting, config.json discovery, and the estimate checked against real FSDP2 shards and saved
+activations on CPU.
 
 Run as a script (``python tests/test_estimate.py fsdp-worker OUT``) this file is also the worker of the
 two-process gloo measurement; the tests start it themselves.
@@ -24,6 +25,7 @@ from slurmft.errors import ConfigError
 from slurmft.job.rendezvous import free_port
 from slurmft.plan import estimate as E
 from slurmft.plan import estimate_text as T
+from slurmft.plan import modelshape as M
 from slurmft.profiles import ClusterProfile
 
 REPO = Path(__file__).resolve().parent.parent
@@ -115,7 +117,7 @@ def test_course_notes_numbers_reproduce_exactly():
 
 
 def test_estimate_applies_the_rule_to_a_real_config():
-    n = E.count_parameters(modelinfo.read_model_config("llama-2-7b"))
+    n = M.count_parameters(modelinfo.read_model_config("llama-2-7b"))
     one_gpu = dict(resources__nodes=1, resources__gpus_per_node=1, fsdp__enabled=False)
     fp32 = E.estimate(run_config("llama-2-7b", model__dtype="float32", **one_gpu), profile())
     g = fp32["per_gpu"]
@@ -131,12 +133,12 @@ def test_estimate_applies_the_rule_to_a_real_config():
 # ====================================================================== parameter counts
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_parameter_counts_match_published(name):
-    n = E.count_parameters(modelinfo.read_model_config(name))
+    n = M.count_parameters(modelinfo.read_model_config(name))
     assert abs(n - PUBLISHED[name]) / PUBLISHED[name] < 0.005, n
 
 
 def test_exact_llama_2_7b_count():
-    assert E.count_parameters(modelinfo.read_model_config("llama-2-7b")) == 6_738_415_616
+    assert M.count_parameters(modelinfo.read_model_config("llama-2-7b")) == 6_738_415_616
 
 
 OTHER_ARCHS = {
@@ -225,18 +227,18 @@ def _meta_model(cfg: dict[str, Any]) -> Any:
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_count_equals_meta_device_model_shipped(name):
     cfg = modelinfo.read_model_config(name)
-    assert E.count_parameters(cfg) == _meta_numel(cfg)
+    assert M.count_parameters(cfg) == _meta_numel(cfg)
 
 
 @pytest.mark.parametrize("arch", sorted(OTHER_ARCHS))
 def test_count_equals_meta_device_model_other_architectures(arch):
     cfg = OTHER_ARCHS[arch]
-    assert E.count_parameters(cfg) == _meta_numel(cfg)
+    assert M.count_parameters(cfg) == _meta_numel(cfg)
 
 
 def test_config_without_decoder_dimensions_is_a_config_error():
     with pytest.raises(ConfigError, match="model.name_or_path.*hidden_size"):
-        E.count_parameters({"model_type": "bert", "vocab_size": 10})
+        M.count_parameters({"model_type": "bert", "vocab_size": 10})
 
 
 # ====================================================================== the seed article's setting
@@ -539,7 +541,7 @@ def test_estimate_reads_config_via_run_config(tmp_path):
     cfg = run_config(str(tmp_path), resources__nodes=1, resources__gpus_per_node=1, data__max_seq_length=512)
     r = E.estimate(cfg, profile())
     assert r["model"]["config_source"] == str(tmp_path / "config.json")
-    assert r["parameters"] == E.count_parameters(TINY)
+    assert r["parameters"] == M.count_parameters(TINY)
 
 
 # ====================================================================== activations vs saved tensors
@@ -575,7 +577,7 @@ def test_activation_formula_matches_saved_tensors(attn, dtype):
     per_layer = (four - two) / 2
     head = two - 2 * per_layer
     est = E.activation_bytes(
-        E.model_shape(base), seq, mb, 4 if dtype == "float32" else 2, False, attn == "eager"
+        M.model_shape(base), seq, mb, 4 if dtype == "float32" else 2, False, attn == "eager"
     )
     assert est["per_layer_full"] == pytest.approx(per_layer, rel=0.10)
     assert est["logits_saved"] == pytest.approx(head, rel=0.10)
@@ -737,7 +739,7 @@ def test_lora_70b_on_one_node_the_issues_numbers():
     true = E.estimate(seed_config(resources__nodes=1, train__precision="bf16-true", lora={}), profile())
     assert true["lora"]["full_finetune"]["checkpoint_bytes"] == 6 * r["parameters"]  # ~414 GB, the issue's figure
     g = r["per_gpu"]
-    base_local = sum(E._shard_numel(s, 8) for s in E.model_shape(modelinfo.read_model_config(
+    base_local = sum(M.shard_numel(s, 8) for s in M.model_shape(modelinfo.read_model_config(
         "meta-llama/Llama-2-70b-hf")).all_tensors())
     trained_local = g["gradients"] // 4
     assert g["weights"] == 2 * base_local + 4 * trained_local  # frozen bf16 base + fp32 adapters
@@ -828,7 +830,7 @@ def test_the_async_staging_copy_is_counted_in_cpu_ram_and_refused_when_it_does_n
     the seed article's 70B on 2 x 8 GPUs holds 207 GB of it per node in bf16-true and twice that in bf16-mixed.
     A node with 200 GB fits the load (156 GB) and the training without the copy, not with it: the estimate says so
     and offers checkpoint.async: false with its cost; with it the run fits."""
-    n = E.count_parameters(modelinfo.read_model_config("meta-llama/Llama-2-70b-hf"))
+    n = M.count_parameters(modelinfo.read_model_config("meta-llama/Llama-2-70b-hf"))
     for precision, bytes_per_param in (("bf16-true", 6), ("bf16-mixed", 12)):
         r = E.estimate(seed_config(train__precision=precision, **(
             {"model__dtype": "bfloat16"} if precision == "bf16-true" else {"model__dtype": "auto"})), profile())

@@ -7,7 +7,7 @@ signal sent at preemption...), and nothing checked it. A user found out after th
 the first preemption, when a save that takes minutes was SIGKILLed after the default 30 s KillWait and
 the run silently lost ``checkpoint.every_steps`` steps. Here every fact becomes one :class:`Line`:
 ok, warning or problem, in words, with the fix. The facts are gathered by the one Slurm adapter
-(``slurm.cluster_facts``), the save time is the estimate's own figure (``estimate.projected_save``
+(``slurm.cluster_facts``), the save time is the estimate's own figure (``communication.projected_save``
 through ``estimate()['checkpoint_save_s']``), and this module only decides, so every decision is
 tested on recorded ``scontrol`` output of two Slurm versions without a cluster.
 

@@ -1,16 +1,17 @@
 """`slurmft estimate`: will this run fit? GPU memory per rank and CPU RAM per node, before submitting.
 
 Everything here is arithmetic on the model's ``config.json`` and the run config, in integers: the
-login node never imports torch. What a user reads (the fixes to try, the assumptions, the verdict and
-the rich table) is ``slurmft/plan/estimate_text.py``, which :func:`estimate` calls with the numbers it
-counted. The formulas and their assumptions are written out in ``docs/estimate.md``; the same
-assumptions travel in every result under ``assumptions`` so a reader of the JSON knows what was counted.
+login node never imports torch. This module holds the memory per GPU and CPU RAM per node and assembles
+the result; the model's tensors and the LoRA adapters are counted in ``slurmft/plan/modelshape.py``, the
+collectives (reduce-scatter units, bytes over the inter-node link) and the save time in
+``slurmft/plan/communication.py``, each with its own assumptions. What a user reads (the fixes to try, the
+assumptions, the verdict and the rich table) is ``slurmft/plan/estimate_text.py``, which :func:`estimate`
+calls with the numbers it counted. The formulas and their assumptions are written out in
+``docs/estimate.md``; the same assumptions travel in every result under ``assumptions`` so a reader of the
+JSON knows what was counted.
 
-Assumptions, in one place (each is repeated where it is used):
+Assumptions of the memory arithmetic (each is repeated where it is used):
 
-* Parameters: every tensor of the safetensors headers when the weights are at hand (exact), else the
-  arithmetic of the model type's family from config.json (slurmft/plan/paramcount.py: dense, Gemma-2/3,
-  OLMo-2, MoE with and without shared experts, DeepSeek MLA, gpt-oss); tied embeddings counted once.
 * MoE activations: each token through ``num_experts_per_tok`` experts (balanced routing assumed).
 * Training state per parameter, by ``train.precision`` (slurmft/precision.py): fp32 + AdamW = 4
   weights + 4 gradients + 8 optimizer (exp_avg, exp_avg_sq) = 16 bytes. bf16/fp16 mixed precision is
@@ -18,17 +19,17 @@ Assumptions, in one place (each is repeated where it is used):
   stay fp32 (4 + 4; cast to bf16 only while gathered), AdamW's two fp32 states 8 — the course notes'
   2 + 2 + 12 is the same 16 bytes, split differently. ``bf16-true`` = 2 + 2 + 4 = 8 bytes (bf16
   parameters, gradients and both AdamW states).
-* FSDP2's reduce-scatter input buffer: while a unit's gradients are reduced, FSDP2 copies them
-  (unsharded, each tensor padded on dim 0 to a multiple of ``world_size``) into one flat buffer in
-  ``fsdp.reduce_dtype``; the largest wrapped unit (a decoder layer for real models) is counted.
+* FSDP2's reduce-scatter input buffer (its units: slurmft/plan/communication.py), in
+  ``fsdp.reduce_dtype``: the largest wrapped unit (a decoder layer for real models) is counted.
 * Gradient accumulation adds no memory: the job reduce-scatters after every micro-batch
   (accelerate's ``sync_each_batch``, slurmft/job/train.py), so only the sharded gradients persist
   between micro-batches. (The Trainer's default ``no_sync`` would keep a full, unsharded gradient of
-  every parameter on every rank until the last micro-batch.) The price is one reduce-scatter per
-  micro-batch instead of per optimizer step.
+  every parameter on every rank until the last micro-batch.) The price, one reduce-scatter per
+  micro-batch instead of per optimizer step, is counted in slurmft/plan/communication.py.
 * FSDP full shard: each tensor is split along dim 0 into ``world_size`` chunks of ``ceil(d0 / ws)``
-  rows (FSDP2's padding), so the largest rank is reported. ``fsdp.enabled=false`` means every GPU holds
-  everything (DDP-like), plus DDP's gradient buckets (one more copy of the gradients).
+  rows (FSDP2's padding: slurmft/plan/modelshape.py), so the largest rank is reported.
+  ``fsdp.enabled=false`` means every GPU holds everything (DDP-like), plus DDP's gradient buckets (one
+  more copy of the gradients).
 * Gathered (unsharded) working set under FSDP2: two decoder layers' parameters (current + prefetched),
   one layer's unsharded gradients, the root module's parameters (embeddings, final norm, LM head; FSDP2
   does not reshard the root after forward) and the LM head's gradient, all in the compute dtype.
@@ -72,25 +73,31 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, replace
-from functools import lru_cache, partial
+from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from slurmft.epochs import steps_per_epoch
 from slurmft.errors import ConfigError
 from slurmft.modelinfo import locate_model_config, read_model_config, seq_length_problem
-from slurmft.plan.estimate_text import Counted, assumptions, fit_problems, hsdp_advice, remedies, verdict
-from slurmft.plan.paramcount import (
-    FAMILIES,
-    FAMILY_WORDS,
-    AdapterCount,
-    adapter_tensors,
-    family_tensors,
-    layer_modules,
-    layers_from_headers,
-    local_header_shapes,
+from slurmft.plan.communication import (
+    gradient_reductions_per_step,
+    inter_node_bytes,
+    lora_reduce_scatter_units,
+    projected_save,
+    reduce_scatter_units,
 )
-from slurmft.plan.settings import RUNTIME_BYTES_CPU_RANK, LoraSettings, Settings
+from slurmft.plan.estimate_text import Counted, assumptions, fit_problems, hsdp_advice, remedies, verdict
+from slurmft.plan.modelshape import (
+    SUPPORTED_MODEL_TYPES,
+    ModelShape,
+    lora_count,
+    model_shape,
+    numel,
+    shard_numel,
+)
+from slurmft.plan.paramcount import FAMILY_WORDS, local_header_shapes
+from slurmft.plan.settings import COMPUTE_BYTES, RUNTIME_BYTES_CPU_RANK, LoraSettings, Settings
 from slurmft.precision import DTYPE_BYTES as PRECISION_DTYPE_BYTES
 from slurmft.precision import PRECISIONS, consolidated_dtype
 from slurmft.precision import reduce_dtype as resolve_reduce_dtype
@@ -111,7 +118,6 @@ BYTES_PER_PARAM: dict[str, dict[str, int]] = {
     "fp16-mixed": {"weights": 4, "gradients": 4, "optimizer": 8},
     "bf16-true": PRECISIONS["bf16-true"].state_bytes(),
 }
-COMPUTE_BYTES = {name: p.compute_bytes for name, p in PRECISIONS.items()}
 MASTER_BYTES = 4  # fp32: what from_pretrained materialises by default (the every-rank / rank-0 strategies)
 CUDA_CONTEXT_BYTES = 1 * GiB
 FRAGMENTATION = 0.05
@@ -134,136 +140,7 @@ KNOWN_GPUS: dict[str, tuple[float, int]] = {
     "H200141GB": (141, 143771),
 }
 
-SUPPORTED_MODEL_TYPES = tuple(FAMILIES)  # counted exactly from config.json (slurmft/plan/paramcount.py)
-
-
-# ====================================================================== the model's tensors
-@dataclass(frozen=True)
-class ModelShape:
-    """The numbers of a decoder config that the arithmetic needs."""
-
-    model_type: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    experts: int  # 0 = dense MLP
-    experts_per_token: int
-    file_dtype: str | None
-    layer_list: tuple[tuple[tuple[int, ...], ...], ...] = ()  # every decoder layer's tensors (paramcount.py)
-    root_list: tuple[tuple[int, ...], ...] = ()  # embeddings, final norm, untied head
-    family: str = "dense"
-    count_source: str = "config.json"  # or "safetensors headers"
-    expert_intermediate: int = 0  # an expert's MLP width (moe_intermediate_size where the config has one)
-    shared_intermediate: int = 0  # the shared experts' MLP width (DeepSeek, Qwen2-MoE), 0 = none
-    modules: tuple[tuple[tuple[str, tuple[int, ...], str], ...], ...] = ()  # named linear layers (LoRA targets)
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def layer_tensors(self) -> list[tuple[int, ...]]:
-        """Shapes of the largest decoder layer's parameters (dim 0 is the one FSDP shards): the unit FSDP2
-        gathers and reduce-scatters at a time."""
-        return list(max(self.layer_list, key=lambda t: sum(_numel(s) for s in t)))
-
-    def root_tensors(self) -> list[tuple[int, ...]]:
-        """Embeddings, final norm and (untied) LM head: the root FSDP module's own parameters."""
-        return list(self.root_list)
-
-    def all_tensors(self) -> list[tuple[int, ...]]:
-        return [s for layer in self.layer_list for s in layer] + list(self.root_list)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
-
-
-def _shard_numel(shape: tuple[int, ...], world_size: int) -> int:
-    """Elements on the largest rank when FSDP2 splits dim 0 into ``world_size`` padded chunks."""
-    return math.ceil(shape[0] / world_size) * math.prod(shape[1:])
-
-
-def model_shape(model_cfg: dict[str, Any], headers: dict[str, tuple[int, ...]] | None = None) -> ModelShape:
-    """Read the decoder's dimensions out of a config.json dict; a missing key is a ConfigError.
-
-    ``headers`` (tensor name -> shape from the safetensors headers, when the weights are at hand) give the
-    exact tensors; else they come from the family's arithmetic (slurmft/plan/paramcount.py).
-    """
-    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-    missing = [k for k in required if not isinstance(model_cfg.get(k), int)]
-    if missing:
-        kind = model_cfg.get("model_type", "unknown")
-        raise ConfigError(
-            f"model.name_or_path: config.json (model_type {kind!r}) lacks {', '.join(missing)}; "
-            "slurmft estimate understands decoder configs of the families it knows",
-            [f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"],
-        )
-    mtype = str(model_cfg.get("model_type", "llama"))
-    heads = model_cfg["num_attention_heads"]
-    hidden = model_cfg["hidden_size"]
-    kv_heads = model_cfg.get("num_key_value_heads") or heads
-    head_dim = model_cfg.get("head_dim") or hidden // heads
-    attention_bias = bool(model_cfg.get("attention_bias", False))
-    qkv_bias = True if mtype == "qwen2" else attention_bias
-    o_bias = False if mtype == "qwen2" else attention_bias
-    layer_list, root_list, family = family_tensors(model_cfg)
-    source = "config.json"
-    if headers:
-        layer_list, root_list = layers_from_headers(headers)
-        source = "safetensors headers"
-    experts = int(model_cfg.get("num_local_experts") or model_cfg.get("num_experts")
-                  or model_cfg.get("n_routed_experts") or 0)
-    inter = model_cfg["intermediate_size"]
-    moe_inter = inter if mtype in ("mixtral", "gpt_oss") else (model_cfg.get("moe_intermediate_size") or inter)
-    shared = int(model_cfg.get("n_shared_experts") or 0) * moe_inter or int(
-        model_cfg.get("shared_expert_intermediate_size") or 0)
-    return ModelShape(
-        model_type=mtype,
-        hidden=hidden,
-        layers=model_cfg["num_hidden_layers"],
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate=inter,
-        vocab=model_cfg["vocab_size"],
-        tied=bool(model_cfg.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        o_bias=o_bias,
-        mlp_bias=bool(model_cfg.get("mlp_bias", False)),
-        qk_norm=mtype in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3", "olmo2"),
-        experts=experts,
-        experts_per_token=int(model_cfg.get("num_experts_per_tok") or 2) if experts else 0,
-        file_dtype=model_cfg.get("dtype") or model_cfg.get("torch_dtype"),
-        layer_list=tuple(tuple(layer) for layer in layer_list),
-        root_list=tuple(root_list),
-        family=family if mtype in FAMILIES else "dense",
-        count_source=source,
-        expert_intermediate=moe_inter if experts else 0,
-        shared_intermediate=shared,
-        modules=tuple(tuple(layer) for layer in layer_modules(model_cfg)),
-    )
-
-
-def count_parameters(model_cfg: dict[str, Any], headers: dict[str, tuple[int, ...]] | None = None) -> int:
-    """Parameter count: every tensor of the safetensors headers when given (exact), else the family's
-    arithmetic from config.json (slurmft/plan/paramcount.py; docs/estimate.md has the formulas)."""
-    return sum(_numel(s) for s in model_shape(model_cfg, headers).all_tensors())
-
-
-# ====================================================================== the arithmetic
+# ====================================================================== the memory per GPU and per node
 def training_state_bytes(n_params: int, precision: str = "fp32") -> dict[str, int]:
     """Weights, gradients and AdamW optimizer bytes for ``n_params`` unsharded parameters.
 
@@ -329,7 +206,7 @@ def _per_gpu(shape: ModelShape, k: Settings) -> dict[str, Any]:
     c = COMPUTE_BYTES[k.precision]
     tensors = shape.all_tensors()
     ws = k.shards
-    local = sum(_shard_numel(s, ws) for s in tensors)
+    local = sum(shard_numel(s, ws) for s in tensors)
     local_base = local
     if k.lora is None:
         state = {name: local * b for name, b in per.items()}
@@ -337,7 +214,7 @@ def _per_gpu(shape: ModelShape, k: Settings) -> dict[str, Any]:
         weight_bytes = local * PRECISIONS[k.precision].param_bytes
     else:  # a frozen base in the compute dtype, no gradient or optimizer state; fp32 adapters with AdamW
         adapters = lora_count(shape, k.lora)
-        trained = sum(_shard_numel(s, ws) for s in adapters.all_tensors())
+        trained = sum(shard_numel(s, ws) for s in adapters.all_tensors())
         state = {name: trained * b for name, b in LORA_BYTES_PER_PARAM.items()}
         state["weights"] += local * c
         units = lora_reduce_scatter_units(adapters, ws) if k.fsdp else {}
@@ -345,22 +222,22 @@ def _per_gpu(shape: ModelShape, k: Settings) -> dict[str, Any]:
         weight_bytes = state["weights"]
     reduce_scatter = k.reduce_bytes * max(units.values()) if units else 0
     if k.fsdp and k.lora is None:
-        layer = sum(_numel(s) for s in shape.layer_tensors())
-        root = sum(_numel(s) for s in shape.root_tensors())
+        layer = sum(numel(s) for s in shape.layer_tensors())
+        root = sum(numel(s) for s in shape.root_tensors())
         comm = c * (3 * layer + root + shape.vocab * shape.hidden)
     elif k.fsdp:  # 2 layers gathered (base + adapters), the root, the adapters' unsharded gradients
-        base_layers = [sum(_numel(s) for s in t) for t in shape.layer_list]
-        adapter_layers = [sum(_numel(s) for s in t) for t in adapters.layers]
+        base_layers = [sum(numel(s) for s in t) for t in shape.layer_list]
+        adapter_layers = [sum(numel(s) for s in t) for t in adapters.layers]
         layer = max(b + a for b, a in zip(base_layers, adapter_layers, strict=True))
-        root = sum(_numel(s) for s in shape.root_tensors()) + sum(_numel(s) for s in adapters.root)
-        comm = c * (2 * layer + root + max(adapter_layers) + sum(_numel(s) for s in adapters.root))
+        root = sum(numel(s) for s in shape.root_tensors()) + sum(numel(s) for s in adapters.root)
+        comm = c * (2 * layer + root + max(adapter_layers) + sum(numel(s) for s in adapters.root))
     else:  # DDP's gradient buckets: one more copy of the gradients
         comm = state["gradients"]
     reference = 0
     if k.dpo_reference:  # DPO's reference: the base once more, sharded, in the compute dtype; two layers gathered
         reference = local_base * c
         state["weights"] += reference
-        comm += c * 2 * max((sum(_numel(s) for s in t) for t in shape.layer_list), default=0)
+        comm += c * 2 * max((sum(numel(s) for s in t) for t in shape.layer_list), default=0)
     if k.cpu_offload and k.fsdp:
         offloaded = sum(state.values())
         state = dict.fromkeys(state, 0)
@@ -400,103 +277,6 @@ LORA_BYTES_PER_PARAM = {"weights": 4, "gradients": 4, "optimizer": 8}
 LORA_CHECKPOINT_BYTES = 12  # fp32 parameter + two fp32 AdamW states per trainable parameter
 
 
-@lru_cache(maxsize=64)
-def lora_count(shape: ModelShape, lora: LoraSettings) -> LoraTensors:
-    """The adapters of ``lora`` on this model (slurmft/plan/paramcount.py: PEFT's targets, exact)."""
-    return LoraTensors(adapter_tensors(shape.modules, shape.model_type, shape.hidden, shape.vocab, lora.r,
-                                       lora.target_modules, lora.modules_to_save, tied=shape.tied))
-
-
-@dataclass(frozen=True)
-class LoraTensors:
-    """:class:`AdapterCount` with the flat views the arithmetic needs."""
-
-    count: AdapterCount
-
-    @property
-    def layers(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
-        return self.count.layers
-
-    @property
-    def root(self) -> tuple[tuple[int, ...], ...]:
-        return self.count.root
-
-    def all_tensors(self) -> list[tuple[int, ...]]:
-        return [s for layer in self.layers for s in layer] + list(self.root)
-
-
-def lora_reduce_scatter_units(adapters: LoraTensors, world_size: int) -> dict[str, int]:
-    """Elements of FSDP2's reduce-scatter input with LoRA: only trainable parameters have gradients."""
-
-    def padded(tensors: Any) -> int:
-        return sum(world_size * _shard_numel(t, world_size) for t in tensors)
-
-    units = {"decoder_layer": max((padded(layer) for layer in adapters.layers), default=0)}
-    if adapters.root:
-        units["modules_to_save"] = padded(adapters.root)
-    return units
-
-
-def reduce_scatter_units(shape: ModelShape, world_size: int) -> dict[str, int]:
-    """Elements of FSDP2's reduce-scatter input for each kind of unit slurmft wraps (parallelize.shard).
-
-    Units: each decoder layer; the input embeddings (untied); the final norm with the LM head (with
-    the embeddings when tied). FSDP2 pads every tensor's dim 0 to a multiple of ``world_size`` in the
-    flat buffer (``foreach_reduce``), so the padded sizes are counted.
-    """
-
-    def padded(tensors: list[tuple[int, ...]]) -> int:
-        return sum(world_size * _shard_numel(t, world_size) for t in tensors)
-
-    embed, norm = (shape.vocab, shape.hidden), (shape.hidden,)
-    units = {"decoder_layer": padded(shape.layer_tensors())}
-    if shape.tied:
-        units["norm_and_tied_embeddings"] = padded([norm, embed])
-    else:
-        units["embeddings"] = padded([embed])
-        units["norm_and_lm_head"] = padded([norm, embed])
-    return units
-
-
-def gradient_reductions_per_step(accumulation: int) -> int:
-    """How often per optimizer step the gradients are reduced (reduce-scatter, plus HSDP's all-reduce).
-
-    Every micro-batch: the job sets accelerate's ``sync_each_batch`` so gradients stay sharded between
-    micro-batches (no full unsharded gradients held under ``no_sync``), at the price of one reduction per
-    micro-batch. (Deferring only HSDP's cross-node all-reduce to the last micro-batch is not done yet.)
-    """
-    return accumulation
-
-
-def inter_node_bytes(n_params: int, k: Settings, trained: int | None = None) -> int:
-    """Bytes each node sends over the inter-node network per optimizer step, for the layout in ``k``.
-
-    NCCL's ring algorithms, each ring entering and leaving every node once:
-
-    * FSDP over all ``W = nodes x ranks_per_node`` ranks: an all-gather or reduce-scatter of ``S``
-      bytes moves ``(W-1)/W x S`` over each node's outgoing inter-node link. Every micro-batch
-      all-gathers the parameters in the compute dtype (twice with ``fsdp.reshard_after_forward``:
-      forward and backward); each gradient reduction reduce-scatters them in ``fsdp.reduce_dtype``.
-    * HSDP: all-gathers and reduce-scatters stay inside the node; each gradient reduction all-reduces
-      every shard across the ``N`` nodes (one ring per local rank over N ranks): ``2(N-1)/N x S`` per node.
-    * One node, or no FSDP inside one node: nothing crosses (DDP across nodes is not modelled).
-
-    ``trained``: the parameters that have gradients (LoRA: the adapters; None: all ``n_params``). The base is
-    still all-gathered; only trainable gradients are reduced.
-    """
-    if k.nodes == 1 or not k.fsdp:
-        return 0
-    compute, reduce = COMPUTE_BYTES[k.precision], k.reduce_bytes
-    reductions = gradient_reductions_per_step(k.accumulation)
-    grads = n_params if trained is None else trained
-    if k.hsdp:
-        return math.ceil(reductions * 2 * (k.nodes - 1) / k.nodes * grads * reduce)
-    gathers = k.accumulation * (2 if k.reshard_after_forward else 1)
-    w = k.world_size
-    gathered = n_params if trained is None else n_params + trained  # the adapters are gathered with the base
-    return math.ceil((w - 1) / w * (gathered * gathers * compute + grads * reductions * reduce))
-
-
 def layouts(shape: ModelShape, n_params: int, k: Settings) -> dict[str, dict[str, Any]]:
     """Both FSDP layouts of the same run side by side: memory per GPU and bytes over the inter-node link."""
     out = {}
@@ -510,7 +290,7 @@ def layouts(shape: ModelShape, n_params: int, k: Settings) -> dict[str, dict[str
 
 
 def _largest_tensor_numel(shape: ModelShape) -> int:
-    return max(_numel(s) for s in shape.layer_tensors() + shape.root_tensors())
+    return max(numel(s) for s in shape.layer_tensors() + shape.root_tensors())
 
 
 def _total_if_fits(shape: ModelShape, k: Settings) -> int | None:
@@ -576,11 +356,6 @@ def _cpu_ram_per_node(
         "safetensors_bytes": file_bytes,
         "reference_shards": reference_shards,  # included in slurmft's load figure
     }
-
-
-def projected_save(checkpoint_bytes: int, nodes: int, gb_per_s_per_node: float) -> float:
-    """Seconds to write one sharded checkpoint: every node writes its ranks' shards in parallel."""
-    return checkpoint_bytes / (nodes * gb_per_s_per_node * 1e9)
 
 
 # ====================================================================== the run's settings
@@ -733,13 +508,13 @@ def checkpoint_size(shape: ModelShape, k: Settings) -> int:
     if k.lora is not None:
         return lora_count(shape, k.lora).count.trainable * LORA_CHECKPOINT_BYTES
     mode = PRECISIONS[k.precision]
-    return sum(_numel(s) for s in shape.all_tensors()) * (mode.param_bytes + 2 * PRECISION_DTYPE_BYTES[mode.optim_dtype])
+    return sum(numel(s) for s in shape.all_tensors()) * (mode.param_bytes + 2 * PRECISION_DTYPE_BYTES[mode.optim_dtype])
 
 
 def lora_words(shape: ModelShape, k: Settings, lora: LoraSettings) -> str:
     """What adding ``lora`` to the run ``k`` trains and saves, for the remedies."""
     trained = lora_count(shape, lora).count.trainable
-    n_params = sum(_numel(s) for s in shape.all_tensors())
+    n_params = sum(numel(s) for s in shape.all_tensors())
     return (f"{lora.words()}: {trained / 1e6:,.1f}M trainable parameters, {100 * trained / n_params:.2f} % of the "
             f"model; checkpoint {decimal_gb(checkpoint_size(shape, replace(k, lora=lora)))} instead of "
             f"{decimal_gb(checkpoint_size(shape, replace(k, lora=None)))}")
@@ -790,7 +565,7 @@ def estimate(
         raise ConfigError(too_long)
     headers = local_header_shapes(cfg.model.name_or_path, cfg.model.revision) if source is not None else None
     shape = model_shape(model_cfg, headers)
-    n_params = sum(_numel(s) for s in shape.all_tensors())
+    n_params = sum(numel(s) for s in shape.all_tensors())
     knobs, capacity_note = _knobs(cfg, profile)
 
     gpu = _per_gpu(shape, knobs)

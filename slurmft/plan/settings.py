@@ -1,5 +1,5 @@
-"""The run's settings as ``slurmft estimate`` reads them: one record the arithmetic (``estimate.py``) and its
-words (``estimate_text.py``, which tries changed copies of it for the remedies) both take, so neither
+"""The run's settings as ``slurmft estimate`` reads them: one record the arithmetic (``estimate.py``, the memory;
+``communication.py``, the collectives) and its words (``estimate_text.py``, which tries changed copies of it for the remedies) both take, so neither
 imports the other back."""
 
 from __future__ import annotations
@@ -8,10 +8,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from slurmft.precision import DTYPE_BYTES as PRECISION_DTYPE_BYTES
+from slurmft.precision import PRECISIONS
 from slurmft.units import GiB
 
 RUNTIME_BYTES_GPU_RANK = 2 * GiB  # Python, torch, CUDA libraries per GPU rank
 RUNTIME_BYTES_CPU_RANK = GiB // 2
+COMPUTE_BYTES = {name: p.compute_bytes for name, p in PRECISIONS.items()}  # read by estimate and communication
 
 
 @dataclass(frozen=True)
