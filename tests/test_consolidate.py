@@ -579,3 +579,17 @@ def test_dcp_key_mapping() -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         _worker(sys.argv[2])
+
+
+def test_the_documented_python_entry_is_the_jobs_and_a_step_imports_without_the_job() -> None:
+    """docs/consolidation.md's ``from slurmft.job.consolidate import consolidate_run`` (the path from before the
+    package, issue 46) is the job's own function; importing one step's file (read_dcp) does not import the job."""
+    code = ("import sys; import slurmft.job.consolidate.read_dcp; "
+            "assert 'slurmft.job.consolidate.job' not in sys.modules, 'the face imported the job'; "
+            "from slurmft.job.consolidate import consolidate_run; "
+            "from slurmft.job.consolidate import job; assert consolidate_run is job.consolidate_run; "
+            "import slurmft.job.consolidate as c\n"
+            "try:\n    c.no_such_name\nexcept AttributeError as e:\n    print(e)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "has no attribute 'no_such_name'" in proc.stdout

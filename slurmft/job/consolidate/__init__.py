@@ -16,3 +16,15 @@ about the largest tensor, not the model. One file per step, in the order the job
 
 Run by hand: ``python -m slurmft.job.consolidate RUN_DIR [--checkpoint DIR] [--out DIR]`` (__main__.py).
 """
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    """``from slurmft.job.consolidate import consolidate_run``, the documented way in from Python (docs/consolidation.md),
+    as before the package existed; imported on first use, so importing one step's file does not import the job."""
+    if name == "consolidate_run":
+        from slurmft.job.consolidate.job import consolidate_run
+
+        return consolidate_run
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
