@@ -61,7 +61,8 @@ def reference() -> str:
     lines = [
         "# run.yaml reference",
         "",
-        "Generated from `slurmft/config.py` by `python -m slurmft.plan.configdoc`; a test keeps it in sync.",
+        "Generated from the schema (`slurmft/config.py`, the cluster sections in `slurmft/config_cluster.py`) by "
+        "`python -m slurmft.plan.configdoc`; a test keeps it in sync.",
         "Unknown keys are rejected. Override any field on the command line with a dotted path:",
         "`slurmft submit run.yaml resources.nodes=4 train.max_steps=10`.",
         "",
