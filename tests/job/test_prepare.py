@@ -167,7 +167,7 @@ import sys
 
 import datasets
 
-from slurmft.config import read_run_config
+from slurmft.config_loading import read_run_config
 from slurmft.job import data, prepare
 from slurmft.job.inputs import load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
 from slurmft.rundir import RunPaths
