@@ -91,8 +91,8 @@ def tokenizer_for_export(cfg: RunConfig, ckpt: Path) -> str:
     if _has_tokenizer(ckpt):
         return str(ckpt)
     source = tokenizer_name(cfg)
-    local = Path(os.path.expanduser(source))
-    if local.is_dir() and not _has_tokenizer(local):
+    local = local_dir(source)
+    if local is not None and not _has_tokenizer(local):
         raise CheckpointError(
             f"no tokenizer in {local} (none of {', '.join(TOKENIZER_MARKERS)}), and none saved in {ckpt}",
             ["set model.tokenizer to the tokenizer's directory or hub id"],
@@ -102,8 +102,8 @@ def tokenizer_for_export(cfg: RunConfig, ckpt: Path) -> str:
 
 def write_tokenizer(source: str, directory: Path, cfg: RunConfig) -> list[str]:
     """Copy a local tokenizer's files verbatim, or save a cached hub tokenizer; returns the files."""
-    local = Path(os.path.expanduser(source))
-    if local.is_dir():
+    local = local_dir(source)
+    if local is not None:
         copied = []
         for name in TOKENIZER_FILES:
             if (local / name).is_file():
