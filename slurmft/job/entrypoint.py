@@ -23,11 +23,14 @@ from slurmft.job import preemption
 EXIT_SETUP_ERROR = 2
 
 
-def _keep_unused_packages_out(run_dir: str, job: str) -> None:
-    """Before torch and transformers load: the optional packages this job does not use stay out (unused_packages)."""
+def _before_the_stack_loads(run_dir: str, job: str) -> None:
+    """Before torch and transformers load: the optional packages this job does not use stay out (unused_packages),
+    and transformers' import structure comes from the cache (import_structure)."""
+    from slurmft.job import import_structure
     from slurmft.job.unused_packages import keep_out
 
     keep_out(run_dir, job)
+    import_structure.install()
 
 
 def run_train(run_dir: str, signal_name: str = "USR2") -> dict[str, object]:
@@ -39,7 +42,7 @@ def run_train(run_dir: str, signal_name: str = "USR2") -> dict[str, object]:
     # Under Slurm the launcher (slurmft.job.launch) installed these before submitit ran; again here for
     # runs started otherwise (the local executor: warning signal only, SIGTERM still ends the process).
     preemption.install(signal_name, term="SLURM_JOB_ID" in os.environ)
-    _keep_unused_packages_out(run_dir, "train")
+    _before_the_stack_loads(run_dir, "train")
     from slurmft.errors import SlurmftError
     from slurmft.job.train import train
 
@@ -57,7 +60,7 @@ def run_prepare(run_dir: str) -> dict[str, object]:
 
     Bad input (a row TRL cannot prepare, a missing source) is printed without a traceback, exit status 2.
     """
-    _keep_unused_packages_out(run_dir, "prepare")
+    _before_the_stack_loads(run_dir, "prepare")
     from slurmft.errors import SlurmftError
     from slurmft.job.prepare import prepare_run
 
@@ -73,7 +76,7 @@ def run_prepare(run_dir: str) -> dict[str, object]:
 def run_consolidate(run_dir: str, checkpoint: str | None = None, out: str | None = None) -> dict[str, object]:
     """Consolidation job body (single process): the newest complete checkpoint (or ``checkpoint``) into
     ``RUN_DIR/model`` (or ``out``)."""
-    _keep_unused_packages_out(run_dir, "consolidate")
+    _before_the_stack_loads(run_dir, "consolidate")
     from slurmft.job.consolidate.job import consolidate_run
     from slurmft.watch.report import write_report_safely
 
