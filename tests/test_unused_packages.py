@@ -17,7 +17,7 @@ from slurmft.config_loading import validate
 from slurmft.job.unused_packages import OPT_OUT, unused
 from tests.runfixture import CONFIG
 
-ALL = ["torchao", "wandb", "peft", "scipy"]
+ALL = ["torchao", "wandb", "peft", "scipy", "boto3"]
 
 
 def _cfg(**sections: dict):  # noqa: ANN202
@@ -28,15 +28,15 @@ def _cfg(**sections: dict):  # noqa: ANN202
     ({}, "train", ALL),
     ({}, "prepare", ALL),
     ({}, "consolidate", ALL),
-    ({"lora": {"r": 4}}, "train", ["torchao", "wandb", "scipy"]),
-    ({"lora": {"r": 4}}, "consolidate", ["torchao", "wandb", "scipy"]),
+    ({"lora": {"r": 4}}, "train", ["torchao", "wandb", "scipy", "boto3"]),
+    ({"lora": {"r": 4}}, "consolidate", ["torchao", "wandb", "scipy", "boto3"]),
     ({"lora": {"r": 4}}, "prepare", ALL),  # prepare tokenizes: no model, no adapter
-    ({"train": {"report_to": ["wandb"]}}, "train", ["torchao", "peft", "scipy"]),
+    ({"train": {"report_to": ["wandb"]}}, "train", ["torchao", "peft", "scipy", "boto3"]),
     ({"train": {"report_to": ["wandb"]}}, "consolidate", ALL),
     ({"train": {"report_to": ["tensorboard"]}}, "train", ALL),
     ({"train": {"precision": "bf16-true", "optimizer": "adamw-stochastic-rounding"}, "model": {"dtype": "bfloat16"}},
-     "train", ["wandb", "peft", "scipy"]),
-    ({"train": {"sft": {"optim": "adamw_torch_4bit"}}}, "train", ["wandb", "peft", "scipy"]),  # transformers' torchao optimizers
+     "train", ["wandb", "peft", "scipy", "boto3"]),
+    ({"train": {"sft": {"optim": "adamw_torch_4bit"}}}, "train", ["wandb", "peft", "scipy", "boto3"]),  # transformers' torchao optimizers
 ], ids=["sft-train", "sft-prepare", "sft-consolidate", "lora-train", "lora-consolidate", "lora-prepare", "wandb-train",
         "wandb-consolidate", "tensorboard", "stochastic-rounding", "sft-optim"])
 def test_each_job_keeps_out_what_its_run_does_not_use(sections: dict, job: str, expected: list[str]) -> None:
@@ -47,7 +47,7 @@ PROBE = """
 import importlib.util, json, sys
 from slurmft.job import unused_packages
 kept = unused_packages.keep_out(sys.argv[1], sys.argv[2])
-found = {name: importlib.util.find_spec(name) is not None for name in ("torchao", "wandb", "peft", "scipy")}
+found = {name: importlib.util.find_spec(name) is not None for name in ("torchao", "wandb", "peft", "scipy", "boto3")}
 refused = None
 if "peft" in kept:  # importing it for real would cost seconds: only the refusal is tried
     try:

@@ -3,8 +3,8 @@
 transformers, TRL and accelerate import some optional packages merely because they are installed:
 torchao (through transformers' quantizers, ~1.6 s and two "Failed to load ..._C_*.so" lines on a
 CPU-only or older GPU build), wandb (through TRL's trainer base, ~0.7 s), peft (through
-``transformers.trainer_utils``, ~0.6 s) and scipy (through transformers' object-detection loss, which every
-model import loads: ~1 s). Every rank pays that at every start, requeue and resume. A run
+``transformers.trainer_utils``, ~0.6 s), scipy (through transformers' object-detection loss, which every
+model import loads: ~1 s) and boto3 (through accelerate, ~0.3 s). Every rank pays that at every start, requeue and resume. A run
 that uses none of them does not need them: they are marked absent (``sys.modules[name] = None``, the
 interpreter's own way of blocking an import), so the libraries' availability checks
 (``importlib.util.find_spec``) answer "not installed" and skip them. A run that uses one keeps it:
@@ -13,7 +13,9 @@ interpreter's own way of blocking an import), so the libraries' availability che
 - wandb: ``train.report_to`` names wandb;
 - peft: the run has a ``lora`` section;
 - scipy: never (no job of ours calls it; datasets reads MATLAB files with it, transformers matches boxes for
-  object detection).
+  object detection);
+- boto3: never (accelerate imports it, ~0.3 s, for its SageMaker launcher only; data on S3 goes through s3fs,
+  which uses botocore).
 
 ``SLURMFT_IMPORT_EVERYTHING=1`` in the job's environment turns this off (a model's remote code that
 imports one of them itself, say).
@@ -61,6 +63,7 @@ def unused(cfg: RunConfig, job: str) -> list[str]:
         "wandb": job == "train" and "wandb" in t.report_to,
         "peft": job != "prepare" and cfg.lora is not None,
         "scipy": False,
+        "boto3": False,
     }
     return [name for name, needed in needs.items() if not needed]
 
