@@ -5,6 +5,9 @@
   newer, read offline by huggingface_hub itself.
 - A local base replaced under a checkpoint (the same names, other bytes) is refused in words by the train job's
   base check, before anything is loaded; the same files are not.
+- The tokenizer consolidation exports from the hub is the one the train job read: the model's own at
+  ``model.revision``, a ``model.tokenizer`` as found, also when it names the model's own hub id again
+  (``modelinfo.tokenizer_revision``, the one rule; consolidation applied ``model.revision`` to it).
 """
 
 from __future__ import annotations
@@ -94,3 +97,42 @@ def test_a_replaced_local_base_is_refused_before_anything_loads(tiny_model: Path
     text = refused.value.render()
     assert "the base model is not the one checkpoint-4 was trained on" in text
     assert "model.safetensors:" in text and "Put that base back" in text and "nothing was changed" in text
+
+
+TOKENIZERS = """
+import json, sys
+from pathlib import Path
+from slurmft.config_loading import validate
+from slurmft.job.consolidate.model_files import tokenizer_for_export, write_tokenizer
+from slurmft.job.inputs import resolve_model_dir, resolve_tokenizer_dir
+
+out = Path(sys.argv[2])
+cfg = validate({"name": "t", "output_dir": str(out / "run"), "model": json.loads(sys.argv[1]),
+                "data": {"datasets": [{"path": "x.jsonl"}]}})
+(out / "checkpoint").mkdir(parents=True)  # saved without a tokenizer: the run's own is exported
+written = out / "model"
+written.mkdir()
+write_tokenizer(tokenizer_for_export(cfg, out / "checkpoint"), written, cfg)
+read = resolve_tokenizer_dir(cfg.model, resolve_model_dir(cfg.model, with_weights=False))
+def length(d):
+    return json.loads((d / "tokenizer_config.json").read_text()).get("model_max_length")
+print(json.dumps({"written": length(written), "read": length(read)}))
+"""
+
+
+@pytest.mark.parametrize(("tokenizer", "expected"), [(None, "old"), (REPO_ID, "new")],
+                         ids=["the-models-own", "model.tokenizer-the-same-id"])
+def test_consolidation_exports_the_tokenizer_the_train_job_read(tiny_model: Path, tmp_path: Path, tokenizer: str | None,
+                                                               expected: str) -> None:
+    cache = _hub_cache(tmp_path / "hub", tiny_model)
+    marks = {"old": 1111, "new": 2222}  # the two commits' tokenizers told apart
+    for commit, mark in ((OLD, marks["old"]), (NEW, marks["new"])):
+        conf = cache / f"models--{REPO_ID.replace('/', '--')}" / "snapshots" / commit / "tokenizer_config.json"
+        conf.write_text(json.dumps({**json.loads(conf.read_text()), "model_max_length": mark}))
+    model = {"name_or_path": REPO_ID, "revision": OLD, **({"tokenizer": tokenizer} if tokenizer else {})}
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", TOKENIZERS, json.dumps(model), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out == {"written": marks[expected], "read": marks[expected]}

@@ -22,7 +22,7 @@ from typing import Any
 from slurmft.config import RunConfig
 from slurmft.config_paths import local_dir
 from slurmft.errors import CheckpointError
-from slurmft.modelinfo import tokenizer_name
+from slurmft.modelinfo import tokenizer_name, tokenizer_revision
 
 # Files that make up a tokenizer directory (copied verbatim, so the chat template the trainer used
 # is the one that ships).
@@ -117,8 +117,9 @@ def write_tokenizer(source: str, directory: Path, cfg: RunConfig) -> list[str]:
     from transformers import AutoTokenizer
 
     kwargs: dict[str, Any] = {"trust_remote_code": cfg.model.trust_remote_code}
-    if cfg.model.revision and source == cfg.model.name_or_path:
-        kwargs["revision"] = cfg.model.revision
+    revision = tokenizer_revision(cfg)  # the revision the train job read it at (not local: source is the run's)
+    if revision:
+        kwargs["revision"] = revision
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as exc:
