@@ -153,9 +153,9 @@ class SlurmCluster:
         return "\n".join(parts)
 
 
-def _cluster_env(suite_env: dict[str, str]) -> dict[str, str]:
+def _cluster_env(environ: dict[str, str]) -> dict[str, str]:
     proc = subprocess.run(["bash", str(CLUSTER_SH), "env"], capture_output=True, text=True, timeout=30,
-                          check=False, env=suite_env)
+                          check=False, env=environ)
     env = {}
     for line in proc.stdout.splitlines():
         words = shlex.split(line)
@@ -244,7 +244,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 
-def _suite_env(suite: str) -> dict[str, str]:
+def suite_env(suite: str) -> dict[str, str]:
     return {**os.environ, "SLURMFT_CLUSTER_SUITE": suite}
 
 
@@ -264,7 +264,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             print(f"\nSLURMFT_KEEP_CLUSTER=1: the {suite} cluster this run started stays up")
             continue
         down = subprocess.run(["bash", str(CLUSTER_SH), "down"], capture_output=True, text=True, timeout=120,
-                              check=False, env=_suite_env(suite))
+                              check=False, env=suite_env(suite))
         if down.returncode != 0:
             warnings.warn(f"{CLUSTER_SH} down ({suite}) exited {down.returncode}: {down.stderr}", stacklevel=1)
     shutil.rmtree(record, ignore_errors=True)
@@ -274,7 +274,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def cluster_healthy(suite: str) -> bool:
     """``cluster.sh status``: every daemon up and both nodes idle or in use."""
     return subprocess.run(["bash", str(CLUSTER_SH), "status"], capture_output=True, text=True, timeout=60,
-                          check=False, env=_suite_env(suite)).returncode == 0
+                          check=False, env=suite_env(suite)).returncode == 0
 
 
 def ensure_cluster(suite: str) -> None:
@@ -298,7 +298,7 @@ def _start_cluster(suite: str) -> None:
         # A fresh machine installs the Debian packages first (24.11: builds its root file system): allow
         # for apt.
         up = subprocess.run(["bash", str(CLUSTER_SH), "up"], capture_output=True, text=True, timeout=1200,
-                            check=False, env=_suite_env(suite))
+                            check=False, env=suite_env(suite))
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"{CLUSTER_SH} up timed out after {exc.timeout}s\n{exc.stdout}\n{exc.stderr}", pytrace=False)
     if up.returncode != 0:
@@ -340,12 +340,12 @@ def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[SlurmCluster]:
     never stopped here (see the module docstring: the run's main process stops what the run started)."""
     version = request.param
     suite = SLURM_VERSIONS[version]
-    suite_env = _suite_env(suite)
+    environ = suite_env(suite)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     (Path(os.environ[CLUSTER_RECORD_ENV]) / f"used-{suite}-{worker}").touch()
     ensure_cluster(suite)
 
-    env = _cluster_env(suite_env)
+    env = _cluster_env(environ)
     if "SLURM_CONF" not in env:
         pytest.fail(f"{CLUSTER_SH} env printed no SLURM_CONF: {env}", pytrace=False)
     conf = Path(env["SLURM_CONF"])

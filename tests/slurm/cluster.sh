@@ -435,10 +435,10 @@ nodes_idle() {
   [ "$(node_states)" = "$(printf 'n1 idle\nn2 idle')" ]
 }
 
-nodes_usable() {  # both nodes up and responding (running jobs allowed)
+nodes_usable() {  # both nodes up and responding (running jobs allowed; 24.11's "planned": kept for a pending job)
   local states
   states=$(node_states)
-  [ "$(grep -cE '^n[12] (idle|mixed|allocated|completing)$' <<<"$states")" = 2 ]
+  [ "$(grep -cE '^n[12] (idle|mixed|allocated|completing|planned)$' <<<"$states")" = 2 ]
 }
 
 healthy() {
