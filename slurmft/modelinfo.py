@@ -47,15 +47,31 @@ def shipped_model_names() -> list[str]:
     return sorted(p.stem for p in (data_dir("configs") / "models").glob("*.json"))
 
 
+#: Moves slurmft's own cache (:func:`cache_dir`) elsewhere.
+CACHE_DIR_ENV = "SLURMFT_CACHE_DIR"
+
+
+def _user_cache() -> Path:
+    """``$XDG_CACHE_HOME``, else ``~/.cache``: where huggingface's cache and ours live by default."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+
+
 def hub_cache_dir() -> Path:
     """The Hugging Face hub cache, honouring HF_HUB_CACHE and HF_HOME like huggingface_hub does."""
     if os.environ.get("HF_HUB_CACHE"):
         return Path(os.environ["HF_HUB_CACHE"]).expanduser()
     if os.environ.get("HF_HOME"):
         return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "huggingface" / "hub"
+    return _user_cache() / "huggingface" / "hub"
+
+
+def cache_dir() -> Path:
+    """slurmft's own cache (what is computed once per installation: TRL's SFTConfig fields, transformers' import
+    table): ``SLURMFT_CACHE_DIR``, else ``slurmft`` in the user's cache. Not created here."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV]).expanduser()
+    return _user_cache() / "slurmft"
 
 
 def hub_snapshot(repo_id: str, revision: str | None, marker: str) -> Path | None:

@@ -16,8 +16,9 @@ import re
 import subprocess
 import sys
 import typing
-from pathlib import Path
 from typing import Any
+
+from slurmft.modelinfo import cache_dir
 
 # SFTConfig keys slurmft sets itself: the run.yaml field to use instead (or why it is fixed).
 OWNED_SFT_KEYS = {
@@ -93,11 +94,6 @@ def field_kinds_of(config_cls: Any) -> dict[str, list[str]]:
     return {f.name: _kinds(hints.get(f.name, Any)) for f in dataclasses.fields(config_cls) if f.init}
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "slurmft"
-
-
 def sft_field_kinds() -> tuple[dict[str, list[str]] | None, str]:
     """SFTConfig's fields and kinds, and TRL's version; (None, why) when TRL is not installed here.
 
@@ -117,7 +113,7 @@ def sft_field_kinds() -> tuple[dict[str, list[str]] | None, str]:
         return None, "trl is not installed here"
     if importlib.util.find_spec("trl") is None:
         return None, "trl is not installed here"
-    cache = _cache_dir() / f"sftconfig-trl{trl_v}-transformers{tf_v}.json"
+    cache = cache_dir() / f"sftconfig-trl{trl_v}-transformers{tf_v}.json"
     if cache.is_file():
         try:
             return json.loads(cache.read_text()), trl_v

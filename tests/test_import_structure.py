@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from slurmft.job import import_structure
-from slurmft.job.import_structure import DIR_ENV, ENV, _read, _table_file, _write
+from slurmft.job.import_structure import ENV, _installation_key, _read, _table_name, _write
+from slurmft.modelinfo import CACHE_DIR_ENV
 
 PROBE = """
 import json, os, sys
@@ -40,7 +41,7 @@ print(json.dumps({"outcome": import_structure.outcome, "at_import": at_import, "
 
 def _probe(cache: Path) -> dict:
     proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, DIR_ENV: str(cache)})
+                          env={**os.environ, CACHE_DIR_ENV: str(cache)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -67,16 +68,16 @@ def _fake_models(root: Path) -> Path:
 
 def test_a_model_directory_added_or_changed_is_a_new_table(tmp_path: Path) -> None:
     models = _fake_models(tmp_path)
-    before = _table_file(tmp_path / "cache", models, "models")
-    assert before is not None and before == _table_file(tmp_path / "cache", models, "models")
-    assert before != _table_file(tmp_path / "cache", models, None)  # each prefix its own table
+    before = _installation_key(models)
+    assert before is not None and before == _installation_key(models)
+    assert _table_name(before, "models") != _table_name(before, None)  # each prefix its own table
     (models / "llama" / "modeling_llama_new.py").write_text("__all__ = ['New']\n")  # the directory's mtime moves
     os.utime(models / "llama", ns=(1, 1))  # as a new mtime would, whatever the file system's resolution
-    changed = _table_file(tmp_path / "cache", models, "models")
+    changed = _installation_key(models)
     (models / "qwen").mkdir()
-    added = _table_file(tmp_path / "cache", models, "models")
+    added = _installation_key(models)
     assert len({before, changed, added}) == 3
-    assert _table_file(tmp_path / "cache", tmp_path / "nowhere", "models") is None  # cannot list: no cache
+    assert _installation_key(tmp_path / "nowhere") is None  # cannot list: no cache
 
 
 def test_a_damaged_or_unwritable_cache_falls_back_to_computing(tmp_path: Path) -> None:

@@ -15,12 +15,13 @@ directory). An in-place edit of an installed model file that changes its ``__all
 ``SLURMFT_IMPORT_STRUCTURE_CACHE=0`` (as for any transformers source tree you edit).
 
 Nothing here may fail a job: an unreadable, unwritable or damaged cache means transformers computes the
-table itself, as without this module. tests/job/test_import_structure.py checks that the cached table equals
+table itself, as without this module. tests/test_import_structure.py checks that the cached table equals
 transformers' own and that a process using it imports and builds models.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.abc
 import importlib.machinery
@@ -33,10 +34,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from slurmft.modelinfo import cache_dir  # where the tables are kept (SLURMFT_CACHE_DIR moves it)
+
 #: ``0`` (or ``false``/``no``/``off``) in a job's environment: transformers computes its table as it would.
 ENV = "SLURMFT_IMPORT_STRUCTURE_CACHE"
-#: Where the tables are kept: this variable, else ``$XDG_CACHE_HOME/slurmft``, else ``~/.cache/slurmft``.
-DIR_ENV = "SLURMFT_CACHE_DIR"
 MODULE = "transformers.utils.import_utils"
 
 #: What :func:`install` found: "not installed", "off", "already imported" or "installed".
@@ -45,14 +46,6 @@ outcome: str = "not installed"
 tables: list[str] = []
 
 Structure = dict[frozenset[str], dict[str, set[str]]]
-
-
-def cache_dir() -> Path:
-    """The directory the tables are kept in (not created here)."""
-    if os.environ.get(DIR_ENV):
-        return Path(os.environ[DIR_ENV]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "slurmft"
 
 
 def enabled() -> bool:
@@ -108,12 +101,14 @@ class _Finder(importlib.abc.MetaPathFinder):
 def _cached(define: Callable[..., Structure], directory: Path, import_utils_file: str) -> Callable[..., Structure]:
     """``define_import_structure`` with the models directory's table read from (or written to) ``directory``."""
     models = Path(import_utils_file).resolve().parent.parent / "models"
+    key = functools.cache(lambda: _installation_key(models))  # both tables of an import: one listing, one lookup
 
     def define_import_structure(module_path: str | os.PathLike[str], prefix: str | None = None) -> Structure:
         path = Path(module_path)
         if (path.parent if path.name == "__init__.py" else path).resolve() != models:
             return define(module_path, prefix)  # one model's own directory: a few files, cheap
-        file = _table_file(directory, models, prefix)
+        installation = key()
+        file = None if installation is None else directory / _table_name(installation, prefix)
         if file is not None:
             table = _read(file)
             if table is not None:
@@ -127,15 +122,20 @@ def _cached(define: Callable[..., Structure], directory: Path, import_utils_file
     return define_import_structure
 
 
-def _table_file(directory: Path, models: Path, prefix: str | None) -> Path | None:
-    """The cache file of this installation's table (None when the models directory cannot be listed)."""
+def _installation_key(models: Path) -> str | None:
+    """What names this transformers installation's tables (None when its models directory cannot be listed)."""
     try:
         listing = sorted((entry.name, entry.stat().st_mtime_ns) for entry in os.scandir(models))
         package = (models.parent / "__init__.py").stat().st_mtime_ns
     except OSError:
         return None
     key = hashlib.sha256(json.dumps([str(models), package, _transformers_version(), listing]).encode()).hexdigest()
-    return directory / f"transformers-import-structure-{prefix or 'none'}-{key[:24]}.json"
+    return key[:24]
+
+
+def _table_name(installation: str, prefix: str | None) -> str:
+    """The cache file of one table (transformers asks for the models directory's with and without a prefix)."""
+    return f"transformers-import-structure-{prefix or 'none'}-{installation}.json"
 
 
 def _transformers_version() -> str:

@@ -4,10 +4,10 @@ transformers, TRL and accelerate import some optional packages merely because th
 torchao (through transformers' quantizers, ~1.6 s and two "Failed to load ..._C_*.so" lines on a
 CPU-only or older GPU build), wandb (through TRL's trainer base, ~0.7 s), peft (through
 ``transformers.trainer_utils``, ~0.6 s), scipy (through transformers' object-detection loss, which every
-model import loads: ~1 s) and boto3 (through accelerate, ~0.3 s). Every rank pays that at every start, requeue and resume. A run
-that uses none of them does not need them: they are marked absent (``sys.modules[name] = None``, the
-interpreter's own way of blocking an import), so the libraries' availability checks
-(``importlib.util.find_spec``) answer "not installed" and skip them. A run that uses one keeps it:
+model import loads: ~1 s) and boto3 (through accelerate, ~0.3 s). Every rank pays that at every start,
+requeue and resume. A run that uses none of them does not need them: they are marked absent
+(``sys.modules[name] = None``, the interpreter's own way of blocking an import), so the libraries'
+availability checks (``importlib.util.find_spec``) answer "not installed" and skip them. A run that uses one keeps it:
 
 - torchao: ``train.optimizer=adamw-stochastic-rounding``, or an ``optim`` passed through ``train.sft``;
 - wandb: ``train.report_to`` names wandb;
