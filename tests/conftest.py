@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import os
 import shlex
 import shutil
@@ -37,6 +38,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+# As a job process does while its libraries load (slurmft/job/entrypoint.py _load_the_stack): the cyclic garbage
+# collector is off while pytest imports the test modules (torch, transformers, TRL, datasets: most of a worker's
+# ~22 CPU-s of collection), then what they made is frozen and the collector runs again (pytest_collection).
+# Measured: `pytest --collect-only` 21.6-21.9 CPU-s with it on, 18.5-19.7 off.
+gc.disable()
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_SH = REPO_ROOT / "tests" / "slurm" / "cluster.sh"
@@ -163,6 +170,17 @@ def _cluster_env(environ: dict[str, str]) -> dict[str, str]:
             key, value = words[1].split("=", 1)
             env[key] = value
     return env
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session: pytest.Session) -> Iterator[object]:
+    """After the collection (a worker's, or the xdist controller's, which collects nothing): the collector on again,
+    the test modules' objects frozen (see ``gc.disable()`` above)."""
+    try:
+        return (yield)
+    finally:
+        gc.freeze()
+        gc.enable()
 
 
 @pytest.hookimpl(tryfirst=True)
