@@ -24,6 +24,7 @@ from slurmft.config_cluster import (
     PrepareResources,
     ResourcesConfig,
 )
+from slurmft.config_model_checks import EvalConfig, ServeConfig
 from slurmft.config_values import NAME_RE, PATH_RE, Section, Size, check_value, slurm_time_seconds
 from slurmft.lora import ALL_LINEAR, lora_scaling
 from slurmft.precision import PRECISIONS
@@ -400,6 +401,14 @@ class RunConfig(Section):
     dpo: DPOConfig | None = Field(
         None, description="Preference tuning with DPO on preference data (prompt/chosen/rejected) instead of "
         "supervised fine-tuning (docs/dpo.md)."
+    )
+    serve: ServeConfig | None = Field(
+        None, description="After consolidation, a job that serves the model with vLLM and checks it against "
+        "transformers (docs/serve-eval.md)."
+    )
+    eval: EvalConfig | None = Field(
+        None, description="After consolidation, a job that scores the model (and the base) with lm-eval-harness "
+        "(docs/serve-eval.md)."
     )
 
     @field_validator("name")

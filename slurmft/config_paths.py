@@ -66,8 +66,10 @@ def _path_kind(loc: str) -> str:
         return "path"
     if loc == "cluster.profile":
         return "profile"
-    if loc == "cluster.python":
+    if loc in ("cluster.python", "serve.python", "eval.python"):
         return "program"
+    if loc.startswith("eval.tasks["):
+        return "task"
     if loc == "cluster.container.image":
         return "image"
     return "path-or-hub-id"  # model.name_or_path, model.tokenizer, data.datasets[i].path
@@ -84,6 +86,8 @@ def _resolve_one(value: str, kind: str, base: Path) -> str:
         return local if is_profile_file(value) else value
     if kind == "program":
         return local if is_program_path(value) else value
+    if kind == "task":  # a task file or directory here, or a name in lm-eval's registry
+        return local if is_local(value, base) or value.endswith((".yaml", ".yml")) else value
     if kind == "image":  # a file or directory here, or a registry reference (docker://..., nvcr.io#..., localhost/x:1)
         return local if is_local(value, base) else value
     if is_local(value, base) or value.endswith(DATA_SUFFIXES):  # a data file that is not there yet is still a file
@@ -91,17 +95,18 @@ def _resolve_one(value: str, kind: str, base: Path) -> str:
     return value  # a hub id
 
 
-def _path_fields(data: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
-    """(dotted location, the mapping holding it, key) for every path-valued field present in raw data."""
-    found: list[tuple[str, dict[str, Any], str]] = []
+def _path_fields(data: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(dotted location, the mapping or list holding it, key or index) for every path-valued field present in raw
+    data."""
+    found: list[tuple[str, Any, Any]] = []
 
     def take(loc: str, holder: Any, key: str) -> None:
         if isinstance(holder, dict) and isinstance(holder.get(key), str) and holder[key]:
             found.append((loc, holder, key))
 
     take("output_dir", data, "output_dir")
-    cluster, model, dat, train = (data.get(k) if isinstance(data.get(k), dict) else {} for k in
-                                  ("cluster", "model", "data", "train"))
+    cluster, model, dat, train, serve, evaluation = (data.get(k) if isinstance(data.get(k), dict) else {} for k in
+                                                     ("cluster", "model", "data", "train", "serve", "eval"))
     take("cluster.profile", cluster, "profile")
     take("cluster.python", cluster, "python")
     if isinstance(cluster.get("container"), dict):
@@ -110,6 +115,12 @@ def _path_fields(data: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
     take("model.tokenizer", model, "tokenizer")
     if isinstance(train.get("sft"), dict):
         take("train.sft.chat_template_path", train["sft"], "chat_template_path")
+    take("serve.python", serve, "python")
+    take("eval.python", evaluation, "python")
+    tasks = evaluation.get("tasks")
+    for i, task in enumerate(tasks if isinstance(tasks, list) else []):
+        if isinstance(task, str) and task:
+            found.append((f"eval.tasks[{i}]", tasks, i))
     datasets = dat.get("datasets")
     for i, ds in enumerate(datasets if isinstance(datasets, list) else []):
         take(f"data.datasets[{i}].path", ds, "path")

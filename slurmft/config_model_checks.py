@@ -1,0 +1,108 @@
+"""The ``serve`` and ``eval`` sections: the jobs after consolidation that prove the model serves and score it.
+
+Both run in an interpreter of their own (vLLM and lm-eval pin their own transformers; ``serve.python``,
+``eval.python``), default the job's, and never touch ``model/``: a failed check says why and leaves the model
+where it is (docs/serve-eval.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from slurmft.config_values import PATH_RE, Section, SlurmMem, SlurmTime, SlurmWord, check_value
+
+#: lm-eval's model backends slurmft drives: ``auto`` = vllm where the eval Python imports it, else hf.
+EVAL_BACKENDS = ("auto", "vllm", "hf")
+
+
+class ModelJobResources(Section):
+    """The allocation of a job after consolidation (serve check, evaluation): one task on one node."""
+
+    gpus: int = Field(0, ge=0, le=64, description="GPUs (vLLM's tensor parallel size is this, at least 1); 0 runs "
+                      "on the CPU: vLLM's CPU build and lm-eval's hf backend, slow and meant for tiny models and tests.")
+    cpus_per_task: int = Field(4, ge=1, le=1024, description="CPU cores.")
+    mem: SlurmMem | None = Field("64G", description="Memory (--mem).")
+    time: SlurmTime = Field("01:00:00", description="Time limit.")
+    partition: SlurmWord | None = Field(None, description="Partition (default: the train job's).")
+
+
+def _python_path(v: str | None) -> str | None:
+    if v is None:
+        return v
+    return check_value(PATH_RE, v, "interpreter path (no spaces, quotes or shell characters)")
+
+
+class ServeConfig(Section):
+    """After consolidation: start vLLM's engine on the model (and a LoRA run's adapter on the base) and check
+    what a deployer needs against transformers on the same model and prompts (docs/serve-eval.md)."""
+
+    python: str | None = Field(
+        None, description="Interpreter with vLLM installed (its own venv: vLLM pins its own transformers); default "
+        "the job's (cluster.python).")
+    prompts: int = Field(3, ge=1, le=64, description="Prompts taken from the run's own data (the first rows, "
+                         "chat template applied as the tokenizer defines it).")
+    max_new_tokens: int = Field(16, ge=1, le=4096, description="Greedy tokens generated per prompt.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="The dtype vLLM and transformers load the model in; auto = the model's own "
+        "(config.json). float32: the greedy tokens must equal transformers' exactly; bf16/fp16: the agreement is "
+        "reported and only a gross log-probability gap (logprob_tolerance) fails.")
+    logprob_tolerance: float = Field(
+        0.5, gt=0, description="bf16/fp16 only: the largest first-token log-probability gap (nats) between vLLM and "
+        "transformers that passes. Kernels legitimately differ at these precisions (a few hundredths is usual); a "
+        "gap near 1 means a different model (wrong weights, a tied head lost, a wrong chat template).")
+    enforce_eager: bool = Field(True, description="vLLM without CUDA graphs / torch.compile: starts in seconds "
+                                "instead of minutes; the check measures correctness, not peak speed.")
+    max_model_len: int | None = Field(None, ge=16, description="vLLM's context length (default: data.max_seq_length).")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM's share of each GPU's memory.")
+    resources: ModelJobResources = Field(default_factory=ModelJobResources)
+
+    @field_validator("python")
+    @classmethod
+    def _python(cls, v: str | None) -> str | None:
+        return _python_path(v)
+
+
+class EvalConfig(Section):
+    """After consolidation: lm-eval-harness tasks on the model and, with compare_base, on the base model
+    (docs/serve-eval.md)."""
+
+    tasks: list[str] = Field(..., min_length=1, description="lm-eval task names (its registry), or task YAML files / "
+                             "directories of them (your own tasks, e.g. local data with dataset_path: json).")
+    num_fewshot: int | None = Field(None, ge=0, description="Few-shot examples (default: each task's own).")
+    limit: float | None = Field(None, gt=0, description="Examples per task: a count (>= 1) or a fraction (< 1); "
+                                "default all.")
+    batch_size: int = Field(8, ge=1, le=4096, description="lm-eval's batch size.")
+    backend: Literal["auto", "vllm", "hf"] = Field(
+        "auto", description="lm-eval's model backend: vllm, hf (transformers), or auto = vllm where the eval Python "
+        "imports it, else hf.")
+    compare_base: bool = Field(True, description="Also score the base model (model.name_or_path), so the report "
+                               "shows base -> fine-tuned per task and metric.")
+    python: str | None = Field(
+        None, description="Interpreter with lm-eval installed (its own venv); default the job's (cluster.python).")
+    resources: ModelJobResources = Field(default_factory=ModelJobResources)
+
+    @field_validator("python")
+    @classmethod
+    def _python(cls, v: str | None) -> str | None:
+        return _python_path(v)
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks(cls, v: list[str]) -> list[str]:
+        for task in v:
+            if not task or "," in task or any(c.isspace() for c in task):
+                raise ValueError(f"{task!r} is not a task name or path (one name or file per list item, no commas "
+                                 "or spaces)")
+        return v
+
+    def task_files(self) -> list[str]:
+        """The tasks given as files or directories (the rest are registry names)."""
+        return [t for t in self.tasks if is_task_path(t)]
+
+
+def is_task_path(task: str) -> bool:
+    """A task given as a file or directory: it has a slash, or ends in .yaml/.yml."""
+    return "/" in task or task.endswith((".yaml", ".yml")) or Path(task).expanduser().exists()
