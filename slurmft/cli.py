@@ -237,9 +237,13 @@ def status(run_dir: Path, as_json: bool) -> None:
     manifest, rows = state.manifest, state.rows
     ov = overview(paths, manifest, rows)
     if as_json:
+        from slurmft.eval_results import read_summary
+        from slurmft.watch.model_results import read_serve
+
         click.echo(json.dumps({"run": manifest["name"], "executor": manifest["executor"], "jobs": rows, **ov,
-                               "run_attempts": manifest.get("attempts", []), "problems": state.problems},
-                              indent=2))
+                               "run_attempts": manifest.get("attempts", []), "problems": state.problems,
+                               "serve": read_serve(paths.root), "eval": read_summary(paths.root)},
+                              indent=2, default=str))
         return
     from rich.console import Console
     from rich.table import Table
@@ -257,6 +261,10 @@ def status(run_dir: Path, as_json: bool) -> None:
         click.echo(f"{r['kind']} {r['job_id']}: {r['words']}")
     for line in overview_lines(ov):
         click.echo(line)
+    from slurmft.watch.model_results import result_lines
+
+    for line in result_lines(paths.root):
+        click.echo(line)
     for job in state.adopted:
         click.echo(f"note: {job['kind']} job {job['job_id']} carries this run's tag but was missing from the "
                    "manifest (a submit interrupted after sbatch?); it is now recorded")
@@ -266,7 +274,7 @@ def status(run_dir: Path, as_json: bool) -> None:
 
 @cli.command()
 @RUN_DIR
-@click.option("--job", "kind", type=click.Choice(["train", "consolidate", "prepare"]), default="train",
+@click.option("--job", "kind", type=click.Choice(["train", "consolidate", "prepare", "serve", "eval"]), default="train",
               show_default=True)
 @click.option("-f", "--follow", is_flag=True, help="Keep printing as the log grows (Ctrl-C to stop).")
 @click.option("-n", "--lines", default=50, show_default=True, help="Lines of the end to show.")
@@ -407,6 +415,44 @@ def consolidate(run_dir: Path, checkpoint: str | None, out: str | None, here: bo
         return
     job_id = consolidation.submit(paths, request, template_dir, _err)
     click.echo(f"consolidate job: {job_id}  ({request.checkpoint.name} -> {request.out})")
+
+
+def _model_job(run_dir: Path, kind: str, tasks: str | None, here: bool, template_dir: str | None) -> None:
+    """``slurmft serve`` / ``slurmft eval``: the checks of the section first, then the job (or here)."""
+    from slurmft.rundir import RunPaths
+    from slurmft.submit import model_checks
+
+    paths = RunPaths.of(run_dir)
+    task_list = [t.strip() for t in tasks.split(",") if t.strip()] if tasks else None
+    cfg = model_checks.checked_config(paths, kind, task_list)
+    problems = model_checks.problems_before(cfg, kind)
+    if problems:
+        raise SlurmftError(f"{paths.config}: {len(problems)} problem(s) found before running the {kind} job", problems)
+    if here:
+        result = model_checks.run_here(paths, kind, task_list, _err)
+        click.echo(json.dumps(result, indent=2, default=str))
+        return
+    job_id = model_checks.submit(paths, kind, task_list, template_dir, _err)
+    click.echo(f"{kind} job: {job_id}")
+
+
+@cli.command()
+@RUN_DIR
+@click.option("--here", is_flag=True, help="Run it in this process (needs the training stack), not as a job.")
+@click.option("--template-dir", type=click.Path(file_okay=False, exists=True), help="Your own templates first.")
+def serve(run_dir: Path, here: bool, template_dir: str | None) -> None:
+    """Check again that a run's model serves with vLLM as it trained (the serve section; RUN_DIR/serve/)."""
+    _model_job(run_dir, "serve", None, here, template_dir)
+
+
+@cli.command(name="eval")
+@RUN_DIR
+@click.option("--tasks", help="Comma-separated lm-eval tasks instead of the config's eval.tasks (names or files).")
+@click.option("--here", is_flag=True, help="Run it in this process (needs the training stack), not as a job.")
+@click.option("--template-dir", type=click.Path(file_okay=False, exists=True), help="Your own templates first.")
+def evaluate(run_dir: Path, tasks: str | None, here: bool, template_dir: str | None) -> None:
+    """Score a run's model (and the base) with lm-eval again, without retraining (the eval section; RUN_DIR/eval/)."""
+    _model_job(run_dir, "eval", tasks, here, template_dir)
 
 
 @cli.command()

@@ -438,6 +438,11 @@ class RunConfig(Section):
             )
         if self.dpo is not None:
             self._check_dpo(self.dpo)
+        for kind in ("serve", "eval"):
+            if getattr(self, kind) is not None and not self.consolidate.enabled:
+                raise ValueError(f"{kind}: its job runs on the consolidated model, after the consolidation job, but "
+                                 f"consolidate.enabled is false; set consolidate.enabled=true or remove the {kind} "
+                                 "section")
         if self.executor == Executor.LOCAL and self.cluster.container is not None:
             raise ValueError(
                 "cluster.container: the local executor runs the job on this machine, outside any image; remove "

@@ -408,20 +408,60 @@ def chat_data() -> Path:
 
 
 # The tiny example on the local executor, uninterrupted: tests/test_dispatch_local.py checks it, tests/test_resume_local.py
-# compares its killed-and-resumed run against it (one reference run per session, not one per test).
+# compares its killed-and-resumed run against it (one reference run per session, not one per test). It is the served
+# and scored example (serve-eval.yaml: run.yaml's fine-tune, then vLLM's serve check and lm-eval after its
+# consolidation; tests/test_serve_eval_local.py) wherever the two venvs exist (examples/tiny/envs.sh; CI builds them),
+# run.yaml's otherwise (test_examples_cpu checks that both files train the same model).
 LOCAL_EXAMPLE = REPO_ROOT / "examples" / "tiny" / "run.yaml"
+SERVED_EXAMPLE = REPO_ROOT / "examples" / "tiny" / "serve-eval.yaml"
 LOCAL_ARGS = ["train.max_steps=18", "checkpoint.every_steps=6", "data.max_seq_length=64"]  # 64: a step 4x cheaper
+#: Where the tests look for the serve check's and the evaluation's interpreters (examples/tiny/envs.sh's venvs): the
+#: variables first (CI sets them), then CI's cache, then the repository's .venvs/.
+VENV_ROOTS = (Path("/var/cache/slurmft/venvs"), REPO_ROOT / ".venvs")
+
+
+def model_job_python(kind: str) -> str | None:
+    """The vLLM (``serve``) or lm-eval (``eval``) interpreter for the tests, or None when this machine has none."""
+    var = {"serve": "SLURMFT_TEST_VLLM_PYTHON", "eval": "SLURMFT_TEST_EVAL_PYTHON"}[kind]
+    if os.environ.get(var):
+        return os.environ[var]
+    name = {"serve": "vllm", "eval": "lm-eval"}[kind]
+    return next((str(r / name / "bin" / "python") for r in VENV_ROOTS if (r / name / "bin" / "python").is_file()),
+                None)
+
+
+def need_model_job_python(kind: str) -> str:
+    """The interpreter, or a skip that says how to get it (a failure under CI, which builds both)."""
+    python = model_job_python(kind)
+    if python is None:
+        why = f"no {'vLLM' if kind == 'serve' else 'lm-eval'} venv here: bash examples/tiny/envs.sh builds it"
+        if os.environ.get("CI"):
+            pytest.fail(f"{why} (.ci/run does, before the tests)")
+        pytest.skip(why)
+    return python
+
+
+def served_args() -> list[str]:
+    """The overrides that point serve-eval.yaml at this machine's venvs (empty when there are none)."""
+    vllm, lm_eval = model_job_python("serve"), model_job_python("eval")
+    if vllm is None or lm_eval is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI builds the vLLM and lm-eval venvs (.ci/run: examples/tiny/envs.sh): not found")
+        return []
+    return [f"serve.python={vllm}", f"eval.python={lm_eval}"]
 
 
 @pytest.fixture(scope="session")
 def local_tiny_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The run directory of ``slurmft submit examples/tiny/run.yaml`` (local executor, 18 steps of 64-token rows),
-    finished."""
+    """The run directory of ``slurmft submit examples/tiny/serve-eval.yaml`` (local executor, 18 steps of 64-token
+    rows; served by vLLM and scored by lm-eval after its consolidation), finished; run.yaml's fine-tune alone where
+    this machine has no vLLM/lm-eval venvs."""
     run = tmp_path_factory.mktemp("local-tiny") / "run"
+    served = served_args()
     proc = subprocess.run(
-        [sys.executable, "-m", "slurmft.cli", "submit", str(LOCAL_EXAMPLE), f"output_dir={run}",
-         f"model.name_or_path={tiny_model}", *LOCAL_ARGS],
-        capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+        [sys.executable, "-m", "slurmft.cli", "submit", str(SERVED_EXAMPLE if served else LOCAL_EXAMPLE),
+         f"output_dir={run}", f"model.name_or_path={tiny_model}", *LOCAL_ARGS, *served],
+        capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run.parent / "submit.err").write_text(proc.stderr)

@@ -20,15 +20,17 @@ pytestmark = pytest.mark.train
 
 def test_tiny_example_trains_and_consolidates_locally(local_tiny_run: Path, tiny_model: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    run = local_tiny_run  # `slurmft submit examples/tiny/run.yaml` (18 steps, every 6), run once per session
+    run = local_tiny_run  # `slurmft submit examples/tiny/serve-eval.yaml` (18 steps, every 6), run once per session
     err = (run.parent / "submit.err").read_text()
     assert "train job" in err and "completed" in err  # progress was shown
     shown = [int(line.split()[1]) for line in err.splitlines() if line.startswith("  step ")]
     assert shown == list(range(1, 19)), shown  # one console line per step, none dropped or repeated
     manifest = read_manifest(RunPaths.of(run))
     # prepare.enabled (the default): the data is prepared first, in its own step, and the train job reads it
+    # the served example: the serve check and the evaluation after the consolidation (tests/test_serve_eval_local.py)
+    after = [("serve", "COMPLETED"), ("eval", "COMPLETED")] if "serve:" in (run / "config.yaml").read_text() else []
     assert [(j["kind"], j["state"]) for j in manifest["jobs"]] == [("prepare", "COMPLETED"), ("train", "COMPLETED"),
-                                                                    ("consolidate", "COMPLETED")]
+                                                                    ("consolidate", "COMPLETED"), *after]
     assert "prepare job" in err  # what the train job read from it: tests/job/test_prepare.py
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [m["loss"] for m in metrics if "loss" in m]
@@ -55,4 +57,4 @@ def test_tiny_example_trains_and_consolidates_locally(local_tiny_run: Path, tiny
     main(["status", str(run), "--json"])
     rows = json.loads(capsys.readouterr().out)["jobs"]
     assert [(r["kind"], r["state"]) for r in rows] == [("prepare", "COMPLETED"), ("train", "COMPLETED"),
-                                                       ("consolidate", "COMPLETED")]
+                                                       ("consolidate", "COMPLETED"), *after]

@@ -24,10 +24,13 @@ import yaml
 from bench_module import load_bench
 from cli_runner import cli
 
+from tests.conftest import SERVED_EXAMPLE, served_args
+
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
-EXAMPLES = sorted(p for p in (REPO / "examples").rglob("*.yaml"))
+# run configs; examples/tiny/tasks/ holds lm-eval task files (serve-eval.yaml's eval.tasks), not run configs
+EXAMPLES = sorted(p for p in (REPO / "examples").rglob("*.yaml") if "tasks" not in p.relative_to(REPO).parts)
 SLURM_EXAMPLES = [p for p in EXAMPLES if yaml.safe_load(p.read_text()).get("executor") != "local"]
 TINY = REPO / "examples" / "tiny" / "run.yaml"
 PLACEHOLDER = "run.yaml"  # the one config name the docs use for "your config"
@@ -58,8 +61,16 @@ def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
 
 
 def with_tiny_model(path: Path, tiny_model: Path) -> list[str]:
-    """The tiny example's model is built by `python -m slurmft.tiny` (README); the tests build it once."""
-    return [f"model.name_or_path={tiny_model}"] if path.parent == TINY.parent else []  # run.yaml, dpo.yaml
+    """The tiny example's model is built by `python -m slurmft.tiny` (README); the tests build it once. The served
+    example's venvs (examples/tiny/envs.sh) are where this machine has them (tests/conftest.py)."""
+    if path.parent != TINY.parent:
+        return []
+    if path.name == SERVED_EXAMPLE.name:
+        served = served_args()
+        if not served:
+            pytest.skip("no vLLM/lm-eval venvs here (bash examples/tiny/envs.sh): serve-eval.yaml's would be refused")
+        return [f"model.name_or_path={tiny_model}", *served]
+    return [f"model.name_or_path={tiny_model}"]  # run.yaml, dpo.yaml
 
 
 def test_the_docs_show_commands_to_run() -> None:

@@ -7,6 +7,8 @@ Two files in the two layouts slurmft reads besides ``messages``:
 
 and the preference pairs of the tiny DPO example (``dpo.yaml``), made from ``lima.jsonl``:
 
+- ``data/choices.jsonl``: the tiny evaluation task's multiple-choice questions (``tasks/tiny_choice.yaml``,
+  ``serve-eval.yaml``);
 - ``data/pairs.jsonl``: TRL's explicit-prompt layout, ``{"prompt": ..., "chosen": ..., "rejected": ...}``: a
   conversation's first question, its own answer chosen, the answer of the conversation 7 rows on rejected.
 
@@ -63,6 +65,26 @@ def pairs(conversations: list[list[str]]) -> list[dict[str, str]]:
     return [p for p in out if p["chosen"] != p["rejected"]]
 
 
+N_CHOICES = 32  # multiple-choice questions of the tiny evaluation task (tasks/tiny_choice.yaml)
+
+
+def choices(rng: random.Random) -> list[dict[str, object]]:
+    """The tiny lm-eval task's rows: a fresh question, its answer among three answers to other kinds of question
+    (a model tuned on the chat data learns which kind of answer follows which question; the base has not)."""
+    rows = []
+    while len(rows) < N_CHOICES:
+        question, answer = qa(rng)
+        wrong: list[str] = []
+        while len(wrong) < 3:
+            q, a = qa(rng)
+            if q.split()[:2] != question.split()[:2] and a not in wrong:
+                wrong.append(a)
+        label = rng.randrange(4)
+        options = wrong[:label] + [answer] + wrong[label:]
+        rows.append({"question": question, "choices": options, "label": label})
+    return rows
+
+
 def main() -> None:
     out = Path(__file__).resolve().parent / "data"
     out.mkdir(exist_ok=True)
@@ -81,8 +103,11 @@ def main() -> None:
     preference = pairs(lima)
     with open(out / "pairs.jsonl", "w") as f:
         f.writelines(json.dumps(p) + "\n" for p in preference)
+    with open(out / "choices.jsonl", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in choices(random.Random(99)))
     print(f"wrote {N_EXAMPLES} examples each to {out}/lima.jsonl and {out}/guanaco.jsonl, "
-          f"{len(preference)} preference pairs to {out}/pairs.jsonl")
+          f"{len(preference)} preference pairs to {out}/pairs.jsonl, {N_CHOICES} evaluation questions to "
+          f"{out}/choices.jsonl")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""In-job entry points that submitit pickles: ``run_prepare``, ``run_train`` (every rank) and ``run_consolidate``.
+"""In-job entry points that submitit pickles: ``run_prepare``, ``run_train`` (every rank), ``run_consolidate``, and
+the jobs after it, ``run_serve`` and ``run_eval``.
 
 Importable on the login side (dispatch pickles these functions by reference): nothing heavy is
 imported at module level.
@@ -29,6 +30,8 @@ STACK = {
     "train": ("slurmft.job.train", "datasets", "trl.trainer.sft_trainer"),
     "prepare": ("slurmft.job.prepare", "datasets", "trl"),
     "consolidate": ("slurmft.job.consolidate.job",),
+    "serve": ("slurmft.job.serve_check", "slurmft.job.data", "transformers"),
+    "eval": ("slurmft.job.evaluate",),
 }
 
 _stack_loaded = False  # set by the first _load_the_stack of this process
@@ -123,6 +126,39 @@ def run_consolidate(run_dir: str, checkpoint: str | None = None, out: str | None
     summary = consolidate_run(run_dir, checkpoint, out)
     write_report_safely(run_dir)  # report.md + loss.png; a report problem never fails the export
     return summary
+
+
+def _after_model(run_dir: str, kind: str, body: str, *args: object) -> dict[str, object]:
+    """A job after consolidation: ``body`` (module:function) on the run; a check that fails (the model does not
+    serve, lm-eval failed) is printed without a traceback and ends the job with exit status 2, the model kept."""
+    import importlib
+
+    _load_the_stack(run_dir, kind)
+    from slurmft.errors import SlurmftError
+
+    from slurmft.watch.report import write_report_safely
+
+    module, _, function = body.partition(":")
+    try:
+        return dict(getattr(importlib.import_module(module), function)(run_dir, *args))
+    except SlurmftError as exc:
+        sys.stderr.write(f"slurmft {kind}: {exc.render()}\n")
+        sys.stderr.flush()
+        raise SystemExit(EXIT_SETUP_ERROR) from None
+    finally:
+        write_report_safely(run_dir)  # report.md: the check's outcome, passed or not
+
+
+def run_serve(run_dir: str) -> dict[str, object]:
+    """Serve check job body (one process): vLLM on ``RUN_DIR/model`` (and a LoRA run's adapter) against
+    transformers (:mod:`slurmft.job.serve_check`); ``RUN_DIR/serve/result.json``."""
+    return _after_model(run_dir, "serve", "slurmft.job.serve_check:serve_check_run")
+
+
+def run_eval(run_dir: str, tasks: list[str] | None = None) -> dict[str, object]:
+    """Evaluation job body (one process): lm-eval on ``RUN_DIR/model`` and the base (:mod:`slurmft.job.evaluate`);
+    ``RUN_DIR/eval/``. ``tasks``: other tasks than the config's (``slurmft eval RUN_DIR --tasks``)."""
+    return _after_model(run_dir, "eval", "slurmft.job.evaluate:evaluate_run", tasks)
 
 
 def main(argv: list[str] | None = None) -> int:

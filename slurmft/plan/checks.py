@@ -94,6 +94,7 @@ def run_checks(cfg: RunConfig, job_python: bool = True) -> Report:
     container = check_container(cfg, report)
     if job_python:
         check_job_python(cfg, report, in_image=container is not None)
+    check_model_jobs(cfg, report)
     report.notes += batch_notes(cfg, samples, template)
     return report
 
@@ -549,6 +550,18 @@ def check_job_python(cfg: RunConfig, report: Report, in_image: bool = False) -> 
         if mods and not any(found_mods.get(m) for m in mods):
             report.problems.append(f"train.report_to: {name} is enabled but {python} cannot import {mods[0]} "
                                    f"(pip install {mods[0]} there, or remove {name})")
+
+
+def check_model_jobs(cfg: RunConfig, report: Report) -> None:
+    """The jobs after consolidation (serve, eval): their interpreters and, for eval, the tasks."""
+    if cfg.serve is not None:
+        from slurmft.plan.model_job_checks import check_serve
+
+        report.problems += check_serve(cfg)
+    if cfg.eval is not None:
+        from slurmft.plan.eval_checks import check_eval
+
+        report.problems += check_eval(cfg)
 
 
 # ====================================================================== the effective batch

@@ -16,6 +16,7 @@ from typing import Any
 from slurmft import __version__
 from slurmft.config import RunConfig
 from slurmft.config_cluster import ConsolidateResources, PrepareResources
+from slurmft.config_model_checks import ModelJobResources
 from slurmft.config_values import slurm_time_seconds
 from slurmft.errors import RenderError
 from slurmft.plan.container import (
@@ -34,6 +35,8 @@ from slurmft.rundir import RunPaths
 TRAIN_TEMPLATE = "train.sbatch.j2"
 CONSOLIDATE_TEMPLATE = "consolidate.sbatch.j2"
 PREPARE_TEMPLATE = "prepare.sbatch.j2"
+#: The jobs after consolidation (the ``serve`` and ``eval`` sections), one template each.
+MODEL_JOB_TEMPLATES = {"serve": "serve.sbatch.j2", "eval": "eval.sbatch.j2"}
 
 # Always set, whatever the cluster: (name, value, reason)
 BASE_ENV = (
@@ -226,10 +229,24 @@ def build_prepare_context(
     return _cpu_job_context(cfg, profile, paths, command, config_path, "prepare", cfg.prepare.resources)
 
 
+def build_model_job_context(
+    cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, command: str, kind: str, config_path: str = ""
+) -> dict[str, Any]:
+    """Everything a job after consolidation places (``kind``: serve or eval), already quoted: one task with the
+    section's resources, its GPUs (``resources.gpus``) when the profile has GPU gres."""
+    section = cfg.serve if kind == "serve" else cfg.eval
+    if section is None:
+        raise RenderError(f"no {kind} section: there is no {kind} job to render")
+    res = section.resources
+    return _cpu_job_context(cfg, profile, paths, command, config_path, kind, res,
+                            gpus=res.gpus if profile.gres_gpu else 0)
+
+
 def _cpu_job_context(cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, command: str, config_path: str,
-                     kind: str, res: ConsolidateResources | PrepareResources) -> dict[str, Any]:
-    """One task on one node's CPUs with ``res`` (partition: the train job's unless ``res`` names one), no GPU gres,
-    the collective (NCCL/EFA) variables left out and OMP_NUM_THREADS set to its CPUs."""
+                     kind: str, res: ConsolidateResources | PrepareResources | ModelJobResources,
+                     gpus: int = 0) -> dict[str, Any]:
+    """One task on one node's CPUs with ``res`` (partition: the train job's unless ``res`` names one), no GPU gres
+    unless ``gpus``, the collective (NCCL/EFA) variables left out and OMP_NUM_THREADS set to its CPUs."""
     directives = [
         _flag("job-name", f"{cfg.name}-{kind}"),
         _flag("comment", paths.job_tag),
@@ -237,6 +254,8 @@ def _cpu_job_context(cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, c
         _flag("ntasks-per-node", 1),
         _flag("cpus-per-task", res.cpus_per_task),
     ]
+    if gpus:
+        directives.append(_flag("gpus-per-node", gpus))
     if res.mem is not None:
         directives.append(_flag("mem", res.mem))
     directives.append(_flag("time", res.time))
@@ -258,8 +277,10 @@ def _cpu_job_context(cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, c
         if e["key"] == "OMP_NUM_THREADS":
             e["value"] = q(res.cpus_per_task)
     srun = ["--unbuffered", "--ntasks=1", f"--cpus-per-task={res.cpus_per_task}"]
+    if gpus:
+        srun.append("--gpu-bind=none")
     container = resolve(cfg, profile)
-    srun_args, task_command = _in_container(cfg, container, srun, command, env)  # CPUs only
+    srun_args, task_command = _in_container(cfg, container, srun, command, env, gpus=bool(gpus))
     return {
         **_common(cfg, paths, kind, config_path),
         "directives": directives,
@@ -320,7 +341,16 @@ def render_scripts(
     if cfg.consolidate.enabled:
         ctx = build_consolidate_context(cfg, profile, paths, command, config_path)
         scripts["consolidate"] = render(CONSOLIDATE_TEMPLATE, ctx, template_dir, env)
+    for kind, template in MODEL_JOB_TEMPLATES.items():
+        if model_job_enabled(cfg, kind):
+            ctx = build_model_job_context(cfg, profile, paths, command, kind, config_path)
+            scripts[kind] = render(template, ctx, template_dir, env)
     return scripts
+
+
+def model_job_enabled(cfg: RunConfig, kind: str) -> bool:
+    """A job after consolidation is chained when its section is there (and there is a consolidation to follow)."""
+    return cfg.consolidate.enabled and (cfg.serve if kind == "serve" else cfg.eval) is not None
 
 
 # ------------------------------------------------------------------ the doctor's probe job

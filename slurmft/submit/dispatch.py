@@ -23,11 +23,14 @@ from slurmft.errors import ConfigError, RunDirError, SubmissionError
 from slurmft.plan.elastic import allocation
 from slurmft.plan.render import (
     CONSOLIDATE_TEMPLATE,
+    MODEL_JOB_TEMPLATES,
     PREPARE_TEMPLATE,
     TRAIN_TEMPLATE,
     build_consolidate_context,
+    build_model_job_context,
     build_prepare_context,
     build_train_context,
+    model_job_enabled,
     python_for,
     rank_python_for,
     render,
@@ -317,6 +320,18 @@ def _submit_slurm(
     attempt["consolidate_job"] = cons
     write_manifest(paths, manifest)
     say(f"consolidation job {cons} submitted (runs after {train.job_id} succeeds)")
+    for kind in MODEL_JOBS:
+        if not model_job_enabled(cfg, kind):
+            continue
+        try:
+            job = submit_model_job(cfg, profile, paths, manifest, kind, config_path, template_dir, dependency=cons,
+                                   run_attempt=attempt["attempt"])
+        except SubmissionError as exc:  # the run trains and consolidates; `slurmft serve/eval RUN_DIR` later
+            say(f"WARNING: {exc}; the run goes on without it (`slurmft {kind} {paths.root}` once it is fixed)")
+            continue
+        result.jobs[kind] = attempt[f"{kind}_job"] = job
+        write_manifest(paths, manifest)
+        say(f"{MODEL_JOBS[kind]} job {job} submitted (runs after {cons} succeeds)")
 
 
 def _consolidation_fields(
@@ -356,6 +371,79 @@ def submit_consolidation(
                log=str(paths.log_file("consolidate", cons.job_id)))
     write_manifest(paths, manifest)
     return str(cons.job_id)
+
+
+#: The jobs after consolidation, in the order they are chained, and what they are called in messages.
+MODEL_JOBS = {"serve": "serve check", "eval": "evaluation"}
+
+
+def _model_job_call(kind: str, tasks: list[str] | None) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    from slurmft.job.entrypoint import run_eval, run_serve
+
+    return (run_serve, ()) if kind == "serve" else (run_eval, (tasks,))
+
+
+def _model_job_fields(dependency: str | None, run_attempt: int | None, tasks: list[str] | None) -> dict[str, Any]:
+    fields: dict[str, Any] = {"dependency": f"afterok:{dependency}"} if dependency else {}
+    if run_attempt is not None:
+        fields["run_attempt"] = run_attempt
+    if tasks:
+        fields["tasks"] = list(tasks)
+    return fields
+
+
+def submit_model_job(
+    cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, manifest: dict[str, Any], kind: str,
+    config_path: str = "", template_dir: str | None = None, *, dependency: str | None = None,
+    run_attempt: int | None = None, tasks: list[str] | None = None,
+) -> str:
+    """sbatch one job after consolidation (``kind``: serve or eval; after ``dependency`` succeeds, if given);
+    record it; return its id."""
+    from submitit.core.utils import FailedJobError
+
+    section = cfg.serve if kind == "serve" else cfg.eval
+    assert section is not None, kind
+
+    def text(command: str) -> str:
+        ctx = build_model_job_context(cfg, profile, paths, command, kind, config_path)
+        return render(MODEL_JOB_TEMPLATES[kind], ctx, template_dir)
+
+    function, args = _model_job_call(kind, tasks)
+    try:
+        ex = make_slurm_executor(paths, 1, time_minutes(section.resources.time), text, dependency,
+                                 rank_python_for(cfg, profile))
+        job = ex.submit(function, str(paths.root), *args)
+    except (FailedJobError, OSError, RuntimeError) as exc:
+        raise SubmissionError(f"sbatch refused the {MODEL_JOBS[kind]} job ({str(exc).strip()})") from None
+    record_job(manifest, kind, job.job_id, **_model_job_fields(dependency, run_attempt, tasks),
+               script=str(paths.script(kind)), log=str(paths.log_file(kind, job.job_id)))
+    write_manifest(paths, manifest)
+    return str(job.job_id)
+
+
+def run_local_model_job(
+    cfg: RunConfig, paths: RunPaths, manifest: dict[str, Any], kind: str, say: Say, *, dependency: str | None = None,
+    run_attempt: int | None = None, tasks: list[str] | None = None,
+) -> str:
+    """Run one job after consolidation here (a local process through submitit), recorded; returns its id. A failed
+    check raises SubmissionError with the end of its log; the model stays."""
+    from submitit import LocalExecutor
+    from submitit.core.utils import JobPaths
+
+    section = cfg.serve if kind == "serve" else cfg.eval
+    assert section is not None, kind
+    function, args = _model_job_call(kind, tasks)
+    ex = LocalExecutor(folder=paths.submitit, python=python_for(cfg))
+    ex.update_parameters(tasks_per_node=1, nodes=1, timeout_min=time_minutes(section.resources.time),
+                         gpus_per_node=section.resources.gpus)
+    job = ex.submit(function, str(paths.root), *args)
+    record_job(manifest, kind, job.job_id, **process_record(int(job.job_id)),
+               **_model_job_fields(dependency, run_attempt, tasks),
+               logs=[str(JobPaths(paths.submitit, job.job_id, 0).stdout)])
+    write_manifest(paths, manifest)
+    say(f"{MODEL_JOBS[kind]} job {job.job_id} started here")
+    _wait_local(job, kind, paths, manifest, say)
+    return str(job.job_id)
 
 
 def _prepare_fields(run_attempt: int | None) -> dict[str, Any]:
@@ -445,6 +533,17 @@ def _run_local(
         result.jobs["consolidate"] = cons
         attempt["consolidate_job"] = cons
         write_manifest(paths, manifest)
+        failed: list[SubmissionError] = []
+        for kind in MODEL_JOBS:  # each runs whatever the other's outcome, as the Slurm chain's both follow cons
+            if model_job_enabled(cfg, kind):
+                try:
+                    result.jobs[kind] = attempt[f"{kind}_job"] = run_local_model_job(
+                        cfg, paths, manifest, kind, say, dependency=cons, run_attempt=attempt["attempt"])
+                except SubmissionError as exc:
+                    failed.append(exc)
+                write_manifest(paths, manifest)
+        if failed:
+            raise failed[0]
     finally:
         os.environ.clear()
         os.environ.update(env_backup)

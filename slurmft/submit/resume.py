@@ -56,7 +56,7 @@ from slurmft.watch.status import KINDS, RunState, run_state
 # batch keys only when the global batch stays: slurmft/plan/elastic.py). The checkpoint keys change when and how a
 # save is written, not the training (a resumed run is bitwise the uninterrupted one whatever they are: saves touch
 # no RNG and no state; tests/test_resume_local.py); the async-failure message tells the user to change them.
-ALLOWED_PREFIXES = ("cluster.", "preemption.", "consolidate.", "prepare.resources.")
+ALLOWED_PREFIXES = ("cluster.", "preemption.", "consolidate.", "prepare.resources.", "serve.", "eval.")
 ALLOWED_KEYS = ("checkpoint.keep_last", "checkpoint.every_steps", "checkpoint.async", "checkpoint.max_failed_saves",
                 "train.logging_steps", "resources.cpus_per_task", "resources.mem", "resources.exclusive",
                 *ALLOCATION_KEYS, *BATCH_KEYS)
@@ -275,7 +275,7 @@ def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | No
 
     # jobs still queued that will never start (their prepare or train job failed): a run submitted before every
     # dependent job got --kill-on-invalid-dep, or one Slurm has not cancelled yet
-    stale = [r for r in state.rows if r["kind"] in ("train", "consolidate") and state.never_runs(r)
+    stale = [r for r in state.rows if r["kind"] in ("train", "consolidate", "serve", "eval") and state.never_runs(r)
              and r.get("dependency")] if executor != "local" else []
     if stale:
         ids = [r["job_id"] for r in stale]
@@ -284,12 +284,13 @@ def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | No
         except SubmissionError as exc:
             raise SubmissionError(f"{exc}; the stale job(s) stay queued and nothing was submitted") from None
         result.cancelled = ids
-        for kind, after in (("consolidate", "a train job that will never succeed"),
-                            ("train", "a prepare job that did not succeed")):
+        for kind, what, after in (("serve", "stale serve check", "a consolidation that will never run"),
+                                  ("eval", "stale evaluation", "a consolidation that will never run"),
+                                  ("consolidate", "stale consolidation", "a train job that will never succeed"),
+                                  ("train", "train", "a prepare job that did not succeed")):
             of_kind = [r["job_id"] for r in stale if r["kind"] == kind]
             if of_kind:
-                say(f"cancelled {'stale consolidation' if kind == 'consolidate' else 'train'} job(s) "
-                    f"{', '.join(of_kind)} (they waited on {after})")
+                say(f"cancelled {what} job(s) {', '.join(of_kind)} (they waited on {after})")
     manifest = state.manifest
     if overrides:
         atomic_write(paths.config, dump_config(cfg))

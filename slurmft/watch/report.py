@@ -24,6 +24,7 @@ from slurmft.errors import RunDirError
 from slurmft.rundir import RunPaths, atomic_write, read_manifest, unreadable
 from slurmft.trackers import read_tracker, sync_command, tracker_lines
 from slurmft.units import binary_bytes, fmt_duration
+from slurmft.watch.model_results import result_lines
 from slurmft.watch.progress import (
     allocation_words,
     attempts,
@@ -118,6 +119,7 @@ def summary(paths: RunPaths, slurm_rows: list[dict[str, Any]] | None = None) -> 
         "tracker": read_tracker(paths),
         "lora": lora_info(paths),
         "saves": metrics.saves,
+        "model_checks": result_lines(paths.root),
     }
 
 
@@ -228,6 +230,8 @@ def render(s: dict[str, Any], plot_name: str | None) -> str:
           else "No consolidated model yet (`model/model.safetensors.index.json` is missing).", "",
           f"Newest complete checkpoint: `{ck['path']}` (step {ck['step']}, {binary_bytes(ck['bytes'])})." if ck
           else "No complete checkpoint.", ""]
+    if s.get("model_checks"):  # the serve check and the evaluation (the jobs after consolidation)
+        L += ["## Served and scored", "", "```", *s["model_checks"], "```", ""]
     if plot_name:
         L += [f"![loss and learning rate]({plot_name})", ""]
     return "\n".join(L)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from slurmft import slurm
+from slurmft.eval_results import headline_score, read_summary
 from slurmft.rundir import RunPaths, current_user, job_submitter, read_manifest, run_owner
 from slurmft.slurm_states import State, is_allocated, is_live, parse
 from slurmft.units import fmt_age
@@ -79,6 +80,11 @@ def run_word(jobs: list[dict[str, Any]], has_model: bool) -> str:
         if parse(cons[-1]["state"]) in (State.SUSPENDED, State.STOPPED):
             return "consolidation suspended"
         return "consolidating" if is_allocated(cons[-1]["state"]) else "consolidation queued"
+    after = [j for j in jobs if j["kind"] in ("serve", "eval")]
+    if has_model and any(is_live(j["state"]) for j in after):
+        return "checking model"
+    if has_model and any(parse(j["state"]) in PREPARE_FAILED for j in after[-2:]):
+        return "done (a check failed)"
     if has_model:
         return "done"
     if t is None:
@@ -130,7 +136,8 @@ def run_lines(root: Path, now: float | None = None,
         rows.append({"path": str(paths.root), "name": (manifest or {}).get("name", paths.root.name),
                      "state": "broken" if manifest is None else run_word(jobs, model_info(paths) is not None),
                      "step": last.get("step"), "max_steps": max_steps_of(paths), "loss": last.get("loss"),
-                     "age_s": round(now - t_last, 1) if t_last else None, "problem": problem})
+                     "age_s": round(now - t_last, 1) if t_last else None, "problem": problem,
+                     "score": headline_score(read_summary(paths.root) or {})})
     return rows
 
 
@@ -147,7 +154,7 @@ def slurm_states(job_ids: list[str]) -> dict[str, dict[str, str]]:
 
 def format_rows(rows: list[dict[str, Any]], root: Path) -> list[str]:
     """Aligned text lines: name, state, step/max, last loss, age, path relative to ``root``."""
-    table = [("run", "state", "step", "loss", "age", "dir")]
+    table = [("run", "state", "step", "loss", "score", "age", "dir")]
     for r in rows:
         step = f"{'-' if r['step'] is None else r['step']}/{'?' if r['max_steps'] is None else r['max_steps']}"
         loss = f"{r['loss']:.4f}" if isinstance(r["loss"], (int, float)) else "-"
@@ -155,6 +162,8 @@ def format_rows(rows: list[dict[str, Any]], root: Path) -> list[str]:
             rel = os.path.relpath(r["path"], root)
         except ValueError:
             rel = r["path"]
-        table.append((r["name"], r["state"], step, loss, fmt_age(r["age_s"]), rel))
+        score = r.get("score")
+        shown = f"{score[1]:.4g} ({score[0]})" if score else "-"
+        table.append((r["name"], r["state"], step, loss, shown, fmt_age(r["age_s"]), rel))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
     return ["  ".join(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1] for row in table]

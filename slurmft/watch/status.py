@@ -48,7 +48,9 @@ RESUMABLE_ENDINGS = frozenset({State.FAILED, State.CANCELLED, State.TIMEOUT, Sta
                                State.OUT_OF_MEMORY, State.BOOT_FAIL, State.DEADLINE, State.UNKNOWN, State.KILLED})
 SQUEUE_SILENT = "squeue did not answer (is SLURM_CONF right? is slurmctld up?)"
 #: The kinds of job a run has, in the order they run.
-KINDS = ("prepare", "train", "consolidate")
+KINDS = ("prepare", "train", "consolidate", "serve", "eval")
+#: The jobs after consolidation: the command that runs one again.
+MODEL_JOB_COMMANDS = {"serve": "slurmft serve", "eval": "slurmft eval"}
 
 
 def hidden_words(submitter: str) -> str:
@@ -111,7 +113,7 @@ def adopt_tagged(manifest: dict[str, Any], view: SlurmView) -> list[dict[str, An
 
     adopted = []
     for jid, row in sorted(view.tagged.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):
-        kind = next((k for k in ("consolidate", "prepare") if row["name"].endswith(f"-{k}")), "train")
+        kind = next((k for k in ("consolidate", "prepare", "serve", "eval") if row["name"].endswith(f"-{k}")), "train")
         # who submitted it is not known (squeue's answer does not say): job_submitter falls back to the owner
         adopted.append(record_job(manifest, kind, jid, adopted=True, job_name=row["name"], submitter=None))
     return adopted
@@ -197,6 +199,13 @@ def train_failed_words(train_job: str, run_dir: str) -> str:
             "checkpoint and chains a new consolidation")
 
 
+def consolidation_failed_words(consolidate_job: str, run_dir: str) -> str:
+    """A serve check or evaluation job Slurm cancelled before it started because its consolidation did not succeed."""
+    return (f"cancelled by Slurm before it started: consolidation job {consolidate_job} did not succeed "
+            f"(DependencyNeverSatisfied); `slurmft consolidate {run_dir}`, then `slurmft serve {run_dir}` / "
+            f"`slurmft eval {run_dir}`")
+
+
 def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", newest_train: bool = False,
              job_id: str = "JOB") -> str:
     """The state in words a user can act on: :data:`slurmft.slurm_states.WORDS`, plus what to do next."""
@@ -220,6 +229,9 @@ def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", 
                  else "; a later `slurmft resume` continued the run")
     elif kind == "consolidate" and known in RESUMABLE_ENDINGS - {State.UNKNOWN}:
         text += f"; redo it with `slurmft consolidate {run_dir}`"
+    elif kind in MODEL_JOB_COMMANDS and known in RESUMABLE_ENDINGS - {State.UNKNOWN}:
+        text += (f"; the model stays; see why with `slurmft logs {run_dir} --job {kind}`, run it again with "
+                 f"`{MODEL_JOB_COMMANDS[kind]} {run_dir}`")
     elif kind == "prepare" and known in RESUMABLE_ENDINGS - {State.UNKNOWN}:
         text += (f"; no train job starts without it: fix what its log says (`slurmft logs {run_dir} --job prepare`), "
                  f"then `slurmft resume {run_dir}` (or `slurmft prepare {run_dir}`)")
@@ -227,7 +239,8 @@ def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", 
 
 
 #: How a job that Slurm cancelled before it started, because the job it waited on did not succeed, is said.
-NEVER_STARTED_WORDS = {"train": prepare_failed_words, "consolidate": train_failed_words}
+NEVER_STARTED_WORDS = {"train": prepare_failed_words, "consolidate": train_failed_words,
+                       "serve": consolidation_failed_words, "eval": consolidation_failed_words}
 
 
 def explain_dependency_failures(rows: list[dict[str, Any]], jobs: list[dict[str, Any]], run_dir: str) -> None:

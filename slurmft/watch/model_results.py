@@ -1,0 +1,70 @@
+"""What the jobs after consolidation found, for ``status``, ``runs`` and the report (files only, no torch).
+
+``RUN_DIR/serve/result.json`` (the serve check, :mod:`slurmft.job.serve_check`) and ``RUN_DIR/eval/summary.json``
+(lm-eval on the model and the base, :mod:`slurmft.job.evaluate`), read as they are; a missing or unreadable file is
+"not run yet", never an error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from slurmft.eval_results import read_summary, score_rows
+
+
+def read_serve(run_dir: Path) -> dict[str, Any] | None:
+    """The serve check's record, or None when it has not run (or its file cannot be read)."""
+    try:
+        record = json.loads((run_dir / "serve" / "result.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def serve_lines(record: dict[str, Any] | None) -> list[str]:
+    """One line per engine: passed or failed, how (exact or within tolerance), start-up and speed; the problems."""
+    if not record:
+        return []
+    lines = []
+    for label, e in record.get("engines", {}).items():
+        what = "model/" if label == "model" else "the base with adapter/ (vLLM LoRA)"
+        agree = [p.get("agree") for p in e.get("prompts", [])]
+        lengths = [len(p.get("vllm", [])) for p in e.get("prompts", [])]
+        how = (f"greedy tokens equal transformers' on {len(agree)} prompt(s) ({e.get('dtype')})" if e.get("exact")
+               else f"greedy tokens agree for {agree} of {lengths} ({e.get('dtype')}; kernels differ)")
+        gaps = [p.get("max_first_logprob_gap") for p in e.get("prompts", []) if isinstance(p.get("max_first_logprob_gap"),
+                                                                                         int | float)]
+        gap = f", first-token log-prob gap <= {max(gaps):.2g}" if gaps else ""
+        speed = f", {e['tokens_per_s']} tokens/s" if e.get("tokens_per_s") else ""
+        verdict = "passed" if e.get("ok") else "FAILED"
+        lines.append(f"serve check {verdict}: vLLM {e.get('vllm_version')} served {what}: {how}{gap}; engine start "
+                     f"{e.get('startup_s')} s{speed}")
+        lines += [f"  - {p}" for p in e.get("problems", [])]
+    if not record.get("ok") and record.get("problems") and not any(not e.get("ok") for e in
+                                                                   record.get("engines", {}).values()):
+        lines.append(f"serve check FAILED: {record['problems'][0]}")
+        lines += [f"  - {p}" for p in record["problems"][1:]]
+    return lines
+
+
+def _number(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, int | float) else "-"
+
+
+def eval_lines(run_dir: Path) -> list[str]:
+    """One line per task and metric: base -> fine-tuned."""
+    summary = read_summary(run_dir)
+    if not summary:
+        return []
+    lines = [f"evaluation (lm-eval {summary.get('lm_eval_version', '?')}, {summary.get('backend', '?')} backend):"]
+    for task, metric, base, tuned in score_rows(summary):
+        lines.append(f"  {task} {metric}: {_number(base)} -> {_number(tuned)}" if base is not None
+                     else f"  {task} {metric}: {_number(tuned)}")
+    return lines
+
+
+def result_lines(run_dir: Path) -> list[str]:
+    """Both, for ``status`` and the report."""
+    return serve_lines(read_serve(run_dir)) + eval_lines(run_dir)
