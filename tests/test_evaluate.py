@@ -156,6 +156,42 @@ def test_a_failing_lm_eval_names_its_stderr_and_leaves_the_model(evaluated: tupl
     assert sorted((p.name, p.stat().st_mtime_ns) for p in (run / "model").iterdir()) == model_files
 
 
+def test_auto_backend_is_hf_without_vllm(eval_python: str) -> None:
+    from slurmft.job.evaluate import choose_backend
+
+    backend, why = choose_backend("auto", eval_python)
+    if backend == "hf":
+        assert why.startswith(f"auto: {eval_python} cannot import vllm (")
+    else:
+        assert why == f"auto: {eval_python} imports vllm"
+
+
+def test_unmerged_lora_is_the_base_plus_the_adapter(tiny_model: Path, tmp_path: Path) -> None:
+    from slurmft.job.evaluate import lm_eval_command, model_specs
+
+    run = _run_dir(tmp_path, tiny_model, sys.executable, ["hellaswag"])
+    shutil.rmtree(run / "model")
+    (run / "adapter").mkdir()
+    (run / "adapter" / "adapter_config.json").write_text("{}")
+    spec = yaml.safe_load((run / "config.yaml").read_text())
+    spec["lora"] = {"r": 8}
+    spec["consolidate"]["merge"] = False
+    (run / "config.yaml").write_text(yaml.safe_dump(spec))
+    cfg = read_run_config(run / "config.yaml")
+    assert cfg.eval is not None
+    specs = model_specs(cfg, cfg.eval, RunPaths.of(run), "hf")
+    assert specs["finetuned"]["args"]["peft"] == str(run / "adapter")
+    assert specs["finetuned"]["args"]["pretrained"] == specs["base"]["args"]["pretrained"] == str(tiny_model)
+    assert "peft" not in specs["base"]["args"]
+    vllm = model_specs(cfg, cfg.eval, RunPaths.of(run), "vllm")["finetuned"]["args"]
+    assert vllm["lora_local_path"] == str(run / "adapter") and vllm["enable_lora"] == "True"
+    cmd = lm_eval_command("py", "hf", "pretrained=x", ["t"], None, cfg.eval, tmp_path, "cpu")
+    assert cmd[cmd.index("--limit") + 1] == "6" and cmd[-2:] == ["--device", "cpu"]
+    (run / "adapter" / "adapter_config.json").unlink()
+    with pytest.raises(EvalError, match="nothing to evaluate"):
+        model_specs(cfg, cfg.eval, RunPaths.of(run), "hf")
+
+
 # --- eval_results without lm-eval ---------------------------------------------------------------------------------
 
 

@@ -3,9 +3,9 @@
 lm-eval lives in an interpreter of its own (``eval.python``, default the job's), so nothing here imports it
 (nor torch): one child process of that interpreter answers everything at once (:func:`probe_eval_python`):
 whether it imports lm_eval (and vllm, for ``eval.backend: vllm``), and which task names lm-eval's registry
-does not know, with a did-you-mean. Building that registry reads lm-eval's ~14,000 task YAMLs: about 30 s on a
-busy login node, paid only when a task is a registry name (your own task files alone are indexed in
-well under a second).
+does not know, with a did-you-mean. Building that registry reads lm-eval's ~14,000 task YAMLs: 30-37 s on a
+busy 2-core machine (lm-eval 0.4.13), paid only when a task is a registry name; your own task files alone
+take about 5 s (importing lm_eval's task code).
 
 Your own task files are read here without lm-eval (slurmft.eval_tasks): missing, not YAML, no ``task:``,
 ``.yml``, or spread over folders. Each problem names its field (``eval.tasks[1]``, ``eval.python``) and the fix.
