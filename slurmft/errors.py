@@ -43,3 +43,7 @@ class CheckpointError(SlurmftError):
 
 class JobSetupError(SlurmftError):
     """Inside the allocation: a bad model path, dataset, tokenizer or length, found before any collective."""
+
+
+class EvalError(SlurmftError):
+    """The evaluation job: lm-eval failed or wrote no results (the model directory is left as it is)."""

@@ -1,0 +1,137 @@
+"""``eval.tasks`` read: which entries are lm-eval registry names and which are your own task YAML files.
+
+Shared by the evaluation job (slurmft.job.evaluate, which passes the files' folder as lm-eval's
+``--include_path`` and their ``task:`` names as ``--tasks``) and the login-side checks
+(slurmft.plan.eval_checks, which report a file that is missing, does not parse or names no task).
+Stdlib and PyYAML only: lm-eval runs in an interpreter of its own and is never imported here.
+
+lm-eval's YAMLs use tags of their own (``!function utils.process_docs``); the reader here accepts any tag
+and keeps its text, since only ``task:``/``group:`` matter. lm-eval indexes ``*.yaml`` files only (not
+``.yml``), and its command line takes one ``--include_path``: both are problems here, named with the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from slurmft.config_model_checks import is_task_path
+
+
+class _AnyTagLoader(yaml.SafeLoader):
+    """A safe loader that reads an unknown tag (``!function utils.f``) as its plain value."""
+
+
+def _any_tag(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> Any:  # noqa: ANN401 - YAML's value
+    if isinstance(node, yaml.ScalarNode):
+        return loader.construct_scalar(node)
+    if isinstance(node, yaml.SequenceNode):
+        return loader.construct_sequence(node)
+    return loader.construct_mapping(node)  # type: ignore[arg-type]
+
+
+_AnyTagLoader.add_multi_constructor("!", _any_tag)
+
+
+def read_task_yaml(path: Path) -> dict[str, Any]:
+    """One lm-eval task YAML as a mapping; raises ``ValueError`` naming what is wrong."""
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_AnyTagLoader)  # noqa: S506 - a safe loader
+    except yaml.YAMLError as err:
+        raise ValueError(f"does not parse as YAML ({' '.join(str(err).split())})") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot be read ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError("is not a YAML mapping (an lm-eval task file is one)")
+    return data
+
+
+def task_name(data: dict[str, Any]) -> str | None:
+    """The name lm-eval registers a task file under: ``task:`` (a string), or a group file's ``group:`` (whose
+    ``task:`` is the list of its members)."""
+    task = data.get("task")
+    if isinstance(task, str) and task:
+        return task
+    group = data.get("group")
+    if isinstance(task, list) and isinstance(group, str) and group:
+        return group
+    return None
+
+
+@dataclass
+class EvalTasks:
+    """``eval.tasks`` resolved: the names for lm-eval's ``--tasks`` in the config's order, the one folder for
+    ``--include_path`` (None when every task is a registry name), which names came from files, the problems."""
+
+    names: list[str] = field(default_factory=list)
+    include_path: str | None = None
+    from_files: dict[str, str] = field(default_factory=dict)  # name -> the file it came from
+    entry_of: dict[str, int] = field(default_factory=dict)  # name -> its index in eval.tasks
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def registry_names(self) -> list[str]:
+        """The names lm-eval's own registry must know."""
+        return [n for n in self.names if n not in self.from_files]
+
+
+def _names_in_file(path: Path, tasks: EvalTasks, label: str) -> list[str]:
+    if path.suffix != ".yaml":
+        tasks.problems.append(f"{label}: {path} ends in {path.suffix or 'no suffix'}, but lm-eval only reads *.yaml "
+                              "task files; rename it to end in .yaml")
+        return []
+    try:
+        data = read_task_yaml(path)
+    except ValueError as err:
+        tasks.problems.append(f"{label}: {path} {err}; fix the file (an lm-eval task YAML)")
+        return []
+    name = task_name(data)
+    if name is None:
+        tasks.problems.append(f"{label}: {path} has no task: key (the task's name lm-eval registers); add "
+                              "'task: <name>'")
+        return []
+    return [name]
+
+
+def resolve_tasks(entries: list[str], field_name: str = "eval.tasks") -> EvalTasks:
+    """Read every file or folder entry of ``eval.tasks`` (absolute paths: the config loader made them so);
+    registry names pass through. A folder contributes the tasks of its ``*.yaml`` files, as lm-eval reads one."""
+    tasks = EvalTasks()
+    folders: list[Path] = []
+    for i, entry in enumerate(entries):
+        label = f"{field_name}[{i}]"
+        if not is_task_path(entry):
+            if entry not in tasks.names:
+                tasks.names.append(entry)
+            tasks.entry_of.setdefault(entry, i)
+            continue
+        path = Path(entry).expanduser()
+        if path.is_dir():
+            folder, files = path, sorted(path.glob("*.yaml"))
+            if not files:
+                tasks.problems.append(f"{label}: the folder {path} holds no *.yaml task file; add one or name the "
+                                      "task files themselves")
+        elif path.is_file():
+            folder, files = path.parent, [path]
+        else:
+            tasks.problems.append(f"{label}: {path} does not exist; give an existing task YAML (or folder of them), "
+                                  "or an lm-eval task name")
+            continue
+        folders.append(folder.resolve())
+        for file in files:
+            for name in _names_in_file(file, tasks, label):
+                if name not in tasks.names:
+                    tasks.names.append(name)
+                tasks.from_files.setdefault(name, str(file))
+                tasks.entry_of.setdefault(name, i)
+    distinct = list(dict.fromkeys(folders))
+    if len(distinct) > 1:
+        tasks.problems.append(
+            f"{field_name}: task files in {len(distinct)} folders ({', '.join(map(str, distinct))}), but lm-eval's "
+            "--include_path takes one; put the task files (and the files they use) into one folder")
+    if distinct:
+        tasks.include_path = str(distinct[0])
+    return tasks

@@ -1,0 +1,294 @@
+"""The evaluation job: lm-eval-harness on the fine-tuned model and, with ``eval.compare_base``, on the base model.
+
+Chained after consolidation. lm-eval only ever runs as a subprocess (``python -m lm_eval``) in the eval
+interpreter (``eval.python``, default the job's, ``cluster.python``): it pins its own transformers, and a crash
+in it must not take the job's Python with it. Its output streams into the job log line by line, and its own
+files stay as it writes them: RUN_DIR/eval/finetuned/ and RUN_DIR/eval/base/ (``results_<time>.json``, the
+samples). What the report and ``runs`` read is RUN_DIR/eval/summary.json (slurmft.eval_results):
+
+    {"lm_eval_version", "backend", "backend_reason", "device", "tasks": {task: {metric: {"finetuned": v,
+     "base": v or null}}}, "seconds": {"finetuned", "base", "total"}, "models": {"finetuned", "base"},
+     "results_files": {"finetuned", "base"}}
+
+Metric names are lm-eval's (``acc,none``); the ``_stderr`` entries stay in lm-eval's files only.
+
+Which model: RUN_DIR/model (a full run, or a LoRA run merged by consolidation); a LoRA run with
+``consolidate.merge: false`` has only RUN_DIR/adapter, evaluated as the base plus the adapter (lm-eval's hf
+``peft=``, vllm ``lora_local_path=``). The backend: ``auto`` = vllm where the eval Python imports it, else hf
+(the summary records which and why). Task files (``eval.tasks`` entries that are YAML files or folders) are
+passed as lm-eval's ``--include_path`` (their folder) and their ``task:`` names; lm-eval runs in that folder,
+so a relative ``data_files`` resolves against the task file's folder. A failure raises ``EvalError`` with the
+last lines lm-eval wrote to stderr; RUN_DIR/model is only ever read.
+
+By hand: ``python -m slurmft.job.evaluate RUN_DIR [--tasks a,b]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from slurmft.config_loading import read_run_config
+from slurmft.config_model_checks import EvalConfig
+from slurmft.errors import EvalError, SlurmftError
+from slurmft.eval_tasks import resolve_tasks
+from slurmft.rundir import ADAPTER_CONFIG, RunPaths, atomic_write
+
+if TYPE_CHECKING:
+    from slurmft.config import RunConfig
+
+#: Lines of lm-eval's stderr an ``EvalError`` quotes.
+STDERR_TAIL = 15
+#: Seconds ``<eval python> -c "import vllm"`` may take (vLLM's import is slow: torch, triton, its kernels).
+VLLM_PROBE_S = 300
+#: The environment lm-eval runs with, on top of the job's.
+LM_EVAL_ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+Say = Callable[[str], None]
+
+
+def eval_python(cfg: RunConfig) -> str:
+    """The interpreter lm-eval runs in: ``eval.python``, else the job's (``cluster.python``, else this one)."""
+    python = cfg.eval.python if cfg.eval is not None else None
+    return python or cfg.cluster.job_python
+
+
+def choose_backend(backend: str, python: str) -> tuple[str, str]:
+    """``(backend, why)``: ``auto`` is vllm where ``python`` imports it, else hf."""
+    if backend != "auto":
+        return backend, f"eval.backend: {backend}"
+    try:
+        probe = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True, timeout=VLLM_PROBE_S,
+                               check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return "hf", f"auto: {python} -c 'import vllm' failed ({err})"
+    if probe.returncode == 0:
+        return "vllm", f"auto: {python} imports vllm"
+    last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+    return "hf", f"auto: {python} cannot import vllm ({last})"
+
+
+def no_gpu(gpus: int) -> str | None:
+    """Why lm-eval must run on the CPU (``--device cpu``), or None to let it pick: CUDA_VISIBLE_DEVICES set empty,
+    an allocation without GPUs (``eval.resources.gpus: 0``), or no NVIDIA device on this node."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1", "NoDevFiles"):
+        return f"CUDA_VISIBLE_DEVICES={visible!r}"
+    if gpus == 0:
+        return "eval.resources.gpus: 0"
+    if not any(Path("/dev").glob("nvidia[0-9]*")):
+        return "no /dev/nvidia* device on this node"
+    return None
+
+
+def _model_args(pairs: dict[str, Any]) -> str:
+    """lm-eval's ``--model_args`` ``k=v,k2=v2`` (None values left out)."""
+    for key, value in pairs.items():
+        if value is not None and ("," in str(value) or "=" in str(value)):
+            raise EvalError(f"the model argument {key}={value!r} holds ',' or '=', which lm-eval's --model_args "
+                            "cannot carry; use a path without them")
+    return ",".join(f"{k}={v}" for k, v in pairs.items() if v is not None)
+
+
+def _bools(pairs: dict[str, Any]) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, bool) else v) for k, v in pairs.items()}
+
+
+def model_specs(cfg: RunConfig, ev: EvalConfig, paths: RunPaths, backend: str) -> dict[str, dict[str, Any]]:
+    """``{"finetuned": {...}, "base": {...}}`` (base only with ``ev.compare_base``): each lm-eval's model arguments
+    and a display name. Raises ``EvalError`` when consolidation left no model to evaluate."""
+    dtype = cfg.consolidate.dtype
+    trust = cfg.model.trust_remote_code or None
+    base_args: dict[str, Any] = {"pretrained": cfg.model.name_or_path, "revision": cfg.model.revision,
+                                 "tokenizer": cfg.model.tokenizer, "dtype": dtype, "trust_remote_code": trust}
+    if backend == "vllm":
+        base_args["tensor_parallel_size"] = max(1, ev.resources.gpus)
+    specs: dict[str, dict[str, Any]] = {}
+    if (paths.model / "config.json").is_file():
+        args = {"pretrained": str(paths.model), "dtype": dtype, "trust_remote_code": trust}
+        if backend == "vllm":
+            args["tensor_parallel_size"] = base_args["tensor_parallel_size"]
+        specs["finetuned"] = {"args": args, "name": str(paths.model)}
+    elif cfg.lora is not None and (paths.adapter / ADAPTER_CONFIG).is_file():
+        key = "lora_local_path" if backend == "vllm" else "peft"
+        args = dict(base_args, **{key: str(paths.adapter)})
+        if backend == "vllm":
+            args["enable_lora"] = True
+            args["max_lora_rank"] = max(16, cfg.lora.r)
+        specs["finetuned"] = {"args": args, "name": f"{cfg.model.name_or_path} + {paths.adapter}"}
+    else:
+        where = f"{paths.model}/config.json" + (f" nor {paths.adapter}/{ADAPTER_CONFIG}" if cfg.lora else "")
+        raise EvalError(f"nothing to evaluate: no {where}; run consolidation first (slurmft consolidate)")
+    if ev.compare_base:
+        specs["base"] = {"args": base_args, "name": cfg.model.name_or_path}
+    for spec in specs.values():
+        spec["args"] = _bools(spec["args"])
+    return specs
+
+
+def lm_eval_command(python: str, backend: str, model_args: str, names: list[str], include_path: str | None,
+                    ev: EvalConfig, out: Path, device: str | None) -> list[str]:
+    """The ``python -m lm_eval`` command line of one model."""
+    cmd = [python, "-m", "lm_eval", "--model", backend, "--model_args", model_args, "--tasks", ",".join(names),
+           "--batch_size", str(ev.batch_size), "--output_path", str(out), "--log_samples"]
+    if include_path:
+        cmd += ["--include_path", include_path]
+    if ev.num_fewshot is not None:
+        cmd += ["--num_fewshot", str(ev.num_fewshot)]
+    if ev.limit is not None:
+        cmd += ["--limit", str(int(ev.limit)) if ev.limit >= 1 and ev.limit == int(ev.limit) else str(ev.limit)]
+    if device:
+        cmd += ["--device", device]
+    return cmd
+
+
+def _pump(stream: IO[str], say: Say, tail: collections.deque[str] | None) -> None:
+    """Each line of ``stream`` to ``say``; a progress bar's ``\\r`` updates become their last state."""
+    for raw in stream:
+        line = raw.rstrip("\n").split("\r")[-1].rstrip()
+        if not line:
+            continue
+        say(line)
+        if tail is not None:
+            tail.append(line)
+
+
+def run_lm_eval(cmd: list[str], cwd: Path, say: Say) -> list[str]:
+    """Run one lm-eval command, its stdout and stderr streamed to ``say``; returns the tail of its stderr. Raises
+    ``EvalError`` (with that tail) when it fails."""
+    say("lm-eval: " + " ".join(cmd))
+    env = {**os.environ, **LM_EVAL_ENV}
+    tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL)
+    try:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                errors="replace", bufsize=1)
+    except OSError as err:
+        raise EvalError(f"cannot start lm-eval ({cmd[0]}): {err}; set eval.python to an interpreter with lm-eval "
+                        "installed") from None
+    assert proc.stdout is not None and proc.stderr is not None
+    lock = threading.Lock()
+
+    def locked(line: str) -> None:
+        with lock:
+            say(line)
+
+    pumps = [threading.Thread(target=_pump, args=(proc.stdout, locked, None), daemon=True),
+             threading.Thread(target=_pump, args=(proc.stderr, locked, tail), daemon=True)]
+    for t in pumps:
+        t.start()
+    rc = proc.wait()
+    for t in pumps:
+        t.join()
+    if rc != 0:
+        raise EvalError(f"lm-eval exited with {rc} ({' '.join(cmd[:3])} ...); the last lines of its stderr:",
+                        list(tail) or ["(no output on stderr)"])
+    return list(tail)
+
+
+def _newest_results(out: Path, before: set[Path]) -> Path:
+    fresh = [p for p in out.rglob("results_*.json") if p not in before]
+    if not fresh:
+        raise EvalError(f"lm-eval exited 0 but wrote no results_*.json under {out}; see its output in the job log")
+    return max(fresh, key=lambda p: p.stat().st_mtime_ns)
+
+
+def metrics_of(results: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """``{task: {metric: value}}`` from an lm-eval results JSON: every ``name,filter`` entry but the stderrs."""
+    table: dict[str, dict[str, float | None]] = {}
+    for task, entries in results.get("results", {}).items():
+        table[task] = {k: (v if isinstance(v, (int, float)) else None) for k, v in entries.items()
+                       if "," in k and "_stderr," not in k}
+    return table
+
+
+def evaluate_run(run_dir: str, tasks: list[str] | None = None, say: Say = print) -> dict[str, Any]:
+    """Score a consolidated run with lm-eval (``tasks`` replaces ``eval.tasks``) and write RUN_DIR/eval/summary.json;
+    returns the summary."""
+    start = time.monotonic()
+    paths = RunPaths.of(run_dir)
+    cfg = read_run_config(paths.config)
+    if cfg.eval is None and not tasks:
+        raise EvalError(f"{paths.config} has no eval: section; add one (eval.tasks) or pass --tasks")
+    if cfg.eval is None:
+        ev = EvalConfig(tasks=tasks)
+    else:
+        ev = cfg.eval.model_copy(update={"tasks": tasks}) if tasks else cfg.eval
+    resolved = resolve_tasks(ev.tasks)
+    if resolved.problems:
+        raise EvalError("eval.tasks: the task files cannot be used", resolved.problems)
+    python = ev.python or cfg.cluster.job_python
+    backend, why = choose_backend(ev.backend, python)
+    say(f"eval: backend {backend} ({why}); tasks {', '.join(resolved.names)}; interpreter {python}")
+    cpu_reason = no_gpu(ev.resources.gpus) if backend == "hf" else None
+    device = "cpu" if cpu_reason else None
+    if cpu_reason:
+        say(f"eval: --device cpu ({cpu_reason})")
+    specs = model_specs(cfg, ev, paths, backend)
+    root = paths.root / "eval"
+    cwd = Path(resolved.include_path) if resolved.include_path else root
+    scores: dict[str, dict[str, dict[str, float | None]]] = {}
+    seconds: dict[str, float] = {}
+    files: dict[str, str] = {}
+    version: str | None = None
+    for which, spec in specs.items():
+        out = root / which
+        out.mkdir(parents=True, exist_ok=True)
+        before = set(out.rglob("results_*.json"))
+        cmd = lm_eval_command(python, backend, _model_args(spec["args"]), resolved.names, resolved.include_path, ev,
+                              out, device)
+        t0 = time.monotonic()
+        say(f"eval: {which} model {spec['name']}")
+        run_lm_eval(cmd, cwd, say)
+        seconds[which] = round(time.monotonic() - t0, 1)
+        result_file = _newest_results(out, before)
+        files[which] = str(result_file.relative_to(paths.root))
+        data = json.loads(result_file.read_text())
+        version = version or data.get("lm_eval_version")
+        for task, metrics in metrics_of(data).items():
+            for metric, value in metrics.items():
+                cell = scores.setdefault(task, {}).setdefault(metric, {"finetuned": None, "base": None})
+                cell[which] = value
+    seconds["total"] = round(time.monotonic() - start, 1)
+    summary = {
+        "lm_eval_version": version,
+        "backend": backend,
+        "backend_reason": why,
+        "device": device or "auto",
+        "tasks": scores,
+        "seconds": seconds,
+        "models": {"finetuned": specs["finetuned"]["name"], "base": specs["base"]["name"] if "base" in specs else None},
+        "results_files": {"finetuned": files.get("finetuned"), "base": files.get("base")},
+    }
+    atomic_write(root / "summary.json", json.dumps(summary, indent=2) + "\n")
+    say(f"eval: wrote {root / 'summary.json'} in {seconds['total']} s")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m slurmft.job.evaluate RUN_DIR [--tasks a,b]``."""
+    parser = argparse.ArgumentParser(prog="python -m slurmft.job.evaluate",
+                                     description="Score a consolidated run with lm-eval-harness (eval: section).")
+    parser.add_argument("run_dir", help="the run directory (holds config.yaml and model/ or adapter/)")
+    parser.add_argument("--tasks", help="comma-separated lm-eval task names or task YAML files (default: eval.tasks)")
+    args = parser.parse_args(argv)
+    tasks = [t for t in args.tasks.split(",") if t] if args.tasks else None
+    try:
+        summary = evaluate_run(args.run_dir, tasks=tasks, say=lambda line: print(line, flush=True))
+    except SlurmftError as exc:
+        print(f"error: {exc.render()}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

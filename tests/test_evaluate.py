@@ -1,0 +1,286 @@
+"""The evaluation job (slurmft.job.evaluate), its summary's readers (slurmft.eval_results) and its login-side checks
+(slurmft.plan.eval_checks), against a real lm-eval on the tiny model and a local 8-row task (nothing downloaded).
+
+lm-eval lives in an interpreter of its own: CI names it in SLURMFT_TEST_EVAL_PYTHON. Unset, these tests skip
+(and fail under CI=..., so a CI that lost the variable does not pass by skipping). One evaluate_run serves
+every assertion about it (module-scoped); the registry check builds lm-eval's task index once (about 30 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from slurmft import eval_results
+from slurmft.config_loading import dump_config, load_config, read_run_config
+from slurmft.errors import EvalError
+from slurmft.eval_tasks import read_task_yaml, resolve_tasks
+from slurmft.rundir import RunPaths
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TASK_DIR = REPO_ROOT / "tests" / "data" / "eval"
+TASK = "slurmft_tiny_mc"
+#: The tests that share the one evaluate_run go to one xdist worker (the fixture is module-scoped, per worker).
+SHARED_RUN = pytest.mark.xdist_group("lm-eval-run")
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def _eval_python() -> str:
+    python = os.environ.get("SLURMFT_TEST_EVAL_PYTHON")
+    if python:
+        return python
+    why = "SLURMFT_TEST_EVAL_PYTHON is not set (an interpreter with lm-eval installed)"
+    if os.environ.get("CI"):
+        pytest.fail(f"{why}, and CI is set: CI must provide it")
+    pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def eval_python() -> str:
+    return _eval_python()
+
+
+@pytest.fixture(scope="module")
+def offline_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """lm-eval's environment for these tests: offline, the datasets cache in a temporary folder."""
+    env = {**OFFLINE, "HF_DATASETS_CACHE": str(tmp_path_factory.mktemp("hf-datasets"))}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield env
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _run_dir(root: Path, model: Path, python: str, tasks: list[str], **eval_extra: Any) -> Path:
+    """A run directory as consolidation leaves it: config.yaml (with an eval: section) and model/ (a copy of the
+    tiny model, so the fine-tuned and base paths differ)."""
+    spec = yaml.safe_load((REPO_ROOT / "examples" / "tiny" / "run.yaml").read_text())
+    spec["model"]["name_or_path"] = str(model)
+    spec["output_dir"] = str(root / "runs")
+    for ds in spec["data"]["datasets"]:
+        ds["path"] = str(REPO_ROOT / "examples" / "tiny" / ds["path"])
+    spec["eval"] = {"tasks": tasks, "python": python, "batch_size": 4, "limit": 6, "backend": "hf",
+                    "resources": {"gpus": 0}, **eval_extra}
+    source = root / "run.yaml"
+    source.write_text(yaml.safe_dump(spec))
+    run = root / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(dump_config(load_config(source)))
+    shutil.copytree(model, run / "model")
+    return run
+
+
+@pytest.fixture(scope="module")
+def evaluated(eval_python: str, offline_env: dict[str, str], tiny_model: Path,
+              tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], list[str]]:
+    """One evaluate_run of the tiny model and its copy on the local task: (run dir, summary, the job log)."""
+    root = tmp_path_factory.mktemp("eval-run")
+    run = _run_dir(root, tiny_model, eval_python, [str(TASK_DIR / "tiny_mc.yaml")])
+    log: list[str] = []
+    summary = evaluate_run_(run, log)
+    return run, summary, log
+
+
+def evaluate_run_(run: Path, log: list[str]) -> dict[str, Any]:
+    from slurmft.job.evaluate import evaluate_run
+
+    return evaluate_run(str(run), say=log.append)
+
+
+@SHARED_RUN
+def test_summary_has_both_models_scores_as_lm_eval_writes_them(evaluated: tuple[Path, dict[str, Any], list[str]],
+                                                               eval_python: str, tiny_model: Path,
+                                                               tmp_path: Path) -> None:
+    run, summary, log = evaluated
+    assert summary == json.loads((run / "eval" / "summary.json").read_text())
+    assert summary["backend"] == "hf" and summary["backend_reason"] == "eval.backend: hf"
+    assert summary["device"] == "cpu"
+    assert summary["lm_eval_version"]
+    assert summary["models"] == {"finetuned": str(run / "model"), "base": str(tiny_model)}
+    metrics = summary["tasks"][TASK]
+    assert set(metrics) == {"acc,none", "acc_norm,none"}  # the stderrs stay in lm-eval's own files
+    for cell in metrics.values():
+        assert cell["finetuned"] is not None and cell["base"] is not None
+    # lm-eval's own output, as it writes it, under eval/finetuned and eval/base
+    for which in ("finetuned", "base"):
+        written = run / summary["results_files"][which]
+        assert written.is_relative_to(run / "eval" / which) and written.name.startswith("results_")
+        assert list(written.parent.glob(f"samples_{TASK}_*.jsonl"))
+    assert set(summary["seconds"]) == {"finetuned", "base", "total"}
+    # its output streamed into the job log, progress bars at their last state
+    assert any("Running loglikelihood requests: 100%" in line for line in log)
+    assert any(line.startswith("|" + TASK) for line in log)
+    # the same scores as lm-eval run by hand, with the same arguments, on the base model
+    out = tmp_path / "by-hand"
+    subprocess.run([eval_python, "-m", "lm_eval", "--model", "hf", "--model_args",
+                    f"pretrained={tiny_model},dtype=float32", "--tasks", TASK, "--include_path", str(TASK_DIR),
+                    "--batch_size", "4", "--limit", "6", "--device", "cpu", "--output_path", str(out)],
+                   cwd=TASK_DIR, check=True, capture_output=True, text=True, timeout=600)
+    by_hand = json.loads(next(out.rglob("results_*.json")).read_text())["results"][TASK]
+    for metric, cell in metrics.items():
+        assert cell["base"] == by_hand[metric] == cell["finetuned"]  # model/ is a copy of the base
+
+
+@SHARED_RUN
+def test_eval_results_reads_the_summary(evaluated: tuple[Path, dict[str, Any], list[str]]) -> None:
+    run, summary, _ = evaluated
+    assert eval_results.read_summary(run) == summary
+    rows = eval_results.score_rows(summary)
+    assert [(r[0], r[1]) for r in rows] == [(TASK, "acc,none"), (TASK, "acc_norm,none")]
+    name, value = eval_results.headline_score(summary) or ("", -1.0)
+    assert name == f"{TASK} acc_norm" and value == summary["tasks"][TASK]["acc_norm,none"]["finetuned"]
+
+
+@SHARED_RUN
+def test_a_failing_lm_eval_names_its_stderr_and_leaves_the_model(evaluated: tuple[Path, dict[str, Any], list[str]],
+                                                                  tmp_path: Path) -> None:
+    from slurmft.job.evaluate import evaluate_run
+
+    run, _, _ = evaluated
+    model_files = sorted((p.name, p.stat().st_mtime_ns) for p in (run / "model").iterdir())
+    with pytest.raises(EvalError) as err:
+        evaluate_run(str(run), tasks=["slurmft_no_such_task_xyz"], say=lambda line: None)
+    assert "lm-eval exited with" in str(err.value)
+    assert any("slurmft_no_such_task_xyz" in p for p in err.value.problems)
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (run / "model").iterdir()) == model_files
+
+
+def test_auto_backend_is_hf_without_vllm(eval_python: str) -> None:
+    from slurmft.job.evaluate import choose_backend
+
+    backend, why = choose_backend("auto", eval_python)
+    if backend == "hf":
+        assert why.startswith(f"auto: {eval_python} cannot import vllm (")
+    else:
+        assert why == f"auto: {eval_python} imports vllm"
+
+
+def test_unmerged_lora_is_the_base_plus_the_adapter(tiny_model: Path, tmp_path: Path) -> None:
+    from slurmft.job.evaluate import lm_eval_command, model_specs
+
+    run = _run_dir(tmp_path, tiny_model, sys.executable, ["hellaswag"])
+    shutil.rmtree(run / "model")
+    (run / "adapter").mkdir()
+    (run / "adapter" / "adapter_config.json").write_text("{}")
+    spec = yaml.safe_load((run / "config.yaml").read_text())
+    spec["lora"] = {"r": 8}
+    spec["consolidate"]["merge"] = False
+    (run / "config.yaml").write_text(yaml.safe_dump(spec))
+    cfg = read_run_config(run / "config.yaml")
+    assert cfg.eval is not None
+    specs = model_specs(cfg, cfg.eval, RunPaths.of(run), "hf")
+    assert specs["finetuned"]["args"]["peft"] == str(run / "adapter")
+    assert specs["finetuned"]["args"]["pretrained"] == specs["base"]["args"]["pretrained"] == str(tiny_model)
+    assert "peft" not in specs["base"]["args"]
+    vllm = model_specs(cfg, cfg.eval, RunPaths.of(run), "vllm")["finetuned"]["args"]
+    assert vllm["lora_local_path"] == str(run / "adapter") and vllm["enable_lora"] == "True"
+    cmd = lm_eval_command("py", "hf", "pretrained=x", ["t"], None, cfg.eval, tmp_path, "cpu")
+    assert cmd[cmd.index("--limit") + 1] == "6" and cmd[-2:] == ["--device", "cpu"]
+    (run / "adapter" / "adapter_config.json").unlink()
+    with pytest.raises(EvalError, match="nothing to evaluate"):
+        model_specs(cfg, cfg.eval, RunPaths.of(run), "hf")
+
+
+# --- eval_results without lm-eval ---------------------------------------------------------------------------------
+
+
+def test_headline_prefers_acc_norm_then_acc_then_exact_match() -> None:
+    def summary(metrics: dict[str, float]) -> dict[str, Any]:
+        return {"tasks": {"t": {m: {"finetuned": v, "base": None} for m, v in metrics.items()}}}
+
+    assert eval_results.headline_score(summary({"acc,none": 0.5, "acc_norm,none": 0.6})) == ("t acc_norm", 0.6)
+    assert eval_results.headline_score(summary({"f1,none": 0.1, "acc,none": 0.5})) == ("t acc", 0.5)
+    assert eval_results.headline_score(summary({"exact_match,strict-match": 0.3, "f1,none": 0.1})) == (
+        "t exact_match,strict-match", 0.3)
+    assert eval_results.headline_score(summary({"bleu,none": 0.2})) == ("t bleu", 0.2)
+    assert eval_results.headline_score({"tasks": {}}) is None
+
+
+def test_read_summary_missing_or_broken(tmp_path: Path) -> None:
+    assert eval_results.read_summary(tmp_path) is None
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "summary.json").write_text("{torn")
+    assert eval_results.read_summary(tmp_path) is None
+
+
+def test_eval_results_imports_no_heavy_package() -> None:
+    code = ("import sys, slurmft.eval_results, slurmft.plan.eval_checks; "
+            "print(sorted(m for m in ('torch', 'transformers', 'lm_eval') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "[]"
+
+
+# --- task files ----------------------------------------------------------------------------------------------------
+
+
+def test_task_yaml_with_lm_eval_tags_reads(tmp_path: Path) -> None:
+    f = tmp_path / "t.yaml"
+    f.write_text("task: mine\nprocess_docs: !function utils.process_docs\ndataset_path: json\n")
+    assert read_task_yaml(f)["process_docs"] == "utils.process_docs"
+    assert resolve_tasks([str(f), "hellaswag"]).names == ["mine", "hellaswag"]
+
+
+def test_task_files_problems_name_the_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("task: [unclosed\n")
+    nameless = tmp_path / "nameless.yaml"
+    nameless.write_text("dataset_path: json\n")
+    yml = tmp_path / "t.yml"
+    yml.write_text("task: x\n")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "o.yaml").write_text("task: o\n")
+    problems = resolve_tasks([str(bad), str(nameless), str(yml), str(tmp_path / "gone.yaml"),
+                              str(other / "o.yaml")]).problems
+    assert problems[0].startswith("eval.tasks[0]: ") and "does not parse as YAML" in problems[0]
+    assert problems[1].startswith("eval.tasks[1]: ") and "no task: key" in problems[1]
+    assert problems[2].startswith("eval.tasks[2]: ") and "rename it to end in .yaml" in problems[2]
+    assert problems[3].startswith("eval.tasks[3]: ") and "does not exist" in problems[3]
+    assert problems[4].startswith("eval.tasks: task files in 2 folders")
+
+
+# --- the login-side checks -----------------------------------------------------------------------------------------
+
+
+def _cfg(tmp_path: Path, model: Path, python: str, tasks: list[str], **extra: Any) -> Any:  # noqa: ANN401
+    sub = tmp_path / f"cfg{len(list(tmp_path.iterdir()))}"
+    sub.mkdir()
+    return read_run_config(RunPaths.of(_run_dir(sub, model, python, tasks, **extra)).config)
+
+
+def test_check_eval_unknown_task_and_bad_file(eval_python: str, tiny_model: Path, tmp_path: Path) -> None:
+    from slurmft.plan.eval_checks import check_eval
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("task: [unclosed\n")
+    cfg = _cfg(tmp_path, tiny_model, eval_python, ["hellaswagg", str(bad)])
+    problems = check_eval(cfg)
+    assert any(p.startswith("eval.tasks[1]: ") and "does not parse as YAML" in p for p in problems), problems
+    unknown = [p for p in problems if "hellaswagg" in p]
+    assert len(unknown) == 1 and unknown[0].startswith("eval.tasks[0]: ") and "did you mean hellaswag" in unknown[0]
+    # the good config: no problem
+    assert check_eval(_cfg(tmp_path, tiny_model, eval_python, [str(TASK_DIR / "tiny_mc.yaml")])) == []
+
+
+def test_check_eval_python_without_lm_eval(tiny_model: Path, tmp_path: Path) -> None:
+    from slurmft.plan.eval_checks import check_eval
+
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    python = str(bare / "bin" / "python")
+    problems = check_eval(_cfg(tmp_path, tiny_model, python, ["hellaswag"]))
+    assert len(problems) == 1 and problems[0].startswith("eval.python: ") and "cannot import lm_eval" in problems[0]
+    assert f"{python} -m pip install lm-eval" in problems[0]
+    missing = check_eval(_cfg(tmp_path, tiny_model, str(tmp_path / "nope" / "python"), ["hellaswag"]))
+    assert len(missing) == 1 and missing[0].startswith("eval.python: ") and "does not exist" in missing[0]
