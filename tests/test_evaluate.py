@@ -24,42 +24,18 @@ from slurmft.config_loading import dump_config, load_config, read_run_config
 from slurmft.errors import EvalError
 from slurmft.eval_tasks import read_task_yaml, resolve_tasks
 from slurmft.rundir import RunPaths
+from tests.conftest import need_model_job_python
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TASK_DIR = REPO_ROOT / "tests" / "data" / "eval"
-TASK = "slurmft_tiny_mc"
-#: The tests that share the one evaluate_run go to one xdist worker (the fixture is module-scoped, per worker).
-SHARED_RUN = pytest.mark.xdist_group("lm-eval-run")
+EXAMPLE_TASKS = REPO_ROOT / "examples" / "tiny" / "tasks"
+EXAMPLE_TASK = "tiny_choice"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-
-
-def _eval_python() -> str:
-    python = os.environ.get("SLURMFT_TEST_EVAL_PYTHON")
-    if python:
-        return python
-    why = "SLURMFT_TEST_EVAL_PYTHON is not set (an interpreter with lm-eval installed)"
-    if os.environ.get("CI"):
-        pytest.fail(f"{why}, and CI is set: CI must provide it")
-    pytest.skip(why)
 
 
 @pytest.fixture(scope="module")
 def eval_python() -> str:
-    return _eval_python()
-
-
-@pytest.fixture(scope="module")
-def offline_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """lm-eval's environment for these tests: offline, the datasets cache in a temporary folder."""
-    env = {**OFFLINE, "HF_DATASETS_CACHE": str(tmp_path_factory.mktemp("hf-datasets"))}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield env
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    """examples/tiny/envs.sh's lm-eval venv (tests/conftest.py: a skip without one, a failure under CI)."""
+    return need_model_job_python("eval")
 
 
 def _run_dir(root: Path, model: Path, python: str, tasks: list[str], **eval_extra: Any) -> Path:
@@ -82,72 +58,71 @@ def _run_dir(root: Path, model: Path, python: str, tasks: list[str], **eval_extr
 
 
 @pytest.fixture(scope="module")
-def evaluated(eval_python: str, offline_env: dict[str, str], tiny_model: Path,
-              tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], list[str]]:
-    """One evaluate_run of the tiny model and its copy on the local task: (run dir, summary, the job log)."""
-    root = tmp_path_factory.mktemp("eval-run")
-    run = _run_dir(root, tiny_model, eval_python, [str(TASK_DIR / "tiny_mc.yaml")])
-    log: list[str] = []
-    summary = evaluate_run_(run, log)
-    return run, summary, log
+def evaluated(local_tiny_run: Path, eval_python: str) -> tuple[Path, dict[str, Any], list[str]]:
+    """The served tiny example's evaluation (tests/conftest.py's ``local_tiny_run``: serve-eval.yaml, its eval job
+    after the consolidation, lm-eval on examples/tiny/tasks/tiny_choice.yaml): (run dir, summary, the job log)."""
+    manifest = json.loads((local_tiny_run / "manifest.json").read_text())
+    job = next(j for j in manifest["jobs"] if j["kind"] == "eval")
+    log = Path(job["logs"][0]).read_text().splitlines() + Path(job["logs"][0]).with_suffix(".err").read_text(
+        ).splitlines()
+    return local_tiny_run, json.loads((local_tiny_run / "eval" / "summary.json").read_text()), log
 
 
-def evaluate_run_(run: Path, log: list[str]) -> dict[str, Any]:
-    from slurmft.job.evaluate import evaluate_run
+def _by_hand(python: str, model: Path, out: Path) -> dict[str, Any]:
+    """lm-eval run by hand on ``model`` with the served example's task and settings (serve-eval.yaml's eval)."""
+    subprocess.run([python, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={model},dtype=float32",
+                    "--tasks", EXAMPLE_TASK, "--include_path", str(EXAMPLE_TASKS), "--batch_size", "8",
+                    "--device", "cpu", "--output_path", str(out)],
+                   cwd=EXAMPLE_TASKS, check=True, capture_output=True, text=True, timeout=600,
+                   env={**os.environ, **OFFLINE})
+    return json.loads(next(out.rglob("results_*.json")).read_text())["results"][EXAMPLE_TASK]
 
-    return evaluate_run(str(run), say=log.append)
 
-
-@SHARED_RUN
 def test_summary_has_both_models_scores_as_lm_eval_writes_them(evaluated: tuple[Path, dict[str, Any], list[str]],
                                                                eval_python: str, tiny_model: Path,
                                                                tmp_path: Path) -> None:
     run, summary, log = evaluated
-    assert summary == json.loads((run / "eval" / "summary.json").read_text())
     assert summary["backend"] == "hf" and summary["backend_reason"] == "eval.backend: hf"
     assert summary["device"] == "cpu"
-    assert summary["lm_eval_version"]
+    assert summary["lm_eval_version"] == "0.4.13"
     assert summary["models"] == {"finetuned": str(run / "model"), "base": str(tiny_model)}
-    metrics = summary["tasks"][TASK]
+    metrics = summary["tasks"][EXAMPLE_TASK]
     assert set(metrics) == {"acc,none", "acc_norm,none"}  # the stderrs stay in lm-eval's own files
-    for cell in metrics.values():
-        assert cell["finetuned"] is not None and cell["base"] is not None
     # lm-eval's own output, as it writes it, under eval/finetuned and eval/base
     for which in ("finetuned", "base"):
         written = run / summary["results_files"][which]
         assert written.is_relative_to(run / "eval" / which) and written.name.startswith("results_")
-        assert list(written.parent.glob(f"samples_{TASK}_*.jsonl"))
+        assert list(written.parent.glob(f"samples_{EXAMPLE_TASK}_*.jsonl"))
     assert set(summary["seconds"]) == {"finetuned", "base", "total"}
-    # its output streamed into the job log, progress bars at their last state
-    assert any("Running loglikelihood requests: 100%" in line for line in log)
-    assert any(line.startswith("|" + TASK) for line in log)
-    # the same scores as lm-eval run by hand, with the same arguments, on the base model
-    out = tmp_path / "by-hand"
-    subprocess.run([eval_python, "-m", "lm_eval", "--model", "hf", "--model_args",
-                    f"pretrained={tiny_model},dtype=float32", "--tasks", TASK, "--include_path", str(TASK_DIR),
-                    "--batch_size", "4", "--limit", "6", "--device", "cpu", "--output_path", str(out)],
-                   cwd=TASK_DIR, check=True, capture_output=True, text=True, timeout=600)
-    by_hand = json.loads(next(out.rglob("results_*.json")).read_text())["results"][TASK]
-    for metric, cell in metrics.items():
-        assert cell["base"] == by_hand[metric] == cell["finetuned"]  # model/ is a copy of the base
+    # its output streamed into the job log
+    assert any("Running loglikelihood requests" in line for line in log)
+    # the same scores as lm-eval run by hand, with the same arguments, on the same two models
+    for which, model in (("finetuned", run / "model"), ("base", tiny_model)):
+        by_hand = _by_hand(eval_python, model, tmp_path / which)
+        for metric, cell in metrics.items():
+            assert cell[which] == by_hand[metric], (which, metric)
+    # 18 steps on the chat data: the tuned model tells which kind of answer follows which question better
+    assert metrics["acc,none"]["finetuned"] > metrics["acc,none"]["base"], metrics
 
 
-@SHARED_RUN
 def test_eval_results_reads_the_summary(evaluated: tuple[Path, dict[str, Any], list[str]]) -> None:
     run, summary, _ = evaluated
     assert eval_results.read_summary(run) == summary
     rows = eval_results.score_rows(summary)
-    assert [(r[0], r[1]) for r in rows] == [(TASK, "acc,none"), (TASK, "acc_norm,none")]
+    assert [(r[0], r[1]) for r in rows] == [(EXAMPLE_TASK, "acc,none"), (EXAMPLE_TASK, "acc_norm,none")]
     name, value = eval_results.headline_score(summary) or ("", -1.0)
-    assert name == f"{TASK} acc_norm" and value == summary["tasks"][TASK]["acc_norm,none"]["finetuned"]
+    assert name == f"{EXAMPLE_TASK} acc_norm" and value == summary["tasks"][EXAMPLE_TASK]["acc_norm,none"]["finetuned"]
 
 
-@SHARED_RUN
 def test_a_failing_lm_eval_names_its_stderr_and_leaves_the_model(evaluated: tuple[Path, dict[str, Any], list[str]],
                                                                   tmp_path: Path) -> None:
     from slurmft.job.evaluate import evaluate_run
 
-    run, _, _ = evaluated
+    shared, _, _ = evaluated
+    run = tmp_path / "run"  # the shared run's config and model, its eval/ left alone
+    run.mkdir()
+    shutil.copy(shared / "config.yaml", run / "config.yaml")
+    shutil.copytree(shared / "model", run / "model")
     model_files = sorted((p.name, p.stat().st_mtime_ns) for p in (run / "model").iterdir())
     with pytest.raises(EvalError) as err:
         evaluate_run(str(run), tasks=["slurmft_no_such_task_xyz"], say=lambda line: None)
@@ -259,18 +234,17 @@ def _cfg(tmp_path: Path, model: Path, python: str, tasks: list[str], **extra: An
     return read_run_config(RunPaths.of(_run_dir(sub, model, python, tasks, **extra)).config)
 
 
-def test_check_eval_unknown_task_and_bad_file(eval_python: str, tiny_model: Path, tmp_path: Path) -> None:
+def test_check_eval_bad_file(eval_python: str, tiny_model: Path, tmp_path: Path) -> None:
+    """A task file that does not parse, named by its field (an unknown registry name, with lm-eval's registry listed
+    for real: tests/test_serve_eval_local.py, through `slurmft submit`)."""
     from slurmft.plan.eval_checks import check_eval
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("task: [unclosed\n")
-    cfg = _cfg(tmp_path, tiny_model, eval_python, ["hellaswagg", str(bad)])
-    problems = check_eval(cfg)
-    assert any(p.startswith("eval.tasks[1]: ") and "does not parse as YAML" in p for p in problems), problems
-    unknown = [p for p in problems if "hellaswagg" in p]
-    assert len(unknown) == 1 and unknown[0].startswith("eval.tasks[0]: ") and "did you mean hellaswag" in unknown[0]
+    problems = check_eval(_cfg(tmp_path, tiny_model, eval_python, [str(bad)]))
+    assert len(problems) == 1 and problems[0].startswith("eval.tasks[0]: ") and "does not parse as YAML" in problems[0]
     # the good config: no problem
-    assert check_eval(_cfg(tmp_path, tiny_model, eval_python, [str(TASK_DIR / "tiny_mc.yaml")])) == []
+    assert check_eval(_cfg(tmp_path, tiny_model, eval_python, [str(EXAMPLE_TASKS / "tiny_choice.yaml")])) == []
 
 
 def test_check_eval_python_without_lm_eval(tiny_model: Path, tmp_path: Path) -> None:

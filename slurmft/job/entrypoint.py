@@ -135,7 +135,6 @@ def _after_model(run_dir: str, kind: str, body: str, *args: object) -> dict[str,
 
     _load_the_stack(run_dir, kind)
     from slurmft.errors import SlurmftError
-
     from slurmft.watch.report import write_report_safely
 
     module, _, function = body.partition(":")

@@ -20,17 +20,15 @@ passed as lm-eval's ``--include_path`` (their folder) and their ``task:`` names;
 so a relative ``data_files`` resolves against the task file's folder. A failure raises ``EvalError`` with the
 last lines lm-eval wrote to stderr; RUN_DIR/model is only ever read.
 
-By hand: ``python -m slurmft.job.evaluate RUN_DIR [--tasks a,b]``.
+By hand: ``slurmft eval RUN_DIR [--tasks a,b] --here``.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +37,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from slurmft.config_loading import read_run_config
 from slurmft.config_model_checks import EvalConfig
-from slurmft.errors import EvalError, SlurmftError
+from slurmft.errors import EvalError
 from slurmft.eval_tasks import resolve_tasks
 from slurmft.rundir import ADAPTER_CONFIG, RunPaths, atomic_write
 
@@ -271,24 +269,3 @@ def evaluate_run(run_dir: str, tasks: list[str] | None = None, say: Say = print)
     atomic_write(root / "summary.json", json.dumps(summary, indent=2) + "\n")
     say(f"eval: wrote {root / 'summary.json'} in {seconds['total']} s")
     return summary
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m slurmft.job.evaluate RUN_DIR [--tasks a,b]``."""
-    parser = argparse.ArgumentParser(prog="python -m slurmft.job.evaluate",
-                                     description="Score a consolidated run with lm-eval-harness (eval: section).")
-    parser.add_argument("run_dir", help="the run directory (holds config.yaml and model/ or adapter/)")
-    parser.add_argument("--tasks", help="comma-separated lm-eval task names or task YAML files (default: eval.tasks)")
-    args = parser.parse_args(argv)
-    tasks = [t for t in args.tasks.split(",") if t] if args.tasks else None
-    try:
-        summary = evaluate_run(args.run_dir, tasks=tasks, say=lambda line: print(line, flush=True))
-    except SlurmftError as exc:
-        print(f"error: {exc.render()}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

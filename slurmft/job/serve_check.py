@@ -22,11 +22,14 @@ check raises :class:`ServeCheckError` naming the cause and never touches ``model
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -126,8 +129,25 @@ def reference(model_dir: Path, dtype: str, prompts: list[list[int]], max_new_tok
 
 
 # ------------------------------------------------------------------------------------------------ vLLM
+#: An error line in vLLM's output (its engine core and workers log the root cause; the exception the script gets
+#: from the engine is often only "EngineDeadError: EngineCore encountered an issue").
+_ERROR_LINE = re.compile(r"\b((?:[A-Z]\w*)?(?:Error|Exception)): (.+)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def root_causes(lines: list[str], limit: int = 3) -> list[str]:
+    """The distinct error lines of vLLM's output, the generic engine-died one left out, oldest first."""
+    found: list[str] = []
+    for line in lines:
+        m = _ERROR_LINE.search(_ANSI.sub("", line))
+        if m and m.group(1) != "EngineDeadError" and m.group(0) not in found:
+            found.append(m.group(0).strip())
+    return found[:limit]
+
+
 def run_vllm(python: str, request: dict[str, Any], workdir: Path, label: str, timeout_s: float) -> dict[str, Any]:
-    """``python serve_vllm.py`` on ``request``; its output streams into the job's log; returns its result file."""
+    """``python serve_vllm.py`` on ``request``; its output streams into the job's log (and its end is kept, for the
+    root cause of a refusal); returns its result file."""
     req_path, res_path = workdir / f"{label}.request.json", workdir / f"{label}.vllm.json"
     atomic_write(req_path, json.dumps(request, indent=1))
     res_path.unlink(missing_ok=True)
@@ -136,21 +156,36 @@ def run_vllm(python: str, request: dict[str, Any], workdir: Path, label: str, ti
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU: a check, not a server
     log.info("serve check (%s): starting vLLM in %s", label, python)
     sys.stdout.flush()
+    tail: collections.deque[str] = collections.deque(maxlen=400)
     try:
-        proc = subprocess.run([python, str(SCRIPT), str(req_path), str(res_path)], env=env, timeout=timeout_s,
-                              check=False)
+        proc = subprocess.Popen([python, str(SCRIPT), str(req_path), str(res_path)], env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, errors="replace")
     except FileNotFoundError:
         raise ServeCheckError(f"serve.python: {python} does not exist (an interpreter with vLLM installed)") from None
-    except subprocess.TimeoutExpired:
+    timer = threading.Timer(timeout_s, proc.kill)
+    timer.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            tail.append(line.rstrip("\n"))
+        proc.wait()
+    finally:
+        timed_out = not timer.is_alive()
+        timer.cancel()
+    sys.stdout.flush()
+    if timed_out:
         raise ServeCheckError(f"vLLM ({label}) did not finish within {timeout_s:.0f} s: its engine hung or is far "
-                              "too slow here (see the job's log)") from None
+                              "too slow here (see the job's log)")
     if not res_path.is_file():
         raise ServeCheckError(f"vLLM ({label}) ended with exit status {proc.returncode} and wrote no result: "
-                              f"{python} may lack vLLM (`{python} -m pip install vllm`); see the job's log")
+                              f"{python} may lack vLLM (`{python} -m pip install vllm`); see the job's log",
+                              root_causes(list(tail)))
     result = json.loads(res_path.read_text())
     if "error" in result:
-        raise ServeCheckError(f"vLLM refused the model ({label}): {result['error']}",
-                              [line for line in result.get("traceback", "").splitlines()[-4:] if line.strip()])
+        causes = root_causes(list(tail)) or [line for line in result.get("traceback", "").splitlines()[-3:]
+                                             if line.strip()]
+        raise ServeCheckError(f"vLLM refused the model ({label}): {result['error']}", causes)
     return result
 
 
@@ -293,23 +328,3 @@ def _check(cfg: RunConfig, paths: RunPaths, out_dir: Path, record: dict[str, Any
         raise ServeCheckError(f"the model does not serve as trained ({out_dir / 'result.json'}); {paths.model} is "
                               "left as it is", failed)
     record["ok"] = True
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m slurmft.job.serve_check RUN_DIR``: the serve check here, in this process."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m slurmft.job.serve_check")
-    ap.add_argument("run_dir")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        print(json.dumps(serve_check_run(args.run_dir)))
-    except SlurmftError as exc:
-        sys.stderr.write(exc.render() + "\n")
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

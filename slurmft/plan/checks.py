@@ -559,9 +559,11 @@ def check_model_jobs(cfg: RunConfig, report: Report) -> None:
 
         report.problems += check_serve(cfg)
     if cfg.eval is not None:
+        import sys
+
         from slurmft.plan.eval_checks import check_eval
 
-        report.problems += check_eval(cfg)
+        report.problems += check_eval(cfg, lambda line: print(f"note: {line}", file=sys.stderr))
 
 
 # ====================================================================== the effective batch

@@ -1,11 +1,11 @@
 """The ``eval:`` section checked on the login node, before the evaluation job waits in the queue for nothing.
 
 lm-eval lives in an interpreter of its own (``eval.python``, default the job's), so nothing here imports it
-(nor torch): one child process of that interpreter answers everything at once (:func:`probe_eval_python`):
-whether it imports lm_eval (and vllm, for ``eval.backend: vllm``), and which task names lm-eval's registry
-does not know, with a did-you-mean. Building that registry reads lm-eval's ~14,000 task YAMLs: 30-37 s on a
-busy 2-core machine (lm-eval 0.4.13), paid only when a task is a registry name; your own task files alone
-take about 5 s (importing lm_eval's task code).
+(nor torch): a child process of that interpreter says whether it finds lm_eval (and vllm, for ``eval.backend:
+vllm``) without importing them (~0.1 s), and task names are looked up in lm-eval's registry with a did-you-mean.
+Listing that registry reads lm-eval's ~14,000 task YAMLs (30-37 s on a busy 2-core machine, lm-eval 0.4.13): it
+is done once per interpreter and lm-eval version and cached (:func:`registry_names`), and only when a task is a
+registry name.
 
 Your own task files are read here without lm-eval (slurmft.eval_tasks): missing, not YAML, no ``task:``,
 ``.yml``, or spread over folders. Each problem names its field (``eval.tasks[1]``, ``eval.python``) and the fix.
@@ -13,73 +13,80 @@ Your own task files are read here without lm-eval (slurmft.eval_tasks): missing,
 
 from __future__ import annotations
 
+import difflib
+import hashlib
 import json
 import os
 import shutil
 import subprocess
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from slurmft.config import RunConfig
 from slurmft.config_paths import is_program_path
-from slurmft.eval_tasks import EvalTasks, resolve_tasks
+from slurmft.eval_tasks import resolve_tasks
+from slurmft.modelinfo import cache_dir
+from slurmft.rundir import atomic_write
 
-#: Seconds the probe may take (the registry alone is ~30 s; importing vllm can take a minute).
+#: Seconds the probe may take (the registry alone is ~30 s).
 PROBE_TIMEOUT_S = 300
 
-# Runs in the eval Python: argv = names (JSON), include path or "", "1" to import vllm, "1" for the full registry.
-_PROBE = r"""
-import difflib, json, sys, time
-t0 = time.monotonic()
-names, include, want_vllm, defaults = json.loads(sys.argv[1]), sys.argv[2] or None, sys.argv[3] == "1", sys.argv[4] == "1"
-out = {}
+# Runs in the eval Python, importing nothing: which of lm_eval and vllm it finds, and lm-eval's installed version.
+_FINDS = r"""
+import importlib.metadata as md, importlib.util as u, json
+out = {m: u.find_spec(m) is not None for m in ("lm_eval", "vllm")}
 try:
-    import lm_eval
-    out["lm_eval"] = getattr(lm_eval, "__version__", "?")
-except Exception as err:
-    out["lm_eval_error"] = f"{type(err).__name__}: {err}"
-    print(json.dumps(out)); sys.exit(0)
-if want_vllm:
-    try:
-        import vllm
-        out["vllm"] = getattr(vllm, "__version__", "?")
-    except Exception as err:
-        out["vllm_error"] = f"{type(err).__name__}: {err}"
-import logging
-logging.disable(logging.WARNING)
-from lm_eval.tasks import TaskManager
-tm = TaskManager(include_path=include, include_defaults=defaults)
-known = tm.all_tasks
-out["unknown"] = {n: difflib.get_close_matches(n, known, n=3) for n in names if not tm.match_tasks([n])}
-out["seconds"] = round(time.monotonic() - t0, 1)
+    out["lm_eval_version"] = md.version("lm_eval")
+except md.PackageNotFoundError:
+    out["lm_eval_version"] = None
 print(json.dumps(out))
 """
 
+# Runs in the eval Python: every task name lm-eval's registry knows (its built-in tasks).
+_REGISTRY = r"""
+import json, logging
+logging.disable(logging.WARNING)
+from lm_eval.tasks import TaskManager
+print(json.dumps(sorted(TaskManager().all_tasks)))
+"""
 
-def probe_eval_python(python: str, tasks: EvalTasks, vllm: bool) -> dict[str, Any]:
-    """Ask ``python`` (one child process): its lm_eval version (or ``lm_eval_error``), vllm's (``vllm_error``) when
-    ``vllm``, ``unknown`` {name: close matches} for the names lm-eval's registry lacks, ``seconds`` it took.
-    ``{"error": ...}`` when it does not run or answer."""
-    defaults = bool(tasks.registry_names)
-    cmd = [python, "-c", _PROBE, json.dumps(tasks.names), tasks.include_path or "", "1" if vllm else "0",
-           "1" if defaults else "0"]
-    start = time.monotonic()
+
+def _run(python: str, code: str) -> Any:
+    """The JSON a child process of ``python`` prints last, or ``{"error": ...}``."""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False, cwd="/",
-                              env=_offline_env())
+        proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
+                              check=False, cwd="/", env=_offline_env())
     except (OSError, subprocess.TimeoutExpired) as err:
         return {"error": f"{type(err).__name__}: {err}"}
     lines = proc.stdout.strip().splitlines()
     try:
-        answer = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+        return json.loads(lines[-1]) if proc.returncode == 0 and lines else {"error": (proc.stderr.strip().splitlines()
+                                                                                       or ["no output"])[-1]}
     except ValueError:
-        answer = None
-    if not isinstance(answer, dict):
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"error": f"exit {proc.returncode}: {tail}"}
-    answer["wall_seconds"] = round(time.monotonic() - start, 1)
-    return answer
+        return {"error": f"exit {proc.returncode}: unreadable output"}
+
+
+def registry_names(python: str, version: str, say: Callable[[str], None] | None = None) -> list[str] | str:
+    """lm-eval's registered task names, listed once per interpreter and lm-eval version (reading its ~14,000 task
+    files takes 30-37 s) and cached; a message when they cannot be listed."""
+    key = hashlib.sha256(f"{os.path.realpath(python)} {version}".encode()).hexdigest()[:16]
+    cache = cache_dir() / f"lm-eval-tasks-{version}-{key}.json"
+    try:
+        return list(json.loads(cache.read_text()))
+    except (OSError, ValueError):
+        pass
+    if say is not None:
+        say(f"listing lm-eval {version}'s task registry once (about half a minute; cached in {cache.parent})")
+    names = _run(python, _REGISTRY)
+    if not isinstance(names, list):
+        return str(names.get("error") if isinstance(names, dict) else names)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(cache, json.dumps(names))
+    except OSError:
+        pass  # no cache: the next validate lists them again
+    return names
 
 
 def _offline_env() -> dict[str, str]:
@@ -107,8 +114,9 @@ def _python_problem(cfg: RunConfig) -> tuple[str, str, str | None]:
     return field, python, None
 
 
-def check_eval(cfg: RunConfig) -> list[str]:
-    """Every problem of ``cfg.eval`` (none without an eval section), each naming its field and the fix."""
+def check_eval(cfg: RunConfig, say: Callable[[str], None] | None = None) -> list[str]:
+    """Every problem of ``cfg.eval`` (none without an eval section), each naming its field and the fix. Task files
+    are read here; task names are looked up in lm-eval's registry (:func:`registry_names`, cached)."""
     if cfg.eval is None:
         return []
     tasks = resolve_tasks(cfg.eval.tasks)
@@ -116,25 +124,27 @@ def check_eval(cfg: RunConfig) -> list[str]:
     field, python, problem = _python_problem(cfg)
     if problem:
         return [*problems, problem]
-    answer = probe_eval_python(python, tasks, vllm=cfg.eval.backend == "vllm")
-    if "error" in answer:
-        return [*problems, f"{field}: {python} does not run as a Python ({answer['error']}); set eval.python to "
+    found = _run(python, _FINDS)
+    if "error" in found:
+        return [*problems, f"{field}: {python} does not run as a Python ({found['error']}); set eval.python to "
                 f"an interpreter with lm-eval installed"]
-    if "lm_eval_error" in answer:
-        return [*problems, f"{field}: {python} cannot import lm_eval ({answer['lm_eval_error']}); install it: "
-                f"{python} -m pip install lm-eval (or set eval.python to a venv that has it)"]
-    if "vllm_error" in answer:
-        problems.append(f"eval.backend: vllm, but {python} cannot import vllm ({answer['vllm_error']}); "
-                        f"{python} -m pip install vllm, or set eval.backend: hf (or auto)")
-    for name, close in answer.get("unknown", {}).items():
-        label = f"eval.tasks[{tasks.entry_of.get(name, 0)}]"
-        if name in tasks.from_files:
-            problems.append(f"{label}: lm-eval does not register the task {name!r} of {tasks.from_files[name]} "
-                            "(its loader skipped the file: check its include: and !function files); "
-                            f"{python} -m lm_eval validate --tasks {name} --include_path {tasks.include_path} "
-                            "says why")
+    if not found["lm_eval"]:
+        return [*problems, f"{field}: {python} cannot import lm_eval; install it: {python} -m pip install lm-eval "
+                "(or set eval.python to a venv that has it)"]
+    if cfg.eval.backend == "vllm" and not found["vllm"]:
+        problems.append(f"eval.backend: vllm, but {python} cannot import vllm; {python} -m pip install vllm, or set "
+                        "eval.backend: hf (or auto)")
+    if not tasks.registry_names:
+        return problems
+    known = registry_names(python, str(found["lm_eval_version"]), say)
+    if isinstance(known, str):
+        return [*problems, f"{field}: {python} could not list lm-eval's tasks ({known})"]
+    registered = set(known)
+    for name in tasks.registry_names:
+        if name in registered:
             continue
+        close = difflib.get_close_matches(name, known, n=3)
         hint = f"did you mean {' or '.join(close)}?" if close else "`lm-eval ls tasks` lists them"
-        problems.append(f"{label}: {name!r} is not a task lm-eval {answer.get('lm_eval', '')} knows; {hint} "
-                        "(or give your own task YAML file)")
+        problems.append(f"eval.tasks[{tasks.entry_of.get(name, 0)}]: {name!r} is not a task lm-eval "
+                        f"{found['lm_eval_version']} knows; {hint} (or give your own task YAML file)")
     return problems

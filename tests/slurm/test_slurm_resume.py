@@ -15,8 +15,11 @@ from pathlib import Path
 import pytest
 
 from slurmft.rundir import RunPaths, read_manifest, write_manifest
+from tests.conftest import REPO_ROOT, need_model_job_python
 from tests.export_check import assert_export_matches_checkpoint
 from tests.slurm.conftest import IN_ALLOCATION
+
+TINY_TASK = REPO_ROOT / "examples" / "tiny" / "tasks" / "tiny_choice.yaml"
 
 pytestmark = pytest.mark.slurm
 
@@ -87,14 +90,29 @@ def test_killed_rank_then_resume(slurm_cluster, reference: Path, tiny_model: Pat
     assert len(read_manifest(RunPaths.of(run))["jobs"]) == 4
 
 
+def _served(tmp_path: Path) -> dict[str, dict]:
+    """The serve and eval sections (docs/serve-eval.md): vLLM's CPU build and lm-eval in CI's venvs, small."""
+    small = {"gpus": 0, "cpus_per_task": 1, "mem": "8G", "time": "00:10:00"}
+    return {"serve": {"python": need_model_job_python("serve"), "prompts": 2, "max_new_tokens": 8, "resources": small},
+            "eval": {"python": need_model_job_python("eval"), "tasks": [str(TINY_TASK)], "limit": 8, "backend": "hf",
+                     "resources": small}}
+
+
 def test_scancel_then_resume(slurm_cluster, reference: Path, tiny_model: Path, chat_data: Path,
                              tmp_path: Path, slurmft) -> None:
-    run, jobs = _start(slurmft, tmp_path, tiny_model, chat_data)
+    """... with the jobs after consolidation: the cancel takes them along (Slurm cancels them with the consolidation
+    they wait on), the resume chains new ones, and they run once the new consolidation succeeds."""
+    run, jobs = _start(slurmft, tmp_path, tiny_model, chat_data, **_served(tmp_path))
+    assert set(jobs) == {"train", "consolidate", "serve", "eval"}
+    recorded = {j["kind"]: j for j in read_manifest(RunPaths.of(run))["jobs"]}
+    assert recorded["serve"]["dependency"] == recorded["eval"]["dependency"] == f"afterok:{jobs['consolidate']}"
     slurmft.wait_for("step 12", lambda: any(m["step"] >= 12 for m in slurmft.metrics(run)))
     subprocess.run(["scancel", jobs["train"]], check=True)  # SIGTERM to every rank and the batch shell
     cancelled_at = time.time()
     slurm_cluster.wait_state(jobs["train"], "CANCELLED", timeout=120)
     _cancelled_by_slurm(slurm_cluster, jobs["consolidate"])
+    for kind in ("serve", "eval"):  # they waited on that consolidation: Slurm cancels them too
+        _cancelled_by_slurm(slurm_cluster, jobs[kind])
     # the ranks saved at the next step boundary, within KillWait (5 s here), and the job stayed cancelled
     marker = json.loads((run / "requeue" / f"{jobs['train']}-0").read_text())
     saved = marker["step"]
@@ -123,6 +141,23 @@ def test_scancel_then_resume(slurm_cluster, reference: Path, tiny_model: Path, c
     assert attempt["previous"]["state"] == "CANCELLED" and attempt["overrides"] == ["cluster.time=00:14:00"]
     assert attempt["resumed_from_step"] == saved  # from the step scancel stopped at, not checkpoint-10
     assert min(m["step"] for m in slurmft.metrics(run) if m["job_id"] == new["train"]) == saved + 1
+    # the jobs after consolidation, re-chained by the resume, ran after the new consolidation. lm-eval scored the model
+    # and the base. vLLM refused the model, as a deployer would have met it: vLLM's CPU build has no attention kernel
+    # for the micro model's head size (16; the tiny example's 32 serves: tests/test_serve_eval_local.py). The check
+    # says so in vLLM's own words, the job fails, `status` says why, and the model stays.
+    assert attempt["serve_job"] == new["serve"] and attempt["eval_job"] == new["eval"]
+    slurm_cluster.wait_state(new["eval"], "COMPLETED", timeout=400)
+    scores = json.loads((run / "eval" / "summary.json").read_text())["tasks"]["tiny_choice"]
+    assert all(cell["base"] is not None and cell["finetuned"] is not None for cell in scores.values())
+    slurm_cluster.wait_state(new["serve"], "FAILED", timeout=400)
+    served = json.loads((run / "serve" / "result.json").read_text())
+    assert not served["ok"] and served["problems"][0].startswith("vLLM refused the model (model): ")
+    assert any("Unsupported CPU attention configuration: head_dim=16" in p for p in served["problems"]), served
+    slurmft.assert_same_model(run / "model", reference)  # the model stays as consolidated
+    code, out, _ = slurmft.cli(["status", str(run)])
+    assert f"serve {new['serve']}: failed" in out and f"slurmft serve {run}" in out, out
+    assert "serve check FAILED: vLLM refused the model" in out and "head_dim=16" in out, out
+    assert "tiny_choice acc,none" in out
 
 
 def test_budget_used_up_then_resume_then_failed_consolidation_redone(

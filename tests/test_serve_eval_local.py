@@ -1,0 +1,109 @@
+"""The served tiny example (examples/tiny/serve-eval.yaml on the local executor, tests/conftest.py's shared
+``local_tiny_run``): after its consolidation, vLLM's CPU build served model/ and its greedy tokens equal
+transformers'; lm-eval scored it and the base (tests/test_evaluate.py compares those scores with lm-eval by hand).
+A model that does not serve fails the check naming why, and the model stays; bad serve/eval input is refused
+before anything is submitted."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from cli_runner import cli
+
+from tests.conftest import SERVED_EXAMPLE, need_model_job_python
+
+pytestmark = pytest.mark.train
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code, out, err = cli(args, capsys)
+    return code, out + err
+
+
+@pytest.fixture(scope="module")
+def served(local_tiny_run: Path) -> Path:
+    need_model_job_python("serve")
+    need_model_job_python("eval")
+    return local_tiny_run
+
+
+def test_vllm_serves_the_consolidated_model_as_transformers_runs_it(served: Path) -> None:
+    record = json.loads((served / "serve" / "result.json").read_text())
+    assert record["ok"] and list(record["engines"]) == ["model"] and record["vllm_version"] == "0.32.0"
+    engine = record["engines"]["model"]
+    assert engine["dtype"] == "float32" and engine["exact"] and engine["problems"] == []
+    assert engine["loading"] == {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
+    assert len(engine["prompts"]) == 3 and len(record["prompts"]) == 3
+    for p in engine["prompts"]:
+        assert p["vllm"] == p["transformers"] and p["agree"] == len(p["vllm"])
+        assert len(set(p["vllm"])) >= 3, p  # not one repeated token: the comparison has something to compare
+        assert p["max_first_logprob_gap"] <= 1e-3
+        assert p["finish_reason"] == "stop" and p["stop_token"] in engine["eos"]  # it stops at its EOS
+    assert engine["startup_s"] > 0 and engine["tokens_per_s"] > 0
+    sent = json.loads((served / "serve" / "model.request.json").read_text())
+    assert sent["model"] == str(served / "model") and sent["lora"] is None and sent["max_new_tokens"] == 16
+    assert sent["prompts"][0] == [int(t) for t in sent["prompts"][0]]  # token ids, one tokenization for both
+
+
+def test_status_runs_and_the_report_show_the_check_and_the_scores(served: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run_cli(["status", str(served)], capsys)
+    assert code == 0, out
+    assert "serve check passed: vLLM 0.32.0 served model/: greedy tokens equal transformers' on 3 prompt(s)" in out
+    assert "evaluation (lm-eval 0.4.13, hf backend):" in out and "tiny_choice acc_norm,none: " in out
+    code, out, _ = cli(["status", str(served), "--json"], capsys)
+    status = json.loads(out)
+    assert status["serve"]["ok"] and set(status["eval"]["tasks"]) == {"tiny_choice"}
+    code, out = run_cli(["runs", str(served.parent)], capsys)
+    assert code == 0 and "(tiny_choice acc_norm)" in out
+    assert "## Served and scored" in (served / "report.md").read_text()
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    """The run's directory without its checkpoints and prepared data (a check only reads config.yaml and model/)."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("checkpoints", "prepared", "submitit", "eval", "serve"))
+    return dst
+
+
+def test_a_model_that_does_not_serve_fails_the_check_naming_why_and_stays(served: Path, tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    # a tokenizer file deliberately removed: neither a server nor the check can load the tokenizer
+    run = _copy_run(served, tmp_path / "no-tokenizer")
+    (run / "model" / "tokenizer.json").unlink()
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in (run / "model").iterdir())
+    code, out = run_cli(["serve", str(run), "--here"], capsys)
+    assert code == 2 and "the tokenizer in" in out and "does not load" in out, out
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (run / "model").iterdir()) == before  # the model stays
+    code, out = run_cli(["status", str(run)], capsys)
+    assert "serve check FAILED: the tokenizer in" in out, out
+    jobs = json.loads((run / "manifest.json").read_text())["jobs"]
+    assert (jobs[-1]["kind"], jobs[-1]["state"]) == ("serve", "FAILED")
+    # vLLM's own refusal, in its words: tests/slurm/test_slurm_resume.py (the micro model's head size on the cluster)
+
+
+def test_bad_serve_and_eval_input_is_refused_before_anything_is_submitted(
+        served: Path, tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setenv("SLURMFT_CACHE_DIR", str(tmp_path / "cache"))  # lm-eval's registry listed for real, once
+    bad_task = tmp_path / "bad.yaml"
+    bad_task.write_text("task: [unclosed\n")
+    cases = {
+        "unknown task": (["eval.tasks=[hellaswagg]"], "eval.tasks[0]: 'hellaswagg' is not a task lm-eval 0.4.13 "
+                                                       "knows; did you mean hellaswag"),
+        "task file": ([f"eval.tasks=[{bad_task}]"], "eval.tasks[0]: "),
+        "no lm-eval": ([f"eval.python={sys.executable}"], f"cannot import lm_eval; install it: {sys.executable} -m pip"),
+        "no vLLM": ([f"serve.python={sys.executable}"], f"serve.python: {sys.executable} cannot import vllm"),
+    }
+    vllm, lm_eval = need_model_job_python("serve"), need_model_job_python("eval")
+    for name, (overrides, said) in cases.items():
+        out_dir = tmp_path / name.replace(" ", "-")
+        code, out = run_cli(["submit", str(SERVED_EXAMPLE), f"output_dir={out_dir}", f"model.name_or_path={tiny_model}",
+                         f"serve.python={vllm}", f"eval.python={lm_eval}", *overrides], capsys)
+        assert code == 2 and said in out, (name, out)
+        assert not out_dir.exists(), name  # nothing written, nothing submitted
+    assert list((tmp_path / "cache").glob("lm-eval-tasks-0.4.13-*.json"))  # listed once, cached
