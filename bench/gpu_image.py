@@ -44,6 +44,9 @@ REPO = Path(__file__).resolve().parents[1]
 IMAGE_LIST = REPO / "bench" / "gpu_image_packages.txt"
 #: What runs on the GPU machine: the package and the smoke that starts it.
 JOB_SOURCES = (REPO / "slurmft", REPO / "bench" / "gpu_smoke.py")
+#: Files of slurmft that another interpreter runs, never the job's: the serve check's vLLM half, run as a script by
+#: ``serve.python`` (vLLM in a venv of its own; docs/serve-eval.md). Their imports are not the job's.
+OTHER_INTERPRETERS = frozenset({REPO / "slurmft" / "job" / "serve_vllm.py"})
 #: pyproject's extras the smoke's job needs beside the base dependencies.
 JOB_EXTRAS = ("train",)
 #: Test tools the CPU lane with the image's versions runs (bench/gpu_image_env.sh); the image has them.
@@ -96,7 +99,7 @@ def read_image(path: Path = IMAGE_LIST) -> Image:
 def imported_modules(sources: tuple[Path, ...] = JOB_SOURCES) -> dict[str, list[str]]:
     """Top-level modules of every absolute import in ``sources`` (files or folders), the standard library's and this
     checkout's own (slurmft, bench/) left out, with the files that import each."""
-    files = [f for s in sources for f in (sorted(s.rglob("*.py")) if s.is_dir() else [s])]
+    files = [f for s in sources for f in (sorted(s.rglob("*.py")) if s.is_dir() else [s]) if f not in OTHER_INTERPRETERS]
     found: dict[str, set[str]] = {}
     for file in files:
         for node in ast.walk(ast.parse(file.read_text(), str(file))):

@@ -68,14 +68,29 @@ def evaluated(local_tiny_run: Path, eval_python: str) -> tuple[Path, dict[str, A
     return local_tiny_run, json.loads((local_tiny_run / "eval" / "summary.json").read_text()), log
 
 
-def _by_hand(python: str, model: Path, out: Path) -> dict[str, Any]:
-    """lm-eval run by hand on ``model`` with the served example's task and settings (serve-eval.yaml's eval)."""
-    subprocess.run([python, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={model},dtype=float32",
-                    "--tasks", EXAMPLE_TASK, "--include_path", str(EXAMPLE_TASKS), "--batch_size", "8",
-                    "--device", "cpu", "--output_path", str(out)],
-                   cwd=EXAMPLE_TASKS, check=True, capture_output=True, text=True, timeout=600,
-                   env={**os.environ, **OFFLINE})
-    return json.loads(next(out.rglob("results_*.json")).read_text())["results"][EXAMPLE_TASK]
+#: lm-eval by hand, through its own Python API, both models in one process (one import of lm-eval, not two): the
+#: arguments the CLI's ``--model hf --model_args pretrained=M,dtype=float32 --tasks T --include_path D --batch_size 8
+#: --device cpu`` stand for, with the CLI's default seeds.
+BY_HAND = r"""
+import json, sys
+from lm_eval import simple_evaluate
+from lm_eval.tasks import TaskManager
+task, include, models = sys.argv[1], sys.argv[2], sys.argv[3:]
+out = {}
+for model in models:
+    r = simple_evaluate(model="hf", model_args=f"pretrained={model},dtype=float32", tasks=[task], batch_size=8,
+                        device="cpu", task_manager=TaskManager(include_path=include))
+    out[model] = r["results"][task]
+print(json.dumps(out))
+"""
+
+
+def _by_hand(python: str, models: list[Path]) -> dict[str, Any]:
+    """lm-eval's results of the served example's task on each of ``models``, run by hand (:data:`BY_HAND`)."""
+    proc = subprocess.run([python, "-c", BY_HAND, EXAMPLE_TASK, str(EXAMPLE_TASKS), *map(str, models)],
+                          cwd=EXAMPLE_TASKS, check=True, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **OFFLINE})
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_summary_has_both_models_scores_as_lm_eval_writes_them(evaluated: tuple[Path, dict[str, Any], list[str]],
@@ -97,10 +112,10 @@ def test_summary_has_both_models_scores_as_lm_eval_writes_them(evaluated: tuple[
     # its output streamed into the job log
     assert any("Running loglikelihood requests" in line for line in log)
     # the same scores as lm-eval run by hand, with the same arguments, on the same two models
+    by_hand = _by_hand(eval_python, [run / "model", tiny_model])
     for which, model in (("finetuned", run / "model"), ("base", tiny_model)):
-        by_hand = _by_hand(eval_python, model, tmp_path / which)
         for metric, cell in metrics.items():
-            assert cell[which] == by_hand[metric], (which, metric)
+            assert cell[which] == by_hand[str(model)][metric], (which, metric)
     # 18 steps on the chat data: the tuned model tells which kind of answer follows which question better
     assert metrics["acc,none"]["finetuned"] > metrics["acc,none"]["base"], metrics
 
@@ -258,3 +273,36 @@ def test_check_eval_python_without_lm_eval(tiny_model: Path, tmp_path: Path) -> 
     assert f"{python} -m pip install lm-eval" in problems[0]
     missing = check_eval(_cfg(tmp_path, tiny_model, str(tmp_path / "nope" / "python"), ["hellaswag"]))
     assert len(missing) == 1 and missing[0].startswith("eval.python: ") and "does not exist" in missing[0]
+
+
+def test_the_scores_go_into_the_runs_one_wandb_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``train.report_to: [wandb]``: the evaluation job resumes the run's W&B run (the train job's id, from
+    tracker.json) and puts the scores in its summary; the offline attempt is recorded for `wandb sync`."""
+    from slurmft.job.evaluate import send_to_wandb, wandb_summary
+    from slurmft.trackers import read_tracker, sync_command
+    from tests.tracker_check import WANDB_HOME
+
+    for key in WANDB_HOME:
+        monkeypatch.setenv(key, str(tmp_path / "wandb-home" / key))
+    for key in ("WANDB_RUN_ID", "WANDB_RESUME", "WANDB_NAME", "WANDB_DIR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    paths = RunPaths.of(tmp_path / "run")
+    paths.root.mkdir()
+    paths.tracker.write_text(json.dumps({"wandb": {"id": "the-train-jobs-run", "attempts": []}}))
+    summary = {"tasks": {"tiny_choice": {"acc,none": {"finetuned": 0.5, "base": 0.25},
+                                         "acc_norm,none": {"finetuned": 0.75, "base": None}}}}
+    assert wandb_summary(summary) == {"eval/tiny_choice/acc": 0.5, "eval/tiny_choice/acc/base": 0.25,
+                                      "eval/tiny_choice/acc_norm": 0.75}
+    said: list[str] = []
+    assert send_to_wandb(paths, "tiny", summary, said.append) == "the-train-jobs-run", said
+    [folder] = (paths.root / "wandb").glob("offline-run-*-the-train-jobs-run")
+    proc = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(next(folder.glob("*.wandb")))],
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, check=True)
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    sent = {item["key"]: json.loads(item["value_json"]) for r in records if r.get("type") == "summary"
+            for item in r["summary"].get("update", [])}
+    assert {k: v for k, v in sent.items() if k.startswith("eval/")} == wandb_summary(summary), records[-3:]
+    record = read_tracker(paths) or {}
+    assert record["wandb"]["attempts"][-1]["job"] == "eval" and record["wandb"]["attempts"][-1]["offline"]
+    assert "the-train-jobs-run" in (sync_command(record) or "")

@@ -37,7 +37,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from slurmft.config_loading import read_run_config
 from slurmft.config_model_checks import EvalConfig
-from slurmft.errors import EvalError
+from slurmft.errors import EvalError, SlurmftError
 from slurmft.eval_tasks import resolve_tasks
 from slurmft.rundir import ADAPTER_CONFIG, RunPaths, atomic_write
 
@@ -268,4 +268,54 @@ def evaluate_run(run_dir: str, tasks: list[str] | None = None, say: Say = print)
     }
     atomic_write(root / "summary.json", json.dumps(summary, indent=2) + "\n")
     say(f"eval: wrote {root / 'summary.json'} in {seconds['total']} s")
+    if "wandb" in cfg.train.report_to:
+        send_to_wandb(paths, cfg.name, summary, say)
     return summary
+
+
+def wandb_summary(summary: dict[str, Any]) -> dict[str, float]:
+    """The scores as W&B summary keys: ``eval/TASK/METRIC`` (the fine-tuned model) and ``.../base``."""
+    out: dict[str, float] = {}
+    for task, metrics in summary.get("tasks", {}).items():
+        for metric, cell in metrics.items():
+            key = f"eval/{task}/{metric.removesuffix(',none')}"
+            if isinstance(cell.get("finetuned"), int | float):
+                out[key] = cell["finetuned"]
+            if isinstance(cell.get("base"), int | float):
+                out[f"{key}/base"] = cell["base"]
+    return out
+
+
+def send_to_wandb(paths: RunPaths, name: str, summary: dict[str, Any], say: Say) -> str | None:
+    """The scores into the run's one W&B run (the train job's: slurmft/trackers.py), as summary values; recorded in
+    ``tracker.json`` as an attempt of its own (an offline one is synced with the others). Never raises: the scores
+    are in ``eval/summary.json`` whatever W&B does. Returns the W&B run id (None when nothing was sent)."""
+    from slurmft.rundir import read_manifest
+    from slurmft.trackers import default_wandb_id, record_attempt, recorded_wandb_id, wandb_environment
+
+    try:
+        import wandb
+    except ImportError:
+        say("eval: W&B: wandb is not installed in the job's Python; the scores are in eval/summary.json only")
+        return None
+    try:
+        created = read_manifest(paths).get("created")
+    except SlurmftError:
+        created = None
+    os.environ.update(wandb_environment(os.environ, recorded_wandb_id(paths) or default_wandb_id(paths, created),
+                                        name, paths.root))
+    try:
+        run = wandb.init(id=os.environ["WANDB_RUN_ID"], resume=os.environ["WANDB_RESUME"], name=os.environ["WANDB_NAME"],
+                         dir=os.environ["WANDB_DIR"])
+        run.summary.update(wandb_summary(summary))
+        offline = run.settings.mode in ("offline", "dryrun")
+        record_attempt(paths, {"id": run.id, "project": run.project, "entity": run.entity or None, "name": run.name,
+                               "url": None if offline else run.url},
+                       {"job": "eval", "offline": offline, "dir": str(run.settings.sync_dir)})
+        run_id = run.id
+        wandb.finish()
+    except Exception as exc:  # noqa: BLE001 - a tracker never fails an evaluation that succeeded
+        say(f"eval: W&B: sending the scores failed ({type(exc).__name__}: {exc}); they are in eval/summary.json")
+        return None
+    say(f"eval: W&B run {run_id}: the scores are in its summary (eval/TASK/METRIC, .../base)")
+    return str(run_id)

@@ -10,7 +10,7 @@ requeue and resume. A run that uses none of them does not need them: they are ma
 availability checks (``importlib.util.find_spec``) answer "not installed" and skip them. A run that uses one keeps it:
 
 - torchao: ``train.optimizer=adamw-stochastic-rounding``, or an ``optim`` passed through ``train.sft``;
-- wandb: ``train.report_to`` names wandb;
+- wandb: ``train.report_to`` names wandb (the train job, and the evaluation job, which sends its scores there);
 - peft: the run has a ``lora`` section;
 - scipy: never (no job of ours calls it; datasets reads MATLAB files with it, transformers matches boxes for
   object detection);
@@ -60,7 +60,7 @@ def unused(cfg: RunConfig, job: str) -> list[str]:
     t = cfg.train
     needs = {
         "torchao": job == "train" and (t.optimizer == "adamw-stochastic-rounding" or "optim" in t.sft),
-        "wandb": job == "train" and "wandb" in t.report_to,
+        "wandb": job in ("train", "eval") and "wandb" in t.report_to,
         "peft": job != "prepare" and cfg.lora is not None,
         "scipy": False,
         "boto3": False,

@@ -313,3 +313,52 @@ def test_a_lora_checkpoint_resumes_on_another_number_of_ranks(lora_runs: dict[st
     for key, value in flat_a.items():
         if isinstance(value, torch.Tensor):
             torch.testing.assert_close(flat_b[key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+# ---------------------------------------------------------------------------------------------------------- served
+@pytest.fixture(scope="module")
+def served_lora(lora_runs: dict[str, Any]) -> Path:
+    """The LoRA run (adapters on every decoder linear layer and the input embeddings), consolidated (model/ merged,
+    adapter/), then the serve check (docs/serve-eval.md) with vLLM's CPU build (examples/tiny/envs.sh; CI builds it)."""
+    from tests.conftest import need_model_job_python
+
+    vllm = need_model_job_python("serve")
+    import yaml
+
+    from slurmft.job.consolidate.job import consolidate_run
+
+    run = _copy(lora_runs["runs"]["lora"], lora_runs["runs"]["lora"].parent / "served")  # its checkpoints too
+    consolidate_run(str(run))
+    spec = yaml.safe_load((run / "config.yaml").read_text())
+    spec["serve"] = {"python": vllm, "prompts": 2, "max_new_tokens": 12}
+    (run / "config.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    from slurmft.job.serve_check import serve_check_run
+
+    serve_check_run(str(run))  # raises when a check fails
+    return run
+
+
+def test_the_adapter_served_by_vllm_equals_the_merged_model(served_lora: Path, tiny_model: Path) -> None:
+    """vLLM serves the base with the run's adapter (its LoRA support, as users serve adapters): the same greedy
+    tokens and first-token log-probabilities as transformers on the merged model consolidation wrote, which vLLM
+    serves too."""
+    record = json.loads((served_lora / "serve" / "result.json").read_text())
+    assert record["ok"] and set(record["engines"]) == {"model", "adapter"}
+    merged, adapter = record["engines"]["model"], record["engines"]["adapter"]
+    assert adapter["model"] == str(tiny_model) and adapter["adapter"] == str(served_lora / "adapter")
+    assert adapter["compared_with"] == str(served_lora / "model")  # the merged model consolidation wrote
+    for engine in (merged, adapter):
+        assert engine["exact"] and engine["dtype"] == "float32" and engine["problems"] == []
+        for p in engine["prompts"]:
+            assert p["vllm"] == p["transformers"] and p["max_first_logprob_gap"] <= 1e-3
+    assert [p["vllm"] for p in adapter["prompts"]] == [p["vllm"] for p in merged["prompts"]]
+    sent = json.loads((served_lora / "serve" / "adapter.request.json").read_text())
+    assert sent["lora"] == {"path": str(served_lora / "adapter"), "rank": 4} and sent["model"] == str(tiny_model)
+    # not a no-op adapter: the merged model's first-token log-probabilities are not the base's
+    from slurmft.job.serve_check import reference
+
+    base = reference(tiny_model, "float32", sent["prompts"], 1)
+    tuned = reference(served_lora / "model", "float32", sent["prompts"], 1)
+    gaps = [float((a["logprobs"] - b["logprobs"]).abs().max()) for a, b in zip(base["outputs"], tuned["outputs"],
+                                                                                 strict=True)]
+    assert max(gaps) > 1e-3, gaps

@@ -64,12 +64,12 @@ def _shown(slurmft, run: Path, live: bool = False) -> dict[str, dict]:
 
 
 def _listed(slurmft, root: Path, live: bool = False) -> list[list[str]]:
-    """``runs``' table without its age column: run, state, step, loss, dir; of a live run, run, state, dir."""
+    """``runs``' table without its age column: run, state, step, loss, score, dir; of a live run, run, state, dir."""
     code, out, err = slurmft.cli(["runs", str(root)])
     assert code == 0, err
     rows = [line.split() for line in out.splitlines()]
-    assert rows[0] == ["run", "state", "step", "loss", "age", "dir"], out
-    return [[r[0], r[1], r[5]] if live else r[:4] + r[5:] for r in rows]
+    assert rows[0] == ["run", "state", "step", "loss", "score", "age", "dir"], out
+    return [[r[0], r[1], r[6]] if live else r[:5] + r[6:] for r in rows]
 
 
 def test_the_users_slurm_environment_changes_nothing_in_status_runs_cancel_resume(
