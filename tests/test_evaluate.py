@@ -300,8 +300,8 @@ def test_the_scores_go_into_the_runs_one_wandb_run(tmp_path: Path, monkeypatch: 
     proc = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(next(folder.glob("*.wandb")))],
                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, check=True)
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    sent = {item["key"]: json.loads(item["value_json"]) for r in records if r.get("type") == "summary"
-            for item in r["summary"].get("update", [])}
+    sent = {key: value for r in records if r.get("type") == "summary"
+            for key, value in r["summary"].get("update", {}).items()}
     assert {k: v for k, v in sent.items() if k.startswith("eval/")} == wandb_summary(summary), records[-3:]
     record = read_tracker(paths) or {}
     assert record["wandb"]["attempts"][-1]["job"] == "eval" and record["wandb"]["attempts"][-1]["offline"]
