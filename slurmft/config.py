@@ -468,6 +468,15 @@ class RunConfig(Section):
                 f"train.sft ({', '.join(sorted(self.train.sft))}) or the dpo: section"
             )
 
+    def model_job(self, kind: str) -> ServeConfig | EvalConfig | None:
+        """The section of a job after consolidation: ``serve`` or ``eval`` (None when the config has none)."""
+        return self.serve if kind == "serve" else self.eval
+
+    def model_job_python(self, kind: str) -> str:
+        """The interpreter that job runs its tool in: the section's ``python``, else the job's (cluster.python)."""
+        section = self.model_job(kind)
+        return (section.python if section is not None else None) or self.cluster.job_python
+
     @property
     def method(self) -> Method:
         """sft, or the preference method whose section is set."""

@@ -14,9 +14,6 @@ from pydantic import Field, field_validator
 
 from slurmft.config_values import PATH_RE, Section, SlurmMem, SlurmTime, SlurmWord, check_value
 
-#: lm-eval's model backends slurmft drives: ``auto`` = vllm where the eval Python imports it, else hf.
-EVAL_BACKENDS = ("auto", "vllm", "hf")
-
 
 class ModelJobResources(Section):
     """The allocation of a job after consolidation (serve check, evaluation): one task on one node."""
@@ -97,10 +94,6 @@ class EvalConfig(Section):
                 raise ValueError(f"{task!r} is not a task name or path (one name or file per list item, no commas "
                                  "or spaces)")
         return v
-
-    def task_files(self) -> list[str]:
-        """The tasks given as files or directories (the rest are registry names)."""
-        return [t for t in self.tasks if is_task_path(t)]
 
 
 def is_task_path(task: str) -> bool:

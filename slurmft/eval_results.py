@@ -74,12 +74,3 @@ def headline_score(summary: dict[str, Any]) -> tuple[str, float] | None:
                 return f"{first} {metric_label(metric)}", value
     metric, value = candidates[0]
     return f"{first} {metric_label(metric)}", value
-
-
-def format_delta(base: float | None, finetuned: float | None) -> str:
-    """``0.412 -> 0.455 (+0.043)`` for a table cell; ``0.455`` without a base score; ``-`` without either."""
-    if finetuned is None:
-        return "-" if base is None else f"{base:.4g} -> -"
-    if base is None:
-        return f"{finetuned:.4g}"
-    return f"{base:.4g} -> {finetuned:.4g} ({finetuned - base:+.4g})"

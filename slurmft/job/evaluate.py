@@ -54,12 +54,6 @@ LM_EVAL_ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 Say = Callable[[str], None]
 
 
-def eval_python(cfg: RunConfig) -> str:
-    """The interpreter lm-eval runs in: ``eval.python``, else the job's (``cluster.python``, else this one)."""
-    python = cfg.eval.python if cfg.eval is not None else None
-    return python or cfg.cluster.job_python
-
-
 def choose_backend(backend: str, python: str) -> tuple[str, str]:
     """``(backend, why)``: ``auto`` is vllm where ``python`` imports it, else hf."""
     if backend != "auto":
@@ -223,7 +217,7 @@ def evaluate_run(run_dir: str, tasks: list[str] | None = None, say: Say = print)
     resolved = resolve_tasks(ev.tasks)
     if resolved.problems:
         raise EvalError("eval.tasks: the task files cannot be used", resolved.problems)
-    python = ev.python or cfg.cluster.job_python
+    python = cfg.model_job_python("eval")
     backend, why = choose_backend(ev.backend, python)
     say(f"eval: backend {backend} ({why}); tasks {', '.join(resolved.names)}; interpreter {python}")
     cpu_reason = no_gpu(ev.resources.gpus) if backend == "hf" else None

@@ -272,7 +272,7 @@ def _check(cfg: RunConfig, paths: RunPaths, out_dir: Path, record: dict[str, Any
 
     serve = cfg.serve
     assert serve is not None
-    python = serve.python or cfg.cluster.job_python
+    python = cfg.model_job_python("serve")
     record["python"] = python
     engines: list[tuple[str, Path, Path | None]] = []  # label, model dir, adapter served on it
     if (paths.model / "config.json").is_file():

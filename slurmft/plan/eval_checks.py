@@ -98,7 +98,7 @@ def _python_problem(cfg: RunConfig) -> tuple[str, str, str | None]:
     """``(field, python, problem or None)``: the eval Python exists and is executable."""
     assert cfg.eval is not None
     field = "eval.python" if cfg.eval.python else "eval.python (not set: cluster.python's)"
-    python = cfg.eval.python or cfg.cluster.job_python
+    python = cfg.model_job_python("eval")
     fix = ("set eval.python to the interpreter of a venv with lm-eval (python -m venv /shared/venvs/eval && "
            "/shared/venvs/eval/bin/pip install lm-eval)")
     if not is_program_path(python):

@@ -16,11 +16,9 @@ from slurmft.config import RunConfig
 from slurmft.config_paths import is_program_path
 
 
-def interpreter(python: str | None, cfg: RunConfig) -> tuple[str, str]:
-    """The interpreter a section runs (its ``python``, else the job's) and how to name it in a message."""
-    if python:
-        return python, ""
-    return cfg.cluster.job_python, " (not set: the job's Python)"
+def interpreter(python: str | None, cfg: RunConfig, kind: str) -> tuple[str, str]:
+    """The interpreter a section runs (:meth:`RunConfig.model_job_python`) and how to name it in a message."""
+    return cfg.model_job_python(kind), "" if python else " (not set: the job's Python)"
 
 
 def finds_modules(python: str, modules: tuple[str, ...]) -> dict[str, bool] | str:
@@ -46,7 +44,7 @@ def check_serve(cfg: RunConfig) -> list[str]:
     """``serve``: its Python finds vLLM (and peft-free LoRA serving needs nothing more)."""
     if cfg.serve is None:
         return []
-    python, how = interpreter(cfg.serve.python, cfg)
+    python, how = interpreter(cfg.serve.python, cfg, "serve")
     found = finds_modules(python, ("vllm",))
     if isinstance(found, str):
         return [f"serve.python{how}: {found}; set serve.python to the interpreter of a venv with vLLM installed"]

@@ -234,7 +234,7 @@ def build_model_job_context(
 ) -> dict[str, Any]:
     """Everything a job after consolidation places (``kind``: serve or eval), already quoted: one task with the
     section's resources, its GPUs (``resources.gpus``) when the profile has GPU gres."""
-    section = cfg.serve if kind == "serve" else cfg.eval
+    section = cfg.model_job(kind)
     if section is None:
         raise RenderError(f"no {kind} section: there is no {kind} job to render")
     res = section.resources
@@ -350,7 +350,7 @@ def render_scripts(
 
 def model_job_enabled(cfg: RunConfig, kind: str) -> bool:
     """A job after consolidation is chained when its section is there (and there is a consolidation to follow)."""
-    return cfg.consolidate.enabled and (cfg.serve if kind == "serve" else cfg.eval) is not None
+    return cfg.consolidate.enabled and cfg.model_job(kind) is not None
 
 
 # ------------------------------------------------------------------ the doctor's probe job

@@ -401,7 +401,7 @@ def submit_model_job(
     record it; return its id."""
     from submitit.core.utils import FailedJobError
 
-    section = cfg.serve if kind == "serve" else cfg.eval
+    section = cfg.model_job(kind)
     assert section is not None, kind
 
     def text(command: str) -> str:
@@ -430,7 +430,7 @@ def run_local_model_job(
     from submitit import LocalExecutor
     from submitit.core.utils import JobPaths
 
-    section = cfg.serve if kind == "serve" else cfg.eval
+    section = cfg.model_job(kind)
     assert section is not None, kind
     function, args = _model_job_call(kind, tasks)
     ex = LocalExecutor(folder=paths.submitit, python=python_for(cfg))

@@ -34,7 +34,7 @@ def checked_config(paths: RunPaths, kind: str, tasks: list[str] | None) -> RunCo
     """The run's config with its ``kind`` section (refused without one) and a model to run it on."""
     read_manifest(paths)  # a run directory at all?
     cfg = read_run_config(paths.config)
-    if (cfg.serve if kind == "serve" else cfg.eval) is None:
+    if cfg.model_job(kind) is None:
         example = "serve: {python: /path/to/vllm-venv/bin/python}" if kind == "serve" else (
             "eval: {tasks: [hellaswag], python: /path/to/lm-eval-venv/bin/python}")
         raise ConfigError(f"{paths.config} has no {kind} section: add one ({example}; docs/serve-eval.md), then run "
