@@ -192,7 +192,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     its own group, so the few 24.11 tests can go to the other worker, beside the 22.05 ones (two
     clusters, one user each; the 22.05 group alone is the longest piece of work, and a 24.11 group
     tied to it only made that worker's share longer). The CPU tests fill both workers around them.
-    The local-executor tests share one uninterrupted run (``local_tiny_run``).
+    The local-executor tests share one uninterrupted run (``local_tiny_run``), and the tests of a module with a
+    module-scoped fixture stay on one worker, so its shared runs are made once.
     """
     for item in items:
         if "slurm_cluster" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("slurm"):
@@ -203,6 +204,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(f"slurm{version}" if version else "slurm"))
         elif "local_tiny_run" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("local-tiny"))
+        elif _uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def _uses_a_module_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a module-scoped fixture (its module's shared runs). xdist builds such a fixture once
+    per worker that gets one of the module's tests: ungrouped, a module's tests went to both workers and its shared
+    training runs were made twice (CI61: test_precision_cpu's 2 minutes of runs, test_train_cpu's and
+    test_lora_cpu's)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(defs[-1].scope == "module" for defs in info.name2fixturedefs.values() if defs)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
