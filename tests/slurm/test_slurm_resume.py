@@ -100,13 +100,24 @@ def _served(tmp_path: Path) -> dict[str, dict]:
 
 def test_scancel_then_resume(slurm_cluster, reference: Path, tiny_model: Path, chat_data: Path,
                              tmp_path: Path, slurmft) -> None:
-    """... with the jobs after consolidation: the cancel takes them along (Slurm cancels them with the consolidation
-    they wait on), the resume chains new ones, and they run once the new consolidation succeeds."""
+    """... a run preempted once (the warning signal: saved and requeued under the same job id, the jobs chained after
+    it still waiting), then cancelled, with the jobs after consolidation: the cancel takes them along (Slurm
+    cancels them with the consolidation they wait on), the resume chains new ones, and they run once the new
+    consolidation succeeds."""
     run, jobs = _start(slurmft, tmp_path, tiny_model, chat_data, **_served(tmp_path))
     assert set(jobs) == {"train", "consolidate", "serve", "eval"}
     recorded = {j["kind"]: j for j in read_manifest(RunPaths.of(run))["jobs"]}
     assert recorded["serve"]["dependency"] == recorded["eval"]["dependency"] == f"afterok:{jobs['consolidate']}"
-    slurmft.wait_for("step 12", lambda: any(m["step"] >= 12 for m in slurmft.metrics(run)))
+    slurmft.wait_for("step 4", lambda: any(m["step"] >= 4 for m in slurmft.metrics(run)))
+    subprocess.run(["scancel", "--signal=USR2", jobs["train"]], check=True)  # what --signal=USR2@lead sends
+    first = run / "requeue" / f"{jobs['train']}-0"  # written at the save, "ended" added once the batch shell decides
+    preempted = slurmft.wait_for("the requeue decision", lambda: first.is_file() and "ended" in (
+        marker := json.loads(first.read_text())) and marker, timeout=120)
+    assert preempted["saved"] and preempted["ended"] == "warning" and preempted["decision"] == "requeue"
+    slurmft.wait_for("step 12 after the requeue", lambda: any(m["step"] >= 12 and m["restart"] == 1
+                                                              for m in slurmft.metrics(run)))
+    for kind in ("consolidate", "serve", "eval"):  # the requeue kept them waiting on the same job ids
+        assert slurm_cluster.squeue_state(jobs[kind]) == "PENDING", kind
     subprocess.run(["scancel", jobs["train"]], check=True)  # SIGTERM to every rank and the batch shell
     cancelled_at = time.time()
     slurm_cluster.wait_state(jobs["train"], "CANCELLED", timeout=120)
@@ -114,13 +125,15 @@ def test_scancel_then_resume(slurm_cluster, reference: Path, tiny_model: Path, c
     for kind in ("serve", "eval"):  # they waited on that consolidation: Slurm cancels them too
         _cancelled_by_slurm(slurm_cluster, jobs[kind])
     # the ranks saved at the next step boundary, within KillWait (5 s here), and the job stayed cancelled
-    marker = json.loads((run / "requeue" / f"{jobs['train']}-0").read_text())
+    marker = json.loads((run / "requeue" / f"{jobs['train']}-1").read_text())
     saved = marker["step"]
     assert marker["saved"] and marker["signal"] == "SIGTERM" and marker["ended"] == "cancelled"
-    assert saved > 12 and slurmft.complete(run, saved) and saved == max(m["step"] for m in slurmft.metrics(run))
+    assert saved > 12 and saved > preempted["step"] and slurmft.complete(run, saved) and saved == max(m["step"] for m in slurmft.metrics(run))
     assert json.loads((run / "checkpoints" / f"checkpoint-{saved}" / "COMPLETE").read_text())["t"] - cancelled_at < 5
     log = (run / "logs" / f"train-{jobs['train']}.out").read_text(errors="replace")
-    assert "cancelled (scancel) and is not requeued" in log and "requeueing job" not in log
+    before, _, after = log.partition(f"job={jobs['train']} restart=1 ")  # one log: both allocations of the job id
+    assert "requeueing job" in before and "cancelled (scancel) and is not requeued" in after
+    assert "requeueing job" not in after
     assert slurm_cluster.squeue_state(jobs["train"]) == "CANCELLED"  # not requeued (a requeue would be PENDING)
     rows = slurmft.status_json(run)
     assert f"slurmft resume {run}" in rows["train"]["words"]
