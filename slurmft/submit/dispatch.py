@@ -253,17 +253,25 @@ def dispatch_attempt(
         _run_local(cfg, paths, manifest, attempt, result, say, need_prepare)
 
 
-def _texts(cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, config_path: str, template_dir: str | None):  # noqa: ANN202
-    """The script renderers submitit calls with its command line (train, consolidate)."""
+def _train_text(cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, config_path: str,
+                template_dir: str | None) -> Callable[[str], str]:
+    """The train script's renderer submitit calls with its command line."""
 
     def train_text(command: str) -> str:
         return render(TRAIN_TEMPLATE, build_train_context(cfg, profile, paths, command, config_path), template_dir)
+
+    return train_text
+
+
+def _consolidate_text(cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, config_path: str,
+                      template_dir: str | None) -> Callable[[str], str]:
+    """The consolidation script's renderer submitit calls with its command line."""
 
     def consolidate_text(command: str) -> str:
         ctx = build_consolidate_context(cfg, profile, paths, command, config_path)
         return render(CONSOLIDATE_TEMPLATE, ctx, template_dir)
 
-    return train_text, consolidate_text
+    return consolidate_text
 
 
 def _submit_slurm(
@@ -274,7 +282,7 @@ def _submit_slurm(
 
     from slurmft.job.entrypoint import run_train
 
-    train_text, _ = _texts(cfg, profile, paths, config_path, template_dir)
+    train_text = _train_text(cfg, profile, paths, config_path, template_dir)
     first = None
     if need_prepare:
         first = submit_prepare(cfg, profile, paths, manifest, config_path, template_dir,
@@ -357,7 +365,7 @@ def submit_consolidation(
 
     from slurmft.job.entrypoint import run_consolidate
 
-    _, consolidate_text = _texts(cfg, profile, paths, config_path, template_dir)
+    consolidate_text = _consolidate_text(cfg, profile, paths, config_path, template_dir)
     try:
         cex = make_slurm_executor(
             paths, 1, time_minutes(cfg.consolidate.resources.time), consolidate_text, dependency,

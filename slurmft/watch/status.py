@@ -131,20 +131,19 @@ def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView
     owner = owner or me
     if view is None:
         view = SlurmView() if manifest.get("executor") == "local" else slurm_view(manifest)
-    for job in jobs:
-        jid = job["job_id"]
+    for job in jobs:  # what the manifest says of the job first, then its state and the words
+        jid, base, submitter = job["job_id"], _base(job), job_submitter(job, owner)
         if "pid" in job:  # a process: a local run, or `slurmft consolidate --here`
             alive, host = process_here(job)
             state = job.get("state") or (State.HIDDEN.value if alive is None else
                                          State.RUNNING.value if alive else State.KILLED.value)
             text = (elsewhere_words(host) if is_unseen(state) else
                     describe(state, "", run_dir, job["kind"], jid == newest_train, jid))
-            rows.append({**_base(job), "state": state, "reason": "", "elapsed": str(job.get("elapsed_s", "")),
+            rows.append({**base, "state": state, "reason": "", "elapsed": str(job.get("elapsed_s", "")),
                          "exit_code": "", "restarts": 0, "start": "", "end": "", "host": host,
                          "words": text})
             continue
         q, a = view.queued.get(jid), view.acct.get(jid)
-        submitter = job_submitter(job, owner)
         if q:  # slurmctld is current; accounting may lag by a second
             state, reason, elapsed = q["state"], q["reason"], q["elapsed"]
         elif a:
@@ -154,7 +153,7 @@ def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView
         restarts = q["restarts"] if q and q["restarts"].isdigit() else "0"
         text = (hidden_words(submitter.name) if is_unseen(state) else
                 describe(state, reason, run_dir, job["kind"], jid == newest_train, jid))
-        rows.append({**_base(job), "state": state, "reason": reason, "elapsed": elapsed,
+        rows.append({**base, "state": state, "reason": reason, "elapsed": elapsed,
                      "exit_code": (a or {}).get("exit_code", ""), "restarts": int(restarts),
                      "start": (a or {}).get("start", ""), "end": (a or {}).get("end", ""), "words": text})
     explain_dependency_failures(rows, jobs, run_dir)
