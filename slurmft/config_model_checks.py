@@ -7,7 +7,6 @@ where it is (docs/serve-eval.md).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -95,7 +94,3 @@ class EvalConfig(Section):
                                  "or spaces)")
         return v
 
-
-def is_task_path(task: str) -> bool:
-    """A task given as a file or directory: it has a slash, or ends in .yaml/.yml."""
-    return "/" in task or task.endswith((".yaml", ".yml")) or Path(task).expanduser().exists()

@@ -9,6 +9,8 @@ the render and the job ask the same function:
   or a registry reference never starts that way, so this alone decides when the value does not exist.
 - :func:`is_local`: meant as a local path: written as one, or naming something that exists here.
 - :func:`is_profile_file`: ``cluster.profile`` names a file (a slash or a .yaml/.yml suffix), not a shipped profile.
+- :func:`is_task_path`: an ``eval.tasks`` entry names a task file or folder (the same rule, or it exists here), not a
+  task in lm-eval's registry.
 - :func:`is_program_path`: ``cluster.python`` is a path when it has a slash; a bare name is looked up on PATH,
   as the shell does, so ``python3`` stays a name even when a file of that name lies here.
 - :func:`local_dir`: an existing local directory (``~`` expanded), whatever the value looks like.
@@ -47,6 +49,12 @@ def is_profile_file(value: str) -> bool:
     """``cluster.profile`` names a profile file (it has a slash or ends in .yaml/.yml), not a shipped profile's name
     (configs/clusters/NAME.yaml)."""
     return "/" in value or value.endswith((".yaml", ".yml"))
+
+
+def is_task_path(task: str) -> bool:
+    """An ``eval.tasks`` entry given as a file or directory (a slash or a .yaml/.yml suffix, as
+    :func:`is_profile_file`, or it exists here), not a name in lm-eval's registry."""
+    return is_profile_file(task) or Path(task).expanduser().exists()
 
 
 def is_program_path(value: str) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from slurmft.config_model_checks import is_task_path
+from slurmft.config_paths import is_task_path
 
 
 class _AnyTagLoader(yaml.SafeLoader):

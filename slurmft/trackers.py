@@ -10,19 +10,23 @@ name, or directory) wins. With ``WANDB_MODE=offline`` each attempt writes its ow
 ``offline-run-<time>-<id>`` directory (wandb 0.31 makes one per process), all carrying that id, so
 ``wandb sync`` of them all lands in one W&B run (docs/watching.md).
 
-The job's rank 0 records the run in ``tracker.json`` (:func:`record_attempt`): ``status`` and the report
-read it on a login node, so nothing here imports wandb.
+Both jobs that write to the run's W&B run, the train job (slurmft/job/tracking.py) and the evaluation job
+(slurmft/job/evaluate.py), set it up with :func:`use_one_wandb_run` and record their attempt in ``tracker.json``
+with :func:`record_wandb_run` (from rank 0): ``status`` and the report read it on a login node, so nothing here
+imports wandb.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from slurmft.rundir import RunPaths, atomic_write
+from slurmft.errors import RunDirError
+from slurmft.rundir import RunPaths, atomic_write, read_manifest
 
 #: What slurmft asks ``wandb.init`` to resume with when the user did not say otherwise.
 WANDB_RESUME_DEFAULT = "allow"
@@ -74,6 +78,33 @@ def record_attempt(paths: RunPaths, run: Mapping[str, Any], attempt: Mapping[str
     record["wandb"] = wandb
     atomic_write(paths.tracker, json.dumps(record, indent=2) + "\n")
     return record
+
+
+def use_one_wandb_run(paths: RunPaths, name: str) -> str:
+    """Set this process's W&B variables the user left unset (:func:`wandb_environment`); return the W&B run id.
+
+    The id: the user's ``WANDB_RUN_ID``, else the one an earlier attempt recorded, else the run's own.
+    """
+    try:
+        created = read_manifest(paths).get("created")
+    except RunDirError:  # a run started by hand may have no manifest: the path's id alone
+        created = None
+    run_id = recorded_wandb_id(paths) or default_wandb_id(paths, created)
+    os.environ.update(wandb_environment(os.environ, run_id, name, paths.root))
+    return os.environ["WANDB_RUN_ID"]
+
+
+def record_wandb_run(paths: RunPaths, run: Any, attempt: Mapping[str, Any], first_step: int | None = None) -> bool:
+    """Record wandb's live ``run`` (its id, project, entity, name, URL) in ``tracker.json`` as one attempt:
+    ``attempt`` (which job), whether it is offline, its directory and, for the train job, the first step it logs.
+    Returns whether the run is offline."""
+    offline = run.settings.mode in ("offline", "dryrun")
+    fields = {**attempt, "offline": offline, "dir": str(run.settings.sync_dir)}
+    if first_step is not None:
+        fields["first_step"] = first_step
+    record_attempt(paths, {"id": run.id, "project": run.project, "entity": run.entity or None, "name": run.name,
+                           "url": None if offline else run.url}, fields)
+    return offline
 
 
 def sync_command(record: Mapping[str, Any]) -> str | None:

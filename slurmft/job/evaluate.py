@@ -37,7 +37,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from slurmft.config_loading import read_run_config
 from slurmft.config_model_checks import EvalConfig
-from slurmft.errors import EvalError, SlurmftError
+from slurmft.errors import EvalError
 from slurmft.eval_tasks import resolve_tasks
 from slurmft.rundir import ADAPTER_CONFIG, RunPaths, atomic_write
 
@@ -284,28 +284,19 @@ def send_to_wandb(paths: RunPaths, name: str, summary: dict[str, Any], say: Say)
     """The scores into the run's one W&B run (the train job's: slurmft/trackers.py), as summary values; recorded in
     ``tracker.json`` as an attempt of its own (an offline one is synced with the others). Never raises: the scores
     are in ``eval/summary.json`` whatever W&B does. Returns the W&B run id (None when nothing was sent)."""
-    from slurmft.rundir import read_manifest
-    from slurmft.trackers import default_wandb_id, record_attempt, recorded_wandb_id, wandb_environment
+    from slurmft.trackers import record_wandb_run, use_one_wandb_run
 
     try:
         import wandb
     except ImportError:
         say("eval: W&B: wandb is not installed in the job's Python; the scores are in eval/summary.json only")
         return None
-    try:
-        created = read_manifest(paths).get("created")
-    except SlurmftError:
-        created = None
-    os.environ.update(wandb_environment(os.environ, recorded_wandb_id(paths) or default_wandb_id(paths, created),
-                                        name, paths.root))
+    use_one_wandb_run(paths, name)
     try:
         run = wandb.init(id=os.environ["WANDB_RUN_ID"], resume=os.environ["WANDB_RESUME"], name=os.environ["WANDB_NAME"],
                          dir=os.environ["WANDB_DIR"])
         run.summary.update(wandb_summary(summary))
-        offline = run.settings.mode in ("offline", "dryrun")
-        record_attempt(paths, {"id": run.id, "project": run.project, "entity": run.entity or None, "name": run.name,
-                               "url": None if offline else run.url},
-                       {"job": "eval", "offline": offline, "dir": str(run.settings.sync_dir)})
+        record_wandb_run(paths, run, {"job": "eval"})
         run_id = run.id
         wandb.finish()
     except Exception as exc:  # noqa: BLE001 - a tracker never fails an evaluation that succeeded

@@ -7,7 +7,7 @@ at train begin (it reads ``WANDB_RUN_ID``/``WANDB_RESUME``/``WANDB_DIR`` from th
 Why that is not enough across attempts:
 
 - each attempt is a new process, so a new W&B run (fixed by the id and ``resume=allow``:
-  :func:`use_one_wandb_run`, the rules in slurmft/trackers.py);
+  :func:`slurmft.trackers.use_one_wandb_run`, shared with the evaluation job);
 - W&B numbers rows from its own counter, which restarts at 0 in every offline attempt (it cannot ask
   the server where the run stopped), so a second attempt's rows would be numbered below the first's,
   and W&B's steps only go up (``log(step=s)`` below the current step is dropped: measured in one
@@ -38,9 +38,9 @@ from typing import Any
 from transformers.integrations import WandbCallback
 from transformers.integrations.integration_utils import rewrite_logs
 
-from slurmft.errors import RunDirError
-from slurmft.rundir import RunPaths, read_manifest
-from slurmft.trackers import default_wandb_id, record_attempt, recorded_wandb_id, wandb_environment
+from slurmft.rundir import RunPaths
+from slurmft.trackers import record_wandb_run, recorded_wandb_id
+from slurmft.trackers import use_one_wandb_run as use_one_wandb_run  # train.py's call, here with the callback
 from slurmft.watch.progress import read_metrics
 
 log = logging.getLogger("slurmft.job")
@@ -48,20 +48,6 @@ log = logging.getLogger("slurmft.job")
 #: Trainer log keys that are one value per run (W&B's summary, not a point of the curve), as transformers sends them.
 SUMMARY_KEYS = frozenset({"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss",
                           "total_flos"})
-
-
-def use_one_wandb_run(paths: RunPaths, name: str) -> str:
-    """Set this process's W&B variables the user left unset (slurmft/trackers.py); return the W&B run id.
-
-    The id: the user's ``WANDB_RUN_ID``, else the one an earlier attempt recorded, else the run's own.
-    """
-    try:
-        created = read_manifest(paths).get("created")
-    except RunDirError:  # a run started by hand may have no manifest: the path's id alone
-        created = None
-    run_id = recorded_wandb_id(paths) or default_wandb_id(paths, created)
-    os.environ.update(wandb_environment(os.environ, run_id, name, paths.root))
-    return os.environ["WANDB_RUN_ID"]
 
 
 def last_logged_step(paths: RunPaths) -> int:
@@ -103,11 +89,7 @@ class OneWandbRun(WandbCallback):
 
     def _record(self) -> None:
         run = self._wandb.run
-        offline = run.settings.mode in ("offline", "dryrun")
-        record_attempt(self.paths, {"id": run.id, "project": run.project, "entity": run.entity or None,
-                                    "name": run.name, "url": None if offline else run.url},
-                       {**self.info, "offline": offline, "dir": str(run.settings.sync_dir),
-                        "first_step": self.floor + 1})
+        offline = record_wandb_run(self.paths, run, self.info, first_step=self.floor + 1)
         log.info("W&B run %s (%s), logging from step %d into %s", run.id, "offline" if offline else run.url,
                  self.floor + 1, run.settings.sync_dir)
 

@@ -34,7 +34,6 @@ import functools
 import importlib.util
 import json
 import math
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +53,7 @@ from slurmft.epochs import steps_per_epoch
 from slurmft.errors import ConfigError
 from slurmft.lora import ALL_LINEAR, EMBEDDING_MODULES, tied_target_problem
 from slurmft.modelinfo import find_tokenizer, read_model_config, seq_length_problem
+from slurmft.plan.interpreter import MISSING, NOT_ON_PATH, NoAnswer, finds_modules, in_words, locate
 from slurmft.profiles import runs_on_gpu
 from slurmft.sftopts import REPORTERS, sft_field_kinds, sft_problems
 
@@ -502,39 +502,29 @@ def check_job_python(cfg: RunConfig, report: Report, in_image: bool = False) -> 
     fix = ("set cluster.python to the interpreter of an environment with `pip install 'slurmft[train]'` on the "
            "shared filesystem (e.g. /shared/venvs/sft/bin/python), or add cluster.setup lines that provide one "
            "(module load ..., source .../activate) and set cluster.python: python")
-    if not is_program_path(python):
-        if cfg.cluster.setup:
-            report.skipped.append(f"cluster.python: {python!r} comes from cluster.setup on the compute nodes; "
-                                  "not checked here")
-            return
-        import shutil
-
-        found = shutil.which(python)
-        if found is None:
-            report.problems.append(f"{given}: {python!r} is not on PATH here; {fix}")
-            return
-        python = found
-    if not Path(python).is_file():
+    if not is_program_path(python) and cfg.cluster.setup:
+        report.skipped.append(f"cluster.python: {python!r} comes from cluster.setup on the compute nodes; "
+                              "not checked here")
+        return
+    python, where = locate(python)
+    if where == NOT_ON_PATH:
+        report.problems.append(f"{given}: {in_words(python, where)}; {fix}")
+        return
+    if where == MISSING:
         if cfg.cluster.setup:
             report.skipped.append(f"cluster.python: {python} does not exist here; assuming cluster.setup provides "
                                   "it on the compute nodes")
         else:
-            report.problems.append(f"{given}: {python} does not exist on this machine; the compute nodes need it "
-                                   f"at the same path (a shared filesystem); {fix}")
+            report.problems.append(f"{given}: {in_words(python, where)}; the compute nodes need it at the same path "
+                                   f"(a shared filesystem); {fix}")
         return
     reporters = [m for name in cfg.train.report_to for m in REPORTERS.get(name, ())]
     stack = (*TRAINING_STACK, *(LORA_STACK if cfg.lora is not None else ()))
     if in_image:
         reporters, stack = [], ("slurmft",)
-    code = ("import importlib.util as u, json, sys; "
-            "print(json.dumps({m: u.find_spec(m) is not None for m in sys.argv[1:]}))")
-    try:
-        proc = subprocess.run([python, "-c", code, *stack, *reporters], capture_output=True, text=True,
-                              timeout=60, check=False, cwd="/")
-        found_mods = json.loads(proc.stdout) if proc.returncode == 0 else None
-    except (OSError, subprocess.TimeoutExpired, ValueError):
-        found_mods = None
-    if found_mods is None:
+    try:  # a file that may not be run (NOT_EXECUTABLE) answers nothing either
+        found_mods = finds_modules(python, (*stack, *reporters)).modules
+    except NoAnswer:
         report.problems.append(f"{given}: {python} does not run (or is not a Python); {fix}")
         return
     missing = [m for m in stack if not found_mods.get(m)]

@@ -17,31 +17,16 @@ import difflib
 import hashlib
 import json
 import os
-import shutil
-import subprocess
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 from slurmft.config import RunConfig
-from slurmft.config_paths import is_program_path
 from slurmft.eval_tasks import resolve_tasks
 from slurmft.modelinfo import cache_dir
+from slurmft.plan.interpreter import NOT_EXECUTABLE, NoAnswer, finds_modules, in_words, locate, run_json
 from slurmft.rundir import atomic_write
 
 #: Seconds the probe may take (the registry alone is ~30 s).
 PROBE_TIMEOUT_S = 300
-
-# Runs in the eval Python, importing nothing: which of lm_eval and vllm it finds, and lm-eval's installed version.
-_FINDS = r"""
-import importlib.metadata as md, importlib.util as u, json
-out = {m: u.find_spec(m) is not None for m in ("lm_eval", "vllm")}
-try:
-    out["lm_eval_version"] = md.version("lm_eval")
-except md.PackageNotFoundError:
-    out["lm_eval_version"] = None
-print(json.dumps(out))
-"""
 
 # Runs in the eval Python: every task name lm-eval's registry knows (its built-in tasks).
 _REGISTRY = r"""
@@ -50,21 +35,6 @@ logging.disable(logging.WARNING)
 from lm_eval.tasks import TaskManager
 print(json.dumps(sorted(TaskManager().all_tasks)))
 """
-
-
-def _run(python: str, code: str) -> Any:
-    """The JSON a child process of ``python`` prints last, or ``{"error": ...}``."""
-    try:
-        proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
-                              check=False, cwd="/", env=_offline_env())
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return {"error": f"{type(err).__name__}: {err}"}
-    lines = proc.stdout.strip().splitlines()
-    try:
-        return json.loads(lines[-1]) if proc.returncode == 0 and lines else {"error": (proc.stderr.strip().splitlines()
-                                                                                       or ["no output"])[-1]}
-    except ValueError:
-        return {"error": f"exit {proc.returncode}: unreadable output"}
 
 
 def registry_names(python: str, version: str, say: Callable[[str], None] | None = None) -> list[str] | str:
@@ -78,7 +48,10 @@ def registry_names(python: str, version: str, say: Callable[[str], None] | None 
         pass
     if say is not None:
         say(f"listing lm-eval {version}'s task registry once (about half a minute; cached in {cache.parent})")
-    names = _run(python, _REGISTRY)
+    try:
+        names = run_json(python, _REGISTRY, timeout=PROBE_TIMEOUT_S, env=_offline_env())
+    except NoAnswer as err:
+        return str(err)
     if not isinstance(names, list):
         return str(names.get("error") if isinstance(names, dict) else names)
     try:
@@ -101,17 +74,11 @@ def _python_problem(cfg: RunConfig) -> tuple[str, str, str | None]:
     python = cfg.model_job_python("eval")
     fix = ("set eval.python to the interpreter of a venv with lm-eval (python -m venv /shared/venvs/eval && "
            "/shared/venvs/eval/bin/pip install lm-eval)")
-    if not is_program_path(python):
-        found = shutil.which(python)
-        if found is None:
-            return field, python, f"{field}: {python!r} is not on PATH here; {fix}"
-        python = found
-    path = Path(python)
-    if not path.is_file():
-        return field, python, f"{field}: {python} does not exist on this machine; {fix}"
-    if not path.stat().st_mode & 0o111:
-        return field, python, f"{field}: {python} is not executable; chmod +x it or {fix}"
-    return field, python, None
+    python, where = locate(python)
+    if where is None:
+        return field, python, None
+    chmod = "chmod +x it or " if where == NOT_EXECUTABLE else ""
+    return field, python, f"{field}: {in_words(python, where)}; {chmod}{fix}"
 
 
 def check_eval(cfg: RunConfig, say: Callable[[str], None] | None = None) -> list[str]:
@@ -124,19 +91,22 @@ def check_eval(cfg: RunConfig, say: Callable[[str], None] | None = None) -> list
     field, python, problem = _python_problem(cfg)
     if problem:
         return [*problems, problem]
-    found = _run(python, _FINDS)
-    if "error" in found:
-        return [*problems, f"{field}: {python} does not run as a Python ({found['error']}); set eval.python to "
+    try:
+        found = finds_modules(python, ("lm_eval", "vllm"), versions=("lm_eval",), timeout=PROBE_TIMEOUT_S,
+                              env=_offline_env())
+    except NoAnswer as err:
+        return [*problems, f"{field}: {python} does not run as a Python ({err}); set eval.python to "
                 f"an interpreter with lm-eval installed"]
-    if not found["lm_eval"]:
+    version = found.versions["lm_eval"]
+    if not found.modules["lm_eval"]:
         return [*problems, f"{field}: {python} cannot import lm_eval; install it: {python} -m pip install lm-eval "
                 "(or set eval.python to a venv that has it)"]
-    if cfg.eval.backend == "vllm" and not found["vllm"]:
+    if cfg.eval.backend == "vllm" and not found.modules["vllm"]:
         problems.append(f"eval.backend: vllm, but {python} cannot import vllm; {python} -m pip install vllm, or set "
                         "eval.backend: hf (or auto)")
     if not tasks.registry_names:
         return problems
-    known = registry_names(python, str(found["lm_eval_version"]), say)
+    known = registry_names(python, str(version), say)
     if isinstance(known, str):
         return [*problems, f"{field}: {python} could not list lm-eval's tasks ({known})"]
     registered = set(known)
@@ -146,5 +116,5 @@ def check_eval(cfg: RunConfig, say: Callable[[str], None] | None = None) -> list
         close = difflib.get_close_matches(name, known, n=3)
         hint = f"did you mean {' or '.join(close)}?" if close else "`lm-eval ls tasks` lists them"
         problems.append(f"eval.tasks[{tasks.entry_of.get(name, 0)}]: {name!r} is not a task lm-eval "
-                        f"{found['lm_eval_version']} knows; {hint} (or give your own task YAML file)")
+                        f"{version} knows; {hint} (or give your own task YAML file)")
     return problems

@@ -1,19 +1,15 @@
 """Login-side checks of the jobs after consolidation: their interpreters import what they need (no torch here).
 
 vLLM and lm-eval live in interpreters of their own (``serve.python``, ``eval.python``; default the job's). One
-child process per interpreter asks ``importlib.util.find_spec`` (milliseconds: nothing is imported), so a missing
-package is refused at ``validate``/``submit`` with the fix, not found by the job after training.
+child process per interpreter asks ``importlib.util.find_spec`` (slurmft.plan.interpreter: milliseconds, nothing
+is imported), so a missing package is refused at ``validate``/``submit`` with the fix, not found by the job after
+training.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-from pathlib import Path
-
 from slurmft.config import RunConfig
-from slurmft.config_paths import is_program_path
+from slurmft.plan.interpreter import MISSING, NOT_ON_PATH, NoAnswer, finds_modules, in_words, locate
 
 
 def interpreter(python: str | None, cfg: RunConfig, kind: str) -> tuple[str, str]:
@@ -21,33 +17,24 @@ def interpreter(python: str | None, cfg: RunConfig, kind: str) -> tuple[str, str
     return cfg.model_job_python(kind), "" if python else " (not set: the job's Python)"
 
 
-def finds_modules(python: str, modules: tuple[str, ...]) -> dict[str, bool] | str:
-    """Which of ``modules`` the interpreter finds, or why it cannot be asked (a message)."""
-    if not is_program_path(python):
-        found = shutil.which(python)
-        if found is None:
-            return f"{python!r} is not on PATH here"
-        python = found
-    if not Path(python).is_file():
-        return f"{python} does not exist on this machine (the compute nodes need it at the same path)"
-    code = ("import importlib.util as u, json, sys; "
-            "print(json.dumps({m: u.find_spec(m) is not None for m in sys.argv[1:]}))")
-    try:
-        proc = subprocess.run([python, "-c", code, *modules], capture_output=True, text=True, timeout=60,
-                              check=False, cwd="/")
-        return dict(json.loads(proc.stdout))
-    except (OSError, subprocess.TimeoutExpired, ValueError):
-        return f"{python} does not run (or is not a Python)"
-
-
 def check_serve(cfg: RunConfig) -> list[str]:
     """``serve``: its Python finds vLLM (and peft-free LoRA serving needs nothing more)."""
     if cfg.serve is None:
         return []
     python, how = interpreter(cfg.serve.python, cfg, "serve")
-    found = finds_modules(python, ("vllm",))
-    if isinstance(found, str):
-        return [f"serve.python{how}: {found}; set serve.python to the interpreter of a venv with vLLM installed"]
+    path, where = locate(python)
+    why = None
+    if where == NOT_ON_PATH:
+        why = in_words(path, where)
+    elif where == MISSING:
+        why = f"{in_words(path, where)} (the compute nodes need it at the same path)"
+    else:
+        try:  # a file that may not be run (NOT_EXECUTABLE) answers nothing either
+            found = finds_modules(path, ("vllm",)).modules
+        except NoAnswer:
+            why = f"{path} does not run (or is not a Python)"
+    if why:
+        return [f"serve.python{how}: {why}; set serve.python to the interpreter of a venv with vLLM installed"]
     if not found["vllm"]:
         return [f"serve.python{how}: {python} cannot import vllm: the serve check would fail after training; install "
                 f"it in its own venv (`python -m venv /shared/venvs/vllm && /shared/venvs/vllm/bin/pip install vllm`; "
