@@ -84,7 +84,8 @@ ARCHITECTURES: dict[str, dict[str, object]] = {
     "gemma2": {"tie_word_embeddings": True},
     "gemma3_text": {"tie_word_embeddings": True},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
-    "qwen3_moe": {**_MOE, "num_experts": 4, "decoder_sparse_step": 1},
+    # head size 32: the smallest vLLM's CPU attention takes (tests/job/test_architectures_cpu.py serves it)
+    "qwen3_moe": {**_MOE, "num_experts": 4, "decoder_sparse_step": 1, "head_dim": 32},
     "deepseek_v3": {**_MOE, "n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
                     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
                     "v_head_dim": 16, "n_group": 1, "topk_group": 1,

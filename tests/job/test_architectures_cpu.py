@@ -168,3 +168,35 @@ def test_parameter_count_from_headers_and_from_config_json(arch_run: tuple[str, 
     assert abs(result["parameters"] - params) <= 0.005 * params, (arch, result["parameters"], params)
     if model.config.to_dict().get("num_experts_per_tok"):
         assert any(line.startswith("MoE activations:") for line in result["assumptions"]), result["assumptions"]
+
+
+def test_an_moe_model_of_the_zoo_serves_on_vllm_as_transformers_generates(
+        arch_runs: dict[str, tuple[Path, Path, Path]], tmp_path: Path) -> None:
+    """The serve check (slurmft.job.serve_check, what the serve job runs) on the zoo's Qwen3-MoE after training,
+    resume and consolidation: vLLM's CPU build loads the exported experts with no missing or unexpected weight, and
+    its greedy tokens and first-token log-probabilities equal transformers' (float32: exact tokens, log-probs within
+    1e-3). Its consolidated model is copied into a run directory whose config gains a serve section, as a user adds
+    one before ``slurmft serve RUN_DIR``."""
+    import yaml
+
+    from slurmft.job.serve_check import serve_check_run
+    from tests.conftest import need_model_job_python
+
+    python = need_model_job_python("serve")
+    _, _, resumed = arch_runs["qwen3_moe"]
+    assert (resumed / "model" / "config.json").is_file(), "the resumed Qwen3-MoE run was not consolidated"
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(resumed / "model", run / "model")
+    config = yaml.safe_load((resumed / "config.yaml").read_text())
+    config.update(output_dir=str(run), serve={"python": python, "prompts": 2, "max_new_tokens": 8,
+                                              "resources": {"gpus": 0, "time": "00:10:00"}})
+    (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    summary = serve_check_run(str(run))
+    record = json.loads((run / "serve" / "result.json").read_text())
+    engine = record["engines"]["model"]
+    assert summary["ok"] and record["ok"] and engine["ok"] and engine["exact"], record
+    assert engine["dtype"] == "float32" and engine["loading"] == {k: [] for k in engine["loading"]}
+    assert len(engine["prompts"]) == 2 and engine["vllm_version"]
+    for prompt in engine["prompts"]:  # every greedy token equal, up to 8 or an EOS both stopped at
+        assert 0 < prompt["agree"] == len(prompt["transformers"]) == len(prompt["vllm"]) <= 8, prompt
