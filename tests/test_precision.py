@@ -228,9 +228,13 @@ def test_fit_table_write_replaces_only_the_block(tmp_path: Path) -> None:
 
 
 # ====================================================================== measured on real FSDP2
-def _rs_worker(out_dir: str, mode: str) -> None:
-    """One rank: the tiny model sharded by slurmft's own loader code, one forward/backward, every
-    reduce-scatter input FSDP2 allocates recorded (bytes, dtype)."""
+MEASURED_MODES = ("bf16-mixed", "bf16-true")
+
+
+def _rs_worker(out_dir: str) -> None:
+    """One rank: for each of :data:`MEASURED_MODES`, the tiny model sharded by slurmft's own loader code, one
+    forward/backward, every reduce-scatter input FSDP2 allocates recorded (bytes, dtype). Both modes in one launch:
+    the second costs a model, not another start-up of two ranks."""
     import torch
     import torch.distributed as dist
 
@@ -247,40 +251,52 @@ def _rs_worker(out_dir: str, mode: str) -> None:
         return original(*args, **kwargs)
 
     dist.reduce_scatter_single = recording
-    cfg = load_config(TINY_EXAMPLE, ["model.name_or_path=llama-2-7b", f"train.precision={mode}"])
     ctx = distributed.init(JobEnv.from_environ())
     from transformers import LlamaConfig
 
     size = SIZES["tiny"]
     config = LlamaConfig(**{k: getattr(size, k) for k in size.__dataclass_fields__}, tie_word_embeddings=False)
-    mode_ = loading.choose_precision(cfg, on_gpu=False)
-    dtype, gather, reduce = loading.mixed_precision_dtypes(cfg, mode_)
-    model = parallelize.build_meta(config, cfg, dtype, "sdpa")
-    parallelize.shard(model, cfg, ctx, parallelize.wrap_class_names(model, cfg), gather, reduce)
-    parallelize.materialize(model, ctx, offload=False)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.to_local().normal_(0, 0.02)
-    ids = torch.randint(0, size.vocab_size, (1, 32))
-    model(input_ids=ids, labels=ids).loss.backward()
-    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    measured = {}
+    for mode in MEASURED_MODES:
+        calls.clear()
+        cfg = load_config(TINY_EXAMPLE, ["model.name_or_path=llama-2-7b", f"train.precision={mode}"])
+        mode_ = loading.choose_precision(cfg, on_gpu=False)
+        dtype, gather, reduce = loading.mixed_precision_dtypes(cfg, mode_)
+        model = parallelize.build_meta(config, cfg, dtype, "sdpa")
+        parallelize.shard(model, cfg, ctx, parallelize.wrap_class_names(model, cfg), gather, reduce)
+        parallelize.materialize(model, ctx, offload=False)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().normal_(0, 0.02)
+        ids = torch.randint(0, size.vocab_size, (1, 32))
+        model(input_ids=ids, labels=ids).loss.backward()
+        layer = sum(p.numel() for p in model.model.layers[0].parameters())
+        measured[mode] = {"calls": list(calls), "layer_numel": layer}
+        del model
     if ctx.is_main:
-        Path(out_dir, "calls.json").write_text(json.dumps({"calls": calls, "layer_numel": layer}))
+        Path(out_dir, "calls.json").write_text(json.dumps(measured))
     distributed.shutdown()
 
 
-@pytest.mark.train
-@pytest.mark.parametrize("mode", ["bf16-mixed", "bf16-true"])
-def test_reduce_scatter_term_equals_fsdp2s_real_buffers(mode: str, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def reduce_scatter_calls(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """What :func:`_rs_worker` recorded on two CPU ranks (torchrun), per mode."""
     pytest.importorskip("torch")
+    out = tmp_path_factory.mktemp("reduce-scatter")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           __file__, "rs-worker", str(tmp_path), mode], env=env, cwd=REPO, capture_output=True,
+                           __file__, "rs-worker", str(out)], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    got = json.loads((tmp_path / "calls.json").read_text())
+    return json.loads((out / "calls.json").read_text())
+
+
+@pytest.mark.train
+@pytest.mark.parametrize("mode", MEASURED_MODES)
+def test_reduce_scatter_term_equals_fsdp2s_real_buffers(mode: str, reduce_scatter_calls: dict[str, Any]) -> None:
+    got = reduce_scatter_calls[mode]
     from slurmft.tiny import SIZES
 
     size = SIZES["tiny"]
@@ -302,8 +318,8 @@ def test_reduce_scatter_term_equals_fsdp2s_real_buffers(mode: str, tmp_path: Pat
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "rs-worker":
+    if len(sys.argv) == 3 and sys.argv[1] == "rs-worker":
         sys.path.insert(0, str(REPO))
-        _rs_worker(sys.argv[2], sys.argv[3])
+        _rs_worker(sys.argv[2])
     else:
-        sys.exit("usage: torchrun --nproc_per_node 2 tests/test_precision.py rs-worker OUT_DIR MODE")
+        sys.exit("usage: torchrun --nproc_per_node 2 tests/test_precision.py rs-worker OUT_DIR")
