@@ -45,8 +45,9 @@ IMAGE_LIST = REPO / "bench" / "gpu_image_packages.txt"
 #: What runs on the GPU machine: the package and the smoke that starts it.
 JOB_SOURCES = (REPO / "slurmft", REPO / "bench" / "gpu_smoke.py")
 #: Files of slurmft that another interpreter runs, never the job's: the serve check's vLLM half, run as a script by
-#: ``serve.python`` (vLLM in a venv of its own; docs/serve-eval.md). Their imports are not the job's.
-OTHER_INTERPRETERS = frozenset({REPO / "slurmft" / "job" / "serve_vllm.py"})
+#: ``serve.python``, and lm-eval's command line, by ``eval.python`` (each in a venv of its own; docs/serve-eval.md).
+#: Their imports are not the job's.
+OTHER_INTERPRETERS = frozenset({REPO / "slurmft" / "job" / "serve_vllm.py", REPO / "slurmft" / "job" / "lm_eval_run.py"})
 #: pyproject's extras the smoke's job needs beside the base dependencies.
 JOB_EXTRAS = ("train",)
 #: Test tools the CPU lane with the image's versions runs (bench/gpu_image_env.sh); the image has them.

@@ -70,7 +70,8 @@ def evaluated(local_tiny_run: Path, eval_python: str) -> tuple[Path, dict[str, A
 
 #: lm-eval by hand, through its own Python API, both models in one process (one import of lm-eval, not two): the
 #: arguments the CLI's ``--model hf --model_args pretrained=M,dtype=float32 --tasks T --include_path D --batch_size 8
-#: --device cpu`` stand for, with the CLI's default seeds.
+#: --device cpu`` stand for, with the CLI's default seeds; the task index of the include path alone (its
+#: ``include_defaults=False``: the task is a file, lm-eval's ~14,000 own task files need not be read).
 BY_HAND = r"""
 import json, sys
 from lm_eval import simple_evaluate
@@ -79,7 +80,7 @@ task, include, models = sys.argv[1], sys.argv[2], sys.argv[3:]
 out = {}
 for model in models:
     r = simple_evaluate(model="hf", model_args=f"pretrained={model},dtype=float32", tasks=[task], batch_size=8,
-                        device="cpu", task_manager=TaskManager(include_path=include))
+                        device="cpu", task_manager=TaskManager(include_path=include, include_defaults=False))
     out[model] = r["results"][task]
 print(json.dumps(out))
 """

@@ -1,8 +1,8 @@
 """The evaluation job: lm-eval-harness on the fine-tuned model and, with ``eval.compare_base``, on the base model.
 
-Chained after consolidation. lm-eval only ever runs as a subprocess (``python -m lm_eval``) in the eval
-interpreter (``eval.python``, default the job's, ``cluster.python``): it pins its own transformers, and a crash
-in it must not take the job's Python with it. Its output streams into the job log line by line, and its own
+Chained after consolidation. lm-eval only ever runs as a subprocess (``python -m lm_eval``'s command line, through
+slurmft/job/lm_eval_run.py: see there why) in the eval interpreter (``eval.python``, default the job's,
+``cluster.python``): it pins its own transformers, and a crash in it must not take the job's Python with it. Its output streams into the job log line by line, and its own
 files stay as it writes them: RUN_DIR/eval/finetuned/ and RUN_DIR/eval/base/ (``results_<time>.json``, the
 samples). What the report and ``runs`` read is RUN_DIR/eval/summary.json (slurmft.eval_results):
 
@@ -48,6 +48,10 @@ if TYPE_CHECKING:
 STDERR_TAIL = 15
 #: Seconds ``<eval python> -c "import vllm"`` may take (vLLM's import is slow: torch, triton, its kernels).
 VLLM_PROBE_S = 300
+#: The script ``eval.python`` runs: lm-eval's command line (slurmft.job.lm_eval_run).
+LM_EVAL_RUN = Path(__file__).with_name("lm_eval_run.py")
+#: Its flag for "every task is a file of the user's: index the include path alone".
+ONLY_INCLUDED = "--only-included"
 #: The environment lm-eval runs with, on top of the job's.
 LM_EVAL_ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -128,9 +132,11 @@ def model_specs(cfg: RunConfig, ev: EvalConfig, paths: RunPaths, backend: str) -
 
 
 def lm_eval_command(python: str, backend: str, model_args: str, names: list[str], include_path: str | None,
-                    ev: EvalConfig, out: Path, device: str | None) -> list[str]:
-    """The ``python -m lm_eval`` command line of one model."""
-    cmd = [python, "-m", "lm_eval", "--model", backend, "--model_args", model_args, "--tasks", ",".join(names),
+                    ev: EvalConfig, out: Path, device: str | None, only_included: bool = False) -> list[str]:
+    """The lm-eval command line of one model: ``python -m lm_eval``'s, through :data:`LM_EVAL_RUN`, which with
+    ``only_included`` (every task a file of the user's) indexes the include path alone."""
+    cmd = [python, str(LM_EVAL_RUN), *([ONLY_INCLUDED] if only_included else []), "--model", backend,
+           "--model_args", model_args, "--tasks", ",".join(names),
            "--batch_size", str(ev.batch_size), "--output_path", str(out), "--log_samples"]
     if include_path:
         cmd += ["--include_path", include_path]
@@ -236,7 +242,7 @@ def evaluate_run(run_dir: str, tasks: list[str] | None = None, say: Say = print)
         out.mkdir(parents=True, exist_ok=True)
         before = set(out.rglob("results_*.json"))
         cmd = lm_eval_command(python, backend, _model_args(spec["args"]), resolved.names, resolved.include_path, ev,
-                              out, device)
+                              out, device, only_included=not resolved.registry_names)
         t0 = time.monotonic()
         say(f"eval: {which} model {spec['name']}")
         run_lm_eval(cmd, cwd, say)
