@@ -57,13 +57,16 @@ fresh.
 
 Prints a markdown table; ``--json OUT`` writes the raw figures; exits 1 when a target is missed.
 ``--quick`` is a smoke test of the whole bench: it skips the warm-up run (so its fresh start also
-prepares the dataset cache), and with a checkpoint of a few MB both ratios are noise: it prints the
-targets' verdict but does not enforce it.
+prepares the dataset cache), its jobs train 64-token rows (``QUICK_SEQ``; the example's 256 otherwise: the first
+step is in both times, and at the tiny model's size it is noise either way), its throughput ranks import the way
+a job's do (``imports_as_a_job``), and with a checkpoint of a few MB both ratios are noise: it prints the targets'
+verdict but does not enforce it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import mmap
@@ -73,6 +76,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +85,7 @@ TINY_EXAMPLE = REPO / "examples" / "tiny" / "run.yaml"
 BLOCK = 8 * 2**20
 SAVE_TARGET = 0.6  # DCP save GB/s >= this x sequential write GB/s
 RESUME_TARGET = 1.2  # resume-to-first-step <= this x fresh-start-to-first-step
+QUICK_SEQ = 64  # --quick: the resume jobs' data.max_seq_length
 
 
 # ------------------------------------------------------------------ page cache
@@ -125,6 +130,35 @@ def files_under(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file())
 
 
+# ------------------------------------------------------------------ --quick: a worker's imports as a job's
+@contextlib.contextmanager
+def imports_as_a_job(on: bool) -> Iterator[None]:
+    """With ``on`` (``--quick``), the imports inside load the way a job's do (slurmft.job.entrypoint's
+    ``_load_the_stack``): transformers' import structure from slurmft's cache, the cyclic garbage collector off,
+    then what they made frozen and the collector on again. A bench worker's imports (torch, transformers' Llama,
+    slurmft's loader) took 10.8 CPU-s here, 7.0 this way. Without ``on`` nothing changes (the full runs behind
+    docs/benchmarks.md). Nothing a bench measures runs inside: its baselines are taken after."""
+    if not on:
+        yield
+        return
+    import gc
+
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        try:
+            from slurmft.job import import_structure
+        except ImportError:  # an older slurmft on PYTHONPATH (bench/load_memory.py's v0.1 row)
+            pass
+        else:
+            import_structure.install()
+        yield
+    finally:
+        gc.freeze()
+        if was_on:
+            gc.enable()
+
+
 # ------------------------------------------------------------------ throughput worker (one rank)
 def _sequential_write(path: Path, data: memoryview) -> None:
     """Write ``data`` front to back in BLOCK-sized calls, fsync, close."""
@@ -150,24 +184,25 @@ def _rank_bytes(ckpt: Path, rank: int) -> int:
     return own
 
 
-def throughput_worker(model_dir: Path, work: Path, repeat: int, out: Path) -> None:
+def throughput_worker(model_dir: Path, work: Path, repeat: int, out: Path, quick: bool = False) -> None:
     """One rank: shard the model, one AdamW step, then ``repeat`` x (save, write, drop caches, load, read)."""
-    import torch
-    import torch.distributed as dist
-    from accelerate import Accelerator
-    from accelerate.utils import FullyShardedDataParallelPlugin
-    from accelerate.utils.fsdp_utils import (
-        load_fsdp_model,
-        load_fsdp_optimizer,
-        save_fsdp_model,
-        save_fsdp_optimizer,
-    )
+    with imports_as_a_job(quick):
+        import torch
+        import torch.distributed as dist
+        from accelerate import Accelerator
+        from accelerate.utils import FullyShardedDataParallelPlugin
+        from accelerate.utils.fsdp_utils import (
+            load_fsdp_model,
+            load_fsdp_optimizer,
+            save_fsdp_model,
+            save_fsdp_optimizer,
+        )
 
-    from slurmft.checkpoints import make_durable
-    from slurmft.config import RunConfig
-    from slurmft.job import cpu_fsdp, distributed, inputs, loading
-    from slurmft.job.checkpointing.writing import skip_unchecked_crc32
-    from slurmft.job.rendezvous import JobEnv
+        from slurmft.checkpoints import make_durable
+        from slurmft.config import RunConfig
+        from slurmft.job import cpu_fsdp, distributed, inputs, loading
+        from slurmft.job.checkpointing.writing import skip_unchecked_crc32
+        from slurmft.job.rendezvous import JobEnv
 
     ctx = distributed.init(JobEnv.from_environ())
     cpu_fsdp.enable()
@@ -266,15 +301,17 @@ def job_env(work: Path) -> dict[str, str]:
     return env
 
 
-def write_run(run_dir: Path, model_dir: Path) -> None:
-    """run_dir/config.yaml from examples/tiny/run.yaml: this model, 2 steps, a checkpoint every step."""
+def write_run(run_dir: Path, model_dir: Path, seq: int | None = None) -> None:
+    """run_dir/config.yaml from examples/tiny/run.yaml: this model, 2 steps, a checkpoint every step; ``seq``:
+    data.max_seq_length (None: the example's)."""
     import yaml
 
     from slurmft.config_loading import load_config
 
     cfg = load_config(TINY_EXAMPLE, [f"model.name_or_path={model_dir}", f"output_dir={run_dir}", "train.max_steps=2",
                                      "prepare.enabled=false",
-                                     "checkpoint.every_steps=1", "checkpoint.keep_last=2"])
+                                     "checkpoint.every_steps=1", "checkpoint.keep_last=2"]
+                      + ([f"data.max_seq_length={seq}"] if seq else []))
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
@@ -299,18 +336,20 @@ def run_job(run_dir: Path, env: dict[str, str], nproc: int) -> dict[str, Any]:
     return {"first_step": first["step"], "to_first_step_s": round(first["time"] - t0, 2), "wall_s": round(wall, 2)}
 
 
-def resume_vs_fresh(model_dir: Path, work: Path, nproc: int, pairs: int, warm_up: bool = True) -> dict[str, Any]:
-    """A warm-up run, then ``pairs`` x (a fresh run; the same run resumed from checkpoint-1, checkpoint-2 removed)."""
+def resume_vs_fresh(model_dir: Path, work: Path, nproc: int, pairs: int, warm_up: bool = True,
+                    seq: int | None = None) -> dict[str, Any]:
+    """A warm-up run, then ``pairs`` x (a fresh run; the same run resumed from checkpoint-1, checkpoint-2 removed);
+    ``seq``: the runs' data.max_seq_length (None: the example's)."""
     env = job_env(work)
     if warm_up:
-        write_run(work / "warmup", model_dir)
+        write_run(work / "warmup", model_dir, seq)
         run_job(work / "warmup", env, nproc)
         shutil.rmtree(work / "warmup" / "checkpoints")
     weights = sorted(model_dir.glob("*.safetensors"))
     measured = []
     for i in range(pairs):
         run = work / f"run-{i}"
-        write_run(run, model_dir)
+        write_run(run, model_dir, seq)
         drop_cache(weights)
         cached = cached_fraction(weights)
         fresh = {**run_job(run, env, nproc), "weights_cached_at_start": cached}
@@ -409,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     repeat = args.repeat or (1 if args.quick else 7)
     if args.worker:
-        throughput_worker(Path(args.model), Path(args.workdir), repeat, Path(args.out))
+        throughput_worker(Path(args.model), Path(args.workdir), repeat, Path(args.out), args.quick)
         return 0
     model = ensure_model(args.model, "tiny" if args.quick else "150m")
     base = Path(args.workdir) if args.workdir else None
@@ -421,13 +460,13 @@ def main(argv: list[str] | None = None) -> int:
         env = job_env(work)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                __file__, "--worker", "--model", str(model), "--workdir", str(work / "io"), "--repeat", str(repeat),
-               "--out", str(work / "throughput.json")]
+               "--out", str(work / "throughput.json")] + (["--quick"] if args.quick else [])
         subprocess.run(cmd, check=True, env=env, cwd=REPO)
         tp = summarize(json.loads((work / "throughput.json").read_text()))
         print("measured save/load throughput", flush=True)
         (work / "jobs").mkdir()
         rs = resume_vs_fresh(model, work / "jobs", args.nproc, args.pairs or (1 if args.quick else 3),
-                             warm_up=not args.quick)
+                             warm_up=not args.quick, seq=QUICK_SEQ if args.quick else None)
         print("measured resume vs fresh start", flush=True)
     finally:
         if args.keep:

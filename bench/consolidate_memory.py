@@ -16,7 +16,8 @@ largest fp32 tensor (what "bounded by the largest tensor" promises: the read buf
 bytes on their way to the file) and, on the full model, at most ``STREAM_MAX_MODEL`` x the model (the
 figure docs/benchmarks.md quotes). ``--quick`` (what the test suite runs) uses 2 decoder layers instead of 12,
 and only the fp32 streaming and the load-all-keys baseline; the largest tensor is then a larger share of the
-model, so only the first target applies.
+model, so only the first target applies. Its processes import the way a job's do (bench/checkpoint.py's
+``imports_as_a_job``: ~4 CPU-s less each, all before the baseline; the consolidation job imports that way too).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+# bench/checkpoint.py: --quick's processes import as a job's do
+from checkpoint import imports_as_a_job
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = {
@@ -79,23 +83,24 @@ def _reset_hwm() -> bool:
 
 
 # ------------------------------------------------------------------ the checkpoint
-def _worker(model_dir: str, ckpt_dir: str) -> None:
+def _worker(model_dir: str, ckpt_dir: str, quick: bool = False) -> None:
     """One rank of the trainer-like save."""
     from datetime import timedelta
 
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        set_model_state_dict,
-    )
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoConfig, AutoModelForCausalLM
+    with imports_as_a_job(quick):
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            set_model_state_dict,
+        )
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-    from slurmft.checkpoints import mark_complete
+        from slurmft.checkpoints import mark_complete
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     rank = dist.get_rank()
@@ -129,14 +134,15 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path}
 
 
-def make_run(work: Path, model: dict[str, Any] = MODEL) -> tuple[Path, Path, int, int]:
+def make_run(work: Path, model: dict[str, Any] = MODEL, quick: bool = False) -> tuple[Path, Path, int, int]:
     """Model dir (config + tokenizer), a run with a complete 2-rank checkpoint-5; returns model bytes and
     the largest tensor's bytes."""
-    import yaml
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
+    with imports_as_a_job(quick):
+        import yaml
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import LlamaConfig, PreTrainedTokenizerFast
 
-    from slurmft.job.rendezvous import free_port
+        from slurmft.job.rendezvous import free_port
 
     model_dir, run = work / "base", work / "run-fp32"
     LlamaConfig(**model).save_pretrained(model_dir)
@@ -163,7 +169,7 @@ def make_run(work: Path, model: dict[str, Any] = MODEL) -> tuple[Path, Path, int
     t0 = time.monotonic()
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(model_dir), str(ckpt)],
+            [sys.executable, __file__, "--worker", str(model_dir), str(ckpt)] + (["--quick"] if quick else []),
             env={
                 **_env(),
                 "RANK": str(r),
@@ -196,16 +202,17 @@ def make_run(work: Path, model: dict[str, Any] = MODEL) -> tuple[Path, Path, int
 
 
 # ------------------------------------------------------------------ one measured method (own process)
-def measure(method: str, work: Path) -> dict[str, Any]:
-    import safetensors.torch  # noqa: F401  (imports before the baseline for every method alike)
-    import torch
-    import torch.distributed.checkpoint as dcp
-    import transformers.models.llama.modeling_llama  # noqa: F401
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: F401
+def measure(method: str, work: Path, quick: bool = False) -> dict[str, Any]:
+    with imports_as_a_job(quick):
+        import safetensors.torch  # noqa: F401  (imports before the baseline for every method alike)
+        import torch
+        import torch.distributed.checkpoint as dcp
+        import transformers.models.llama.modeling_llama  # noqa: F401
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: F401
 
-    from slurmft.job.consolidate.job import consolidate_run
+        from slurmft.job.consolidate.job import consolidate_run
 
     ckpt = work / "run-fp32" / "checkpoints" / "checkpoint-5" / "pytorch_model_fsdp_0"
     out = work / f"out-{method}"
@@ -264,24 +271,24 @@ def main() -> int:
     ap.add_argument("--measure", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        _worker(*args.worker)
+        _worker(*args.worker, quick=args.quick)
         return 0
     if args.measure:
-        print("RESULT " + json.dumps(measure(args.measure[0], Path(args.measure[1]))), flush=True)
+        print("RESULT " + json.dumps(measure(args.measure[0], Path(args.measure[1]), args.quick)), flush=True)
         return 0
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="slurmft-bench-consolidate-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
         model = {**MODEL, "num_hidden_layers": QUICK_LAYERS} if args.quick else MODEL
-        _, _, model_bytes, largest = make_run(work, model)
+        _, _, model_bytes, largest = make_run(work, model, args.quick)
         methods = [m for m in METHODS if not (args.no_torch_save and m == "dcp-to-torch-save")]
         if args.quick:
             methods = ["stream-fp32", "load-all-keys"]
         results = []
         for method in methods:
             proc = subprocess.run(
-                [sys.executable, __file__, "--measure", method, str(work)],
+                [sys.executable, __file__, "--measure", method, str(work)] + (["--quick"] if args.quick else []),
                 env=_env(),
                 capture_output=True,
                 text=True,

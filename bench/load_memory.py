@@ -33,7 +33,8 @@ and its reads at most 1/nproc of the file + 5 %; ``scatter``: rank >= 1 at most 
 shard, rank 0 at most model + shard. ``--quick`` (what the test suite runs) uses the 150m shape with 6
 decoder layers instead of 12 (~92M parameters; the tiny preset is too small: a few MiB of fixed
 per-process overhead would dominate its 10 MiB shards) and runs only the ``scatter``, ``sliced`` and
-``native`` rows (``--methods`` chooses others).
+``native`` rows (``--methods`` chooses others); its ranks import the way a job's do (bench/checkpoint.py's
+``imports_as_a_job``: ~4 CPU-s less each, all before the baseline).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+# bench/checkpoint.py: --quick's workers import as a job's ranks do
+from checkpoint import imports_as_a_job
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -109,28 +113,29 @@ def _wrap_like_slurmft(model, mesh) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def worker(method: str, model_dir: Path, out: Path) -> None:
+def worker(method: str, model_dir: Path, out: Path, quick: bool = False) -> None:
     """One rank: baseline, load with ``method``, report peaks above the baseline."""
     import gc
 
-    import torch
-    import torch.distributed as dist
-    import transformers.models.llama.modeling_llama  # noqa: F401  (imported before the baseline)
-    from safetensors import safe_open  # noqa: F401
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-    from transformers import AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
+    with imports_as_a_job(quick):
+        import torch
+        import torch.distributed as dist
+        import transformers.models.llama.modeling_llama  # noqa: F401  (imported before the baseline)
+        from safetensors import safe_open  # noqa: F401
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor
+        from transformers import AutoModelForCausalLM
+        from transformers.distributed import DistributedConfig
 
-    import slurmft
-    from slurmft.config import RunConfig
-    from slurmft.job import distributed, loading
-    from slurmft.job.rendezvous import JobEnv
+        import slurmft
+        from slurmft.config import RunConfig
+        from slurmft.job import distributed, loading
+        from slurmft.job.rendezvous import JobEnv
 
-    try:
-        from slurmft.job.inputs import load_model_config
-    except ImportError:  # v0.1 (PYTHONPATH): before the loader was split into rooms
-        from slurmft.job.loading import load_model_config
+        try:
+            from slurmft.job.inputs import load_model_config
+        except ImportError:  # v0.1 (PYTHONPATH): before the loader was split into rooms
+            from slurmft.job.loading import load_model_config
 
     ctx = distributed.init(JobEnv.from_environ())
     mesh = init_device_mesh("cpu", (ctx.world_size,))
@@ -188,8 +193,9 @@ def worker(method: str, model_dir: Path, out: Path) -> None:
 
 def quick_model(path: Path, file_dtype: str) -> Path:
     """The 150m preset's shape with QUICK_LAYERS decoder layers, random weights, stored in ``file_dtype``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    with imports_as_a_job(True):
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
 
     if not (path / "model.safetensors").is_file():
         torch.manual_seed(0)
@@ -314,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.worker, Path(args.model), Path(args.out))
+        worker(args.worker, Path(args.model), Path(args.out), args.quick)
         return 0
     before = args.before if args.before is not None else ("" if args.quick else "5c9fed3")
     model = ensure_model(args.model, args.file_dtype, "quick" if args.quick else "150m")
@@ -333,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                        "PYTHONPATH": f"{path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                        f"--nproc_per_node={args.nproc}", __file__, "--worker", method, "--model", str(model),
-                       "--out", out]
+                       "--out", out] + (["--quick"] if args.quick else [])
                 subprocess.run(cmd, check=True, env=env, cwd=out)
                 for r in range(args.nproc):
                     run = json.loads((Path(out) / f"{method}.rank{r}.json").read_text())

@@ -42,7 +42,9 @@ trainable parameters (at most ``CKPT_SLACK`` x trainable x (4 + 8) bytes + ``CKP
 metadata: no frozen base weight is saved); the LoRA run's gradients and AdamW state are exactly those
 of the trainable parameters on every rank; and (not with ``--quick``) every rank's peak RSS above the
 floor is lower with LoRA than with full fine-tuning. ``--quick`` (what the test suite runs): the 5M
-tiny preset, 3 steps, one pair.
+tiny preset, 2 steps of 64-token rows (``QUICK_SEQ``: ``data.max_seq_length``), one pair. Its targets do not
+depend on the steps or the row length (the checkpoint and the training state are the parameters'); a launch is
+mostly its ranks' imports, so the two jobs are most of the quick mode's time however short their steps.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ CKPT_SLACK = 1.1  # LoRA checkpoint model+optimizer bytes <= this x trainable x 
 CKPT_FIXED = 1 * MIB  # ... + this (the two DCP .metadata files and per-file headers)
 ADAMW_BYTES = 8  # exp_avg + exp_avg_sq, fp32 (the step counter is a scalar)
 KINDS = ("full", "lora")
+QUICK_SEQ = 64  # --quick: data.max_seq_length (the example's 256 otherwise)
 
 
 # ------------------------------------------------------------------ memory of other processes
@@ -141,16 +144,17 @@ def import_floor(env: dict[str, str]) -> int:
 
 
 # ------------------------------------------------------------------ the runs
-def write_run(run_dir: Path, model_dir: Path, steps: int, lora: list[str] | None) -> None:
+def write_run(run_dir: Path, model_dir: Path, steps: int, lora: list[str] | None, seq: int | None = None) -> None:
     """run_dir/config.yaml from examples/tiny/run.yaml: this model, ``steps`` steps, one checkpoint at the last;
-    ``lora``: the overrides of the LoRA run (None: full fine-tuning)."""
+    ``lora``: the overrides of the LoRA run (None: full fine-tuning); ``seq``: data.max_seq_length (None: the
+    example's)."""
     import yaml
 
     from slurmft.config_loading import load_config
 
     overrides = [f"model.name_or_path={model_dir}", f"output_dir={run_dir}", f"train.max_steps={steps}",
                  f"checkpoint.every_steps={steps}", "checkpoint.keep_last=1", "train.logging_steps=1",
-                 "prepare.enabled=false"]
+                 "prepare.enabled=false"] + ([f"data.max_seq_length={seq}"] if seq else [])
     cfg = load_config(TINY_EXAMPLE, overrides + (lora or []))
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
@@ -334,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default=None, choices=["tiny", "150m", "1b"], help="slurmft.tiny preset (default 150m; "
                     "tiny with --quick)")
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--steps", type=int, help="optimizer steps per run (default 5; 3 with --quick)")
+    ap.add_argument("--steps", type=int, help="optimizer steps per run (default 5; 2 with --quick)")
     ap.add_argument("--r", type=int, default=16, help="lora.r of the LoRA run")
     ap.add_argument("--target-modules", default="all-linear", help="lora.target_modules of the LoRA run "
                     "(all-linear, or names joined by commas: q_proj,v_proj)")
@@ -342,10 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", help="where the run directories go (default: a temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the run directories and job logs")
     ap.add_argument("--json", help="also write the figures here")
-    ap.add_argument("--quick", action="store_true", help="smoke test: the tiny preset, 3 steps; the peak-RSS target "
+    ap.add_argument("--quick", action="store_true", help="smoke test: the tiny preset, 2 steps of 64-token rows; the peak-RSS target "
                     "is not enforced")
     args = ap.parse_args(argv)
-    steps = args.steps or (3 if args.quick else 5)
+    steps = args.steps or (2 if args.quick else 5)
     model = ensure_model(args.model, args.size or ("tiny" if args.quick else "150m"))
     targets_arg = args.target_modules if args.target_modules == "all-linear" else f"[{args.target_modules}]"
     lora = [f"lora.r={args.r}", f"lora.target_modules={targets_arg}"]
@@ -360,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.repeat):
             for kind in (KINDS if rep % 2 == 0 else KINDS[::-1]):
                 run = work / f"{kind}-{rep}"
-                write_run(run, model, steps, lora if kind == "lora" else None)
+                write_run(run, model, steps, lora if kind == "lora" else None, QUICK_SEQ if args.quick else None)
                 runs[kind].append(run_job(run, env, args.nproc))
                 print(f"{kind} run {rep + 1}/{args.repeat}: {runs[kind][-1]['wall_s']} s", flush=True)
         from slurmft.config_loading import read_run_config

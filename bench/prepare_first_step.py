@@ -1,9 +1,10 @@
 """Train-job time to first step with and without a prepare job, on a data set whose tokenization dominates.
 
-Run: python bench/prepare_first_step.py [--rows 20000] [--quick]
+Run: python bench/prepare_first_step.py [--rows 20000] [--model DIR] [--quick]
 One invocation: it writes a chat data set locally (seeded synthetic multi-turn conversations, nothing
-downloaded), builds the tiny model (slurmft.tiny), and times two 2-rank CPU train jobs (gloo, real FSDP2)
-of the same run from launch to their first logged step:
+downloaded), builds the tiny model (slurmft.tiny; ``--model``: that preset built already, which the test suite
+passes), and times two 2-rank CPU train jobs (gloo, real FSDP2) of the same run from launch to their first
+logged step:
 
 * ``in allocation`` (``prepare.enabled: false``): rank 0 loads and converts, TRL tokenizes and packs in
   the train job (the other rank waits, then reads the datasets cache);
@@ -88,15 +89,20 @@ def first_step_s(run: Path, env: dict[str, str], timeout: float = 1200) -> float
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=20000)
+    ap.add_argument("--model", help="the slurmft.tiny tiny preset, built already (default: build it here)")
     ap.add_argument("--quick", action="store_true", help="500 rows: the pipeline runs (the ratio is not checked)")
     args = ap.parse_args(argv)
     rows = 500 if args.quick else args.rows
     sys.path.insert(0, str(REPO))
-    from slurmft.tiny import build
 
     with tempfile.TemporaryDirectory(prefix="slurmft-prepare-bench-") as tmp:
         work = Path(tmp)
-        model = build(work / "model", "tiny", "float32")
+        if args.model:
+            model = Path(args.model).resolve()
+        else:
+            from slurmft.tiny import build
+
+            model = build(work / "model", "tiny", "float32")
         data = work / "chat.jsonl"
         write_data(data, rows)
         plain, ready = work / "in-allocation", work / "prepared"

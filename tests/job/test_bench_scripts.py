@@ -18,12 +18,14 @@ from .helpers import REPO
 pytestmark = pytest.mark.train
 
 
-def test_gpu_smoke_dry_run(job_env: dict[str, str], tmp_path: Path) -> None:
+def test_gpu_smoke_dry_run(tiny_model: Path, job_env: dict[str, str], tmp_path: Path) -> None:
     """The GPU run's cases and checks on CPU: bf16-mixed's master dtype (float32) differs from its compute
     dtype (bfloat16), so a smoke test that checked the wrong field fails here, not first on a GPU; the first case's
     periodic saves are asynchronous and its final one synchronous; the 8B-shaped model is built (narrower) and
-    trained in the other mode; the JSON and the text land in --out."""
+    trained in the other mode; the JSON and the text land in --out. The dry run's small model is the tiny preset,
+    which it finds in --workdir (the session's, not built again)."""
     out = tmp_path / "out"
+    (tmp_path / "model-tiny").symlink_to(tiny_model)
     proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_smoke.sh"), "--dry-run", "--workdir", str(tmp_path),
                            "--out", str(out)], env={**job_env, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
                           text=True, timeout=360)
@@ -64,12 +66,18 @@ def test_gpu_smoke_dry_run(job_env: dict[str, str], tmp_path: Path) -> None:
     assert "[smoke] passed" not in proc.stdout and "passed in" in proc.stdout
 
 
+#: The benches whose quick mode trains the tiny preset: they get the session's (``--model``) instead of building it.
+ON_TINY = ("lora_memory.py", "dpo_memory.py", "prepare_first_step.py")
+
+
 @pytest.mark.parametrize("script", ["cli_latency.py", "load_memory.py", "consolidate_memory.py", "lora_memory.py",
                                     "dpo_memory.py", "prepare_first_step.py"])
-def test_readme_bench_quick_mode_meets_its_targets(script: str, job_env: dict[str, str], tmp_path: Path) -> None:
+def test_readme_bench_quick_mode_meets_its_targets(script: str, job_env: dict[str, str], tmp_path: Path,
+                                                   request: pytest.FixtureRequest) -> None:
     env = {**job_env, "TMPDIR": str(tmp_path)}  # the benches cache their models under $TMPDIR
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / script), "--quick"], env=env, cwd=str(REPO),
+    model = ["--model", str(request.getfixturevalue("tiny_model"))] if script in ON_TINY else []
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / script), "--quick", *model], env=env, cwd=str(REPO),
                           capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
