@@ -270,6 +270,31 @@ def test_the_recorded_24_11_config_of_the_test_cluster_reads_like_its_22_05_one(
     assert new["preemption"].text.startswith("no preemption on debug (PreemptType=(null), PreemptMode=OFF)")
 
 
+def test_probe_holds_serve_and_eval_python_to_what_each_node_finds() -> None:
+    """``doctor --job`` of a run with serve and eval sections: each node's answer on serve.python / eval.python (the
+    probe's find_spec, slurmft/job/probe.py), a node where one is missing or lacks its tool named with the fix."""
+    ranks, batch = probe_files()
+    vllm, lm_eval = "/shared/venvs/vllm/bin/python", "/shared/venvs/lm-eval/bin/python"
+    for r in ranks.values():
+        r["model_jobs"] = {"serve": {"python": vllm, "module": "vllm", "found": True, "version": "0.32.0",
+                                     "problem": None},
+                           "eval": {"python": lm_eval, "module": "lm_eval", "found": True, "version": "0.4.13",
+                                    "problem": None}}
+    exp = expect(model_jobs={"serve": vllm, "eval": lm_eval})
+    lines = probe_by_check(ranks, batch, exp)
+    assert lines["serve.python"].level is Level.OK and lines["serve.python"].text == (
+        f"{vllm} finds vLLM 0.32.0 on n1, n2")
+    assert lines["eval.python"].level is Level.OK and "finds lm-eval 0.4.13 on n1, n2" in lines["eval.python"].text
+    ranks[1]["model_jobs"]["serve"].update(found=False, problem=f"{vllm} does not exist on this machine")
+    ranks[0]["model_jobs"]["eval"].update(found=False)
+    lines = probe_by_check(ranks, batch, exp)
+    serve, ev = lines["serve.python"], lines["eval.python"]
+    assert serve.level is Level.PROBLEM and f"n2: {vllm} does not exist on this machine" in serve.text
+    assert "n1" not in serve.text and "pip install vllm" in serve.fix and "every node shares" in serve.fix
+    assert ev.level is Level.PROBLEM and f"n1: {lm_eval} cannot import lm_eval" in ev.text and "lm-eval" in ev.fix
+    assert "serve.python" not in probe_by_check(ranks, batch, expect())  # a run without the sections: no line
+
+
 def test_probe_in_an_image_names_it_and_holds_slurmft_to_the_login_nodes_version() -> None:
     ranks, batch = probe_files()
     for r in ranks.values():

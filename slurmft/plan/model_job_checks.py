@@ -1,7 +1,7 @@
 """Login-side checks of the jobs after consolidation: their interpreters import what they need (no torch here).
 
 vLLM and lm-eval live in interpreters of their own (``serve.python``, ``eval.python``; default the job's). One
-child process per interpreter asks ``importlib.util.find_spec`` (slurmft.plan.interpreter: milliseconds, nothing
+child process per interpreter asks ``importlib.util.find_spec`` (slurmft.interpreter: milliseconds, nothing
 is imported), so a missing package is refused at ``validate``/``submit`` with the fix, not found by the job after
 training.
 """
@@ -9,7 +9,7 @@ training.
 from __future__ import annotations
 
 from slurmft.config import RunConfig
-from slurmft.plan.interpreter import MISSING, NOT_ON_PATH, NoAnswer, finds_modules, in_words, locate
+from slurmft.interpreter import MISSING, NOT_ON_PATH, NoAnswer, finds_modules, in_words, locate
 
 
 def interpreter(python: str | None, cfg: RunConfig, kind: str) -> tuple[str, str]:

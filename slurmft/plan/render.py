@@ -396,6 +396,7 @@ def build_probe_context(
     extra = {"SLURMFT_MASTER_ADDR": cfg.cluster.master_addr} if cfg.cluster.master_addr else {}
     python = python_for(cfg)
     rank = [f"--signal={signal.name}", f"--run-dir={run_dir_target}", f"--vars={','.join(env_keys)}"]
+    rank += [f"--{kind}-python={cfg.model_job_python(kind)}" for kind in MODEL_JOB_TEMPLATES if cfg.model_job(kind)]
     paths = RunPaths.of(cfg.output_dir)
     env = _env_list(cfg, profile, extra)
     container = resolve(cfg, profile)

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from slurmft.job.rendezvous import free_port
-from tests.conftest import second_cluster
+from tests.conftest import REPO_ROOT, need_model_job_python, second_cluster
+
+TINY_TASK = REPO_ROOT / "examples" / "tiny" / "tasks" / "tiny_choice.yaml"
 
 pytestmark = pytest.mark.slurm
 
@@ -53,9 +55,15 @@ def test_doctor_and_its_probe_on_the_test_cluster(slurm_cluster, tiny_model: Pat
     path = slurmft.write_config(tmp_path, tiny_model, chat_data)
     code, lines = doctor_json(slurmft, str(path))
     assert code == 0 and set(lines) == LOGIN_CHECKS, lines
+    # with the jobs after consolidation: the probe asks their interpreters on every node too
+    vllm, lm_eval = need_model_job_python("serve"), need_model_job_python("eval")
+    path = slurmft.write_config(tmp_path, tiny_model, chat_data, serve={"python": vllm},
+                                eval={"python": lm_eval, "tasks": [str(TINY_TASK)]})
     code, lines = doctor_json(slurmft, "--job", str(path))
-    assert set(lines) == LOGIN_CHECKS | PROBE_CHECKS, sorted(lines)
+    assert set(lines) == LOGIN_CHECKS | PROBE_CHECKS | {"serve.python", "eval.python"}, sorted(lines)
     assert code == 0 and {c: x for c, x in lines.items() if x["level"] != "ok"} == {}, lines
+    assert lines["serve.python"]["text"] == f"{vllm} finds vLLM 0.32.0 on n1, n2"
+    assert lines["eval.python"]["text"] == f"{lm_eval} finds lm-eval 0.4.13 on n1, n2"
     assert "reached all 2 rank(s)" in lines["warning signal"]["text"]
     assert "shared by every node" in lines["run dir [n2]"]["text"]
     assert "bus bandwidth" in lines["all-reduce"]["text"]

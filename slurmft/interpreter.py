@@ -1,7 +1,8 @@
-"""Another interpreter, asked from the login node: where it is, and which modules it finds (nothing imported here).
+"""Another interpreter, asked from this one: where it is, and which modules it finds (nothing imported here).
 
 The job's Python (``cluster.python``), the serve check's (``serve.python``) and the evaluation's (``eval.python``)
-are checked the same way: :func:`locate` finds the file (a bare name on PATH, as the shell does), then
+are checked the same way, on the login node (``validate``) and, for the last two, on the nodes by ``doctor --job``'s
+probe (slurmft.job.probe): :func:`locate` finds the file (a bare name on PATH, as the shell does), then
 :func:`finds_modules` runs it once with ``importlib.util.find_spec`` (milliseconds: nothing is imported there) and
 reads the JSON it prints. :func:`run_json` runs any such snippet (lm-eval's task registry too). Each check words its
 own problems: they name its field and its fix.
