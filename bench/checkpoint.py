@@ -134,7 +134,7 @@ def files_under(path: Path) -> list[Path]:
 @contextlib.contextmanager
 def imports_as_a_job(on: bool) -> Iterator[None]:
     """With ``on`` (``--quick``), the imports inside load the way a job's do (slurmft.job.entrypoint's
-    ``_load_the_stack``): transformers' import structure from slurmft's cache, the cyclic garbage collector off,
+    ``load_the_stack``): transformers' import structure from slurmft's cache, the cyclic garbage collector off,
     then what they made frozen and the collector on again. A bench worker's imports (torch, transformers' Llama,
     slurmft's loader) took 10.8 CPU-s here, 7.0 this way. Without ``on`` nothing changes (the full runs behind
     docs/benchmarks.md). Nothing a bench measures runs inside: its baselines are taken after."""

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-# As a job process does while its libraries load (slurmft/job/entrypoint.py _load_the_stack): the cyclic garbage
+# As a job process does while its libraries load (slurmft/job/entrypoint.py load_the_stack): the cyclic garbage
 # collector is off while pytest imports the test modules (torch, transformers, TRL, datasets: most of a worker's
 # ~22 CPU-s of collection), then what they made is frozen and the collector runs again (pytest_collection).
 # Measured: `pytest --collect-only` 21.6-21.9 CPU-s with it on, 18.5-19.7 off.

@@ -25,7 +25,7 @@ EXIT_SETUP_ERROR = 2
 
 
 #: What each job imports before its work begins (the rest of its imports are its own modules' business): imported by
-#: :func:`_load_the_stack` with the cyclic garbage collector off.
+#: :func:`load_the_stack` with the cyclic garbage collector off.
 STACK = {
     "train": ("slurmft.job.train", "datasets", "trl.trainer.sft_trainer"),
     "prepare": ("slurmft.job.prepare", "datasets", "trl"),
@@ -34,10 +34,10 @@ STACK = {
     "eval": ("slurmft.job.evaluate",),
 }
 
-_stack_loaded = False  # set by the first _load_the_stack of this process
+_stack_loaded = False  # set by the first load_the_stack of this process
 
 
-def _load_the_stack(run_dir: str, job: str) -> None:
+def load_the_stack(run_dir: str, job: str) -> None:
     """Import the job's libraries (:data:`STACK`): the optional packages this job does not use stay out
     (unused_packages), transformers' import structure comes from the cache (import_structure), and the cyclic garbage
     collector is off while they load, after which the objects they made are frozen (``gc.freeze``).
@@ -85,7 +85,7 @@ def run_train(run_dir: str, signal_name: str = "USR2") -> dict[str, object]:
     # Under Slurm the launcher (slurmft.job.launch) installed these before submitit ran; again here for
     # runs started otherwise (the local executor: warning signal only, SIGTERM still ends the process).
     preemption.install(signal_name, term="SLURM_JOB_ID" in os.environ)
-    _load_the_stack(run_dir, "train")
+    load_the_stack(run_dir, "train")
     from slurmft.errors import SlurmftError
     from slurmft.job.train import train
 
@@ -103,7 +103,7 @@ def run_prepare(run_dir: str) -> dict[str, object]:
 
     Bad input (a row TRL cannot prepare, a missing source) is printed without a traceback, exit status 2.
     """
-    _load_the_stack(run_dir, "prepare")
+    load_the_stack(run_dir, "prepare")
     from slurmft.errors import SlurmftError
     from slurmft.job.prepare import prepare_run
 
@@ -119,7 +119,7 @@ def run_prepare(run_dir: str) -> dict[str, object]:
 def run_consolidate(run_dir: str, checkpoint: str | None = None, out: str | None = None) -> dict[str, object]:
     """Consolidation job body (single process): the newest complete checkpoint (or ``checkpoint``) into
     ``RUN_DIR/model`` (or ``out``)."""
-    _load_the_stack(run_dir, "consolidate")
+    load_the_stack(run_dir, "consolidate")
     from slurmft.job.consolidate.job import consolidate_run
     from slurmft.watch.report import write_report_safely
 
@@ -133,7 +133,7 @@ def _after_model(run_dir: str, kind: str, body: str, *args: object) -> dict[str,
     serve, lm-eval failed) is printed without a traceback and ends the job with exit status 2, the model kept."""
     import importlib
 
-    _load_the_stack(run_dir, kind)
+    load_the_stack(run_dir, kind)
     from slurmft.errors import SlurmftError
     from slurmft.watch.report import write_report_safely
 

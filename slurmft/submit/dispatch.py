@@ -503,13 +503,13 @@ def _run_local(
     cfg: RunConfig, paths: RunPaths, manifest: dict[str, Any], attempt: dict[str, Any], result: SubmitResult,
     say: Say, need_prepare: bool = False,
 ) -> None:
-    """Run the preparation (when needed), the train job (N processes) and consolidation here, in that order,
-    with submitit's local executor."""
-    from submitit import LocalExecutor
+    """Run the preparation (when needed), the train job (N processes, forked from one that has imported the
+    stack: slurmft.submit.local_executor) and consolidation here, in that order, with submitit's local executor."""
     from submitit.core.utils import JobPaths
 
     from slurmft.job.entrypoint import run_train
     from slurmft.job.rendezvous import free_port
+    from slurmft.submit.local_executor import ForkingLocalExecutor
 
     env_backup = dict(os.environ)
     os.environ.update(cfg.cluster.env)
@@ -520,7 +520,7 @@ def _run_local(
             result.jobs["prepare"] = attempt["prepare_job"] = run_local_prepare(
                 cfg, paths, manifest, say, run_attempt=attempt["attempt"])
             write_manifest(paths, manifest)
-        ex = LocalExecutor(folder=paths.submitit, python=python_for(cfg))
+        ex = ForkingLocalExecutor(paths.submitit, python_for(cfg), paths.root)
         ex.update_parameters(
             tasks_per_node=cfg.resources.ranks_per_node, nodes=1, timeout_min=time_minutes(cfg.cluster.time),
             gpus_per_node=cfg.resources.gpus_per_node,

@@ -1,4 +1,4 @@
-"""How a job process loads its libraries (slurmft/job/entrypoint.py ``_load_the_stack``): with the cyclic garbage
+"""How a job process loads its libraries (slurmft/job/entrypoint.py ``load_the_stack``): with the cyclic garbage
 collector off, what the imports made frozen afterwards, the collector on again before the job's work; a second job
 body in the same process (tests/job/run_many.py) freezes nothing of what the first run left.
 
@@ -21,7 +21,7 @@ run_dir, job, caller_disables = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 if caller_disables:
     gc.disable()
 before = gc.get_freeze_count()
-entrypoint._load_the_stack(run_dir, job)
+entrypoint.load_the_stack(run_dir, job)
 first = {"enabled": gc.isenabled(), "frozen": gc.get_freeze_count() - before,
          "loaded": [m for m in entrypoint.STACK[job] if m in sys.modules]}
 
@@ -34,7 +34,7 @@ for one in left:
 refs = [weakref.ref(one) for one in left]
 del left, one
 frozen = gc.get_freeze_count()
-entrypoint._load_the_stack(run_dir, job)
+entrypoint.load_the_stack(run_dir, job)
 gc.collect()
 second = {"enabled": gc.isenabled(), "frozen": gc.get_freeze_count() - frozen,
           "alive": sum(ref() is not None for ref in refs)}
