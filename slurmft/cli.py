@@ -425,7 +425,7 @@ def _model_job(run_dir: Path, kind: str, tasks: str | None, here: bool, template
     paths = RunPaths.of(run_dir)
     task_list = [t.strip() for t in tasks.split(",") if t.strip()] if tasks else None
     cfg = model_checks.checked_config(paths, kind, task_list)
-    problems = model_checks.problems_before(cfg, kind)
+    problems = model_checks.problems_before(cfg, kind, _err)
     if problems:
         raise SlurmftError(f"{paths.config}: {len(problems)} problem(s) found before running the {kind} job", problems)
     if here:

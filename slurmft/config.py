@@ -439,10 +439,14 @@ class RunConfig(Section):
         if self.dpo is not None:
             self._check_dpo(self.dpo)
         for kind in ("serve", "eval"):
-            if getattr(self, kind) is not None and not self.consolidate.enabled:
+            section = self.model_job(kind)
+            if section is not None and not self.consolidate.enabled:
                 raise ValueError(f"{kind}: its job runs on the consolidated model, after the consolidation job, but "
                                  f"consolidate.enabled is false; set consolidate.enabled=true or remove the {kind} "
                                  "section")
+            if self.executor == Executor.LOCAL and section is not None and section.container:
+                raise ValueError(f"{kind}.container: the local executor runs the job on this machine, outside any "
+                                 f"image; remove {kind}.container (or set executor=slurm)")
         if self.executor == Executor.LOCAL and self.cluster.container is not None:
             raise ValueError(
                 "cluster.container: the local executor runs the job on this machine, outside any image; remove "
@@ -472,10 +476,12 @@ class RunConfig(Section):
         """The section of a job after consolidation: ``serve`` or ``eval`` (None when the config has none)."""
         return self.serve if kind == "serve" else self.eval
 
-    def model_job_python(self, kind: str) -> str:
-        """The interpreter that job runs its tool in: the section's ``python``, else the job's (cluster.python)."""
+    def model_job_python(self, kind: str, step_python: str) -> str:
+        """The interpreter that job runs its tool in: the section's ``python``, else ``step_python``, the interpreter
+        of wherever the job's step runs (the image's in a container, cluster.python on the host: the job passes its
+        own sys.executable, the login side slurmft.plan.container.step_python)."""
         section = self.model_job(kind)
-        return (section.python if section is not None else None) or self.cluster.job_python
+        return (section.python if section is not None else None) or step_python
 
     @property
     def method(self) -> Method:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from slurmft.config import RunConfig
+from slurmft.config_model_checks import IMAGE_TAG
 from slurmft.config_paths import absolutize
 from slurmft.errors import ConfigError, RunDirError
 
@@ -161,10 +163,11 @@ def format_validation_error(err: ValidationError) -> list[str]:
     """One readable line per problem: ``dotted.field: message (got value)``."""
     problems = []
     for e in err.errors():
-        loc = format_loc(tuple(p for p in e["loc"] if p not in ("function-after",)))
+        where = tuple(p for p in e["loc"] if p not in ("function-after", IMAGE_TAG))
+        loc = format_loc(where)
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = _unknown_key_message(e["loc"])
+            msg = _unknown_key_message(where)
         elif e["type"] == "string_type" and isinstance(e.get("input"), bool):
             msg = f"expected a string, got {e['input']!r}: YAML reads yes/no/true/false as booleans; quote it " \
                   f"(\"{str(e['input']).lower()}\")"
@@ -197,14 +200,24 @@ def all_fields(model: Any = None, prefix: str = "") -> list[str]:
     out = []
     for name, field in (model or RunConfig).model_fields.items():
         ann = field.annotation
-        inner = getattr(ann, "__args__", None) or ()
-        sub = next((a for a in (ann, *inner) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        sub = _section_model(ann)
         path = f"{prefix}{field.alias or name}"  # the YAML key (checkpoint.async)
         if sub is not None:
-            out += all_fields(sub, path + ("[]." if sub is not ann else "."))
+            out += all_fields(sub, path + ("[]." if typing.get_origin(ann) is list else "."))
         else:
             out.append(path)
     return out
+
+
+def _section_model(ann: Any) -> Any:
+    """The section (a pydantic model) a field's annotation holds, through lists, unions and ``Annotated``; None."""
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann
+    for arg in typing.get_args(ann):
+        found = _section_model(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def _valid_keys(dotted_parent: str) -> list[str]:
@@ -215,13 +228,10 @@ def _valid_keys(dotted_parent: str) -> list[str]:
         field = model.model_fields.get(part)
         if field is None:
             return []
-        ann = field.annotation
-        inner = getattr(ann, "__args__", None)
-        if inner:  # list[DatasetSource] and friends
-            ann = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), ann)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+        sub = _section_model(field.annotation)  # list[DatasetSource], LoraConfig | None and friends
+        if sub is None:
             return []
-        model = ann
+        model = sub
     return sorted(field.alias or name for name, field in model.model_fields.items())
 
 

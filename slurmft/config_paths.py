@@ -78,7 +78,7 @@ def _path_kind(loc: str) -> str:
         return "program"
     if loc.startswith("eval.tasks["):
         return "task"
-    if loc == "cluster.container.image":
+    if loc in ("cluster.container.image", "serve.container.image", "eval.container.image"):
         return "image"
     return "path-or-hub-id"  # model.name_or_path, model.tokenizer, data.datasets[i].path
 
@@ -125,6 +125,9 @@ def _path_fields(data: dict[str, Any]) -> list[tuple[str, Any, Any]]:
         take("train.sft.chat_template_path", train["sft"], "chat_template_path")
     take("serve.python", serve, "python")
     take("eval.python", evaluation, "python")
+    for name, section in (("serve", serve), ("eval", evaluation)):
+        if isinstance(section.get("container"), dict):
+            take(f"{name}.container.image", section["container"], "image")
     tasks = evaluation.get("tasks")
     for i, task in enumerate(tasks if isinstance(tasks, list) else []):
         if isinstance(task, str) and task:

@@ -243,6 +243,16 @@ class ProbePaths:
     def rank_report(self, rank: int) -> Path:
         return self.root / f"rank-{rank}.json"
 
+    def tool_report(self, kind: str, node: str) -> Path:
+        """What ``serve.python`` / ``eval.python`` is on ``node`` where that job runs in a place of its own
+        (``serve.container``, ``eval.container``): written by the probe's step there."""
+        return self.root / f"tool-{kind}-{node}.json"
+
+    def tool_reports(self, kind: str) -> dict[str, Path]:
+        """node -> its :meth:`tool_report` for ``kind``, as written."""
+        prefix = f"tool-{kind}-"
+        return {p.name[len(prefix):-len(".json")]: p for p in sorted(self.root.glob(f"{prefix}*.json"))}
+
     @property
     def batch_report(self) -> Path:
         """What the batch shell's side found (scontrol, the time limit it set)."""

@@ -381,3 +381,151 @@ def test_the_doctors_probe_runs_its_ranks_in_the_image_and_its_batch_side_on_the
     batch = next(line for line in text.splitlines() if "-m slurmft.job.probe batch" in line)
     assert batch.startswith("/opt/venv/bin/python -m slurmft.job.probe batch")
     assert not [line for line in text.splitlines() if line.startswith("#SBATCH") and "container" in line]
+
+
+# ------------------------------------------------------------------ the jobs after consolidation: where they run
+SERVE_EVAL = ("serve.python=/opt/vllm/bin/python", "eval.tasks=[/shared/tasks/mine.yaml]", "eval.backend=hf")
+
+
+def test_a_job_after_consolidation_in_the_runs_image_runs_its_tool_with_the_images_python() -> None:
+    """The latent bug of issue 48: with the ranks in an image and no serve.python/eval.python, the tool ran
+    cluster.python (a host path) inside the image. Its default is the interpreter of wherever the job's step runs:
+    the image's (cluster.container.python), on the host cluster.python; serve.python, given, wins."""
+    from slurmft.plan.container import step_python, tool_python
+
+    cfg = load_config(GOLDEN_CFG, [*COMMON, *RUNTIMES["charliecloud"], "cluster.container.python=/opt/sft/bin/python",
+                                   "eval.tasks=[hellaswag]", "serve.prompts=2"])
+    profile = load_profile(cfg.cluster.profile)
+    assert cfg.cluster.job_python == "/opt/venv/bin/python"  # the host's, for the batch script
+    for kind in ("serve", "eval"):
+        assert step_python(cfg, profile, kind) == tool_python(cfg, profile, kind) == "/opt/sft/bin/python", kind
+    host = load_config(GOLDEN_CFG, ["eval.tasks=[hellaswag]"])
+    assert tool_python(host, load_profile(host.cluster.profile), "eval") == "/opt/venv/bin/python"
+    given = load_config(GOLDEN_CFG, [*COMMON, *RUNTIMES["charliecloud"], *SERVE_EVAL])
+    assert tool_python(given, load_profile(given.cluster.profile), "serve") == "/opt/vllm/bin/python"
+    # the job itself takes the interpreter it runs in (sys.executable) when the section names none
+    assert cfg.model_job_python("eval", "/usr/bin/python3.11") == "/usr/bin/python3.11"
+    assert given.model_job_python("serve", "/usr/bin/python3.11") == "/opt/vllm/bin/python"
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_serve_in_its_own_image_and_eval_on_the_host_beside_a_run_in_an_image(runtime: str, tmp_path: Path) -> None:
+    """serve.container: its own image, the run's container's mounts and env carried over, its own added; the
+    submitit command starts that image's python; eval.container: false runs the eval job on the host (cluster.python,
+    no wrapping) while the ranks stay in the run's image."""
+    image = {"pyxis": "/fsx/images/vllm.sqsh", "apptainer": "/fsx/images/vllm.sif",
+             "charliecloud": "/fsx/images/vllm", "podman": "localhost/vllm:1"}[runtime]
+    scripts = container_scripts(runtime, *SERVE_EVAL, f"serve.container={{image: {image}, python: /opt/v/bin/python, "
+                                "mounts: [/opt/venvs], env: {VLLM_CPU_KVCACHE_SPACE: '1'}}", "eval.container=false")
+    serve, ev, train = srun_line(scripts["serve"]), srun_line(scripts["eval"]), srun_line(scripts["train"])
+    run_image = RUNTIMES[runtime][1].split("=", 1)[1] if runtime != "pyxis" else "/fsx/images/sft.sqsh"
+    assert f"{image} " in serve or f"={image} " in serve, serve
+    assert run_image not in serve and run_image in train and image not in train
+    assert "/opt/v/bin/python -u -m submitit.core._submit" in serve and "serve.container.python" in serve
+    for mount in ("/fsx/cache", "/opt/venvs", "/shared/runs/golden-2x8"):  # the run's, its own, the automatic
+        assert mount in serve, (mount, serve)
+    assert "VLLM_CPU_KVCACHE_SPACE" in passed_names(runtime, serve)
+    assert "export VLLM_CPU_KVCACHE_SPACE=1  # serve.container.env" in scripts["serve"]
+    assert "VLLM_CPU_KVCACHE_SPACE" not in scripts["train"]
+    assert ev == "srun --unbuffered --ntasks=1 --cpus-per-task=4 /opt/venv/bin/python -u -m submitit.core._submit " \
+                 "/shared/runs/golden-2x8/submitit"
+    for kind in ("serve", "eval"):
+        script = tmp_path / f"{kind}.sh"
+        script.write_text(scripts[kind])
+        assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+        if shutil.which("shellcheck"):
+            out = subprocess.run(["shellcheck", "-S", "warning", str(script)], capture_output=True, text=True)
+            assert out.returncode == 0, out.stdout
+
+
+def test_serve_in_its_own_image_matches_golden() -> None:
+    """A site whose ranks run in one pyxis image and vLLM in another: the serve job's whole script."""
+    text = container_scripts("pyxis", *SERVE_EVAL, "serve.container.image=/fsx/images/vllm.sqsh")["serve"]
+    assert_matches_golden(text, GOLDEN / "serve-2x8-aws-efa-pyxis-own-image.sbatch")
+
+
+def test_an_own_image_without_a_run_container_and_the_eval_tasks_mounted() -> None:
+    """No container for the ranks: serve.container alone puts the serve job in an image (the ranks stay on the host);
+    the eval job in the run's image mounts its task files' folder (lm-eval's include path)."""
+    scripts = scripts_for(GOLDEN_CFG, *COMMON[:2], *SERVE_EVAL, "serve.container={runtime: charliecloud, image: /x/v}")
+    assert "ch-run" in srun_line(scripts["serve"]) and " python -u -m submitit" in srun_line(scripts["serve"])
+    assert "ch-run" not in scripts["train"] and "ch-run" not in scripts["eval"]
+    ev = srun_line(container_scripts("charliecloud", *SERVE_EVAL)["eval"])
+    assert "--bind=/shared/tasks:/shared/tasks" in ev and " python -u -m submitit" in ev
+
+
+def container_problems(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        from slurmft.plan.container import job_container
+
+        cfg = load_config(GOLDEN_CFG, ["eval.tasks=[hellaswag]", *overrides])
+        job_container(cfg, load_profile(cfg.cluster.profile), "serve" if "serve" in " ".join(overrides) else "eval")
+    return err.value.render()
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (["serve.container=true"], "serve.container: True is not a container: give a mapping"),
+    (["eval.container=host"], "eval.container: 'host' is not a container"),
+    (["serve.container={imag: /x}"], "serve.container.imag: unknown key; did you mean serve.container.image?"),
+    (["eval.container.runtime=docker"], "eval.container.runtime: unknown runtime 'docker'"),
+    (["serve.container.mounts=[data:/x]"], "serve.container.mounts: 'data:/x': the source 'data' is not an absolute"),
+    (["serve.container.image=/x"], "serve.container.runtime: required (not in the run's serve.container, nor in "
+                                   "cluster.container nor in cluster profile 'aws-efa')"),
+    (["serve.container={runtime: pyxis, mounts: ['/tmp/x:/shared/runs']}", "cluster.profile=aws-efa-pyxis",
+      "cluster.container.image=/fsx/sft.sqsh"], "serve.container.mounts: /tmp/x:/shared/runs hides"),
+    (["executor=local", "resources.nodes=1", "serve.container.image=/x"],
+     "serve.container: the local executor runs the job on this machine"),
+])
+def test_bad_model_job_containers_name_their_field(overrides: list[str], expected: str) -> None:
+    assert expected in container_problems(*overrides)
+
+
+def test_validate_leaves_an_interpreter_in_an_image_to_doctor_and_checks_the_host_one(tmp_path: Path) -> None:
+    """In an image (its own or the run's) the login node cannot ask serve.python: validate says doctor --job does,
+    and checks what it can (its own image's file, eval's task files). On the host beside a run in an image
+    (container: false), cluster.python must import what the serve job's slurmft imports."""
+    from slurmft.plan.model_job_checks import check_model_job
+
+    image = tmp_path / "vllm.sqsh"
+    base = [*COMMON, *RUNTIMES["pyxis"], "serve.python=/opt/vllm/bin/python", f"eval.tasks=[{tmp_path}/no.yaml]"]
+    cfg = load_config(GOLDEN_CFG, [*base, f"serve.container.image={image}"])
+    problems, skipped = check_model_job(cfg, "serve")
+    assert problems == [f"serve.container.image: {image} does not exist (pyxis reads it from the nodes' file system: "
+                        "give a path on the shared file system, or a registry reference the runtime pulls; "
+                        "docs/containers.md shows how to build one)"]
+    assert skipped == [f"serve.python: /opt/vllm/bin/python in the pyxis image {image} (serve.container) and vLLM there "
+                       "are checked by `slurmft doctor --job`, which asks it in the image on the nodes, not here"]
+    image.write_text("squashfs")
+    assert check_model_job(cfg, "serve")[0] == []
+    problems, skipped = check_model_job(cfg, "eval")  # in the run's image: the task file is still read here
+    assert len(problems) == 1 and "eval.tasks[0]" in problems[0] and "no.yaml" in problems[0]
+    assert "in the pyxis image /fsx/images/sft.sqsh (cluster.container)" in skipped[0] and "doctor --job" in skipped[0]
+    bare = tmp_path / "bare" / "bin" / "python"  # a Python without torch/transformers, as the host's cluster.python
+    subprocess.run(["python3", "-m", "venv", "--without-pip", str(bare.parent.parent)], check=True)
+    host = load_config(GOLDEN_CFG, [*base, f"cluster.python={bare}", "serve.container=false", "serve.python=" + str(bare)])
+    problems, _ = check_model_job(host, "serve")
+    assert any(p.startswith(f"serve.container: false runs the serve job's slurmft on the host with cluster.python "
+                            f"({bare}), which cannot import slurmft, torch, transformers") for p in problems), problems
+
+
+def test_the_doctors_probe_asks_a_job_in_its_own_place_in_a_step_there() -> None:
+    """doctor --job: a serve job in its own image is asked by one task per node in that image (before the ranks), an
+    eval job on the host (container: false) by one on the host; the ranks ask neither."""
+    from slurmft.plan.render import PROBE_TEMPLATE, build_probe_context, render, signal_directive
+
+    overrides = [*COMMON, *RUNTIMES["charliecloud"], *SERVE_EVAL, "serve.container.image=/scratch/vllm",
+                 "eval.container=false"]
+    cfg = load_config(GOLDEN_CFG, overrides)
+    signal = signal_directive(scripts_for(GOLDEN_CFG, *overrides)["train"])
+    assert signal is not None
+    probe_dir = Path("/shared/home/.cache/slurmft/doctor/golden")
+    text = render(PROBE_TEMPLATE, build_probe_context(cfg, load_profile(cfg.cluster.profile), probe_dir, signal,
+                                                      Path("/shared/runs")))
+    steps = [line for line in text.splitlines() if line.startswith("srun ")]
+    assert len(steps) == 3 and "-m slurmft.job.probe rank" in steps[2] and "--serve-python" not in steps[2]
+    assert "/scratch/vllm" in steps[0] and "--ntasks-per-node=1" in steps[0] and "/fsx/images/sft " not in steps[0]
+    assert f"python -m slurmft.job.probe tool {probe_dir} --kind=serve --python=/opt/vllm/bin/python" in steps[0]
+    assert f"--bind={probe_dir}:{probe_dir}" in steps[0]
+    assert "ch-run" not in steps[1] and steps[1].endswith(
+        f"/opt/venv/bin/python -m slurmft.job.probe tool {probe_dir} --kind=eval --python=/opt/venv/bin/python "
+        "|| echo \"[slurmft] the eval job's probe step failed (exit $?)\" >&2")

@@ -295,6 +295,47 @@ def test_probe_holds_serve_and_eval_python_to_what_each_node_finds() -> None:
     assert "serve.python" not in probe_by_check(ranks, batch, expect())  # a run without the sections: no line
 
 
+def test_probe_holds_a_job_in_its_own_image_to_what_its_step_there_found(tmp_path: Path) -> None:
+    """serve.container: the serve job's interpreter is asked by the probe's own step in that image (tool-serve-NODE.json,
+    written by slurmft/job/probe.py's tool side, run here for real on the lm-eval venv when it is built), not by the
+    ranks; a node that did not report, or whose slurmft there lacks what the serve check imports, is a problem."""
+    import json
+    import subprocess
+    import sys
+
+    from slurmft.rundir import ProbePaths
+    from tests.conftest import model_job_python
+
+    ranks, batch = probe_files()
+    vllm, image = "/opt/vllm/bin/python", "pyxis image /fsx/vllm.sqsh (serve.container)"
+    exp = expect(model_jobs={"serve": vllm}, model_job_places={"serve": image})
+    fact = {"python": vllm, "module": "vllm", "found": True, "version": "0.32.0", "problem": None,
+            "step_python": "/usr/bin/python3", "step_missing": []}
+    tools = {"serve": {"n1": dict(fact), "n2": dict(fact)}}
+    lines = by_check(probe_lines(ranks, batch, exp, "7", "COMPLETED", "/x/probe.log", tools))
+    assert lines["serve.python"].level is Level.OK
+    assert lines["serve.python"].text == f"{vllm} in the {image} finds vLLM 0.32.0 on n1, n2"
+    del tools["serve"]["n2"]
+    tools["serve"]["n1"]["step_missing"] = ["transformers"]
+    lines = by_check(probe_lines(ranks, batch, exp, "7", "COMPLETED", "/x/probe.log", tools))
+    assert lines["serve.python"].level is Level.PROBLEM and "did not report from n2" in lines["serve.python"].text
+    assert "install slurmft[train] in that image" in lines["serve.python"].fix
+    step = lines["serve.container"]
+    assert step.level is Level.PROBLEM and "n1: /usr/bin/python3 (slurmft's own there) cannot import transformers" \
+        in step.text and "slurmft[train]" in step.fix
+    lm_eval = model_job_python("eval")
+    if lm_eval is None:
+        return
+    paths = ProbePaths(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "slurmft.job.probe", "tool", str(tmp_path), "--kind=eval",
+                          f"--python={lm_eval}"], capture_output=True, text=True, env={"SLURMD_NODENAME": "n9",
+                                                                                         "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert list(paths.tool_reports("eval")) == ["n9"]
+    found = json.loads(paths.tool_report("eval", "n9").read_text())
+    assert found["found"] is True and found["python"] == lm_eval and found["step_missing"] == []
+
+
 def test_probe_in_an_image_names_it_and_holds_slurmft_to_the_login_nodes_version() -> None:
     ranks, batch = probe_files()
     for r in ranks.values():

@@ -29,6 +29,7 @@ import collections
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -222,7 +223,7 @@ def evaluate_run(run_dir: str, tasks: list[str] | None = None, say: Say = print)
     resolved = resolve_tasks(ev.tasks)
     if resolved.problems:
         raise EvalError("eval.tasks: the task files cannot be used", resolved.problems)
-    python = cfg.model_job_python("eval")
+    python = cfg.model_job_python("eval", sys.executable)  # default: the interpreter running this step
     backend, why = choose_backend(ev.backend, python)
     say(f"eval: backend {backend} ({why}); tasks {', '.join(resolved.names)}; interpreter {python}")
     cpu_reason = no_gpu(ev.resources.gpus) if backend == "hf" else None

@@ -15,6 +15,10 @@ Two sides, each writing one JSON file into the probe directory (slurmft.rundir.P
   filesystems and read back by the other nodes, a gloo (CPU) or NCCL (GPU) process group on
   MASTER_ADDR, one all-reduce bandwidth figure, whether ``serve.python``/``eval.python`` find vLLM/lm-eval there;
   then it waits for the warning signal.
+- ``tool``: a job after consolidation that runs somewhere else than the ranks (``serve.container`` /
+  ``eval.container``: its own image, or the host) is asked there, by one task per node started before the ranks
+  in that place's image with that image's Python: whether its ``serve.python`` / ``eval.python`` is there and finds
+  vLLM / lm-eval. Nothing heavy is imported (slurmft itself must be in that image: the job's entrypoint needs it).
 - ``batch``: started by the batch shell beside ``srun``. Once every rank is ready it asks ``scontrol show
   job`` (the same call the requeue decision makes) and shortens the job's own time limit so the
   remaining time falls below the lead time of the run's ``--signal``: Slurm then sends the warning
@@ -252,6 +256,21 @@ def rank_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def tool_main(args: argparse.Namespace) -> int:
+    """One task per node where a job after consolidation runs (its own image, or the host): its interpreter's
+    facts, written to tool-<kind>-<node>.json."""
+    import importlib.util
+
+    from slurmft.config_model_checks import MODEL_JOB_TOOLS
+
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    fact = _model_job_python(args.python, args.kind)
+    fact["step_python"] = sys.executable  # slurmft's own, which runs the job's entrypoint there
+    fact["step_missing"] = [m for m in MODEL_JOB_TOOLS[args.kind].step_needs if importlib.util.find_spec(m) is None]
+    _write(_paths(args.probe_dir).tool_report(args.kind, node), fact)
+    return 0
+
+
 def batch_main(args: argparse.Namespace) -> int:
     """The batch shell's side: scontrol from the batch script, then bring the warning signal's time."""
     from slurmft import slurm
@@ -289,11 +308,15 @@ def main(argv: list[str] | None = None) -> int:
     rank.add_argument("--rendezvous-s", type=float, default=60)
     rank.add_argument("--serve-python", help="serve.python: does it find vLLM on the nodes")
     rank.add_argument("--eval-python", help="eval.python: does it find lm-eval on the nodes")
+    tool = sub.add_parser("tool")
+    tool.add_argument("probe_dir")
+    tool.add_argument("--kind", choices=("serve", "eval"), required=True)
+    tool.add_argument("--python", required=True, help="serve.python / eval.python as that job would run it")
     batch = sub.add_parser("batch")
     batch.add_argument("probe_dir")
     batch.add_argument("--lead", type=int, required=True, help="the lead time of the run's --signal")
     args = parser.parse_args(argv)
-    return rank_main(args) if args.side == "rank" else batch_main(args)
+    return {"rank": rank_main, "tool": tool_main, "batch": batch_main}[args.side](args)
 
 
 if __name__ == "__main__":

@@ -272,7 +272,7 @@ def _check(cfg: RunConfig, paths: RunPaths, out_dir: Path, record: dict[str, Any
 
     serve = cfg.serve
     assert serve is not None
-    python = cfg.model_job_python("serve")
+    python = cfg.model_job_python("serve", sys.executable)  # default: the interpreter running this step
     record["python"] = python
     engines: list[tuple[str, Path, Path | None]] = []  # label, model dir, adapter served on it
     if (paths.model / "config.json").is_file():

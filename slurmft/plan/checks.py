@@ -466,7 +466,7 @@ def check_container(cfg: RunConfig, report: Report) -> Any:
     """The run's container (slurmft/plan/container.py) as far as the login node can see it: the runtime, mounts
     that hide nothing the job needs, an image file that exists and is readable. Returns it (None: no container,
     or one that does not resolve). What is inside the image is `slurmft doctor --job`'s to check."""
-    from slurmft.plan.container import image_problems, resolve
+    from slurmft.plan.container import hf_home_problems, image_problems, resolve
     from slurmft.profiles import load_profile
 
     try:
@@ -480,13 +480,7 @@ def check_container(cfg: RunConfig, report: Report) -> Any:
         return None
     if container is None:
         return None
-    report.problems += image_problems(container)
-    if not container.mount_home and "HF_HOME" not in {**cfg.cluster.env, **container.env}:
-        report.problems.append(
-            "cluster.env.HF_HOME: needed when the ranks run in an image: the Hugging Face caches (models, datasets) "
-            "default to ~/.cache/huggingface, and the image's home is neither yours nor writable (datasets fails "
-            "with 'Read-only file system'); set cluster.env.HF_HOME to a shared writable directory (it is mounted "
-            "at the same path), or cluster.container.mount_home: true")
+    report.problems += image_problems(container) + hf_home_problems(cfg, container)
     report.skipped.append(f"cluster.container.python: {container.python} in {container.image} ({container.runtime}) "
                           "and the training stack there are checked by `slurmft doctor --job`, not here")
     return container
@@ -543,17 +537,16 @@ def check_job_python(cfg: RunConfig, report: Report, in_image: bool = False) -> 
 
 
 def check_model_jobs(cfg: RunConfig, report: Report) -> None:
-    """The jobs after consolidation (serve, eval): their interpreters and, for eval, the tasks."""
-    if cfg.serve is not None:
-        from slurmft.plan.model_job_checks import check_serve
+    """The jobs after consolidation (serve, eval): their interpreters where they run (in an image: left to
+    `doctor --job`) and, for eval, the tasks."""
+    import sys
 
-        report.problems += check_serve(cfg)
-    if cfg.eval is not None:
-        import sys
+    from slurmft.plan.model_job_checks import check_model_job
 
-        from slurmft.plan.eval_checks import check_eval
-
-        report.problems += check_eval(cfg, lambda line: print(f"note: {line}", file=sys.stderr))
+    for kind in ("serve", "eval"):
+        problems, skipped = check_model_job(cfg, kind, lambda line: print(f"note: {line}", file=sys.stderr))
+        report.problems += problems
+        report.skipped += skipped
 
 
 # ====================================================================== the effective batch

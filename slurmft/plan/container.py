@@ -48,6 +48,7 @@ class Container:
     writable: bool = False
     workdir: str = "/"
     mount_home: bool = False
+    field: str = "cluster.container"  # the section that chose it, as messages name it (serve.container, ...)
 
     @property
     def image_is_path(self) -> bool:
@@ -78,8 +79,9 @@ def _merged(run: ContainerConfig | None, site: ContainerConfig | None) -> Contai
 def automatic_mounts(cfg: RunConfig, container_env: dict[str, str] | None = None) -> list[str]:
     """Directories the ranks need at the same path in the image: the run directory (checkpoints, logs, the
     prepared data, submitit's pickles), the model and tokenizer directories, each local data file's directory,
-    a chat template's directory and HF_HOME when the container's env (``container_env``; default: the run's
-    cluster.container.env) or cluster.env sets it."""
+    a chat template's directory, the eval job's own task files' directories (lm-eval's include path) and HF_HOME
+    when the container's env (``container_env``; default: the run's cluster.container.env) or cluster.env sets
+    it."""
     dirs = [cfg.output_dir]
     for value in (cfg.model.name_or_path, cfg.model.tokenizer):
         if value and value.startswith("/"):
@@ -90,6 +92,9 @@ def automatic_mounts(cfg: RunConfig, container_env: dict[str, str] | None = None
     template = cfg.train.sft.get("chat_template_path")
     if isinstance(template, str) and template.startswith("/"):
         dirs.append(str(PurePosixPath(template).parent))
+    for task in cfg.eval.tasks if cfg.eval is not None else ():
+        if task.startswith("/"):  # a task file or a folder of them (a registry name is not a path)
+            dirs.append(str(PurePosixPath(task).parent) if task.endswith((".yaml", ".yml")) else task)
     home = hf_home(cfg, container_env)
     if home:
         dirs.append(home)
@@ -136,15 +141,49 @@ def _split(mount: str) -> tuple[str, str]:
 
 def resolve(cfg: RunConfig, profile: ClusterProfile) -> Container | None:
     """The run's container (None: the ranks run on the host); a ConfigError names the field and the fix."""
-    spec = _merged(cfg.cluster.container, profile.container)
+    return _resolved(cfg, profile, _merged(cfg.cluster.container, profile.container), "cluster.container")
+
+
+#: The jobs that may run in an image of their own (their section's ``container``): the jobs after consolidation.
+OWN_CONTAINER_JOBS = ("serve", "eval")
+
+
+def job_container(cfg: RunConfig, profile: ClusterProfile, kind: str) -> Container | None:
+    """The image job ``kind`` runs in (None: on the host). The prepare, train and consolidation jobs run where the
+    ranks run (:func:`resolve`); a job after consolidation too, unless its section says otherwise: ``container:
+    false`` puts it on the host, a mapping gives it its own image, its keys over the run's container (vLLM and
+    lm-eval pin their own versions, so a site may keep them in images of their own)."""
+    section = cfg.model_job(kind) if kind in OWN_CONTAINER_JOBS else None
+    own = section.container if section is not None else None
+    if own is None:
+        return resolve(cfg, profile)
+    if own is False:
+        return None
+    return _resolved(cfg, profile, _merged(own, _merged(cfg.cluster.container, profile.container)),
+                     f"{kind}.container")
+
+
+def own_place_jobs(cfg: RunConfig, profile: ClusterProfile) -> dict[str, Container | None]:
+    """The jobs after consolidation that run somewhere else than the ranks (``serve.container`` / ``eval.container``
+    set: their own image, or the host beside a run in an image), each with its container (None: the host). The
+    doctor's probe asks their interpreters in a step of its own there; the others' are asked by its ranks."""
+    ranks = resolve(cfg, profile)
+    return {kind: place for kind in OWN_CONTAINER_JOBS if cfg.model_job(kind) is not None
+            and (place := job_container(cfg, profile, kind)) != ranks}
+
+
+def _resolved(cfg: RunConfig, profile: ClusterProfile, spec: ContainerConfig | None, field: str) -> Container | None:
+    """``spec`` (the merged section ``field``) checked and made a Container: runtime and image given somewhere,
+    no mount hiding what the job needs."""
     if spec is None:
         return None
-    where = f"(not in the run's cluster.container nor in cluster profile {profile.name!r})"
+    also = "" if field == "cluster.container" else ", nor in cluster.container"
+    where = f"(not in the run's {field}{also} nor in cluster profile {profile.name!r})"
     if spec.runtime is None:
-        raise ConfigError(f"cluster.container.runtime: required {where}; set it to one of pyxis, apptainer, "
+        raise ConfigError(f"{field}.runtime: required {where}; set it to one of pyxis, apptainer, "
                           "charliecloud, podman")
     if spec.image is None:
-        raise ConfigError(f"cluster.container.image: required {where}; set it to the image the ranks run in "
+        raise ConfigError(f"{field}.image: required {where}; set it to the image the job runs in "
                           "(docs/containers.md)")
     auto = [(d, d) for d in automatic_mounts(cfg, spec.env)]
     extra = [_split(m) for m in spec.mounts]
@@ -152,14 +191,14 @@ def resolve(cfg: RunConfig, profile: ClusterProfile) -> Container | None:
     for src, dst in extra:
         for needed, _ in auto:
             if src != dst and _within(needed, dst):
-                problems.append(f"cluster.container.mounts: {src}:{dst} hides {needed} in the image (the ranks need "
+                problems.append(f"{field}.mounts: {src}:{dst} hides {needed} in the image (the job needs "
                                 f"it at that path: {_why(cfg, needed)}); mount {src} elsewhere, or bind it at the same "
                                 f"path ({src}:{src})")
     if problems:
-        raise ConfigError("cluster.container.mounts: a mount hides what the job needs", problems)
+        raise ConfigError(f"{field}.mounts: a mount hides what the job needs", problems)
     return Container(runtime=spec.runtime, image=spec.image, python=spec.python, mounts=_ordered([*auto, *extra]),
                      env=dict(spec.env), writable=spec.writable, workdir=spec.workdir or cfg.output_dir,
-                     mount_home=spec.mount_home)
+                     mount_home=spec.mount_home, field=field)
 
 
 def _ordered(mounts: list[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
@@ -184,7 +223,7 @@ def rebound(container: Container, instead_of: str, paths: list[str]) -> Containe
 def _why(cfg: RunConfig, path: str) -> str:
     if _within(cfg.output_dir, path):
         return "the run directory"
-    return "a model, data or cache directory of the run"
+    return "a model, data, task or cache directory of the run"
 
 
 def image_problems(container: Container) -> list[str]:
@@ -195,13 +234,25 @@ def image_problems(container: Container) -> list[str]:
 
     path = Path(os.path.expanduser(container.image))
     if not path.exists():
-        return [f"cluster.container.image: {container.image} does not exist ({container.runtime} reads it from the "
+        return [f"{container.field}.image: {container.image} does not exist ({container.runtime} reads it from the "
                 "nodes' file system: give a path on the shared file system, or a registry reference the runtime "
                 "pulls; docs/containers.md shows how to build one)"]
     if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
-        return [f"cluster.container.image: {container.image} is not readable by you (chmod a+r it, or give a "
+        return [f"{container.field}.image: {container.image} is not readable by you (chmod a+r it, or give a "
                 "copy you can read)"]
     return []
+
+
+def hf_home_problems(cfg: RunConfig, container: Container) -> list[str]:
+    """A job in an image needs HF_HOME (or the user's home mounted): the Hugging Face caches default to
+    ~/.cache/huggingface, and the image's home is neither yours nor writable."""
+    if container.mount_home or "HF_HOME" in {**cfg.cluster.env, **container.env}:
+        return []
+    who = "the ranks run" if container.field == "cluster.container" else f"the {container.field.split('.')[0]} job runs"
+    return [f"cluster.env.HF_HOME: needed when {who} in an image: the Hugging Face caches (models, datasets) "
+            "default to ~/.cache/huggingface, and the image's home is neither yours nor writable (datasets fails "
+            "with 'Read-only file system'); set cluster.env.HF_HOME to a shared writable directory (it is mounted "
+            f"at the same path), or {container.field}.mount_home: true"]
 
 
 # ------------------------------------------------------------------ interpreters
@@ -214,8 +265,20 @@ def host_python(cfg: RunConfig) -> str:
 def rank_python(cfg: RunConfig, profile: ClusterProfile) -> str:
     """The ranks' interpreter: the image's (``cluster.container.python``) in a container, else the host's. The
     prepare and consolidation jobs' one task runs where the ranks run."""
-    container = resolve(cfg, profile)
+    return step_python(cfg, profile, "train")
+
+
+def step_python(cfg: RunConfig, profile: ClusterProfile, kind: str) -> str:
+    """The interpreter job ``kind``'s step starts (slurmft's entrypoint, through submitit): the image's
+    (:func:`job_container`'s ``python``) when it runs in one, else the host's."""
+    container = job_container(cfg, profile, kind)
     return container.python if container else host_python(cfg)
+
+
+def tool_python(cfg: RunConfig, profile: ClusterProfile, kind: str) -> str:
+    """The interpreter a job after consolidation runs vLLM / lm-eval in: ``serve.python`` / ``eval.python``, else
+    its step's own (:func:`step_python`), the image's in a container: never a host path inside an image."""
+    return cfg.model_job_python(kind, step_python(cfg, profile, kind))
 
 
 # ------------------------------------------------------------------ the wrapped step
@@ -225,9 +288,9 @@ NO_PYTHON_EXIT = 127
 
 def _python_check(container: Container) -> str:
     """``sh -c`` text: exec ``$0`` (the interpreter) with the rest, or say that the image lacks it."""
-    return (f'command -v "$0" >/dev/null 2>&1 || {{ echo "[slurmft] cluster.container.python: $0 is not in the '
+    return (f'command -v "$0" >/dev/null 2>&1 || {{ echo "[slurmft] {container.field}.python: $0 is not in the '
             f'{container.runtime} image {container.image}: install slurmft[train] in the image, or set '
-            f'cluster.container.python to its interpreter (docs/containers.md)" >&2; exit {NO_PYTHON_EXIT}; }}; '
+            f'{container.field}.python to its interpreter (docs/containers.md)" >&2; exit {NO_PYTHON_EXIT}; }}; '
             'exec "$0" "$@"')
 def wrap(container: Container, srun: list[str], command: str, env_names: list[str], gpus: bool,
          q: Callable[[object], str], *, host_python: str = "python", warning_signal: str = "USR2",

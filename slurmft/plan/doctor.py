@@ -30,6 +30,7 @@ from slurmft import __version__
 from slurmft.config import RunConfig
 from slurmft.config_model_checks import MODEL_JOB_TOOLS
 from slurmft.config_values import slurm_time_seconds
+from slurmft.plan.container import own_place_jobs, tool_python
 from slurmft.plan.estimate_text import lead_time_needed, lead_time_warning, stop_save_s
 from slurmft.profiles import ClusterProfile
 from slurmft.slurm import UNSET, ClusterFacts, option, seconds
@@ -425,6 +426,9 @@ class ProbeExpect:
     image: str | None = None  # "RUNTIME image IMAGE" when the ranks run in a container (slurmft/plan/container.py)
     slurmft_version: str = ""  # the login node's slurmft, which wrote the run dir the job reads
     model_jobs: dict[str, str] = field(default_factory=dict)  # serve/eval -> the interpreter its job runs its tool in
+    # serve/eval -> where it runs when that is not where the ranks run ("the pyxis image X", "the host"): the probe's
+    # own step there reports it (tool-<kind>-<node>.json), not its ranks
+    model_job_places: dict[str, str] = field(default_factory=dict)
 
 
 def probe_expect(cfg: RunConfig, profile: ClusterProfile, estimate: dict[str, Any] | None, signal_name: str,
@@ -438,7 +442,9 @@ def probe_expect(cfg: RunConfig, profile: ClusterProfile, estimate: dict[str, An
         run_dir_bytes=None if ckpt is None else ckpt * (cfg.checkpoint.keep_last + 1) + (model or 0),
         model_bytes=model, wants_gpus=bool(cfg.resources.gpus_per_node and profile.gres_gpu and profile.name != "local-test"),
         profile=profile.name, lora=cfg.lora is not None, image=_image_of(cfg, profile), slurmft_version=__version__,
-        model_jobs={kind: cfg.model_job_python(kind) for kind in MODEL_JOB_TOOLS if cfg.model_job(kind)},
+        model_jobs={kind: tool_python(cfg, profile, kind) for kind in MODEL_JOB_TOOLS if cfg.model_job(kind)},
+        model_job_places={kind: f"{place.runtime} image {place.image} ({kind}.container)" if place else
+                          f"host ({kind}.container: false)" for kind, place in own_place_jobs(cfg, profile).items()},
     )
 
 
@@ -499,22 +505,45 @@ def _probe_stack(nodes: dict[str, dict[str, Any]], expect: ProbeExpect) -> list[
     return lines
 
 
-def _probe_model_jobs(nodes: dict[str, dict[str, Any]], expect: ProbeExpect) -> list[Line]:
-    """``serve.python`` / ``eval.python`` as the nodes see them: there, and finding their tool (docs/serve-eval.md)."""
+def _probe_model_jobs(nodes: dict[str, dict[str, Any]], expect: ProbeExpect,
+                      tools: dict[str, dict[str, dict[str, Any]]] | None = None) -> list[Line]:
+    """``serve.python`` / ``eval.python`` as the nodes see them: there, and finding their tool (docs/serve-eval.md).
+    A job in a place of its own (``expect.model_job_places``) is told by ``tools`` (kind -> node -> the probe's
+    step there), the others by the ranks' reports."""
     lines = []
-    where = f" in the {expect.image}" if expect.image else ""
     for kind, python in expect.model_jobs.items():
         tool = MODEL_JOB_TOOLS[kind]
-        facts = {node: (r.get("model_jobs") or {}).get(kind) for node, r in nodes.items()}
+        place = expect.model_job_places.get(kind)
+        in_image = place is not None and "image" in place
+        if place is None:
+            where = f" in the {expect.image}" if expect.image else ""
+            facts = {node: (r.get("model_jobs") or {}).get(kind) for node, r in nodes.items()}
+        else:
+            where = f" in the {place}" if in_image else " on the host"
+            found = (tools or {}).get(kind, {})
+            facts = {node: found.get(node) for node in sorted({*nodes, *found})}
         fix = (f"set {kind}.python to the bin/python of a venv with {tool.name} ({tool.install}) on a filesystem "
-               "every node shares")
+               "every node shares" + (f", mounted into the image ({kind}.container.mounts), or an interpreter the "
+                                      "image has" if in_image else ""))
+        own = (f"install slurmft{'[train]' if kind == 'serve' else ''} in that image, or set {kind}.container.python to "
+               "its interpreter that has it" if in_image else "install slurmft[train] in cluster.python")
         silent = sorted(node for node, fact in facts.items() if fact is None)
         bad = {node: fact["problem"] or f"{fact['python']} cannot import {tool.module}"
                for node, fact in facts.items() if fact is not None and not fact["found"]}
+        lacking = {node: f"{fact.get('step_python')} (slurmft's own there) cannot import {', '.join(fact['step_missing'])}"
+                   for node, fact in facts.items() if fact is not None and fact.get("step_missing")}
+        if lacking:
+            lines.append(Line(f"{kind}.container", Level.PROBLEM, f"the {place}: " + "; ".join(
+                f"{node}: {why}" for node, why in sorted(lacking.items())) + f" (the {kind} job's entrypoint runs "
+                "there" + (", and compares vLLM with transformers there)" if kind == "serve" else ")"), own))
         if bad:
             text = "; ".join(f"{node}: {why}" for node, why in sorted(bad.items()))
             lines.append(Line(f"{kind}.python", Level.PROBLEM, f"{python}{where}: {text} (the {kind} job after "
                                                                "consolidation would fail there)", fix))
+        elif silent and place is not None:
+            lines.append(Line(f"{kind}.python", Level.PROBLEM,
+                              f"the probe's step in the {place} did not report from {', '.join(silent)}: slurmft's "
+                              "own Python did not start there (the probe log says why)", own))
         elif silent:
             lines.append(Line(f"{kind}.python", Level.WARNING, f"{', '.join(silent)} did not report on {python} "
                                                                "(a probe of another slurmft version?)"))
@@ -594,8 +623,9 @@ def _probe_signal(ranks: dict[int, dict[str, Any]], batch: dict[str, Any] | None
 
 
 def probe_lines(ranks: dict[int, dict[str, Any]], batch: dict[str, Any] | None, expect: ProbeExpect,
-                job: str, state: str, log: str) -> list[Line]:
-    """Every line of ``doctor --job`` from the probe's files (``rank-N.json``, ``batch.json``)."""
+                job: str, state: str, log: str, tools: dict[str, dict[str, dict[str, Any]]] | None = None) -> list[Line]:
+    """Every line of ``doctor --job`` from the probe's files (``rank-N.json``, ``batch.json``, and ``tools``: kind ->
+    node -> ``tool-<kind>-<node>.json`` for a serve/eval job in a place of its own)."""
     missing = [r for r in range(expect.world) if r not in ranks]
     nodes = _node_reports(ranks)
     head = f"probe job {job} ({state}) on {', '.join(sorted(nodes)) or 'no node that reported'}"
@@ -606,7 +636,7 @@ def probe_lines(ranks: dict[int, dict[str, Any]], batch: dict[str, Any] | None, 
                   head + (f": no report from rank(s) {missing} (log: {log})" if missing else ""),
                   "read the log: the missing ranks failed or were killed" if missing else "")]
     lines += _probe_stack(nodes, expect)
-    lines += _probe_model_jobs(nodes, expect)
+    lines += _probe_model_jobs(nodes, expect, tools)
     if expect.wants_gpus and not any((r.get("cuda") or {}).get("available") for r in nodes.values()):
         lines.append(Line("gpus", Level.PROBLEM, "no rank sees a GPU (torch.cuda.is_available() is False)",
                           "check the job's CUDA setup (cluster.setup: module load cuda) and that torch is a CUDA build"))

@@ -72,7 +72,7 @@ def _python_problem(cfg: RunConfig) -> tuple[str, str, str | None]:
     """``(field, python, problem or None)``: the eval Python exists and is executable."""
     assert cfg.eval is not None
     field = "eval.python" if cfg.eval.python else "eval.python (not set: cluster.python's)"
-    python = cfg.model_job_python("eval")
+    python = cfg.model_job_python("eval", cfg.cluster.job_python)  # on the host (check_model_job: in an image)
     fix = f"set eval.python to the interpreter of a venv with lm-eval ({MODEL_JOB_TOOLS['eval'].install})"
     python, where = locate(python)
     if where is None:

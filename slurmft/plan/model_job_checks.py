@@ -8,16 +8,90 @@ training.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from slurmft.config import RunConfig
 from slurmft.config_model_checks import MODEL_JOB_TOOLS
+from slurmft.errors import ConfigError
+from slurmft.eval_tasks import resolve_tasks
 from slurmft.interpreter import MISSING, NOT_ON_PATH, NoAnswer, finds_modules, in_words, locate
+from slurmft.profiles import ClusterProfile
 
 VLLM = MODEL_JOB_TOOLS["serve"]
 
 
 def interpreter(python: str | None, cfg: RunConfig, kind: str) -> tuple[str, str]:
-    """The interpreter a section runs (:meth:`RunConfig.model_job_python`) and how to name it in a message."""
-    return cfg.model_job_python(kind), "" if python else " (not set: the job's Python)"
+    """The interpreter a section runs on the host (:meth:`RunConfig.model_job_python`; the job's step there runs
+    cluster.python) and how to name it in a message."""
+    return cfg.model_job_python(kind, cfg.cluster.job_python), "" if python else " (not set: the job's Python)"
+
+
+def check_model_job(cfg: RunConfig, kind: str, say: Callable[[str], None] | None = None) -> tuple[list[str], list[str]]:
+    """``(problems, not checked here)`` of the ``kind`` section where its job runs. On the host its interpreter is
+    asked here (:func:`check_serve`, :func:`slurmft.plan.eval_checks.check_eval`); in an image (its own
+    ``container``, or the run's) the login node cannot run the image's Python: its own image's file and HF_HOME are
+    checked, eval's task files read, and the interpreter is left to ``slurmft doctor --job``, which asks it there."""
+    from slurmft.plan.container import hf_home_problems, image_problems, job_container, tool_python
+    from slurmft.plan.eval_checks import check_eval
+    from slurmft.profiles import load_profile
+
+    section = cfg.model_job(kind)
+    if section is None:
+        return [], []
+    try:
+        profile = load_profile(cfg.cluster.profile)
+    except Exception:  # noqa: BLE001 - render/submit report a bad profile with its own message
+        profile = None
+    try:
+        container = job_container(cfg, profile, kind) if profile is not None else None
+    except ConfigError as exc:  # the run's own container's problems are check_container's to report
+        return (exc.problems or [str(exc)]) if section.container else [], []
+    if container is None or profile is None:
+        problems = check_serve(cfg) if kind == "serve" else check_eval(cfg, say)
+        if section.container is False and profile is not None:
+            problems += _host_step_problems(cfg, kind, profile)
+        return problems, []
+    problems = []
+    if container.field != "cluster.container":  # the run's image is check_container's
+        problems += image_problems(container) + hf_home_problems(cfg, container)
+    if kind == "eval":
+        assert cfg.eval is not None
+        problems += resolve_tasks(cfg.eval.tasks).problems
+    python = tool_python(cfg, profile, kind)
+    tool = MODEL_JOB_TOOLS[kind]
+    names = " (and the task names in lm-eval's registry)" if kind == "eval" else ""
+    skipped = [f"{kind}.python: {python} in the {container.runtime} image {container.image} ({container.field}) and "
+               f"{tool.name} there{names} are checked by `slurmft doctor --job`, which asks it in the image on the "
+               "nodes, not here"]
+    return problems, skipped
+
+
+def _host_step_problems(cfg: RunConfig, kind: str, profile: ClusterProfile) -> list[str]:
+    """``container: false`` beside ranks in an image: the job's slurmft runs cluster.python on the host, which the
+    run otherwise needs for the batch script alone (slurmft, no training stack): it must import what the job does."""
+    from slurmft.plan.container import resolve
+
+    try:
+        if resolve(cfg, profile) is None:
+            return []  # the ranks run on the host too: check_job_python asks cluster.python for the training stack
+    except ConfigError:
+        return []
+    needs = MODEL_JOB_TOOLS[kind].step_needs
+    python, where = locate(cfg.cluster.job_python)
+    if where is not None:
+        return []  # check_job_python says what is wrong with cluster.python
+    try:
+        found = finds_modules(python, needs).modules
+    except NoAnswer:
+        return []
+    missing = [m for m in needs if not found[m]]
+    if not missing:
+        return []
+    return [f"{kind}.container: false runs the {kind} job's slurmft on the host with cluster.python ({python}), which "
+            f"cannot import {', '.join(missing)}"
+            + (" (the serve check compares vLLM with transformers there)" if kind == "serve" else "")
+            + f"; install slurmft{'[train]' if kind == 'serve' else ''} there, or remove {kind}.container (the job then "
+            "runs in the ranks' image)"]
 
 
 def check_serve(cfg: RunConfig) -> list[str]:

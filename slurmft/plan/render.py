@@ -23,9 +23,12 @@ from slurmft.plan.container import (
     Container,
     created_before_step,
     host_python,
-    rank_python,
+    job_container,
+    own_place_jobs,
     rebound,
     resolve,
+    step_python,
+    tool_python,
     wrap,
 )
 from slurmft.profiles import ClusterProfile, runs_on_gpu
@@ -79,7 +82,13 @@ def python_for(cfg: RunConfig) -> str:
 def rank_python_for(cfg: RunConfig, profile: ClusterProfile) -> str:
     """The ranks' interpreter (``container.rank_python``: the image's in a container), quoted for a script. It is
     the one submitit's per-task command starts, in the train, prepare and consolidation jobs alike."""
-    return q(rank_python(cfg, profile))
+    return step_python_for(cfg, profile, "train")
+
+
+def step_python_for(cfg: RunConfig, profile: ClusterProfile, kind: str) -> str:
+    """The interpreter submitit's per-task command starts in job ``kind`` (``container.step_python``: the image's
+    when the job runs in one, the serve and eval jobs' own image included), quoted for a script."""
+    return q(step_python(cfg, profile, kind))
 
 
 #: Set by the rendezvous lookup in the batch shell (partials/rendezvous.j2), passed into an image with the rest.
@@ -118,16 +127,16 @@ def _flag(name: str, value: object = True) -> str:
     return f"--{name}" if value is True else f"--{name}={q(value)}"
 
 
-def _env_list(cfg: RunConfig, profile: ClusterProfile, extra: dict[str, str]) -> list[dict[str, str]]:
+def _env_list(cfg: RunConfig, profile: ClusterProfile, extra: dict[str, str],
+              container: Container | None) -> list[dict[str, str]]:
     merged: dict[str, tuple[str, str]] = {k: (v, r) for k, v, r in BASE_ENV}
     merged["OMP_NUM_THREADS"] = (str(cfg.resources.cpus_per_task), "one OpenMP thread per reserved core")
     for key, var in profile.env.items():
         merged[key] = (var.value, f"{var.reason} [profile {profile.name}]")
     for key, value in cfg.cluster.env.items():
         merged[key] = (value, "cluster.env")
-    container = resolve(cfg, profile)
     for key, value in (container.env if container else {}).items():
-        merged[key] = (value, "cluster.container.env")
+        merged[key] = (value, f"{container.field}.env" if container else "")
     for key, value in extra.items():
         merged[key] = (value, "slurmft")
     return [{"key": k, "value": q(v), "reason": r.replace("\n", " ")} for k, (v, r) in merged.items()]
@@ -199,8 +208,8 @@ def build_train_context(
     if cfg.cluster.master_addr:
         extra["SLURMFT_MASTER_ADDR"] = cfg.cluster.master_addr
     srun = ["--kill-on-bad-exit=1", *_rank_step(cfg, profile)]
-    env = _env_list(cfg, profile, extra)
     container = resolve(cfg, profile)
+    env = _env_list(cfg, profile, extra, container)
     srun_args, rank_command = _in_container(cfg, container, srun, launcher_command(command, cfg.preemption.signal),
                                             env, RENDEZVOUS_ENV, runs_on_gpu(cfg, profile))
     return {
@@ -272,14 +281,15 @@ def _cpu_job_context(cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, c
         _flag("error", paths.log_pattern(kind)),
     ]
     extra = {"SUBMITIT_EXECUTOR": "slurm", "SLURMFT_RUN_DIR": str(paths.root)}
-    env = [e for e in _env_list(cfg, profile, extra) if not e["key"].startswith(("NCCL_", "FI_", "TORCH_NCCL"))]
+    container = job_container(cfg, profile, kind)  # a serve or eval job may have an image of its own
+    env = [e for e in _env_list(cfg, profile, extra, container)
+           if not e["key"].startswith(("NCCL_", "FI_", "TORCH_NCCL"))]
     for e in env:
         if e["key"] == "OMP_NUM_THREADS":
             e["value"] = q(res.cpus_per_task)
     srun = ["--unbuffered", "--ntasks=1", f"--cpus-per-task={res.cpus_per_task}"]
     if gpus:
         srun.append("--gpu-bind=none")
-    container = resolve(cfg, profile)
     srun_args, task_command = _in_container(cfg, container, srun, command, env, gpus=bool(gpus))
     return {
         **_common(cfg, paths, kind, config_path),
@@ -343,7 +353,8 @@ def render_scripts(
         scripts["consolidate"] = render(CONSOLIDATE_TEMPLATE, ctx, template_dir, env)
     for kind, template in MODEL_JOB_TEMPLATES.items():
         if model_job_enabled(cfg, kind):
-            ctx = build_model_job_context(cfg, profile, paths, command, kind, config_path)
+            own = submitit_command(step_python_for(cfg, profile, kind), paths.submitit)  # its image's, if its own
+            ctx = build_model_job_context(cfg, profile, paths, own, kind, config_path)
             scripts[kind] = render(template, ctx, template_dir, env)
     return scripts
 
@@ -395,22 +406,40 @@ def build_probe_context(
     env_keys = [*profile.env, *cfg.cluster.env]
     extra = {"SLURMFT_MASTER_ADDR": cfg.cluster.master_addr} if cfg.cluster.master_addr else {}
     python = python_for(cfg)
+    run_container = resolve(cfg, profile)
+    own_place = own_place_jobs(cfg, profile)
     rank = [f"--signal={signal.name}", f"--run-dir={run_dir_target}", f"--vars={','.join(env_keys)}"]
-    rank += [f"--{kind}-python={cfg.model_job_python(kind)}" for kind in MODEL_JOB_TEMPLATES if cfg.model_job(kind)]
+    rank += [f"--{kind}-python={tool_python(cfg, profile, kind)}" for kind in MODEL_JOB_TEMPLATES
+             if cfg.model_job(kind) and kind not in own_place]
     paths = RunPaths.of(cfg.output_dir)
-    env = _env_list(cfg, profile, extra)
-    container = resolve(cfg, profile)
-    if container is not None:  # the run dir may not exist yet: its nearest existing parent, and the probe's own dir
-        container = rebound(container, cfg.output_dir, [str(run_dir_target), str(probe.root)])
+
+    def bound(container: Container | None) -> Container | None:
+        # the run dir may not exist yet: its nearest existing parent, and the probe's own dir
+        return container and rebound(container, cfg.output_dir, [str(run_dir_target), str(probe.root)])
+
+    env = _env_list(cfg, profile, extra, run_container)
+    container = bound(run_container)
     rank_command = (f"{rank_python_for(cfg, profile)} -m slurmft.job.probe rank {q(probe.root)} "
                     + " ".join(q(a) for a in rank))
     srun_args, rank_command = _in_container(cfg, container, _rank_step(cfg, profile), rank_command, env, RENDEZVOUS_ENV,
                                             runs_on_gpu(cfg, profile))
+    make_dirs = _made_before_step(cfg, container)
+    tool_steps = []
+    for kind, place in own_place.items():  # a serve/eval job in a place of its own: one task per node asks there
+        place = bound(place)
+        command = (f"{step_python_for(cfg, profile, kind)} -m slurmft.job.probe tool {q(probe.root)} "
+                   f"--kind={kind} --python={q(tool_python(cfg, profile, kind))}")
+        step_env = _env_list(cfg, profile, extra, place)
+        args, command = _in_container(cfg, place, ["--unbuffered", "--ntasks-per-node=1", "--cpus-per-task=1"],
+                                      command, step_env)
+        tool_steps.append({"kind": kind, "srun_args": args, "command": command})
+        make_dirs += [d for d in _made_before_step(cfg, place) if d not in make_dirs]
     return {
         **_common(cfg, paths, "doctor probe", config_path),
         "directives": directives,
         "env": env,
-        "make_dirs": _made_before_step(cfg, container),
+        "make_dirs": make_dirs,
+        "tool_steps": tool_steps,
         "srun_args": srun_args,
         "rank_command": rank_command,
         "batch_command": f"{python} -m slurmft.job.probe batch {q(probe.root)} --lead={signal.lead_s}",

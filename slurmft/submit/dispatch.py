@@ -35,6 +35,7 @@ from slurmft.plan.render import (
     rank_python_for,
     render,
     render_scripts,
+    step_python_for,
     time_minutes,
 )
 from slurmft.profiles import ClusterProfile
@@ -419,7 +420,7 @@ def submit_model_job(
     function, args = _model_job_call(kind, tasks)
     try:
         ex = make_slurm_executor(paths, 1, time_minutes(section.resources.time), text, dependency,
-                                 rank_python_for(cfg, profile))
+                                 step_python_for(cfg, profile, kind))  # its own image's, when it has one
         job = ex.submit(function, str(paths.root), *args)
     except (FailedJobError, OSError, RuntimeError) as exc:
         raise SubmissionError(f"sbatch refused the {MODEL_JOBS[kind]} job ({str(exc).strip()})") from None

@@ -57,15 +57,16 @@ def check_quiet(paths: RunPaths, kind: str) -> None:
     run_state(paths).check_quiet(("train", "consolidate", kind), f"the {WHAT[kind]} is not started again")
 
 
-def problems_before(cfg: RunConfig, kind: str) -> list[str]:
-    """The login-side checks of the section (its Python imports what it needs, the tasks exist)."""
-    from slurmft.plan.model_job_checks import check_serve
+def problems_before(cfg: RunConfig, kind: str, say: Say | None = None) -> list[str]:
+    """The login-side checks of the section (its Python imports what it needs, the tasks exist); what cannot be
+    checked here (an interpreter in an image) is said through ``say``."""
+    from slurmft.plan.model_job_checks import check_model_job
 
-    if kind == "serve":
-        return check_serve(cfg)
-    from slurmft.plan.eval_checks import check_eval
-
-    return check_eval(cfg)
+    problems, skipped = check_model_job(cfg, kind)
+    for line in skipped:
+        if say is not None:
+            say(f"not checked: {line}")
+    return problems
 
 
 def run_here(paths: RunPaths, kind: str, tasks: list[str] | None, say: Say) -> dict[str, Any]:

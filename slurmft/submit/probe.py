@@ -106,7 +106,9 @@ def run_probe(cfg: RunConfig, profile: ClusterProfile, config_path: str, templat
         if report is not None:
             ranks[rank] = report
     expect = probe_expect(cfg, profile, estimate, signal.name, signal.text, signal.batch_only, str(target))
-    lines = probe_lines(ranks, _json(probe.batch_report), expect, job_id, state, str(probe.log))
+    tools = {kind: {node: fact for node, path in probe.tool_reports(kind).items() if (fact := _json(path))}
+             for kind in expect.model_job_places}
+    lines = probe_lines(ranks, _json(probe.batch_report), expect, job_id, state, str(probe.log), tools)
     _remove_tokens(ranks, job_id)
     if exit_code(lines) == 0:
         shutil.rmtree(probe.root, ignore_errors=True)

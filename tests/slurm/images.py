@@ -72,7 +72,7 @@ _marks = os.environ.get("SLURMFT_TEST_IMAGE_MARKS")
 if _marks and os.path.exists("/etc/slurmft-test-image"):  # in the image only: the host's Pythons read this path too
     _env = os.environ
     _rec = {"job": _env.get("SLURM_JOB_ID", ""), "restart": _env.get("SLURM_RESTART_COUNT") or "0",
-            "rank": _env.get("SLURM_PROCID", ""), "argv": sys.argv[:3],
+            "rank": _env.get("SLURM_PROCID", ""), "argv": sys.argv[:3], "executable": sys.executable,
             "cdi_gpus": sorted(n.rsplit("_", 1)[1] for n in _env if n.startswith("SLURMFT_TEST_CDI_GPU_")),
             "cuda_visible_devices": _env.get("CUDA_VISIBLE_DEVICES"),
             "slurm_gpus": _env.get("SLURM_STEP_GPUS") or _env.get("SLURM_JOB_GPUS"),
@@ -105,6 +105,26 @@ def fake_gpus_cdi(count: int = 8) -> str:
     devices = [{"name": str(i), "containerEdits": {"env": [f"SLURMFT_TEST_CDI_GPU_{i}={i}"]}} for i in range(count)]
     devices.append({"name": "all", "containerEdits": {"env": [f"SLURMFT_TEST_CDI_GPU_{i}={i}" for i in range(count)]}})
     return json.dumps({"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": devices}, indent=1)
+
+
+def interpreter_mounts(python: str, image: Path) -> list[str]:
+    """What a host venv's interpreter needs bound into ``image`` to run there (a serve or eval job's tool in its
+    image, issue 48): the venv, and the installation its bin/python links to (a venv holds no interpreter of its own:
+    here pyenv's under /root, absent from the image), each as its nearest directory the read-only image already has
+    (a Charliecloud bind's destination must exist). Nothing for what lies under /tmp (ch-run shares it) or what the
+    image has at that path already (e.g. Debian's own /usr/bin/python3.11)."""
+    import os
+
+    venv = Path(python).parent.parent
+    base = Path(os.path.realpath(python)).parent.parent
+    out: set[str] = set()
+    for directory in (venv, base):
+        if directory.is_relative_to("/tmp") or (image / directory.relative_to("/")).exists():
+            continue
+        while not (image / directory.relative_to("/")).is_dir():
+            directory = directory.parent
+        out.add(str(directory))
+    return sorted(out)
 
 
 def copy_of_slurmft(dest: Path) -> Path:

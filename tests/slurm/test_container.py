@@ -13,7 +13,11 @@ tests/slurm/test_prepare.py's happy path (one run serves both: CI time):
   and TRL tokenizes nothing there;
 * the host's batch script requeued it: the same job id, restart count 1, steps 1..40 logged once each;
 * the final model is bitwise equal to the shared uninterrupted ``reference`` run (no container, prepared in the
-  allocation), consolidated in the image.
+  allocation), consolidated in the image;
+* the evaluation job after it (issue 48) runs in an image of its own (``eval.container``: the run's image, plus the
+  binds its interpreter needs): slurmft's entrypoint runs the image's Python, and lm-eval runs ``eval.python``, CI's
+  lm-eval venv on the host (examples/tiny/envs.sh), bound into the image with the interpreter its bin/python links
+  to (a venv holds none of its own); its scores land in RUN_DIR/eval/.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from pathlib import Path
 import pytest
 
 from slurmft.rundir import RunPaths
+from tests.conftest import REPO_ROOT, need_model_job_python
 from tests.slurm.conftest import REFERENCE_CHECKPOINT, REFERENCE_TRAIN
-from tests.slurm.images import IMAGE_PYTHON, in_image, ran_in_image
+from tests.slurm.images import IMAGE_PYTHON, in_image, interpreter_mounts, ran_in_image
 from tests.slurm.jobs import file_digests, restarts, sacct_fields, signal_rank_steps, started_jobs
 from tests.slurm.test_prepare import PREPARE
 
@@ -45,16 +50,33 @@ def _config_in_image(slurmft, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, i
     return slurmft.write_config(tmp_path, model, copy, cluster=in_image(tmp_path, "charliecloud", image), **sections)
 
 
+def _eval_in_its_image(tmp_path: Path, image: Path) -> dict:
+    """The eval section: the tiny example's task (copied under /tmp with its data: ch-run shares /tmp, and the task
+    reads ../data/choices.jsonl), lm-eval from CI's venv, run in ``eval.container`` (the run's image, with the
+    interpreter's binds added to the run's mounts). compare_base off: the base's scores are
+    tests/slurm/test_slurm_resume.py's; here one lm-eval run proves where it ran (CI time)."""
+    lm_eval = need_model_job_python("eval")
+    tiny = REPO_ROOT / "examples" / "tiny"
+    (tmp_path / "eval-task" / "data").mkdir(parents=True)
+    shutil.copytree(tiny / "tasks", tmp_path / "eval-task" / "tasks")
+    shutil.copyfile(tiny / "data" / "choices.jsonl", tmp_path / "eval-task" / "data" / "choices.jsonl")
+    return {"python": lm_eval, "tasks": [str(tmp_path / "eval-task" / "tasks" / "tiny_choice.yaml")], "limit": 4,
+            "backend": "hf", "compare_base": False,
+            "resources": {"gpus": 0, "cpus_per_task": 1, "mem": "8G", "time": "00:10:00"},
+            "container": {"mounts": interpreter_mounts(lm_eval, image)}}
+
+
 def test_a_prepared_and_preempted_run_in_the_image_equals_the_uninterrupted_reference(
         slurm_cluster, reference: Path, sft_image: Path, tiny_model: Path, chat_data: Path, tmp_path: Path,
         slurmft, monkeypatch: pytest.MonkeyPatch) -> None:
     marks = tmp_path / "marks"
+    evaluation = _eval_in_its_image(tmp_path, sft_image)
     path = _config_in_image(slurmft, monkeypatch, tmp_path, sft_image, tiny_model, chat_data,
-                            train=REFERENCE_TRAIN, checkpoint=REFERENCE_CHECKPOINT, prepare=PREPARE)
+                            train=REFERENCE_TRAIN, checkpoint=REFERENCE_CHECKPOINT, prepare=PREPARE, eval=evaluation)
     code, out, err = slurmft.cli(["submit", str(path)])
     assert code == 0, err
     jobs = started_jobs(out)
-    assert list(jobs) == ["prepare", "train", "consolidate"], out
+    assert list(jobs) == ["prepare", "train", "consolidate", "eval"], out
     run = tmp_path / "run"
     train = (run / "scripts" / "train.sbatch").read_text()
     assert "ch-run --env-no-expand" in train and "#SBATCH --container" not in train
@@ -92,8 +114,19 @@ def test_a_prepared_and_preempted_run_in_the_image_equals_the_uninterrupted_refe
     rows = slurmft.status_json(run)
     assert rows["prepare"]["state"] == rows["train"]["state"] == "COMPLETED"
 
-    ran_in_image(marks, jobs, sft_image, charliecloud=True)  # every process slurmft started
     slurmft.assert_same_model(RunPaths.of(run).model, reference)
+
+    # the evaluation in its own image: the script binds the interpreter's directories; lm-eval ran eval.python there
+    script = (run / "scripts" / "eval.sbatch").read_text()
+    assert "ch-run --env-no-expand" in script and all(f"--bind={m}:{m}" in script for m in evaluation["container"]["mounts"])
+    slurm_cluster.wait_state(jobs["eval"], "COMPLETED", timeout=300)
+    summary = json.loads((run / "eval" / "summary.json").read_text())
+    assert "tiny_choice" in json.dumps(summary), summary
+    eval_log = (run / "logs" / f"eval-{jobs['eval']}.out").read_text(errors="replace")
+    assert f"interpreter {evaluation['python']}" in eval_log, eval_log[-2000:]
+    tool = [json.loads(p.read_text()) for p in (marks / "env").glob(f"{jobs['eval']}-*.json")]
+    assert any(m["executable"] == evaluation["python"] for m in tool), tool  # the hook writes in the image only
+    ran_in_image(marks, jobs, sft_image, charliecloud=True)  # every process slurmft started, the eval job's too
 
 
 def test_an_image_without_the_python_fails_at_start_naming_the_image(sft_image: Path, tmp_path: Path,
@@ -146,19 +179,23 @@ def test_sbatch_accepts_every_rendered_container_script(slurm_cluster, config_wr
 def test_doctor_job_probes_the_ranks_in_the_image(slurm_cluster, sft_image: Path, tiny_model: Path, chat_data: Path,
                                                   tmp_path: Path, slurmft, monkeypatch: pytest.MonkeyPatch) -> None:
     """``doctor --job`` before the first submit: its probe ranks start through the same wrapped srun line, so they
-    report the image's Python and stack, slurmft's version against this one, and the warning signal in the image."""
+    report the image's Python and stack, slurmft's version against this one, and the warning signal in the image.
+    An eval job in an image of its own (eval.container) is asked by the probe's step there, one task per node."""
     from slurmft.job.rendezvous import free_port
     from tests.slurm.test_slurm_doctor import doctor_json
 
     monkeypatch.setenv("SLURMFT_MASTER_PORT", str(free_port()))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the probe's directory: under /tmp, shared with the image
-    path = _config_in_image(slurmft, monkeypatch, tmp_path, sft_image, tiny_model, chat_data)
+    evaluation = _eval_in_its_image(tmp_path, sft_image)
+    path = _config_in_image(slurmft, monkeypatch, tmp_path, sft_image, tiny_model, chat_data, eval=evaluation)
     code, lines = doctor_json(slurmft, "--job", str(path))
     assert code == 0 and {c: x for c, x in lines.items() if x["level"] != "ok"} == {}, lines
     assert f"{IMAGE_PYTHON} in the charliecloud image {sft_image}" in lines["python [n1]"]["text"]
     assert "torch 2.13.0" in lines["python [n2]"]["text"] and "peft" in lines["python [n2]"]["text"]
     assert "as here" in lines["slurmft version"]["text"]
     assert "reached all 2 rank(s)" in lines["warning signal"]["text"]
+    assert lines["eval.python"]["text"].startswith(f"{evaluation['python']} in the charliecloud image {sft_image} "
+                                                   "(eval.container) finds lm-eval 0.4.13 on n1, n2"), lines
     ranks = [m for m in (json.loads(p.read_text()) for p in (tmp_path / "marks").glob("*.json"))
              if m["argv"][:2] == ["-m", "rank"]]  # python -m slurmft.job.probe rank ...
     assert len(ranks) == 2 and all(m["executable"] == IMAGE_PYTHON and m["ch_running"] for m in ranks), ranks
