@@ -260,16 +260,23 @@ def check(paths: RunPaths, cfg: RunConfig) -> dict[str, Any] | None:
     return record
 
 
-def sequences(cfg: RunConfig) -> int | None:
-    """The packed sequences (rows when not packing) that ``output_dir/prepared/`` holds when it matches
-    ``cfg``: the exact count the job trains on. None without a matching preparation (a stale one is reported
-    by ``validate`` on its own line)."""
+def counted(cfg: RunConfig) -> dict[str, Any] | None:
+    """What ``output_dir/prepared/`` holds when it matches ``cfg`` (the record's ``result``: ``sequences``, ``tokens``,
+    ``loss_tokens``, ...): the exact counts the job trains on. None without a matching preparation (a stale one is
+    reported by ``validate`` on its own line)."""
     try:
         record = check(RunPaths.of(cfg.output_dir), cfg)
     except RunDirError:
         return None
-    count = (record or {}).get("result", {}).get("sequences")
-    return count if isinstance(count, int) and count > 0 else None
+    result = (record or {}).get("result", {})
+    count = result.get("sequences")
+    return result if isinstance(count, int) and count > 0 else None
+
+
+def sequences(cfg: RunConfig) -> int | None:
+    """The packed sequences (rows when not packing) of a matching preparation (:func:`counted`), else None."""
+    result = counted(cfg)
+    return result["sequences"] if result else None
 
 
 def summary_line(record: dict[str, Any]) -> str:

@@ -79,6 +79,24 @@ def text_file_problem(path: Path) -> str | None:
     return None
 
 
+def read_documents(files: list[Path], documents: str, limit_bytes: int) -> tuple[list[str], bool]:
+    """The documents of plain-text files as the job's ``datasets`` text builder splits them (``documents``: ``file``,
+    one per file; ``blank_line``, one per block between blank lines), blank ones dropped, read up to ``limit_bytes``
+    in all; and whether that was every file whole (``validate`` counts tokens from a corpus up to that size)."""
+    docs: list[str] = []
+    read = 0
+    for f in files:
+        opener = gzip.open if suffix_of(f) == ".txt.gz" else open
+        with opener(f, "rt", encoding="utf-8", errors="replace") as fh:
+            text = fh.read(max(0, limit_bytes - read) + 1)
+        read += len(text)
+        if read > limit_bytes:
+            return docs, False
+        parts = [text] if documents == "file" else text.split("\n\n")
+        docs += [d.strip("\r\n") for d in parts if d.strip()]
+    return docs, True
+
+
 def source_problems(path: str, fmt: str, where: str) -> list[str]:
     """Every local file of a plain-text source that cannot be read, or the glob that matches nothing; each message
     names the source (``where``) and the file."""

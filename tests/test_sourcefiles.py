@@ -14,7 +14,6 @@ from test_checks import jsonl, write_run
 from slurmft import formats, sourcefiles
 from slurmft.config import DatasetSource
 from slurmft.errors import ConfigError
-from slurmft.plan.checks import _text_documents
 
 PROSE = "The river rose in the night. By morning the bridge was gone.\n"
 
@@ -110,14 +109,23 @@ def test_a_text_corpus_validates_on_a_base_model_and_counts_its_steps(tmp_path: 
     corpus.mkdir()
     (corpus / "a.txt").write_text((PROSE * 30 + "\n") * 4)
     (corpus / "b.txt.gz").write_bytes(gzip.compress((PROSE * 5).encode()))
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(bare_model / "tokenizer.json"))
     for documents in ("file", "blank_line"):
         path = write_run(tmp_path, bare_model, corpus, data={"datasets": [
-            {"path": str(corpus / "a.txt"), "documents": documents},
-            {"path": str(corpus / "*.gz")}], "max_seq_length": 64})
+            {"path": str(corpus / "a.txt"), "documents": documents}], "max_seq_length": 64})
         code, out, err = cli(["validate", str(path)], capsys)
         assert code == 0, err
         assert "packed sequences per epoch" in out and "chat template" not in err, (out, err)
-    docs, complete = _text_documents([corpus / "a.txt"], "blank_line", 1 << 20)
+        docs, _ = sourcefiles.read_documents([corpus / "a.txt"], documents, 1 << 20)
+        tokens = sum(len(tok.encode(d).ids) + 1 for d in docs)  # the EOS after each document
+        assert f"data: ~{tokens:,} tokens per epoch (estimated from the files)" in out, out
+    path = write_run(tmp_path, bare_model, corpus, data={"datasets": [{"path": str(corpus / "a.txt")},
+                                                                      {"path": str(corpus / "*.gz")}]})
+    code, out, err = cli(["validate", str(path)], capsys)
+    assert code == 0 and "tokens per epoch" in out, err
+    docs, complete = sourcefiles.read_documents([corpus / "a.txt"], "blank_line", 1 << 20)
     assert complete and len(docs) == 4 and docs[0] == (PROSE * 30).strip("\n")
 
 

@@ -214,32 +214,13 @@ def _read_rows(path: Path, limit: int | None) -> list[dict[str, Any]]:
     raise ValueError(f"{suffix or 'no suffix'} is not a data file slurmft reads")
 
 
-def _text_documents(files: list[Path], documents: str, limit_bytes: int) -> tuple[list[str], bool]:
-    """The documents of plain-text files as the job splits them (per file, or per blank-line block), read up to
-    ``limit_bytes`` in all; and whether that was every file whole."""
-    import gzip
-
-    docs: list[str] = []
-    read = 0
-    for f in files:
-        opener = gzip.open if sourcefiles.suffix_of(f) == ".txt.gz" else open
-        with opener(f, "rt", encoding="utf-8", errors="replace") as fh:
-            text = fh.read(max(0, limit_bytes - read) + 1)
-        read += len(text)
-        if read > limit_bytes:
-            return docs, False
-        parts = [text] if documents == "file" else text.split("\n\n")
-        docs += [d.strip("\r\n") for d in parts if d.strip()]
-    return docs, True
-
-
 def _text_sample(i: int, src: Any, files: list[Path], report: Report) -> Sample | None:
     """A .txt/.txt.gz source: every file readable as text (empty, binary or not UTF-8: a problem each)."""
     problems = sourcefiles.source_problems(src.path, src.format, f"data.datasets[{i}].path")
     if problems:
         report.problems += problems
         return None
-    texts, complete = _text_documents(files, src.documents, COUNT_LIMIT_BYTES)
+    texts, complete = sourcefiles.read_documents(files, src.documents, COUNT_LIMIT_BYTES)
     if complete and not texts:
         report.problems.append(f"data.datasets[{i}].path: {src.path!r} holds no text (every document is blank)")
         return None
@@ -631,17 +612,21 @@ def batch_notes(cfg: RunConfig, samples: list[Sample], template: Template | None
                  f"sequence of up to {cfg.data.max_seq_length} tokens (prompt + reply)"]
     if cfg.dpo is not None and cfg.data.packing:
         lines.append("data.packing: does not apply to DPO (each pair is scored as its own padded sequences); ignored")
-    exact = prepared.sequences(cfg)
-    if exact is not None:  # counted by the prepare job: the job's own figure, not an estimate
+    counts = prepared.counted(cfg)
+    if counts is not None:  # counted by the prepare job: the job's own figure, not an estimate
+        exact = counts["sequences"]
         steps = steps_per_epoch(exact, r.world_size, t.per_device_batch_size, t.gradient_accumulation_steps)
         lines.append(f"data: {exact:,} {'packed ' if packed else ''}sequences per epoch (prepared, "
                      f"exact) -> {steps} optimizer steps per epoch")
+        if counts.get("tokens"):
+            lines.append(f"data: {counts['tokens']:,} tokens per epoch (prepared, exact), "
+                         f"~{counts['tokens'] // steps:,} per optimizer step")
         if t.epochs is not None:
             lines.append(f"train.epochs {t.epochs:g} -> {math.ceil(t.epochs * steps)} steps")
         elif t.max_steps:
             lines.append(f"train.max_steps {t.max_steps} = {t.max_steps / steps:.2f} epoch(s)")
         return lines
-    per_epoch = sequences_per_epoch(cfg, samples, template)
+    per_epoch, tokens = epoch_estimate(cfg, samples, template)
     if isinstance(per_epoch, str):
         lines.append(f"steps per epoch: not computed ({per_epoch}; `slurmft prepare` counts it exactly)")
         if t.epochs is not None:
@@ -650,6 +635,8 @@ def batch_notes(cfg: RunConfig, samples: list[Sample], template: Template | None
     steps = max(1, math.ceil(per_epoch / per_step))
     lines.append(f"data: ~{per_epoch:,} {'packed ' if packed else ''}sequences per epoch -> ~{steps} "
                  "optimizer steps per epoch (estimated from the files; `slurmft prepare` counts them exactly)")
+    if tokens:
+        lines.append(f"data: ~{tokens:,} tokens per epoch (estimated from the files)")
     if t.epochs is not None:
         lines.append(f"train.epochs {t.epochs:g} -> ~{math.ceil(t.epochs * steps)} steps (exact count computed in "
                      "the job and recorded in plan.json)")
@@ -658,10 +645,11 @@ def batch_notes(cfg: RunConfig, samples: list[Sample], template: Template | None
     return lines
 
 
-def sequences_per_epoch(cfg: RunConfig, samples: list[Sample], template: Template | None) -> int | str:
-    """Packed sequences (or rows) in one pass over the mixture; a reason string when it cannot be counted."""
+def epoch_estimate(cfg: RunConfig, samples: list[Sample], template: Template | None) -> tuple[int | str, int | None]:
+    """(packed sequences (or rows) in one pass over the mixture, its tokens when packed); a reason string instead of
+    the sequences when they cannot be counted."""
     if len(samples) != len(cfg.data.datasets) or not all(s.complete for s in samples):
-        return "some data is on the hub or larger than 64 MiB; the job counts it"
+        return "some data is on the hub or larger than 64 MiB; the job counts it", None
     rows = [s.rows for s in samples]
     weights = [cfg.data.datasets[s.index].weight for s in samples]
     total_w = sum(weights)
@@ -669,12 +657,12 @@ def sequences_per_epoch(cfg: RunConfig, samples: list[Sample], template: Templat
     # interleave_datasets(all_exhausted) runs until every source was seen once: the rarest decides
     mixed = rows[0] if len(rows) == 1 else min(4 * sum(rows), math.ceil(max(n / p for n, p in zip(rows, probs, strict=True))))
     if not cfg.packed:
-        return mixed
+        return mixed, None
     chat = any(s.fmt != formats.TEXT for s in samples)
     if template is None or (chat and template.text is None) or template.tokenizer_json is None:
-        return "tokenizer.json and a chat template are needed to count tokens"
+        return "tokenizer.json and a chat template are needed to count tokens", None
     if importlib.util.find_spec("tokenizers") is None:
-        return "the tokenizers package is not installed here"
+        return "the tokenizers package is not installed here", None
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(template.tokenizer_json))
@@ -687,7 +675,7 @@ def sequences_per_epoch(cfg: RunConfig, samples: list[Sample], template: Templat
         try:
             texts = [render_conversation(template, c) for c in sample.conversations]
         except Exception:  # noqa: BLE001 - reported by check_chat_template
-            return "the chat template does not render this data"
+            return "the chat template does not render this data", None
         counts = [len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)]
         tokens += mixed * p * (sum(min(c, cfg.data.max_seq_length) for c in counts) / max(1, len(counts)))
-    return max(1, math.ceil(tokens / cfg.data.max_seq_length))
+    return max(1, math.ceil(tokens / cfg.data.max_seq_length)), round(tokens)

@@ -109,6 +109,22 @@ def test_every_document_token_is_prepared_in_pieces_none_dropped_all_in_the_loss
                                         _sequences(prepared["rows"]))
 
 
+def test_validate_and_estimate_count_the_prepared_tokens_per_epoch(prepared: dict) -> None:
+    from slurmft.job.train import read_config
+    from slurmft.plan.checks import batch_notes
+    from slurmft.plan.estimate import schedule
+    from slurmft.rundir import RunPaths
+
+    cfg = read_config(RunPaths.of(prepared["run"]))
+    result = prepared["record"]["result"]
+    notes = "\n".join(batch_notes(cfg, [], None))
+    steps = -(-result["sequences"] // 4)  # 2 ranks x 2 sequences per step
+    assert f"data: {result['sequences']:,} packed sequences per epoch (prepared, exact) -> {steps} optimizer" in notes
+    assert f"data: {result['tokens']:,} tokens per epoch (prepared, exact)" in notes, notes
+    plan = schedule(cfg)
+    assert plan is not None and plan["tokens_per_epoch"] == result["tokens"] and plan["steps_per_epoch"] == steps
+
+
 def test_the_record_names_the_corpus_files(prepared: dict, corpus: dict) -> None:
     from slurmft import prepared as record_of
     from slurmft.job.train import read_config
