@@ -69,15 +69,20 @@ def text_run(micro_model: Path, job_env: dict[str, str], tmp_path_factory: pytes
     (root / "corpus").mkdir()
     for i, doc in enumerate(docs):
         (root / "corpus" / f"doc{i}.txt").write_text(doc + "\n")
-    # prepare.enabled=false (write_run's default): the train job prepares in its allocation with the prepare job's
-    # own code (slurmft/job/prepare.py), which test_text_data.py runs as the prepare job does
-    run = write_run(root / "run", micro_model, ["train.max_steps=1", "checkpoint.every_steps=1",
+    # the product's default, prepare.enabled: the prepare job's work (prepare_run, here in this process), then the
+    # train job reads prepared/ and checks its record (the globbed files) on every rank
+    run = write_run(root / "run", micro_model, ["prepare.enabled=true", "train.max_steps=1", "checkpoint.every_steps=1",
                                                  f"data.max_seq_length={SEQ}", "train.per_device_batch_size=2",
                                                  "train.gradient_accumulation_steps=1", "train.warmup_ratio=0"],
                     edit=lambda d: d["data"].update(datasets=[{"path": str(root / "corpus" / "*.txt")}]))
+    from slurmft.job.prepare import prepare_run
+
+    record = prepare_run(str(run), num_proc=1)
+    assert record["result"]["sequences"] == 4 and record["result"]["tokens"] == sum(LENGTHS), record["result"]
     rc, out = launch(run, job_env).wait(timeout=300)
     assert rc == 0, out[-6000:]
     assert len(re.findall(r"slurmft rank \d: completed at step 1", out)) == 2, out[-3000:]
+    assert "data: 4 prepared sequences read from" in out, out[-3000:]
     return {"run": run, "pieces": _pieces(tokenizer, docs), "out": out}
 
 

@@ -160,3 +160,41 @@ def test_a_file_that_went_bad_after_validate_is_refused_by_the_job(tmp_path: Pat
     cfg = read_config(RunPaths.of(run))
     with pytest.raises(JobSetupError, match=r"data.datasets\[0\] \(.*\*.txt\): .*b.txt is empty"):
         load_mixture(cfg.data, cfg.train.seed)
+
+
+def test_a_mixture_keeps_its_order_and_each_kind_is_trls_own_preparation(prepared: dict, tiny_model: Path,
+                                                                         tmp_path: Path) -> None:
+    """Conversations and documents interleaved: the prepared rows come back in the mixture's order, a conversation
+    exactly as TRL prepares it alone, a document as its pieces."""
+    import dataclasses
+
+    from datasets import Dataset, Features
+    from trl import SFTTrainer
+
+    from slurmft.job.data import _features
+    from slurmft.job.inputs import load_tokenizer
+    from slurmft.job.prepare import TrlPreparation, prepare_args
+    from slurmft.job.train import read_config
+    from slurmft.rundir import RunPaths
+
+    cfg = read_config(RunPaths.of(prepared["run"]))
+    tok = load_tokenizer(tiny_model, cfg)
+    chat = [[{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": f"answer {i}."}]
+            for i in range(3)]
+    long = " ".join(WORDS * 12)  # several pieces
+    rows = [{"messages": [], "text": "a short note"}, {"messages": chat[0], "text": None},
+            {"messages": [], "text": long}, {"messages": chat[1], "text": None}, {"messages": chat[2], "text": None}]
+    mixed = Dataset.from_list(rows, features=Features(_features(text=True)))
+    args = dataclasses.replace(prepare_args(cfg, None, tmp_path), packing=False)
+    got = TrlPreparation(tok, args, mixed[0])._with_text(mixed, args)
+    expected: list[list[int]] = []
+    for row in rows:
+        if row["text"] is None:
+            alone = Dataset.from_list([{"messages": row["messages"]}])
+            expected.append(SFTTrainer._prepare_dataset(TrlPreparation(tok, args, alone[0]), alone, tok, args, False,
+                                                        None, "train")[0]["input_ids"])
+        else:
+            ids = tok(row["text"] + tok.eos_token)["input_ids"]
+            expected += [ids[i:i + SEQ] for i in range(0, len(ids), SEQ)]
+    assert len(expected) > len(rows) + 1  # the long document is several pieces
+    assert [list(r) for r in got["input_ids"]] == expected
