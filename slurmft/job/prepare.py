@@ -141,6 +141,10 @@ class TrlPreparation:
             chat = chat.select_columns([*ROW_COLUMNS, ROW])
             parts.append(chat.add_column(PIECE, np.zeros(len(chat), dtype=np.int64)))
         if is_text.any():
+            if self._tokenizer.eos_token is None:
+                raise JobSetupError("model.tokenizer: the tokenizer has no EOS token, which plain text needs after each "
+                                    "document (the model learns where one ends); set train.sft.eos_token to one of its "
+                                    "tokens (e.g. '</s>'), or use a tokenizer that defines one")
             text = order.select(np.flatnonzero(is_text)).remove_columns([MESSAGES])
             lm = copy.copy(quiet)
             lm.max_length, lm.dataset_text_field = None, TEXT

@@ -198,3 +198,6 @@ def test_a_mixture_keeps_its_order_and_each_kind_is_trls_own_preparation(prepare
             expected += [ids[i:i + SEQ] for i in range(0, len(ids), SEQ)]
     assert len(expected) > len(rows) + 1  # the long document is several pieces
     assert [list(r) for r in got["input_ids"]] == expected
+    tok.eos_token = None  # a tokenizer that defines no EOS: the documents could not be told apart
+    with pytest.raises(JobSetupError, match="the tokenizer has no EOS token, which plain text needs"):
+        TrlPreparation(tok, args, mixed[0])._with_text(mixed, args)
