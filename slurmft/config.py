@@ -62,16 +62,24 @@ class ModelConfig(Section):
 class DatasetSource(Section):
     """One data source; several are mixed by weight."""
 
-    path: str = Field(..., description="Hub id or local .json/.jsonl/.csv/.parquet file.")
+    path: str = Field(..., description="Hub id, local .json/.jsonl/.csv/.parquet/.txt/.txt.gz file, or a glob of local "
+                      "files of one kind (/data/corpus/*.txt.gz).")
     split: str = Field("train", description="Split to read.")
     weight: float = Field(1.0, gt=0, description="Mixing weight (relative sampling probability).")
     format: Literal["auto", "messages", "sharegpt", "lima", "guanaco", "alpaca", "prompt_completion",
-                    "preference"] = Field(
+                    "preference", "text"] = Field(
         "auto",
         description="Record layout: messages (role/content list), sharegpt (conversations: from/value list), lima "
         "(conversations: [str]), guanaco (text with '### Human:' / '### Assistant:'), alpaca (instruction, "
         "input, output), prompt_completion (prompt, completion), preference (dpo: only; chosen, rejected and an "
-        "optional prompt, strings or conversations), or auto-detect.",
+        "optional prompt, strings or conversations), text (plain text for continued pretraining: the text column, "
+        "or the one columns: {text: ...} names; every token in the loss, no chat template; .txt/.txt.gz files are "
+        "always text; docs/text.md), or auto-detect (a text column is read as guanaco chat, never as plain text).",
+    )
+    documents: Literal["file", "blank_line"] = Field(
+        "file",
+        description="Plain-text .txt/.txt.gz files only: file (each file one document) or blank_line (each block "
+        "between blank lines one document).",
     )
     name: str | None = Field(None, description="Hub dataset config name (subset).")
     revision: str | None = Field(
@@ -438,6 +446,7 @@ class RunConfig(Section):
             )
         if self.dpo is not None:
             self._check_dpo(self.dpo)
+        self._check_text()
         for kind in ("serve", "eval"):
             section = self.model_job(kind)
             if section is not None and not self.consolidate.enabled:
@@ -472,6 +481,32 @@ class RunConfig(Section):
                 f"train.sft ({', '.join(sorted(self.train.sft))}) or the dpo: section"
             )
 
+    def _check_text(self) -> None:
+        """Plain-text sources (continued pretraining): what cannot keep their documents apart or train on them."""
+        from slurmft.sourcefiles import is_text
+
+        text = [i for i, s in enumerate(self.data.datasets) if is_text(s.path, s.format)]
+        if not text:
+            return
+        where = f"data.datasets[{text[0]}]"
+        if self.dpo is not None:
+            raise ValueError(f"{where}: plain text (format text, or a .txt file) trains by language modelling, not by "
+                             "preference; remove that source or the dpo: section")
+        if self.train.sft.get("packing_strategy") == "wrapped" and self.data.packing:
+            raise ValueError(
+                f"train.sft.packing_strategy: wrapped concatenates the documents of {where} (plain text) and cuts "
+                "the stream every max_seq_length tokens, without sequence lengths: each document would attend to "
+                "the ones before it in its row. Remove packing_strategy (bfd: each document's positions restart and "
+                "attention stays inside it) or set it to bfd_split")
+
+    @property
+    def chat_data(self) -> bool:
+        """Whether some source is chat or instruction data (it needs the tokenizer's chat template); a run of plain
+        text alone (continued pretraining) uses none."""
+        from slurmft.sourcefiles import is_text
+
+        return self.dpo is not None or not all(is_text(s.path, s.format) for s in self.data.datasets)
+
     def model_job(self, kind: str) -> ServeConfig | EvalConfig | None:
         """The section of a job after consolidation: ``serve`` or ``eval`` (None when the config has none)."""
         return self.serve if kind == "serve" else self.eval
@@ -496,7 +531,7 @@ class RunConfig(Section):
     @property
     def assistant_masks(self) -> bool:
         """data.assistant_only_loss where it applies: supervised fine-tuning (DPO scores the replies only)."""
-        return self.data.assistant_only_loss and self.method == Method.SFT
+        return self.data.assistant_only_loss and self.method == Method.SFT and self.chat_data
 
     def _reconcile_precision(self) -> None:
         """train.precision and model.dtype: one derives the other; a contradiction names both fields."""

@@ -19,6 +19,11 @@ Formats (``data.datasets[].format``; ``auto`` detects from the columns and the f
   ``\n\nHuman: ... \n\nAssistant: ...`` strings are read as turns, and a chosen conversation that holds its
   own prompt (UltraFeedback-binarized: ``prompt`` is only its first turn's text) is read as implicit.
 
+- ``text`` (continued pretraining): ``text``, a plain-text document; never converted to messages, never templated:
+  TRL tokenizes it as language modelling (the tokenizer's BOS, the text, EOS) and every token is in the loss. Only
+  ``format: text`` (or a ``.txt``/``.txt.gz`` file) reads a ``text`` column so: ``auto`` keeps reading one as guanaco
+  chat, and refuses one without ``### Human:`` turns, saying how to read it as plain text.
+
 ``columns`` renames the user's columns to these names first (``{prompt: question}``); ``text_field``
 names the one column of the single-column formats.
 """
@@ -30,6 +35,7 @@ from typing import Any
 
 from slurmft.config import DatasetSource
 from slurmft.errors import ConfigError
+from slurmft.sourcefiles import is_text
 
 GUANACO_TURN = re.compile(r"###\s*(Human|Assistant)\s*:", re.IGNORECASE)
 GUANACO_ROLES = {"human": "user", "assistant": "assistant"}
@@ -45,8 +51,10 @@ FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
     "alpaca": ("instruction", "output", "input"),
     "prompt_completion": ("prompt", "completion"),
     "preference": ("chosen", "rejected", "prompt"),
+    "text": ("text",),
 }
 PREFERENCE = "preference"
+TEXT = "text"
 #: format -> its columns that may be absent (a preference row without ``prompt``: TRL's implicit prompt)
 OPTIONAL_COLUMNS: dict[str, tuple[str, ...]] = {"alpaca": ("input",), "preference": ("prompt",)}
 EXPECTED = (
@@ -75,13 +83,15 @@ def detect_format(source: DatasetSource, columns: list[str], first: dict[str, An
     missing_mapped = [f"{ours} -> {theirs!r}" for ours, theirs in source.columns.items() if ours not in columns]
     if missing_mapped:
         raise ConfigError(f"{where}: columns maps {', '.join(missing_mapped)}, but the columns are {columns}")
-    if source.format != "auto":
-        fmt = source.format
+    given = TEXT if is_text(source.path, source.format) else source.format  # a .txt file is plain text
+    if given != "auto":
+        fmt = given
         needed = [_single_column(source, fmt)] if len(FORMAT_COLUMNS[fmt]) == 1 else [
             c for c in FORMAT_COLUMNS[fmt] if c not in OPTIONAL_COLUMNS.get(fmt, ())]
         absent = [c for c in needed if c not in columns]
         if absent:
-            fix = ("set text_field to the column that holds it" if len(FORMAT_COLUMNS[fmt]) == 1 else
+            fix = ("name the column that holds it with columns: {text: YOUR_COLUMN} (or text_field)" if fmt == TEXT
+                   else "set text_field to the column that holds it" if len(FORMAT_COLUMNS[fmt]) == 1 else
                    f"map yours with columns: {{{', '.join(f'{c}: YOUR_COLUMN' for c in absent)}}}")
             raise ConfigError(
                 f"{where}: format {fmt!r} needs the column(s) {absent}, but the columns are {columns} ({fix})"
@@ -107,9 +117,11 @@ def detect_format(source: DatasetSource, columns: list[str], first: dict[str, An
             return "lima", column
         if isinstance(value, str) and GUANACO_TURN.search(value):
             return "guanaco", column
+    plain = (" A text column without '### Human:' turns is plain text: set format: text to train on every token of "
+             "it (continued pretraining)." if "text" in columns else "")
     raise ConfigError(
         f"{where}: cannot find a conversation in the columns {columns}. Expected {EXPECTED}; "
-        "set format (and columns: {ours: yours} if your columns are named differently)"
+        "set format (and columns: {ours: yours} if your columns are named differently)." + plain
     )
 
 
@@ -274,6 +286,9 @@ def preference_problem(pair: dict[str, list[dict[str, str]]]) -> str | None:
 
 def method_problem(fmt: str, dpo: bool, columns: list[str], where: str) -> str | None:
     """Preference data without ``dpo:``, or other data under it: the message naming the columns found, or None."""
+    if dpo and fmt == TEXT:
+        return (f"{where}: plain text (format text) trains by language modelling, not by preference (dpo:); remove "
+                "the source or the dpo: section")
     if dpo and fmt != PREFERENCE:
         return (f"{where}: dpo: trains on preference data ('chosen' and 'rejected', with or without 'prompt'), but "
                 f"the columns are {columns} ({fmt} data for supervised fine-tuning): use preference data, map yours "

@@ -31,6 +31,7 @@ from slurmft.config_paths import local_dir
 from slurmft.errors import RunDirError
 from slurmft.modelinfo import tokenizer_name, tokenizer_revision
 from slurmft.rundir import RunPaths, atomic_write
+from slurmft.sourcefiles import files_of, is_glob, is_text
 
 if TYPE_CHECKING:  # annotations only: `slurmft status` reads the record without importing the schema (pydantic)
     from slurmft.config import RunConfig
@@ -59,7 +60,9 @@ def settings(cfg: RunConfig) -> dict[str, Any]:
     """What the config says about preparation (compared as a whole, field by field)."""
     sources = [{"path": s.path, "name": s.name, "split": s.split, "weight": s.weight, "format": s.format,
                 "text_field": s.text_field, "columns": dict(s.columns),
-                **({"revision": s.revision} if s.revision else {})} for s in cfg.data.datasets]
+                **({"revision": s.revision} if s.revision else {}),
+                # plain-text files: how they split into documents (other sources' records stay as before)
+                **({"documents": s.documents} if is_text(s.path, s.format) else {})} for s in cfg.data.datasets]
     return {"sources": sources, "max_seq_length": cfg.data.max_seq_length, "packing": cfg.data.packing,
             "assistant_only_loss": cfg.data.assistant_only_loss, "seed": cfg.train.seed,
             "sft": {k: cfg.train.sft[k] for k in PREPARE_SFT_KEYS if k in cfg.train.sft},
@@ -74,9 +77,10 @@ def inputs(cfg: RunConfig) -> dict[str, Any]:
     sources: list[dict[str, Any]] = []
     for s in cfg.data.datasets:
         path = Path(s.path).expanduser()
-        if path.is_file():
-            st = path.stat()
-            sources.append({"file": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+        if is_glob(s.path):  # a corpus of files: each one's size and time, in the order the job reads them
+            sources.append({"glob": s.path, "files": [_file_entry(f) for f in files_of(s.path)]})
+        elif path.is_file():
+            sources.append(_file_entry(path))
         else:
             sources.append({"hub": s.path, "name": s.name, "split": s.split})
     out: dict[str, Any] = {"sources": sources}
@@ -90,6 +94,22 @@ def inputs(cfg: RunConfig) -> dict[str, Any]:
     if template and Path(str(template)).expanduser().is_file():
         out["chat_template_sha256"] = sha256_file(Path(str(template)).expanduser())
     return out
+
+
+def _file_entry(path: Path) -> dict[str, Any]:
+    st = path.stat()
+    return {"file": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _glob_change(i: int, was: list[dict[str, Any]], now: list[dict[str, Any]], pattern: str) -> str:
+    """How the files a glob matches changed since preparation, in words."""
+    old = {f["file"]: f for f in was}
+    new = {f["file"]: f for f in now}
+    added, gone = sorted(new.keys() - old.keys()), sorted(old.keys() - new.keys())
+    changed = sorted(k for k in old.keys() & new.keys() if old[k] != new[k])
+    parts = [f"{len(x)} {what} (e.g. {x[0]})" for x, what in ((added, "new"), (gone, "removed"), (changed, "changed"))
+             if x]
+    return f"data.datasets[{i}] ({pattern}): the files it matches changed after preparation: {', '.join(parts)}"
 
 
 def expected(cfg: RunConfig) -> dict[str, Any]:
@@ -127,13 +147,15 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         for i, (a, b) in enumerate(zip(old_files, new_files, strict=True)):
             if {k: v for k, v in a.items() if k != "sha"} == b:  # the hub commit: hub_changes(), login side only
                 continue
-            if "file" in b and a.get("file") == b["file"]:
+            if "glob" in b and a.get("glob") == b["glob"]:
+                out.append(_glob_change(i, a.get("files", []), b["files"], b["glob"]))
+            elif "file" in b and a.get("file") == b["file"]:
                 out.append(f"data.datasets[{i}] ({b['file']}): the file changed after preparation (size "
                            f"{a.get('size')} -> {b['size']} bytes, modified {_when(a.get('mtime_ns'))} -> "
                            f"{_when(b['mtime_ns'])})")
             else:
-                out.append(f"data.datasets[{i}]: the source is {b.get('file') or b.get('hub')!r} now, "
-                           f"{a.get('file') or a.get('hub')!r} when prepared")
+                out.append(f"data.datasets[{i}]: the source is {b.get('file') or b.get('glob') or b.get('hub')!r} "
+                           f"now, {a.get('file') or a.get('glob') or a.get('hub')!r} when prepared")
     old_tok, new_tok = was_in.get("tokenizer_files"), cur_in.get("tokenizer_files")
     if old_tok != new_tok:
         if old_tok is None or new_tok is None:
@@ -238,16 +260,23 @@ def check(paths: RunPaths, cfg: RunConfig) -> dict[str, Any] | None:
     return record
 
 
-def sequences(cfg: RunConfig) -> int | None:
-    """The packed sequences (rows when not packing) that ``output_dir/prepared/`` holds when it matches
-    ``cfg``: the exact count the job trains on. None without a matching preparation (a stale one is reported
-    by ``validate`` on its own line)."""
+def counted(cfg: RunConfig) -> dict[str, Any] | None:
+    """What ``output_dir/prepared/`` holds when it matches ``cfg`` (the record's ``result``: ``sequences``, ``tokens``,
+    ``loss_tokens``, ...): the exact counts the job trains on. None without a matching preparation (a stale one is
+    reported by ``validate`` on its own line)."""
     try:
         record = check(RunPaths.of(cfg.output_dir), cfg)
     except RunDirError:
         return None
-    count = (record or {}).get("result", {}).get("sequences")
-    return count if isinstance(count, int) and count > 0 else None
+    result = (record or {}).get("result", {})
+    count = result.get("sequences")
+    return result if isinstance(count, int) and count > 0 else None
+
+
+def sequences(cfg: RunConfig) -> int | None:
+    """The packed sequences (rows when not packing) of a matching preparation (:func:`counted`), else None."""
+    result = counted(cfg)
+    return result["sequences"] if result else None
 
 
 def summary_line(record: dict[str, Any]) -> str:

@@ -62,6 +62,14 @@ def sequences(inputs: dict[str, Any]) -> list[Any]:
     return [s for s in out if len(s)]
 
 
+def loss_tokens(inputs: dict[str, Any]) -> int | None:
+    """The targets the causal-LM loss reads in a collated micro-batch: labels after the one-token shift that are not
+    -100 (padding-free packing masks each sequence's first label, so a sequence of n tokens, all labelled, gives
+    n - 1); None for a batch without labels (DPO)."""
+    labels = inputs.get("labels")
+    return None if labels is None else int((labels[..., 1:] != -100).sum())
+
+
 def sequence_hash(tokens: Any) -> str:
     """A short hash of one sequence's token ids (int64 bytes: the same ids hash the same whatever their dtype)."""
     return hashlib.blake2b(tokens.to(dtype=torch.int64).numpy().tobytes(), digest_size=8).hexdigest()
@@ -74,7 +82,8 @@ def digest(hashes: list[str]) -> str:
 
 class BatchDigest(TrainerCallback):
     """Records every micro-batch a rank trains on (:meth:`watch`); at each step end the ranks gather their
-    hashes and rank 0 appends ``{step, sequences, tokens, digest, world_size, job_id, restart}``."""
+    hashes and rank 0 appends ``{step, sequences, tokens, loss_tokens, digest, world_size, job_id, restart}``
+    (``loss_tokens``: :func:`loss_tokens` over the step, absent for DPO)."""
 
     def __init__(self, ctx: DistContext, path: Path, info: dict[str, Any]) -> None:
         self.ctx = ctx
@@ -82,6 +91,7 @@ class BatchDigest(TrainerCallback):
         self.info = {k: info[k] for k in ("job_id", "restart") if k in info}
         self._hashes: list[str] = []
         self._tokens = 0
+        self._loss_tokens: int | None = None
         self._counts_tokens = False  # state.num_input_tokens_seen: counted here, not by the Trainer per micro-batch
 
     def watch(self, trainer: Any) -> None:
@@ -92,15 +102,17 @@ class BatchDigest(TrainerCallback):
         def collate_and_hash(examples: list[Any]) -> Any:
             batch = collate(examples)
             seqs = sequences(batch)
-            batch[HASHES] = ([sequence_hash(s) for s in seqs], sum(len(s) for s in seqs))
+            batch[HASHES] = ([sequence_hash(s) for s in seqs], sum(len(s) for s in seqs), loss_tokens(batch))
             return batch
 
         original = trainer.training_step
 
         def training_step(model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-            hashes, tokens = inputs.pop(HASHES)
+            hashes, tokens, in_loss = inputs.pop(HASHES)
             self._hashes.extend(hashes)
             self._tokens += tokens
+            if in_loss is not None:
+                self._loss_tokens = (self._loss_tokens or 0) + in_loss
             return original(model, inputs, *args, **kwargs)
 
         trainer.data_collator = collate_and_hash
@@ -113,16 +125,18 @@ class BatchDigest(TrainerCallback):
         import torch.distributed as dist
 
         gathered: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(gathered, (self._hashes, self._tokens))  # over gloo: host memory, on GPU nodes too
-        self._hashes, self._tokens = [], 0
+        dist.all_gather_object(gathered, (self._hashes, self._tokens, self._loss_tokens))  # gloo: host memory
+        self._hashes, self._tokens, self._loss_tokens = [], 0, None
         if self._counts_tokens:
-            state.num_input_tokens_seen += sum(t for _, t in gathered)
+            state.num_input_tokens_seen += sum(t for _, t, _ in gathered)
         if self.ctx.is_main:
-            hashes = [h for part, _ in gathered for h in part]
+            hashes = [h for part, _, _ in gathered for h in part]
+            in_loss = [n for _, _, n in gathered if n is not None]
             record = {
                 "step": state.global_step,
                 "sequences": len(hashes),
-                "tokens": sum(t for _, t in gathered),
+                "tokens": sum(t for _, t, _ in gathered),
+                **({"loss_tokens": sum(in_loss)} if in_loss else {}),
                 "digest": digest(hashes),
                 "world_size": self.ctx.world_size,
                 **self.info,

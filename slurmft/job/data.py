@@ -1,7 +1,13 @@
-"""Training data: load every source, map it to chat ``messages``, mix them by weight.
+"""Training data: load every source, map it to chat ``messages`` (plain text: to ``text``), mix them by weight.
 
 Formats (``data.datasets[].format``) and their conversion live in :mod:`slurmft.formats`, shared with
 the login side's checks (:mod:`slurmft.plan.checks`): what ``slurmft validate`` accepts, the job reads.
+
+A plain-text source (``format: text``, ``.txt``/``.txt.gz`` files, one file or a glob: slurmft/sourcefiles.py) becomes
+one ``text`` document per row (per file, or per blank-line-separated block: ``documents``), never a conversation.
+When a run has one, every source of the mixture carries both columns (``messages`` empty on a document, ``text``
+None on a conversation), so they mix by weight as before; slurmft/job/prepare.py gives each kind to TRL's own
+preparation (the chat template for conversations, language modelling for text) and puts them back in this order.
 
 Everything after that is TRL's: ``SFTTrainer`` applies the tokenizer's chat template, builds the
 assistant-token mask (``assistant_only_loss``), and packs to ``max_seq_length``. Sources are mixed
@@ -19,7 +25,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from slurmft import chat_template, formats
+from slurmft import chat_template, formats, sourcefiles
 from slurmft.config import DataConfig, DatasetSource
 from slurmft.config_paths import DATA_BUILDERS, looks_like_path
 from slurmft.errors import ConfigError, JobSetupError
@@ -28,16 +34,26 @@ log = logging.getLogger("slurmft.job")
 
 MAX_MIX_BLOWUP = 4  # a weighted mixture holds at most this many times the sources' total rows
 MESSAGES = "messages"
+TEXT = formats.TEXT  # a plain-text document (continued pretraining); None on a conversation's row
+#: ``documents`` -> the ``sample_by`` of datasets' text builder
+TEXT_SAMPLE_BY = {"file": "document", "blank_line": "paragraph"}
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
 
 
-def _features(preference: bool = False):
+def _features(preference: bool = False, text: bool = False):
     from datasets import Features, List, Value
 
     turns = List({"role": Value("string"), "content": Value("string")})
     if preference:  # TRL's explicit-prompt conversational preference layout
         return Features({name: turns for name in PREFERENCE_COLUMNS})
+    if text:  # a mixture holding plain text: both columns on every row
+        return Features({MESSAGES: turns, TEXT: Value("string")})
     return Features({MESSAGES: turns})
+
+
+def has_text(data: DataConfig) -> bool:
+    """Whether a source of ``data`` is plain text (its mixture carries the ``text`` column)."""
+    return any(sourcefiles.is_text(s.path, s.format) for s in data.datasets)
 
 
 def _is_usable(example: dict[str, Any]) -> bool:
@@ -52,17 +68,33 @@ def detect_format(source: DatasetSource, columns: list[str], first: dict[str, An
         raise JobSetupError(str(exc)) from None
 
 
+def _load_files(source: DatasetSource, files: list[Path], where: str):
+    """A local source's files (one, or a glob's), each checked first when they are plain text."""
+    from datasets import load_dataset
+
+    problems = sourcefiles.source_problems(source.path, source.format, where)
+    if len(problems) == 1:
+        raise JobSetupError(problems[0])
+    if problems:
+        raise JobSetupError(f"{where}: {len(problems)} files cannot be read as text", problems=problems)
+    builder = DATA_BUILDERS.get(sourcefiles.suffix_of(files[0]))
+    if builder is None:
+        raise JobSetupError(f"{where}: {source.path!r} is not a .json, .jsonl, .csv, .parquet, .txt or .txt.gz file")
+    kwargs = {"sample_by": TEXT_SAMPLE_BY[source.documents]} if builder == "text" else {}
+    return load_dataset(builder, data_files=[str(f) for f in files], split="train", **kwargs)
+
+
 def _load_source(source: DatasetSource, where: str):
     from datasets import load_dataset
 
     path = Path(source.path).expanduser()
     try:
-        if path.exists():
-            builder = DATA_BUILDERS.get(path.suffix.lower())
-            if builder is None:
-                raise JobSetupError(f"{where}: {source.path!r} is not a .json, .jsonl, .csv or .parquet file")
-            return load_dataset(builder, data_files=str(path), split="train")
-        if looks_like_path(source.path) or path.suffix.lower() in DATA_BUILDERS:
+        files = sourcefiles.files_of(source.path)
+        if files:
+            return _load_files(source, files, where)
+        if sourcefiles.is_glob(source.path):
+            raise JobSetupError(f"{where}: {source.path!r} matches no file")
+        if looks_like_path(source.path) or sourcefiles.suffix_of(path) in DATA_BUILDERS:
             raise JobSetupError(f"{where}: file {source.path!r} does not exist")
         return load_dataset(source.path, source.name, split=source.split, revision=source.revision)
     except JobSetupError:
@@ -72,9 +104,23 @@ def _load_source(source: DatasetSource, where: str):
         raise JobSetupError(f"{where}: cannot load {source.path!r} ({type(exc).__name__}: {first})") from None
 
 
-def _convert(batch: dict[str, list[Any]], fmt: str, column: str, names: list[str]) -> dict[str, list[Any]]:
+def _convert(batch: dict[str, list[Any]], fmt: str, column: str, names: list[str],
+             with_text: bool = False) -> dict[str, list[Any]]:
     rows = ({name: batch[name][i] for name in names} for i in range(len(batch[names[0]])))
-    return {MESSAGES: [formats.to_messages(row, fmt, column) for row in rows]}
+    out: dict[str, list[Any]] = {MESSAGES: [formats.to_messages(row, fmt, column) for row in rows]}
+    if with_text:
+        out[TEXT] = [None] * len(out[MESSAGES])
+    return out
+
+
+def _convert_text(batch: dict[str, list[Any]], column: str) -> dict[str, list[Any]]:
+    """Plain-text rows as documents: the column's string, without the line breaks around it."""
+    texts = ["" if v is None else str(v).strip("\r\n") for v in batch[column]]
+    return {MESSAGES: [[] for _ in texts], TEXT: texts}
+
+
+def _has_words(example: dict[str, Any]) -> bool:
+    return bool(example[TEXT] and example[TEXT].strip())
 
 
 def _convert_preference(batch: dict[str, list[Any]], names: list[str]) -> dict[str, list[Any]]:
@@ -102,9 +148,25 @@ def load_preference_source(ds, fmt: str, where: str, num_proc: int | None):
     return ds
 
 
-def load_source(source: DatasetSource, index: int, num_proc: int | None, preference: bool = False):
+def load_text_source(ds, column: str, where: str, num_proc: int | None):
+    """A plain-text source as ``text`` documents (``messages`` empty); blank documents dropped, none left refused."""
+    ds = ds.map(_convert_text, batched=True, fn_kwargs={"column": column}, remove_columns=ds.column_names,
+                features=_features(text=True), num_proc=num_proc, desc=f"{where}: text -> documents")
+    before = len(ds)
+    ds = ds.filter(_has_words, num_proc=num_proc)
+    if len(ds) == 0:
+        raise JobSetupError(f"{where}: no text: every document is empty or blank")
+    if len(ds) < before:
+        log.warning("%s: dropped %d of %d blank documents", where, before - len(ds), before)
+    log.info("%s: %d documents (plain text: every token in the loss)", where, len(ds))
+    return ds
+
+
+def load_source(source: DatasetSource, index: int, num_proc: int | None, preference: bool = False,
+                with_text: bool = False):
     """One source as a ``messages``-only dataset, unusable rows dropped; ``preference`` (dpo:): as
-    ``prompt``/``chosen``/``rejected`` conversations, refused when it is not preference data."""
+    ``prompt``/``chosen``/``rejected`` conversations, refused when it is not preference data; ``with_text`` (a
+    mixture holding plain text): ``messages`` and ``text`` on every row, a plain-text source as documents."""
     where = f"data.datasets[{index}] ({source.path})"
     ds = _load_source(source, where)
     if len(ds) == 0:
@@ -117,12 +179,14 @@ def load_source(source: DatasetSource, index: int, num_proc: int | None, prefere
         raise JobSetupError(problem)
     if preference:
         return load_preference_source(ds, fmt, where, num_proc)
+    if fmt == formats.TEXT:
+        return load_text_source(ds, column, where, num_proc)
     ds = ds.map(
         _convert,
         batched=True,
-        fn_kwargs={"fmt": fmt, "column": column, "names": list(ds.column_names)},
+        fn_kwargs={"fmt": fmt, "column": column, "names": list(ds.column_names), "with_text": with_text},
         remove_columns=ds.column_names,
-        features=_features(),
+        features=_features(text=with_text),
         num_proc=num_proc,
         desc=f"{Path(source.path).name}: {fmt} -> messages",
     )
@@ -156,10 +220,12 @@ def load_mixture(data: DataConfig, seed: int, tokenizer: Any = None, preference:
     ``preference`` (a dpo: run): one ``prompt``/``chosen``/``rejected`` dataset."""
     from datasets import interleave_datasets
 
-    parts = [load_source(src, i, data.num_proc, preference) for i, src in enumerate(data.datasets)]
+    with_text = has_text(data) and not preference
+    parts = [load_source(src, i, data.num_proc, preference, with_text) for i, src in enumerate(data.datasets)]
     if tokenizer is not None:
         for i, (src, part) in enumerate(zip(data.datasets, parts, strict=True)):
-            check_template(part, tokenizer, f"data.datasets[{i}] ({src.path})")
+            if not sourcefiles.is_text(src.path, src.format):  # plain text meets no chat template
+                check_template(part, tokenizer, f"data.datasets[{i}] ({src.path})")
     if len(parts) == 1:
         return parts[0]
     total = sum(src.weight for src in data.datasets)

@@ -194,7 +194,8 @@ def load_model_config(model_dir: Path, model: ModelConfig, max_seq_length: int) 
 
 
 def load_tokenizer(tokenizer_dir: Path, cfg: RunConfig) -> Any:
-    """The tokenizer, with a chat template TRL can train on (else a JobSetupError that says the fix)."""
+    """The tokenizer, with a chat template TRL can train on when the data holds conversations (else a JobSetupError
+    that says the fix)."""
     from transformers import AutoTokenizer
 
     try:
@@ -207,7 +208,7 @@ def load_tokenizer(tokenizer_dir: Path, cfg: RunConfig) -> Any:
         if problem:
             raise JobSetupError(problem)
         tokenizer.chat_template = Path(str(template_path)).expanduser().read_text()
-    if not tokenizer.chat_template:
+    if not tokenizer.chat_template and cfg.chat_data:  # plain text alone (continued pretraining) applies none
         raise JobSetupError(chat_template.no_template_message(tokenizer_dir))
     if cfg.assistant_masks:
         from trl.chat_template_utils import get_training_chat_template

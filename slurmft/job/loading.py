@@ -180,6 +180,37 @@ def packing_attention_note(attn: str, padding_free: bool, row_tokens: int, on_gp
     )
 
 
+def packed_documents_problem(model: Any, attn: str, padding_free: bool) -> str | None:
+    """Why documents packed into one row would attend to each other on ``model`` (None: they are kept apart).
+
+    TRL's padding-free collator passes no attention mask, only ``position_ids`` restarting at 0 at each document.
+    flash-attention 2 turns those into varlen boundaries (transformers' flash integration); SDPA and eager get a
+    block-diagonal mask only from a model that builds its mask with transformers' ``masking_utils``
+    (``create_causal_mask``: ``find_packed_sequence_indices`` reads the restarts). A model whose code builds its
+    own mask (custom code, an older port) would give every document a view of the ones before it in its row.
+    """
+    import inspect
+    import sys
+
+    if not padding_free or attn.startswith("flash_attention"):
+        return None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the transformers model
+    # fully_shard swaps the class for a subclass of its own (FSDP<Class>, defined in torch): the model's own class
+    cls = next((c for c in type(base).__mro__ if not c.__module__.startswith("torch.")), type(base))
+    module = sys.modules.get(cls.__module__)
+    try:
+        source = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        source = ""
+    if "create_causal_mask" in source or "masking_utils" in source:
+        return None
+    return (f"data: plain-text documents are packed into rows and kept apart by position ids that restart at each "
+            f"document, but {cls.__name__} ({cls.__module__}) does not build its attention mask with "
+            f"transformers' masking_utils, which turns those restarts into a block-diagonal mask on {attn}: its "
+            "documents would attend to each other. Set model.attn_implementation=flash_attention_2 (GPUs), or "
+            "data.packing=false (each sequence alone in its row)")
+
+
 # ----------------------------------------------------------------------------- the sharded model
 @dataclass
 class ShardedModel:

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from slurmft import prepared
 from slurmft.config import RunConfig
 from slurmft.config_loading import read_run_config
@@ -59,7 +61,7 @@ def prepare_args(cfg: RunConfig, num_proc: int | None, workdir: Path) -> Any:
     kwargs: dict[str, Any] = {
         "output_dir": str(workdir), "report_to": "none", "use_cpu": True, "seed": cfg.train.seed,
         "max_length": cfg.data.max_seq_length, "packing": cfg.data.packing,
-        "assistant_only_loss": cfg.data.assistant_only_loss, "dataset_num_proc": num_proc,
+        "assistant_only_loss": cfg.assistant_masks, "dataset_num_proc": num_proc,
     }
     kwargs.update({k: cfg.train.sft[k] for k in prepared.PREPARE_SFT_KEYS if k in cfg.train.sft})
     try:
@@ -96,18 +98,82 @@ class TrlPreparation:
         Packing: TRL's preparation runs with ``packing=False`` and no ``max_length`` (TRL's packing path neither
         truncates nor drops a row before packing: the pack cuts each sequence), which ends with TRL's shuffle when
         ``shuffle_dataset`` is set (its packing path shuffles before packing); the packed rows are shuffled again,
-        as TRL does after packing."""
+        as TRL does after packing. A mixture holding plain text goes through :meth:`_with_text` instead."""
         from trl import SFTTrainer
 
         from slurmft.job import packing
 
-        if not args.packing:
+        if TEXT in dataset.column_names:
+            rows = self._with_text(dataset, args)
+            if not args.packing:
+                return rows
+        elif not args.packing:
             return SFTTrainer._prepare_dataset(self, dataset, self._tokenizer, args, False, None, "train")
-        unpacked = copy.copy(args)
-        unpacked.max_length = None
-        rows = SFTTrainer._prepare_dataset(self, dataset, self._tokenizer, unpacked, False, None, "train")
+        else:
+            unpacked = copy.copy(args)
+            unpacked.max_length = None
+            rows = SFTTrainer._prepare_dataset(self, dataset, self._tokenizer, unpacked, False, None, "train")
         packed = packing.pack(rows, args.max_length, args.packing_strategy, args.dataset_num_proc)
         return packed.shuffle(seed=args.seed) if args.shuffle_dataset else packed
+
+    def _with_text(self, dataset: Any, args: Any) -> Any:
+        """A mixture holding plain-text documents: each kind through TRL's own preparation, back in the mixture's order.
+
+        TRL decides per data set, from its first row, whether it holds conversations (the chat template) or text
+        (language modelling: the tokenizer's specials around the text, EOS appended, labels = every token). So the
+        conversations go through it alone, as before (truncated to ``max_length`` when not packing), and the
+        documents alone, untruncated; each document longer than ``max_length`` is then cut into consecutive pieces of
+        ``max_length`` tokens and a shorter last one (TRL's ``bfd`` would cut it to ``max_length`` and drop the rest),
+        and the rows are put back in the mixture's order; TRL's final shuffle (``shuffle_dataset``) comes after."""
+        from datasets import concatenate_datasets
+        from trl import SFTTrainer
+
+        order = dataset.add_column(ROW, np.arange(len(dataset), dtype=np.int64))
+        is_text = np.concatenate([b[TEXT].is_valid().to_numpy(zero_copy_only=False) for b in
+                                  dataset.select_columns([TEXT]).with_format("arrow").iter(batch_size=1000)])
+        parts = []
+        quiet = copy.copy(args)
+        quiet.shuffle_dataset = False
+        quiet.max_length = None if args.packing else args.max_length
+        if not is_text.all():
+            chat = order.select(np.flatnonzero(~is_text)).remove_columns([TEXT])
+            chat = SFTTrainer._prepare_dataset(self, chat, self._tokenizer, quiet, False, None, "train")
+            chat = chat.select_columns([*ROW_COLUMNS, ROW])
+            parts.append(chat.add_column(PIECE, np.zeros(len(chat), dtype=np.int64)))
+        if is_text.any():
+            if self._tokenizer.eos_token is None:
+                raise JobSetupError("model.tokenizer: the tokenizer has no EOS token, which plain text needs after each "
+                                    "document (the model learns where one ends); set train.sft.eos_token to one of its "
+                                    "tokens (e.g. '</s>'), or use a tokenizer that defines one")
+            text = order.select(np.flatnonzero(is_text)).remove_columns([MESSAGES])
+            lm = copy.copy(quiet)
+            lm.max_length, lm.dataset_text_field = None, TEXT
+            text = SFTTrainer._prepare_dataset(self, text, self._tokenizer, lm, False, None, "train")
+            parts.append(text.select_columns([*ROW_COLUMNS, ROW]).map(
+                _pieces, batched=True, fn_kwargs={"size": args.max_length}, num_proc=args.dataset_num_proc,
+                desc="Cutting documents longer than max_length into pieces"))
+        parts = [part.cast(parts[0].features) for part in parts]
+        rows = concatenate_datasets(parts).sort([ROW, PIECE]).flatten_indices().remove_columns([ROW, PIECE])
+        return rows.shuffle(seed=args.seed) if args.shuffle_dataset else rows
+
+
+#: the columns of a prepared (tokenized, unpacked) row
+ROW_COLUMNS = ("input_ids", "labels")
+#: where a prepared row came from: the mixture's row, and the piece of it (0 for a conversation)
+ROW, PIECE = "slurmft_row", "slurmft_piece"
+MESSAGES, TEXT = "messages", "text"
+
+
+def _pieces(batch: dict[str, list[Any]], size: int) -> dict[str, list[Any]]:
+    """Each tokenized document as consecutive pieces of ``size`` tokens (the last one shorter), none dropped."""
+    out: dict[str, list[Any]] = {"input_ids": [], "labels": [], ROW: [], PIECE: []}
+    for ids, labels, row in zip(batch["input_ids"], batch["labels"], batch[ROW], strict=True):
+        for k, start in enumerate(range(0, len(ids), size)):
+            out["input_ids"].append(ids[start:start + size])
+            out["labels"].append(labels[start:start + size])
+            out[ROW].append(row)
+            out[PIECE].append(k)
+    return out
 
 
 def dpo_prepare_args(cfg: RunConfig, num_proc: int | None, workdir: Path) -> Any:

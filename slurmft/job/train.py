@@ -125,6 +125,10 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
                            checkpointer=checkpointer, resuming=bool(candidates), base=base)
     trainer = new_trainer()
     _warn_packing_attention(cfg, ctx, sharded, trainer)
+    if data.has_text(cfg.data):  # plain text: packed documents must not see each other, or the run is refused
+        distributed.guarded(ctx, "checking that packed documents stay apart", lambda: _refuse(
+            loading.packed_documents_problem(sharded.model, sharded.attn_implementation,
+                                             bool(getattr(trainer, "padding_free", False)))))
     max_steps = _max_steps(cfg, paths, ctx, trainer)
     trainer.args.max_steps = max_steps
     if ctx.is_main:
@@ -515,6 +519,11 @@ class Trainers:
         elastic.reseed_on_change(trainer, ctx.rank, ctx.world_size, cfg.train.seed)  # before the loads are guarded
         self.checkpointer.attach(trainer)  # saves timed, checkpoint loads agreed by every rank
         return trainer
+
+
+def _refuse(problem: str | None) -> None:
+    if problem:
+        raise JobSetupError(problem)
 
 
 def _one_log_line(trainer: Any, ctx: DistContext) -> None:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slurmft import attention, formats, prepared
+from slurmft import attention, formats, prepared, sourcefiles
 from slurmft.chat_template import (
     GENERATION_TAG,
     cannot_render_message,
@@ -159,7 +159,12 @@ class Sample:
     fmt: str
     conversations: list[list[dict[str, str]]]  # the first rows, converted
     path: Path | None = None
-    complete: bool = False  # conversations holds every row of the file
+    complete: bool = False  # conversations (texts) holds every row of the source
+    texts: list[str] = field(default_factory=list)  # a plain-text source's documents (conversations is empty)
+
+    @property
+    def rows(self) -> int:
+        return len(self.texts) if self.fmt == formats.TEXT else len(self.conversations)
 
 
 def _read_rows(path: Path, limit: int | None) -> list[dict[str, Any]]:
@@ -209,29 +214,51 @@ def _read_rows(path: Path, limit: int | None) -> list[dict[str, Any]]:
     raise ValueError(f"{suffix or 'no suffix'} is not a data file slurmft reads")
 
 
+def _text_sample(i: int, src: Any, files: list[Path], report: Report) -> Sample | None:
+    """A .txt/.txt.gz source: every file readable as text (empty, binary or not UTF-8: a problem each)."""
+    problems = sourcefiles.source_problems(src.path, src.format, f"data.datasets[{i}].path")
+    if problems:
+        report.problems += problems
+        return None
+    texts, complete = sourcefiles.read_documents(files, src.documents, COUNT_LIMIT_BYTES)
+    if complete and not texts:
+        report.problems.append(f"data.datasets[{i}].path: {src.path!r} holds no text (every document is blank)")
+        return None
+    return Sample(i, formats.TEXT, [], files[0], complete=complete, texts=texts)
+
+
 def check_data(cfg: RunConfig, report: Report) -> list[Sample]:
-    """Each local data file: exists, is a supported type, has a conversation the job can read."""
+    """Each local data source (a file or a glob of files): exists, is a supported type, has a conversation (or, plain
+    text, a document) the job can read."""
     samples: list[Sample] = []
     for i, src in enumerate(cfg.data.datasets):
         where = f"data.datasets[{i}].path"
-        path = Path(src.path)
-        local = is_local(src.path) or src.path.endswith(DATA_SUFFIXES)
+        local = is_local(src.path) or src.path.endswith(DATA_SUFFIXES) or sourcefiles.is_glob(src.path)
         if not local:
             report.skipped.append(f"data.datasets[{i}]: hub dataset {src.path!r}: its columns are checked in the job")
             continue
-        if not path.is_file():
+        files = sourcefiles.files_of(src.path)
+        if not files:
             report.problems.append(
-                f"{where}: file {src.path!r} does not exist (give a local .jsonl/.json/.csv/.parquet file, or a hub "
-                "dataset id like GAIR/lima)"
+                f"{where}: {src.path!r} matches no file (give a glob that matches your files)" if sourcefiles.is_glob(
+                    src.path) else f"{where}: file {src.path!r} does not exist (give a local .jsonl/.json/.csv/"
+                ".parquet/.txt file, or a hub dataset id like GAIR/lima)"
             )
             continue
-        if path.suffix.lower() not in DATA_SUFFIXES:
-            report.problems.append(f"{where}: {path.name} is not a .jsonl, .json, .csv or .parquet file")
+        kinds = sorted({sourcefiles.suffix_of(f) for f in files})
+        if any(k not in DATA_SUFFIXES for k in kinds):
+            report.problems.append(f"{where}: {files[0].name if len(files) == 1 else src.path} is not a .jsonl, .json, "
+                                   ".csv, .parquet, .txt or .txt.gz file")
             continue
+        if kinds[0] in sourcefiles.TEXT_SUFFIXES or len(kinds) > 1:
+            if (sample := _text_sample(i, src, files, report)) is not None:
+                samples.append(sample)
+            continue
+        path = files[0]
         if path.suffix.lower() == ".parquet" and importlib.util.find_spec("pyarrow") is None:
             report.skipped.append(f"data.datasets[{i}]: {path.name} not read (pyarrow is not installed here)")
             continue
-        small = path.stat().st_size <= COUNT_LIMIT_BYTES
+        small = len(files) == 1 and path.stat().st_size <= COUNT_LIMIT_BYTES
         try:
             rows = _read_rows(path, None if small else SAMPLE_ROWS)
         except (OSError, ValueError, UnicodeDecodeError, csv.Error) as exc:
@@ -250,6 +277,16 @@ def check_data(cfg: RunConfig, report: Report) -> list[Sample]:
         problem = formats.method_problem(fmt, cfg.dpo is not None, list(rows[0]), label)
         if problem:
             report.problems.append(problem)
+            continue
+        if fmt == formats.TEXT:
+            texts = [r.get(column) for r in rows]
+            bad = next((n for n, t in enumerate(texts) if t is not None and not isinstance(t, str)), None)
+            if bad is not None:
+                report.problems.append(f"{label}: format text reads the column {column!r} as plain text, but row {bad} "
+                                       f"holds {type(texts[bad]).__name__}, not a string (name the text column with "
+                                       "columns: {text: YOUR_COLUMN})")
+                continue
+            samples.append(Sample(i, fmt, [], path, complete=small, texts=[t for t in texts if t and t.strip()]))
             continue
         if fmt == formats.PREFERENCE:
             pairs = [formats.to_preference(r) for r in rows]
@@ -439,6 +476,8 @@ def check_chat_template(cfg: RunConfig, report: Report, samples: list[Sample]) -
     template = read_template(cfg, directory, name)
     field_name = "model.tokenizer" if cfg.model.tokenizer else "model.name_or_path"
     if not template.text:
+        if not cfg.chat_data:  # plain text alone: no template is applied; the tokenizer still counts tokens
+            return template
         report.problems.append(f"{field_name}: {no_template_message(directory)}")
         return None
     if cfg.assistant_masks and not has_generation_markers(template.text):
@@ -566,17 +605,21 @@ def batch_notes(cfg: RunConfig, samples: list[Sample], template: Template | None
                  f"sequence of up to {cfg.data.max_seq_length} tokens (prompt + reply)"]
     if cfg.dpo is not None and cfg.data.packing:
         lines.append("data.packing: does not apply to DPO (each pair is scored as its own padded sequences); ignored")
-    exact = prepared.sequences(cfg)
-    if exact is not None:  # counted by the prepare job: the job's own figure, not an estimate
+    counts = prepared.counted(cfg)
+    if counts is not None:  # counted by the prepare job: the job's own figure, not an estimate
+        exact = counts["sequences"]
         steps = steps_per_epoch(exact, r.world_size, t.per_device_batch_size, t.gradient_accumulation_steps)
         lines.append(f"data: {exact:,} {'packed ' if packed else ''}sequences per epoch (prepared, "
                      f"exact) -> {steps} optimizer steps per epoch")
+        if counts.get("tokens"):
+            lines.append(f"data: {counts['tokens']:,} tokens per epoch (prepared, exact), "
+                         f"~{counts['tokens'] // steps:,} per optimizer step")
         if t.epochs is not None:
             lines.append(f"train.epochs {t.epochs:g} -> {math.ceil(t.epochs * steps)} steps")
         elif t.max_steps:
             lines.append(f"train.max_steps {t.max_steps} = {t.max_steps / steps:.2f} epoch(s)")
         return lines
-    per_epoch = sequences_per_epoch(cfg, samples, template)
+    per_epoch, tokens = epoch_estimate(cfg, samples, template)
     if isinstance(per_epoch, str):
         lines.append(f"steps per epoch: not computed ({per_epoch}; `slurmft prepare` counts it exactly)")
         if t.epochs is not None:
@@ -585,6 +628,8 @@ def batch_notes(cfg: RunConfig, samples: list[Sample], template: Template | None
     steps = max(1, math.ceil(per_epoch / per_step))
     lines.append(f"data: ~{per_epoch:,} {'packed ' if packed else ''}sequences per epoch -> ~{steps} "
                  "optimizer steps per epoch (estimated from the files; `slurmft prepare` counts them exactly)")
+    if tokens:
+        lines.append(f"data: ~{tokens:,} tokens per epoch (estimated from the files)")
     if t.epochs is not None:
         lines.append(f"train.epochs {t.epochs:g} -> ~{math.ceil(t.epochs * steps)} steps (exact count computed in "
                      "the job and recorded in plan.json)")
@@ -593,31 +638,37 @@ def batch_notes(cfg: RunConfig, samples: list[Sample], template: Template | None
     return lines
 
 
-def sequences_per_epoch(cfg: RunConfig, samples: list[Sample], template: Template | None) -> int | str:
-    """Packed sequences (or rows) in one pass over the mixture; a reason string when it cannot be counted."""
+def epoch_estimate(cfg: RunConfig, samples: list[Sample], template: Template | None) -> tuple[int | str, int | None]:
+    """(packed sequences (or rows) in one pass over the mixture, its tokens when packed); a reason string instead of
+    the sequences when they cannot be counted."""
     if len(samples) != len(cfg.data.datasets) or not all(s.complete for s in samples):
-        return "some data is on the hub or larger than 64 MiB; the job counts it"
-    rows = [len(s.conversations) for s in samples]
+        return "some data is on the hub or larger than 64 MiB; the job counts it", None
+    rows = [s.rows for s in samples]
     weights = [cfg.data.datasets[s.index].weight for s in samples]
     total_w = sum(weights)
     probs = [w / total_w for w in weights]
     # interleave_datasets(all_exhausted) runs until every source was seen once: the rarest decides
     mixed = rows[0] if len(rows) == 1 else min(4 * sum(rows), math.ceil(max(n / p for n, p in zip(rows, probs, strict=True))))
     if not cfg.packed:
-        return mixed
-    if template is None or template.text is None or template.tokenizer_json is None:
-        return "tokenizer.json and a chat template are needed to count tokens"
+        return mixed, None
+    chat = any(s.fmt != formats.TEXT for s in samples)
+    if template is None or (chat and template.text is None) or template.tokenizer_json is None:
+        return "tokenizer.json and a chat template are needed to count tokens", None
     if importlib.util.find_spec("tokenizers") is None:
-        return "the tokenizers package is not installed here"
+        return "the tokenizers package is not installed here", None
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(template.tokenizer_json))
     tokens = 0.0
     for sample, p in zip(samples, probs, strict=True):
+        if sample.fmt == formats.TEXT:  # TRL's language modelling: the tokenizer's specials, the text, EOS; all kept
+            counts = [len(e.ids) + 1 for e in tok.encode_batch(sample.texts, add_special_tokens=True)]
+            tokens += mixed * p * (sum(counts) / max(1, len(counts)))
+            continue
         try:
             texts = [render_conversation(template, c) for c in sample.conversations]
         except Exception:  # noqa: BLE001 - reported by check_chat_template
-            return "the chat template does not render this data"
+            return "the chat template does not render this data", None
         counts = [len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)]
         tokens += mixed * p * (sum(min(c, cfg.data.max_seq_length) for c in counts) / max(1, len(counts)))
-    return max(1, math.ceil(tokens / cfg.data.max_seq_length))
+    return max(1, math.ceil(tokens / cfg.data.max_seq_length)), round(tokens)

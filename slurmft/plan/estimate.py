@@ -102,7 +102,7 @@ from slurmft.precision import DTYPE_BYTES as PRECISION_DTYPE_BYTES
 from slurmft.precision import PRECISIONS, consolidated_dtype
 from slurmft.precision import reduce_dtype as resolve_reduce_dtype
 from slurmft.precision import resolve as resolve_mode
-from slurmft.prepared import sequences as prepared_sequences
+from slurmft.prepared import counted as prepared_counts
 from slurmft.profiles import runs_on_gpu
 from slurmft.units import GB, GiB, MiB, decimal_gb
 
@@ -612,13 +612,15 @@ def estimate(
 def schedule(cfg: RunConfig) -> dict[str, Any] | None:
     """Steps per epoch, the run's steps and its periodic saves, exact from the prepared data's count
     (``slurmft prepare``: the same function the job uses); None before the data is prepared."""
-    sequences = prepared_sequences(cfg)
-    if sequences is None:
+    counts = prepared_counts(cfg)
+    if counts is None:
         return None
+    sequences = counts["sequences"]
     r, t = cfg.resources, cfg.train
     per_epoch = steps_per_epoch(sequences, r.world_size, t.per_device_batch_size, t.gradient_accumulation_steps)
     max_steps = math.ceil(t.epochs * per_epoch) if t.epochs is not None else t.max_steps
-    return {"sequences_per_epoch": sequences, "steps_per_epoch": per_epoch, "max_steps": max_steps,
+    return {"sequences_per_epoch": sequences, "tokens_per_epoch": counts.get("tokens"), "steps_per_epoch": per_epoch,
+            "max_steps": max_steps,
             "periodic_saves": max_steps // cfg.checkpoint.every_steps if max_steps else None}
 
 

@@ -422,7 +422,8 @@ def render_table(result: dict[str, Any]) -> RenderableType:
     plan = result.get("schedule")
     if plan and plan["periodic_saves"]:
         d.add_row(f"{plan['periodic_saves']} periodic saves over {plan['max_steps']} steps (prepared data: "
-                  f"{plan['sequences_per_epoch']:,} sequences, {plan['steps_per_epoch']} steps per epoch), written",
+                  f"{plan['sequences_per_epoch']:,} sequences{_tokens(plan)}, {plan['steps_per_epoch']} steps per "
+                  "epoch), written",
                   decimal_gb(plan["periodic_saves"] * result["checkpoint_bytes"]))
     if lora:
         d.add_row(f"adapter/ ({result['consolidated_dtype']})", decimal_gb(lora["adapter_bytes"]))
@@ -452,3 +453,8 @@ def render_table(result: dict[str, Any]) -> RenderableType:
         parts.append(Text("recommended: " + result["recommendation"], style="bold yellow"))
     notes = Text("\n".join(f"- {a}" for a in result["assumptions"]), style="dim")
     return Group(*parts, Text("assumptions:", style="dim"), notes)
+
+
+def _tokens(plan: dict[str, Any]) -> str:
+    """`` of 111,867 tokens`` when the prepared record counted them."""
+    return f" of {plan['tokens_per_epoch']:,} tokens" if plan.get("tokens_per_epoch") else ""
