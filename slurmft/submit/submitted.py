@@ -1,0 +1,66 @@
+"""A submitted run, as a later command sends one more job into it (``slurmft consolidate``, ``prepare``, ``serve``
+and ``eval`` RUN_DIR).
+
+Each such command does the same three things: read what the job needs of the run (its config, the executor it was
+started on, its cluster profile) and refuse what cannot work before touching anything; then, under the run's lock,
+refuse while a job it would disturb may still run; then send the job and record it in the manifest as it is under
+that lock. The first two live here, once; the third is :mod:`slurmft.submit.dispatch`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from slurmft.config import Executor, RunConfig
+from slurmft.config_loading import read_run_config
+from slurmft.rundir import COMMAND_LOCK_WAIT_S, RunPaths, acquire_lock, read_manifest, release_lock
+
+if TYPE_CHECKING:
+    from slurmft.profiles import ClusterProfile
+
+
+@dataclass(frozen=True)
+class SubmittedRun:
+    """What a later job needs of a run: its resolved config, with the executor the run was started on (a run
+    continues where it was started: a local run's jobs run here), and its cluster profile."""
+
+    paths: RunPaths
+    cfg: RunConfig
+    profile: ClusterProfile
+
+    @property
+    def local(self) -> bool:
+        """The run's jobs run here, as local processes."""
+        return self.cfg.resolved_executor == Executor.LOCAL
+
+
+def submitted_run(paths: RunPaths) -> SubmittedRun:
+    """The run's config, executor and profile; refused when the executor cannot run here (Slurm without sbatch) or
+    the profile does not load."""
+    from slurmft.profiles import load_profile
+    from slurmft.submit.dispatch import check_executor
+
+    manifest = read_manifest(paths)
+    cfg = read_run_config(paths.config)
+    cfg.executor = Executor(manifest.get("executor", "slurm"))
+    check_executor(cfg.resolved_executor)
+    return SubmittedRun(paths, cfg, load_profile(cfg.cluster.profile))
+
+
+@contextlib.contextmanager
+def quiet_run(paths: RunPaths, what: str, say: Callable[[str], None],
+              check: Callable[[], None] | None = None) -> Iterator[dict[str, Any]]:
+    """Hold the run's lock for ``what`` (another command holding it is waited for up to
+    :data:`~slurmft.rundir.COMMAND_LOCK_WAIT_S`), run ``check`` under it (the command's refusal while a job it would
+    disturb may still run: :meth:`slurmft.watch.status.RunState.check_quiet`), and yield the manifest as it is then,
+    for the new job's record."""
+    acquire_lock(paths, what, say, wait_s=COMMAND_LOCK_WAIT_S)
+    try:
+        if check is not None:
+            check()
+        yield read_manifest(paths)
+    finally:
+        release_lock(paths)
