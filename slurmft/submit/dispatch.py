@@ -19,6 +19,7 @@ from typing import Any
 from slurmft import prepared, slurm
 from slurmft.config import Executor, RunConfig
 from slurmft.config_loading import dump_config
+from slurmft.config_values import time_minutes
 from slurmft.errors import ConfigError, RunDirError, SubmissionError
 from slurmft.plan.elastic import allocation
 from slurmft.plan.render import (
@@ -35,7 +36,6 @@ from slurmft.plan.render import (
     rank_python_for,
     render,
     render_scripts,
-    time_minutes,
 )
 from slurmft.profiles import ClusterProfile
 from slurmft.rundir import (
