@@ -17,6 +17,7 @@ from slurmft.checkpoints import COMPLETE_MARKER, is_complete, latest_complete, l
 from slurmft.errors import CheckpointError
 from slurmft.rundir import (
     RunPaths,
+    locked,
     read_manifest,
     recorded_here,
 )
@@ -91,10 +92,10 @@ def consolidate_here(paths: RunPaths, request: ConsolidationRequest, say: Say, b
 def submit(paths: RunPaths, request: ConsolidationRequest, template_dir: str | None, say: Say) -> str:
     """Submit a consolidation job for ``request`` (no dependency) where the run ran; returns its id."""
     from slurmft.submit.dispatch import run_local_consolidation, submit_consolidation
-    from slurmft.submit.submitted import quiet_run, submitted_run
+    from slurmft.submit.submitted import submitted_run
 
     run = submitted_run(paths)
-    with quiet_run(paths, "consolidate", say, check=lambda: check_not_live(paths, request)) as manifest:
+    with locked(paths, "consolidate", say, check=lambda: check_not_live(paths, request)) as manifest:
         if run.local:
             return run_local_consolidation(run.cfg, paths, manifest, say, checkpoint=str(request.checkpoint),
                                            out=str(request.out))

@@ -18,6 +18,7 @@ from slurmft.config_paths import absolutize
 from slurmft.errors import ConfigError, RunDirError
 from slurmft.rundir import (
     RunPaths,
+    locked,
     read_manifest,
     recorded_here,
 )
@@ -81,10 +82,10 @@ def run_here(paths: RunPaths, kind: str, tasks: list[str] | None, say: Say) -> d
 def submit(paths: RunPaths, kind: str, tasks: list[str] | None, template_dir: str | None, say: Say) -> str:
     """Submit the job (no dependency) where the run ran: a Slurm job, or a local process; returns its id."""
     from slurmft.submit.dispatch import run_local_model_job, submit_model_job
-    from slurmft.submit.submitted import quiet_run, submitted_run
+    from slurmft.submit.submitted import submitted_run
 
     run = submitted_run(paths)
-    with quiet_run(paths, kind, say, check=lambda: check_quiet(paths, kind)) as manifest:
+    with locked(paths, kind, say, check=lambda: check_quiet(paths, kind)) as manifest:
         if run.local:
             return run_local_model_job(run.cfg, paths, manifest, kind, say, tasks=tasks)
         return submit_model_job(run.cfg, run.profile, paths, manifest, kind, str(paths.config), template_dir,

@@ -19,6 +19,7 @@ from slurmft.errors import RunDirError
 from slurmft.rundir import (
     RunPaths,
     check_owner,
+    locked,
     read_manifest,
     recorded_here,
 )
@@ -60,14 +61,14 @@ def prepare_config_here(cfg: RunConfig) -> dict[str, Any]:
 def submit(paths: RunPaths, template_dir: str | None, say: Say, force: bool = False) -> str:
     """``slurmft prepare RUN_DIR``: one prepare job (no train job chained); its id."""
     from slurmft.submit.dispatch import run_local_prepare, submit_prepare
-    from slurmft.submit.submitted import quiet_run, submitted_run
+    from slurmft.submit.submitted import submitted_run
 
     check_owner(paths, read_manifest(paths), "prepare", force)
     run = submitted_run(paths)
     if not run.cfg.prepare.enabled:
         say(f"note: prepare.enabled is false in {paths.config}: its train job prepares the data itself and does not "
             "read prepared/")
-    with quiet_run(paths, "prepare", say, check=lambda: check_not_live(paths)) as manifest:
+    with locked(paths, "prepare", say, check=lambda: check_not_live(paths)) as manifest:
         if run.local:
             return run_local_prepare(run.cfg, paths, manifest, say)
         from slurmft.plan.render import (

@@ -2,21 +2,19 @@
 and ``eval`` RUN_DIR).
 
 Each such command does the same three things: read what the job needs of the run (its config, the executor it was
-started on, its cluster profile) and refuse what cannot work before touching anything; then, under the run's lock,
-refuse while a job it would disturb may still run; then send the job and record it in the manifest as it is under
-that lock. The first two live here, once; the third is :mod:`slurmft.submit.dispatch`'s.
+started on, its cluster profile) and refuse what cannot work before touching anything (:func:`submitted_run`); then,
+under the run's lock, refuse while a job it would disturb may still run (:func:`slurmft.rundir.locked`); then send
+the job and record it in the manifest as it is under that lock (:mod:`slurmft.submit.dispatch`).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from slurmft.config import Executor, RunConfig
 from slurmft.config_loading import read_run_config
-from slurmft.rundir import COMMAND_LOCK_WAIT_S, RunPaths, acquire_lock, read_manifest, release_lock
+from slurmft.rundir import RunPaths, read_manifest
 
 if TYPE_CHECKING:
     from slurmft.profiles import ClusterProfile
@@ -48,19 +46,3 @@ def submitted_run(paths: RunPaths) -> SubmittedRun:
     cfg.executor = Executor(manifest.get("executor", "slurm"))
     check_executor(cfg.resolved_executor)
     return SubmittedRun(paths, cfg, load_profile(cfg.cluster.profile))
-
-
-@contextlib.contextmanager
-def quiet_run(paths: RunPaths, what: str, say: Callable[[str], None],
-              check: Callable[[], None] | None = None) -> Iterator[dict[str, Any]]:
-    """Hold the run's lock for ``what`` (another command holding it is waited for up to
-    :data:`~slurmft.rundir.COMMAND_LOCK_WAIT_S`), run ``check`` under it (the command's refusal while a job it would
-    disturb may still run: :meth:`slurmft.watch.status.RunState.check_quiet`), and yield the manifest as it is then,
-    for the new job's record."""
-    acquire_lock(paths, what, say, wait_s=COMMAND_LOCK_WAIT_S)
-    try:
-        if check is not None:
-            check()
-        yield read_manifest(paths)
-    finally:
-        release_lock(paths)
