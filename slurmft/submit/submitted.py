@@ -25,7 +25,6 @@ class SubmittedRun:
     """What a later job needs of a run: its resolved config, with the executor the run was started on (a run
     continues where it was started: a local run's jobs run here), and its cluster profile."""
 
-    paths: RunPaths
     cfg: RunConfig
     profile: ClusterProfile
 
@@ -45,4 +44,4 @@ def submitted_run(paths: RunPaths) -> SubmittedRun:
     cfg = read_run_config(paths.config)
     cfg.executor = Executor(manifest.get("executor", "slurm"))
     check_executor(cfg.resolved_executor)
-    return SubmittedRun(paths, cfg, load_profile(cfg.cluster.profile))
+    return SubmittedRun(cfg, load_profile(cfg.cluster.profile))
