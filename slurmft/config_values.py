@@ -146,3 +146,8 @@ def slurm_time_seconds(slurm_time: str) -> int:
         h, (m, s) = 0, (parts + [0])[:2]
     return int(days or 0) * 86400 + h * 3600 + m * 60 + s
 
+
+def time_minutes(slurm_time: str) -> int:
+    """Minutes in a Slurm time limit, rounded up (submitit's ``timeout_min``)."""
+    return -(-slurm_time_seconds(slurm_time) // 60)
+

@@ -82,29 +82,36 @@ def profile_names() -> list[str]:
 
 def load_profile(name_or_path: str) -> ClusterProfile:
     """Load a shipped profile by name, or the user's own profile file by path."""
-    path = _profile_path(name_or_path)
+    path, data = _profile_data(name_or_path)
     try:
-        return ClusterProfile.model_validate(_profile_data(path, ()))
+        return ClusterProfile.model_validate(data)
     except ValidationError as err:
         raise ConfigError(f"cluster.profile: {path} is not a valid profile", format_validation_error(err)) from None
 
 
-def _profile_data(path: Path, seen: tuple[Path, ...]) -> dict[str, object]:
-    """A profile file's mapping, on top of its ``base:`` profile's (a shipped name or a path): the base's
-    variables stay unless the file sets them again, every other key of the file replaces the base's. The
-    container form of a network profile (aws-efa-pyxis) carries the same NCCL/EFA values this way, once."""
-    data = read_yaml(path)
-    base = data.pop("base", None)
-    if base is None:
-        return data
-    if not isinstance(base, str):
-        raise ConfigError(f"cluster.profile: {path}: base: must name a profile (e.g. aws-efa), not {base!r}")
-    base_path = _profile_path(base)
-    if base_path in (*seen, path):
-        raise ConfigError(f"cluster.profile: {path}: base: {base} leads back to itself")
-    merged = _profile_data(base_path, (*seen, path))
-    env = {**(merged.get("env") or {}), **(data.pop("env", None) or {})}  # type: ignore[dict-item]
-    return {**merged, **data, "env": env}
+def _profile_data(name_or_path: str) -> tuple[Path, dict[str, object]]:
+    """The profile file and its mapping, on top of its ``base:`` profile's (a shipped name or a path), on top of that
+    one's base, and so on: the base's variables stay unless the file sets them again, every other key of the file
+    replaces the base's. The container form of a network profile (aws-efa-pyxis) carries the same NCCL/EFA values
+    this way, once."""
+    files: list[Path] = []  # the profile file, its base, its base's base, ...
+    data: dict[str, object] = {}
+    name: object = name_or_path
+    while name is not None:
+        if not isinstance(name, str):
+            raise ConfigError(f"cluster.profile: {files[-1]}: base: must name a profile (e.g. aws-efa), not {name!r}")
+        path = _profile_path(name)
+        if path in files:
+            raise ConfigError(f"cluster.profile: {files[-1]}: base: {name} leads back to itself")
+        files.append(path)
+        layer = read_yaml(path)
+        name = layer.pop("base", None)
+        if len(files) == 1:
+            data = layer
+        else:  # what was read so far on top of its base, this layer
+            env = {**(layer.get("env") or {}), **(data.get("env") or {})}  # type: ignore[dict-item]
+            data = {**layer, **data, "env": env}
+    return files[0], data
 
 
 def _profile_path(name_or_path: str) -> Path:

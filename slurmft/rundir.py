@@ -505,22 +505,32 @@ COMMAND_LOCK_WAIT_S = 60.0
 
 
 @contextlib.contextmanager
+def locked(paths: RunPaths, what: str, say: Callable[[str], None] | None = None,
+           check: Callable[[], None] | None = None) -> Iterator[dict[str, Any]]:
+    """The run's lock held for ``what`` (another command holding it is waited for up to
+    :data:`COMMAND_LOCK_WAIT_S`), ``check`` run under it (a command's refusal while a job it would disturb may still
+    run), and the manifest as it is then: what a command that adds to the manifest changes, before the lock is
+    released."""
+    acquire_lock(paths, what, say, wait_s=COMMAND_LOCK_WAIT_S)
+    try:
+        if check is not None:
+            check()
+        yield read_manifest(paths)
+    finally:
+        release_lock(paths)
+
+
+@contextlib.contextmanager
 def recorded_here(paths: RunPaths, kind: str, say: Callable[[str], None] | None = None,
                   check: Callable[[], None] | None = None, **fields: Any) -> Iterator[dict[str, Any]]:
     """A job of ``kind`` run in this process (``slurmft consolidate --here``, ``slurmft prepare --here``), in the
     manifest as ``here-PID-TIME`` with the process's record and ``fields``: written under the run's lock (after
     ``check``, also under it), then its end, COMPLETED or FAILED (an exception, re-raised), and its seconds, written
     under the lock again into the manifest as it is then. Yields the entry."""
-    acquire_lock(paths, kind, say, wait_s=COMMAND_LOCK_WAIT_S)
-    try:
-        if check is not None:
-            check()
-        manifest = read_manifest(paths)
+    with locked(paths, kind, say, check) as manifest:
         entry = record_job(manifest, kind, f"here-{os.getpid()}-{int(time.time())}", here=True,
                            **process_record(os.getpid()), **fields)
         write_manifest(paths, manifest)
-    finally:
-        release_lock(paths)
     t0 = time.time()
     try:
         yield entry
@@ -530,12 +540,8 @@ def recorded_here(paths: RunPaths, kind: str, say: Callable[[str], None] | None 
         raise
     finally:
         entry["elapsed_s"] = round(time.time() - t0, 1)
-        acquire_lock(paths, kind, wait_s=COMMAND_LOCK_WAIT_S)
-        try:
-            manifest = read_manifest(paths)
+        with locked(paths, kind) as manifest:
             for job in manifest["jobs"]:
                 if job["job_id"] == entry["job_id"]:
                     job.update(entry)
             write_manifest(paths, manifest)
-        finally:
-            release_lock(paths)

@@ -17,7 +17,6 @@ from slurmft import __version__
 from slurmft.config import RunConfig
 from slurmft.config_cluster import ConsolidateResources, PrepareResources
 from slurmft.config_model_checks import ModelJobResources
-from slurmft.config_values import slurm_time_seconds
 from slurmft.errors import RenderError
 from slurmft.plan.container import (
     Container,
@@ -116,11 +115,6 @@ def _made_before_step(cfg: RunConfig, container: Container | None) -> list[dict[
                                       "mounts: create it on the shared file system, or point HF_HOME (cluster.env) at "
                                       "a directory you may write there")}
             for d, what in created_before_step(cfg, container)]
-
-
-def time_minutes(slurm_time: str) -> int:
-    """Minutes in a Slurm time limit (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S), rounded up."""
-    return -(-slurm_time_seconds(slurm_time) // 60)
 
 
 def _flag(name: str, value: object = True) -> str:

@@ -14,16 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from slurmft.checkpoints import COMPLETE_MARKER, is_complete, latest_complete, list_checkpoints, named
-from slurmft.config import Executor
-from slurmft.config_loading import read_run_config
 from slurmft.errors import CheckpointError
 from slurmft.rundir import (
-    COMMAND_LOCK_WAIT_S,
     RunPaths,
-    acquire_lock,
+    locked,
     read_manifest,
     recorded_here,
-    release_lock,
 )
 
 Say = Callable[[str], None]
@@ -94,23 +90,14 @@ def consolidate_here(paths: RunPaths, request: ConsolidationRequest, say: Say, b
 
 
 def submit(paths: RunPaths, request: ConsolidationRequest, template_dir: str | None, say: Say) -> str:
-    """Submit a consolidation job for ``request`` (no dependency); returns its job id."""
-    from slurmft.profiles import load_profile
-    from slurmft.submit.dispatch import check_executor, run_local_consolidation, submit_consolidation
+    """Submit a consolidation job for ``request`` (no dependency) where the run ran; returns its id."""
+    from slurmft.submit.dispatch import run_local_consolidation, submit_consolidation
+    from slurmft.submit.submitted import submitted_run
 
-    manifest = read_manifest(paths)
-    cfg = read_run_config(paths.config)
-    cfg.executor = Executor(manifest.get("executor", "slurm"))  # where the run was started is where it continues
-    check_executor(cfg.resolved_executor)
-    profile = load_profile(cfg.cluster.profile)
-    acquire_lock(paths, "consolidate", say, wait_s=COMMAND_LOCK_WAIT_S)
-    try:
-        check_not_live(paths, request)
-        manifest = read_manifest(paths)
-        if manifest.get("executor") == "local":
-            return run_local_consolidation(cfg, paths, manifest, say, checkpoint=str(request.checkpoint),
+    run = submitted_run(paths)
+    with locked(paths, "consolidate", say, check=lambda: check_not_live(paths, request)) as manifest:
+        if run.local:
+            return run_local_consolidation(run.cfg, paths, manifest, say, checkpoint=str(request.checkpoint),
                                            out=str(request.out))
-        return submit_consolidation(cfg, profile, paths, manifest, str(paths.config), template_dir,
+        return submit_consolidation(run.cfg, run.profile, paths, manifest, str(paths.config), template_dir,
                                     checkpoint=str(request.checkpoint), out=str(request.out))
-    finally:
-        release_lock(paths)

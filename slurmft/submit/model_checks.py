@@ -12,17 +12,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slurmft.config import Executor, RunConfig
+from slurmft.config import RunConfig
 from slurmft.config_loading import read_run_config
 from slurmft.config_paths import absolutize
 from slurmft.errors import ConfigError, RunDirError
 from slurmft.rundir import (
-    COMMAND_LOCK_WAIT_S,
     RunPaths,
-    acquire_lock,
+    locked,
     read_manifest,
     recorded_here,
-    release_lock,
 )
 
 Say = Callable[[str], None]
@@ -84,20 +82,12 @@ def run_here(paths: RunPaths, kind: str, tasks: list[str] | None, say: Say) -> d
 
 def submit(paths: RunPaths, kind: str, tasks: list[str] | None, template_dir: str | None, say: Say) -> str:
     """Submit the job (no dependency) where the run ran: a Slurm job, or a local process; returns its id."""
-    from slurmft.profiles import load_profile
-    from slurmft.submit.dispatch import check_executor, run_local_model_job, submit_model_job
+    from slurmft.submit.dispatch import run_local_model_job, submit_model_job
+    from slurmft.submit.submitted import submitted_run
 
-    manifest = read_manifest(paths)
-    cfg = read_run_config(paths.config)
-    cfg.executor = Executor(manifest.get("executor", "slurm"))
-    check_executor(cfg.resolved_executor)
-    profile = load_profile(cfg.cluster.profile)
-    acquire_lock(paths, kind, say, wait_s=COMMAND_LOCK_WAIT_S)
-    try:
-        check_quiet(paths, kind)
-        manifest = read_manifest(paths)
-        if manifest.get("executor") == "local":
-            return run_local_model_job(cfg, paths, manifest, kind, say, tasks=tasks)
-        return submit_model_job(cfg, profile, paths, manifest, kind, str(paths.config), template_dir, tasks=tasks)
-    finally:
-        release_lock(paths)
+    run = submitted_run(paths)
+    with locked(paths, kind, say, check=lambda: check_quiet(paths, kind)) as manifest:
+        if run.local:
+            return run_local_model_job(run.cfg, paths, manifest, kind, say, tasks=tasks)
+        return submit_model_job(run.cfg, run.profile, paths, manifest, kind, str(paths.config), template_dir,
+                                tasks=tasks)

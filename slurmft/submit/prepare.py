@@ -14,17 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slurmft.config import Executor, RunConfig
-from slurmft.config_loading import read_run_config
+from slurmft.config import RunConfig
 from slurmft.errors import RunDirError
 from slurmft.rundir import (
-    COMMAND_LOCK_WAIT_S,
     RunPaths,
-    acquire_lock,
     check_owner,
+    locked,
     read_manifest,
     recorded_here,
-    release_lock,
 )
 
 Say = Callable[[str], None]
@@ -63,24 +60,17 @@ def prepare_config_here(cfg: RunConfig) -> dict[str, Any]:
 
 def submit(paths: RunPaths, template_dir: str | None, say: Say, force: bool = False) -> str:
     """``slurmft prepare RUN_DIR``: one prepare job (no train job chained); its id."""
-    from slurmft.profiles import load_profile
-    from slurmft.submit.dispatch import check_executor, run_local_prepare, submit_prepare
+    from slurmft.submit.dispatch import run_local_prepare, submit_prepare
+    from slurmft.submit.submitted import submitted_run
 
-    manifest = read_manifest(paths)
-    check_owner(paths, manifest, "prepare", force)
-    cfg = read_run_config(paths.config)
-    cfg.executor = Executor(manifest.get("executor", "slurm"))  # where the run was started is where it prepares
-    if not cfg.prepare.enabled:
+    check_owner(paths, read_manifest(paths), "prepare", force)
+    run = submitted_run(paths)
+    if not run.cfg.prepare.enabled:
         say(f"note: prepare.enabled is false in {paths.config}: its train job prepares the data itself and does not "
             "read prepared/")
-    check_executor(cfg.resolved_executor)
-    profile = load_profile(cfg.cluster.profile)
-    acquire_lock(paths, "prepare", say, wait_s=COMMAND_LOCK_WAIT_S)
-    try:
-        check_not_live(paths)
-        manifest = read_manifest(paths)
-        if manifest.get("executor") == "local":
-            return run_local_prepare(cfg, paths, manifest, say)
+    with locked(paths, "prepare", say, check=lambda: check_not_live(paths)) as manifest:
+        if run.local:
+            return run_local_prepare(run.cfg, paths, manifest, say)
         from slurmft.plan.render import (
             PREPARE_TEMPLATE,
             build_prepare_context,
@@ -90,13 +80,11 @@ def submit(paths: RunPaths, template_dir: str | None, say: Say, force: bool = Fa
         )
         from slurmft.rundir import atomic_write
 
-        command = submitit_command(rank_python_for(cfg, profile), paths.submitit)
-        text = render(PREPARE_TEMPLATE, build_prepare_context(cfg, profile, paths, command, str(paths.config)),
-                      template_dir)
+        command = submitit_command(rank_python_for(run.cfg, run.profile), paths.submitit)
+        text = render(PREPARE_TEMPLATE, build_prepare_context(run.cfg, run.profile, paths, command,
+                                                              str(paths.config)), template_dir)
         atomic_write(paths.script("prepare"), text, executable=True)
-        return submit_prepare(cfg, profile, paths, manifest, str(paths.config), template_dir)
-    finally:
-        release_lock(paths)
+        return submit_prepare(run.cfg, run.profile, paths, manifest, str(paths.config), template_dir)
 
 
 def run_dir_of(target: Path) -> RunPaths | None:

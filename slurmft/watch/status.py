@@ -23,6 +23,7 @@ from slurmft.slurm_states import (
     ENDED,
     PAUSED_HINT,
     RELEASE_HINT,
+    UNSEEN,
     State,
     is_live,
     is_unseen,
@@ -53,17 +54,12 @@ KINDS = ("prepare", "train", "consolidate", "serve", "eval")
 MODEL_JOB_COMMANDS = {"serve": "slurmft serve", "eval": "slurmft eval"}
 
 
-def hidden_words(submitter: str) -> str:
-    """What a job ``submitter`` submitted that Slurm does not show us means, with the fix."""
-    return (f"cannot tell: {submitter} submitted it and Slurm shows you none of {submitter}'s jobs here "
-            f"(PrivateData=jobs hides other users' jobs, or slurmdbd is down), so it may still run; ask "
-            f"{submitter}, run the command as {submitter}, or ask an administrator to let your account see the "
-            "team's jobs")
-
-
-def elsewhere_words(host: str) -> str:
-    """What a process recorded on another host means here."""
-    return f"unknown (running on {host}?): a process there cannot be seen from here; look on {host}"
+#: What a job that another user (``{submitter}``) submitted and Slurm does not show us means, with the fix.
+HIDDEN_WORDS = ("cannot tell: {submitter} submitted it and Slurm shows you none of {submitter}'s jobs here "
+                "(PrivateData=jobs hides other users' jobs, or slurmdbd is down), so it may still run; ask {submitter}, "
+                "run the command as {submitter}, or ask an administrator to let your account see the team's jobs")
+#: What a process recorded on another host (``{host}``) means here.
+ELSEWHERE_WORDS = "unknown (running on {host}?): a process there cannot be seen from here; look on {host}"
 
 
 def unseen_means_hidden(submitter: User, me: User) -> bool:
@@ -131,31 +127,30 @@ def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView
     owner = owner or me
     if view is None:
         view = SlurmView() if manifest.get("executor") == "local" else slurm_view(manifest)
-    for job in jobs:  # what the manifest says of the job first, then its state and the words
+    for job in jobs:  # what the manifest says of the job first, then its state, then the words
         jid, base, submitter = job["job_id"], _base(job), job_submitter(job, owner)
         if "pid" in job:  # a process: a local run, or `slurmft consolidate --here`
             alive, host = process_here(job)
             state = job.get("state") or (State.HIDDEN.value if alive is None else
                                          State.RUNNING.value if alive else State.KILLED.value)
-            text = (elsewhere_words(host) if is_unseen(state) else
-                    describe(state, "", run_dir, job["kind"], jid == newest_train, jid))
-            rows.append({**base, "state": state, "reason": "", "elapsed": str(job.get("elapsed_s", "")),
-                         "exit_code": "", "restarts": 0, "start": "", "end": "", "host": host,
-                         "words": text})
-            continue
-        q, a = view.queued.get(jid), view.acct.get(jid)
-        if q:  # slurmctld is current; accounting may lag by a second
-            state, reason, elapsed = q["state"], q["reason"], q["elapsed"]
-        elif a:
-            state, reason, elapsed = a["state"], "", a["elapsed"]
+            row = {**base, "state": state, "reason": "", "elapsed": str(job.get("elapsed_s", "")), "exit_code": "",
+                   "restarts": 0, "start": "", "end": "", "host": host}
+            unseen = ELSEWHERE_WORDS.format(host=host)
         else:
-            state, reason, elapsed = missing_state(submitter, me), "", ""
-        restarts = q["restarts"] if q and q["restarts"].isdigit() else "0"
-        text = (hidden_words(submitter.name) if is_unseen(state) else
-                describe(state, reason, run_dir, job["kind"], jid == newest_train, jid))
-        rows.append({**base, "state": state, "reason": reason, "elapsed": elapsed,
-                     "exit_code": (a or {}).get("exit_code", ""), "restarts": int(restarts),
-                     "start": (a or {}).get("start", ""), "end": (a or {}).get("end", ""), "words": text})
+            q, a = view.queued.get(jid), view.acct.get(jid)
+            if q:  # slurmctld is current; accounting may lag by a second
+                state, reason, elapsed = q["state"], q["reason"], q["elapsed"]
+            elif a:
+                state, reason, elapsed = a["state"], "", a["elapsed"]
+            else:
+                state, reason, elapsed = missing_state(submitter, me), "", ""
+            restarts = q["restarts"] if q and q["restarts"].isdigit() else "0"
+            row = {**base, "state": state, "reason": reason, "elapsed": elapsed,
+                   "exit_code": (a or {}).get("exit_code", ""), "restarts": int(restarts),
+                   "start": (a or {}).get("start", ""), "end": (a or {}).get("end", "")}
+            unseen = HIDDEN_WORDS.format(submitter=submitter.name)
+        row["words"] = describe(state, row["reason"], run_dir, job["kind"], jid == newest_train, jid, unseen)
+        rows.append(row)
     explain_dependency_failures(rows, jobs, run_dir)
     return rows
 
@@ -206,9 +201,13 @@ def consolidation_failed_words(consolidate_job: str, run_dir: str) -> str:
 
 
 def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", newest_train: bool = False,
-             job_id: str = "JOB") -> str:
-    """The state in words a user can act on: :data:`slurmft.slurm_states.WORDS`, plus what to do next."""
+             job_id: str = "JOB", unseen: str = "") -> str:
+    """The state in words a user can act on: :data:`slurmft.slurm_states.WORDS`, plus what to do next. ``unseen``:
+    what to say instead of a state we cannot see (:data:`slurmft.slurm_states.UNSEEN`): who submitted the job, or
+    where its process runs."""
     known = parse(state)
+    if known in UNSEEN and unseen:
+        return unseen
     if known == State.PENDING and kind == "train" and reason in TRAIN_REASON_WORDS:
         return TRAIN_REASON_WORDS[reason].format(run=run_dir)
     if known == State.PENDING and REASON_WORDS.get(reason):
