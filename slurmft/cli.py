@@ -114,6 +114,9 @@ def validate(config: Path, overrides: tuple[str, ...]) -> None:
 
     RUN_DIR/config.yaml with overrides: checks the run as `slurmft resume RUN_DIR OVERRIDES` would continue it."""
     cfg, profile = _load_plan(config, overrides)
+    if cfg.sweep is not None:
+        _sweep_checked(config, overrides, profile, force=False)
+        return
     report = _checks(cfg, config)
     result = _estimate(cfg, profile)[0]
     _warn_lead_time(result, cfg, profile)
@@ -155,6 +158,9 @@ def submit(config: Path, overrides: tuple[str, ...], force: bool, template_dir: 
     from slurmft.submit.dispatch import check_submittable, submit_run
 
     cfg, profile = _load(config, overrides)
+    if cfg.sweep is not None:
+        _submit_sweep(config, overrides, profile, force, template_dir)
+        return
     check_submittable(cfg)
     _checks(cfg, config)
     result, why = _estimate(cfg, profile)
@@ -168,6 +174,36 @@ def submit(config: Path, overrides: tuple[str, ...], force: bool, template_dir: 
         _err(f"warning (--force): {p}")
     submitted = submit_run(cfg, profile, str(config.resolve()), template_dir, say=_err)
     _echo_jobs(submitted.run_dir, submitted.executor, submitted.jobs)
+
+
+def _sweep_checked(config: Path, overrides: tuple[str, ...], profile, force: bool):  # noqa: ANN001, ANN202
+    """RUN.yaml's sweep with every point checked (slurmft/plan/sweep_checks.py); says what it found."""
+    from slurmft.plan.sweep_checks import check_points
+    from slurmft.sweep import load_sweep
+
+    sweep = load_sweep(config, list(overrides))
+    assert sweep is not None
+    for line in check_points(sweep, profile, force):
+        _err(line)
+    click.echo(f"{config}: ok (sweep {sweep.cfg.name}: {len(sweep.points)} point(s), executor "
+               f"{sweep.cfg.resolved_executor.value}, profile {profile.name})")
+    for point in sweep.points:
+        click.echo(f"  {point.name}: {point.label()}")
+    return sweep
+
+
+def _submit_sweep(config: Path, overrides: tuple[str, ...], profile, force: bool,  # noqa: ANN001
+                  template_dir: str | None) -> None:
+    from slurmft.submit.sweep import submit_sweep
+
+    sweep = _sweep_checked(config, overrides, profile, force)
+    result = submit_sweep(sweep, profile, str(config.resolve()), template_dir, say=_err)
+    click.echo(f"sweep dir: {result.root}")
+    for kind, job_id in result.jobs.items():
+        click.echo(f"{kind} job: {job_id}")
+    click.echo(f"follow with: slurmft status {result.root}")
+    if result.failed:
+        raise SystemExit(1)
 
 
 def _echo_jobs(run_dir: Path, executor: str, jobs: dict[str, str]) -> None:

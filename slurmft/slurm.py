@@ -245,6 +245,14 @@ def sbatch_script(script: str) -> Answer:
     return call(["sbatch", "--parsable", script])
 
 
+def sbatch_array(script: str, dependency: str | None = None) -> Answer:
+    """``sbatch --parsable [--dependency=DEP --kill-on-invalid-dep=yes] SCRIPT``: a sweep's array job
+    (slurmft/submit/sweep.py), whose tasks' pickles are written once its id is known (submitit's job processing
+    waits for them). ``stdout`` holds ``JOBID[;CLUSTER]``."""
+    dep = [f"--dependency={dependency}", "--kill-on-invalid-dep=yes"] if dependency else []
+    return call(["sbatch", "--parsable", *dep, script])
+
+
 def hostnames(nodelist: str) -> list[str]:
     """Host names of a Slurm node list (``n[1-2]`` -> n1, n2); raises SlurmCallError when scontrol fails."""
     answer = call(["scontrol", "show", "hostnames", nodelist])

@@ -1,0 +1,140 @@
+"""A sweep on the real two-node cluster (docs/sweeps.md): one prepare job, one train array, one consolidation
+array; each point's model bitwise equal to the same config run alone; one task preempted while the others run.
+
+One sweep serves every test here: two learning rates by two seeds of the shared reference run's config, so the
+point (1e-3, 42) is the reference run itself (tests/slurm/conftest.py ``reference``) and only the other three
+points need a twin run alone. The twins prepare in their allocation (``IN_ALLOCATION``: it saves three job starts;
+they are compared bitwise with points whose data a prepare job packed, which is that check too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from slurmft.cli import main
+from tests.slurm import jobs
+from tests.slurm.conftest import IN_ALLOCATION, REFERENCE_CHECKPOINT, REFERENCE_TRAIN
+
+pytestmark = pytest.mark.slurm
+
+NAME = "sweepms"
+RATES = (1e-3, 2e-3)
+SEEDS = (42, 7)
+PREEMPTED = 1  # the task given the warning signal: point (1e-3, seed 7)
+
+
+def _sacct(names: list[str]) -> list[tuple[str, str, str]]:
+    """(job id, name, state) of every allocation of these job names (sacct -X), array tasks as ``<array>_<task>``."""
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "--name", ",".join(names), "-o", "JobID,JobName,State"],
+                         capture_output=True, text=True, check=True).stdout
+    return [tuple(line.split("|")) for line in out.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def sweep_run(slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path_factory: pytest.TempPathFactory,
+              config_writer, reference: Path) -> dict:
+    """The sweep and the three twins, submitted side by side; task PREEMPTED gets the warning signal after its
+    step 2 while another task runs; everything waited for."""
+    tmp = tmp_path_factory.mktemp("sweep")
+    path = config_writer.write_config(tmp, tiny_model, chat_data, train=REFERENCE_TRAIN, checkpoint=REFERENCE_CHECKPOINT)
+    cfg = yaml.safe_load(path.read_text())
+    cfg.update(name=NAME, sweep={"grid": {"train.learning_rate": list(RATES), "train.seed": list(SEEDS)},
+                                 "parallel": 2})
+    path.write_text(yaml.safe_dump(cfg))
+    twins: dict[int, tuple[Path, dict]] = {}
+    for index, (rate, seed) in enumerate((r, s) for r in RATES for s in SEEDS):
+        if (rate, seed) == (RATES[0], SEEDS[0]):
+            continue  # the reference run
+        (tmp / f"twin-{index}").mkdir()
+        twin = config_writer.write_config(tmp / f"twin-{index}", tiny_model, chat_data,
+                                          train={**REFERENCE_TRAIN, "learning_rate": rate, "seed": seed},
+                                          checkpoint=REFERENCE_CHECKPOINT, prepare=IN_ALLOCATION)
+        twins[index] = (tmp / f"twin-{index}" / "run", twin)
+    started = {}
+    for index, (_, twin) in twins.items():
+        started[index] = _submit(["submit", str(twin)])
+    out = _submit(["submit", str(path)])
+    root = tmp / "run"
+    record = json.loads((root / "sweep.json").read_text())
+    points = [Path(p["dir"]) for p in record["points"]]
+    array = out["train"]
+    task = f"{array}_{PREEMPTED}"
+    jobs.wait_for("the preempted point's step 2", lambda: any(m["step"] >= 2 for m in jobs.metrics(points[PREEMPTED])),
+                  timeout=300)
+    running = [i for i in range(len(points)) if i != PREEMPTED and slurm_cluster.squeue_state(f"{array}_{i}") == "RUNNING"]
+    # the task's own job id: `scancel --signal` of ARRAY_TASK is refused while the array's other tasks are pending
+    # ("Job can not be altered now"), and scancel retries until it lands, in the requeued task (Slurm 22.05)
+    raw = subprocess.run(["squeue", "-h", "-j", task, "-o", "%A"], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    jobs.signal_rank_steps(raw)
+    jobs.wait_for("the task's restart 1", lambda: jobs.restarts(task) >= 1, timeout=120)
+    for i in range(len(points)):
+        slurm_cluster.wait_state(f"{array}_{i}", "COMPLETED", timeout=600)
+        slurm_cluster.wait_state(f"{out['consolidate']}_{i}", "COMPLETED", timeout=300)
+    for ids in started.values():
+        slurm_cluster.wait_state(ids["train"], "COMPLETED", timeout=300)
+        slurm_cluster.wait_state(ids["consolidate"], "COMPLETED", timeout=240)
+    return {"root": root, "record": record, "points": points, "jobs": out, "running_beside": running,
+            "twins": {i: run / "model" for i, (run, _) in twins.items()} | {0: reference}}
+
+
+def _submit(args: list[str]) -> dict[str, str]:
+    """Run ``slurmft ARGS`` in-process (a module fixture has no capsys); the jobs it started."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        try:
+            main(args)
+        except SystemExit as exc:
+            assert not exc.code, buf.getvalue()
+    return jobs.started_jobs(buf.getvalue())
+
+
+def test_one_prepare_job_one_train_array_one_consolidation_array(sweep_run: dict, slurm_cluster) -> None:
+    record, out = sweep_run["record"], sweep_run["jobs"]
+    assert [(j["kind"], j["job_id"]) for j in record["jobs"]] == [
+        ("prepare", out["prepare"]), ("train", out["train"]), ("consolidate", out["consolidate"])]
+    assert record["jobs"][2]["dependency"] == f"aftercorr:{out['train']}"
+    slurm_cluster.wait_state(f"{out['consolidate']}_3", "COMPLETED", timeout=30, via="sacct")
+    seen = _sacct([f"{NAME}-prepare", f"{NAME}-train", f"{NAME}-consolidate"])
+    by_name: dict[str, set[str]] = {}
+    for job_id, name, _ in seen:
+        by_name.setdefault(name, set()).add(job_id)
+    assert by_name == {f"{NAME}-prepare": {out["prepare"]},
+                       f"{NAME}-train": {f"{out['train']}_{i}" for i in range(4)},
+                       f"{NAME}-consolidate": {f"{out['consolidate']}_{i}" for i in range(4)}}
+    # two seeds: two prepared sets, both made by the one prepare job; the other points link to them
+    points = sweep_run["points"]
+    assert [p.name for p in points] == ["learning_rate-0.001_seed-42", "learning_rate-0.001_seed-7",
+                                        "learning_rate-0.002_seed-42", "learning_rate-0.002_seed-7"]
+    assert not (points[0] / "prepared").is_symlink() and not (points[1] / "prepared").is_symlink()
+    assert (points[2] / "prepared").resolve() == (points[0] / "prepared").resolve()
+    assert (points[3] / "prepared").resolve() == (points[1] / "prepared").resolve()
+
+
+def test_every_point_equals_its_config_run_alone(sweep_run: dict, slurmft) -> None:
+    for index, point in enumerate(sweep_run["points"]):
+        slurmft.assert_same_model(point / "model", sweep_run["twins"][index])
+    # the points differ: a sweep that trained one config four times would pass the line above for none but one
+    models = {(p / "model" / "model-00001-of-00001.safetensors").read_bytes() for p in sweep_run["points"]}
+    assert len(models) == 4
+
+
+def test_a_preempted_task_is_requeued_alone(sweep_run: dict) -> None:
+    array = sweep_run["jobs"]["train"]
+    assert sweep_run["running_beside"], "no other task ran when the warning signal came"
+    assert jobs.restarts(f"{array}_{PREEMPTED}") == 1
+    for i in range(4):
+        if i != PREEMPTED:
+            assert jobs.restarts(f"{array}_{i}") == 0
+    steps = jobs.metrics(sweep_run["points"][PREEMPTED])
+    assert sorted(m["step"] for m in steps) == list(range(1, REFERENCE_TRAIN["max_steps"] + 1))
+    assert {m["restart"] for m in steps} == {0, 1}
+    log = (sweep_run["points"][PREEMPTED] / "logs" / f"train-{array}_{PREEMPTED}.out").read_text(errors="replace")
+    assert "requeueing" in log
