@@ -206,6 +206,36 @@ def _submit_sweep(config: Path, overrides: tuple[str, ...], profile, force: bool
         raise SystemExit(1)
 
 
+def _sweep_status(root: Path, as_json: bool) -> None:
+    from slurmft.watch.sweep import format_table, sweep_rows, update_best
+
+    record, rows = sweep_rows(root)
+    best = update_best(root, rows)
+    if as_json:
+        click.echo(json.dumps({"sweep": record["name"], "executor": record["executor"], "select": record["select"],
+                               "jobs": record["jobs"], "points": rows, "best": best and best["name"]}, indent=2))
+        return
+    for line in format_table(record, rows, best):
+        click.echo(line)
+
+
+def _resume_sweep(root: Path, overrides: tuple[str, ...], template_dir: str | None, force: bool) -> None:
+    from slurmft.submit.sweep import resume_sweep
+
+    done = resume_sweep(root, list(overrides), template_dir, say=_err, force=force)
+    for name, result in done.resumed.items():
+        for kind, job_id in result.jobs.items():
+            click.echo(f"point {name}: {kind} job: {job_id}")
+    for what, names in (("finished", done.finished), ("still queued or running", done.live)):
+        if names:
+            click.echo(f"{what}: {', '.join(names)}")
+    if not done.resumed and not done.refused:
+        click.echo(f"{root}: no point to resume")
+    click.echo(f"follow with: slurmft status {root}")
+    if done.refused:
+        raise SystemExit(1)
+
+
 def _echo_jobs(run_dir: Path, executor: str, jobs: dict[str, str]) -> None:
     """What a submit or resume started, and how to follow it."""
     click.echo(f"run dir: {run_dir}")
@@ -263,11 +293,16 @@ def estimate(config: Path, overrides: tuple[str, ...], as_json: bool) -> None:
 @RUN_DIR
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(run_dir: Path, as_json: bool) -> None:
-    """State of every job of a run: kind, job id, attempt, state, reason, elapsed, and what to do next."""
-    from slurmft.rundir import RunPaths
+    """State of every job of a run: kind, job id, attempt, state, reason, elapsed, and what to do next.
+
+    A sweep's directory: one row per point (overrides, state, step, loss, score), the points ranked, SWEEP_DIR/best."""
+    from slurmft.rundir import RunPaths, is_sweep_dir
     from slurmft.watch.progress import overview, overview_lines
     from slurmft.watch.status import run_state
 
+    if is_sweep_dir(run_dir):
+        _sweep_status(run_dir, as_json)
+        return
     paths = RunPaths.of(run_dir)
     state = run_state(paths)
     manifest, rows = state.manifest, state.rows
@@ -410,8 +445,12 @@ def resume(run_dir: Path, overrides: tuple[str, ...], template_dir: str | None, 
     checkpoint.keep_last, resources.* (another number of nodes or ranks keeps the global batch: accumulation
     is recomputed; check it first with `slurmft estimate RUN_DIR/config.yaml resources...`).
     """
+    from slurmft.rundir import is_sweep_dir
     from slurmft.submit.resume import Phase, resume_run
 
+    if is_sweep_dir(run_dir):
+        _resume_sweep(run_dir, overrides, template_dir, force)
+        return
     result = resume_run(run_dir, list(overrides), template_dir, say=_err, force=force)
     if result.phase == Phase.FINISHED:
         click.echo(f"{result.run_dir} is finished: trained to step {result.step} and consolidated; nothing to resume")

@@ -76,7 +76,9 @@ STRIPPED_NAMES = frozenset({"SLURM_TIME_FORMAT", "SLURM_BITSTR_LEN", "SLURM_TOPO
 #: Field delimiter of every query: ASCII unit separator. ``|`` is not enough: a job name or comment may
 #: hold one (``-J 'a|b'`` shifted the comment, so the run's tag no longer matched; checked on 22.05).
 SEP = "\x1f"
-SQUEUE_FIELDS = ("JobID", "State", "Reason", "TimeUsed", "RestartCnt", "Name", "Comment")
+#: ``JobArrayID``: a job's id, an array task's as ``<array>_<task>`` (what sbatch's answer and a sweep point's manifest
+#: name it; ``JobID`` would print the task's own number) and the array's pending tasks as ``<array>_[1-3%2]``.
+SQUEUE_FIELDS = ("JobArrayID", "State", "Reason", "TimeUsed", "RestartCnt", "Name", "Comment")
 SQUEUE_KEYS = ("job_id", "state", "reason", "elapsed", "restarts", "name", "comment")
 SACCT_FIELDS = ("JobID", "State", "Elapsed", "ExitCode", "Start", "End")
 
@@ -151,8 +153,25 @@ def parse_squeue(text: str) -> dict[str, dict[str, str]]:
         parts = [p.strip() for p in line.rstrip("\n").removesuffix(SEP).split(SEP, len(SQUEUE_FIELDS) - 1)]
         if len(parts) == len(SQUEUE_FIELDS):
             row = dict(zip(SQUEUE_KEYS, parts, strict=True))
-            info[row["job_id"]] = row
+            for job_id in array_tasks(row["job_id"]):
+                info[job_id] = {**row, "job_id": job_id}
     return info
+
+
+_PENDING_TASKS = re.compile(r"^(\d+)_\[([\d,-]+)(?:%\d+)?\]$")
+
+
+def array_tasks(job_id: str) -> list[str]:
+    """``7_[1-3,5%2]`` (an array's tasks still pending as one record) -> 7_1, 7_2, 7_3, 7_5; any other id itself."""
+    m = _PENDING_TASKS.match(job_id)
+    if not m:
+        return [job_id]
+    tasks: list[str] = []
+    for part in m.group(2).split(","):
+        first, _, last = part.partition("-")
+        if first.isdigit() and (last.isdigit() or not last):
+            tasks += [f"{m.group(1)}_{i}" for i in range(int(first), int(last or first) + 1)]
+    return tasks or [job_id]
 
 
 def squeue_jobs() -> dict[str, dict[str, str]] | None:

@@ -27,10 +27,8 @@ from typing import Any
 from slurmft.config import RunConfig
 from slurmft.config_loading import apply_overrides, read_yaml, validate
 from slurmft.config_paths import absolutize
-from slurmft.errors import ConfigError, RunDirError
-from slurmft.rundir import atomic_write
-
-SWEEP_VERSION = 1
+from slurmft.errors import ConfigError
+from slurmft.rundir import SweepPaths
 
 #: Keys a point may not override, and why: every task of one Slurm array has one script's allocation, one
 #: partition, one signal; the sweep's directory and name are the sweep's. A key under one of these is refused too.
@@ -82,45 +80,6 @@ class Sweep:
     @property
     def paths(self) -> SweepPaths:
         return SweepPaths(Path(self.cfg.output_dir))
-
-
-class SweepPaths:
-    """The files of a sweep directory (a point's own files are its :class:`~slurmft.rundir.RunPaths`)."""
-
-    def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = Path(root)
-
-    @property
-    def record(self) -> Path:
-        """``sweep.json``: points, overrides, directories, job ids."""
-        return self.root / "sweep.json"
-
-    @property
-    def best(self) -> Path:
-        """A link to the best point's model directory (by ``sweep.select``)."""
-        return self.root / "best"
-
-    def point(self, name: str) -> Path:
-        return self.root / name
-
-
-def is_sweep_dir(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a sweep directory (it holds ``sweep.json``)."""
-    return SweepPaths(path).record.is_file()
-
-
-def read_record(paths: SweepPaths) -> dict[str, Any]:
-    try:
-        record = json.loads(paths.record.read_text())
-    except (OSError, ValueError) as exc:
-        raise RunDirError(f"{paths.record}: not a readable sweep record ({exc.__class__.__name__})") from None
-    if not isinstance(record, dict) or record.get("version") != SWEEP_VERSION:
-        raise RunDirError(f"{paths.record}: not a sweep record of this slurmft (version {SWEEP_VERSION})")
-    return record
-
-
-def write_record(paths: SweepPaths, record: dict[str, Any]) -> None:
-    atomic_write(paths.record, json.dumps(record, indent=2) + "\n")
 
 
 # ------------------------------------------------------------------ the points

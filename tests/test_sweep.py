@@ -4,6 +4,7 @@ names and configs, every refusal before anything is written; and one sweep on th
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -175,3 +176,56 @@ def test_local_sweep_runs_the_points_one_after_another(tmp_path: Path, micro_mod
     a, b = ((p / "model" / "model-00001-of-00001.safetensors").read_bytes() for p in (first, second))
     assert a != b  # two learning rates, two models
     assert not (root / "scripts").exists()  # no arrays here
+    # the consolidation of each point refreshed SWEEP_DIR/best; status ranks the points by their final loss
+    code, out, err = cli(["status", str(root), "--json"], capsys)
+    assert code == 0, err
+    shown = json.loads(out)
+    rows = shown["points"]
+    assert [(r["name"], r["state"], r["step"], r["max_steps"]) for r in rows] == [
+        (first.name, "done", 2, 2), (second.name, "done", 2, 2)]
+    best = min(rows, key=lambda r: r["score"])
+    assert shown["best"] == best["name"] and {r["rank"] for r in rows} == {1, 2}
+    assert os.readlink(root / "best") == f"{best['name']}/model"
+    code, out, _ = cli(["resume", str(root)], capsys)
+    assert code == 0 and f"finished: {first.name}, {second.name}" in out  # nothing died: nothing re-submitted
+    code, _, err = cli(["submit", str(path)], capsys)
+    assert code == 2 and "already holds a sweep" in err
+
+
+def test_the_best_point_is_the_best_scored_one_with_a_model(tmp_path: Path) -> None:
+    from slurmft.watch.sweep import best_point, score, update_best
+
+    def row(name: str, step: int | None, loss: float | None, model: bool = True) -> dict:
+        r = {"name": name, "step": step, "max_steps": 10, "loss": loss, "rank": None,
+             "model": str(tmp_path / name / "model") if model else None}
+        r["score"] = score(r, "loss")
+        return r
+
+    rows = [row("a", 10, 2.0), row("b", 4, 0.5), row("c", 10, 1.0, model=False), row("d", 10, 1.5)]
+    assert [r["score"] for r in rows] == [2.0, None, 1.0, 1.5]  # b is still training: no score yet
+    for rank, r in enumerate(sorted((r for r in rows if r["score"] is not None), key=lambda r: r["score"]), 1):
+        r["rank"] = rank
+    assert best_point(rows)["name"] == "d"  # c ranks first but has no model yet
+    assert update_best(tmp_path, rows)["name"] == "d" and os.readlink(tmp_path / "best") == "d/model"
+    rows[2]["model"] = str(tmp_path / "c" / "model")
+    update_best(tmp_path, rows)
+    assert os.readlink(tmp_path / "best") == "c/model"
+    assert update_best(tmp_path, [row("b", 4, 0.5)]) is None and not (tmp_path / "best").is_symlink()
+
+
+def test_points_whose_jobs_would_ask_for_another_allocation_are_refused(tmp_path: Path) -> None:
+    """The safety net behind FIXED: the points' rendered scripts themselves are compared."""
+    from slurmft.errors import ConfigError
+    from slurmft.submit.sweep import check_one_allocation
+
+    sweep = load_sweep(write(tmp_path))
+    assert sweep is not None
+    same = "#!/bin/bash\n#SBATCH --job-name={}\n#SBATCH --nodes=2\n#SBATCH --output=/x/{}.out\n"
+    scripts = [{"train": same.format(p.name, p.name)} for p in sweep.points]
+    check_one_allocation(sweep, scripts)  # names and logs differ: one allocation
+    scripts[2]["train"] = scripts[2]["train"].replace("--nodes=2", "--nodes=1")
+    with pytest.raises(ConfigError) as err:
+        check_one_allocation(sweep, scripts)
+    assert err.value.problems == [f"point {sweep.points[2].name} ({sweep.points[2].label()}): its train job would ask "
+                                  f"Slurm for another allocation than point {sweep.points[0].name}'s "
+                                  "(#SBATCH --nodes=1; #SBATCH --nodes=2)"]

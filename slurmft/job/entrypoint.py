@@ -132,6 +132,9 @@ def run_consolidate(run_dir: str, checkpoint: str | None = None, out: str | None
 
     summary = consolidate_run(run_dir, checkpoint, out)
     write_report_safely(run_dir)  # report.md + loss.png; a report problem never fails the export
+    from slurmft.watch.sweep import refresh_best_safely
+
+    refresh_best_safely(run_dir)  # a sweep's point: SWEEP_DIR/best, now that this point's model exists
     return summary
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from slurmft import prepared, slurm
 from slurmft.config import Executor, RunConfig
-from slurmft.errors import RunDirError, SubmissionError
+from slurmft.errors import ConfigError, RunDirError, SubmissionError
 from slurmft.plan.elastic import allocation
 from slurmft.plan.render import (
     ARRAY_TEMPLATE,
@@ -44,14 +44,18 @@ from slurmft.plan.render import (
 )
 from slurmft.profiles import ClusterProfile
 from slurmft.rundir import (
+    SWEEP_VERSION,
     RunPaths,
+    SweepPaths,
     acquire_lock,
     atomic_write,
     new_manifest,
+    read_sweep_record,
     record_job,
     release_lock,
     start_attempt,
     write_manifest,
+    write_sweep_record,
 )
 from slurmft.submit.dispatch import (
     SubmitResult,
@@ -62,7 +66,7 @@ from slurmft.submit.dispatch import (
     dispatch_attempt,
     make_slurm_executor,
 )
-from slurmft.sweep import SWEEP_VERSION, Sweep, write_record
+from slurmft.sweep import Sweep
 
 Say = Callable[[str], None]
 
@@ -109,9 +113,13 @@ def submit_sweep(sweep: Sweep, profile: ClusterProfile, config_path: str = "", t
     root = RunPaths.of(paths.root)
     for cfg in sweep.configs:
         check_submittable(cfg)
+    if paths.record.is_file():
+        raise RunDirError(f"output_dir {paths.root} already holds a sweep; follow it with `slurmft status {paths.root}`, "
+                          f"continue its points that died with `slurmft resume {paths.root}`, or use another output_dir")
     check_run_dir_free(root)
     scripts = [render_scripts(cfg, profile, RunPaths.of(cfg.output_dir), config_path, template_dir)
                for cfg in sweep.configs]  # every render error before any write
+    check_one_allocation(sweep, scripts)
     executor = sweep.cfg.resolved_executor
     check_executor(executor)
     arrays = _render_arrays(sweep, profile, config_path, template_dir) if executor == Executor.SLURM else {}
@@ -139,6 +147,29 @@ def submit_sweep(sweep: Sweep, profile: ClusterProfile, config_path: str = "", t
     return result
 
 
+#: The directives that name a job rather than allocate it: they may differ between points.
+_OWN_DIRECTIVES = tuple(f"#SBATCH --{name}" for name in ("job-name", "comment", "output", "error"))
+
+
+def check_one_allocation(sweep: Sweep, scripts: list[dict[str, str]]) -> None:
+    """Every point's train and consolidation scripts ask Slurm for what the first point's do: an array has one
+    allocation (slurmft.sweep.FIXED refuses the keys known to change it; this catches any other)."""
+    def allocation_lines(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith("#SBATCH") and not line.startswith(_OWN_DIRECTIVES)]
+
+    problems = []
+    for kind in ("train", "consolidate"):
+        first = allocation_lines(scripts[0].get(kind, ""))
+        for point, texts in zip(sweep.points[1:], scripts[1:], strict=True):
+            differ = sorted(set(allocation_lines(texts.get(kind, ""))) ^ set(first))
+            if differ:
+                problems.append(f"point {point.name} ({point.label()}): its {kind} job would ask Slurm for another "
+                                f"allocation than point {sweep.points[0].name}'s ({'; '.join(differ)})")
+    if problems:
+        raise ConfigError("sweep: the tasks of one Slurm array share one allocation; make these points two sweeps",
+                          problems)
+
+
 def _render_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str,
                    template_dir: str | None) -> dict[str, str]:
     """The train array's script (and the consolidation array's), named after the sweep."""
@@ -162,7 +193,7 @@ def _write_points(sweep: Sweep, scripts: list[dict[str, str]], arrays: dict[str,
         point.root.mkdir()
         _write_run_dir(point, cfg, texts)
         write_manifest(point, new_manifest(cfg.name, cfg.resolved_executor.value, point.run_id))
-    write_record(sweep.paths, record)
+    write_sweep_record(sweep.paths, record)
 
 
 def _link_prepared(sweep: Sweep, groups: list[list[int]]) -> None:
@@ -226,7 +257,7 @@ def _submit_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str, temp
         result.jobs["prepare"] = prep
         record["jobs"].append({"kind": "prepare", "job_id": prep, "prepares": _leaders(sweep, groups),
                                "log": str(root.log_file("prepare", prep))})
-        write_record(sweep.paths, record)
+        write_sweep_record(sweep.paths, record)
         say(f"prepare job {prep} submitted: {len(groups)} prepared set(s) for {len(sweep.points)} point(s)")
     n = len(sweep.points)
     try:
@@ -250,7 +281,7 @@ def _submit_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str, temp
                    script=str(point.script("train")), log=str(point.log_file("train", f"{train}_{i}")),
                    **({"dependency": f"afterok:{prep}"} if prep else {}))
         write_manifest(point, manifest)
-    write_record(sweep.paths, record)
+    write_sweep_record(sweep.paths, record)
     say(f"train array {train} submitted: {n} task(s), {min(n, sweep.cfg.sweep.parallel or n) if sweep.cfg.sweep else n} "
         "at a time" + (f", after prepare job {prep} succeeds" if prep else ""))
     if not first.consolidate.enabled:
@@ -272,7 +303,7 @@ def _submit_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str, temp
                    dependency=f"afterok:{train}_{i}", script=str(point.script("consolidate")),
                    log=str(point.log_file("consolidate", f"{cons}_{i}")))
         write_manifest(point, manifest)
-    write_record(sweep.paths, record)
+    write_sweep_record(sweep.paths, record)
     say(f"consolidation array {cons} submitted (task i after train task i succeeds)")
 
 
@@ -296,4 +327,49 @@ def _run_points_here(sweep: Sweep, profile: ClusterProfile, config_path: str, te
             say(f"point {p.name} failed: {exc}")
         result.jobs.update({f"{p.name}:{k}": v for k, v in one.jobs.items()})
         record["points"][i]["jobs"] = dict(one.jobs)
-        write_record(sweep.paths, record)
+        write_sweep_record(sweep.paths, record)
+
+
+# ------------------------------------------------------------------ resume: the points that died
+@dataclass
+class SweepResume:
+    """What ``resume SWEEP_DIR`` did, point by point."""
+
+    resumed: dict[str, Any] = field(default_factory=dict)  # name -> ResumeResult (a new train job and its chain)
+    finished: list[str] = field(default_factory=list)
+    live: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)  # name -> why it was not resumed
+
+
+def resume_sweep(root: Path, overrides: list[str], template_dir: str | None = None, say: Say = _quiet,
+                 force: bool = False) -> SweepResume:
+    """``slurmft resume`` of every point that is neither live nor finished, each as a run alone is resumed (its
+    own train job from its newest complete checkpoint, a consolidation chained to it); the others are left alone.
+    A point that cannot be resumed is said and does not stop the others."""
+    from slurmft.errors import SlurmftError
+    from slurmft.submit.resume import Phase, resume_run
+    from slurmft.watch.status import KINDS, run_state
+
+    paths = SweepPaths(root)
+    record = read_sweep_record(paths)
+    out = SweepResume()
+    for point in record["points"]:
+        name = point["name"]
+        if run_state(RunPaths.of(point["dir"]), adopt=False).may_run(KINDS):
+            out.live.append(name)
+            continue
+        try:
+            result = resume_run(point["dir"], overrides, template_dir, say=say, force=force)
+        except SlurmftError as exc:
+            out.refused[name] = exc.render()
+            say(f"point {name}: not resumed: {exc.render()}")
+            continue
+        if result.phase == Phase.FINISHED:
+            out.finished.append(name)
+            continue
+        out.resumed[name] = result
+        point.setdefault("resumed", []).append(dict(result.jobs))
+    if out.resumed:
+        record["jobs"].append({"kind": "resume", "points": {n: dict(r.jobs) for n, r in out.resumed.items()}})
+        write_sweep_record(paths, record)
+    return out

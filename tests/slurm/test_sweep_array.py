@@ -1,5 +1,6 @@
 """A sweep on the real two-node cluster (docs/sweeps.md): one prepare job, one train array, one consolidation
-array; each point's model bitwise equal to the same config run alone; one task preempted while the others run.
+array; each point's model bitwise equal to the same config run alone; one task preempted while the others run; one
+task cancelled, then `slurmft resume SWEEP_DIR` re-submits that point alone; the points ranked, the best linked.
 
 One sweep serves every test here: two learning rates by two seeds of the shared reference run's config, so the
 point (1e-3, 42) is the reference run itself (tests/slurm/conftest.py ``reference``) and only the other three
@@ -12,7 +13,10 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -28,12 +32,14 @@ NAME = "sweepms"
 RATES = (1e-3, 2e-3)
 SEEDS = (42, 7)
 PREEMPTED = 1  # the task given the warning signal: point (1e-3, seed 7)
+CANCELLED = 3  # the task cancelled (scancel), then resumed: point (2e-3, seed 7)
 
 
-def _sacct(names: list[str]) -> list[tuple[str, str, str]]:
-    """(job id, name, state) of every allocation of these job names (sacct -X), array tasks as ``<array>_<task>``."""
-    out = subprocess.run(["sacct", "-n", "-X", "-P", "--name", ",".join(names), "-o", "JobID,JobName,State"],
-                         capture_output=True, text=True, check=True).stdout
+def _sacct(names: list[str], since: str) -> list[tuple[str, str, str]]:
+    """(job id, name, state) of every job of these names submitted since ``since`` (sacct -X; array tasks as
+    ``<array>_<task>``; a task cancelled before it started is not listed)."""
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-S", since, "--name", ",".join(names), "-o",
+                          "JobID,JobName,State"], capture_output=True, text=True, check=True).stdout
     return [tuple(line.split("|")) for line in out.splitlines() if line.strip()]
 
 
@@ -41,7 +47,8 @@ def _sacct(names: list[str]) -> list[tuple[str, str, str]]:
 def sweep_run(slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path_factory: pytest.TempPathFactory,
               config_writer, reference: Path) -> dict:
     """The sweep and the three twins, submitted side by side; task PREEMPTED gets the warning signal after its
-    step 2 while another task runs; everything waited for."""
+    step 2 while another task runs; task CANCELLED is cancelled after its step 2 and the sweep resumed once the
+    others are done; everything waited for."""
     tmp = tmp_path_factory.mktemp("sweep")
     path = config_writer.write_config(tmp, tiny_model, chat_data, train=REFERENCE_TRAIN, checkpoint=REFERENCE_CHECKPOINT)
     cfg = yaml.safe_load(path.read_text())
@@ -60,6 +67,7 @@ def sweep_run(slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path_factory
     started = {}
     for index, (_, twin) in twins.items():
         started[index] = _submit(["submit", str(twin)])
+    since = time.strftime("%Y-%m-%dT%H:%M:%S")
     out = _submit(["submit", str(path)])
     root = tmp / "run"
     record = json.loads((root / "sweep.json").read_text())
@@ -69,20 +77,38 @@ def sweep_run(slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path_factory
     jobs.wait_for("the preempted point's step 2", lambda: any(m["step"] >= 2 for m in jobs.metrics(points[PREEMPTED])),
                   timeout=300)
     running = [i for i in range(len(points)) if i != PREEMPTED and slurm_cluster.squeue_state(f"{array}_{i}") == "RUNNING"]
-    # the task's own job id: `scancel --signal` of ARRAY_TASK is refused while the array's other tasks are pending
-    # ("Job can not be altered now"), and scancel retries until it lands, in the requeued task (Slurm 22.05)
-    raw = subprocess.run(["squeue", "-h", "-j", task, "-o", "%A"], capture_output=True, text=True,
-                         check=True).stdout.strip()
-    jobs.signal_rank_steps(raw)
+    _warn_ranks(task)
     jobs.wait_for("the task's restart 1", lambda: jobs.restarts(task) >= 1, timeout=120)
+    jobs.wait_for("the cancelled point's step 2", lambda: any(m["step"] >= 2 for m in jobs.metrics(points[CANCELLED])),
+                  timeout=400)
+    subprocess.run(["scancel", f"{array}_{CANCELLED}"], check=True)  # that task only
+    slurm_cluster.wait_state(f"{array}_{CANCELLED}", "CANCELLED", timeout=120)
+    slurm_cluster.wait_state(f"{out['consolidate']}_{CANCELLED}", "CANCELLED", timeout=120)  # aftercorr, invalid now
     for i in range(len(points)):
-        slurm_cluster.wait_state(f"{array}_{i}", "COMPLETED", timeout=600)
-        slurm_cluster.wait_state(f"{out['consolidate']}_{i}", "COMPLETED", timeout=300)
+        if i != CANCELLED:
+            slurm_cluster.wait_state(f"{array}_{i}", "COMPLETED", timeout=600)
+            slurm_cluster.wait_state(f"{out['consolidate']}_{i}", "COMPLETED", timeout=300)
+    resumed = _submit(["resume", str(root)])
+    for kind in ("train", "consolidate"):
+        slurm_cluster.wait_state(resumed[f"point {points[CANCELLED].name}: {kind}"], "COMPLETED", timeout=400)
     for ids in started.values():
         slurm_cluster.wait_state(ids["train"], "COMPLETED", timeout=300)
         slurm_cluster.wait_state(ids["consolidate"], "COMPLETED", timeout=240)
-    return {"root": root, "record": record, "points": points, "jobs": out, "running_beside": running,
+    return {"root": root, "record": record, "points": points, "jobs": out, "running_beside": running, "since": since,
+            "resumed": resumed,
             "twins": {i: run / "model" for i, (run, _) in twins.items()} | {0: reference}}
+
+
+def _warn_ranks(task: str) -> None:
+    """What Slurm does at ``--signal=USR2@lead``: the warning signal to every rank of the array task. Not
+    `scancel --signal=USR2 ARRAY_TASK` (tests/slurm/jobs.py): on 22.05 slurmctld answers it "Job can not be altered
+    now" while the array has pending tasks, and scancel retries until it lands, again, in the requeued task. Both
+    nodes' ranks run on this machine; they are found by the task's own job id (``squeue %A``)."""
+    own = subprocess.run(["squeue", "-h", "-j", task, "-o", "%A"], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    pids = jobs.wait_for(f"the ranks of {task}", lambda: (p := jobs.rank_pids(own)) and len(p) == 2 and p)
+    for pid in pids.values():
+        os.kill(pid, signal.SIGUSR2)
 
 
 def _submit(args: list[str]) -> dict[str, str]:
@@ -101,14 +127,15 @@ def test_one_prepare_job_one_train_array_one_consolidation_array(sweep_run: dict
     assert [(j["kind"], j["job_id"]) for j in record["jobs"]] == [
         ("prepare", out["prepare"]), ("train", out["train"]), ("consolidate", out["consolidate"])]
     assert record["jobs"][2]["dependency"] == f"aftercorr:{out['train']}"
-    slurm_cluster.wait_state(f"{out['consolidate']}_3", "COMPLETED", timeout=30, via="sacct")
-    seen = _sacct([f"{NAME}-prepare", f"{NAME}-train", f"{NAME}-consolidate"])
+    slurm_cluster.wait_state(f"{out['consolidate']}_2", "COMPLETED", timeout=30, via="sacct")
     by_name: dict[str, set[str]] = {}
-    for job_id, name, _ in seen:
+    for job_id, name, _ in _sacct([f"{NAME}-prepare", f"{NAME}-train", f"{NAME}-consolidate"], sweep_run["since"]):
         by_name.setdefault(name, set()).add(job_id)
+    # the cancelled point's consolidation task never started (its train task failed: aftercorr), so sacct has no
+    # line for it; the resumed point's own jobs are named after the point
     assert by_name == {f"{NAME}-prepare": {out["prepare"]},
                        f"{NAME}-train": {f"{out['train']}_{i}" for i in range(4)},
-                       f"{NAME}-consolidate": {f"{out['consolidate']}_{i}" for i in range(4)}}
+                       f"{NAME}-consolidate": {f"{out['consolidate']}_{i}" for i in range(4) if i != CANCELLED}}
     # two seeds: two prepared sets, both made by the one prepare job; the other points link to them
     points = sweep_run["points"]
     assert [p.name for p in points] == ["learning_rate-0.001_seed-42", "learning_rate-0.001_seed-7",
@@ -138,3 +165,23 @@ def test_a_preempted_task_is_requeued_alone(sweep_run: dict) -> None:
     assert {m["restart"] for m in steps} == {0, 1}
     log = (sweep_run["points"][PREEMPTED] / "logs" / f"train-{array}_{PREEMPTED}.out").read_text(errors="replace")
     assert "requeueing" in log
+
+
+def test_a_cancelled_task_is_resumed_alone_and_the_sweep_ranks_four_models(sweep_run: dict, slurmft) -> None:
+    points = sweep_run["points"]
+    assert set(sweep_run["resumed"]) == {f"point {points[CANCELLED].name}: train",
+                                         f"point {points[CANCELLED].name}: consolidate"}
+    steps = jobs.metrics(points[CANCELLED])
+    assert {m["step"] for m in steps} == set(range(1, REFERENCE_TRAIN["max_steps"] + 1))  # trained in two jobs
+    record = json.loads((sweep_run["root"] / "sweep.json").read_text())
+    assert record["jobs"][-1]["kind"] == "resume" and list(record["jobs"][-1]["points"]) == [points[CANCELLED].name]
+    code, out, err = slurmft.cli(["status", str(sweep_run["root"]), "--json"])
+    assert code == 0, err
+    rows = json.loads(out)["points"]
+    assert [r["state"] for r in rows] == ["done"] * 4
+    assert sorted(r["rank"] for r in rows) == [1, 2, 3, 4]
+    best = min(rows, key=lambda r: r["score"])
+    assert json.loads(out)["best"] == best["name"]
+    assert (sweep_run["root"] / "best").resolve() == (Path(best["dir"]) / "model").resolve()
+    code, out, err = slurmft.cli(["status", str(sweep_run["root"])])
+    assert code == 0 and f"best: {best['name']}" in out and "train.learning_rate=0.002 train.seed=7" in out
