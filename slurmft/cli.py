@@ -423,10 +423,12 @@ FORCE_OTHERS = click.option("--force", is_flag=True,
 @RUN_DIR
 @FORCE_OTHERS
 def cancel(run_dir: Path, force: bool) -> None:
-    """Cancel every live job of a run (train and consolidation, and tagged jobs the manifest missed)."""
-    from slurmft.submit.cancel import cancel_run
+    """Cancel every live job of a run (train and consolidation, and tagged jobs the manifest missed); of every point
+    of a sweep's directory."""
+    from slurmft.rundir import is_sweep_dir
+    from slurmft.submit.cancel import cancel_run, cancel_sweep
 
-    result = cancel_run(run_dir, force, say=_err)
+    result = (cancel_sweep if is_sweep_dir(run_dir) else cancel_run)(run_dir, force, say=_err)
     for line in result.not_touched:
         _err(f"not cancelled: {line}")
     click.echo(f"cancelled: {', '.join(result.cancelled)}" if result.cancelled else "no live jobs to cancel")

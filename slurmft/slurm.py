@@ -195,8 +195,13 @@ def parse_sacct(text: str) -> dict[str, dict[str, str]]:
     for line in text.splitlines():
         parts = [p.strip() for p in line.split(SEP)]  # not line.strip(): Python counts SEP as blank
         if len(parts) == len(SACCT_FIELDS) and parts[1]:
-            info[parts[0]] = {"state": parts[1].split()[0], "elapsed": parts[2], "exit_code": parts[3],
-                              "start": parts[4], "end": parts[5]}
+            row = {"state": parts[1].split()[0], "elapsed": parts[2], "exit_code": parts[3], "start": parts[4],
+                   "end": parts[5]}
+            tasks = array_tasks(parts[0])
+            if tasks == [parts[0]]:
+                info[parts[0]] = row
+            for task in tasks:  # an array's tasks that never started: one record, ``7_[0-3%2]``
+                info.setdefault(task, dict(row))
     return info
 
 
@@ -204,8 +209,17 @@ def sacct_jobs(job_ids: list[str]) -> dict[str, dict[str, str]] | None:
     """Final state, exit code, start and end from accounting, one call; None when sacct does not answer."""
     if not job_ids:
         return {}
-    answer = call(sacct_args(job_ids))
-    return parse_sacct(answer.stdout) if answer.ok else None
+    # an array task that never started has no line of its own: the array's record (asked by the array's id) has it
+    arrays = [j.split("_", 1)[0] for j in job_ids if "_" in j]
+    answer = call(sacct_args(list(dict.fromkeys([*job_ids, *arrays]))))
+    if not answer.ok:
+        return None
+    info = parse_sacct(answer.stdout)
+    for task in job_ids:  # an array cancelled before any task was split off: one record, the array's bare id
+        base = task.split("_", 1)[0]
+        if "_" in task and task not in info and base in info:
+            info[task] = dict(info[base])
+    return info
 
 
 # ------------------------------------------------------------------ scancel

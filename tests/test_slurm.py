@@ -61,6 +61,14 @@ def test_parse_squeue_names_array_tasks_as_sbatch_does_and_spreads_the_pending_o
     assert slurm.array_tasks("7_[2]") == ["7_2"] and slurm.array_tasks("7_[x]") == ["7_[x]"]
 
 
+def test_parse_sacct_spreads_an_arrays_tasks_that_never_started() -> None:
+    """Cancelled while pending (checked on 22.05.8): ``sacct -j 155_0`` prints nothing, ``sacct -j 155`` one record."""
+    info = slurm.parse_sacct(f"155_[1-2%2]{S}CANCELLED by 0{S}00:00:00{S}0:0{S}None{S}2026-12-06T08:05:00\n"
+                             f"155_0{S}COMPLETED{S}00:00:09{S}0:0{S}2026-12-06T08:04:00{S}2026-12-06T08:04:09\n")
+    assert {k: v["state"] for k, v in info.items()} == {"155_1": "CANCELLED", "155_2": "CANCELLED",
+                                                        "155_0": "COMPLETED"}
+
+
 def test_parse_sacct_takes_the_first_word_of_the_state_and_keeps_empty_fields() -> None:
     info = slurm.parse_sacct(SACCT)
     assert info["3"] == {"state": "CANCELLED", "elapsed": "00:00:01", "exit_code": "0:0",

@@ -358,6 +358,10 @@ def resume_sweep(root: Path, overrides: list[str], template_dir: str | None = No
         if run_state(RunPaths.of(point["dir"]), adopt=False).may_run(KINDS):
             out.live.append(name)
             continue
+        prepared_link = RunPaths.of(point["dir"]).prepared
+        if prepared_link.is_symlink() and not prepared_link.exists():  # the sweep's prepare job never made it
+            prepared_link.unlink()  # this point's resume prepares its own (a prepare job writes a directory here)
+            say(f"point {name}: the prepared set it shared was never made; its resume prepares it again")
         try:
             result = resume_run(point["dir"], overrides, template_dir, say=say, force=force)
         except SlurmftError as exc:

@@ -185,3 +185,35 @@ def test_a_cancelled_task_is_resumed_alone_and_the_sweep_ranks_four_models(sweep
     assert (sweep_run["root"] / "best").resolve() == (Path(best["dir"]) / "model").resolve()
     code, out, err = slurmft.cli(["status", str(sweep_run["root"])])
     assert code == 0 and f"best: {best['name']}" in out and "train.learning_rate=0.002 train.seed=7" in out
+
+
+def test_cancel_of_the_sweep_directory_cancels_every_points_jobs(slurm_cluster, tiny_model: Path, chat_data: Path,
+                                                                 tmp_path: Path, slurmft) -> None:
+    """Cancelled while queued (no step trains): the prepare job, both arrays' tasks; status says so per point."""
+    path = slurmft.write_config(tmp_path, tiny_model, chat_data)
+    cfg = yaml.safe_load(path.read_text())
+    cfg.update(name="sweepcancel", sweep={"grid": {"train.learning_rate": [1e-3, 2e-3]}})
+    path.write_text(yaml.safe_dump(cfg))
+    started = slurmft.started(["submit", str(path)])
+    code, out, err = slurmft.cli(["cancel", str(tmp_path / "run")])
+    assert code == 0, err
+    cancelled = set(out.removeprefix("cancelled: ").strip().split(", "))
+    assert started["prepare"] in cancelled and {f"{started['train']}_{i}" for i in range(2)} <= cancelled
+    slurm_cluster.wait_state(started["prepare"], "CANCELLED", timeout=60)
+    # array tasks cancelled while pending have no line of their own in `squeue -j`/sacct: status reads them from the
+    # array's record (squeue's JobArrayID, <array>_[0-1])
+    states = jobs.wait_for("both points cancelled", lambda: (
+        s := [r["state"] for r in json.loads(slurmft.cli(["status", str(tmp_path / "run"), "--json"])[1])["points"]]
+    ) == ["cancelled", "cancelled"] and s, timeout=60, poll=2)
+    assert states == ["cancelled", "cancelled"]
+    # resumed: each point its own chain; the second point's link to the prepared set that was never made is dropped,
+    # so it prepares its own (the run alone's prepare job then writes a directory there)
+    code, out, err = slurmft.cli(["resume", str(tmp_path / "run")])
+    assert code == 0, err
+    resumed = jobs.started_jobs(out)
+    names = ["learning_rate-0.001", "learning_rate-0.002"]
+    assert set(resumed) == {f"point {n}: {kind}" for n in names for kind in ("prepare", "train", "consolidate")}
+    assert not (tmp_path / "run" / names[1] / "prepared").is_symlink()
+    code, out, err = slurmft.cli(["cancel", str(tmp_path / "run")])  # and cancelled again: this test trains nothing
+    assert code == 0 and set(out.removeprefix("cancelled: ").strip().split(", ")) >= {
+        resumed[f"point {n}: train"] for n in names}, out + err
