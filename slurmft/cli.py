@@ -92,12 +92,21 @@ def cli() -> None:
 @click.option("--template-dir", type=click.Path(file_okay=False, exists=True), help="Your own templates first.")
 def render(config: Path, overrides: tuple[str, ...], out: Path | None, template_dir: str | None) -> None:
     """Render train.sbatch and consolidate.sbatch (and prepare.sbatch with prepare.enabled) for RUN.yaml; print
-    them, submit nothing."""
-    from slurmft.plan.render import render_scripts
+    them, submit nothing. A sweep: its arrays' scripts, then each point's (POINT/train.sbatch, ...)."""
+    from slurmft.plan.render import render_scripts, render_sweep_arrays
     from slurmft.rundir import RunPaths, atomic_write
 
     cfg, profile = _load(config, overrides)
-    scripts = render_scripts(cfg, profile, RunPaths.of(cfg.output_dir), str(config.resolve()), template_dir)
+    if cfg.sweep is not None:
+        from slurmft.sweep import load_sweep
+
+        sweep = load_sweep(config, list(overrides))
+        scripts = render_sweep_arrays(sweep, profile, str(config.resolve()), template_dir)
+        for p, point_cfg in zip(sweep.points, sweep.configs, strict=True):
+            scripts |= {f"{p.name}/{kind}": text for kind, text in render_scripts(
+                point_cfg, profile, RunPaths.of(point_cfg.output_dir), str(config.resolve()), template_dir).items()}
+    else:
+        scripts = render_scripts(cfg, profile, RunPaths.of(cfg.output_dir), str(config.resolve()), template_dir)
     for kind, text in scripts.items():
         if out:
             atomic_write(out / f"{kind}.sbatch", text)
@@ -280,13 +289,22 @@ def estimate(config: Path, overrides: tuple[str, ...], as_json: bool) -> None:
     from slurmft.plan.estimate_text import render_table
 
     cfg, profile = _load_plan(config, overrides)
-    result = run_estimate(cfg, profile)
+    if cfg.sweep is not None:  # every point; the array's allocation must hold the largest
+        from slurmft.sweep import load_sweep
+
+        sweep = load_sweep(config, list(overrides))
+        results = {p.name: run_estimate(c, profile) for p, c in zip(sweep.points, sweep.configs, strict=True)}
+    else:
+        results = {"": run_estimate(cfg, profile)}
     if as_json:
-        click.echo(json.dumps(result, indent=2))
+        click.echo(json.dumps(results[""] if cfg.sweep is None else results, indent=2))
         return
     from rich.console import Console
 
-    Console().print(render_table(result))
+    for name, result in results.items():
+        if name:
+            click.echo(f"point {name}:")
+        Console().print(render_table(result))
 
 
 @cli.command()

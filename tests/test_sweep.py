@@ -127,14 +127,17 @@ def test_a_point_that_does_not_fit_is_named_and_nothing_is_written(tmp_path: Pat
 
 
 def test_array_scripts_pick_the_task_point_and_are_shellcheck_clean(tmp_path: Path) -> None:
-    from slurmft.submit.sweep import _render_arrays
+    from slurmft.plan.render import render_sweep_arrays
 
     sweep = load_sweep(write(tmp_path))
     assert sweep is not None
-    scripts = _render_arrays(sweep, load_profile("local-test"), "run.yaml", None)
-    assert set(scripts) == {"train", "consolidate"}
+    scripts = render_sweep_arrays(sweep, load_profile("local-test"), "run.yaml", None)
+    assert set(scripts) == {"prepare", "train", "consolidate"}
+    assert "#SBATCH --array" not in scripts["prepare"] and "#SBATCH --job-name=sw-prepare\n" in scripts["prepare"]
     out = tmp_path / "out"
     for kind, text in scripts.items():
+        if kind == "prepare":
+            continue
         assert f"#SBATCH --array=0-3%2\n#SBATCH --output={out}/logs/{kind}-%A_%a.out\n" in text
         assert f"#SBATCH --job-name=sw-{kind}\n" in text
         for i, point in enumerate(sweep.points):

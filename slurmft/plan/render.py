@@ -317,6 +317,23 @@ def build_array_context(cfg: RunConfig, profile: ClusterProfile, sweep: RunPaths
     }
 
 
+def render_sweep_arrays(sweep: Any, profile: ClusterProfile, config_path: str = "",
+                        template_dir: str | Path | None = None) -> dict[str, str]:
+    """A sweep's prepare script (one job for every point), train array script and consolidation array's, named after
+    the sweep, with the allocation of its first point (every point has the same: slurmft.sweep.FIXED, slurmft.submit.sweep.check_one_allocation)."""
+    first = sweep.configs[0].model_copy(update={"name": sweep.cfg.name})
+    dirs = [Path(c.output_dir) for c in sweep.configs]
+    root = RunPaths.of(sweep.cfg.output_dir)
+    kinds = ["train", *(["consolidate"] if first.consolidate.enabled else [])]
+    scripts = {}
+    if first.prepare.enabled:  # one prepare job for the sweep (not an array)
+        command = submitit_command(rank_python_for(first, profile), root.submitit)
+        scripts["prepare"] = render(PREPARE_TEMPLATE, build_prepare_context(first, profile, root, command, config_path),
+                                    template_dir)
+    return scripts | {kind: render(ARRAY_TEMPLATE, build_array_context(
+        first, profile, root, kind, dirs, sweep.cfg.sweep.parallel, config_path), template_dir) for kind in kinds}
+
+
 def template_env(template_dir: str | Path | None = None) -> Any:
     """A Jinja environment over the user's template dir (if any) first, then the shipped templates."""
     import jinja2

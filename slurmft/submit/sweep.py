@@ -33,13 +33,12 @@ from slurmft.config import Executor, RunConfig
 from slurmft.errors import ConfigError, RunDirError, SubmissionError
 from slurmft.plan.elastic import allocation
 from slurmft.plan.render import (
-    ARRAY_TEMPLATE,
     PREPARE_TEMPLATE,
-    build_array_context,
     build_prepare_context,
     rank_python_for,
     render,
     render_scripts,
+    render_sweep_arrays,
     time_minutes,
 )
 from slurmft.profiles import ClusterProfile
@@ -122,7 +121,7 @@ def submit_sweep(sweep: Sweep, profile: ClusterProfile, config_path: str = "", t
     check_one_allocation(sweep, scripts)
     executor = sweep.cfg.resolved_executor
     check_executor(executor)
-    arrays = _render_arrays(sweep, profile, config_path, template_dir) if executor == Executor.SLURM else {}
+    arrays = render_sweep_arrays(sweep, profile, config_path, template_dir) if executor == Executor.SLURM else {}
     created = not paths.root.exists()
     paths.root.mkdir(parents=True, exist_ok=True)
     acquire_lock(root, "submit", say)
@@ -168,18 +167,6 @@ def check_one_allocation(sweep: Sweep, scripts: list[dict[str, str]]) -> None:
     if problems:
         raise ConfigError("sweep: the tasks of one Slurm array share one allocation; make these points two sweeps",
                           problems)
-
-
-def _render_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str,
-                   template_dir: str | None) -> dict[str, str]:
-    """The train array's script (and the consolidation array's), named after the sweep."""
-    assert sweep.cfg.sweep is not None
-    first = sweep.configs[0].model_copy(update={"name": sweep.cfg.name})
-    dirs = [Path(c.output_dir) for c in sweep.configs]
-    root = RunPaths.of(sweep.paths.root)
-    kinds = ["train", *(["consolidate"] if first.consolidate.enabled else [])]
-    return {kind: render(ARRAY_TEMPLATE, build_array_context(first, profile, root, kind, dirs, sweep.cfg.sweep.parallel,
-                                                             config_path), template_dir) for kind in kinds}
 
 
 def _write_points(sweep: Sweep, scripts: list[dict[str, str]], arrays: dict[str, str], record: dict[str, Any]) -> None:
