@@ -417,10 +417,13 @@ def runs(directory: Path, as_json: bool) -> None:
 @RUN_DIR
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="PNG to write (default RUN_DIR/loss.png).")
 def plot(run_dir: Path, out: Path | None) -> None:
-    """Loss and learning rate by step, each restart or resume marked (needs the `plot` extra: matplotlib)."""
+    """Loss and learning rate by step, each restart or resume marked (needs the `plot` extra: matplotlib). A sweep's
+    directory: every point's loss on one picture (SWEEP_DIR/loss.png)."""
+    from slurmft.rundir import is_sweep_dir
     from slurmft.watch.plot import plot_run
+    from slurmft.watch.sweep import plot_sweep
 
-    click.echo(f"wrote {plot_run(run_dir, out)}")
+    click.echo(f"wrote {(plot_sweep if is_sweep_dir(run_dir) else plot_run)(run_dir, out)}")
 
 
 @cli.command()

@@ -193,6 +193,8 @@ def test_local_sweep_runs_the_points_one_after_another(tmp_path: Path, micro_mod
     assert code == 0 and f"finished: {first.name}, {second.name}" in out  # nothing died: nothing re-submitted
     code, _, err = cli(["submit", str(path)], capsys)
     assert code == 2 and "already holds a sweep" in err
+    code, out, err = cli(["plot", str(root)], capsys)  # every point's loss on one picture
+    assert code == 0 and (root / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", err
 
 
 def test_the_best_point_is_the_best_scored_one_with_a_model(tmp_path: Path) -> None:

@@ -107,3 +107,44 @@ def format_table(record: dict[str, Any], rows: list[dict[str, Any]], best: dict[
     else:
         lines.append("best: none yet (no point has a score and a model)")
     return lines
+
+
+def plot_sweep(root: Path, out: str | Path | None = None) -> Path:
+    """``SWEEP_DIR/loss.png`` (or ``out``): every point's loss by step on one axes, lightly smoothed, one colour and
+    legend entry each (its name); a point without a step yet is left out. Returns the path written."""
+    from slurmft.errors import SlurmftError
+    from slurmft.watch.plot import DPI, SIZE_INCHES, series, smooth
+    from slurmft.watch.progress import read_metrics
+
+    curves = []
+    record = read_sweep_record(SweepPaths(root))
+    for point in record["points"]:
+        steps, loss = series(read_metrics(RunPaths.of(point["dir"]).metrics).records, "loss")
+        if steps:
+            curves.append((point["name"], steps, loss))
+    if not curves:
+        raise SlurmftError(f"nothing to plot for {root}", ["no point has logged a step yet"])
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise SlurmftError("plotting needs matplotlib", ["pip install 'slurmft[plot]' (or pip install matplotlib)"]
+                           ) from None
+    fig = Figure(figsize=SIZE_INCHES, dpi=DPI)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for name, steps, loss in curves:
+        weight = min(0.9, max(0.5, 1 - 10 / len(loss))) if len(loss) > 2 else 0.0
+        ax.plot(steps, smooth(loss, weight) if weight else loss, linewidth=1.6, label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (smoothed)")
+    ax.grid(True, alpha=0.3)
+    ax.set_title(f"sweep {record.get('name')}: the points' loss by step")
+    ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    target = Path(out) if out else Path(root) / "loss.png"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    fig.savefig(tmp, format="png")
+    tmp.replace(target)
+    return target
