@@ -221,8 +221,23 @@ def _write_pickles(sweep: Sweep, array: str, call: Callable[[RunConfig], tuple[C
         os.replace(tmp, target)
 
 
+def _pickles_or_cancel(sweep: Sweep, array: str, call: Callable[[RunConfig], tuple[Callable[..., Any], tuple]],
+                       timeout_min: int, jobs: list[str]) -> None:
+    """:func:`_write_pickles`; when they cannot be written, the jobs sent so far are cancelled (their tasks would
+    wait for pickles that never come, then fail)."""
+    try:
+        _write_pickles(sweep, array, call, timeout_min)
+    except OSError as exc:
+        cancelled = slurm.try_scancel(jobs)
+        raise SubmissionError(f"cannot write the array {array}'s pickles ({exc}); "
+                              + (f"cancelled {', '.join(jobs)}" if cancelled else f"could NOT cancel: scancel "
+                                 f"{' '.join(jobs)}")) from None
+
+
 def _submit_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str, template_dir: str | None,
                    groups: list[list[int]], record: dict[str, Any], result: SweepResult, say: Say) -> None:
+    from submitit.core.utils import FailedJobError
+
     from slurmft.job.entrypoint import run_consolidate, run_prepare_each, run_train
 
     root = RunPaths.of(sweep.paths.root)
@@ -239,7 +254,7 @@ def _submit_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str, temp
             ex = make_slurm_executor(root, 1, time_minutes(first.prepare.resources.time), text, None,
                                      rank_python_for(first, profile))
             prep = str(ex.submit(run_prepare_each, _leaders(sweep, groups)).job_id)
-        except (OSError, RuntimeError) as exc:
+        except (FailedJobError, OSError, RuntimeError) as exc:
             raise SubmissionError(f"sbatch refused the prepare job ({str(exc).strip()})") from None
         result.jobs["prepare"] = prep
         record["jobs"].append({"kind": "prepare", "job_id": prep, "prepares": _leaders(sweep, groups),
@@ -253,8 +268,8 @@ def _submit_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str, temp
         if prep:
             slurm.try_scancel([prep])
         raise SubmissionError(f"{exc}{f'; cancelled prepare job {prep}' if prep else ''}") from None
-    _write_pickles(sweep, train, lambda c: (run_train, (c.output_dir, c.preemption.signal)),
-                   time_minutes(first.cluster.time))
+    _pickles_or_cancel(sweep, train, lambda c: (run_train, (c.output_dir, c.preemption.signal)),
+                       time_minutes(first.cluster.time), [train, *([prep] if prep else [])])
     result.jobs["train"] = train
     record["jobs"].append({"kind": "train", "job_id": train, "tasks": n,
                            **({"dependency": f"afterok:{prep}"} if prep else {})})
@@ -279,8 +294,8 @@ def _submit_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str, temp
         cancelled = slurm.try_scancel([train, *([prep] if prep else [])])
         raise SubmissionError(f"{exc}; {'cancelled' if cancelled else 'could NOT cancel (run scancel)'} train array "
                               f"{train}") from None
-    _write_pickles(sweep, cons, lambda c: (run_consolidate, (c.output_dir, None, None)),
-                   time_minutes(first.consolidate.resources.time))
+    _pickles_or_cancel(sweep, cons, lambda c: (run_consolidate, (c.output_dir, None, None)),
+                       time_minutes(first.consolidate.resources.time), [cons, train, *([prep] if prep else [])])
     result.jobs["consolidate"] = cons
     record["jobs"].append({"kind": "consolidate", "job_id": cons, "tasks": n, "dependency": f"aftercorr:{train}"})
     for i, (cfg, manifest, attempt) in enumerate(zip(sweep.configs, manifests, attempts, strict=True)):
