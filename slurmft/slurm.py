@@ -278,6 +278,14 @@ def sbatch_script(script: str) -> Answer:
     return call(["sbatch", "--parsable", script])
 
 
+def own_job_id(environ: Mapping[str, str]) -> str:
+    """This job's id as slurmft records it, from inside the job: an array task's as ``<array>_<task>`` (what sbatch
+    answered and a sweep point's manifest says; ``scontrol`` takes it for that task alone), else ``SLURM_JOB_ID``.
+    The ranks' requeue markers and metrics and the batch shell's requeue decision all name the job so."""
+    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else environ.get("SLURM_JOB_ID", "")
+
+
 def sbatch_array(script: str, dependency: str | None = None) -> Answer:
     """``sbatch --parsable [--dependency=DEP --kill-on-invalid-dep=yes] SCRIPT``: a sweep's array job
     (slurmft/submit/sweep.py), whose tasks' pickles are written once its id is known (submitit's job processing

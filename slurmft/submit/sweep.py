@@ -11,7 +11,8 @@ run. What is shared:
 * **the train array** (``--array=0-(N-1)%P``, ``templates/array.sbatch.j2``): task i execs point i's own
   ``scripts/train.sbatch`` in the batch shell Slurm started, its output in point i's log. The point's script is
   the one a run alone would have, so its rendezvous port (from the task's own SLURM_JOB_ID), its run directory,
-  its requeue (``scontrol requeue`` of the task's own job id: that task only) are a run alone's;
+  its requeue (``scontrol requeue <array>_<task>``: that task only; :func:`slurmft.slurm.own_job_id`) are a run
+  alone's;
 * **the consolidation array**, ``--dependency=aftercorr:<train array>``: task i starts once train task i succeeded.
 
 submitit pairs a job with its pickled callable by job id; an array task's id is ``<array>_<task>``, so the

@@ -164,6 +164,9 @@ def test_a_preempted_task_is_requeued_alone(sweep_run: dict) -> None:
     steps = jobs.metrics(sweep_run["points"][PREEMPTED])
     assert sorted(m["step"] for m in steps) == list(range(1, TRAIN["max_steps"] + 1))
     assert {m["restart"] for m in steps} == {0, 1}
+    # the ranks name the task as its point's manifest does (its requeue marker too), so `status POINT` counts its steps
+    assert {m["job_id"] for m in steps} == {f"{array}_{PREEMPTED}"}
+    assert (sweep_run["points"][PREEMPTED] / "requeue" / f"{array}_{PREEMPTED}-0").is_file()
     log = (sweep_run["points"][PREEMPTED] / "logs" / f"train-{array}_{PREEMPTED}.out").read_text(errors="replace")
     assert "requeueing" in log
 
