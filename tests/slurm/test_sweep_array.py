@@ -191,6 +191,7 @@ def test_a_cancelled_task_is_resumed_alone_and_the_sweep_ranks_four_models(sweep
     assert code == 0 and f"best: {best['name']}" in out and "train.learning_rate=0.002 train.seed=7" in out
 
 
+@pytest.mark.every_slurm  # what squeue and sacct say of an array's never-started tasks is version-bound: both versions
 def test_cancel_of_the_sweep_directory_cancels_every_points_jobs(slurm_cluster, tiny_model: Path, chat_data: Path,
                                                                  tmp_path: Path, slurmft) -> None:
     """Cancelled while queued (no step trains): the prepare job, both arrays' tasks; status says so per point."""
