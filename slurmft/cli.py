@@ -92,12 +92,21 @@ def cli() -> None:
 @click.option("--template-dir", type=click.Path(file_okay=False, exists=True), help="Your own templates first.")
 def render(config: Path, overrides: tuple[str, ...], out: Path | None, template_dir: str | None) -> None:
     """Render train.sbatch and consolidate.sbatch (and prepare.sbatch with prepare.enabled) for RUN.yaml; print
-    them, submit nothing."""
-    from slurmft.plan.render import render_scripts
+    them, submit nothing. A sweep: its arrays' scripts, then each point's (POINT/train.sbatch, ...)."""
+    from slurmft.plan.render import render_scripts, render_sweep_arrays
     from slurmft.rundir import RunPaths, atomic_write
 
     cfg, profile = _load(config, overrides)
-    scripts = render_scripts(cfg, profile, RunPaths.of(cfg.output_dir), str(config.resolve()), template_dir)
+    if cfg.sweep is not None:
+        from slurmft.sweep import load_sweep
+
+        sweep = load_sweep(config, list(overrides))
+        scripts = render_sweep_arrays(sweep, profile, str(config.resolve()), template_dir)
+        for p, point_cfg in zip(sweep.points, sweep.configs, strict=True):
+            scripts |= {f"{p.name}/{kind}": text for kind, text in render_scripts(
+                point_cfg, profile, RunPaths.of(point_cfg.output_dir), str(config.resolve()), template_dir).items()}
+    else:
+        scripts = render_scripts(cfg, profile, RunPaths.of(cfg.output_dir), str(config.resolve()), template_dir)
     for kind, text in scripts.items():
         if out:
             atomic_write(out / f"{kind}.sbatch", text)
@@ -114,6 +123,9 @@ def validate(config: Path, overrides: tuple[str, ...]) -> None:
 
     RUN_DIR/config.yaml with overrides: checks the run as `slurmft resume RUN_DIR OVERRIDES` would continue it."""
     cfg, profile = _load_plan(config, overrides)
+    if cfg.sweep is not None:
+        _sweep_checked(config, overrides, profile, force=False)
+        return
     report = _checks(cfg, config)
     result = _estimate(cfg, profile)[0]
     _warn_lead_time(result, cfg, profile)
@@ -155,6 +167,9 @@ def submit(config: Path, overrides: tuple[str, ...], force: bool, template_dir: 
     from slurmft.submit.dispatch import check_submittable, submit_run
 
     cfg, profile = _load(config, overrides)
+    if cfg.sweep is not None:
+        _submit_sweep(config, overrides, profile, force, template_dir)
+        return
     check_submittable(cfg)
     _checks(cfg, config)
     result, why = _estimate(cfg, profile)
@@ -168,6 +183,66 @@ def submit(config: Path, overrides: tuple[str, ...], force: bool, template_dir: 
         _err(f"warning (--force): {p}")
     submitted = submit_run(cfg, profile, str(config.resolve()), template_dir, say=_err)
     _echo_jobs(submitted.run_dir, submitted.executor, submitted.jobs)
+
+
+def _sweep_checked(config: Path, overrides: tuple[str, ...], profile, force: bool):  # noqa: ANN001, ANN202
+    """RUN.yaml's sweep with every point checked (slurmft/plan/sweep_checks.py); says what it found."""
+    from slurmft.plan.sweep_checks import check_points
+    from slurmft.sweep import load_sweep
+
+    sweep = load_sweep(config, list(overrides))
+    assert sweep is not None
+    for line in check_points(sweep, profile, force):
+        _err(line)
+    click.echo(f"{config}: ok (sweep {sweep.cfg.name}: {len(sweep.points)} point(s), executor "
+               f"{sweep.cfg.resolved_executor.value}, profile {profile.name})")
+    for point in sweep.points:
+        click.echo(f"  {point.name}: {point.label()}")
+    return sweep
+
+
+def _submit_sweep(config: Path, overrides: tuple[str, ...], profile, force: bool,  # noqa: ANN001
+                  template_dir: str | None) -> None:
+    from slurmft.submit.sweep import submit_sweep
+
+    sweep = _sweep_checked(config, overrides, profile, force)
+    result = submit_sweep(sweep, profile, str(config.resolve()), template_dir, say=_err)
+    click.echo(f"sweep dir: {result.root}")
+    for kind, job_id in result.jobs.items():
+        click.echo(f"{kind} job: {job_id}")
+    click.echo(f"follow with: slurmft status {result.root}")
+    if result.failed:
+        raise SystemExit(1)
+
+
+def _sweep_status(root: Path, as_json: bool) -> None:
+    from slurmft.watch.sweep import format_table, sweep_rows, update_best
+
+    record, rows = sweep_rows(root)
+    best = update_best(root, rows)
+    if as_json:
+        click.echo(json.dumps({"sweep": record["name"], "executor": record["executor"], "select": record["select"],
+                               "jobs": record["jobs"], "points": rows, "best": best and best["name"]}, indent=2))
+        return
+    for line in format_table(record, rows, best):
+        click.echo(line)
+
+
+def _resume_sweep(root: Path, overrides: tuple[str, ...], template_dir: str | None, force: bool) -> None:
+    from slurmft.submit.sweep import resume_sweep
+
+    done = resume_sweep(root, list(overrides), template_dir, say=_err, force=force)
+    for name, result in done.resumed.items():
+        for kind, job_id in result.jobs.items():
+            click.echo(f"point {name}: {kind} job: {job_id}")
+    for what, names in (("finished", done.finished), ("still queued or running", done.live)):
+        if names:
+            click.echo(f"{what}: {', '.join(names)}")
+    if not done.resumed and not done.refused:
+        click.echo(f"{root}: no point to resume")
+    click.echo(f"follow with: slurmft status {root}")
+    if done.refused:
+        raise SystemExit(1)
 
 
 def _echo_jobs(run_dir: Path, executor: str, jobs: dict[str, str]) -> None:
@@ -214,24 +289,38 @@ def estimate(config: Path, overrides: tuple[str, ...], as_json: bool) -> None:
     from slurmft.plan.estimate_text import render_table
 
     cfg, profile = _load_plan(config, overrides)
-    result = run_estimate(cfg, profile)
+    if cfg.sweep is not None:  # every point; the array's allocation must hold the largest
+        from slurmft.sweep import load_sweep
+
+        sweep = load_sweep(config, list(overrides))
+        results = {p.name: run_estimate(c, profile) for p, c in zip(sweep.points, sweep.configs, strict=True)}
+    else:
+        results = {"": run_estimate(cfg, profile)}
     if as_json:
-        click.echo(json.dumps(result, indent=2))
+        click.echo(json.dumps(results[""] if cfg.sweep is None else results, indent=2))
         return
     from rich.console import Console
 
-    Console().print(render_table(result))
+    for name, result in results.items():
+        if name:
+            click.echo(f"point {name}:")
+        Console().print(render_table(result))
 
 
 @cli.command()
 @RUN_DIR
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(run_dir: Path, as_json: bool) -> None:
-    """State of every job of a run: kind, job id, attempt, state, reason, elapsed, and what to do next."""
-    from slurmft.rundir import RunPaths
+    """State of every job of a run: kind, job id, attempt, state, reason, elapsed, and what to do next.
+
+    A sweep's directory: one row per point (overrides, state, step, loss, score), the points ranked, SWEEP_DIR/best."""
+    from slurmft.rundir import RunPaths, is_sweep_dir
     from slurmft.watch.progress import overview, overview_lines
     from slurmft.watch.status import run_state
 
+    if is_sweep_dir(run_dir):
+        _sweep_status(run_dir, as_json)
+        return
     paths = RunPaths.of(run_dir)
     state = run_state(paths)
     manifest, rows = state.manifest, state.rows
@@ -328,10 +417,13 @@ def runs(directory: Path, as_json: bool) -> None:
 @RUN_DIR
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="PNG to write (default RUN_DIR/loss.png).")
 def plot(run_dir: Path, out: Path | None) -> None:
-    """Loss and learning rate by step, each restart or resume marked (needs the `plot` extra: matplotlib)."""
+    """Loss and learning rate by step, each restart or resume marked (needs the `plot` extra: matplotlib). A sweep's
+    directory: every point's loss on one picture (SWEEP_DIR/loss.png)."""
+    from slurmft.rundir import is_sweep_dir
     from slurmft.watch.plot import plot_run
+    from slurmft.watch.sweep import plot_sweep
 
-    click.echo(f"wrote {plot_run(run_dir, out)}")
+    click.echo(f"wrote {(plot_sweep if is_sweep_dir(run_dir) else plot_run)(run_dir, out)}")
 
 
 @cli.command()
@@ -352,10 +444,12 @@ FORCE_OTHERS = click.option("--force", is_flag=True,
 @RUN_DIR
 @FORCE_OTHERS
 def cancel(run_dir: Path, force: bool) -> None:
-    """Cancel every live job of a run (train and consolidation, and tagged jobs the manifest missed)."""
-    from slurmft.submit.cancel import cancel_run
+    """Cancel every live job of a run (train and consolidation, and tagged jobs the manifest missed); of every point
+    of a sweep's directory."""
+    from slurmft.rundir import is_sweep_dir
+    from slurmft.submit.cancel import cancel_run, cancel_sweep
 
-    result = cancel_run(run_dir, force, say=_err)
+    result = (cancel_sweep if is_sweep_dir(run_dir) else cancel_run)(run_dir, force, say=_err)
     for line in result.not_touched:
         _err(f"not cancelled: {line}")
     click.echo(f"cancelled: {', '.join(result.cancelled)}" if result.cancelled else "no live jobs to cancel")
@@ -374,8 +468,12 @@ def resume(run_dir: Path, overrides: tuple[str, ...], template_dir: str | None, 
     checkpoint.keep_last, resources.* (another number of nodes or ranks keeps the global batch: accumulation
     is recomputed; check it first with `slurmft estimate RUN_DIR/config.yaml resources...`).
     """
+    from slurmft.rundir import is_sweep_dir
     from slurmft.submit.resume import Phase, resume_run
 
+    if is_sweep_dir(run_dir):
+        _resume_sweep(run_dir, overrides, template_dir, force)
+        return
     result = resume_run(run_dir, list(overrides), template_dir, say=_err, force=force)
     if result.phase == Phase.FINISHED:
         click.echo(f"{result.run_dir} is finished: trained to step {result.step} and consolidated; nothing to resume")

@@ -25,6 +25,7 @@ from slurmft.config_cluster import (
     ResourcesConfig,
 )
 from slurmft.config_model_checks import EvalConfig, ServeConfig
+from slurmft.config_sweep import SweepConfig
 from slurmft.config_values import NAME_RE, PATH_RE, Section, Size, check_value, slurm_time_seconds
 from slurmft.lora import ALL_LINEAR, lora_scaling
 from slurmft.precision import PRECISIONS
@@ -417,6 +418,10 @@ class RunConfig(Section):
     eval: EvalConfig | None = Field(
         None, description="After consolidation, a job that scores the model (and the base) with lm-eval-harness "
         "(docs/serve-eval.md)."
+    )
+    sweep: SweepConfig | None = Field(
+        None, description="Several runs from this file, one per point of a grid of overrides, as one Slurm job "
+        "array sharing one prepare job (docs/sweeps.md)."
     )
 
     @field_validator("name")

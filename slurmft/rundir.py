@@ -220,6 +220,48 @@ class RunPaths:
                                            self.tensorboard, self.wandb, self.prepared))
 
 
+SWEEP_VERSION = 1
+
+
+class SweepPaths:
+    """The files of a sweep directory (a point's own files are its :class:`~slurmft.rundir.RunPaths`)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    @property
+    def record(self) -> Path:
+        """``sweep.json``: points, overrides, directories, job ids."""
+        return self.root / "sweep.json"
+
+    @property
+    def best(self) -> Path:
+        """A link to the best point's model directory (by ``sweep.select``)."""
+        return self.root / "best"
+
+    def point(self, name: str) -> Path:
+        return self.root / name
+
+
+def is_sweep_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a sweep directory (it holds ``sweep.json``)."""
+    return SweepPaths(path).record.is_file()
+
+
+def read_sweep_record(paths: SweepPaths) -> dict[str, Any]:
+    try:
+        record = json.loads(paths.record.read_text())
+    except (OSError, ValueError) as exc:
+        raise RunDirError(f"{paths.record}: not a readable sweep record ({exc.__class__.__name__})") from None
+    if not isinstance(record, dict) or record.get("version") != SWEEP_VERSION:
+        raise RunDirError(f"{paths.record}: not a sweep record of this slurmft (version {SWEEP_VERSION})")
+    return record
+
+
+def write_sweep_record(paths: SweepPaths, record: dict[str, Any]) -> None:
+    atomic_write(paths.record, json.dumps(record, indent=2) + "\n")
+
+
 @dataclass(frozen=True)
 class ProbePaths:
     """Every path of one ``slurmft doctor --job`` probe: its own directory (not a run directory: a probe must

@@ -76,7 +76,9 @@ STRIPPED_NAMES = frozenset({"SLURM_TIME_FORMAT", "SLURM_BITSTR_LEN", "SLURM_TOPO
 #: Field delimiter of every query: ASCII unit separator. ``|`` is not enough: a job name or comment may
 #: hold one (``-J 'a|b'`` shifted the comment, so the run's tag no longer matched; checked on 22.05).
 SEP = "\x1f"
-SQUEUE_FIELDS = ("JobID", "State", "Reason", "TimeUsed", "RestartCnt", "Name", "Comment")
+#: ``JobArrayID``: a job's id, an array task's as ``<array>_<task>`` (what sbatch's answer and a sweep point's manifest
+#: name it; ``JobID`` would print the task's own number) and the array's pending tasks as ``<array>_[1-3%2]``.
+SQUEUE_FIELDS = ("JobArrayID", "State", "Reason", "TimeUsed", "RestartCnt", "Name", "Comment")
 SQUEUE_KEYS = ("job_id", "state", "reason", "elapsed", "restarts", "name", "comment")
 SACCT_FIELDS = ("JobID", "State", "Elapsed", "ExitCode", "Start", "End")
 
@@ -151,8 +153,25 @@ def parse_squeue(text: str) -> dict[str, dict[str, str]]:
         parts = [p.strip() for p in line.rstrip("\n").removesuffix(SEP).split(SEP, len(SQUEUE_FIELDS) - 1)]
         if len(parts) == len(SQUEUE_FIELDS):
             row = dict(zip(SQUEUE_KEYS, parts, strict=True))
-            info[row["job_id"]] = row
+            for job_id in array_tasks(row["job_id"]):
+                info[job_id] = {**row, "job_id": job_id}
     return info
+
+
+_PENDING_TASKS = re.compile(r"^(\d+)_\[([\d,-]+)(?:%\d+)?\]$")
+
+
+def array_tasks(job_id: str) -> list[str]:
+    """``7_[1-3,5%2]`` (an array's tasks still pending as one record) -> 7_1, 7_2, 7_3, 7_5; any other id itself."""
+    m = _PENDING_TASKS.match(job_id)
+    if not m:
+        return [job_id]
+    tasks: list[str] = []
+    for part in m.group(2).split(","):
+        first, _, last = part.partition("-")
+        if first.isdigit() and (last.isdigit() or not last):
+            tasks += [f"{m.group(1)}_{i}" for i in range(int(first), int(last or first) + 1)]
+    return tasks or [job_id]
 
 
 def squeue_jobs() -> dict[str, dict[str, str]] | None:
@@ -176,8 +195,13 @@ def parse_sacct(text: str) -> dict[str, dict[str, str]]:
     for line in text.splitlines():
         parts = [p.strip() for p in line.split(SEP)]  # not line.strip(): Python counts SEP as blank
         if len(parts) == len(SACCT_FIELDS) and parts[1]:
-            info[parts[0]] = {"state": parts[1].split()[0], "elapsed": parts[2], "exit_code": parts[3],
-                              "start": parts[4], "end": parts[5]}
+            row = {"state": parts[1].split()[0], "elapsed": parts[2], "exit_code": parts[3], "start": parts[4],
+                   "end": parts[5]}
+            tasks = array_tasks(parts[0])
+            if tasks == [parts[0]]:
+                info[parts[0]] = row
+            for task in tasks:  # an array's tasks that never started: one record, ``7_[0-3%2]``
+                info.setdefault(task, dict(row))
     return info
 
 
@@ -185,8 +209,17 @@ def sacct_jobs(job_ids: list[str]) -> dict[str, dict[str, str]] | None:
     """Final state, exit code, start and end from accounting, one call; None when sacct does not answer."""
     if not job_ids:
         return {}
-    answer = call(sacct_args(job_ids))
-    return parse_sacct(answer.stdout) if answer.ok else None
+    # an array task that never started has no line of its own: the array's record (asked by the array's id) has it
+    arrays = [j.split("_", 1)[0] for j in job_ids if "_" in j]
+    answer = call(sacct_args(list(dict.fromkeys([*job_ids, *arrays]))))
+    if not answer.ok:
+        return None
+    info = parse_sacct(answer.stdout)
+    for task in job_ids:  # an array cancelled before any task was split off: one record, the array's bare id
+        base = task.split("_", 1)[0]
+        if "_" in task and task not in info and base in info:
+            info[task] = dict(info[base])
+    return info
 
 
 # ------------------------------------------------------------------ scancel
@@ -243,6 +276,22 @@ def sbatch_script(script: str) -> Answer:
     submitit (slurmft.submit.dispatch), which pairs each job with its pickled callable; the probe has
     none. ``stdout`` holds ``JOBID[;CLUSTER]``."""
     return call(["sbatch", "--parsable", script])
+
+
+def own_job_id(environ: Mapping[str, str]) -> str:
+    """This job's id as slurmft records it, from inside the job: an array task's as ``<array>_<task>`` (what sbatch
+    answered and a sweep point's manifest says; ``scontrol`` takes it for that task alone), else ``SLURM_JOB_ID``.
+    The ranks' requeue markers and metrics and the batch shell's requeue decision all name the job so."""
+    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else environ.get("SLURM_JOB_ID", "")
+
+
+def sbatch_array(script: str, dependency: str | None = None) -> Answer:
+    """``sbatch --parsable [--dependency=DEP --kill-on-invalid-dep=yes] SCRIPT``: a sweep's array job
+    (slurmft/submit/sweep.py), whose tasks' pickles are written once its id is known (submitit's job processing
+    waits for them). ``stdout`` holds ``JOBID[;CLUSTER]``."""
+    dep = [f"--dependency={dependency}", "--kill-on-invalid-dep=yes"] if dependency else []
+    return call(["sbatch", "--parsable", *dep, script])
 
 
 def hostnames(nodelist: str) -> list[str]:

@@ -122,3 +122,18 @@ def test_a_free_port_is_one_the_kernel_never_hands_out_and_nothing_listens_on(mo
     for port in ports:
         with socket.socket() as s:
             s.bind(("", port))  # free indeed
+
+
+def test_an_array_task_is_named_as_sbatch_and_the_manifest_name_it() -> None:
+    """A sweep's train task: its metrics, markers and requeue name it <array>_<task> (the point's manifest does);
+    the rendezvous port still comes from its own number (two tasks on one node differ)."""
+    from slurmft import slurm
+    from slurmft.job.rendezvous import JobEnv, port_for_job
+
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "33",
+           "SLURM_ARRAY_JOB_ID": "27", "SLURM_ARRAY_TASK_ID": "1", "SLURMFT_MASTER_ADDR": "10.0.0.1"}
+    job = JobEnv.from_environ(env)
+    assert (job.job_id, job.master_port) == ("27_1", port_for_job("33"))
+    assert slurm.own_job_id(env) == "27_1"
+    plain = {k: v for k, v in env.items() if not k.startswith("SLURM_ARRAY")}
+    assert JobEnv.from_environ(plain).job_id == slurm.own_job_id(plain) == "33"

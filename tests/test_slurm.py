@@ -49,6 +49,26 @@ def test_parse_squeue_keeps_whole_values_with_bars_in_them() -> None:
     assert info["4"]["reason"] == "Dependency"
 
 
+def test_parse_squeue_names_array_tasks_as_sbatch_does_and_spreads_the_pending_ones() -> None:
+    """``-O JobArrayID`` (checked on 22.05.8): a running task is ``<array>_<task>`` (a sweep point's manifest names
+    it so), the tasks still pending are one record ``<array>_[1-3,5%2]``: one row per task."""
+    info = slurm.parse_squeue(f"43_[1-3,5%2]{S}PENDING{S}JobArrayTaskLimit{S}0:00{S}0{S}sw-train{S}x{S}\n"
+                              f"43_0{S}RUNNING{S}None{S}0:05{S}0{S}sw-train{S}x{S}\n"
+                              f"41{S}PENDING{S}Dependency{S}0:00{S}0{S}wrap{S}(null){S}\n")
+    assert list(info) == ["43_1", "43_2", "43_3", "43_5", "43_0", "41"]
+    assert info["43_2"]["job_id"] == "43_2" and info["43_2"]["reason"] == "JobArrayTaskLimit"
+    assert info["43_0"]["state"] == "RUNNING"
+    assert slurm.array_tasks("7_[2]") == ["7_2"] and slurm.array_tasks("7_[x]") == ["7_[x]"]
+
+
+def test_parse_sacct_spreads_an_arrays_tasks_that_never_started() -> None:
+    """Cancelled while pending (checked on 22.05.8): ``sacct -j 155_0`` prints nothing, ``sacct -j 155`` one record."""
+    info = slurm.parse_sacct(f"155_[1-2%2]{S}CANCELLED by 0{S}00:00:00{S}0:0{S}None{S}2026-12-06T08:05:00\n"
+                             f"155_0{S}COMPLETED{S}00:00:09{S}0:0{S}2026-12-06T08:04:00{S}2026-12-06T08:04:09\n")
+    assert {k: v["state"] for k, v in info.items()} == {"155_1": "CANCELLED", "155_2": "CANCELLED",
+                                                        "155_0": "COMPLETED"}
+
+
 def test_parse_sacct_takes_the_first_word_of_the_state_and_keeps_empty_fields() -> None:
     info = slurm.parse_sacct(SACCT)
     assert info["3"] == {"state": "CANCELLED", "elapsed": "00:00:01", "exit_code": "0:0",

@@ -116,6 +116,13 @@ def run_prepare(run_dir: str) -> dict[str, object]:
     return dict(record.get("result", {}))
 
 
+def run_prepare_each(run_dirs: list[str]) -> dict[str, object]:
+    """A sweep's one prepare job: each distinct prepared set, into the run directory of the first point that reads
+    it (the others link to it), one after another; the first that fails ends the job (its error as
+    :func:`run_prepare`'s), and the train array, waiting on it, is cancelled."""
+    return {run_dir: run_prepare(run_dir) for run_dir in run_dirs}
+
+
 def run_consolidate(run_dir: str, checkpoint: str | None = None, out: str | None = None) -> dict[str, object]:
     """Consolidation job body (single process): the newest complete checkpoint (or ``checkpoint``) into
     ``RUN_DIR/model`` (or ``out``)."""
@@ -125,6 +132,9 @@ def run_consolidate(run_dir: str, checkpoint: str | None = None, out: str | None
 
     summary = consolidate_run(run_dir, checkpoint, out)
     write_report_safely(run_dir)  # report.md + loss.png; a report problem never fails the export
+    from slurmft.watch.sweep import refresh_best_safely
+
+    refresh_best_safely(run_dir)  # a sweep's point: SWEEP_DIR/best, now that this point's model exists
     return summary
 
 

@@ -136,9 +136,9 @@ class JobEnv:
             ntasks = int(env["SLURM_NTASKS"])
             nnodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
             local_ws = int(env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or max(1, ntasks // nnodes))
-            job = env.get("SLURM_JOB_ID", "0")
+            job = slurm.own_job_id(env) or "0"
             addr = env.get("MASTER_ADDR")
-            port = int(env.get("MASTER_PORT") or port_for_job(job))
+            port = int(env.get("MASTER_PORT") or port_for_job(env.get("SLURM_JOB_ID", "0")))
             if not addr:
                 addr, port = master_address(env)
             return cls(

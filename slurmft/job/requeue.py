@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-signal", default="", help="the last signal the batch shell trapped, if any")
     args = ap.parse_args(argv)
     paths = RunPaths.of(args.run_dir)
-    job_id = os.environ.get("SLURM_JOB_ID", "")
+    job_id = slurm.own_job_id(os.environ)
     restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
     marker_path = paths.requeue_marker(job_id, restart)
     marker = None

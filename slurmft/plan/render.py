@@ -37,6 +37,8 @@ from slurmft.rundir import RunPaths
 TRAIN_TEMPLATE = "train.sbatch.j2"
 CONSOLIDATE_TEMPLATE = "consolidate.sbatch.j2"
 PREPARE_TEMPLATE = "prepare.sbatch.j2"
+#: A sweep's train or consolidation array: task i runs point i's own script (docs/sweeps.md).
+ARRAY_TEMPLATE = "array.sbatch.j2"
 #: The jobs after consolidation (the ``serve`` and ``eval`` sections), one template each.
 MODEL_JOB_TEMPLATES = {"serve": "serve.sbatch.j2", "eval": "eval.sbatch.j2"}
 
@@ -293,6 +295,47 @@ def _cpu_job_context(cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, c
         "srun_args": srun_args,
         "command": task_command,
     }
+
+
+def array_log_pattern(paths: RunPaths, kind: str) -> Path:
+    """Slurm ``--output`` of a sweep's array job in the sweep directory (%A = the array's id, %a = the task): what
+    a task prints before it hands over to its point's script, which appends to the point's own log."""
+    return paths.logs / f"{kind}-%A_%a.out"
+
+
+def build_array_context(cfg: RunConfig, profile: ClusterProfile, sweep: RunPaths, kind: str, run_dirs: list[Path],
+                        parallel: int | None = None, config_path: str = "") -> dict[str, Any]:
+    """A sweep's ``train`` or ``consolidate`` array (``--array=0-(N-1)%P``): the allocation of one point's job
+    (``cfg``: every point has the same, slurmft.sweep.FIXED) and, per task, the point whose script it runs."""
+    build = build_train_context if kind == "train" else build_consolidate_context
+    single = build(cfg, profile, sweep, submitit_command(rank_python_for(cfg, profile), sweep.submitit), config_path)
+    n = len(run_dirs)
+    directives = [d for d in single["directives"] if not d.startswith(("--output", "--error"))]
+    directives += [_flag("array", f"0-{n - 1}%{min(n, parallel or n)}"),
+                   _flag("output", array_log_pattern(sweep, kind)), _flag("error", array_log_pattern(sweep, kind))]
+    return {
+        **_common(cfg, sweep, kind, config_path),
+        "directives": directives,
+        "points": [{"index": i, "run_dir": q(d)} for i, d in enumerate(run_dirs)],
+        "script": q(RunPaths.of(run_dirs[0]).script(kind).name),
+    }
+
+
+def render_sweep_arrays(sweep: Any, profile: ClusterProfile, config_path: str = "",
+                        template_dir: str | Path | None = None) -> dict[str, str]:
+    """A sweep's prepare script (one job for every point), train array script and consolidation array's, named after
+    the sweep, with the allocation of its first point (every point has the same: slurmft.sweep.FIXED, slurmft.submit.sweep.check_one_allocation)."""
+    first = sweep.configs[0].model_copy(update={"name": sweep.cfg.name})
+    dirs = [Path(c.output_dir) for c in sweep.configs]
+    root = RunPaths.of(sweep.cfg.output_dir)
+    kinds = ["train", *(["consolidate"] if first.consolidate.enabled else [])]
+    scripts = {}
+    if first.prepare.enabled:  # one prepare job for the sweep (not an array)
+        command = submitit_command(rank_python_for(first, profile), root.submitit)
+        scripts["prepare"] = render(PREPARE_TEMPLATE, build_prepare_context(first, profile, root, command, config_path),
+                                    template_dir)
+    return scripts | {kind: render(ARRAY_TEMPLATE, build_array_context(
+        first, profile, root, kind, dirs, sweep.cfg.sweep.parallel, config_path), template_dir) for kind in kinds}
 
 
 def template_env(template_dir: str | Path | None = None) -> Any:

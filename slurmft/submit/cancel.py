@@ -75,3 +75,30 @@ def cancel_run(run_dir: Path, force: bool = False, say=lambda _: None) -> Cancel
     finally:
         if locked:
             release_lock(paths)
+
+
+def cancel_sweep(root: Path, force: bool = False, say=lambda _: None) -> CancelResult:  # noqa: ANN001
+    """Every live job of every point of a sweep in one ``scancel`` (the shared prepare job, the array tasks, the jobs
+    of resumed points); a local sweep's points one by one (:func:`cancel_run` signals their processes). Each point's
+    owner is checked first, as for a run alone."""
+    from slurmft.rundir import SweepPaths, read_sweep_record
+
+    points = [RunPaths.of(p["dir"]) for p in read_sweep_record(SweepPaths(root))["points"]]
+    manifests = {paths: read_manifest(paths) for paths in points}
+    for paths, manifest in manifests.items():
+        check_owner(paths, manifest, "cancel", force)
+    result = CancelResult()
+    live: list[str] = []
+    for paths, manifest in manifests.items():
+        if manifest.get("executor") == "local":
+            one = cancel_run(paths.root, force, say)
+            result.cancelled += one.cancelled
+            result.not_touched += one.not_touched
+            continue
+        state = run_state(paths, adopt=False)
+        result.not_touched += [f"{paths.root.name}: {r['kind']} job {r['job_id']}: {r['words']}" for r in state.unseen()]
+        live += [j for j in state.live(include_completing=False) if j not in live]
+    if live:
+        scancel(live)
+        result.cancelled += live
+    return result

@@ -1,0 +1,382 @@
+"""Submitting a sweep: every point a complete run directory, one prepare job, the train jobs as one Slurm array,
+the consolidations as a second array, task i after train task i.
+
+Each point's directory is written exactly as ``submit_run`` writes a run alone (its config.yaml, its rendered
+scripts, its manifest), so ``status``, ``logs``, ``resume``, ``consolidate`` and ``cancel`` work on it as on any
+run. What is shared:
+
+* **one prepare job** (``prepare.enabled``) for the whole sweep: it prepares each distinct prepared set
+  (points group by :func:`slurmft.prepared.settings`; a swept seed or data key makes several) into the first
+  point of its group, and the others' ``prepared`` is a link to it;
+* **the train array** (``--array=0-(N-1)%P``, ``templates/array.sbatch.j2``): task i execs point i's own
+  ``scripts/train.sbatch`` in the batch shell Slurm started, its output in point i's log. The point's script is
+  the one a run alone would have, so its rendezvous port (from the task's own SLURM_JOB_ID), its run directory,
+  its requeue (``scontrol requeue <array>_<task>``: that task only; :func:`slurmft.slurm.own_job_id`) are a run
+  alone's;
+* **the consolidation array**, ``--dependency=aftercorr:<train array>``: task i starts once train task i succeeded.
+
+submitit pairs a job with its pickled callable by job id; an array task's id is ``<array>_<task>``, so the
+callable of task i is written into point i's submitit folder under that id once sbatch answered (the job's
+submitit processing waits for it). The local executor runs the points one after another with the same layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slurmft import prepared, slurm
+from slurmft.config import Executor, RunConfig
+from slurmft.errors import ConfigError, RunDirError, SubmissionError
+from slurmft.plan.elastic import allocation
+from slurmft.plan.render import (
+    PREPARE_TEMPLATE,
+    build_prepare_context,
+    rank_python_for,
+    render,
+    render_scripts,
+    render_sweep_arrays,
+    time_minutes,
+)
+from slurmft.profiles import ClusterProfile
+from slurmft.rundir import (
+    SWEEP_VERSION,
+    RunPaths,
+    SweepPaths,
+    acquire_lock,
+    atomic_write,
+    new_manifest,
+    read_sweep_record,
+    record_job,
+    release_lock,
+    start_attempt,
+    write_manifest,
+    write_sweep_record,
+)
+from slurmft.submit.dispatch import (
+    SubmitResult,
+    _write_run_dir,
+    check_executor,
+    check_run_dir_free,
+    check_submittable,
+    dispatch_attempt,
+    make_slurm_executor,
+)
+from slurmft.sweep import Sweep
+
+Say = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+@dataclass
+class SweepResult:
+    """What a sweep submit produced: its jobs (arrays by their id) and each point's run."""
+
+    root: Path
+    executor: str
+    jobs: dict[str, str] = field(default_factory=dict)
+    points: dict[str, SubmitResult] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+def prepare_groups(configs: list[RunConfig]) -> list[list[int]]:
+    """Point indices grouped by the prepared set they read (:func:`slurmft.prepared.settings`), in point order; the
+    first of each group prepares it. No groups without ``prepare.enabled`` (each train job prepares its own)."""
+    groups: dict[str, list[int]] = {}
+    for i, cfg in enumerate(configs):
+        if cfg.prepare.enabled:
+            groups.setdefault(json.dumps(prepared.settings(cfg), sort_keys=True, default=str), []).append(i)
+    return list(groups.values())
+
+
+def new_record(sweep: Sweep, config_path: str) -> dict[str, Any]:
+    """``sweep.json`` before any job: the points, their overrides and directories."""
+    assert sweep.cfg.sweep is not None
+    return {"version": SWEEP_VERSION, "name": sweep.cfg.name, "executor": sweep.cfg.resolved_executor.value,
+            "config": config_path, "select": sweep.cfg.sweep.select.model_dump(),
+            "points": [{"index": p.index, "name": p.name, "dir": c.output_dir, "overrides": p.overrides}
+                       for p, c in zip(sweep.points, sweep.configs, strict=True)],
+            "jobs": []}
+
+
+def submit_sweep(sweep: Sweep, profile: ClusterProfile, config_path: str = "", template_dir: str | None = None,
+                 say: Say = _quiet) -> SweepResult:
+    """Write the sweep directory and every point's run directory, then send (Slurm) or run (local) the jobs."""
+    paths = sweep.paths
+    root = RunPaths.of(paths.root)
+    for cfg in sweep.configs:
+        check_submittable(cfg)
+    if paths.record.is_file():
+        raise RunDirError(f"output_dir {paths.root} already holds a sweep; follow it with `slurmft status {paths.root}`, "
+                          f"continue its points that died with `slurmft resume {paths.root}`, or use another output_dir")
+    check_run_dir_free(root)
+    scripts = [render_scripts(cfg, profile, RunPaths.of(cfg.output_dir), config_path, template_dir)
+               for cfg in sweep.configs]  # every render error before any write
+    check_one_allocation(sweep, scripts)
+    executor = sweep.cfg.resolved_executor
+    check_executor(executor)
+    arrays = render_sweep_arrays(sweep, profile, config_path, template_dir) if executor == Executor.SLURM else {}
+    created = not paths.root.exists()
+    paths.root.mkdir(parents=True, exist_ok=True)
+    acquire_lock(root, "submit", say)
+    result = SweepResult(paths.root, executor.value)
+    record = new_record(sweep, config_path)
+    try:
+        _write_points(sweep, scripts, arrays, record)
+        groups = prepare_groups(sweep.configs)
+        _link_prepared(sweep, groups)
+        if executor == Executor.SLURM:
+            _submit_arrays(sweep, profile, config_path, template_dir, groups, record, result, say)
+        else:
+            _run_points_here(sweep, profile, config_path, template_dir, groups, record, result, say)
+    except BaseException:
+        if not result.jobs and created:
+            import shutil
+
+            shutil.rmtree(paths.root, ignore_errors=True)
+        raise
+    finally:
+        release_lock(root)
+    return result
+
+
+#: The directives that name a job rather than allocate it: they may differ between points.
+_OWN_DIRECTIVES = tuple(f"#SBATCH --{name}" for name in ("job-name", "comment", "output", "error"))
+
+
+def check_one_allocation(sweep: Sweep, scripts: list[dict[str, str]]) -> None:
+    """Every point's train and consolidation scripts ask Slurm for what the first point's do: an array has one
+    allocation (slurmft.sweep.FIXED refuses the keys known to change it; this catches any other)."""
+    def allocation_lines(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith("#SBATCH") and not line.startswith(_OWN_DIRECTIVES)]
+
+    problems = []
+    for kind in ("train", "consolidate"):
+        first = allocation_lines(scripts[0].get(kind, ""))
+        for point, texts in zip(sweep.points[1:], scripts[1:], strict=True):
+            differ = sorted(set(allocation_lines(texts.get(kind, ""))) ^ set(first))
+            if differ:
+                problems.append(f"point {point.name} ({point.label()}): its {kind} job would ask Slurm for another "
+                                f"allocation than point {sweep.points[0].name}'s ({'; '.join(differ)})")
+    if problems:
+        raise ConfigError("sweep: the tasks of one Slurm array share one allocation; make these points two sweeps",
+                          problems)
+
+
+def _write_points(sweep: Sweep, scripts: list[dict[str, str]], arrays: dict[str, str], record: dict[str, Any]) -> None:
+    root = RunPaths.of(sweep.paths.root)
+    for sub in (root.logs, root.scripts, root.submitit) if arrays else ():  # the Slurm arrays' own files
+        sub.mkdir(parents=True, exist_ok=True)
+    for kind, text in arrays.items():
+        atomic_write(root.script(kind), text, executable=True)
+    for cfg, texts in zip(sweep.configs, scripts, strict=True):
+        point = RunPaths.of(cfg.output_dir)
+        point.root.mkdir()
+        _write_run_dir(point, cfg, texts)
+        write_manifest(point, new_manifest(cfg.name, cfg.resolved_executor.value, point.run_id))
+    write_sweep_record(sweep.paths, record)
+
+
+def _link_prepared(sweep: Sweep, groups: list[list[int]]) -> None:
+    """Each point after the first of its group reads the first one's ``prepared`` (a relative link: the sweep
+    directory may move)."""
+    for group in groups:
+        leader = RunPaths.of(sweep.configs[group[0]].output_dir)
+        for i in group[1:]:
+            RunPaths.of(sweep.configs[i].output_dir).prepared.symlink_to(Path("..") / leader.root.name / "prepared")
+
+
+def _leaders(sweep: Sweep, groups: list[list[int]]) -> list[str]:
+    return [sweep.configs[g[0]].output_dir for g in groups]
+
+
+# ------------------------------------------------------------------ Slurm: one prepare job, two arrays
+def _sbatch(script: Path, dependency: str | None, what: str) -> str:
+    answer = slurm.sbatch_array(str(script), dependency)
+    job = answer.stdout.strip().split(";")[0] if answer.ok else ""
+    if not job.isdigit():
+        raise SubmissionError(f"sbatch refused the {what} ({answer.problem or answer.stdout.strip()})")
+    return job
+
+
+def _write_pickles(sweep: Sweep, array: str, call: Callable[[RunConfig], tuple[Callable[..., Any], tuple]],
+                   timeout_min: int) -> None:
+    """Task i's callable in point i's submitit folder, under the id submitit will look for: ``<array>_<i>``."""
+    from submitit.core.utils import DelayedSubmission, JobPaths
+
+    for i, cfg in enumerate(sweep.configs):
+        function, args = call(cfg)
+        delayed = DelayedSubmission(function, *args)
+        delayed.set_timeout(timeout_min, 3)
+        target = JobPaths(RunPaths.of(cfg.output_dir).submitit, f"{array}_{i}").submitted_pickle
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp")
+        delayed.dump(tmp)
+        os.replace(tmp, target)
+
+
+def _pickles_or_cancel(sweep: Sweep, array: str, call: Callable[[RunConfig], tuple[Callable[..., Any], tuple]],
+                       timeout_min: int, jobs: list[str]) -> None:
+    """:func:`_write_pickles`; when they cannot be written, the jobs sent so far are cancelled (their tasks would
+    wait for pickles that never come, then fail)."""
+    try:
+        _write_pickles(sweep, array, call, timeout_min)
+    except OSError as exc:
+        cancelled = slurm.try_scancel(jobs)
+        raise SubmissionError(f"cannot write the array {array}'s pickles ({exc}); "
+                              + (f"cancelled {', '.join(jobs)}" if cancelled else f"could NOT cancel: scancel "
+                                 f"{' '.join(jobs)}")) from None
+
+
+def _submit_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str, template_dir: str | None,
+                   groups: list[list[int]], record: dict[str, Any], result: SweepResult, say: Say) -> None:
+    from submitit.core.utils import FailedJobError
+
+    from slurmft.job.entrypoint import run_consolidate, run_prepare_each, run_train
+
+    root = RunPaths.of(sweep.paths.root)
+    first = sweep.configs[0]
+    manifests = [new_manifest(c.name, Executor.SLURM.value, RunPaths.of(c.output_dir).run_id) for c in sweep.configs]
+    attempts = [start_attempt(m, "submit", **allocation(c)) for m, c in zip(manifests, sweep.configs, strict=True)]
+    prep = None
+    if groups:
+        def text(command: str) -> str:
+            cfg = first.model_copy(update={"name": sweep.cfg.name})
+            return render(PREPARE_TEMPLATE, build_prepare_context(cfg, profile, root, command, config_path), template_dir)
+
+        try:
+            ex = make_slurm_executor(root, 1, time_minutes(first.prepare.resources.time), text, None,
+                                     rank_python_for(first, profile))
+            prep = str(ex.submit(run_prepare_each, _leaders(sweep, groups)).job_id)
+        except (FailedJobError, OSError, RuntimeError) as exc:
+            raise SubmissionError(f"sbatch refused the prepare job ({str(exc).strip()})") from None
+        result.jobs["prepare"] = prep
+        record["jobs"].append({"kind": "prepare", "job_id": prep, "prepares": _leaders(sweep, groups),
+                               "log": str(root.log_file("prepare", prep))})
+        write_sweep_record(sweep.paths, record)
+        say(f"prepare job {prep} submitted: {len(groups)} prepared set(s) for {len(sweep.points)} point(s)")
+    n = len(sweep.points)
+    try:
+        train = _sbatch(root.script("train"), f"afterok:{prep}" if prep else None, "train array")
+    except SubmissionError as exc:
+        if prep:
+            slurm.try_scancel([prep])
+        raise SubmissionError(f"{exc}{f'; cancelled prepare job {prep}' if prep else ''}") from None
+    _pickles_or_cancel(sweep, train, lambda c: (run_train, (c.output_dir, c.preemption.signal)),
+                       time_minutes(first.cluster.time), [train, *([prep] if prep else [])])
+    result.jobs["train"] = train
+    record["jobs"].append({"kind": "train", "job_id": train, "tasks": n,
+                           **({"dependency": f"afterok:{prep}"} if prep else {})})
+    for i, (cfg, manifest, attempt) in enumerate(zip(sweep.configs, manifests, attempts, strict=True)):
+        point = RunPaths.of(cfg.output_dir)
+        if prep:
+            attempt["prepare_job"] = prep
+            record_job(manifest, "prepare", prep, run_attempt=attempt["attempt"], log=str(root.log_file("prepare", prep)))
+        attempt["train_job"] = f"{train}_{i}"
+        record_job(manifest, "train", f"{train}_{i}", run_attempt=attempt["attempt"], array=train,
+                   script=str(point.script("train")), log=str(point.log_file("train", f"{train}_{i}")),
+                   **({"dependency": f"afterok:{prep}"} if prep else {}))
+        write_manifest(point, manifest)
+    write_sweep_record(sweep.paths, record)
+    say(f"train array {train} submitted: {n} task(s), {min(n, sweep.cfg.sweep.parallel or n) if sweep.cfg.sweep else n} "
+        "at a time" + (f", after prepare job {prep} succeeds" if prep else ""))
+    if not first.consolidate.enabled:
+        return
+    try:
+        cons = _sbatch(root.script("consolidate"), f"aftercorr:{train}", "consolidation array")
+    except SubmissionError as exc:
+        cancelled = slurm.try_scancel([train, *([prep] if prep else [])])
+        raise SubmissionError(f"{exc}; {'cancelled' if cancelled else 'could NOT cancel (run scancel)'} train array "
+                              f"{train}") from None
+    _pickles_or_cancel(sweep, cons, lambda c: (run_consolidate, (c.output_dir, None, None)),
+                       time_minutes(first.consolidate.resources.time), [cons, train, *([prep] if prep else [])])
+    result.jobs["consolidate"] = cons
+    record["jobs"].append({"kind": "consolidate", "job_id": cons, "tasks": n, "dependency": f"aftercorr:{train}"})
+    for i, (cfg, manifest, attempt) in enumerate(zip(sweep.configs, manifests, attempts, strict=True)):
+        point = RunPaths.of(cfg.output_dir)
+        attempt["consolidate_job"] = f"{cons}_{i}"
+        record_job(manifest, "consolidate", f"{cons}_{i}", run_attempt=attempt["attempt"], array=cons,
+                   dependency=f"afterok:{train}_{i}", script=str(point.script("consolidate")),
+                   log=str(point.log_file("consolidate", f"{cons}_{i}")))
+        write_manifest(point, manifest)
+    write_sweep_record(sweep.paths, record)
+    say(f"consolidation array {cons} submitted (task i after train task i succeeds)")
+
+
+# ------------------------------------------------------------------ local: the points one after another
+def _run_points_here(sweep: Sweep, profile: ClusterProfile, config_path: str, template_dir: str | None,
+                     groups: list[list[int]], record: dict[str, Any], result: SweepResult, say: Say) -> None:
+    """Each point as ``submit_run`` runs a run alone here; a point that fails does not stop the others."""
+    leaders = {g[0] for g in groups}
+    for i, (p, cfg) in enumerate(zip(sweep.points, sweep.configs, strict=True)):
+        point = RunPaths.of(cfg.output_dir)
+        manifest = new_manifest(cfg.name, Executor.LOCAL.value, point.run_id)
+        attempt = start_attempt(manifest, "submit", **allocation(cfg))
+        one = SubmitResult(point.root, Executor.LOCAL.value)
+        result.points[p.name] = one
+        say(f"point {i + 1}/{len(sweep.points)}: {p.name} ({p.label()})")
+        try:
+            dispatch_attempt(cfg, profile, point, config_path, template_dir, manifest, attempt, one, say,
+                             need_prepare=i in leaders and prepared.needed(point, cfg))
+        except (SubmissionError, RunDirError) as exc:
+            result.failed[p.name] = str(exc)
+            say(f"point {p.name} failed: {exc}")
+        result.jobs.update({f"{p.name}:{k}": v for k, v in one.jobs.items()})
+        record["points"][i]["jobs"] = dict(one.jobs)
+        write_sweep_record(sweep.paths, record)
+
+
+# ------------------------------------------------------------------ resume: the points that died
+@dataclass
+class SweepResume:
+    """What ``resume SWEEP_DIR`` did, point by point."""
+
+    resumed: dict[str, Any] = field(default_factory=dict)  # name -> ResumeResult (a new train job and its chain)
+    finished: list[str] = field(default_factory=list)
+    live: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)  # name -> why it was not resumed
+
+
+def resume_sweep(root: Path, overrides: list[str], template_dir: str | None = None, say: Say = _quiet,
+                 force: bool = False) -> SweepResume:
+    """``slurmft resume`` of every point that is neither live nor finished, each as a run alone is resumed (its
+    own train job from its newest complete checkpoint, a consolidation chained to it); the others are left alone.
+    A point that cannot be resumed is said and does not stop the others."""
+    from slurmft.errors import SlurmftError
+    from slurmft.submit.resume import Phase, resume_run
+    from slurmft.watch.status import KINDS, run_state
+
+    paths = SweepPaths(root)
+    record = read_sweep_record(paths)
+    out = SweepResume()
+    for point in record["points"]:
+        name = point["name"]
+        if run_state(RunPaths.of(point["dir"]), adopt=False).may_run(KINDS):
+            out.live.append(name)
+            continue
+        prepared_link = RunPaths.of(point["dir"]).prepared
+        if prepared_link.is_symlink() and not prepared_link.exists():  # the sweep's prepare job never made it
+            prepared_link.unlink()  # this point's resume prepares its own (a prepare job writes a directory here)
+            say(f"point {name}: the prepared set it shared was never made; its resume prepares it again")
+        try:
+            result = resume_run(point["dir"], overrides, template_dir, say=say, force=force)
+        except SlurmftError as exc:
+            out.refused[name] = exc.render()
+            say(f"point {name}: not resumed: {exc.render()}")
+            continue
+        if result.phase == Phase.FINISHED:
+            out.finished.append(name)
+            continue
+        out.resumed[name] = result
+        point.setdefault("resumed", []).append(dict(result.jobs))
+    if out.resumed:
+        record["jobs"].append({"kind": "resume", "points": {n: dict(r.jobs) for n, r in out.resumed.items()}})
+        write_sweep_record(paths, record)
+    return out

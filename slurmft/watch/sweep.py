@@ -1,0 +1,150 @@
+"""``slurmft status SWEEP_DIR``: one row per point (its overrides, state, step/max, last loss, score), the points
+ranked by ``sweep.select``, and ``SWEEP_DIR/best``, a link to the best point's model directory.
+
+Each point is a run directory, so a row is what ``slurmft runs`` says of it (:func:`slurmft.watch.runs.run_lines`:
+one squeue call for all points, sacct for those squeue forgot). A point's score is its final training loss: the
+loss of the last logged step once the point has trained every step of its plan (a point still training, or one
+that died, has no score yet and is not ranked). The link is refreshed by every ``status`` of the sweep and by each
+point's consolidation job when it ends, so it names the best of the points whose models exist.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from slurmft.rundir import RunPaths, SweepPaths, read_sweep_record
+from slurmft.watch.progress import model_info
+from slurmft.watch.runs import run_lines
+
+Query = Callable[[list[str]], dict[str, dict[str, str]]]
+
+
+def score(row: dict[str, Any], metric: str) -> float | None:
+    """The point's value of ``metric`` (``loss``: the final training loss), None until it has one."""
+    if metric != "loss":
+        return None
+    done = row["step"] is not None and row["max_steps"] is not None and row["step"] >= row["max_steps"]
+    return float(row["loss"]) if done and isinstance(row["loss"], int | float) else None
+
+
+def sweep_rows(root: Path, query: Query | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(sweep.json, one row per point in point order: index, name, overrides, dir, state, step, max_steps, loss,
+    score, rank (1 = best; None without a score), model (its directory when it has one))."""
+    record = read_sweep_record(SweepPaths(root))
+    by_path = {row["path"]: row for row in run_lines(root, query=query)}
+    select = record.get("select") or {}
+    metric, mode = select.get("metric", "loss"), select.get("mode", "min")
+    rows = []
+    for point in record["points"]:
+        row = by_path.get(str(Path(point["dir"])), {"state": "missing", "step": None, "max_steps": None,
+                                                     "loss": None})
+        paths = RunPaths.of(point["dir"])
+        rows.append({"index": point["index"], "name": point["name"], "overrides": point["overrides"],
+                     "dir": point["dir"], "state": row["state"], "step": row["step"], "max_steps": row["max_steps"],
+                     "loss": row["loss"], "score": score(row, metric), "rank": None,
+                     "model": str(paths.model) if model_info(paths) is not None else None})
+    scored = sorted((r for r in rows if r["score"] is not None), key=lambda r: r["score"], reverse=mode == "max")
+    for rank, r in enumerate(scored, 1):
+        r["rank"] = rank
+    return record, rows
+
+
+def best_point(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The best-ranked point that has a model directory."""
+    ranked = sorted((r for r in rows if r["rank"] is not None and r["model"]), key=lambda r: r["rank"])
+    return ranked[0] if ranked else None
+
+
+def update_best(root: Path, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Point ``root/best`` at the best point's model directory (a relative link, replaced atomically); remove a
+    link no point earns. Returns the best point's row."""
+    best = best_point(rows)
+    link = SweepPaths(root).best
+    if best is None:
+        if link.is_symlink():
+            link.unlink(missing_ok=True)
+        return None
+    target = os.path.relpath(best["model"], root)
+    if link.is_symlink() and os.readlink(link) == target:
+        return best
+    tmp = link.with_name(f".best.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target)
+    os.replace(tmp, link)
+    return best
+
+
+def refresh_best_safely(run_dir: str | os.PathLike[str]) -> None:
+    """After a point's consolidation: when ``run_dir`` is a point of a sweep, refresh ``best``; never raises (a
+    ranking problem must not fail an export)."""
+    root = Path(run_dir).resolve().parent
+    if not SweepPaths(root).record.is_file():
+        return
+    try:
+        update_best(root, sweep_rows(root, query=lambda ids: {})[1])
+    except Exception as exc:  # noqa: BLE001 - the export is done; say why the link was not updated
+        print(f"[slurmft] {root}/best not updated: {exc}", flush=True)
+
+
+def format_table(record: dict[str, Any], rows: list[dict[str, Any]], best: dict[str, Any] | None) -> list[str]:
+    """Aligned lines: point, overrides, state, step/max, last loss, score (rank), then the best point."""
+    select = record.get("select") or {}
+    table = [("point", "overrides", "state", "step", "loss", f"{select.get('metric', 'loss')} ({select.get('mode', 'min')})")]
+    for r in rows:
+        step = f"{'-' if r['step'] is None else r['step']}/{'?' if r['max_steps'] is None else r['max_steps']}"
+        loss = f"{r['loss']:.4f}" if isinstance(r["loss"], int | float) else "-"
+        shown = f"{r['score']:.4f} (#{r['rank']})" if r["score"] is not None else "-"
+        overrides = " ".join(f"{k}={v}" for k, v in r["overrides"].items()) or "(as written)"
+        table.append((r["name"], overrides, r["state"], step, loss, shown))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = [f"sweep {record.get('name')} ({record.get('executor')}): {len(rows)} point(s)"]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table]
+    if best:
+        lines.append(f"best: {best['name']} ({best['model']}; linked as best)")
+    else:
+        lines.append("best: none yet (no point has a score and a model)")
+    return lines
+
+
+def plot_sweep(root: Path, out: str | Path | None = None) -> Path:
+    """``SWEEP_DIR/loss.png`` (or ``out``): every point's loss by step on one axes, lightly smoothed, one colour and
+    legend entry each (its name); a point without a step yet is left out. Returns the path written."""
+    from slurmft.errors import SlurmftError
+    from slurmft.watch.plot import DPI, SIZE_INCHES, series, smooth
+    from slurmft.watch.progress import read_metrics
+
+    curves = []
+    record = read_sweep_record(SweepPaths(root))
+    for point in record["points"]:
+        steps, loss = series(read_metrics(RunPaths.of(point["dir"]).metrics).records, "loss")
+        if steps:
+            curves.append((point["name"], steps, loss))
+    if not curves:
+        raise SlurmftError(f"nothing to plot for {root}", ["no point has logged a step yet"])
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise SlurmftError("plotting needs matplotlib", ["pip install 'slurmft[plot]' (or pip install matplotlib)"]
+                           ) from None
+    fig = Figure(figsize=SIZE_INCHES, dpi=DPI)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for name, steps, loss in curves:
+        weight = min(0.9, max(0.5, 1 - 10 / len(loss))) if len(loss) > 2 else 0.0
+        ax.plot(steps, smooth(loss, weight) if weight else loss, linewidth=1.6, label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (smoothed)")
+    ax.grid(True, alpha=0.3)
+    ax.set_title(f"sweep {record.get('name')}: the points' loss by step")
+    ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    target = Path(out) if out else Path(root) / "loss.png"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    fig.savefig(tmp, format="png")
+    tmp.replace(target)
+    return target

@@ -1,0 +1,236 @@
+"""Sweeps on the login side (slurmft/sweep.py, slurmft/plan/sweep_checks.py, the array scripts): the points, their
+names and configs, every refusal before anything is written; and one sweep on the local executor."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from cli_runner import cli
+
+from slurmft.config_loading import load_config
+from slurmft.profiles import load_profile
+from slurmft.sweep import FIXED, load_sweep, point_name, points_of
+
+DATA = Path(__file__).parent / "data"
+
+
+def write(tmp_path: Path, sweep: dict | None = None, **sections: object) -> Path:
+    """A sweep file: the cluster tests' two-node shape, a model that need not exist (nothing here reads it)."""
+    cfg: dict = {
+        "name": "sw", "output_dir": "out", "executor": "slurm",
+        "cluster": {"profile": "local-test", "time": "00:15:00"},
+        "resources": {"nodes": 2, "gpus_per_node": 1, "cpus_per_task": 1, "exclusive": False},
+        "model": {"name_or_path": "org/model"},
+        "data": {"datasets": [{"path": "data/chat.jsonl"}], "max_seq_length": 64},
+        "train": {"max_steps": 4, "learning_rate": 1e-3},
+        "sweep": sweep if sweep is not None else {"grid": {"train.learning_rate": [1e-5, 3e-5],
+                                                           "train.seed": [1, 2]}, "parallel": 2},
+    }
+    cfg.update(sections)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def test_grid_is_the_product_in_the_files_order_with_readable_names(tmp_path: Path) -> None:
+    sweep = load_sweep(write(tmp_path))
+    assert sweep is not None
+    assert [p.name for p in sweep.points] == ["learning_rate-1e-05_seed-1", "learning_rate-1e-05_seed-2",
+                                              "learning_rate-3e-05_seed-1", "learning_rate-3e-05_seed-2"]
+    assert [(c.train.learning_rate, c.train.seed) for c in sweep.configs] == [(1e-5, 1), (1e-5, 2), (3e-5, 1), (3e-5, 2)]
+    for point, cfg in zip(sweep.points, sweep.configs, strict=True):
+        assert cfg.output_dir == str(tmp_path / "out" / point.name) and cfg.name == f"sw-{point.name}"
+        assert cfg.sweep is None  # a point is a run alone
+    assert sweep.points[1].label() == "train.learning_rate=1e-05 train.seed=2"
+
+
+def test_a_point_is_the_file_with_its_overrides_given_on_the_command_line(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same override machinery: a point's config equals `submit run.yaml KEY=VALUE...` of the file without its
+    sweep section, relative paths included (relative to the file, as if written in it: the command line's are
+    relative to the current directory, the file's folder here)."""
+    (tmp_path / "data").mkdir()
+    path = write(tmp_path, {"points": [{"data.datasets": [{"path": "data/other.jsonl", "weight": 2}],
+                                        "train.sft": {"max_length": 64}, "lora.r": 8}]})
+    sweep = load_sweep(path)
+    assert sweep is not None and len(sweep.points) == 1
+    alone = yaml.safe_load(path.read_text())
+    del alone["sweep"]
+    alone.update(output_dir=f"out/{sweep.points[0].name}", name=f"sw-{sweep.points[0].name}")
+    (tmp_path / "alone.yaml").write_text(yaml.safe_dump(alone))
+    monkeypatch.chdir(tmp_path)
+    expected = load_config(tmp_path / "alone.yaml", sweep.points[0].args())
+    assert sweep.configs[0].model_dump() == expected.model_dump()
+    assert sweep.configs[0].data.datasets[0].path == str(tmp_path / "data" / "other.jsonl")
+
+
+def test_names_are_stable_shell_safe_and_distinct() -> None:
+    points = points_of({"model.name_or_path": ["/models/a/llama", "/models/b/llama"], "lora.target_modules":
+                        [["q_proj", "v_proj"]]}, [{"train.sft": {"x": "a b;c"}}, {}])
+    names = [p.name for p in points]
+    assert names == ["name_or_path-llama_target_modules-q_proj-v_proj",
+                     "name_or_path-llama_target_modules-q_proj-v_proj-1", "sft-x-a-b-c", "base"]
+    assert all(set(n) <= set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._+-") for n in names)
+    long = point_name({"train.sft": {"k": "v" * 300}}, {"train.sft": "sft"})
+    assert len(long) <= 80 and long == point_name({"train.sft": {"k": "v" * 300}}, {"train.sft": "sft"})
+    # two keys with one last part are told apart by the whole key
+    assert points_of({"lora.dropout": [0.1], "train.sft.dropout": [0.2]}, [])[0].name == \
+        "lora.dropout-0.1_train.sft.dropout-0.2"
+
+
+REFUSALS = [
+    ({"grid": {"train.learnig_rate": [1e-5, 3e-5]}}, {},
+     ["train.learnig_rate: unknown key; did you mean train.learning_rate?", "every point"]),
+    ({"grid": {"resources.nodes": [1, 2]}}, {}, ["resources.nodes cannot differ between points", FIXED["resources"]]),
+    ({"grid": {"cluster.time": ["00:10:00", "00:20:00"]}}, {}, ["cluster.time cannot differ"]),
+    ({"points": [{"output_dir": "/elsewhere"}]}, {}, ["output_dir cannot differ"]),
+    ({"grid": {}}, {}, ["sweep: no points"]),
+    ({"grid": {"train.seed": []}}, {}, ["sweep.grid: train.seed: an empty list of values makes no points"]),
+    ({"grid": {"train.learning_rate": [1e-5, 2]}}, {},
+     ["point learning_rate-2 (train.learning_rate=2): train.learning_rate: Input should be less than 1"]),
+    ({"points": [{"train.seed": 1}, {"train.seed": 1}]}, {}, ["points seed-1 and seed-1-1 are the same run"]),
+    ({"grid": {"train.seed": [1, 2]}}, {"serve": {}}, ["serve: a sweep does not chain serve jobs yet"]),
+]
+
+
+@pytest.mark.parametrize(("sweep", "sections", "expected"), REFUSALS,
+                         ids=["unknown-key", "resources", "cluster", "output_dir", "empty-grid", "empty-list",
+                              "invalid-point", "twin-points", "serve"])
+def test_refused_before_anything_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str], sweep: dict,
+                                            sections: dict, expected: list[str]) -> None:
+    path = write(tmp_path, sweep, **sections)
+    for command in ("validate", "submit"):
+        code, _, err = cli([command, str(path)], capsys)
+        assert code == 2, err
+        for text in expected:
+            assert text in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
+
+
+def test_a_point_that_does_not_fit_is_named_and_nothing_is_written(tmp_path: Path, micro_model: Path,
+                                                                     chat_data: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, {"grid": {"train.per_device_batch_size": [1, 65536]}},
+                 model={"name_or_path": str(micro_model)},
+                 data={"datasets": [{"path": str(chat_data)}], "max_seq_length": 512})
+    code, _, err = cli(["submit", str(path)], capsys)
+    assert code == 2, err
+    assert "point per_device_batch_size-65536 (train.per_device_batch_size=65536) will not fit" in err, err
+    assert "point per_device_batch_size-1 " not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
+
+
+def test_array_scripts_pick_the_task_point_and_are_shellcheck_clean(tmp_path: Path) -> None:
+    from slurmft.plan.render import render_sweep_arrays
+
+    sweep = load_sweep(write(tmp_path))
+    assert sweep is not None
+    scripts = render_sweep_arrays(sweep, load_profile("local-test"), "run.yaml", None)
+    assert set(scripts) == {"prepare", "train", "consolidate"}
+    assert "#SBATCH --array" not in scripts["prepare"] and "#SBATCH --job-name=sw-prepare\n" in scripts["prepare"]
+    out = tmp_path / "out"
+    for kind, text in scripts.items():
+        if kind == "prepare":
+            continue
+        assert f"#SBATCH --array=0-3%2\n#SBATCH --output={out}/logs/{kind}-%A_%a.out\n" in text
+        assert f"#SBATCH --job-name=sw-{kind}\n" in text
+        for i, point in enumerate(sweep.points):
+            assert f"    {i}) run_dir={out / point.name} ;;\n" in text
+        assert f'exec "$run_dir/scripts/{kind}.sbatch" >>"$run_dir/logs/{kind}-${{SLURM_ARRAY_JOB_ID}}_' in text
+        script = tmp_path / f"{kind}.sh"
+        script.write_text(text)
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+        if shutil.which("shellcheck"):  # test_render.py's test_shellcheck_clean says when its absence fails
+            check = subprocess.run(["shellcheck", "-S", "warning", str(script)], capture_output=True, text=True)
+            assert check.returncode == 0, check.stdout
+    assert "--requeue" in scripts["train"] and "--signal=USR2@" in scripts["train"]
+    assert "--nodes=2" in scripts["train"] and "#SBATCH --nodes=1\n" in scripts["consolidate"]
+
+
+def test_local_sweep_runs_the_points_one_after_another(tmp_path: Path, micro_model: Path, chat_data: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Two learning rates: one prepared set (the second point links to the first's), two models."""
+    path = write(tmp_path, {"grid": {"train.learning_rate": [1e-3, 3e-3]}}, executor="local",
+                 resources={"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 0, "cpus_per_task": 1},
+                 model={"name_or_path": str(micro_model), "dtype": "float32", "attn_implementation": "sdpa"},
+                 data={"datasets": [{"path": str(chat_data)}], "max_seq_length": 64},
+                 train={"max_steps": 2, "per_device_batch_size": 2, "warmup_ratio": 0.0},
+                 consolidate={"dtype": "float32"})
+    code, out, err = cli(["submit", str(path)], capsys)
+    assert code == 0, err
+    root = tmp_path / "out"
+    first, second = root / "learning_rate-0.001", root / "learning_rate-0.003"
+    assert err.count("prepare job") == 2  # started + completed: one prepare job for both points
+    assert (second / "prepared").is_symlink() and (second / "prepared").resolve() == (first / "prepared").resolve()
+    record = json.loads((root / "sweep.json").read_text())
+    assert [(p["name"], p["overrides"]) for p in record["points"]] == [
+        (first.name, {"train.learning_rate": 1e-3}), (second.name, {"train.learning_rate": 3e-3})]
+    assert set(record["points"][0]["jobs"]) == {"prepare", "train", "consolidate"}
+    assert set(record["points"][1]["jobs"]) == {"train", "consolidate"}
+    for point in (first, second):
+        assert (point / "model" / "config.json").is_file()
+        assert load_config(point / "config.yaml").output_dir == str(point)
+    a, b = ((p / "model" / "model-00001-of-00001.safetensors").read_bytes() for p in (first, second))
+    assert a != b  # two learning rates, two models
+    assert not (root / "scripts").exists()  # no arrays here
+    # the consolidation of each point refreshed SWEEP_DIR/best; status ranks the points by their final loss
+    code, out, err = cli(["status", str(root), "--json"], capsys)
+    assert code == 0, err
+    shown = json.loads(out)
+    rows = shown["points"]
+    assert [(r["name"], r["state"], r["step"], r["max_steps"]) for r in rows] == [
+        (first.name, "done", 2, 2), (second.name, "done", 2, 2)]
+    best = min(rows, key=lambda r: r["score"])
+    assert shown["best"] == best["name"] and {r["rank"] for r in rows} == {1, 2}
+    assert os.readlink(root / "best") == f"{best['name']}/model"
+    code, out, _ = cli(["resume", str(root)], capsys)
+    assert code == 0 and f"finished: {first.name}, {second.name}" in out  # nothing died: nothing re-submitted
+    code, _, err = cli(["submit", str(path)], capsys)
+    assert code == 2 and "already holds a sweep" in err
+    code, out, err = cli(["plot", str(root)], capsys)  # every point's loss on one picture
+    assert code == 0 and (root / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", err
+
+
+def test_the_best_point_is_the_best_scored_one_with_a_model(tmp_path: Path) -> None:
+    from slurmft.watch.sweep import best_point, score, update_best
+
+    def row(name: str, step: int | None, loss: float | None, model: bool = True) -> dict:
+        r = {"name": name, "step": step, "max_steps": 10, "loss": loss, "rank": None,
+             "model": str(tmp_path / name / "model") if model else None}
+        r["score"] = score(r, "loss")
+        return r
+
+    rows = [row("a", 10, 2.0), row("b", 4, 0.5), row("c", 10, 1.0, model=False), row("d", 10, 1.5)]
+    assert [r["score"] for r in rows] == [2.0, None, 1.0, 1.5]  # b is still training: no score yet
+    for rank, r in enumerate(sorted((r for r in rows if r["score"] is not None), key=lambda r: r["score"]), 1):
+        r["rank"] = rank
+    assert best_point(rows)["name"] == "d"  # c ranks first but has no model yet
+    assert update_best(tmp_path, rows)["name"] == "d" and os.readlink(tmp_path / "best") == "d/model"
+    rows[2]["model"] = str(tmp_path / "c" / "model")
+    update_best(tmp_path, rows)
+    assert os.readlink(tmp_path / "best") == "c/model"
+    assert update_best(tmp_path, [row("b", 4, 0.5)]) is None and not (tmp_path / "best").is_symlink()
+
+
+def test_points_whose_jobs_would_ask_for_another_allocation_are_refused(tmp_path: Path) -> None:
+    """The safety net behind FIXED: the points' rendered scripts themselves are compared."""
+    from slurmft.errors import ConfigError
+    from slurmft.submit.sweep import check_one_allocation
+
+    sweep = load_sweep(write(tmp_path))
+    assert sweep is not None
+    same = "#!/bin/bash\n#SBATCH --job-name={}\n#SBATCH --nodes=2\n#SBATCH --output=/x/{}.out\n"
+    scripts = [{"train": same.format(p.name, p.name)} for p in sweep.points]
+    check_one_allocation(sweep, scripts)  # names and logs differ: one allocation
+    scripts[2]["train"] = scripts[2]["train"].replace("--nodes=2", "--nodes=1")
+    with pytest.raises(ConfigError) as err:
+        check_one_allocation(sweep, scripts)
+    assert err.value.problems == [f"point {sweep.points[2].name} ({sweep.points[2].label()}): its train job would ask "
+                                  f"Slurm for another allocation than point {sweep.points[0].name}'s "
+                                  "(#SBATCH --nodes=1; #SBATCH --nodes=2)"]
