@@ -31,6 +31,7 @@ from typing import Any
 
 from slurmft import prepared, slurm
 from slurmft.config import Executor, RunConfig
+from slurmft.config_values import time_minutes
 from slurmft.errors import ConfigError, RunDirError, SubmissionError
 from slurmft.plan.elastic import allocation
 from slurmft.plan.render import (
@@ -40,7 +41,6 @@ from slurmft.plan.render import (
     render,
     render_scripts,
     render_sweep_arrays,
-    time_minutes,
 )
 from slurmft.profiles import ClusterProfile
 from slurmft.rundir import (
