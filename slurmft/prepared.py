@@ -66,7 +66,8 @@ def settings(cfg: RunConfig) -> dict[str, Any]:
             "tokenizer": tokenizer_name(cfg), "revision": tokenizer_revision(cfg),
             # a dpo run prepares preference pairs (TRL's DPO tokenization), not SFT's sequences; an SFT record has no
             # "method", as before DPO existed, so records written then still match
-            **({"method": cfg.method.value} if cfg.dpo is not None else {})}
+            # grpo: the prompts as they are (TRL tokenizes them at each generation)
+            **({"method": cfg.method.value} if cfg.method.value != "sft" else {})}
 
 
 def inputs(cfg: RunConfig) -> dict[str, Any]:

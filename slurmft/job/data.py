@@ -102,9 +102,22 @@ def load_preference_source(ds, fmt: str, where: str, num_proc: int | None):
     return ds
 
 
-def load_source(source: DatasetSource, index: int, num_proc: int | None, preference: bool = False):
-    """One source as a ``messages``-only dataset, unusable rows dropped; ``preference`` (dpo:): as
-    ``prompt``/``chosen``/``rejected`` conversations, refused when it is not preference data."""
+def load_prompt_source(ds, where: str):
+    """A GRPO prompt source as it is: ``prompt`` (string or conversation) and the columns the rewards read; a row
+    that cannot be completed is an error (``slurmft validate`` refuses it on the rows it reads)."""
+    for i, prompt in enumerate(ds["prompt"]):
+        why = formats.prompt_problem(prompt)
+        if why:
+            raise JobSetupError(f"{where}: row {i} has {why}; fix or remove it")
+    log.info("%s: %d prompts (extra columns for the rewards: %s)", where, len(ds),
+             ", ".join(c for c in ds.column_names if c != "prompt") or "none")
+    return ds
+
+
+def load_source(source: DatasetSource, index: int, num_proc: int | None, method: str = "sft"):
+    """One source as a ``messages``-only dataset, unusable rows dropped; for ``method`` dpo: as
+    ``prompt``/``chosen``/``rejected`` conversations, refused when it is not preference data; grpo: prompts as they
+    are (with the columns the rewards read), refused when they hold completions."""
     where = f"data.datasets[{index}] ({source.path})"
     ds = _load_source(source, where)
     if len(ds) == 0:
@@ -112,11 +125,13 @@ def load_source(source: DatasetSource, index: int, num_proc: int | None, prefere
     if source.columns:
         ds = ds.rename_columns({theirs: ours for ours, theirs in source.columns.items() if theirs in ds.column_names})
     fmt, column = detect_format(source, list(ds.column_names), ds[0], where)
-    problem = formats.method_problem(fmt, preference, list(ds.column_names), where)
+    problem = formats.method_problem(fmt, method, list(ds.column_names), where)
     if problem:
         raise JobSetupError(problem)
-    if preference:
+    if method == "dpo":
         return load_preference_source(ds, fmt, where, num_proc)
+    if method == "grpo":
+        return load_prompt_source(ds, where)
     ds = ds.map(
         _convert,
         batched=True,
@@ -143,6 +158,9 @@ def check_template(ds, tokenizer, where: str, n: int = 16) -> None:
         try:
             if MESSAGES in row:
                 tokenizer.apply_chat_template(row[MESSAGES], tokenize=False)
+            elif "chosen" not in row:  # a GRPO prompt: rendered for generation when it is a conversation
+                if isinstance(row["prompt"], list):
+                    tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
             else:  # a preference pair: TRL renders the prompt alone, then with each reply
                 tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
                 for side in ("chosen", "rejected"):
@@ -151,12 +169,12 @@ def check_template(ds, tokenizer, where: str, n: int = 16) -> None:
             raise JobSetupError(chat_template.cannot_render_message(where, i, exc)) from None
 
 
-def load_mixture(data: DataConfig, seed: int, tokenizer: Any = None, preference: bool = False):
+def load_mixture(data: DataConfig, seed: int, tokenizer: Any = None, method: str = "sft"):
     """All sources, mixed by weight into one ``messages`` dataset (checked against ``tokenizer``'s template);
-    ``preference`` (a dpo: run): one ``prompt``/``chosen``/``rejected`` dataset."""
+    ``method`` dpo: one ``prompt``/``chosen``/``rejected`` dataset; grpo: one prompt dataset."""
     from datasets import interleave_datasets
 
-    parts = [load_source(src, i, data.num_proc, preference) for i, src in enumerate(data.datasets)]
+    parts = [load_source(src, i, data.num_proc, method) for i, src in enumerate(data.datasets)]
     if tokenizer is not None:
         for i, (src, part) in enumerate(zip(data.datasets, parts, strict=True)):
             check_template(part, tokenizer, f"data.datasets[{i}] ({src.path})")

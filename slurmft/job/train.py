@@ -193,6 +193,9 @@ def _prepare_inputs(cfg: RunConfig, ctx: DistContext) -> Inputs:
     """
     check_sft_keys(cfg)
     dpo.check_loss_types(cfg)
+    if cfg.grpo is not None:
+        raise JobSetupError("grpo: this slurmft's train job does not run GRPO yet (docs/grpo.md); remove the grpo: "
+                            "section")
     model_dir = resolve_model_dir(cfg.model, with_weights=ctx.is_main)
     if ctx.is_main:
         weight_files(model_dir)  # fail on missing weights before anything else waits
@@ -224,7 +227,7 @@ def _dataset(cfg: RunConfig, paths: RunPaths, inputs: Inputs, ctx: DistContext) 
         log.info("data: loading and converting here; TRL tokenizes, slurmft packs, before the trainer is built")
     mixed = distributed.main_first(ctx, "loading the data",  # rank 0 first: the others read its dataset caches
                                    lambda: data.load_mixture(cfg.data, cfg.train.seed, inputs.tokenizer,
-                                                             preference=cfg.dpo is not None))
+                                                             method=cfg.method.value))
     # every rank at once: TRL's preparation orders the ranks itself (rank 0 first, a barrier between)
     return distributed.guarded(ctx, "preparing the data",
                                lambda: prepare.prepare_rows(cfg, inputs.tokenizer, mixed, cfg.data.num_proc,
