@@ -19,6 +19,11 @@ What we do instead:
   run gets the same completion on 1, 2 or 16 ranks, after a requeue too, and without any saved RNG state.
   The generation point is ``global_step x gradient_accumulation_steps + micro-step``, the same on every shape;
 - ``synced_gpus`` on whenever a process group exists, so every rank runs the same number of forwards;
+- **the rollouts in the checkpoint** (:func:`save_rollouts`): TRL generates once per ``steps_per_generation`` steps
+  and keeps the scored completions (``_buffered_inputs``: ids, masks, advantages, old log-probabilities) and its
+  micro-step count (``_step``) in memory only, so a checkpoint at a step inside a generation resumed into a new
+  generation (other completions, the phase shifted). Every rank writes its share and the count beside its RNG
+  state (``grpo_rollouts_<rank>.pt``); the next attempt continues the same rollouts at the same place;
 - the reference (``beta > 0``, full fine-tuning): the starting model built exactly as DPO's
   (slurmft/job/dpo.py ``reference_model``: meta device, sliced loading, FSDP2 per decoder layer, no gradients),
   handed to TRL in place of the copy it would load. With LoRA TRL disables the adapters instead (no copy).
@@ -34,6 +39,7 @@ import functools
 import hashlib
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from slurmft.config import RunConfig
@@ -174,6 +180,35 @@ def generate_seeded(trainer: Any, prompt_ids: list[list[int]]) -> list[list[int]
     return kept
 
 
+ROLLOUTS_FILE = "grpo_rollouts_{rank}.pt"
+
+
+def save_rollouts(trainer: Any, checkpoint: Path) -> None:
+    """This rank's buffered rollouts and micro-step count, into the checkpoint being saved (beside its RNG state)."""
+    import torch
+
+    rank = trainer.accelerator.process_index
+    torch.save({"step": trainer._step, "global_step": trainer.state.global_step,
+                "world_size": trainer.accelerator.num_processes, "buffered": trainer._buffered_inputs},
+               checkpoint / ROLLOUTS_FILE.format(rank=rank))
+
+
+def load_rollouts(trainer: Any, checkpoint: Path) -> None:
+    """The rollouts :func:`save_rollouts` kept, when this attempt has the same ranks (else TRL generates again at
+    the checkpoint's step, and the log says so)."""
+    import torch
+
+    rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
+    path = checkpoint / ROLLOUTS_FILE.format(rank=rank)
+    saved = torch.load(path, weights_only=False) if path.is_file() else None  # our own file, written by save_rollouts
+    if saved is None or saved["world_size"] != world:
+        if rank == 0:
+            log.warning("grpo: %s holds no rollouts for %d ranks: the next step generates again (a checkpoint inside "
+                        "steps_per_generation then continues with other completions)", checkpoint.name, world)
+        return
+    trainer._step, trainer._buffered_inputs = saved["step"], saved["buffered"]
+
+
 @functools.cache
 def trainer_class() -> type:
     """``GRPOTrainer`` generating through :func:`generate_seeded` (text prompts, transformers' generate)."""
@@ -186,6 +221,15 @@ def trainer_class() -> type:
                 raise JobSetupError("grpo: slurmft generates text completions with transformers only (no vLLM, "
                                     "no images yet)")
             return generate_seeded(self, prompt_ids), None
+
+        def _save_rng_state(self, output_dir: str) -> None:
+            super()._save_rng_state(output_dir)
+            save_rollouts(self, Path(output_dir))
+
+        def _load_rng_state(self, checkpoint: str | None) -> None:
+            super()._load_rng_state(checkpoint)
+            if checkpoint is not None:
+                load_rollouts(self, Path(checkpoint))
 
     return SeededGRPOTrainer
 

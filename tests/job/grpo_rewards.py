@@ -14,3 +14,17 @@ def shared_letters(completions, answer, **kwargs):
 def length(completions, **kwargs):
     """The completion's length in characters, scaled to about 1."""
     return [len(c) / 40 for c in completions]
+
+
+def length_then_signal(completions, trainer_state, **kwargs):
+    """:func:`length`; on rank 1 of a first attempt, when the generation of the step after ``GRPO_TEST_SIGNAL_AT``
+    steps scores its completions, it also sends the warning signal to its own process: a signal that lands inside a
+    step, at a place every run reaches the same way (test_grpo_cpu.py's preempted run)."""
+    import os
+    import signal
+
+    at = os.environ.get("GRPO_TEST_SIGNAL_AT")
+    if (at is not None and trainer_state.global_step == int(at) and os.environ.get("SLURM_PROCID") == "1"
+            and os.environ.get("SLURM_RESTART_COUNT") == "0"):
+        os.kill(os.getpid(), signal.SIGUSR2)
+    return length(completions)

@@ -27,10 +27,11 @@ from typing import Any
 import pytest
 
 from .helpers import REPO, launch_like_srun, read_metrics, write_run
+from .test_lora_cpu import _copy
 
 pytestmark = pytest.mark.train
 
-STEPS, EVERY = 4, 2
+STEPS, EVERY, MID = 4, 2, 3
 HERE = Path(__file__).resolve().parent
 PROMPTS = REPO / "examples" / "tiny" / "data" / "prompts.jsonl"
 RUN_ARGS = [f"train.max_steps={STEPS}", f"checkpoint.every_steps={EVERY}", "checkpoint.keep_last=2",
@@ -51,17 +52,51 @@ def grpo_runs(micro_model: Path, job_env: dict[str, str], tmp_path_factory: pyte
         cfg["data"]["datasets"] = [{"path": str(PROMPTS)}]
         cfg["grpo"] = {"num_generations": 4, "max_completion_length": 8, "beta": 0.04, "rewards": REWARDS}
 
-    runs = {"grpo": write_run(root / "grpo", micro_model, RUN_ARGS, edit=on_prompts)}
+    def two_steps_per_generation(cfg: dict) -> None:
+        on_prompts(cfg)
+        cfg["grpo"]["steps_per_generation"] = 2  # one generation of 8 completions (2 prompts) for 2 steps
+
+    def signaled(cfg: dict) -> None:
+        two_steps_per_generation(cfg)
+        cfg["grpo"]["rewards"][1]["function"] = f"{HERE / 'grpo_rewards.py'}:length_then_signal"
+
+    runs = {"grpo": write_run(root / "grpo", micro_model, RUN_ARGS, edit=on_prompts),
+            "spg2": write_run(root / "spg2", micro_model, [*RUN_ARGS, f"checkpoint.every_steps={MID}"],
+                              edit=two_steps_per_generation),
+            # no periodic save before the end: its checkpoint-3 can only be the warning signal's
+            "preempted": write_run(root / "preempted", micro_model, [*RUN_ARGS, "checkpoint.every_steps=100"],
+                                   edit=signaled)}
     check = "call:tests.job.dpo_check:main:{run}:" + str(root) + "/check-{name}"
     _, out = launch_like_srun(root / "first", job_env, program=[str(HERE / "run_many.py")],
-                              args=[check.format(run=runs["grpo"], name="grpo")]).wait(timeout=600)
+                              args=[check.format(run=runs["grpo"], name="grpo"), str(runs["spg2"])]).wait(timeout=600)
     for path in sorted(root.glob("*.failed.rank*")):
         pytest.fail(path.read_text()[-4000:])
+    # checkpoint-3 is inside a generation (steps 3 and 4 train the halves of the second one): what a warning signal
+    # at step 3 saves. "resumed" continues from it; "regenerated" lost its rollouts files (what TRL alone keeps)
+    runs["resumed"] = _copy(runs["spg2"], root / "resumed", cut_after=MID)
+    runs["regenerated"] = _copy(runs["spg2"], root / "regenerated", cut_after=MID)
+    cut = runs["regenerated"] / "checkpoints" / f"checkpoint-{MID}"
+    for path in cut.glob("grpo_rollouts_*.pt"):  # as a checkpoint written without them (and its marker)
+        path.unlink()
+    marker = json.loads((cut / "COMPLETE").read_text())
+    marker["files"] = {k: v for k, v in marker["files"].items() if not k.startswith("grpo_rollouts_")}
+    (cut / "COMPLETE").write_text(json.dumps(marker))
+    # the preempted run last (the warning signal's flag stays raised in that process): rank 1 signals itself while
+    # step 3 generates (global_step 2); every rank stops after step 3, saves it and leaves the requeue marker
+    signal_env = {**job_env, "GRPO_TEST_SIGNAL_AT": str(MID - 1)}
+    _, out2 = launch_like_srun(root / "second", signal_env, program=[str(HERE / "run_many.py")],
+                               args=[str(runs["resumed"]), str(runs["regenerated"]), str(runs["preempted"])],
+                               ).wait(timeout=600)
+    for path in sorted(root.glob("*.failed.rank*")):
+        pytest.fail(path.read_text()[-4000:])
+    requeued = sorted(p.name for p in (runs["preempted"] / "requeue").iterdir())
+    rc, out3 = launch_like_srun(runs["preempted"], job_env, restart=1).wait(timeout=600)  # the requeued attempt
+    assert rc == 0, out3[-4000:]
     reference = subprocess.run([sys.executable, str(HERE / "grpo_reference.py"), str(runs["grpo"]),
                                 str(root / "reference.json")], env=job_env, capture_output=True, text=True,
                                timeout=600, check=False)
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
-    return {"runs": runs, "root": root, "log": out,
+    return {"runs": runs, "root": root, "log": out + "\n" + out2, "requeued": requeued, "log3": out3,
             "trl": json.loads((root / "reference.json").read_text())["logs"]}
 
 
@@ -96,6 +131,66 @@ def test_the_policy_and_the_reference_are_fsdp2_shards_and_the_reference_never_m
         assert not reference["requires_grad"] and not reference["with_grad"]
     marker = json.loads((grpo_runs["runs"]["grpo"] / "checkpoints" / f"checkpoint-{STEPS}" / "COMPLETE").read_text())
     assert marker["method"] == "grpo"
+
+
+def _final_weights(run: Path) -> dict[str, Any]:
+    """The model state of the run's last checkpoint, read from its DCP files (no process group)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder = run / "checkpoints" / f"checkpoint-{STEPS}" / "pytorch_model_fsdp_0"
+    meta = FileSystemReader(str(folder)).read_metadata()
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+             if hasattr(v, "size")}
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": no_dist, as asked
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=FileSystemReader(str(folder)), no_dist=True)
+    return state
+
+
+def test_a_resume_inside_steps_per_generation_continues_the_saved_rollouts_bitwise(
+        grpo_runs: dict[str, Any]) -> None:
+    """checkpoint-3 holds each rank's buffered rollouts and its place in them: step 4 trains the second half of the
+    generation made at step 3, as the uninterrupted run did, bit for bit (loss, grad norm, rewards, final weights).
+    Without the rollouts files the next attempt generates again at step 4: another step (the check can fail)."""
+    import torch
+
+    runs = grpo_runs["runs"]
+    whole, resumed, regenerated = (read_metrics(runs[n]) for n in ("spg2", "resumed", "regenerated"))
+    assert [m["step"] for m in whole] == [1, 2, 3, 4] and [m["step"] for m in resumed] == [1, 2, 3, 4]
+    keys = ("loss", "grad_norm", "reward", "kl", "completions/mean_length")  # reward: logged at generation steps
+    assert [{k: m.get(k) for k in keys} for m in resumed] == [{k: m.get(k) for k in keys} for m in whole]
+    assert "reward" not in whole[-1] and "reward" in regenerated[-1]  # step 4 generated nothing, or again
+    a, b = _final_weights(runs["spg2"]), _final_weights(runs["resumed"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert regenerated[-1]["loss"] != whole[-1]["loss"] or regenerated[-1]["grad_norm"] != whole[-1]["grad_norm"]
+    assert "holds no rollouts for 2 ranks: the next step generates again" in grpo_runs["log"]
+
+
+def test_the_warning_signal_inside_a_generation_saves_the_rollouts_and_the_next_attempt_ends_bitwise(
+        grpo_runs: dict[str, Any]) -> None:
+    """The signal lands while step 3 generates; the ranks agree to stop after it and save checkpoint-3 (inside a
+    generation: step 4 trains its second half); the next attempt (SLURM_RESTART_COUNT 1) continues from it and ends
+    bitwise equal to the uninterrupted twin: every step's loss, grad norm, reward and KL, and the final weights."""
+    import torch
+
+    runs = grpo_runs["runs"]
+    assert grpo_runs["requeued"] == ["4242-0"]
+    marker = json.loads((runs["preempted"] / "requeue" / "4242-0").read_text())
+    assert marker["step"] == MID and marker["saved"]  # written by rank 0, which saw the flag through the agreement
+    assert sorted(p.name for p in (runs["preempted"] / "checkpoints").glob("checkpoint-*")) == [
+        f"checkpoint-{MID}", f"checkpoint-{STEPS}"]
+    assert sorted(p.name for p in (runs["preempted"] / "checkpoints" / f"checkpoint-{MID}").glob("grpo_rollouts_*")) \
+        == ["grpo_rollouts_0.pt", "grpo_rollouts_1.pt"]
+    whole, preempted = read_metrics(runs["spg2"]), read_metrics(runs["preempted"])
+    assert [m["step"] for m in preempted] == [1, 2, 3, 4] and [m["restart"] for m in preempted] == [0, 0, 0, 1]
+    keys = ("loss", "grad_norm", "reward", "kl", "completions/mean_length")
+    assert [{k: m.get(k) for k in keys} for m in preempted] == [{k: m.get(k) for k in keys} for m in whole]
+    a, b = _final_weights(runs["spg2"]), _final_weights(runs["preempted"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_metrics_jsonl_keeps_the_reward_per_function_kl_and_completion_length(grpo_runs: dict[str, Any]) -> None:
