@@ -26,7 +26,8 @@ What we do instead:
   state (``grpo_rollouts_<rank>.pt``); the next attempt continues the same rollouts at the same place;
 - the reference (``beta > 0``, full fine-tuning): the starting model built exactly as DPO's
   (slurmft/job/dpo.py ``reference_model``: meta device, sliced loading, FSDP2 per decoder layer, no gradients),
-  handed to TRL in place of the copy it would load. With LoRA TRL disables the adapters instead (no copy).
+  handed to TRL in place of the copy it would load. (LoRA-GRPO is refused by the config for now: TRL would add a
+  "ref" adapter copy to the sharded model, as DPO's ``_no_reference_adapter`` avoids.)
 
 Everything else is the SFT job's: loading, precision, activation checkpointing, the checkpoint callbacks
 (COMPLETE markers, preemption saves at a step boundary, resume), consolidation of the policy.
@@ -101,7 +102,7 @@ def reward_functions(cfg: RunConfig) -> list[Any]:
 
 
 def uses_reference_copy(cfg: RunConfig) -> bool:
-    """A second, sharded model: ``beta > 0`` on a full fine-tune (LoRA disables its adapters instead)."""
+    """A second, sharded model: ``beta > 0`` on a full fine-tune (the only kind a grpo run is, for now)."""
     return cfg.grpo is not None and cfg.grpo.beta > 0 and cfg.lora is None
 
 
