@@ -44,9 +44,24 @@ COMPARED = ("reward", "reward_std", "rewards/shared_letters/mean", "rewards/leng
             "completions/mean_length")
 
 
+def ended_often(model: Path, to: Path) -> Path:
+    """The micro model with one token in six an end of completion (its generation_config.json's eos_token_id, as
+    instruct models list their end-of-turn tokens there): completions of different lengths, so ranks finish
+    generating at different times (transformers' synced_gpus keeps them in step) and EOS is masked as TRL masks it."""
+    import shutil
+
+    shutil.copytree(model, to)
+    gen = json.loads((to / "generation_config.json").read_text())
+    vocab = json.loads((to / "config.json").read_text())["vocab_size"]
+    gen["eos_token_id"] = [gen["eos_token_id"], *range(6, vocab, 6)]
+    (to / "generation_config.json").write_text(json.dumps(gen))
+    return to
+
+
 @pytest.fixture(scope="module")
 def grpo_runs(micro_model: Path, job_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("grpo")
+    model = ended_often(micro_model, root / "model")
 
     def on_prompts(cfg: dict) -> None:
         cfg["data"]["datasets"] = [{"path": str(PROMPTS)}]
@@ -60,11 +75,11 @@ def grpo_runs(micro_model: Path, job_env: dict[str, str], tmp_path_factory: pyte
         two_steps_per_generation(cfg)
         cfg["grpo"]["rewards"][1]["function"] = f"{HERE / 'grpo_rewards.py'}:length_then_signal"
 
-    runs = {"grpo": write_run(root / "grpo", micro_model, RUN_ARGS, edit=on_prompts),
-            "spg2": write_run(root / "spg2", micro_model, [*RUN_ARGS, f"checkpoint.every_steps={MID}"],
+    runs = {"grpo": write_run(root / "grpo", model, RUN_ARGS, edit=on_prompts),
+            "spg2": write_run(root / "spg2", model, [*RUN_ARGS, f"checkpoint.every_steps={MID}"],
                               edit=two_steps_per_generation),
             # no periodic save before the end: its checkpoint-3 can only be the warning signal's
-            "preempted": write_run(root / "preempted", micro_model, [*RUN_ARGS, "checkpoint.every_steps=100"],
+            "preempted": write_run(root / "preempted", model, [*RUN_ARGS, "checkpoint.every_steps=100"],
                                    edit=signaled)}
     check = "call:tests.job.dpo_check:main:{run}:" + str(root) + "/check-{name}"
     _, out = launch_like_srun(root / "first", job_env, program=[str(HERE / "run_many.py")],
@@ -115,6 +130,7 @@ def test_losses_rewards_and_kl_equal_trls_own_grpo_trainer_on_one_process(grpo_r
     assert ours[0]["kl"] == 0.0  # step 1: the policy is the reference
     assert all(m["kl"] > 0 for m in ours[1:])  # it moved (lr 1e-3): the KL term is measured, not zero by construction
     assert len({m["reward"] for m in ours}) == STEPS  # other prompts and completions every step
+    assert all(1 < m["completions/mean_length"] < 8 for m in ours)  # ended early, at different lengths
     assert all(m["reward_std"] > 0 for m in ours)  # the groups' rewards differ: the advantages are not all zero
 
 
