@@ -145,6 +145,10 @@ def test_the_policy_and_the_reference_are_fsdp2_shards_and_the_reference_never_m
             assert 0 < model["local_numel"] < model["total_numel"]  # each rank holds a part
         assert policy["changed"] and not reference["changed"]
         assert not reference["requires_grad"] and not reference["with_grad"]
+    for r, report in enumerate(reports):  # what estimate's reference_weights predicts (tests/test_estimate.py)
+        fsdp = json.loads((grpo_runs["runs"]["grpo"] / "fsdp_report" / f"rank{r}.json").read_text())
+        reference = next(m for m in report["models"] if m["frozen"])
+        assert fsdp["reference_bytes"] == 4 * reference["local_numel"] > 0  # fp32 here
     marker = json.loads((grpo_runs["runs"]["grpo"] / "checkpoints" / f"checkpoint-{STEPS}" / "COMPLETE").read_text())
     assert marker["method"] == "grpo"
 
