@@ -13,8 +13,8 @@ whole unsharded copy of the model as the reference (``create_model_from_path``) 
 What we do instead:
 
 - **sampling keyed by position, not by RNG stream** (:class:`SeededSampling`): the next token of every completion
-  is the Gumbel-max sample ``argmax(logits / T (top-p masked) + Gumbel noise)``, exactly a draw from TRL's sampling
-  distribution, with the noise drawn from a generator seeded by ``(train.seed, generation point, the
+  is the Gumbel-max sample ``argmax(logits / T (top-p masked) + Gumbel noise)``, a draw from TRL's sampling
+  distribution (with float32 uniforms), the noise drawn from a generator seeded by ``(train.seed, generation point, the
   completion's index in the global generation batch, token position)``. The same prompt at the same place of a
   run gets the same completion on 1, 2 or 16 ranks, after a requeue too, and without any saved RNG state.
   The generation point is ``global_step x gradient_accumulation_steps + micro-step``, the same on every shape;
@@ -132,14 +132,15 @@ class SeededSampling:
 
         scores = self.warpers(input_ids, scores.float())
         position = input_ids.shape[1] - self.prompt_length
+        # drawn where the logits are: one small draw per completion (a vocabulary of uniforms), no host round trip;
+        # CUDA's generator gives other numbers than the CPU's, each the same on every world size of its kind
         noise = torch.empty_like(scores)
-        tiny = torch.finfo(scores.dtype).tiny
+        generator = torch.Generator(device=scores.device)
         for i in range(scores.shape[0]):
-            generator = torch.Generator(device="cpu")
             generator.manual_seed(_noise_seed(self.seed, self.point, self.first_row + i, position))
-            u = torch.rand(scores.shape[1], generator=generator, dtype=torch.float64).clamp_(tiny, 1 - 1e-12)
-            noise[i] = (-torch.log(-torch.log(u))).to(scores.dtype)
-        return scores + noise.to(scores.device)
+            torch.rand(scores.shape[1], generator=generator, out=noise[i])
+        tiny = torch.finfo(noise.dtype).tiny
+        return scores - torch.log(-torch.log(noise.clamp_(tiny, 1 - 1e-7)))
 
 
 def generate_seeded(trainer: Any, prompt_ids: list[list[int]]) -> list[list[int]]:
