@@ -253,22 +253,11 @@ def _reference_instead_of_a_copy(reference: Any) -> Iterator[None]:
         grpo_trainer.create_model_from_path = original
 
 
-def use_generation_config(model: Any, model_dir: Path) -> None:
-    """The model files' generation_config.json on the sharded model, as ``from_pretrained`` sets it: the model is
-    built from its config (slurmft/job/loading.py), whose default generation config knows only config.json's EOS.
-    Instruct models list their end-of-turn tokens in generation_config.json (Llama-3: three ids), and TRL ends a
-    completion at each of them: without it completions would run on past the end of the turn."""
-    from transformers import GenerationConfig
-
-    if (model_dir / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(model_dir)
-
-
 def new_trainer(cfg: RunConfig, model: Any, reference: Any, args: Any, dataset: Any, tokenizer: Any,
-                callbacks: list[Any], optimizer: Any, model_dir: Path) -> Any:
+                callbacks: list[Any], optimizer: Any) -> Any:
     """TRL's GRPOTrainer (generating with :func:`generate_seeded`) on the sharded policy; ``reference`` is the
-    sharded starting model when ``beta > 0`` on a full fine-tune, else None."""
-    use_generation_config(model, model_dir)
+    sharded starting model when ``beta > 0`` on a full fine-tune, else None. Its EOS ids are the model files'
+    generation_config.json's (slurmft/job/loading.py ``use_generation_config``), as TRL's would be."""
     cls = trainer_class()
     with _reference_instead_of_a_copy(reference):
         trainer = cls(model=model, reward_funcs=reward_functions(cfg), args=args, train_dataset=dataset,

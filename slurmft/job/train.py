@@ -502,7 +502,7 @@ class Trainers:
         if cfg.grpo is not None:
             trainer = grpo.new_trainer(cfg, self.sharded.model, self.reference.model if self.reference else None,
                                        self.args, self.dataset, self.inputs.tokenizer, self.hooks.ordered,
-                                       self.optimizer, self.inputs.model_dir)
+                                       self.optimizer)
         elif cfg.dpo is not None:
             trainer = dpo.new_trainer(self.sharded.model, self.reference.model if self.reference else None, self.args,
                                       self.dataset, self.inputs.tokenizer, self.hooks.ordered, self.optimizer,

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from .helpers import REPO, launch_like_srun, read_metrics, write_run
 from .test_lora_cpu import _copy
@@ -149,8 +150,12 @@ def test_the_policy_and_the_reference_are_fsdp2_shards_and_the_reference_never_m
         fsdp = json.loads((grpo_runs["runs"]["grpo"] / "fsdp_report" / f"rank{r}.json").read_text())
         reference = next(m for m in report["models"] if m["frozen"])
         assert fsdp["reference_bytes"] == 4 * reference["local_numel"] > 0  # fp32 here
-    marker = json.loads((grpo_runs["runs"]["grpo"] / "checkpoints" / f"checkpoint-{STEPS}" / "COMPLETE").read_text())
-    assert marker["method"] == "grpo"
+    final = grpo_runs["runs"]["grpo"] / "checkpoints" / f"checkpoint-{STEPS}"
+    assert json.loads((final / "COMPLETE").read_text())["method"] == "grpo"
+    # the model files' generation config (its EOS ids), which consolidation exports: not one derived from config.json
+    model = Path(yaml.safe_load((grpo_runs["runs"]["grpo"] / "config.yaml").read_text())["model"]["name_or_path"])
+    saved, given = (json.loads((d / "generation_config.json").read_text())["eos_token_id"] for d in (final, model))
+    assert saved == given and len(saved) > 100
 
 
 def _final_weights(run: Path) -> dict[str, Any]:
