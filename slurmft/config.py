@@ -24,6 +24,7 @@ from slurmft.config_cluster import (
     PrepareResources,
     ResourcesConfig,
 )
+from slurmft.config_grpo import GRPOConfig
 from slurmft.config_model_checks import EvalConfig, ServeConfig
 from slurmft.config_sweep import SweepConfig
 from slurmft.config_values import NAME_RE, PATH_RE, Section, Size, check_value, slurm_time_seconds
@@ -68,12 +69,13 @@ class DatasetSource(Section):
     split: str = Field("train", description="Split to read.")
     weight: float = Field(1.0, gt=0, description="Mixing weight (relative sampling probability).")
     format: Literal["auto", "messages", "sharegpt", "lima", "guanaco", "alpaca", "prompt_completion",
-                    "preference", "text"] = Field(
+                    "preference", "text", "prompt"] = Field(
         "auto",
         description="Record layout: messages (role/content list), sharegpt (conversations: from/value list), lima "
         "(conversations: [str]), guanaco (text with '### Human:' / '### Assistant:'), alpaca (instruction, "
         "input, output), prompt_completion (prompt, completion), preference (dpo: only; chosen, rejected and an "
-        "optional prompt, strings or conversations), text (plain text for continued pretraining: the text column, "
+        "optional prompt, strings or conversations), prompt (grpo: only; a prompt, string or conversation, and any "
+        "columns for the rewards), text (plain text for continued pretraining: the text column, "
         "or the one columns: {text: ...} names; every token in the loss, no chat template; .txt/.txt.gz files are "
         "always text; docs/text.md), or auto-detect (a text column is read as guanaco chat, never as plain text).",
     )
@@ -386,6 +388,7 @@ class Method(str, Enum):
 
     SFT = "sft"
     DPO = "dpo"
+    GRPO = "grpo"
 
 
 class RunConfig(Section):
@@ -410,6 +413,10 @@ class RunConfig(Section):
     dpo: DPOConfig | None = Field(
         None, description="Preference tuning with DPO on preference data (prompt/chosen/rejected) instead of "
         "supervised fine-tuning (docs/dpo.md)."
+    )
+    grpo: GRPOConfig | None = Field(
+        None, description="Online RL with rewards (GRPO) on prompt data (a prompt column, string or conversation) "
+        "instead of supervised fine-tuning (docs/grpo.md)."
     )
     serve: ServeConfig | None = Field(
         None, description="After consolidation, a job that serves the model with vLLM and checks it against "
@@ -452,6 +459,8 @@ class RunConfig(Section):
         if self.dpo is not None:
             self._check_dpo(self.dpo)
         self._check_text()
+        if self.grpo is not None:
+            self._check_grpo(self.grpo)
         for kind in ("serve", "eval"):
             section = self.model_job(kind)
             if section is not None and not self.consolidate.enabled:
@@ -494,9 +503,9 @@ class RunConfig(Section):
         if not text:
             return
         where = f"data.datasets[{text[0]}]"
-        if self.dpo is not None:
+        if self.method != Method.SFT:  # dpo: preference pairs; grpo: prompts to complete
             raise ValueError(f"{where}: plain text (format text, or a .txt file) trains by language modelling, not by "
-                             "preference; remove that source or the dpo: section")
+                             f"{self.method.value}; remove that source or the {self.method.value}: section")
         if self.train.sft.get("packing_strategy") == "wrapped" and self.data.packing:
             raise ValueError(
                 f"train.sft.packing_strategy: wrapped concatenates the documents of {where} (plain text) and cuts "
@@ -512,6 +521,39 @@ class RunConfig(Section):
 
         return self.dpo is not None or not all(is_text(s.path, s.format) for s in self.data.datasets)
 
+    def _check_grpo(self, grpo: GRPOConfig) -> None:
+        """What a GRPO run cannot combine with, and whole prompt groups in every generation batch."""
+        if self.dpo is not None:
+            raise ValueError("grpo and dpo: a run trains with one method; remove one of the two sections")
+        if self.train.sft:
+            raise ValueError(
+                f"train.sft: passes options to TRL's SFTConfig, but a grpo run trains with TRL's GRPOTrainer; remove "
+                f"train.sft ({', '.join(sorted(self.train.sft))}) or the grpo: section"
+            )
+        if self.lora is not None:
+            raise ValueError(
+                "lora: LoRA-GRPO is not supported yet (TRL would add a reference adapter copy to the sharded model "
+                "when beta > 0, and nothing tests it); remove the lora: section (full fine-tuning) or the grpo: section"
+            )
+        if self.train.epochs is not None:
+            raise ValueError(
+                f"train.epochs: a grpo run counts optimizer steps (each prompt is completed num_generations times, so "
+                f"an epoch of prompts is not a fixed number of steps yet); replace train.epochs ({self.train.epochs:g}) "
+                "with train.max_steps"
+            )
+        t, ranks = self.train, self.resources.world_size
+        steps = grpo.generations_per_step(t.gradient_accumulation_steps)
+        batch = ranks * t.per_device_batch_size * steps
+        if batch % grpo.num_generations:
+            fits = [g for g in range(2, batch + 1) if batch % g == 0]
+            raise ValueError(
+                f"grpo.num_generations: {grpo.num_generations} does not divide the generation batch, {ranks} rank(s) "
+                f"x train.per_device_batch_size {t.per_device_batch_size} x steps_per_generation {steps} = {batch} "
+                "completions (TRL needs whole groups of num_generations completions per prompt); set "
+                f"grpo.num_generations to a divisor ({', '.join(map(str, fits)) or 'none: the batch is 1'}), or raise "
+                "train.per_device_batch_size or grpo.steps_per_generation to a multiple"
+            )
+
     def model_job(self, kind: str) -> ServeConfig | EvalConfig | None:
         """The section of a job after consolidation: ``serve`` or ``eval`` (None when the config has none)."""
         return self.serve if kind == "serve" else self.eval
@@ -525,17 +567,19 @@ class RunConfig(Section):
 
     @property
     def method(self) -> Method:
-        """sft, or the preference method whose section is set."""
-        return Method.DPO if self.dpo is not None else Method.SFT
+        """sft, or the method whose section is set (dpo, grpo)."""
+        return Method.DPO if self.dpo is not None else Method.GRPO if self.grpo is not None else Method.SFT
 
     @property
     def packed(self) -> bool:
-        """data.packing where it applies: supervised fine-tuning. DPO trains on each pair, padded, never packed."""
+        """data.packing where it applies: supervised fine-tuning. DPO trains on each pair, GRPO on each prompt and its
+        completions, padded, never packed."""
         return self.data.packing and self.method == Method.SFT
 
     @property
     def assistant_masks(self) -> bool:
-        """data.assistant_only_loss where it applies: supervised fine-tuning (DPO scores the replies only)."""
+        """data.assistant_only_loss where it applies: supervised fine-tuning of chat data (DPO and GRPO score the
+        replies only; plain text has every token in the loss)."""
         return self.data.assistant_only_loss and self.method == Method.SFT and self.chat_data
 
     def _reconcile_precision(self) -> None:

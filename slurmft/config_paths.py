@@ -81,10 +81,15 @@ def _path_kind(loc: str) -> str:
         return "task"
     if loc in ("cluster.container.image", "serve.container.image", "eval.container.image"):
         return "image"
+    if loc.startswith("grpo.rewards["):
+        return "reward"
     return "path-or-hub-id"  # model.name_or_path, model.tokenizer, data.datasets[i].path
 
 
 def _resolve_one(value: str, kind: str, base: Path) -> str:
+    if kind == "reward":  # file.py:function: the file part is a path; module:function is a name
+        file, sep, function = value.rpartition(":")
+        return _resolve_one(file, "path", base) + sep + function if file.endswith(".py") else value
     expanded = Path(os.path.expanduser(value))
     if expanded.is_absolute():
         return str(expanded)
@@ -114,8 +119,9 @@ def _path_fields(data: dict[str, Any]) -> list[tuple[str, Any, Any]]:
             found.append((loc, holder, key))
 
     take("output_dir", data, "output_dir")
-    cluster, model, dat, train, serve, evaluation = (data.get(k) if isinstance(data.get(k), dict) else {} for k in
-                                                     ("cluster", "model", "data", "train", "serve", "eval"))
+    cluster, model, dat, train, serve, evaluation, grpo = (
+        data.get(k) if isinstance(data.get(k), dict) else {} for k in
+        ("cluster", "model", "data", "train", "serve", "eval", "grpo"))
     take("cluster.profile", cluster, "profile")
     take("cluster.python", cluster, "python")
     if isinstance(cluster.get("container"), dict):
@@ -136,6 +142,9 @@ def _path_fields(data: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     datasets = dat.get("datasets")
     for i, ds in enumerate(datasets if isinstance(datasets, list) else []):
         take(f"data.datasets[{i}].path", ds, "path")
+    rewards = grpo.get("rewards")
+    for i, reward in enumerate(rewards if isinstance(rewards, list) else []):
+        take(f"grpo.rewards[{i}].function", reward, "function")
     return found
 
 

@@ -25,8 +25,8 @@ DPO_TRAINER_FILE = "trainer/dpo_trainer.py"  # trl.trainer.dpo_trainer, inside t
 
 
 @functools.cache
-def dpo_loss_types() -> tuple[tuple[str, ...] | None, str]:
-    """(the loss types the installed DPOTrainer computes, in its order; TRL's version), or (None, why not)."""
+def read_trl_file(relative: str) -> tuple[str | None, str]:
+    """(the text of a file inside the installed trl package, TRL's version), or (None, why not); nothing imported."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -36,11 +36,19 @@ def dpo_loss_types() -> tuple[tuple[str, ...] | None, str]:
         return None, "trl is not installed here"
     if spec is None or not spec.origin:
         return None, "trl is not installed here"
-    path = Path(spec.origin).parent / DPO_TRAINER_FILE
+    path = Path(spec.origin).parent / relative
     try:
-        source = path.read_text()
+        return path.read_text(), trl_version
     except OSError as exc:
         return None, f"cannot read {path} ({exc.strerror})"
+
+
+@functools.cache
+def dpo_loss_types() -> tuple[tuple[str, ...] | None, str]:
+    """(the loss types the installed DPOTrainer computes, in its order; TRL's version), or (None, why not)."""
+    source, trl_version = read_trl_file(DPO_TRAINER_FILE)
+    if source is None:
+        return None, trl_version
     names = tuple(dict.fromkeys(BRANCH_RE.findall(source)))
     if not names:
         return None, f"no loss types found in TRL {trl_version}'s DPOTrainer (a new layout?)"

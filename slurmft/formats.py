@@ -23,6 +23,8 @@ Formats (``data.datasets[].format``; ``auto`` detects from the columns and the f
   TRL tokenizes it as language modelling (the tokenizer's BOS, the text, EOS) and every token is in the loss. Only
   ``format: text`` (or a ``.txt``/``.txt.gz`` file) reads a ``text`` column so: ``auto`` keeps reading one as guanaco
   chat, and refuses one without ``### Human:`` turns, saying how to read it as plain text.
+- ``prompt`` (for ``grpo:``): ``prompt`` alone, a string or a conversation (TRL's prompt-only layout); every other
+  column is kept and passed to the reward functions.
 
 ``columns`` renames the user's columns to these names first (``{prompt: question}``); ``text_field``
 names the one column of the single-column formats.
@@ -52,9 +54,11 @@ FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
     "prompt_completion": ("prompt", "completion"),
     "preference": ("chosen", "rejected", "prompt"),
     "text": ("text",),
+    "prompt": ("prompt",),
 }
 PREFERENCE = "preference"
 TEXT = "text"
+PROMPT_ONLY = "prompt"
 #: format -> its columns that may be absent (a preference row without ``prompt``: TRL's implicit prompt)
 OPTIONAL_COLUMNS: dict[str, tuple[str, ...]] = {"alpaca": ("input",), "preference": ("prompt",)}
 EXPECTED = (
@@ -103,6 +107,8 @@ def detect_format(source: DatasetSource, columns: list[str], first: dict[str, An
         return "alpaca", "instruction"
     if {"prompt", "completion"} <= set(columns):
         return "prompt_completion", "prompt"
+    if "prompt" in columns:
+        return PROMPT_ONLY, "prompt"
     candidates = [source.text_field] if source.text_field else ["messages", "conversations", "text"]
     for column in candidates:
         if column not in columns:
@@ -284,16 +290,41 @@ def preference_problem(pair: dict[str, list[dict[str, str]]]) -> str | None:
     return None
 
 
-def method_problem(fmt: str, dpo: bool, columns: list[str], where: str) -> str | None:
-    """Preference data without ``dpo:``, or other data under it: the message naming the columns found, or None."""
-    if dpo and fmt == TEXT:
+def method_problem(fmt: str, method: str, columns: list[str], where: str) -> str | None:
+    """Data another method trains on (``method``: sft, dpo, grpo): the message naming the columns found, or None."""
+    if method == "dpo" and fmt == TEXT:
         return (f"{where}: plain text (format text) trains by language modelling, not by preference (dpo:); remove "
                 "the source or the dpo: section")
-    if dpo and fmt != PREFERENCE:
+    if method == "dpo" and fmt != PREFERENCE:
         return (f"{where}: dpo: trains on preference data ('chosen' and 'rejected', with or without 'prompt'), but "
                 f"the columns are {columns} ({fmt} data for supervised fine-tuning): use preference data, map yours "
                 "with columns: {chosen: YOUR_COLUMN, rejected: YOUR_COLUMN}, or remove the dpo: section")
-    if not dpo and fmt == PREFERENCE:
-        return (f"{where}: the columns {columns} are preference data (chosen/rejected), which supervised "
-                "fine-tuning cannot train on: add a dpo: section (preference tuning), or give SFT data")
+    if method == "grpo" and (fmt == "prompt_completion" or "completion" in columns):
+        return (f"{where}: grpo: generates the completions itself, but the rows hold a 'completion' (the columns are "
+                f"{columns}): give prompts only (a 'prompt' column, string or conversation; other columns reach the "
+                "rewards), e.g. rename 'completion' to 'answer' in the file for the exact_match reward, or remove the "
+                "grpo: section to fine-tune on the completions")
+    if method == "grpo" and fmt != PROMPT_ONLY:
+        return (f"{where}: grpo: trains on prompts (a 'prompt' column, string or conversation, TRL's prompt-only "
+                f"layout), but the columns are {columns} ({fmt} data): give prompt data, map yours with columns: "
+                "{prompt: YOUR_COLUMN}, or remove the grpo: section")
+    if method != "grpo" and fmt == PROMPT_ONLY:
+        return (f"{where}: the columns {columns} hold prompts without replies, which {method} cannot train on: add a "
+                "grpo: section (online RL with rewards), or give data with replies")
+    if method != "dpo" and fmt == PREFERENCE:
+        return (f"{where}: the columns {columns} are preference data (chosen/rejected), which "
+                f"{'supervised fine-tuning' if method == 'sft' else method} cannot train on: add a dpo: section "
+                "(preference tuning), or give SFT data")
     return None
+
+
+def prompt_problem(prompt: Any) -> str | None:
+    """Why one GRPO prompt cannot be completed (empty, not a string or a conversation), or None."""
+    if isinstance(prompt, str):
+        return None if prompt.strip() else "an empty prompt"
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and {"role", "content"} <= set(m)
+                                                   for m in prompt):
+        if prompt[-1].get("role") == "assistant":
+            return "a prompt conversation that ends with an assistant turn (the completion is generated)"
+        return None
+    return "a prompt that is neither a string nor a conversation (role/content list)"

@@ -69,7 +69,8 @@ def settings(cfg: RunConfig) -> dict[str, Any]:
             "tokenizer": tokenizer_name(cfg), "revision": tokenizer_revision(cfg),
             # a dpo run prepares preference pairs (TRL's DPO tokenization), not SFT's sequences; an SFT record has no
             # "method", as before DPO existed, so records written then still match
-            **({"method": cfg.method.value} if cfg.dpo is not None else {})}
+            # grpo: the prompts as they are (TRL tokenizes them at each generation)
+            **({"method": cfg.method.value} if cfg.method.value != "sft" else {})}
 
 
 def inputs(cfg: RunConfig) -> dict[str, Any]:
@@ -285,6 +286,9 @@ def summary_line(record: dict[str, Any]) -> str:
     if not r:
         return "prepared (no counts recorded)"
     fill = r.get("fill")
+    if record.get("settings", {}).get("method") == "grpo":  # prompts kept as they are (TRL tokenizes per generation)
+        took = f", prepared in {r['seconds']:.1f} s" if isinstance(r.get("seconds"), int | float) else ""
+        return f"{r.get('sequences', 0):,} prompts (not tokenized: GRPO renders them at every generation){took}"
     parts = [f"{r.get('conversations', 0):,} conversations -> {r.get('sequences', 0):,} sequences of <= "
              f"{record.get('settings', {}).get('max_seq_length')} tokens", f"{r.get('tokens', 0):,} tokens"]
     if isinstance(r.get("loss_tokens"), int):

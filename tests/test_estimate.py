@@ -767,6 +767,22 @@ def test_lora_without_merge_writes_no_model_and_lists_are_counted():
     assert bad["lora"]["unmatched"] and any("'experts'" in a for a in bad["assumptions"])
 
 
+def test_grpo_counts_the_reference_copy_only_when_beta_is_positive():
+    """GRPO with beta > 0 holds DPO's kind of copy (slurmft/job/grpo.py builds it the same way); beta 0 none; one
+    sequence per completion (no chosen/rejected pair); the assumptions say what is not counted (the generation)."""
+    sft = E.estimate(seed_config(), profile())
+    rewards = [{"function": "exact_match"}]
+    kl = E.estimate(seed_config(grpo={"beta": 0.04, "rewards": rewards}), profile())
+    plain = E.estimate(seed_config(grpo={"beta": 0.0, "rewards": rewards}), profile())
+    n, g = sft["parameters"], sft["per_gpu"]
+    assert kl["per_gpu"]["reference_weights"] == pytest.approx(2 * n / 16, rel=0.01)
+    assert kl["per_gpu"]["weights"] == g["weights"] + kl["per_gpu"]["reference_weights"]
+    assert plain["per_gpu"]["reference_weights"] == 0 and plain["per_gpu"]["weights"] == g["weights"]
+    assert plain["per_gpu"]["activations"] == g["activations"]
+    assert any("the generation (transformers' generate: its KV cache) is not counted" in a for a in kl["assumptions"])
+    assert not any("GRPO" in a for a in sft["assumptions"])
+
+
 def test_lora_table_says_what_trains():
     from rich.console import Console
 

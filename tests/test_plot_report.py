@@ -135,6 +135,42 @@ def test_report_shows_each_save_and_status_is_not_confused_by_them(tmp_path: Pat
     assert f"({steps} logged)" in text
 
 
+def test_a_grpo_runs_rewards_kl_and_lengths_are_in_status_plot_and_report(tmp_path: Path) -> None:
+    """TRL's GRPO metrics in metrics.jsonl as the job keeps them (tests/job/test_grpo_cpu.py checks the job writes
+    them): the reward and the completion length only on steps that generated (here every other step), the KL on
+    every step; status and the report say the last generation's and the last step's KL, the plot draws the rewards
+    and the KL in a panel of their own under the loss."""
+    from slurmft.rundir import RunPaths
+    from slurmft.watch.progress import overview, overview_lines
+
+    run = preempted_run(tmp_path)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        r["kl"] = 0.001 * r["step"]
+        if r["step"] % 2:  # steps_per_generation 2: TRL logs the rollouts at the step that generated them
+            r.update({"reward": 0.5 + 0.01 * r["step"], "reward_std": 0.25, "rewards/exact_match/mean": 0.25,
+                      "rewards/think_format/mean": 0.5, "completions/mean_length": 12.0})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    last = records[-1]["step"]
+    scored = max(r["step"] for r in records if "reward" in r)
+    words = (f"reward {0.5 + 0.01 * scored:.4f} ± 0.2500 (exact_match 0.2500, think_format 0.5000) at step {scored}, "
+             f"KL {0.001 * last:.4f}, completions 12.0 tokens")
+    paths = RunPaths.of(run)
+    status = "\n".join(overview_lines(overview(paths, json.loads(paths.manifest.read_text()), slurm_rows())))
+    assert f"  GRPO: {words}" in status, status
+    assert f"| GRPO, last rollouts | {words} |" in write_report(run, slurm_rows=slurm_rows()).read_text()
+    assert "GRPO" not in write_report(preempted_run(tmp_path, "sft"), slurm_rows=slurm_rows()).read_text()
+
+    img = Image.open(plot_run(run))
+    assert img.size[1] > int(SIZE_INCHES[1] * DPI * 1.5)  # a second panel under the loss
+    rgb = np.asarray(img.convert("RGB")).astype(int)
+    for color in ((44, 160, 44), (148, 103, 189)):  # tab:green (the reward), tab:purple (the KL)
+        found = (abs(rgb[..., 0] - color[0]) < 30) & (abs(rgb[..., 1] - color[1]) < 30) & (
+            abs(rgb[..., 2] - color[2]) < 30)
+        rows = np.nonzero(found.sum(axis=1))[0]
+        assert rows.size and rows.min() > 0.45 * img.size[1], color  # in the lower panel only
+
+
 def test_a_dpo_runs_own_metrics_are_in_status_plot_and_report(tmp_path: Path) -> None:
     """TRL's DPO metrics in metrics.jsonl (what the job's MetricsLog keeps): status says the last step's, the plot
     draws them in a panel of their own under the loss (markers there too), the report lists them."""

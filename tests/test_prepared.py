@@ -239,3 +239,12 @@ def test_a_hub_source_is_recorded_at_its_commit_and_a_new_push_is_refused(run) -
     assert prepared.hub_changes(offline_rec, resolve) == ([], [])  # nothing recorded, nothing to compare
     assert "data.datasets[0]: revision changed" in "\n".join(
         prepared.differences(rec, prepared.expected(cfg("data.datasets=[{path: org/chat, revision: v2}]"))))
+
+
+def test_a_grpo_preparation_is_summarised_as_prompts() -> None:
+    """A grpo run's prepare job keeps its prompts as they are: status says prompts, not sequences of 0 tokens."""
+    from slurmft.prepared import summary_line
+
+    record = {"settings": {"method": "grpo", "max_seq_length": 128}, "result": {"conversations": 32, "sequences": 32,
+                                                                              "tokens": 0, "seconds": 6.9}}
+    assert summary_line(record) == "32 prompts (not tokenized: GRPO renders them at every generation), prepared in 6.9 s"

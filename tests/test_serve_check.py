@@ -82,6 +82,23 @@ def test_prompts_come_from_the_runs_own_data_with_the_chat_template(tiny_model: 
     assert json.loads(first)["conversations"][1] not in texts[0]  # the reply is what the model must generate
 
 
+def test_a_grpo_runs_prompts_are_its_prompt_strings_as_user_turns(tiny_model: Path) -> None:
+    """A grpo run's data is prompts (strings here): the serve check asks the served model each as a user turn."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from slurmft.job.serve_check import take_prompts
+
+    cfg = load_config(REPO / "examples" / "tiny" / "grpo.yaml", [f"model.name_or_path={tiny_model}"])
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    texts, _ = take_prompts(cfg, tok, 2)
+    first = json.loads((REPO / "examples" / "tiny" / "data" / "prompts.jsonl").read_text().splitlines()[0])
+    want = tok.apply_chat_template([{"role": "user", "content": first["prompt"]}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert len(texts) == 2 and texts[0] == want and first["answer"] not in texts[0]
+
+
 def test_served_example_trains_what_run_yaml_trains() -> None:
     """serve-eval.yaml is run.yaml's fine-tune plus the two jobs after it: the shared local run (tests/conftest.py)
     stands for both, and test_resume_local compares run.yaml's resumed run with it."""

@@ -10,7 +10,12 @@ and the preference pairs of the tiny DPO example (``dpo.yaml``), made from ``lim
 - ``data/choices.jsonl``: the tiny evaluation task's multiple-choice questions (``tasks/tiny_choice.yaml``,
   ``serve-eval.yaml``);
 - ``data/pairs.jsonl``: TRL's explicit-prompt layout, ``{"prompt": ..., "chosen": ..., "rejected": ...}``: a
-  conversation's first question, its own answer chosen, the answer of the conversation 7 rows on rejected.
+  conversation's first question, its own answer chosen, the answer of the conversation 7 rows on rejected;
+
+and the prompts of the tiny GRPO example (``grpo.yaml``), made from ``lima.jsonl``:
+
+- ``data/prompts.jsonl``: TRL's prompt-only layout, ``{"prompt": ..., "answer": ...}``: a conversation's first
+  question and its answer (the ``answer`` column reaches the rewards: the built-in ``exact_match`` reads it).
 
 Simple arithmetic, counting and greeting questions with templated answers, so a 5M-parameter model's
 loss drops visibly within a few dozen steps.
@@ -65,6 +70,14 @@ def pairs(conversations: list[list[str]]) -> list[dict[str, str]]:
     return [p for p in out if p["chosen"] != p["rejected"]]
 
 
+N_PROMPTS = 32  # prompts of the tiny GRPO example
+
+
+def prompts(conversations: list[list[str]]) -> list[dict[str, str]]:
+    """GRPO prompts: each conversation's first question, its answer as the reward's reference."""
+    return [{"prompt": c[0], "answer": c[1]} for c in conversations[:N_PROMPTS]]
+
+
 N_CHOICES = 32  # multiple-choice questions of the tiny evaluation task (tasks/tiny_choice.yaml)
 
 
@@ -103,6 +116,8 @@ def main() -> None:
     preference = pairs(lima)
     with open(out / "pairs.jsonl", "w") as f:
         f.writelines(json.dumps(p) + "\n" for p in preference)
+    with open(out / "prompts.jsonl", "w") as f:
+        f.writelines(json.dumps(p) + "\n" for p in prompts(lima))
     with open(out / "choices.jsonl", "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in choices(random.Random(99)))
     print(f"wrote {N_EXAMPLES} examples each to {out}/lima.jsonl and {out}/guanaco.jsonl, "

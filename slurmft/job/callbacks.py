@@ -22,6 +22,7 @@ from transformers import TrainerCallback
 
 from slurmft.checkpoints import latest_complete, step_of
 from slurmft.dpoopts import PREFERENCE_METRICS
+from slurmft.grpoopts import GRPO_METRICS, REWARD_METRIC
 from slurmft.job import preemption
 from slurmft.job.distributed import DistContext, any_rank
 from slurmft.units import MiB, peak_rss_bytes
@@ -126,6 +127,7 @@ class MetricsLog(TrainerCallback):
             "peak_gpu_mem_mib": round(float(peaks[1]), 1) if self.ctx.on_gpu else None,
             "world_size": self.ctx.world_size,  # a resume may run on another allocation (the plot marks it)
             **{k: logs[k] for k in PREFERENCE_METRICS if k in logs},  # DPO's own (TRL's names)
+            **{k: v for k, v in logs.items() if k in GRPO_METRICS or REWARD_METRIC.match(k)},  # GRPO's (TRL's names)
             **self.info,
         }
         with open(self.path, "a") as f:

@@ -162,11 +162,24 @@ def load_text_source(ds, column: str, where: str, num_proc: int | None):
     return ds
 
 
-def load_source(source: DatasetSource, index: int, num_proc: int | None, preference: bool = False,
+def load_prompt_source(ds, where: str):
+    """A GRPO prompt source as it is: ``prompt`` (string or conversation) and the columns the rewards read; a row
+    that cannot be completed is an error (``slurmft validate`` refuses it on the rows it reads)."""
+    for i, prompt in enumerate(ds["prompt"]):
+        why = formats.prompt_problem(prompt)
+        if why:
+            raise JobSetupError(f"{where}: row {i} has {why}; fix or remove it")
+    log.info("%s: %d prompts (extra columns for the rewards: %s)", where, len(ds),
+             ", ".join(c for c in ds.column_names if c != "prompt") or "none")
+    return ds
+
+
+def load_source(source: DatasetSource, index: int, num_proc: int | None, method: str = "sft",
                 with_text: bool = False):
-    """One source as a ``messages``-only dataset, unusable rows dropped; ``preference`` (dpo:): as
-    ``prompt``/``chosen``/``rejected`` conversations, refused when it is not preference data; ``with_text`` (a
-    mixture holding plain text): ``messages`` and ``text`` on every row, a plain-text source as documents."""
+    """One source as a ``messages``-only dataset, unusable rows dropped; for ``method`` dpo: as
+    ``prompt``/``chosen``/``rejected`` conversations, refused when it is not preference data; grpo: prompts as they
+    are (with the columns the rewards read), refused when they hold completions; ``with_text`` (a mixture holding
+    plain text): ``messages`` and ``text`` on every row, a plain-text source as documents."""
     where = f"data.datasets[{index}] ({source.path})"
     ds = _load_source(source, where)
     if len(ds) == 0:
@@ -174,11 +187,13 @@ def load_source(source: DatasetSource, index: int, num_proc: int | None, prefere
     if source.columns:
         ds = ds.rename_columns({theirs: ours for ours, theirs in source.columns.items() if theirs in ds.column_names})
     fmt, column = detect_format(source, list(ds.column_names), ds[0], where)
-    problem = formats.method_problem(fmt, preference, list(ds.column_names), where)
+    problem = formats.method_problem(fmt, method, list(ds.column_names), where)
     if problem:
         raise JobSetupError(problem)
-    if preference:
+    if method == "dpo":
         return load_preference_source(ds, fmt, where, num_proc)
+    if method == "grpo":
+        return load_prompt_source(ds, where)
     if fmt == formats.TEXT:
         return load_text_source(ds, column, where, num_proc)
     ds = ds.map(
@@ -207,6 +222,9 @@ def check_template(ds, tokenizer, where: str, n: int = 16) -> None:
         try:
             if MESSAGES in row:
                 tokenizer.apply_chat_template(row[MESSAGES], tokenize=False)
+            elif "chosen" not in row:  # a GRPO prompt: rendered for generation when it is a conversation
+                if isinstance(row["prompt"], list):
+                    tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
             else:  # a preference pair: TRL renders the prompt alone, then with each reply
                 tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
                 for side in ("chosen", "rejected"):
@@ -215,13 +233,13 @@ def check_template(ds, tokenizer, where: str, n: int = 16) -> None:
             raise JobSetupError(chat_template.cannot_render_message(where, i, exc)) from None
 
 
-def load_mixture(data: DataConfig, seed: int, tokenizer: Any = None, preference: bool = False):
+def load_mixture(data: DataConfig, seed: int, tokenizer: Any = None, method: str = "sft"):
     """All sources, mixed by weight into one ``messages`` dataset (checked against ``tokenizer``'s template);
-    ``preference`` (a dpo: run): one ``prompt``/``chosen``/``rejected`` dataset."""
+    ``method`` dpo: one ``prompt``/``chosen``/``rejected`` dataset; grpo: one prompt dataset."""
     from datasets import interleave_datasets
 
-    with_text = has_text(data) and not preference
-    parts = [load_source(src, i, data.num_proc, preference, with_text) for i, src in enumerate(data.datasets)]
+    with_text = has_text(data) and method == "sft"
+    parts = [load_source(src, i, data.num_proc, method, with_text) for i, src in enumerate(data.datasets)]
     if tokenizer is not None:
         for i, (src, part) in enumerate(zip(data.datasets, parts, strict=True)):
             if not sourcefiles.is_text(src.path, src.format):  # plain text meets no chat template

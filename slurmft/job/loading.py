@@ -260,6 +260,7 @@ def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx
     # LoRA: the frozen base needs no master copy; it is stored in the compute dtype, the adapters in fp32
     base_dtype = compute if cfg.lora is not None or frozen else dtype
     model = guarded(ctx, "building the model", lambda: _build_meta_checked(config, cfg, base_dtype, attn))
+    use_generation_config(model, model_dir)
     if frozen:
         model.requires_grad_(False)
         gather = None  # stored in the compute dtype already
@@ -279,6 +280,18 @@ def build_sharded_model(cfg: RunConfig, config: Any, model_dir: Path | None, ctx
     return ShardedModel(model=model, dtype=dtype, compute_dtype=compute, attn_implementation=attn, wrap_class=sorted(wrap)[0],
                         num_params=num_params, precision=mode.name, reduce_dtype=reduce, load_method=method,
                         bytes_read=read, lora=lora, base_dtype=base_dtype)
+
+
+def use_generation_config(model: torch.nn.Module, model_dir: Path | None) -> None:
+    """The model files' generation_config.json on the model, as ``from_pretrained`` sets it. A model built from its
+    config gets a generation config derived from config.json, which knows one EOS id and no sampling defaults;
+    instruct models list their end-of-turn tokens there (Llama-3: three ids). GRPO's generation ends at each of them
+    (TRL reads ``model.generation_config``), and every checkpoint saves it, which consolidation exports: derived, the
+    exported model would lose the base's."""
+    from transformers import GenerationConfig
+
+    if model_dir is not None and (model_dir / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
 
 
 def read_base_weights(sharded: ShardedModel, model_dir: Path | None, ctx: DistContext) -> int:

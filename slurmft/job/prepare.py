@@ -231,7 +231,10 @@ def prepare_rows(cfg: RunConfig, tokenizer: Any, mixed: Any, num_proc: int | Non
                  paths: RunPaths) -> Any:
     """The mixed conversations (or preference pairs) as the trainer reads them: TRL's preparation, packed by
     slurmft (``TrlPreparation.run``). The prepare job and the train job preparing in its allocation both call this,
-    so they train on the same sequences. ``workdir``: the output_dir of a TRL config that writes nothing there."""
+    so they train on the same sequences. ``workdir``: the output_dir of a TRL config that writes nothing there.
+    GRPO's prompts stay as they are: TRL's GRPOTrainer renders and tokenizes them at every generation."""
+    if cfg.grpo is not None:
+        return mixed
     if cfg.dpo is not None:
         args = dpo_prepare_args(cfg, num_proc, workdir)
         trl: TrlPreparation | TrlDpoPreparation = TrlDpoPreparation(tokenizer)
@@ -290,11 +293,11 @@ def prepare_run(run_dir: str, num_proc: int | None = None, cfg: RunConfig | None
     model_dir = resolve_model_dir(cfg.model, with_weights=False)
     tokenizer = load_tokenizer(resolve_tokenizer_dir(cfg.model, model_dir), cfg)
     mixed = data.load_mixture(cfg.data.model_copy(update={"num_proc": num_proc, "datasets": sources}),
-                              cfg.train.seed, tokenizer, preference=cfg.dpo is not None)
+                              cfg.train.seed, tokenizer, method=cfg.method.value)
     t_loaded = time.time()
     log.info("loaded %d conversations in %.1f s (%.0f rows/s); TRL's preparation next (%s, max_length %d, "
              "num_proc %s)", len(mixed), t_loaded - t0, len(mixed) / max(t_loaded - t0, 1e-9),
-             "DPO pairs" if cfg.dpo else "packing" if cfg.data.packing else "no packing", cfg.data.max_seq_length,
+             "DPO pairs" if cfg.dpo else "GRPO prompts, not tokenized" if cfg.grpo else "packing" if cfg.data.packing else "no packing", cfg.data.max_seq_length,
              num_proc or 1)
     tag = f"{os.environ.get('SLURM_JOB_ID', 'here')}-{os.getpid()}"
     staging = paths.prepared_staging(tag)
@@ -306,7 +309,9 @@ def prepare_run(run_dir: str, num_proc: int | None = None, cfg: RunConfig | None
                  t_ready - t_loaded, len(mixed) / max(t_ready - t_loaded, 1e-9))
         ready.save_to_disk(str(staging))
         result = {"conversations": len(mixed),
-                  **(dpo_counts(ready) if cfg.dpo is not None else counts(ready, cfg.data.max_seq_length)),
+                  **(dpo_counts(ready) if cfg.dpo is not None
+                     else {"sequences": len(ready), "tokens": 0, "loss_tokens": None, "fill": None} if cfg.grpo
+                     else counts(ready, cfg.data.max_seq_length)),
                   "seconds": round(time.time() - t0, 1)}
         record = {**before, "result": result, "num_proc": num_proc, "job_id": os.environ.get("SLURM_JOB_ID"),
                   "host": socket.gethostname(), "time": time.time(),

@@ -68,11 +68,14 @@ def take_prompts(cfg: RunConfig, tokenizer: Any, n: int) -> tuple[list[str], lis
     from slurmft.config import Method
     from slurmft.job.data import load_source
 
-    preference = cfg.method == Method.DPO
-    ds = load_source(cfg.data.datasets[0], 0, None, preference=preference)
+    with_prompt = cfg.method in (Method.DPO, Method.GRPO)  # a prompt column (a GRPO prompt may be a string)
+    ds = load_source(cfg.data.datasets[0], 0, None, cfg.method.value)
     texts: list[str] = []
     for row in ds.select(range(min(len(ds), 4 * n))):
-        turns = list(row["prompt"]) if preference else _prompt_turns(list(row["messages"]))
+        prompt = row["prompt"] if with_prompt else None
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        turns = list(prompt) if with_prompt else _prompt_turns(list(row["messages"]))
         if not turns or turns[-1]["role"] != "user":
             continue
         texts.append(tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True))

@@ -32,6 +32,7 @@ from slurmft.job import (
     dpo,
     dpo_reference_logps,
     elastic,
+    grpo,
     loading,
     preemption,
     prepare,
@@ -197,6 +198,7 @@ def _prepare_inputs(cfg: RunConfig, ctx: DistContext) -> Inputs:
     """
     check_sft_keys(cfg)
     dpo.check_loss_types(cfg)
+    grpo.check_options(cfg)
     model_dir = resolve_model_dir(cfg.model, with_weights=ctx.is_main)
     if ctx.is_main:
         weight_files(model_dir)  # fail on missing weights before anything else waits
@@ -210,7 +212,7 @@ def _base_model(cfg: RunConfig, inputs: Inputs, ctx: DistContext, candidates: li
     base on every attempt: LoRA (the frozen weights under the adapters) and DPO (the reference: a copy, or the
     values computed from it); None for the others (a resumed full fine-tune reads only its checkpoint). A resume
     onto another base than the checkpoint's is refused here, before anything is loaded."""
-    if cfg.lora is None and cfg.dpo is None:
+    if cfg.lora is None and cfg.dpo is None and not grpo.uses_reference_copy(cfg):
         return None
     base = distributed.from_main(ctx, "identifying the base model's files",  # rank 0 sees the weight files
                                  lambda: base_identity(cfg.model, inputs.model_dir))
@@ -228,7 +230,7 @@ def _dataset(cfg: RunConfig, paths: RunPaths, inputs: Inputs, ctx: DistContext) 
         log.info("data: loading and converting here; TRL tokenizes, slurmft packs, before the trainer is built")
     mixed = distributed.main_first(ctx, "loading the data",  # rank 0 first: the others read its dataset caches
                                    lambda: data.load_mixture(cfg.data, cfg.train.seed, inputs.tokenizer,
-                                                             preference=cfg.dpo is not None))
+                                                             method=cfg.method.value))
     # every rank at once: TRL's preparation orders the ranks itself (rank 0 first, a barrier between)
     return distributed.guarded(ctx, "preparing the data",
                                lambda: prepare.prepare_rows(cfg, inputs.tokenizer, mixed, cfg.data.num_proc,
@@ -236,9 +238,11 @@ def _dataset(cfg: RunConfig, paths: RunPaths, inputs: Inputs, ctx: DistContext) 
 
 
 def training_args(cfg: RunConfig, paths: RunPaths, ctx: DistContext) -> Any:
-    """The run's TRL config: SFTConfig, or DPOConfig for a dpo: run (slurmft/job/dpo.py)."""
+    """The run's TRL config: SFTConfig, DPOConfig for a dpo: run (slurmft/job/dpo.py), GRPOConfig for grpo:."""
     if cfg.dpo is not None:
         return dpo.dpo_config(cfg, common_args(cfg, paths, ctx))
+    if cfg.grpo is not None:
+        return grpo.grpo_config(cfg, common_args(cfg, paths, ctx))
     return sft_config(cfg, paths, ctx)
 
 
@@ -363,7 +367,12 @@ def _reference_model(cfg: RunConfig, inputs: Inputs, ctx: DistContext) -> Any:
     """DPO, full fine-tuning: the frozen starting model, built from the model files on every start; None otherwise
     (LoRA-DPO disables the adapters, a precomputed reference keeps only its values: no second copy)."""
     reference = None
-    if dpo.uses_reference_copy(cfg):
+    if grpo.uses_reference_copy(cfg):  # the same frozen, sharded starting model as DPO's
+        reference = dpo.reference_model(cfg, inputs.config, inputs.model_dir, ctx)
+        if ctx.is_main:
+            log.info("grpo: reference model (frozen, sharded like the policy) for the KL term, beta %g",
+                     cfg.grpo.beta)
+    elif dpo.uses_reference_copy(cfg):
         t_ref = time.time()
         reference = dpo.reference_model(cfg, inputs.config, inputs.model_dir, ctx)
         if ctx.is_main:
@@ -416,7 +425,7 @@ def _record(cfg: RunConfig, env: JobEnv, ctx: DistContext, sharded: Any, referen
               # DPO: the frozen reference copy's local bytes (0: LoRA-DPO, no copy), what estimate's
               # reference_weights predicts for the largest rank (bench/dpo_memory.py compares them)
               "reference_bytes": (local_bytes(reference.model.parameters()) if reference is not None
-                                  else 0 if cfg.dpo is not None else None)}
+                                  else 0 if cfg.dpo is not None or cfg.grpo is not None else None)}
     return Record(info=info, marker=marker, report=report, adapters=adapters, global_batch=global_batch)
 
 
@@ -494,7 +503,11 @@ class Trainers:
 
     def __call__(self) -> Any:
         cfg, ctx = self.cfg, self.ctx
-        if cfg.dpo is not None:
+        if cfg.grpo is not None:
+            trainer = grpo.new_trainer(cfg, self.sharded.model, self.reference.model if self.reference else None,
+                                       self.args, self.dataset, self.inputs.tokenizer, self.hooks.ordered,
+                                       self.optimizer)
+        elif cfg.dpo is not None:
             trainer = dpo.new_trainer(self.sharded.model, self.reference.model if self.reference else None, self.args,
                                       self.dataset, self.inputs.tokenizer, self.hooks.ordered, self.optimizer,
                                       precomputed=dpo.precomputed(cfg))
@@ -514,8 +527,9 @@ class Trainers:
                                  optimizer_cls_and_kwargs=self.optimizer)
         _one_log_line(trainer, ctx)
         tracking.attach(trainer, self.hooks.wandb_run)
-        self.hooks.batches.watch(trainer)  # what every step trains on (batches.jsonl)
-        sampler.use_whole_global_batches(trainer, self.record.global_batch)  # every step the same sequences on every shape
+        if cfg.grpo is None:  # GRPO: TRL's own sampler (each prompt num_generations times), prompt rows, not tokens
+            self.hooks.batches.watch(trainer)  # what every step trains on (batches.jsonl)
+            sampler.use_whole_global_batches(trainer, self.record.global_batch)  # the same sequences on every shape
         elastic.reseed_on_change(trainer, ctx.rank, ctx.world_size, cfg.train.seed)  # before the loads are guarded
         self.checkpointer.attach(trainer)  # saves timed, checkpoint loads agreed by every rank
         return trainer

@@ -95,6 +95,10 @@ def run_checks(cfg: RunConfig, job_python: bool = True) -> Report:
     if job_python:
         check_job_python(cfg, report, in_image=container is not None)
     check_model_jobs(cfg, report)
+    if cfg.grpo is not None:
+        from slurmft.plan.grpo_checks import check_grpo
+
+        check_grpo(cfg, report, [s.columns for s in samples], job_python=job_python and container is None)
     report.notes += batch_notes(cfg, samples, template)
     return report
 
@@ -161,6 +165,7 @@ class Sample:
     path: Path | None = None
     complete: bool = False  # conversations (texts) holds every row of the source
     texts: list[str] = field(default_factory=list)  # a plain-text source's documents (conversations is empty)
+    columns: list[str] = field(default_factory=list)  # the file's columns (after renaming)
 
     @property
     def rows(self) -> int:
@@ -274,7 +279,7 @@ def check_data(cfg: RunConfig, report: Report) -> list[Sample]:
         except ConfigError as exc:
             report.problems.append(str(exc))
             continue
-        problem = formats.method_problem(fmt, cfg.dpo is not None, list(rows[0]), label)
+        problem = formats.method_problem(fmt, cfg.method.value, list(rows[0]), label)
         if problem:
             report.problems.append(problem)
             continue
@@ -287,6 +292,17 @@ def check_data(cfg: RunConfig, report: Report) -> list[Sample]:
                                        "columns: {text: YOUR_COLUMN})")
                 continue
             samples.append(Sample(i, fmt, [], path, complete=small, texts=[t for t in texts if t and t.strip()]))
+            continue
+        if fmt == formats.PROMPT_ONLY:  # grpo: prompts; the other columns reach the rewards
+            bad = [(n, why) for n, r in enumerate(rows) if (why := formats.prompt_problem(r.get("prompt")))]
+            if bad:
+                n, why = bad[0]
+                report.problems.append(f"{label}: row {n} has {why}; {len(bad)} of the {len(rows)} rows read cannot "
+                                       "be completed: fix or remove them")
+                continue
+            prompts = [r["prompt"] if isinstance(r["prompt"], list) else [{"role": "user", "content": r["prompt"]}]
+                       for r in rows]
+            samples.append(Sample(i, fmt, prompts, path, complete=small, columns=list(rows[0])))
             continue
         if fmt == formats.PREFERENCE:
             pairs = [formats.to_preference(r) for r in rows]
@@ -603,6 +619,15 @@ def batch_notes(cfg: RunConfig, samples: list[Sample], template: Template | None
         lines = [f"batch: {r.world_size} rank(s) x {t.per_device_batch_size} x {t.gradient_accumulation_steps} "
                  f"accumulation = {per_step} preference pairs per optimizer step, each a chosen and a rejected "
                  f"sequence of up to {cfg.data.max_seq_length} tokens (prompt + reply)"]
+    if cfg.grpo is not None:
+        g = cfg.grpo
+        steps = g.generations_per_step(t.gradient_accumulation_steps)
+        lines = [f"batch: {r.world_size} rank(s) x {t.per_device_batch_size} x {steps} steps per generation = "
+                 f"{r.world_size * t.per_device_batch_size * steps} completions per generation "
+                 f"({r.world_size * t.per_device_batch_size * steps // g.num_generations} prompts x "
+                 f"{g.num_generations}), up to {g.max_completion_length} new tokens each; "
+                 f"{per_step} completions per optimizer step"]
+        return lines  # steps per epoch: TRL's sampler repeats each prompt; train.max_steps counts the steps
     if cfg.dpo is not None and cfg.data.packing:
         lines.append("data.packing: does not apply to DPO (each pair is scored as its own padded sequences); ignored")
     counts = prepared.counted(cfg)

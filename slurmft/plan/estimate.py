@@ -234,7 +234,7 @@ def _per_gpu(shape: ModelShape, k: Settings) -> dict[str, Any]:
     else:  # DDP's gradient buckets: one more copy of the gradients
         comm = state["gradients"]
     reference = 0
-    if k.dpo_reference:  # DPO's reference: the base once more, sharded, in the compute dtype; two layers gathered
+    if k.reference_copy:  # DPO's or GRPO's reference: the base once more, sharded, in the compute dtype; two layers
         reference = local_base * c
         state["weights"] += reference
         comm += c * 2 * max((sum(numel(s) for s in t) for t in shape.layer_list), default=0)
@@ -409,6 +409,8 @@ def _knobs(cfg: RunConfig, profile: ClusterProfile) -> tuple[Settings, str | Non
         lora=LoraSettings.of(cfg.lora),
         dpo=cfg.dpo is not None,
         dpo_precomputed=cfg.dpo is not None and cfg.dpo.precomputed,
+        grpo=cfg.grpo is not None,
+        grpo_reference=cfg.grpo is not None and cfg.grpo.beta > 0 and cfg.lora is None,
         async_saves=cfg.checkpoint.asynchronous,
     )
     return knobs, capacity_note

@@ -134,6 +134,13 @@ def assumptions(k: Settings, counted: Counted, capacity_note: str | None) -> lis
     else:
         lines.append(f"parameters counted from config.json as a {counted.family}")
     lines += list(counted.approximations)
+    if k.grpo:
+        lines.append("GRPO: each rank's training forward counted as train.per_device_batch_size sequences of "
+                     f"data.max_seq_length ({k.seq_len}) tokens (prompt + completion: set it to your longest prompt "
+                     "plus grpo.max_completion_length)"
+                     + (", the reference for the KL term (beta > 0) as one more sharded copy in the compute dtype"
+                        if k.grpo_reference else ", no reference model (beta 0)")
+                     + "; the generation (transformers' generate: its KV cache) is not counted")
     mode = PRECISIONS[k.precision]
     if k.lora is not None:
         lines.append(

@@ -70,6 +70,8 @@ class Settings:
     lora: LoraSettings | None = None  # adapters on a frozen base (None: every weight trains)
     dpo: bool = False  # a dpo: section: chosen and rejected in one forward (two sequences per example)
     dpo_precomputed: bool = False  # dpo.reference: precomputed: no reference model while training
+    grpo: bool = False  # a grpo: section: completions generated and trained on (the generation is not counted)
+    grpo_reference: bool = False  # grpo.beta > 0 (full fine-tuning): the same frozen, sharded copy as DPO's
     async_saves: bool = False  # checkpoint.async: each rank keeps a CPU staging copy of its checkpoint share
 
     @property
@@ -78,6 +80,12 @@ class Settings:
         base with the adapters disabled (so the LoRA remedy of a DPO run that does not fit drops the copy too), and
         precomputed reference log-probabilities need no model at all."""
         return self.dpo and self.lora is None and not self.dpo_precomputed
+
+    @property
+    def reference_copy(self) -> bool:
+        """A frozen, sharded copy of the model in the compute dtype beside the policy: DPO's (above), or GRPO's
+        reference for the KL term (``beta > 0``)."""
+        return self.dpo_reference or self.grpo_reference
 
     @property
     def sequences(self) -> int:

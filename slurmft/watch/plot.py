@@ -97,10 +97,12 @@ def draw(records: list[dict[str, Any]], target: Path, title: str) -> None:
     margin_steps, margins = series(records, "rewards/margins")
     accuracy_steps, accuracies = series(records, "rewards/accuracies")
     dpo = bool(margins or accuracies)
+    grpo = bool(series(records, "reward")[1])
+    two = dpo or grpo  # a method's own metrics in a panel under the loss
     width, height = SIZE_INCHES
-    fig = Figure(figsize=(width, height * DPO_HEIGHT if dpo else height), dpi=DPI)
+    fig = Figure(figsize=(width, height * DPO_HEIGHT if two else height), dpi=DPI)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot(2, 1, 1) if dpo else fig.add_subplot(1, 1, 1)
+    ax = fig.add_subplot(2, 1, 1) if two else fig.add_subplot(1, 1, 1)
     ax.plot(steps, loss, color="tab:blue", alpha=0.4, linewidth=1, marker=".", markersize=3, label="loss")
     if len(loss) > 2:
         weight = min(0.9, max(0.5, 1 - 10 / len(loss)))  # light: ~a tenth of the run, at most ~10 points
@@ -144,10 +146,46 @@ def draw(records: list[dict[str, Any]], target: Path, title: str) -> None:
         for m in markers:
             low.axvline(m.step, color="tab:red", linestyle="--", linewidth=1.2)
         low.set_title("DPO: implicit rewards (beta x log-ratio to the reference)")
+    if grpo:
+        h5, l5 = _grpo_panel(fig, ax, records, markers)
+        handles, labels = handles + h5, labels + l5
     # Below the axes: inside, it would cover a marker's label or the curves' ends.
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.1 if dpo else 0.06, 1, 1))
+    fig.tight_layout(rect=(0, 0.1 if two else 0.06, 1, 1))
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp")
     fig.savefig(tmp, format="png")
     tmp.replace(target)
+
+
+#: the per-function reward lines (not the loss's blue, the learning rate's orange, the markers' red, the total's
+#: green nor the KL's purple)
+FUNCTION_COLORS = ("tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
+
+
+def _grpo_panel(fig: Any, ax: Any, records: list[dict[str, Any]], markers: list[Marker]) -> tuple[list, list]:
+    """GRPO's own metrics (TRL's names) under the loss: the weighted reward and each function's mean at the steps
+    that generated, the KL to the reference on its own axis; the markers again. Returns the legend's entries."""
+    from slurmft.grpoopts import REWARD_METRIC
+
+    low = fig.add_subplot(2, 1, 2, sharex=ax)
+    low.plot(*series(records, "reward"), color="tab:green", linewidth=1.5, marker=".", markersize=3,
+             label="reward (weighted sum, mean)")
+    names = sorted({k for r in records for k in r if REWARD_METRIC.match(k)})
+    for name, color in zip(names, FUNCTION_COLORS * (len(names) // len(FUNCTION_COLORS) + 1), strict=False):
+        low.plot(*series(records, name), color=color, linewidth=0.9, alpha=0.8, label=name.split("/")[1])
+    low.set_ylabel("reward", color="tab:green")
+    low.set_xlabel("step")
+    low.grid(True, alpha=0.3)
+    handles, labels = low.get_legend_handles_labels()
+    kl_steps, kl = series(records, "kl")
+    if kl:
+        right = low.twinx()
+        right.plot(kl_steps, kl, color="tab:purple", linewidth=1.2, label="KL to the reference")
+        right.set_ylabel("KL", color="tab:purple")
+        h, lab = right.get_legend_handles_labels()
+        handles, labels = handles + h, labels + lab
+    for m in markers:
+        low.axvline(m.step, color="tab:red", linestyle="--", linewidth=1.2)
+    low.set_title("GRPO: rewards of each generation, KL to the reference")
+    return handles, labels

@@ -27,6 +27,7 @@ import yaml
 
 from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, read_marker, step_of
 from slurmft.dpoopts import PREFERENCE_METRICS
+from slurmft.grpoopts import GRPO_METRICS, REWARD_METRIC
 from slurmft.lora import lora_scaling
 from slurmft.rundir import ADAPTER_CONFIG, SAVE_EVENT, RunPaths, planned_max_steps
 from slurmft.rundir import MODEL_INDEX as SAFE_INDEX_NAME  # what consolidation writes last
@@ -152,14 +153,14 @@ def progress(paths: RunPaths, cfg_max_steps: int | None) -> dict[str, Any]:
 def progress_of(metrics: Metrics, max_steps: int | None) -> dict[str, Any]:
     """:func:`progress` over already-read metrics."""
     out: dict[str, Any] = {"step": None, "max_steps": max_steps, "loss": None, "tokens_per_s": None,
-                           "eta_s": None, "preference": None, "problem": "; ".join(metrics.problems) or None}
+                           "eta_s": None, "preference": None, "rollouts": None, "problem": "; ".join(metrics.problems) or None}
     if not metrics.records:
         return out
     last = metrics.records[-1]
     steps_per_s, tokens_per_s = rate(metrics.records)
     out.update(step=last["step"], loss=_num(last.get("loss")),
                tokens_per_s=round(tokens_per_s, 2) if tokens_per_s is not None else None,
-               preference=preference_of(last))
+               preference=preference_of(last), rollouts=rollouts_of(metrics.records))
     if max_steps is not None and last["step"] >= max_steps:
         out["eta_s"] = 0.0
     elif max_steps is not None and steps_per_s:
@@ -171,6 +172,34 @@ def preference_of(record: dict[str, Any]) -> dict[str, float] | None:
     """A DPO step's own metrics (TRL's names, slurmft/dpoopts.py), or None for an SFT step."""
     found = {name: record[name] for name in PREFERENCE_METRICS if isinstance(record.get(name), (int, float))}
     return found or None
+
+
+def rollouts_of(records: list[dict[str, Any]]) -> dict[str, float] | None:
+    """A GRPO run's rollout metrics (TRL's names, slurmft/grpoopts.py): the reward, its spread, each function's mean
+    and the completion length of the last step that generated (TRL logs them there only; ``step``), the KL of the
+    last step; None for other runs."""
+    scored = next((r for r in reversed(records) if isinstance(r.get("reward"), (int, float))), None)
+    if scored is None:
+        return None
+    found = {k: v for k, v in scored.items()
+             if (k in GRPO_METRICS or REWARD_METRIC.match(k)) and isinstance(v, (int, float))}
+    found.pop("kl", None)
+    if isinstance(records[-1].get("kl"), (int, float)):
+        found["kl"] = records[-1]["kl"]
+    return {**found, "step": scored["step"]}
+
+
+def rollouts_words(values: dict[str, float]) -> str:
+    """``reward 0.7573 ± 0.0669 (exact_match 0.5000, format 0.2500) at step 3, KL 0.0095, completions 8.0 tokens``."""
+    per = [f"{k.split('/')[1]} {v:.4f}" for k, v in values.items() if REWARD_METRIC.match(k)]
+    spread = f" ± {values['reward_std']:.4f}" if "reward_std" in values else ""
+    parts = [f"reward {values['reward']:.4f}{spread}" + (f" ({', '.join(per)})" if per else "")
+             + f" at step {values['step']:g}"]
+    if "kl" in values:
+        parts.append(f"KL {values['kl']:.4f}")
+    if "completions/mean_length" in values:
+        parts.append(f"completions {values['completions/mean_length']:.1f} tokens")
+    return ", ".join(parts)
 
 
 def preference_words(values: dict[str, float]) -> str:
@@ -580,6 +609,8 @@ def overview_lines(ov: dict[str, Any]) -> list[str]:
         lines = [f"progress: step {p['step']}/{p['max_steps'] or '?'}, loss {loss}{tps}{eta}"]
         if p.get("preference"):
             lines.append(f"  DPO: {preference_words(p['preference'])}")
+        if p.get("rollouts"):
+            lines.append(f"  GRPO: {rollouts_words(p['rollouts'])}")
         if p["problem"]:
             lines.append(f"  note: {p['problem']}")
     if ov.get("lora"):

@@ -38,6 +38,7 @@ from slurmft.watch.progress import (
     progress_of,
     read_metrics,
     requeue_markers,
+    rollouts_words,
 )
 
 
@@ -206,6 +207,8 @@ def render(s: dict[str, Any], plot_name: str | None) -> str:
           f"{_dash(s['tokens_seen'])} tokens seen |"]
     if p.get("preference"):
         L.append(f"| DPO, final step | {preference_words(p['preference'])} |")
+    if p.get("rollouts"):
+        L.append(f"| GRPO, last rollouts | {rollouts_words(p['rollouts'])} |")
     L.append("")
     if p["problem"]:
         L += [f"> metrics: {p['problem']}", ""]

@@ -37,7 +37,7 @@ def main(run_dir: str, out: str) -> None:
     assert cfg.dpo is not None and not cfg.dpo.precomputed
     model_dir = resolve_model_dir(cfg.model, with_weights=True)
     tokenizer = load_tokenizer(resolve_tokenizer_dir(cfg.model, model_dir), cfg)
-    dataset = data.load_mixture(cfg.data, cfg.train.seed, tokenizer, preference=True)
+    dataset = data.load_mixture(cfg.data, cfg.train.seed, tokenizer, method="dpo")
     model = load_model(cfg, model_dir)
     args = one_process(train.training_args(cfg, paths, job_context()), cfg, out)
     records: list[dict[str, float]] = []

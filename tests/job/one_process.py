@@ -43,9 +43,10 @@ def job_context() -> Any:
     return DistContext(env=JobEnv.from_environ(), device=torch.device("cpu"), backend="gloo", collective_timeout_s=60)
 
 
-def one_process(args: Any, cfg: Any, out: str) -> Any:
-    """The job's training arguments on one process: no FSDP, no saves, no trackers, the 2-rank global batch."""
+def one_process(args: Any, cfg: Any, out: str, **more: Any) -> Any:
+    """The job's training arguments on one process: no FSDP, no saves, no trackers, the 2-rank global batch
+    (``more``: other fields to replace, e.g. GRPO's generation batch, recomputed for one process)."""
     return dataclasses.replace(
         args, output_dir=str(Path(out).parent / "reference-out"), fsdp="", fsdp_config=None, save_strategy="no",
         per_device_train_batch_size=cfg.train.per_device_batch_size * 2, report_to="none",
-        accelerator_config={}, max_steps=cfg.train.max_steps)
+        accelerator_config={}, max_steps=cfg.train.max_steps, **more)

@@ -1,0 +1,268 @@
+"""GRPO on FSDP2: TRL's ``GRPOTrainer`` on the sharded policy, its completions sampled the same way on every
+world size, a sharded frozen reference when ``beta > 0``.
+
+What TRL 1.16 does without vLLM: every rank generates its share of the generation batch with transformers'
+``generate`` and samples with the global RNG (``torch.multinomial``), seeded once per rank
+(``set_seed(seed, device_specific=True)``: seed + rank). The completions a prompt gets therefore depend on how
+many ranks there are and on which rank it lands, and a resumed run does not draw them again (the RNG state is
+per rank and moves with every other random call). Under FSDP2 ``generate`` only keeps the ranks in step
+(``synced_gpus``) for models transformers wrapped itself (``_is_fsdp_managed_module``), not for ours: a rank that
+finishes its completions first would stop calling the collectives its layers need. With ``beta > 0`` it loads a
+whole unsharded copy of the model as the reference (``create_model_from_path``) on every rank.
+
+What we do instead:
+
+- **sampling keyed by position, not by RNG stream** (:class:`SeededSampling`): the next token of every completion
+  is the Gumbel-max sample ``argmax(logits / T (top-p masked) + Gumbel noise)``, a draw from TRL's sampling
+  distribution (with float32 uniforms), the noise drawn from a generator seeded by ``(train.seed, generation point, the
+  completion's index in the global generation batch, token position)``. The same prompt at the same place of a
+  run gets the same completion on 1, 2 or 16 ranks, after a requeue too, and without any saved RNG state.
+  The generation point is ``global_step x gradient_accumulation_steps + micro-step``, the same on every shape;
+- ``synced_gpus`` on whenever a process group exists, so every rank runs the same number of forwards;
+- **the rollouts in the checkpoint** (:func:`save_rollouts`): TRL generates once per ``steps_per_generation`` steps
+  and keeps the scored completions (``_buffered_inputs``: ids, masks, advantages, old log-probabilities) and its
+  micro-step count (``_step``) in memory only, so a checkpoint at a step inside a generation resumed into a new
+  generation (other completions, the phase shifted). Every rank writes its share and the count beside its RNG
+  state (``grpo_rollouts_<rank>.pt``); the next attempt continues the same rollouts at the same place;
+- the reference (``beta > 0``, full fine-tuning): the starting model built exactly as DPO's
+  (slurmft/job/dpo.py ``reference_model``: meta device, sliced loading, FSDP2 per decoder layer, no gradients),
+  handed to TRL in place of the copy it would load. (LoRA-GRPO is refused by the config for now: TRL would add a
+  "ref" adapter copy to the sharded model, as DPO's ``_no_reference_adapter`` avoids.)
+
+Everything else is the SFT job's: loading, precision, activation checkpointing, the checkpoint callbacks
+(COMPLETE markers, preemption saves at a step boundary, resume), consolidation of the policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from slurmft.config import RunConfig
+from slurmft.errors import JobSetupError
+
+log = logging.getLogger("slurmft.job")
+
+
+def grpo_config(cfg: RunConfig, common: dict[str, Any]) -> Any:
+    """TRL's GRPOConfig: the Trainer options every method shares (``common``), then the grpo: section."""
+    from trl import GRPOConfig
+
+    g = cfg.grpo
+    assert g is not None
+    common = {k: v for k, v in common.items() if k != "dataset_num_proc"}  # GRPOConfig has none: no preparation
+    kwargs = {**common, "num_generations": g.num_generations, "max_completion_length": g.max_completion_length,
+              "temperature": g.temperature, "top_p": g.top_p, "beta": g.beta, "loss_type": g.loss_type,
+              "epsilon": g.epsilon, "importance_sampling_level": g.importance_sampling_level,
+              "steps_per_generation": g.generations_per_step(cfg.train.gradient_accumulation_steps),
+              "reward_weights": [r.weight for r in g.rewards],
+              "use_vllm": False,  # grpo.rollouts: transformers (validate refuses the vLLM layouts for now)
+              "include_num_input_tokens_seen": "no",  # GRPO's batches are prompt rows, not token ids
+              "log_completions": False}
+    try:
+        return GRPOConfig(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise JobSetupError(f"grpo: TRL rejected the GRPO options: {exc}") from None
+
+
+def check_options(cfg: RunConfig) -> None:
+    """grpo.loss_type against this node's TRL, the rollouts this job runs, before anything is loaded."""
+    from slurmft.config_grpo import Rollouts
+    from slurmft.grpoopts import loss_type_problem
+
+    if cfg.grpo is None:
+        return
+    problems = [p for p in (loss_type_problem(cfg.grpo.loss_type),) if p]
+    if cfg.grpo.rollouts != Rollouts.TRANSFORMERS:
+        problems.append(f"grpo.rollouts: {cfg.grpo.rollouts.value} (vLLM) is not implemented in this slurmft yet; "
+                        "set grpo.rollouts=transformers")
+    if problems:
+        raise JobSetupError("grpo: options this job cannot run", problems=problems)
+
+
+def reward_functions(cfg: RunConfig) -> list[Any]:
+    """The reward callables, resolved as ``validate`` resolved them (slurmft/grpoopts.py), each named by its index
+    when it does not load."""
+    from slurmft.grpoopts import load_reward
+
+    assert cfg.grpo is not None
+    found = []
+    for i, reward in enumerate(cfg.grpo.rewards):
+        try:
+            found.append(load_reward(reward.function))
+        except Exception as exc:  # the user's code: any error, named with the field
+            raise JobSetupError(f"grpo.rewards[{i}].function: {reward.function!r} does not load here "
+                                f"({type(exc).__name__}: {exc})") from None
+    return found
+
+
+def uses_reference_copy(cfg: RunConfig) -> bool:
+    """A second, sharded model: ``beta > 0`` on a full fine-tune (the only kind a grpo run is, for now)."""
+    return cfg.grpo is not None and cfg.grpo.beta > 0 and cfg.lora is None
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+def _noise_seed(seed: int, point: int, row: int, position: int) -> int:
+    """A 63-bit generator seed for one token of one completion: the same on every world size and attempt."""
+    digest = hashlib.blake2b(f"{seed}:{point}:{row}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class SeededSampling:
+    """A logits processor for greedy ``generate``: temperature, top-p, then per-completion Gumbel noise, so the
+    argmax is a sample from TRL's distribution drawn from ``(seed, point, first_row + i, position)``."""
+
+    def __init__(self, seed: int, point: int, first_row: int, prompt_length: int, temperature: float,
+                 top_p: float) -> None:
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+        self.seed, self.point, self.first_row, self.prompt_length = seed, point, first_row, prompt_length
+        warpers = [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
+        if top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p))
+        self.warpers = LogitsProcessorList(warpers)
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        scores = self.warpers(input_ids, scores.float())
+        position = input_ids.shape[1] - self.prompt_length
+        # drawn where the logits are: one small draw per completion (a vocabulary of uniforms), no host round trip;
+        # CUDA's generator gives other numbers than the CPU's, each the same on every world size of its kind
+        noise = torch.empty_like(scores)
+        generator = torch.Generator(device=scores.device)
+        for i in range(scores.shape[0]):
+            generator.manual_seed(_noise_seed(self.seed, self.point, self.first_row + i, position))
+            torch.rand(scores.shape[1], generator=generator, out=noise[i])
+        tiny = torch.finfo(noise.dtype).tiny
+        return scores - torch.log(-torch.log(noise.clamp_(tiny, 1 - 1e-7)))
+
+
+def generate_seeded(trainer: Any, prompt_ids: list[list[int]]) -> list[list[int]]:
+    """This rank's completions of ``prompt_ids`` (its slice of the generation batch), sampled by
+    :class:`SeededSampling`; the ids up to and including the first EOS, as TRL keeps them."""
+    import torch
+    import torch.distributed as dist
+    from transformers import GenerationConfig, LogitsProcessorList
+    from trl.models import unwrap_model_for_generation
+    from trl.trainer.utils import pad
+
+    device = trainer.accelerator.device
+    tokenizer = trainer._tokenizer
+    rows = len(prompt_ids)
+    rank = trainer.accelerator.process_index
+    args = trainer.args
+    point = trainer.state.global_step * args.gradient_accumulation_steps + (
+        trainer._step % args.gradient_accumulation_steps)
+    tensors = [torch.tensor(ids) for ids in prompt_ids]
+    inputs = {"input_ids": pad(tensors, padding_value=tokenizer.pad_token_id, padding_side="left"),
+              "attention_mask": pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left")}
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    prompt_length = inputs["input_ids"].shape[1]
+    sampling = SeededSampling(args.seed, point, rank * rows, prompt_length, trainer.temperature, trainer.top_p)
+    config = GenerationConfig(max_new_tokens=trainer.max_completion_length, do_sample=False,
+                              pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                              eos_token_id=trainer.eos_token_ids, disable_compile=True)
+    with (unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
+                                      gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs) as model,
+          torch.no_grad()):
+        out = model.generate(**inputs, generation_config=config, logits_processor=LogitsProcessorList([sampling]),
+                             synced_gpus=dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    completion_ids = out[:, prompt_length:]
+    is_eos = torch.isin(completion_ids, torch.tensor(trainer.eos_token_ids, device=completion_ids.device))
+    kept = []
+    for row, eos in zip(completion_ids.cpu(), is_eos.cpu(), strict=True):
+        end = int(eos.int().argmax()) + 1 if eos.any() else row.numel()
+        kept.append(row[:end].tolist())
+    return kept
+
+
+ROLLOUTS_FILE = "grpo_rollouts_{rank}.pt"
+
+
+def save_rollouts(trainer: Any, checkpoint: Path) -> None:
+    """This rank's buffered rollouts and micro-step count, into the checkpoint being saved (beside its RNG state)."""
+    import torch
+
+    rank = trainer.accelerator.process_index
+    torch.save({"step": trainer._step, "global_step": trainer.state.global_step,
+                "world_size": trainer.accelerator.num_processes, "buffered": trainer._buffered_inputs},
+               checkpoint / ROLLOUTS_FILE.format(rank=rank))
+
+
+def load_rollouts(trainer: Any, checkpoint: Path) -> None:
+    """The rollouts :func:`save_rollouts` kept, when this attempt has the same ranks (else TRL generates again at
+    the checkpoint's step, and the log says so)."""
+    import torch
+
+    rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
+    path = checkpoint / ROLLOUTS_FILE.format(rank=rank)
+    saved = torch.load(path, weights_only=False) if path.is_file() else None  # our own file, written by save_rollouts
+    if saved is None or saved["world_size"] != world:
+        if rank == 0:
+            log.warning("grpo: %s holds no rollouts for %d ranks: the next step generates again (a checkpoint inside "
+                        "steps_per_generation then continues with other completions)", checkpoint.name, world)
+        return
+    trainer._step, trainer._buffered_inputs = saved["step"], saved["buffered"]
+
+
+@functools.cache
+def trainer_class() -> type:
+    """``GRPOTrainer`` generating through :func:`generate_seeded` (text prompts, transformers' generate)."""
+    from trl import GRPOTrainer
+
+    class SeededGRPOTrainer(GRPOTrainer):
+        def _generate_single_turn(self, prompt_ids: Any, images: Any, multimodal_fields: Any, num_generations: int,
+                                  has_tool_images: bool = False) -> Any:
+            if self.use_vllm or images or multimodal_fields:
+                raise JobSetupError("grpo: slurmft generates text completions with transformers only (no vLLM, "
+                                    "no images yet)")
+            return generate_seeded(self, prompt_ids), None
+
+        def _save_rng_state(self, output_dir: str) -> None:
+            super()._save_rng_state(output_dir)
+            save_rollouts(self, Path(output_dir))
+
+        def _load_rng_state(self, checkpoint: str | None) -> None:
+            super()._load_rng_state(checkpoint)
+            if checkpoint is not None:
+                load_rollouts(self, Path(checkpoint))
+
+    return SeededGRPOTrainer
+
+
+@contextlib.contextmanager
+def _reference_instead_of_a_copy(reference: Any) -> Iterator[None]:
+    """While ``GRPOTrainer.__init__`` runs with ``beta > 0`` on a full fine-tune: the copy TRL would load from the
+    model's files (``create_model_from_path``, whole and unsharded) is our sharded reference."""
+    if reference is None:
+        yield
+        return
+    from trl.trainer import grpo_trainer
+
+    original = grpo_trainer.create_model_from_path
+    grpo_trainer.create_model_from_path = lambda *args, **kwargs: reference
+    try:
+        yield
+    finally:
+        grpo_trainer.create_model_from_path = original
+
+
+def new_trainer(cfg: RunConfig, model: Any, reference: Any, args: Any, dataset: Any, tokenizer: Any,
+                callbacks: list[Any], optimizer: Any) -> Any:
+    """TRL's GRPOTrainer (generating with :func:`generate_seeded`) on the sharded policy; ``reference`` is the
+    sharded starting model when ``beta > 0`` on a full fine-tune, else None. Its EOS ids are the model files'
+    generation_config.json's (slurmft/job/loading.py ``use_generation_config``), as TRL's would be."""
+    cls = trainer_class()
+    with _reference_instead_of_a_copy(reference):
+        trainer = cls(model=model, reward_funcs=reward_functions(cfg), args=args, train_dataset=dataset,
+                      processing_class=tokenizer, callbacks=callbacks)
+    if reference is not None and trainer.ref_model is not reference:
+        raise JobSetupError("grpo: TRL built a reference model of its own; this TRL is not supported")
+    trainer.optimizer_cls_and_kwargs = optimizer  # GRPOTrainer does not pass it on; the optimizer is made in train()
+    return trainer
