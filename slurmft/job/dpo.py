@@ -37,6 +37,7 @@ from typing import Any
 from slurmft.config import RunConfig
 from slurmft.errors import JobSetupError
 from slurmft.job.distributed import DistContext
+from slurmft.job.loading import trl_loads_instead
 
 log = logging.getLogger("slurmft.job")
 
@@ -135,30 +136,16 @@ def _no_reference_adapter(model: Any) -> Iterator[None]:
         raise JobSetupError("dpo: TRL added a reference adapter to the sharded model; this TRL is not supported")
 
 
-@contextlib.contextmanager
-def _no_reference_load(skip: bool) -> Iterator[None]:
-    """While ``DPOTrainer.__init__`` runs without ``ref_model`` on a full fine-tune whose reference log-probabilities
-    are precomputed: TRL would load a whole unsharded copy of the model from its files (``create_model_from_path``),
-    to run as the reference; it gets none, and the trainer reads the precomputed values instead."""
-    if not skip:
-        yield
-        return
-    from trl.trainer import dpo_trainer
-
-    original = dpo_trainer.create_model_from_path
-    dpo_trainer.create_model_from_path = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        dpo_trainer.create_model_from_path = original
-
-
 def new_trainer(model: Any, reference: Any, args: Any, dataset: Any, tokenizer: Any, callbacks: list[Any],
                 optimizer: Any, precomputed: bool = False) -> Any:
     """TRL's DPOTrainer on the sharded policy; ``reference`` is the sharded copy, or None with LoRA or with
     ``precomputed`` reference log-probabilities (slurmft/job/dpo_reference_logps.py attaches them)."""
     cls = trainer_class()
-    with _no_reference_adapter(model), _no_reference_load(precomputed and reference is None):
+    # without ref_model on a full fine-tune whose reference log-probabilities are precomputed, TRL would load a
+    # whole unsharded copy from the model's files to run as the reference: it gets none, and the trainer reads
+    # the precomputed values instead
+    skip = precomputed and reference is None
+    with _no_reference_adapter(model), (trl_loads_instead("dpo_trainer", None) if skip else contextlib.nullcontext()):
         trainer = cls(model=model, ref_model=reference, args=args, train_dataset=dataset, processing_class=tokenizer,
                       callbacks=callbacks)
     if precomputed and trainer.ref_model is not None:

@@ -39,12 +39,12 @@ import contextlib
 import functools
 import hashlib
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from slurmft.config import RunConfig
 from slurmft.errors import JobSetupError
+from slurmft.job.loading import trl_loads_instead
 
 log = logging.getLogger("slurmft.job")
 
@@ -236,30 +236,14 @@ def trainer_class() -> type:
     return SeededGRPOTrainer
 
 
-@contextlib.contextmanager
-def _reference_instead_of_a_copy(reference: Any) -> Iterator[None]:
-    """While ``GRPOTrainer.__init__`` runs with ``beta > 0`` on a full fine-tune: the copy TRL would load from the
-    model's files (``create_model_from_path``, whole and unsharded) is our sharded reference."""
-    if reference is None:
-        yield
-        return
-    from trl.trainer import grpo_trainer
-
-    original = grpo_trainer.create_model_from_path
-    grpo_trainer.create_model_from_path = lambda *args, **kwargs: reference
-    try:
-        yield
-    finally:
-        grpo_trainer.create_model_from_path = original
-
-
 def new_trainer(cfg: RunConfig, model: Any, reference: Any, args: Any, dataset: Any, tokenizer: Any,
                 callbacks: list[Any], optimizer: Any) -> Any:
     """TRL's GRPOTrainer (generating with :func:`generate_seeded`) on the sharded policy; ``reference`` is the
     sharded starting model when ``beta > 0`` on a full fine-tune, else None. Its EOS ids are the model files'
     generation_config.json's (slurmft/job/loading.py ``use_generation_config``), as TRL's would be."""
     cls = trainer_class()
-    with _reference_instead_of_a_copy(reference):
+    # beta > 0 on a full fine-tune: the copy TRL would load from the model's files is our sharded reference
+    with trl_loads_instead("grpo_trainer", reference) if reference is not None else contextlib.nullcontext():
         trainer = cls(model=model, reward_funcs=reward_functions(cfg), args=args, train_dataset=dataset,
                       processing_class=tokenizer, callbacks=callbacks)
     if reference is not None and trainer.ref_model is not reference:

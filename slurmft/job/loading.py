@@ -47,6 +47,7 @@ as ``slurmft estimate`` counts.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import logging
@@ -209,6 +210,20 @@ def packed_documents_problem(model: Any, attn: str, padding_free: bool) -> str |
             f"transformers' masking_utils, which turns those restarts into a block-diagonal mask on {attn}: its "
             "documents would attend to each other. Set model.attn_implementation=flash_attention_2 (GPUs), or "
             "data.packing=false (each sequence alone in its row)")
+
+
+@contextlib.contextmanager
+def trl_loads_instead(trainer_module: str, model: Any) -> Iterator[None]:
+    """While a TRL trainer's ``__init__`` runs: what it would load whole and unsharded from the model's files
+    (``create_model_from_path`` in ``trl.trainer.<trainer_module>``, to run as the reference) is ``model`` instead:
+    our sharded reference, or None where the trainer is to have none (DPO's precomputed log-probabilities)."""
+    trainer = importlib.import_module(f"trl.trainer.{trainer_module}")
+    original = trainer.create_model_from_path
+    trainer.create_model_from_path = lambda *args, **kwargs: model
+    try:
+        yield
+    finally:
+        trainer.create_model_from_path = original
 
 
 # ----------------------------------------------------------------------------- the sharded model
