@@ -244,8 +244,12 @@ class SweepPaths:
 
 
 def is_sweep_dir(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a sweep directory (it holds ``sweep.json``)."""
-    return SweepPaths(path).record.is_file()
+    """Whether ``path`` is a sweep directory (it holds ``sweep.json``). A directory this user may not look into is
+    not one as far as this user can tell: the command then reads it as a run and says in words what it may not read."""
+    try:
+        return SweepPaths(path).record.is_file()
+    except PermissionError:
+        return False
 
 
 def read_sweep_record(paths: SweepPaths) -> dict[str, Any]:

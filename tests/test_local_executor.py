@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,22 +60,37 @@ def test_forked_ranks_train_what_started_ranks_train(micro_model: Path, tmp_path
                                          for log in forked_logs), forked_logs
 
 
+def _ended(task: ForkedTask, timeout: float = 30.0) -> int:
+    """The forked child's exit status, polled as the controller polls it; the child killed if it outlives ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while task.poll() is None:
+        if time.monotonic() > deadline:
+            os.kill(task.pid, signal.SIGKILL)
+            os.waitpid(task.pid, 0)
+            raise AssertionError(f"the forked child {task.pid} did not end in {timeout} s")
+        time.sleep(0.01)
+    return task.poll()
+
+
 def test_a_forked_rank_s_exit_status_is_a_started_one_s() -> None:
     assert [_exit_status(SystemExit(c)) for c in (None, 0, 2, 144)] == [0, 0, 2, 144]  # 144: submitit's requeue
     pid = os.fork()
-    if pid == 0:
+    if pid == 0:  # the child never returns into pytest, whatever happens
         os._exit(144)
-    task = ForkedTask(pid)
-    while task.poll() is None:
-        pass
-    assert task.returncode == 144
+    assert _ended(ForkedTask(pid)) == 144
+    ready_r, ready_w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        signal.pause()
-        os._exit(0)
+        try:  # as _run_task does: the default action for SIGTERM, whatever handler this worker process has
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.write(ready_w, b"1")
+            signal.pause()
+        finally:
+            os._exit(0)
+    os.read(ready_r, 1)  # the child's SIGTERM is the default one now
+    os.close(ready_r)
+    os.close(ready_w)
     task = ForkedTask(pid)
     task.send_signal(signal.SIGTERM)
-    while task.poll() is None:
-        pass
-    assert task.returncode == -signal.SIGTERM  # as Popen says it: minus the signal's number
+    assert _ended(task) == -signal.SIGTERM  # as Popen says it: minus the signal's number
     task.send_signal(signal.SIGTERM)  # an ended rank is not signalled (its pid may be another process's now)

@@ -108,7 +108,8 @@ def test_prepare_run_yaml_as_a_job_gives_exact_counts_before_any_train_job(
     slurm_cluster.wait_state(jobs["prepare"], "COMPLETED", timeout=240)
     manifest = read_manifest(RunPaths.of(run))
     assert [j["kind"] for j in manifest["jobs"]] == ["prepare"] and manifest["attempts"] == []
-    sequences = json.loads(RunPaths.of(run).prepared_record.read_text())["result"]["sequences"]
+    result = json.loads(RunPaths.of(run).prepared_record.read_text())["result"]
+    sequences, tokens = result["sequences"], result["tokens"]
     per_epoch = steps_per_epoch(sequences, 2, 2, 1)  # 2 nodes x 1 rank, per-device batch 2, no accumulation
 
     code, out, err = slurmft.cli(["validate", str(run / "config.yaml")])  # exact, from the prepared count
@@ -117,8 +118,9 @@ def test_prepare_run_yaml_as_a_job_gives_exact_counts_before_any_train_job(
     assert f"train.epochs 2 -> {2 * per_epoch} steps" in out
     code, out, err = slurmft.cli(["estimate", str(run / "config.yaml"), "--json"])
     assert code == 0, err
-    assert json.loads(out)["schedule"] == {"sequences_per_epoch": sequences, "steps_per_epoch": per_epoch,
-                                           "max_steps": 2 * per_epoch, "periodic_saves": 2 * per_epoch // 2}
+    assert json.loads(out)["schedule"] == {"sequences_per_epoch": sequences, "tokens_per_epoch": tokens,
+                                           "steps_per_epoch": per_epoch, "max_steps": 2 * per_epoch,
+                                           "periodic_saves": 2 * per_epoch // 2}
     code, out, err = slurmft.cli(["submit", str(path)])  # the run exists: its training starts with resume
     assert code == 2 and f"start its training with: slurmft resume {run}" in err, err
     assert read_manifest(RunPaths.of(run))["jobs"] == manifest["jobs"]  # nothing submitted
