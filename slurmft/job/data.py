@@ -148,16 +148,22 @@ def load_preference_source(ds, fmt: str, where: str, num_proc: int | None):
     return ds
 
 
+def _keep(ds, usable, num_proc: int | None, where: str, none_left: str, dropped: str):
+    """The rows ``usable`` accepts; none left is an error (``none_left``), the dropped ones counted in a warning."""
+    before = len(ds)
+    ds = ds.filter(usable, num_proc=num_proc)
+    if len(ds) == 0:
+        raise JobSetupError(f"{where}: {none_left}")
+    if len(ds) < before:
+        log.warning("%s: dropped %d of %d %s", where, before - len(ds), before, dropped)
+    return ds
+
+
 def load_text_source(ds, column: str, where: str, num_proc: int | None):
     """A plain-text source as ``text`` documents (``messages`` empty); blank documents dropped, none left refused."""
     ds = ds.map(_convert_text, batched=True, fn_kwargs={"column": column}, remove_columns=ds.column_names,
                 features=_features(text=True), num_proc=num_proc, desc=f"{where}: text -> documents")
-    before = len(ds)
-    ds = ds.filter(_has_words, num_proc=num_proc)
-    if len(ds) == 0:
-        raise JobSetupError(f"{where}: no text: every document is empty or blank")
-    if len(ds) < before:
-        log.warning("%s: dropped %d of %d blank documents", where, before - len(ds), before)
+    ds = _keep(ds, _has_words, num_proc, where, "no text: every document is empty or blank", "blank documents")
     log.info("%s: %d documents (plain text: every token in the loss)", where, len(ds))
     return ds
 
@@ -205,12 +211,9 @@ def load_source(source: DatasetSource, index: int, num_proc: int | None, method:
         num_proc=num_proc,
         desc=f"{Path(source.path).name}: {fmt} -> messages",
     )
-    before = len(ds)
-    ds = ds.filter(_is_usable, num_proc=num_proc)
-    if len(ds) == 0:
-        raise JobSetupError(f"{where}: no usable conversation (each needs a user turn followed by an assistant turn)")
-    if len(ds) < before:
-        log.warning("%s: dropped %d of %d rows without a usable conversation", where, before - len(ds), before)
+    ds = _keep(ds, _is_usable, num_proc, where,
+               "no usable conversation (each needs a user turn followed by an assistant turn)",
+               "rows without a usable conversation")
     log.info("%s: %d conversations (%s)", where, len(ds), fmt)
     return ds
 
