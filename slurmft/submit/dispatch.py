@@ -57,7 +57,7 @@ from slurmft.units import binary_bytes
 Say = Callable[[str], None]
 
 
-def _quiet(_: str) -> None:
+def quiet(_: str) -> None:
     pass
 
 
@@ -195,7 +195,7 @@ def _cleanup(paths: RunPaths, created: bool, keep: frozenset[Path] = frozenset()
 
 def submit_run(
     cfg: RunConfig, profile: ClusterProfile, config_path: str = "", template_dir: str | None = None,
-    say: Say = _quiet, prepare_only: bool = False,
+    say: Say = quiet, prepare_only: bool = False,
 ) -> SubmitResult:
     """Validate, write the run directory, dispatch train (+ consolidation) and write the manifest.
 

@@ -58,6 +58,7 @@ from slurmft.rundir import (
     write_sweep_record,
 )
 from slurmft.submit.dispatch import (
+    Say,
     SubmitResult,
     _write_run_dir,
     check_executor,
@@ -65,14 +66,9 @@ from slurmft.submit.dispatch import (
     check_submittable,
     dispatch_attempt,
     make_slurm_executor,
+    quiet,
 )
 from slurmft.sweep import Sweep
-
-Say = Callable[[str], None]
-
-
-def _quiet(_: str) -> None:
-    pass
 
 
 @dataclass
@@ -107,7 +103,7 @@ def new_record(sweep: Sweep, config_path: str) -> dict[str, Any]:
 
 
 def submit_sweep(sweep: Sweep, profile: ClusterProfile, config_path: str = "", template_dir: str | None = None,
-                 say: Say = _quiet) -> SweepResult:
+                 say: Say = quiet) -> SweepResult:
     """Write the sweep directory and every point's run directory, then send (Slurm) or run (local) the jobs."""
     paths = sweep.paths
     root = RunPaths.of(paths.root)
@@ -344,7 +340,7 @@ class SweepResume:
     refused: dict[str, str] = field(default_factory=dict)  # name -> why it was not resumed
 
 
-def resume_sweep(root: Path, overrides: list[str], template_dir: str | None = None, say: Say = _quiet,
+def resume_sweep(root: Path, overrides: list[str], template_dir: str | None = None, say: Say = quiet,
                  force: bool = False) -> SweepResume:
     """``slurmft resume`` of every point that is neither live nor finished, each as a run alone is resumed (its
     own train job from its newest complete checkpoint, a consolidation chained to it); the others are left alone.
