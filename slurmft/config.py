@@ -541,7 +541,10 @@ class RunConfig(Section):
                 f"an epoch of prompts is not a fixed number of steps yet); replace train.epochs ({self.train.epochs:g}) "
                 "with train.max_steps"
             )
-        t, ranks = self.train, self.resources.world_size
+        problem = grpo.server_problem(self.resources.nodes, self.resources.gpus_per_node)
+        if problem:
+            raise ValueError(problem)
+        t, ranks = self.train, self.train_world_size
         steps = grpo.generations_per_step(t.gradient_accumulation_steps)
         batch = ranks * t.per_device_batch_size * steps
         if batch % grpo.num_generations:
@@ -564,6 +567,16 @@ class RunConfig(Section):
         own sys.executable, the login side slurmft.plan.container.step_python)."""
         section = self.model_job(kind)
         return (section.python if section is not None else None) or step_python
+
+    @property
+    def train_nodes(self) -> int:
+        """Nodes the train step runs on: the allocation's, but for a GRPO vLLM server's (``grpo.server``)."""
+        return self.resources.nodes - (self.grpo.server_nodes if self.grpo is not None else 0)
+
+    @property
+    def train_world_size(self) -> int:
+        """Training ranks: ``train_nodes`` x ranks per node (the server node's GPUs are vLLM's, not ranks)."""
+        return self.train_nodes * self.resources.ranks_per_node
 
     @property
     def method(self) -> Method:

@@ -30,6 +30,43 @@ class Rollouts(str, Enum):
     SERVER = "server"
 
 
+#: TRL's ``GRPOConfig.vllm_gpu_memory_utilization`` default (colocate: vLLM's share of each training GPU)
+COLOCATE_GPU_MEMORY_UTILIZATION = 0.3
+#: ``trl vllm-serve --gpu_memory_utilization`` default (server: vLLM's share of each server GPU)
+SERVER_GPU_MEMORY_UTILIZATION = 0.9
+
+
+class VLLMServer(Section):
+    """``rollouts: server``: the allocation's last node runs TRL's vLLM server (``trl vllm-serve``), the other nodes
+    train and ask it for completions (TRL's ``vllm_mode="server"``); slurmft renders both steps (docs/grpo.md)."""
+
+    nodes: int = Field(1, ge=1, description="Nodes at the end of the allocation that run the vLLM server (taken from "
+                       "resources.nodes: the others train). One: vLLM spreads a model over nodes only with Ray, which "
+                       "slurmft does not start.")
+    tensor_parallel_size: int | None = Field(
+        None, ge=1, le=64, description="GPUs the served model is split over (trl vllm-serve --tensor_parallel_size; "
+        "default: resources.gpus_per_node, the whole server node).")
+    gpu_memory_utilization: float = Field(
+        SERVER_GPU_MEMORY_UTILIZATION, gt=0, le=1, description="Share of each server GPU vLLM takes for the weights "
+        "and its KV cache (trl vllm-serve --gpu_memory_utilization; its default).")
+    timeout_s: int = Field(
+        600, ge=10, le=86400, description="Seconds the trainer waits for the server to answer before it stops with "
+        "an error naming the server's address (TRL's vllm_server_timeout; TRL's default is 240 s, slurmft's 600 s "
+        "because the server loads the model from the shared file system while the trainer loads its shards).")
+    sync_timeout_s: int = Field(
+        1800, ge=10, le=86400, description="Seconds one weight sync to the server (NCCL) may take before the job "
+        "stops with an error naming it instead of hanging (TRL sets no limit: trl#2923, trl#6797).")
+
+    @field_validator("nodes")
+    @classmethod
+    def _one_node(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"{v} server nodes: vLLM spreads one model over several nodes only through Ray, which "
+                             "slurmft does not start inside a job; set grpo.server.nodes=1 (raise "
+                             "grpo.server.tensor_parallel_size to use more of the node's GPUs)")
+        return v
+
+
 class RewardSpec(Section):
     """One reward function and its weight in the sum (TRL's ``reward_funcs`` and ``reward_weights``)."""
 
@@ -98,9 +135,15 @@ class GRPOConfig(Section):
         Rollouts.TRANSFORMERS,
         description="Who generates: transformers (transformers' generate on the FSDP2-sharded policy, every rank "
         "its share; works everywhere, slow for long completions); colocate (a vLLM engine in every training "
-        "process) and server (vLLM on the allocation's last node) need vLLM in the job's Python and are not "
-        "implemented yet (validate refuses them).",
+        "process) and server (TRL's vLLM server on the allocation's last node, grpo.server; `slurmft render` "
+        "writes its scripts) need vLLM in the job's Python and GPUs, and are not run yet (validate refuses them).",
     )
+    vllm_gpu_memory_utilization: float = Field(
+        COLOCATE_GPU_MEMORY_UTILIZATION, gt=0, lt=1, description="rollouts: colocate: the share of each training GPU "
+        "the vLLM engine takes for its weights and KV cache (TRL's vllm_gpu_memory_utilization and its default); the "
+        "rest is the training's (slurmft estimate counts both).")
+    server: VLLMServer = Field(default_factory=VLLMServer, description="rollouts: server: the vLLM server's node "
+                               "and its time-outs (ignored for the other rollouts).")
     rewards: list[RewardSpec] = Field(..., min_length=1, description="The reward functions, summed with their weights.")
 
     @field_validator("loss_type")
@@ -112,6 +155,28 @@ class GRPOConfig(Section):
         if problem:
             raise ValueError(problem.removeprefix("loss_type: "))
         return v
+
+    @property
+    def server_nodes(self) -> int:
+        """Nodes of the allocation that serve rather than train (0 unless ``rollouts: server``)."""
+        return self.server.nodes if self.rollouts == Rollouts.SERVER else 0
+
+    def server_problem(self, nodes: int, gpus_per_node: int) -> str | None:
+        """What a server layout of ``nodes`` nodes with ``gpus_per_node`` GPUs cannot do, with the fix (None: it can)."""
+        if self.rollouts != Rollouts.SERVER:
+            return None
+        if nodes <= self.server.nodes:
+            return (f"grpo.rollouts: server takes the allocation's last {self.server.nodes} node(s) for vLLM and "
+                    f"trains on the others, but resources.nodes is {nodes}; set resources.nodes to at least "
+                    f"{self.server.nodes + 1}, or grpo.rollouts=colocate (vLLM inside the training processes)")
+        if gpus_per_node == 0:
+            return ("grpo.rollouts: server syncs the trained weights to vLLM over NCCL, which needs GPUs, but "
+                    "resources.gpus_per_node is 0; give the nodes GPUs, or set grpo.rollouts=transformers")
+        tp = self.server.tensor_parallel_size
+        if tp is not None and tp > gpus_per_node:
+            return (f"grpo.server.tensor_parallel_size: {tp} GPUs, but the server node has {gpus_per_node} "
+                    f"(resources.gpus_per_node); set it to at most {gpus_per_node}")
+        return None
 
     def generations_per_step(self, gradient_accumulation_steps: int) -> int:
         """steps_per_generation as TRL resolves it."""

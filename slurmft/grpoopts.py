@@ -33,6 +33,29 @@ REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state",
 NOT_PASSED = ("prompt", "completion", "completion_ids")
 BUILTIN_MODULE = "slurmft.rewards"
 
+#: ``rollouts: server``: where the train step finds TRL's vLLM server, set in the batch shell from the allocation
+#: (``python -m slurmft.job.rendezvous exports --vllm-server-node=N``) and by the template from the config
+VLLM_HOST_ENV = "SLURMFT_VLLM_HOST"  # the server node's NodeAddr
+VLLM_PORT_ENV = "SLURMFT_VLLM_PORT"  # its HTTP port (trl vllm-serve --port)
+VLLM_GROUP_PORT_ENV = "SLURMFT_VLLM_GROUP_PORT"  # the weight-sync group's port, opened by training rank 0
+VLLM_TIMEOUT_ENV = "SLURMFT_VLLM_SERVER_TIMEOUT"  # grpo.server.timeout_s
+VLLM_SYNC_TIMEOUT_ENV = "SLURMFT_VLLM_SYNC_TIMEOUT"  # grpo.server.sync_timeout_s
+VLLM_SERVER_ENV = (VLLM_HOST_ENV, VLLM_PORT_ENV, VLLM_GROUP_PORT_ENV)
+
+
+def server_options(environ: dict[str, str]) -> dict[str, Any]:
+    """The ``GRPOConfig`` arguments of ``rollouts: server`` from the train step's environment (the hook the job's
+    GRPOConfig takes; TRL's names). A missing variable is a KeyError naming it: the batch script sets them all."""
+    return {
+        "use_vllm": True,
+        "vllm_mode": "server",
+        "vllm_server_host": environ[VLLM_HOST_ENV],
+        "vllm_server_port": int(environ[VLLM_PORT_ENV]),
+        "vllm_group_port": int(environ[VLLM_GROUP_PORT_ENV]),
+        "vllm_server_timeout": float(environ[VLLM_TIMEOUT_ENV]),
+    }
+
+
 #: what GRPOTrainer logs that status, plot and the report show (besides the loss): the weighted reward's mean and
 #: spread, the KL to the reference (beta > 0), the mean completion length and the clipped share
 GRPO_METRICS = ("reward", "reward_std", "kl", "completions/mean_length", "clip_ratio/region_mean")

@@ -140,7 +140,9 @@ def test_vllm_rollouts_without_vllm_point_at_transformers(tmp_path: Path, model_
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """This machine's job Python has no vLLM (CPU only): colocate and server are refused with the way that works."""
     for rollouts in ("colocate", "server"):
-        code, text = validate(tmp_path, model_dir, capsys, grpo={**GRPO, "rollouts": rollouts})
+        # server: a layout that can work (a training node and the server's, with GPUs): only vLLM is missing
+        layout = {"resources": {"nodes": 2, "gpus_per_node": 2}} if rollouts == "server" else {}
+        code, text = validate(tmp_path, model_dir, capsys, grpo={**GRPO, "rollouts": rollouts}, **layout)
         assert code == 2 and f"grpo.rollouts: {rollouts} generates with vLLM, which the job's Python" in text
         assert "set grpo.rollouts=transformers" in text
 

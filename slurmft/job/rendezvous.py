@@ -21,10 +21,22 @@ PORT_BASE = 20000
 PORT_SPAN = 12768
 
 
-def port_for_job(job_id: str) -> int:
-    """A rendezvous port derived from the job id, so two jobs sharing a node do not collide."""
+def port_for_job(job_id: str, offset: int = 0) -> int:
+    """A rendezvous port derived from the job id, so two jobs sharing a node do not collide (``offset``: another
+    port of the same job, as far from this one as the span allows)."""
     digits = re.sub(r"\D", "", job_id) or "0"
-    return PORT_BASE + int(digits) % PORT_SPAN
+    return PORT_BASE + (int(digits) + offset) % PORT_SPAN
+
+
+def vllm_server_address(job_id: str, nodelist: str, server_node: int) -> tuple[str, int, int]:
+    """``rollouts: server``: (the server node's NodeAddr, its HTTP port, the weight-sync group's port).
+
+    The server is node ``server_node`` of the allocation (its last); its HTTP port is the job's rendezvous port, free
+    there because the training ranks bind theirs on the first node. TRL's weight-sync group is opened by training
+    rank 0 on the first node, beside MASTER_PORT, so it takes the port half the span away.
+    """
+    host = node_addr(slurm.hostnames(nodelist)[server_node])
+    return host, port_for_job(job_id), port_for_job(job_id, PORT_SPAN // 2)
 
 
 #: Where :func:`free_port` looks: below the rendezvous ports of Slurm jobs (PORT_BASE) and, on Linux, below the
@@ -134,7 +146,9 @@ class JobEnv:
         env = dict(os.environ if environ is None else environ)
         if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
             ntasks = int(env["SLURM_NTASKS"])
-            nnodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+            # the step's nodes first: a GRPO server layout's train step runs on all of the job's nodes but one
+            nnodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
+                         or 1)
             local_ws = int(env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or max(1, ntasks // nnodes))
             job = slurm.own_job_id(env) or "0"
             addr = env.get("MASTER_ADDR")
@@ -175,19 +189,31 @@ class JobEnv:
         )
 
 
+USAGE = "usage: python -m slurmft.job.rendezvous exports [--vllm-server-node=N]"
+
+
 def _main(argv: list[str]) -> int:
-    if argv[:1] != ["exports"]:
-        print("usage: python -m slurmft.job.rendezvous exports", file=sys.stderr)
+    server = [a.removeprefix("--vllm-server-node=") for a in argv[1:] if a.startswith("--vllm-server-node=")]
+    if argv[:1] != ["exports"] or len(argv) != 1 + len(server) or not all(s.isdigit() for s in server):
+        print(USAGE, file=sys.stderr)
         return 2
     try:
         addr, port = master_address()
+        lines = [f"export MASTER_ADDR={shlex.quote(addr)} MASTER_PORT={port}"]
+        if server:
+            from slurmft.grpoopts import VLLM_GROUP_PORT_ENV, VLLM_HOST_ENV, VLLM_PORT_ENV
+
+            host, http, group = vllm_server_address(os.environ.get("SLURM_JOB_ID", "0"),
+                                                    os.environ.get("SLURM_JOB_NODELIST", ""), int(server[0]))
+            lines.append(f"export {VLLM_HOST_ENV}={shlex.quote(host)} {VLLM_PORT_ENV}={http} "
+                         f"{VLLM_GROUP_PORT_ENV}={group}")
     except (OSError, slurm.SlurmCallError, IndexError, ValueError) as exc:
         # The batch script stops on a non-zero status; say which lookup failed and with what.
         nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST") or "?"
         print(f"[slurmft] cannot find the rendezvous address for node list {nodelist!r}: "
               f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    print(f"export MASTER_ADDR={shlex.quote(addr)} MASTER_PORT={port}")
+    print("\n".join(lines))
     return 0
 
 

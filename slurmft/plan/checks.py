@@ -607,8 +607,8 @@ def check_model_jobs(cfg: RunConfig, report: Report) -> None:
 # ====================================================================== the effective batch
 def batch_notes(cfg: RunConfig, samples: list[Sample], template: Template | None) -> list[str]:
     """Sequences and tokens per optimizer step; steps per epoch when every source is a local file."""
-    r, t = cfg.resources, cfg.train
-    per_step = r.world_size * t.per_device_batch_size * t.gradient_accumulation_steps
+    r, t, ws = cfg.resources, cfg.train, cfg.train_world_size  # ws: a GRPO server's node does not train
+    per_step = ws * t.per_device_batch_size * t.gradient_accumulation_steps
     packed = cfg.packed
     unit = "packed sequences" if packed else "sequences (up to"
     tokens = f"{per_step * cfg.data.max_seq_length:,} tokens" + ("" if packed else " at most")
@@ -622,9 +622,9 @@ def batch_notes(cfg: RunConfig, samples: list[Sample], template: Template | None
     if cfg.grpo is not None:
         g = cfg.grpo
         steps = g.generations_per_step(t.gradient_accumulation_steps)
-        lines = [f"batch: {r.world_size} rank(s) x {t.per_device_batch_size} x {steps} steps per generation = "
-                 f"{r.world_size * t.per_device_batch_size * steps} completions per generation "
-                 f"({r.world_size * t.per_device_batch_size * steps // g.num_generations} prompts x "
+        lines = [f"batch: {ws} rank(s) x {t.per_device_batch_size} x {steps} steps per generation = "
+                 f"{ws * t.per_device_batch_size * steps} completions per generation "
+                 f"({ws * t.per_device_batch_size * steps // g.num_generations} prompts x "
                  f"{g.num_generations}), up to {g.max_completion_length} new tokens each; "
                  f"{per_step} completions per optimizer step"]
         return lines  # steps per epoch: TRL's sampler repeats each prompt; train.max_steps counts the steps

@@ -76,6 +76,10 @@ def rollouts_problem(cfg: RunConfig, python: str | None) -> str | None:
         return (f"grpo.rollouts: {rollouts.value} generates with vLLM, which the job's Python {python} cannot import; "
                 "set grpo.rollouts=transformers (transformers' generate on the FSDP2-sharded policy: works on CPUs "
                 "and GPUs without vLLM), or install vllm there")
+    if rollouts == Rollouts.SERVER:  # the scripts are built and checked; the job side has never run on a GPU
+        return ("grpo.rollouts: server renders (`slurmft render` writes the vLLM server's step and the training "
+                "step on the other nodes) but its job side is not wired nor run on a GPU yet, so slurmft does not "
+                "submit it; set grpo.rollouts=transformers (transformers' generate on the FSDP2-sharded policy)")
     return (f"grpo.rollouts: {rollouts.value} (vLLM) is not implemented in this slurmft yet; set "
             "grpo.rollouts=transformers (transformers' generate on the FSDP2-sharded policy)")
 

@@ -18,6 +18,7 @@ from slurmft.config import RunConfig
 from slurmft.config_cluster import ConsolidateResources, PrepareResources
 from slurmft.config_model_checks import ModelJobResources
 from slurmft.errors import RenderError
+from slurmft.grpoopts import VLLM_SERVER_ENV
 from slurmft.plan.container import (
     Container,
     created_before_step,
@@ -30,6 +31,7 @@ from slurmft.plan.container import (
     tool_python,
     wrap,
 )
+from slurmft.plan.grpo_layout import server_arguments, server_env, server_layout
 from slurmft.profiles import ClusterProfile, runs_on_gpu
 from slurmft.resources import data_dir
 from slurmft.rundir import RunPaths
@@ -149,6 +151,7 @@ def _common(cfg: RunConfig, paths: RunPaths, job_kind: str, config_path: str) ->
         "python": python_for(cfg),
         "run_dir": q(paths.root),
         "setup": list(cfg.cluster.setup),
+        "rendezvous_args": "",  # a GRPO server layout's train job asks for the server's address too
     }
 
 
@@ -203,12 +206,16 @@ def build_train_context(
     extra = {"SUBMITIT_EXECUTOR": "slurm", "SLURMFT_RUN_DIR": str(paths.root)}
     if cfg.cluster.master_addr:
         extra["SLURMFT_MASTER_ADDR"] = cfg.cluster.master_addr
-    srun = ["--kill-on-bad-exit=1", *_rank_step(cfg, profile)]
+    layout = server_layout(cfg)
+    extra |= server_env(cfg) if layout else {}
+    srun = ["--kill-on-bad-exit=1", *_rank_step(cfg, profile), *(layout.train_options() if layout else [])]
     container = resolve(cfg, profile)
     env = _env_list(cfg, profile, extra, container)
+    step_env = RENDEZVOUS_ENV + (VLLM_SERVER_ENV if layout else ())
+    gpus = runs_on_gpu(cfg, profile)
     srun_args, rank_command = _in_container(cfg, container, srun, launcher_command(command, cfg.preemption.signal),
-                                            env, RENDEZVOUS_ENV, runs_on_gpu(cfg, profile))
-    return {
+                                            env, step_env, gpus)
+    context = {
         **_common(cfg, paths, "train", config_path),
         "directives": directives,
         "env": env,
@@ -216,7 +223,19 @@ def build_train_context(
         "srun_args": srun_args,
         "command": rank_command,
         "warning_signal": q(cfg.preemption.signal.upper().removeprefix("SIG")),
+        "server": None,
     }
+    if layout is not None:  # grpo.rollouts: server (slurmft/plan/grpo_layout.py)
+        signal = cfg.preemption.signal.upper().removeprefix("SIG")
+        serve = (f"{rank_python_for(cfg, profile)} -m slurmft.job.vllm_server --signal={signal} -- "
+                 + " ".join(q(a) for a in server_arguments(cfg, layout)))
+        server_srun, serve = _in_container(cfg, container, layout.server_options(gpus and profile.gres_gpu), serve,
+                                           env, step_env, gpus)
+        context["rendezvous_args"] = f" --vllm-server-node={layout.server_node}"
+        context["server"] = {"srun_args": server_srun, "command": serve, "node": layout.server_node,
+                             "train_nodes": layout.train_nodes, "train_ranks": layout.train_world_size,
+                             "timeout_s": cfg.grpo.server.timeout_s if cfg.grpo else 0}
+    return context
 
 
 def build_consolidate_context(
