@@ -769,7 +769,7 @@ def test_lora_without_merge_writes_no_model_and_lists_are_counted():
 
 def test_grpo_counts_the_reference_copy_only_when_beta_is_positive():
     """GRPO with beta > 0 holds DPO's kind of copy (slurmft/job/grpo.py builds it the same way); beta 0 none; one
-    sequence per completion (no chosen/rejected pair); the assumptions say what is not counted (the generation)."""
+    sequence per completion (no chosen/rejected pair); the assumptions say how the generation is counted."""
     sft = E.estimate(seed_config(), profile())
     rewards = [{"function": "exact_match"}]
     kl = E.estimate(seed_config(grpo={"beta": 0.04, "rewards": rewards}), profile())
@@ -779,7 +779,8 @@ def test_grpo_counts_the_reference_copy_only_when_beta_is_positive():
     assert kl["per_gpu"]["weights"] == g["weights"] + kl["per_gpu"]["reference_weights"]
     assert plain["per_gpu"]["reference_weights"] == 0 and plain["per_gpu"]["weights"] == g["weights"]
     assert plain["per_gpu"]["activations"] == g["activations"]
-    assert any("the generation (transformers' generate: its KV cache) is not counted" in a for a in kl["assumptions"])
+    assert any("the generation (transformers' generate, one call over the rank's 1 completions) as its KV cache" in a
+               for a in kl["assumptions"])  # counted: tests/test_estimate_grpo.py
     assert not any("GRPO" in a for a in sft["assumptions"])
 
 

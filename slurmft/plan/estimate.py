@@ -87,6 +87,7 @@ from slurmft.plan.communication import (
     projected_save,
     reduce_scatter_units,
 )
+from slurmft.plan.estimate_grpo import colocated_vllm_bytes, generation_bytes, grpo_facts
 from slurmft.plan.estimate_text import Counted, assumptions, fit_problems, hsdp_advice, remedies, verdict
 from slurmft.plan.modelshape import (
     SUPPORTED_MODEL_TYPES,
@@ -244,12 +245,13 @@ def _per_gpu(shape: ModelShape, k: Settings) -> dict[str, Any]:
     else:
         offloaded = 0
     act = activation_bytes(shape, k.seq_len, k.sequences, c, k.checkpointing, k.eager)
-    allocated = sum(state.values()) + comm + reduce_scatter + act["total"]
+    generation, vllm = generation_bytes(shape, k), colocated_vllm_bytes(k)  # GRPO's rollouts (estimate_grpo.py)
+    allocated = sum(state.values()) + comm + max(reduce_scatter + act["total"], generation)  # one phase at a time
     if k.on_gpu:
         overhead = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * allocated)
     else:
         overhead = RUNTIME_BYTES_CPU_RANK + int(FRAGMENTATION * allocated)
-    total = allocated + overhead
+    total = allocated + overhead + vllm  # vLLM's share is its own budget
     return {
         "weights": state["weights"],
         "gradients": state["gradients"],
@@ -257,6 +259,8 @@ def _per_gpu(shape: ModelShape, k: Settings) -> dict[str, Any]:
         "comm_buffers": comm,
         "reduce_scatter": reduce_scatter,
         "activations": act["total"],
+        "generation": generation,  # GRPO, transformers' generate: the larger of it and the backward counts
+        "vllm_colocate": vllm,
         "overhead": overhead,
         "total": total,
         "capacity": k.capacity,
@@ -389,8 +393,9 @@ def _knobs(cfg: RunConfig, profile: ClusterProfile) -> tuple[Settings, str | Non
         capacity, capacity_note = gpu_capacity_bytes(profile)
     else:
         capacity, capacity_note = int(profile.node_memory_gb * GB) // rpn, None
+    grpo = cfg.grpo
     knobs = Settings(
-        nodes=cfg.resources.nodes,
+        nodes=cfg.train_nodes,  # a GRPO server's node does not train
         ranks_per_node=rpn,
         fsdp=cfg.fsdp.enabled,
         cpu_offload=cfg.fsdp.cpu_offload,
@@ -411,6 +416,11 @@ def _knobs(cfg: RunConfig, profile: ClusterProfile) -> tuple[Settings, str | Non
         dpo_precomputed=cfg.dpo is not None and cfg.dpo.precomputed,
         grpo=cfg.grpo is not None,
         grpo_reference=cfg.grpo is not None and cfg.grpo.beta > 0 and cfg.lora is None,
+        grpo_rollouts=grpo.rollouts.value if grpo else "",
+        generation_sequences=(cfg.train.per_device_batch_size * grpo.generations_per_step(
+            cfg.train.gradient_accumulation_steps)) if grpo else 0,
+        vllm_share=grpo.vllm_gpu_memory_utilization if grpo else 0.0,
+        server_nodes=grpo.server_nodes if grpo else 0,
         async_saves=cfg.checkpoint.asynchronous,
     )
     return knobs, capacity_note
@@ -579,6 +589,7 @@ def estimate(
     out_dtype = consolidated_dtype(cfg.consolidate.dtype, mode)
     both = layouts(shape, n_params, knobs)
     lora = _lora_facts(cfg, shape, knobs, n_params, DTYPE_BYTES[out_dtype])
+    grpo = grpo_facts(cfg, shape, knobs)
     merged = lora is None or lora["merge"]  # a LoRA run without merge writes only the adapter
 
     result: dict[str, Any] = {
@@ -597,7 +608,8 @@ def estimate(
         "consolidated_bytes": n_params * DTYPE_BYTES[out_dtype] if merged else 0,
         "consolidated_dtype": out_dtype,
         "lora": lora,
-        "fits": bool(gpu["fits"] and cpu["fits"]),
+        "grpo": grpo,
+        "fits": bool(gpu["fits"] and cpu["fits"] and not (grpo and grpo["problems"])),
         # the words: what would make it fit (only when it does not), a better layout, what was counted
         "remedies": [] if gpu["fits"] else remedies(knobs, partial(_total_if_fits, shape),
                                                     partial(lora_words, shape, knobs)),
@@ -606,7 +618,7 @@ def estimate(
         "recommendation": hsdp_advice(both, knobs) if gpu["fits"] else None,
         "assumptions": assumptions(knobs, _counted(shape, knobs), capacity_note),
     }
-    result["problems"] = fit_problems(result)
+    result["problems"] = fit_problems(result) + (grpo["problems"] if grpo else [])
     result["verdict"] = verdict(result)
     return result
 

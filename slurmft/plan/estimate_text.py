@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from slurmft.plan.estimate_grpo import grpo_assumption
 from slurmft.plan.settings import LoraSettings, Settings
 from slurmft.precision import PRECISIONS
 from slurmft.precision import reduce_dtype as resolve_reduce_dtype
@@ -87,7 +88,7 @@ def remedies(k: Settings, fits: Callable[[Settings], int | None],
             if t := fits(replace(base, nodes=nodes)):
                 extra = "" if k.fsdp else " with fsdp.enabled=true"
                 extra += " and fsdp.replicate_across_nodes=false" if k.hsdp else ""
-                out.append(f"use resources.nodes={nodes}{extra} ({decimal_gb(t)} per GPU)")
+                out.append(f"use resources.nodes={nodes + k.server_nodes}{extra} ({decimal_gb(t)} per GPU)")
                 break
         if not k.cpu_offload and (t := fits(replace(k, fsdp=True, cpu_offload=True))):
             out.append(f"set fsdp.cpu_offload=true (much slower; {decimal_gb(t)} per GPU)")
@@ -135,12 +136,7 @@ def assumptions(k: Settings, counted: Counted, capacity_note: str | None) -> lis
         lines.append(f"parameters counted from config.json as a {counted.family}")
     lines += list(counted.approximations)
     if k.grpo:
-        lines.append("GRPO: each rank's training forward counted as train.per_device_batch_size sequences of "
-                     f"data.max_seq_length ({k.seq_len}) tokens (prompt + completion: set it to your longest prompt "
-                     "plus grpo.max_completion_length)"
-                     + (", the reference for the KL term (beta > 0) as one more sharded copy in the compute dtype"
-                        if k.grpo_reference else ", no reference model (beta 0)")
-                     + "; the generation (transformers' generate: its KV cache) is not counted")
+        lines.append(grpo_assumption(k))
     mode = PRECISIONS[k.precision]
     if k.lora is not None:
         lines.append(
@@ -295,7 +291,8 @@ def fit_problems(result: dict[str, Any]) -> list[str]:
         unit = f"per GPU ({setup.get('gpu_type')})" if on_gpu else "per CPU rank"
         parts = ", ".join(
             f"{k} {decimal_gb(g[k])}"
-            for k in ("weights", "gradients", "optimizer", "comm_buffers", "reduce_scatter", "activations", "overhead")
+            for k in ("weights", "gradients", "optimizer", "comm_buffers", "reduce_scatter", "activations", "generation",
+                      "vllm_colocate", "overhead")
             if g.get(k)
         )
         msg = f"GPU memory: needs {decimal_gb(g['total'])} {unit} but has {decimal_gb(g['capacity'])} ({parts})"
@@ -394,6 +391,7 @@ def render_table(result: dict[str, Any]) -> RenderableType:
             else f"with ckpt {decimal_gb(result['activations']['with_checkpointing'])}",
         ),
         ("overhead allowance", g["overhead"], "context + fragmentation"),
+        *_grpo_rows(result),
     ]
     for name, val, note in rows:
         t.add_row(name, decimal_gb(val), note)
@@ -452,7 +450,7 @@ def render_table(result: dict[str, Any]) -> RenderableType:
                     decimal_gb(row["inter_node_bytes_per_step"]))
 
     verdict = Text(result["verdict"], style="bold green" if result["fits"] else "bold red")
-    parts = [head, t, r, d]
+    parts = [head, t, *_server_table(result), r, d]
     if s["fsdp"] and s["nodes"] > 1:
         parts.append(lay)
     parts.append(verdict)
@@ -465,3 +463,41 @@ def render_table(result: dict[str, Any]) -> RenderableType:
 def _tokens(plan: dict[str, Any]) -> str:
     """`` of 111,867 tokens`` when the prepared record counted them."""
     return f" of {plan['tokens_per_epoch']:,} tokens" if plan.get("tokens_per_epoch") else ""
+
+
+def _grpo_rows(result: dict[str, Any]) -> list[tuple[str, int, str]]:
+    """The Per GPU table's GRPO rows: the generation (transformers) or vLLM's share (colocate)."""
+    g, grpo = result["per_gpu"], result.get("grpo")
+    if not grpo:
+        return []
+    if grpo["rollouts"] == "transformers":
+        return [("generation (GRPO)", g.get("generation", 0),
+                 f"KV cache of {grpo['generation_sequences_per_rank']} completions + logits; the larger of it and "
+                 "reduce-scatter + activations counts")]
+    if grpo["rollouts"] == "colocate":
+        v = grpo["vllm_colocate"]
+        return [("vLLM colocated (GRPO)", g.get("vllm_colocate", 0),
+                 f"{v['gpu_memory_utilization']:g} of the GPU: weights {decimal_gb(v['weights'])}, KV cache "
+                 f"{decimal_gb(v['kv_cache'])} ({v['sequences_in_kv']} sequences)")]
+    return []
+
+
+def _server_table(result: dict[str, Any]) -> list[RenderableType]:
+    """GRPO's vLLM server node, per GPU (rollouts: server)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    server = (result.get("grpo") or {}).get("server")
+    if not server:
+        return []
+    t = Table(title=f"vLLM server node (GRPO), per GPU of {server['tensor_parallel_size']}", title_justify="left")
+    t.add_column("component")
+    t.add_column("bytes", justify="right")
+    t.add_column("note", style="dim")
+    t.add_row("model weights", decimal_gb(server["weights"]), f"split over {server['tensor_parallel_size']} GPUs")
+    t.add_row("KV cache", decimal_gb(server["kv_cache"]),
+              f"{server['sequences_in_kv']} sequences at once (generation batch {result['grpo']['generation_batch']})")
+    t.add_row(Text("vLLM's share", style="bold"),
+              Text(decimal_gb(server["budget"]), style="bold " + ("green" if server["fits"] else "red")),
+              f"grpo.server.gpu_memory_utilization {server['gpu_memory_utilization']:g}")
+    return [t]

@@ -70,8 +70,12 @@ class Settings:
     lora: LoraSettings | None = None  # adapters on a frozen base (None: every weight trains)
     dpo: bool = False  # a dpo: section: chosen and rejected in one forward (two sequences per example)
     dpo_precomputed: bool = False  # dpo.reference: precomputed: no reference model while training
-    grpo: bool = False  # a grpo: section: completions generated and trained on (the generation is not counted)
+    grpo: bool = False  # a grpo: section: completions generated and trained on (slurmft/plan/estimate_grpo.py)
     grpo_reference: bool = False  # grpo.beta > 0 (full fine-tuning): the same frozen, sharded copy as DPO's
+    grpo_rollouts: str = ""  # grpo.rollouts: transformers (a KV cache per rank), colocate (vLLM's share), server
+    generation_sequences: int = 0  # completions one rank generates at once: per_device_batch_size x steps_per_generation
+    vllm_share: float = 0.0  # grpo.vllm_gpu_memory_utilization (colocate)
+    server_nodes: int = 0  # nodes of the allocation that serve (grpo.server.nodes with rollouts: server), not in nodes
     async_saves: bool = False  # checkpoint.async: each rank keeps a CPU staging copy of its checkpoint share
 
     @property
