@@ -1,0 +1,192 @@
+"""GPU check of GRPO with vLLM rollouts: a few GRPO steps on the tiny model with TRL's ``colocate`` mode and with
+its ``server`` mode started the way slurmft's rendered server step starts it; one JSON and a short text.
+
+    bash bench/gpu_grpo_check.sh [--out DIR] [--steps 3] [--workdir DIR] [--cases colocate,server]
+
+Not run in CI and never run yet: it needs a CUDA GPU (TRL's server mode pushes the weights over NCCL only,
+``VLLMClient.init_communicator``) and vLLM in the Python that runs it. The lent GPU machines' image has no vLLM
+(bench/gpu_image_packages.txt) and its wheel is far over the 64 MiB a device call carries, so on those machines it
+stops at once and says so (exit 2), as it does on a machine without CUDA. What it checks where it can run:
+
+* ``server``: ``python -m slurmft.job.vllm_server --signal=USR2 -- ARGS`` (the rendered server step's command, its
+  port from ``SLURMFT_VLLM_PORT`` as the batch shell's rendezvous lookup sets it) serves the tiny model; TRL's
+  ``GRPOTrainer`` takes slurmft's ``GRPOConfig`` arguments from the same variables (``slurmft.grpoopts.
+  server_options``: host, port, weight-sync group port, ``vllm_server_timeout``) and trains ``--steps`` steps, so
+  every step syncs the weights over NCCL and generates through the server. Both share the one GPU (the server at
+  0.3 of its memory). Figures: the server's start-up, the time to the first step, seconds per step, rewards.
+* ``colocate``: TRL's colocate mode (``vllm_gpu_memory_utilization`` 0.3, TRL's default) on the same model and
+  prompts: seconds per step and rewards beside the server's.
+
+Each case ends with the losses finite and every step logged (exit 1 names the case that failed). The tiny model is
+``python -m slurmft.tiny`` (head_dim 64: vLLM's attention takes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # slurmft from this checkout
+
+CASES = ("colocate", "server")
+MAX_LEN = 256
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="bash bench/gpu_grpo_check.sh", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("gpu_grpo_check"), help="gpu_grpo_check.json and .txt go here")
+    ap.add_argument("--steps", type=int, default=3, help="GRPO steps per case")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/gpu_grpo_check"), help="the tiny model, the runs")
+    ap.add_argument("--cases", default=",".join(CASES), help="colocate,server (in this order)")
+    ap.add_argument("--server-wait-s", type=int, default=300, help="the server's start-up limit (TRL's timeout)")
+    return ap
+
+
+def missing() -> str | None:
+    """Why the check cannot run here (None: it can)."""
+    import importlib.util
+
+    for module in ("torch", "trl", "vllm", "datasets"):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not importable in {sys.executable}"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device (TRL's vLLM weight sync is NCCL only)"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def reward_length(completions: list[Any], **kwargs: Any) -> list[float]:
+    """A verifiable toy reward: shorter completions score higher (enough to move the policy)."""
+    return [1.0 / (1 + len(str(c))) for c in completions]
+
+
+def grpo_args(out: Path, steps: int, extra: dict[str, Any]) -> Any:
+    from trl import GRPOConfig
+
+    return GRPOConfig(output_dir=str(out), max_steps=steps, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=32, logging_steps=1, report_to=[], bf16=True, save_strategy="no",
+                      seed=42, **extra)
+
+
+def train(model: Path, out: Path, steps: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """``steps`` GRPO steps with ``extra`` GRPOConfig arguments; the logged steps and the time each took."""
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    prompts = Dataset.from_list([{"prompt": f"Count to {i}:"} for i in range(32)])
+    started = time.monotonic()
+    trainer = GRPOTrainer(model=str(model), reward_funcs=[reward_length], args=grpo_args(out, steps, extra),
+                          train_dataset=prompts)
+    built = time.monotonic()
+    trainer.train()
+    done = time.monotonic()
+    logs = [r for r in trainer.state.log_history if "loss" in r]
+    return {"build_s": built - started, "train_s": done - built, "s_per_step": (done - built) / steps,
+            "steps_logged": len(logs), "losses": [r["loss"] for r in logs], "rewards": [r.get("reward") for r in logs]}
+
+
+def colocate(model: Path, work: Path, steps: int) -> dict[str, Any]:
+    # TRL's colocate engine joins torch.distributed (external launcher): one process is rank 0 of 1
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    return train(model, work / "colocate", steps, {"use_vllm": True, "vllm_mode": "colocate",
+                                                   "vllm_gpu_memory_utilization": 0.3})
+
+
+def server(model: Path, work: Path, steps: int, wait_s: int) -> dict[str, Any]:
+    from slurmft import grpoopts
+
+    env = {**os.environ, grpoopts.VLLM_HOST_ENV: "127.0.0.1", grpoopts.VLLM_PORT_ENV: str(free_port()),
+           grpoopts.VLLM_GROUP_PORT_ENV: str(free_port()), grpoopts.VLLM_TIMEOUT_ENV: str(wait_s),
+           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    log = (work / "server.log").open("w")
+    command = [sys.executable, "-m", "slurmft.job.vllm_server", "--signal=USR2", "--", "--model", str(model),
+               "--gpu_memory_utilization", "0.3", "--dtype", "bfloat16", "--max_model_len", str(MAX_LEN)]
+    started = time.monotonic()
+    proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        from trl.generation.vllm_client import VLLMClient
+
+        VLLMClient(host=env[grpoopts.VLLM_HOST_ENV], server_port=int(env[grpoopts.VLLM_PORT_ENV]),
+                   connection_timeout=wait_s)  # the same wait the trainer does; raises after wait_s
+        up = time.monotonic() - started
+        result = train(model, work / "server", steps, grpoopts.server_options(env))
+        return {"server_start_s": up, **result}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def check(name: str, r: dict[str, Any], steps: int) -> list[str]:
+    problems = []
+    if r.get("steps_logged") != steps:
+        problems.append(f"{name}: {r.get('steps_logged')} of {steps} steps logged")
+    if not all(isinstance(x, float) and math.isfinite(x) for x in r.get("losses", [])):
+        problems.append(f"{name}: a loss is not finite: {r.get('losses')}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    why = missing()
+    if why:
+        print(f"gpu_grpo_check: cannot run here: {why}", file=sys.stderr)
+        (args.out / "gpu_grpo_check.json").write_text(json.dumps({"skipped": why}, indent=2))
+        return 2
+    import torch
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    model = args.workdir / "model"
+    if not (model / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "slurmft.tiny", str(model)], check=True, cwd=REPO)
+    import trl
+    import vllm
+
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                              "trl": trl.__version__, "vllm": vllm.__version__, "cases": {}}
+    problems: list[str] = []
+    for name in args.cases.split(","):
+        try:
+            r = (colocate(model, args.workdir, args.steps) if name == "colocate"
+                 else server(model, args.workdir, args.steps, args.server_wait_s))
+        except Exception as err:  # noqa: BLE001 - a case that fails is reported, the next one still runs
+            r = {"error": f"{type(err).__name__}: {err}"}
+            problems.append(f"{name}: {r['error']}")
+        else:
+            problems += check(name, r, args.steps)
+        report["cases"][name] = r
+        (args.out / "gpu_grpo_check.json").write_text(json.dumps(report, indent=2))
+    lines = [f"{report['device']} torch {report['torch']} trl {report['trl']} vllm {report['vllm']}"]
+    for name, r in report["cases"].items():
+        lines.append(f"{name}: " + (r["error"] if "error" in r else
+                     f"{r['s_per_step']:.2f} s/step, built in {r['build_s']:.1f} s"
+                     + (f", server up in {r['server_start_s']:.1f} s" if "server_start_s" in r else "")
+                     + f", rewards {r['rewards']}"))
+    lines += [f"FAILED {p}" for p in problems]
+    (args.out / "gpu_grpo_check.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
