@@ -57,6 +57,10 @@ class VLLMServer(Section):
         1800, ge=10, le=86400, description="Seconds one weight sync to the server (NCCL) may take before the job "
         "stops with an error naming it instead of hanging (TRL sets no limit: trl#2923, trl#6797).")
 
+    def tensor_parallel(self, gpus_per_node: int) -> int:
+        """The GPUs the served model is split over: tensor_parallel_size, else the whole node's."""
+        return self.tensor_parallel_size or gpus_per_node or 1
+
     @field_validator("nodes")
     @classmethod
     def _one_node(cls, v: int) -> int:

@@ -170,3 +170,14 @@ def test_the_training_ranks_are_counted_without_the_server_node() -> None:
     cfg = load_config(CFG, ["resources.nodes=5"])
     assert (cfg.train_nodes, cfg.train_world_size, cfg.resources.world_size) == (4, 32, 40)
     assert re.search(r"--ntasks=32\b", train_script("resources.nodes=5"))
+
+
+def test_validate_refuses_the_server_with_what_is_built_and_what_is_not() -> None:
+    """Where the job's Python is not asked (an image; None here) or has vLLM: the server renders but is not run."""
+    from slurmft.plan.grpo_checks import rollouts_problem
+
+    problem = rollouts_problem(load_config(CFG), None)
+    assert problem is not None and problem.startswith(
+        "grpo.rollouts: server renders (`slurmft render` writes the vLLM server's step and the training step on the "
+        "other nodes) but its job side is not wired nor run on a GPU yet")
+    assert problem.endswith("set grpo.rollouts=transformers (transformers' generate on the FSDP2-sharded policy)")

@@ -89,7 +89,7 @@ def grpo_facts(cfg: RunConfig, shape: ModelShape, k: Settings) -> dict[str, Any]
                 "raise it (the training keeps the rest), or set grpo.rollouts=server (vLLM on a node of its own)")
     elif k.grpo_rollouts == "server":
         s = g.server
-        tp = s.tensor_parallel_size or cfg.resources.gpus_per_node or 1
+        tp = s.tensor_parallel(cfg.resources.gpus_per_node)
         plan = _vllm_budget(shape, int(s.gpu_memory_utilization * k.capacity), c, tp, k.seq_len)
         out["server"] = {**plan, "tensor_parallel_size": tp, "gpu_memory_utilization": s.gpu_memory_utilization,
                          "nodes": s.nodes}

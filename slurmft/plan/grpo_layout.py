@@ -60,7 +60,7 @@ def server_layout(cfg: RunConfig) -> ServerLayout | None:
         server_node=cfg.train_nodes,
         ranks_per_node=res.ranks_per_node,
         cpus_per_node=res.ranks_per_node * res.cpus_per_task,
-        tensor_parallel_size=cfg.grpo.server.tensor_parallel_size or res.gpus_per_node or 1,
+        tensor_parallel_size=cfg.grpo.server.tensor_parallel(res.gpus_per_node),
         dtype=resolve_precision(cfg.train.precision, res.gpus_per_node > 0).compute_dtype,
     )
 
