@@ -530,11 +530,6 @@ class RunConfig(Section):
                 f"train.sft: passes options to TRL's SFTConfig, but a grpo run trains with TRL's GRPOTrainer; remove "
                 f"train.sft ({', '.join(sorted(self.train.sft))}) or the grpo: section"
             )
-        if self.lora is not None:
-            raise ValueError(
-                "lora: LoRA-GRPO is not supported yet (TRL would add a reference adapter copy to the sharded model "
-                "when beta > 0, and nothing tests it); remove the lora: section (full fine-tuning) or the grpo: section"
-            )
         if self.train.epochs is not None:
             raise ValueError(
                 f"train.epochs: a grpo run counts optimizer steps (each prompt is completed num_generations times, so "

@@ -118,3 +118,19 @@ def test_table_rows_for_the_rollouts() -> None:
         console = Console(width=160, record=True)
         console.print(T.render_table(mid_grpo(rollouts=rollouts)))
         assert row in console.export_text()
+
+
+def test_the_kl_terms_reference_is_said_as_counted() -> None:
+    """beta > 0 with full fine-tuning counts a sharded copy; with LoRA the reference is the base with the adapters
+    disabled (slurmft/job/adapters.py no_reference_adapter): no copy, and the assumptions line says so."""
+    def line(r: dict[str, Any]) -> str:
+        return next(a for a in r["assumptions"] if a.startswith("GRPO:"))
+
+    full = mid_grpo(beta=0.04)
+    assert "one more sharded copy" in line(full) and full["per_gpu"]["reference_weights"] > 0
+    cfg = run_config("mid", resources__nodes=1, resources__gpus_per_node=8, model__dtype="bfloat16",
+                     data__max_seq_length=512, train__per_device_batch_size=4, train__max_steps=10, lora={},
+                     grpo={"num_generations": 8, "steps_per_generation": 8, "rewards": REWARDS, "beta": 0.04})
+    lora = E.estimate(cfg, profile(), model_cfg=MID)
+    assert "adapters disabled" in line(lora) and lora["per_gpu"]["reference_weights"] == 0
+    assert "no reference model (beta 0)" in line(mid_grpo(beta=0.0))

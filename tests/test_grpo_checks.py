@@ -75,16 +75,16 @@ def test_num_generations_refusal_names_the_divisors(tmp_path: Path, model_dir: P
     assert code == 2 and "= 8 completions" in text and "a divisor (2, 4, 8)" in text
 
 
-def test_grpo_with_dpo_sft_options_epochs_or_lora_is_refused(tmp_path: Path, model_dir: Path,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_grpo_with_dpo_sft_options_or_epochs_is_refused_lora_is_not(tmp_path: Path, model_dir: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     code, text = validate(tmp_path, model_dir, capsys, dpo={})
     assert code == 2 and "grpo and dpo: a run trains with one method" in text
     code, text = validate(tmp_path, model_dir, capsys, train={"max_steps": 3, "sft": {"max_length": 9}})
     assert code == 2 and "a grpo run trains with TRL's GRPOTrainer; remove train.sft (max_length)" in text
     code, text = validate(tmp_path, model_dir, capsys, train={"max_steps": None, "epochs": 1})
     assert code == 2 and "with train.max_steps" in text
-    code, text = validate(tmp_path, model_dir, capsys, lora={"r": 8})
-    assert code == 2 and "lora: LoRA-GRPO is not supported yet" in text
+    code, text = validate(tmp_path, model_dir, capsys, lora={"r": 8})  # LoRA-GRPO (tests/job/test_grpo_lora_cpu.py)
+    assert code == 0, text
 
 
 def test_a_prompt_set_with_completions_is_refused(tmp_path: Path, model_dir: Path,

@@ -44,9 +44,11 @@ from the base weights of the module they copy.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -322,3 +324,35 @@ def copy_saved_modules(model: torch.nn.Module) -> int:
                 target.copy_(local_part(sources[name])[0].to(target.dtype))
                 count += 1
     return count
+
+
+@contextlib.contextmanager
+def no_reference_adapter(model: Any, method: str) -> Iterator[None]:
+    """While TRL's ``DPOTrainer``/``GRPOTrainer.__init__`` runs on a PEFT model (``method``: dpo, grpo): its "ref"
+    adapter copy is not made.
+
+    TRL (1.16, both trainers, the GRPO one when ``beta > 0``) adds an adapter named "ref" and copies the trained one
+    into it (``model.get_parameter`` of each ``.ref.`` name). On an FSDP2-sharded model that adapter would be
+    unsharded plain tensors, and for a fresh adapter (B = 0) it only reproduces the base. Without it TRL computes
+    the reference with the adapters disabled (``use_adapter(model, None)``): the frozen base. The two bound methods
+    are restored after.
+    """
+    if not hasattr(model, "peft_config"):
+        yield
+        return
+
+    def skip_ref(adapter_name: str, *args: Any, **kwargs: Any) -> Any:
+        if adapter_name != "ref":
+            return type(model).add_adapter(model, adapter_name, *args, **kwargs)
+        return None
+
+    def same_parameter(target: str) -> Any:
+        return type(model).get_parameter(model, target.replace(".ref.", ".default."))
+
+    model.add_adapter, model.get_parameter = skip_ref, same_parameter
+    try:
+        yield
+    finally:
+        del model.add_adapter, model.get_parameter
+    if "ref" in model.peft_config:
+        raise JobSetupError(f"{method}: TRL added a reference adapter to the sharded model; this TRL is not supported")

@@ -19,7 +19,8 @@ What we do instead (:func:`reference_model`, :func:`new_trainer`):
   directory (slurmft/job/dpo_reference_logps.py); the trainer reads them from its batches.
 - **LoRA** (``lora:`` section): no second model. The reference is the policy with its adapters disabled
   (TRL's ``use_adapter(model, None)``, inside its own loss): the base weights are frozen, so that is the
-  starting model at every step. TRL's "ref" adapter copy is skipped (:func:`_no_reference_adapter`).
+  starting model at every step. TRL's "ref" adapter copy is skipped
+  (slurmft/job/adapters.py :func:`~slurmft.job.adapters.no_reference_adapter`).
 
 Everything else is the SFT job's: sliced loading, precision, activation checkpointing, the checkpoint
 callbacks (COMPLETE markers, preemption saves, resume), consolidation of the policy.
@@ -30,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,46 +106,19 @@ def trainer_class() -> type:
     return PreparedDPOTrainer
 
 
-@contextlib.contextmanager
-def _no_reference_adapter(model: Any) -> Iterator[None]:
-    """While ``DPOTrainer.__init__`` runs on a PEFT model: its "ref" adapter copy is not made.
-
-    TRL adds an adapter named "ref" and copies the trained one into it (``model.get_parameter`` of each
-    ``.ref.`` name). On an FSDP2-sharded model that adapter would be unsharded plain tensors, and for a fresh
-    adapter (B = 0) it only reproduces the base. Without it TRL computes the reference with the adapters
-    disabled (``use_adapter(model, None)``): the frozen base. The two bound methods are restored after.
-    """
-    if not hasattr(model, "peft_config"):
-        yield
-        return
-
-    def skip_ref(adapter_name: str, *args: Any, **kwargs: Any) -> Any:
-        if adapter_name != "ref":
-            return type(model).add_adapter(model, adapter_name, *args, **kwargs)
-        return None
-
-    def same_parameter(target: str) -> Any:
-        return type(model).get_parameter(model, target.replace(".ref.", ".default."))
-
-    model.add_adapter, model.get_parameter = skip_ref, same_parameter
-    try:
-        yield
-    finally:
-        del model.add_adapter, model.get_parameter
-    if "ref" in model.peft_config:
-        raise JobSetupError("dpo: TRL added a reference adapter to the sharded model; this TRL is not supported")
-
-
 def new_trainer(model: Any, reference: Any, args: Any, dataset: Any, tokenizer: Any, callbacks: list[Any],
                 optimizer: Any, precomputed: bool = False) -> Any:
     """TRL's DPOTrainer on the sharded policy; ``reference`` is the sharded copy, or None with LoRA or with
     ``precomputed`` reference log-probabilities (slurmft/job/dpo_reference_logps.py attaches them)."""
+    from slurmft.job import adapters
+
     cls = trainer_class()
     # without ref_model on a full fine-tune whose reference log-probabilities are precomputed, TRL would load a
     # whole unsharded copy from the model's files to run as the reference: it gets none, and the trainer reads
     # the precomputed values instead
     skip = precomputed and reference is None
-    with _no_reference_adapter(model), (trl_loads_instead("dpo_trainer", None) if skip else contextlib.nullcontext()):
+    with (adapters.no_reference_adapter(model, "dpo"),
+          trl_loads_instead("dpo_trainer", None) if skip else contextlib.nullcontext()):
         trainer = cls(model=model, ref_model=reference, args=args, train_dataset=dataset, processing_class=tokenizer,
                       callbacks=callbacks)
     if precomputed and trainer.ref_model is not None:

@@ -26,8 +26,12 @@ What we do instead:
   state (``grpo_rollouts_<rank>.pt``); the next attempt continues the same rollouts at the same place;
 - the reference (``beta > 0``, full fine-tuning): the starting model built exactly as DPO's
   (slurmft/job/dpo.py ``reference_model``: meta device, sliced loading, FSDP2 per decoder layer, no gradients),
-  handed to TRL in place of the copy it would load. (LoRA-GRPO is refused by the config for now: TRL would add a
-  "ref" adapter copy to the sharded model, as DPO's ``_no_reference_adapter`` avoids.)
+  handed to TRL in place of the copy it would load;
+- LoRA (``lora:`` section): the adapters train on the sharded policy as in LoRA SFT, and with ``beta > 0`` the
+  reference is the policy with its adapters disabled (TRL's ``use_adapter(model, None)``: the frozen base, the
+  starting model at every step), no second model. TRL, given a PEFT model with ``beta > 0``, would add a "ref"
+  adapter copied from the trained one (unsharded tensors inside FSDP2 modules): skipped as DPO skips it
+  (slurmft/job/adapters.py ``no_reference_adapter``).
 
 Everything else is the SFT job's: loading, precision, activation checkpointing, the checkpoint callbacks
 (COMPLETE markers, preemption saves at a step boundary, resume), consolidation of the policy.
@@ -102,7 +106,7 @@ def reward_functions(cfg: RunConfig) -> list[Any]:
 
 
 def uses_reference_copy(cfg: RunConfig) -> bool:
-    """A second, sharded model: ``beta > 0`` on a full fine-tune (the only kind a grpo run is, for now)."""
+    """A second, sharded model: ``beta > 0`` on a full fine-tune (LoRA disables its adapters instead)."""
     return cfg.grpo is not None and cfg.grpo.beta > 0 and cfg.lora is None
 
 
@@ -239,14 +243,18 @@ def trainer_class() -> type:
 def new_trainer(cfg: RunConfig, model: Any, reference: Any, args: Any, dataset: Any, tokenizer: Any,
                 callbacks: list[Any], optimizer: Any) -> Any:
     """TRL's GRPOTrainer (generating with :func:`generate_seeded`) on the sharded policy; ``reference`` is the
-    sharded starting model when ``beta > 0`` on a full fine-tune, else None. Its EOS ids are the model files'
-    generation_config.json's (slurmft/job/loading.py ``use_generation_config``), as TRL's would be."""
+    sharded starting model when ``beta > 0`` on a full fine-tune, else None (LoRA: the adapters disabled). Its EOS
+    ids are the model files' generation_config.json's (slurmft/job/loading.py ``use_generation_config``), as TRL's
+    would be."""
+    from slurmft.job.adapters import no_reference_adapter
+
     cls = trainer_class()
     # beta > 0 on a full fine-tune: the copy TRL would load from the model's files is our sharded reference
-    with trl_loads_instead("grpo_trainer", reference) if reference is not None else contextlib.nullcontext():
+    with (trl_loads_instead("grpo_trainer", reference) if reference is not None else contextlib.nullcontext(),
+          no_reference_adapter(model, "grpo")):
         trainer = cls(model=model, reward_funcs=reward_functions(cfg), args=args, train_dataset=dataset,
                       processing_class=tokenizer, callbacks=callbacks)
-    if reference is not None and trainer.ref_model is not reference:
+    if trainer.ref_model is not reference:  # LoRA or beta 0: None, never a copy TRL loaded itself
         raise JobSetupError("grpo: TRL built a reference model of its own; this TRL is not supported")
     trainer.optimizer_cls_and_kwargs = optimizer  # GRPOTrainer does not pass it on; the optimizer is made in train()
     return trainer

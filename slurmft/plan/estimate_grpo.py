@@ -121,8 +121,13 @@ def grpo_assumption(k: Settings) -> str:
                   "tensor_parallel_size GPUs and its KV cache (at least one whole sequence); the training GPUs "
                   "generate nothing",
     }[k.grpo_rollouts]
+    if k.grpo_reference:
+        reference = ", the reference for the KL term (beta > 0) as one more sharded copy in the compute dtype"
+    elif k.grpo_kl:
+        reference = ", no reference copy: the KL term's reference is the base with the LoRA adapters disabled"
+    else:
+        reference = ", no reference model (beta 0)"
     return ("GRPO: each rank's training forward counted as train.per_device_batch_size sequences of "
             f"data.max_seq_length ({k.seq_len}) tokens (prompt + completion: set it to your longest prompt plus "
             "grpo.max_completion_length)"
-            + (", the reference for the KL term (beta > 0) as one more sharded copy in the compute dtype"
-               if k.grpo_reference else ", no reference model (beta 0)") + f"; {where}")
+            + reference + f"; {where}")

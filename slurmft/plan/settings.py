@@ -72,6 +72,7 @@ class Settings:
     dpo_precomputed: bool = False  # dpo.reference: precomputed: no reference model while training
     grpo: bool = False  # a grpo: section: completions generated and trained on (slurmft/plan/estimate_grpo.py)
     grpo_reference: bool = False  # grpo.beta > 0 (full fine-tuning): the same frozen, sharded copy as DPO's
+    grpo_kl: bool = False  # grpo.beta > 0: a KL term (with LoRA its reference is the base, adapters disabled)
     grpo_rollouts: str = ""  # grpo.rollouts: transformers (a KV cache per rank), colocate (vLLM's share), server
     generation_sequences: int = 0  # completions one rank generates at once: per_device_batch_size x steps_per_generation
     vllm_share: float = 0.0  # grpo.vllm_gpu_memory_utilization (colocate)

@@ -59,14 +59,16 @@ def ended_often(model: Path, to: Path) -> Path:
     return to
 
 
+def on_prompts(cfg: dict) -> None:
+    """The tests' grpo: section (beta 0.04) on the example's prompts (tests/job/test_grpo_lora_cpu.py too)."""
+    cfg["data"]["datasets"] = [{"path": str(PROMPTS)}]
+    cfg["grpo"] = {"num_generations": 4, "max_completion_length": 8, "beta": 0.04, "rewards": REWARDS}
+
+
 @pytest.fixture(scope="module")
 def grpo_runs(micro_model: Path, job_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("grpo")
     model = ended_often(micro_model, root / "model")
-
-    def on_prompts(cfg: dict) -> None:
-        cfg["data"]["datasets"] = [{"path": str(PROMPTS)}]
-        cfg["grpo"] = {"num_generations": 4, "max_completion_length": 8, "beta": 0.04, "rewards": REWARDS}
 
     def two_steps_per_generation(cfg: dict) -> None:
         on_prompts(cfg)
