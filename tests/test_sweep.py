@@ -95,13 +95,12 @@ REFUSALS = [
     ({"grid": {"train.learning_rate": [1e-5, 2]}}, {},
      ["point learning_rate-2 (train.learning_rate=2): train.learning_rate: Input should be less than 1"]),
     ({"points": [{"train.seed": 1}, {"train.seed": 1}]}, {}, ["points seed-1 and seed-1-1 are the same run"]),
-    ({"grid": {"train.seed": [1, 2]}}, {"serve": {}}, ["serve: a sweep does not chain serve jobs yet"]),
 ]
 
 
 @pytest.mark.parametrize(("sweep", "sections", "expected"), REFUSALS,
                          ids=["unknown-key", "resources", "cluster", "output_dir", "empty-grid", "empty-list",
-                              "invalid-point", "twin-points", "serve"])
+                              "invalid-point", "twin-points"])
 def test_refused_before_anything_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str], sweep: dict,
                                             sections: dict, expected: list[str]) -> None:
     path = write(tmp_path, sweep, **sections)

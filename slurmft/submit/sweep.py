@@ -1,5 +1,5 @@
 """Submitting a sweep: every point a complete run directory, one prepare job, the train jobs as one Slurm array,
-the consolidations as a second array, task i after train task i.
+the consolidations as a second array, task i after train task i, and the jobs after consolidation likewise.
 
 Each point's directory is written exactly as ``submit_run`` writes a run alone (its config.yaml, its rendered
 scripts, its manifest), so ``status``, ``logs``, ``resume``, ``consolidate`` and ``cancel`` work on it as on any
@@ -13,7 +13,9 @@ run. What is shared:
   the one a run alone would have, so its rendezvous port (from the task's own SLURM_JOB_ID), its run directory,
   its requeue (``scontrol requeue <array>_<task>``: that task only; :func:`slurmft.slurm.own_job_id`) are a run
   alone's;
-* **the consolidation array**, ``--dependency=aftercorr:<train array>``: task i starts once train task i succeeded.
+* **the consolidation array**, ``--dependency=aftercorr:<train array>``: task i starts once train task i succeeded;
+* **the serve-check and evaluation arrays** (``serve:``/``eval:`` sections), each ``aftercorr:<consolidation
+  array>``: task i runs point i's own serve/eval script once consolidation task i succeeded.
 
 submitit pairs a job with its pickled callable by job id; an array task's id is ``<array>_<task>``, so the
 callable of task i is written into point i's submitit folder under that id once sbatch answered (the job's
@@ -37,6 +39,7 @@ from slurmft.plan.elastic import allocation
 from slurmft.plan.render import (
     PREPARE_TEMPLATE,
     build_prepare_context,
+    model_job_enabled,
     rank_python_for,
     render,
     render_scripts,
@@ -58,6 +61,7 @@ from slurmft.rundir import (
     write_sweep_record,
 )
 from slurmft.submit.dispatch import (
+    MODEL_JOBS,
     Say,
     SubmitResult,
     _write_run_dir,
@@ -68,7 +72,7 @@ from slurmft.submit.dispatch import (
     make_slurm_executor,
     quiet,
 )
-from slurmft.sweep import Sweep
+from slurmft.sweep import Sweep, select_of
 
 
 @dataclass
@@ -96,7 +100,7 @@ def new_record(sweep: Sweep, config_path: str) -> dict[str, Any]:
     """``sweep.json`` before any job: the points, their overrides and directories."""
     assert sweep.cfg.sweep is not None
     return {"version": SWEEP_VERSION, "name": sweep.cfg.name, "executor": sweep.cfg.resolved_executor.value,
-            "config": config_path, "select": sweep.cfg.sweep.select.model_dump(),
+            "config": config_path, "select": select_of(sweep.cfg),
             "points": [{"index": p.index, "name": p.name, "dir": c.output_dir, "overrides": p.overrides}
                        for p, c in zip(sweep.points, sweep.configs, strict=True)],
             "jobs": []}
@@ -154,7 +158,7 @@ def check_one_allocation(sweep: Sweep, scripts: list[dict[str, str]]) -> None:
         return [line for line in text.splitlines() if line.startswith("#SBATCH") and not line.startswith(_OWN_DIRECTIVES)]
 
     problems = []
-    for kind in ("train", "consolidate"):
+    for kind in ("train", "consolidate", *MODEL_JOBS):
         first = allocation_lines(scripts[0].get(kind, ""))
         for point, texts in zip(sweep.points[1:], scripts[1:], strict=True):
             differ = sorted(set(allocation_lines(texts.get(kind, ""))) ^ set(first))
@@ -235,7 +239,7 @@ def _submit_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str, temp
                    groups: list[list[int]], record: dict[str, Any], result: SweepResult, say: Say) -> None:
     from submitit.core.utils import FailedJobError
 
-    from slurmft.job.entrypoint import run_consolidate, run_prepare_each, run_train
+    from slurmft.job.entrypoint import run_prepare_each, run_train
 
     root = RunPaths.of(sweep.paths.root)
     first = sweep.configs[0]
@@ -285,25 +289,68 @@ def _submit_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str, temp
         "at a time" + (f", after prepare job {prep} succeeds" if prep else ""))
     if not first.consolidate.enabled:
         return
-    try:
-        cons = _sbatch(root.script("consolidate"), f"aftercorr:{train}", "consolidation array")
-    except SubmissionError as exc:
-        cancelled = slurm.try_scancel([train, *([prep] if prep else [])])
-        raise SubmissionError(f"{exc}; {'cancelled' if cancelled else 'could NOT cancel (run scancel)'} train array "
-                              f"{train}") from None
-    _pickles_or_cancel(sweep, cons, lambda c: (run_consolidate, (c.output_dir, None, None)),
-                       time_minutes(first.consolidate.resources.time), [cons, train, *([prep] if prep else [])])
+    sent = [j for j in result.jobs.values() if j]
+    cons = _submit_after(sweep, "consolidate", train, sent, manifests, attempts, record, say)
+    assert cons is not None
     result.jobs["consolidate"] = cons
-    record["jobs"].append({"kind": "consolidate", "job_id": cons, "tasks": n, "dependency": f"aftercorr:{train}"})
+    for kind in (k for k in MODEL_JOBS if model_job_enabled(first, k)):
+        job = _submit_after(sweep, kind, cons, [cons, *sent], manifests, attempts, record, say)
+        if job is not None:  # else sbatch refused it: the points train and consolidate without it, as a run alone's
+            result.jobs[kind] = job
+
+
+#: What each array after the train array is called in messages.
+_AFTER = {"consolidate": "consolidation array", "serve": "serve-check array", "eval": "evaluation array"}
+
+
+def _call_of(kind: str) -> Callable[[RunConfig], tuple[Callable[..., Any], tuple]]:
+    from slurmft.job.entrypoint import run_consolidate, run_eval, run_serve
+
+    if kind == "consolidate":
+        return lambda c: (run_consolidate, (c.output_dir, None, None))
+    return lambda c: (run_serve, (c.output_dir,)) if kind == "serve" else (run_eval, (c.output_dir, None))
+
+
+def _submit_after(sweep: Sweep, kind: str, after: str, sent: list[str], manifests: list[dict[str, Any]],
+                  attempts: list[dict[str, Any]], record: dict[str, Any], say: Say) -> str | None:
+    """One array after ``after`` (``--dependency=aftercorr:``: task i once task i of ``after`` succeeded; a task
+    whose predecessor failed is cancelled, ``--kill-on-invalid-dep=yes``), recorded in sweep.json and in each point's
+    manifest as the point's own ``<array>_<i>`` job. The consolidation array is needed: when it cannot be sent the
+    jobs sent so far are cancelled. A serve or eval array is not: a refusal is said and the sweep goes on without it
+    (``slurmft serve/eval POINT_DIR`` later), as a run alone does."""
+    root = RunPaths.of(sweep.paths.root)
+    what, first, optional = _AFTER[kind], sweep.configs[0], kind != "consolidate"
+    section = first.model_job(kind) if optional else first.consolidate
+    assert section is not None, kind
+    try:
+        job = _sbatch(root.script(kind), f"aftercorr:{after}", what)
+    except SubmissionError as exc:
+        if optional:
+            say(f"WARNING: {exc}; the sweep goes on without it (`slurmft {kind} POINT_DIR` once it is fixed)")
+            return None
+        cancelled = slurm.try_scancel(sent)
+        raise SubmissionError(f"{exc}; {'cancelled' if cancelled else 'could NOT cancel (run scancel)'} "
+                              f"{', '.join(sent)}") from None
+    try:  # cancels this array (and, for the consolidation array, the jobs sent before it) when it cannot
+        _pickles_or_cancel(sweep, job, _call_of(kind), time_minutes(section.resources.time),
+                           [job] if optional else [job, *sent])
+    except SubmissionError as exc:
+        if not optional:
+            raise
+        say(f"WARNING: {exc}; the sweep goes on without it (`slurmft {kind} POINT_DIR` once it is fixed)")
+        return None
+    n = len(sweep.points)
+    record["jobs"].append({"kind": kind, "job_id": job, "tasks": n, "dependency": f"aftercorr:{after}"})
     for i, (cfg, manifest, attempt) in enumerate(zip(sweep.configs, manifests, attempts, strict=True)):
         point = RunPaths.of(cfg.output_dir)
-        attempt["consolidate_job"] = f"{cons}_{i}"
-        record_job(manifest, "consolidate", f"{cons}_{i}", run_attempt=attempt["attempt"], array=cons,
-                   dependency=f"afterok:{train}_{i}", script=str(point.script("consolidate")),
-                   log=str(point.log_file("consolidate", f"{cons}_{i}")))
+        attempt[f"{kind}_job"] = f"{job}_{i}"
+        record_job(manifest, kind, f"{job}_{i}", run_attempt=attempt["attempt"], array=job,
+                   dependency=f"afterok:{after}_{i}", script=str(point.script(kind)),
+                   log=str(point.log_file(kind, f"{job}_{i}")))
         write_manifest(point, manifest)
     write_sweep_record(sweep.paths, record)
-    say(f"consolidation array {cons} submitted (task i after train task i succeeds)")
+    say(f"{what} {job} submitted (task i after task i of {after} succeeds)")
+    return job
 
 
 # ------------------------------------------------------------------ local: the points one after another
