@@ -57,6 +57,7 @@ from slurmft.rundir import (
     record_job,
     release_lock,
     start_attempt,
+    sweep_locked,
     write_manifest,
     write_sweep_record,
 )
@@ -386,12 +387,32 @@ class SweepResume:
     live: list[str] = field(default_factory=list)
     refused: dict[str, str] = field(default_factory=dict)  # name -> why it was not resumed
 
+    def lines(self, root: Path) -> list[str]:
+        """What ``resume SWEEP_DIR`` prints: each resumed point's jobs (``point NAME: KIND job: ID``), the others."""
+        out = [f"point {name}: {kind} job: {job_id}" for name, result in self.resumed.items()
+               for kind, job_id in result.jobs.items()]
+        out += [f"{what}: {', '.join(names)}" for what, names in (("finished", self.finished),
+                                                                  ("still queued or running", self.live)) if names]
+        if not self.resumed and not self.refused:
+            out.append(f"{root}: no point to resume")
+        return [*out, f"follow with: slurmft status {root}"]
+
 
 def resume_sweep(root: Path, overrides: list[str], template_dir: str | None = None, say: Say = quiet,
                  force: bool = False) -> SweepResume:
     """``slurmft resume`` of every point that is neither live nor finished, each as a run alone is resumed (its
     own train job from its newest complete checkpoint, a consolidation chained to it); the others are left alone.
-    A point that cannot be resumed is said and does not stop the others."""
+    A point that cannot be resumed is said and does not stop the others. All under the sweep's lock
+    (rundir.sweep_locked): a concurrent ``resume`` of the sweep or of one of its points waits for this one, then
+    finds the points it resumed live."""
+    from slurmft.submit.resume import LOCK_WAIT_S
+
+    with sweep_locked(root, "resume", say, wait_s=LOCK_WAIT_S):
+        return _resume_sweep_locked(root, overrides, template_dir, say, force)
+
+
+def _resume_sweep_locked(root: Path, overrides: list[str], template_dir: str | None, say: Say,
+                         force: bool) -> SweepResume:
     from slurmft.errors import SlurmftError
     from slurmft.submit.resume import Phase, resume_run
     from slurmft.watch.status import KINDS, run_state
@@ -422,4 +443,54 @@ def resume_sweep(root: Path, overrides: list[str], template_dir: str | None = No
     if out.resumed:
         record["jobs"].append({"kind": "resume", "points": {n: dict(r.jobs) for n, r in out.resumed.items()}})
         write_sweep_record(paths, record)
+    return out
+
+
+# ------------------------------------------------------------------ consolidate: the points without a model
+@dataclass
+class SweepConsolidation:
+    """What ``consolidate SWEEP_DIR`` did, point by point."""
+
+    jobs: dict[str, str] = field(default_factory=dict)  # name -> its consolidation job's id
+    skipped: dict[str, str] = field(default_factory=dict)  # name -> why it was left alone
+    failed: dict[str, str] = field(default_factory=dict)  # name -> why its consolidation could not be sent
+
+    def lines(self) -> list[str]:
+        """What ``consolidate SWEEP_DIR`` prints: ``point NAME: consolidate job: ID``, then the points left alone."""
+        return ([f"point {name}: consolidate job: {job_id}" for name, job_id in self.jobs.items()]
+                + [f"point {name}: {what}: {why}" for what, by_point in (("not consolidated", self.skipped),
+                                                                         ("FAILED", self.failed))
+                   for name, why in by_point.items()])
+
+
+def consolidate_sweep(root: Path, template_dir: str | None = None, say: Say = quiet) -> SweepConsolidation:
+    """``slurmft consolidate`` of every point that has a complete checkpoint, no model yet and no job that may still
+    run: one consolidation job each, exactly ``slurmft consolidate POINT_DIR`` (its newest complete checkpoint into
+    its ``model/``); a local sweep's run here one after another. One job per point rather than an array: the points
+    that need it are any subset, and each job is then a run alone's, which ``status``/``logs`` of the point show.
+    A point with its model is left alone (``consolidate POINT_DIR`` exports it again), as is a live one."""
+    from slurmft.errors import CheckpointError, SlurmftError
+    from slurmft.submit import consolidation
+    from slurmft.watch.progress import model_info
+    from slurmft.watch.status import KINDS, run_state
+
+    out = SweepConsolidation()
+    with sweep_locked(root, "consolidate", say):
+        for point in read_sweep_record(SweepPaths(root))["points"]:
+            name, paths = point["name"], RunPaths.of(point["dir"])
+            if model_info(paths) is not None:
+                out.skipped[name] = f"has its model ({paths.model}; `slurmft consolidate {paths.root}` exports again)"
+                continue
+            try:
+                if run_state(paths, adopt=False).may_run(KINDS):
+                    out.skipped[name] = "a job of it is still queued or running (its chain consolidates it)"
+                    continue
+                request = consolidation.check_request(paths, None, None)
+                out.jobs[name] = consolidation.submit(paths, request, template_dir, say)
+            except CheckpointError as exc:
+                out.skipped[name] = str(exc)
+            except SlurmftError as exc:
+                out.failed[name] = exc.render()
+            else:
+                say(f"point {name}: consolidation job {out.jobs[name]} ({request.checkpoint.name} -> {request.out})")
     return out

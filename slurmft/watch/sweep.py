@@ -64,6 +64,23 @@ def rank(rows: list[dict[str, Any]], mode: str) -> None:
         r["rank"] = place
 
 
+def point_dir(root: Path, name: str) -> Path:
+    """The directory of the sweep's point ``name`` (as sweep.json and ``status`` name it); another name is refused
+    with the sweep's names (did you mean)."""
+    import difflib
+
+    from slurmft.errors import RunDirError
+
+    points = read_sweep_record(SweepPaths(root))["points"]
+    for point in points:
+        if point["name"] == name:
+            return Path(point["dir"])
+    names = [p["name"] for p in points]
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    raise RunDirError(f"--point {name}: sweep {root} has no such point" + (f"; did you mean {close[0]}?" if close
+                                                                           else ""), [f"its points: {', '.join(names)}"])
+
+
 def best_point(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The best-ranked point that has a model directory."""
     ranked = sorted((r for r in rows if r["rank"] is not None and r["model"]), key=lambda r: r["rank"])
@@ -119,6 +136,19 @@ def format_table(record: dict[str, Any], rows: list[dict[str, Any]], best: dict[
     else:
         lines.append("best: none yet (no point has a score and a model)")
     return lines
+
+
+def status_lines(root: Path, as_json: bool = False) -> list[str]:
+    """``slurmft status SWEEP_DIR``: the table (or, ``as_json``, the sweep, its jobs, the rows and the best point as
+    one JSON document); ``best`` refreshed first."""
+    import json
+
+    record, rows = sweep_rows(root)
+    best = update_best(root, rows)
+    if as_json:
+        return [json.dumps({"sweep": record["name"], "executor": record["executor"], "select": record["select"],
+                            "jobs": record["jobs"], "points": rows, "best": best and best["name"]}, indent=2)]
+    return format_table(record, rows, best)
 
 
 def plot_sweep(root: Path, out: str | Path | None = None) -> Path:
