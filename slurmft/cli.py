@@ -188,14 +188,15 @@ def submit(config: Path, overrides: tuple[str, ...], force: bool, template_dir: 
 def _sweep_checked(config: Path, overrides: tuple[str, ...], profile, force: bool):  # noqa: ANN001, ANN202
     """RUN.yaml's sweep with every point checked (slurmft/plan/sweep_checks.py); says what it found."""
     from slurmft.plan.sweep_checks import check_points
-    from slurmft.sweep import load_sweep
+    from slurmft.sweep import load_sweep, select_of
 
     sweep = load_sweep(config, list(overrides))
     assert sweep is not None
     for line in check_points(sweep, profile, force):
         _err(line)
     click.echo(f"{config}: ok (sweep {sweep.cfg.name}: {len(sweep.points)} point(s), executor "
-               f"{sweep.cfg.resolved_executor.value}, profile {profile.name})")
+               f"{sweep.cfg.resolved_executor.value}, profile {profile.name}, ranked by "
+               "{metric} ({mode}))".format(**select_of(sweep.cfg)))
     for point in sweep.points:
         click.echo(f"  {point.name}: {point.label()}")
     return sweep

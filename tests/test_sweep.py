@@ -163,6 +163,7 @@ def test_local_sweep_runs_the_points_one_after_another(tmp_path: Path, micro_mod
                  consolidate={"dtype": "float32"})
     code, out, err = cli(["submit", str(path)], capsys)
     assert code == 0, err
+    assert "point(s), executor local, profile local-test, ranked by loss (min))" in out  # no eval section
     root = tmp_path / "out"
     first, second = root / "learning_rate-0.001", root / "learning_rate-0.003"
     assert err.count("prepare job") == 2  # started + completed: one prepare job for both points
