@@ -204,6 +204,8 @@ def test_local_sweep_runs_the_points_one_after_another(tmp_path: Path, micro_mod
     assert all(": consolidate job " in h for h in heads)
     assert cli(["logs", str(root), "--point", second.name, "--job", "consolidate"], capsys)[1] == \
         cli(["logs", str(second), "--job", "consolidate"], capsys)[1]
+    code, out, _ = cli(["logs", str(root), "--job", "prepare", "-n", "1"], capsys)
+    assert code == 0 and f"==> point {second.name}: no prepare job <==" in out  # it read the first point's set
     code, _, err = cli(["logs", str(root), "--point", "learning_rate-0.0003"], capsys)
     assert code == 2 and "has no such point; did you mean learning_rate-0.003?" in err, err
     code, _, err = cli(["logs", str(root), "-f"], capsys)
