@@ -188,14 +188,15 @@ def submit(config: Path, overrides: tuple[str, ...], force: bool, template_dir: 
 def _sweep_checked(config: Path, overrides: tuple[str, ...], profile, force: bool):  # noqa: ANN001, ANN202
     """RUN.yaml's sweep with every point checked (slurmft/plan/sweep_checks.py); says what it found."""
     from slurmft.plan.sweep_checks import check_points
-    from slurmft.sweep import load_sweep
+    from slurmft.sweep import load_sweep, select_of
 
     sweep = load_sweep(config, list(overrides))
     assert sweep is not None
     for line in check_points(sweep, profile, force):
         _err(line)
     click.echo(f"{config}: ok (sweep {sweep.cfg.name}: {len(sweep.points)} point(s), executor "
-               f"{sweep.cfg.resolved_executor.value}, profile {profile.name})")
+               f"{sweep.cfg.resolved_executor.value}, profile {profile.name}, ranked by "
+               "{metric} ({mode}))".format(**select_of(sweep.cfg)))
     for point in sweep.points:
         click.echo(f"  {point.name}: {point.label()}")
     return sweep
@@ -215,32 +216,12 @@ def _submit_sweep(config: Path, overrides: tuple[str, ...], profile, force: bool
         raise SystemExit(1)
 
 
-def _sweep_status(root: Path, as_json: bool) -> None:
-    from slurmft.watch.sweep import format_table, sweep_rows, update_best
-
-    record, rows = sweep_rows(root)
-    best = update_best(root, rows)
-    if as_json:
-        click.echo(json.dumps({"sweep": record["name"], "executor": record["executor"], "select": record["select"],
-                               "jobs": record["jobs"], "points": rows, "best": best and best["name"]}, indent=2))
-        return
-    for line in format_table(record, rows, best):
-        click.echo(line)
-
-
 def _resume_sweep(root: Path, overrides: tuple[str, ...], template_dir: str | None, force: bool) -> None:
     from slurmft.submit.sweep import resume_sweep
 
     done = resume_sweep(root, list(overrides), template_dir, say=_err, force=force)
-    for name, result in done.resumed.items():
-        for kind, job_id in result.jobs.items():
-            click.echo(f"point {name}: {kind} job: {job_id}")
-    for what, names in (("finished", done.finished), ("still queued or running", done.live)):
-        if names:
-            click.echo(f"{what}: {', '.join(names)}")
-    if not done.resumed and not done.refused:
-        click.echo(f"{root}: no point to resume")
-    click.echo(f"follow with: slurmft status {root}")
+    for line in done.lines(root):
+        click.echo(line)
     if done.refused:
         raise SystemExit(1)
 
@@ -319,7 +300,10 @@ def status(run_dir: Path, as_json: bool) -> None:
     from slurmft.watch.status import run_state
 
     if is_sweep_dir(run_dir):
-        _sweep_status(run_dir, as_json)
+        from slurmft.watch.sweep import status_lines
+
+        for line in status_lines(run_dir, as_json):
+            click.echo(line)
         return
     paths = RunPaths.of(run_dir)
     state = run_state(paths)
@@ -366,14 +350,32 @@ def status(run_dir: Path, as_json: bool) -> None:
 @click.option("--job", "kind", type=click.Choice(["train", "consolidate", "prepare", "serve", "eval"]), default="train",
               show_default=True)
 @click.option("-f", "--follow", is_flag=True, help="Keep printing as the log grows (Ctrl-C to stop).")
-@click.option("-n", "--lines", default=50, show_default=True, help="Lines of the end to show.")
+@click.option("-n", "--lines", type=click.IntRange(min=0), help="Lines of the end to show (default 50; a sweep's: "
+              "10 per point).")
 @click.option("--rank", type=click.IntRange(min=0), help="Only this global rank's lines.")
 @click.option("--attempt", type=click.IntRange(min=1),
               help="Only the K-th attempt (1 = first; requeues and resumes each count), all of it.")
-def logs(run_dir: Path, kind: str, follow: bool, lines: int, rank: int | None, attempt: int | None) -> None:
-    """Show the log of the newest train (or consolidation, or prepare) job of a run."""
-    from slurmft.watch.logs import log_files, tail
+@click.option("--point", help="A sweep's directory: this point's logs (as its own directory's; the other options "
+              "apply). Without it: the end of every point's log.")
+def logs(run_dir: Path, kind: str, follow: bool, lines: int | None, rank: int | None, attempt: int | None,
+         point: str | None) -> None:
+    """Show the log of the newest train (or consolidation, or prepare) job of a run, or of each point of a sweep."""
+    from slurmft.rundir import is_sweep_dir
+    from slurmft.watch.logs import log_files, sweep_log_lines, tail
+    from slurmft.watch.sweep import point_dir
 
+    if is_sweep_dir(run_dir) and point is None:
+        if follow or rank is not None or attempt is not None:
+            raise click.UsageError("-f, --rank and --attempt read one point's log: add --point NAME (`slurmft "
+                                   "status SWEEP_DIR` names the points)")
+        for line in sweep_log_lines(run_dir, kind, 10 if lines is None else lines):
+            click.echo(line)
+        return
+    if point is not None:
+        if not is_sweep_dir(run_dir):
+            raise click.UsageError(f"--point: {run_dir} is not a sweep's directory (it has no sweep.json)")
+        run_dir = point_dir(run_dir, point)
+    lines = 50 if lines is None else lines
     if rank is not None or attempt is not None:
         _filtered_logs(run_dir, kind, follow, lines, rank, attempt)
         return
@@ -496,10 +498,14 @@ def resume(run_dir: Path, overrides: tuple[str, ...], template_dir: str | None, 
 @click.option("--template-dir", type=click.Path(file_okay=False, exists=True), help="Your own templates first.")
 def consolidate(run_dir: Path, checkpoint: str | None, out: str | None, here: bool, template_dir: str | None) -> None:
     """Export a run's checkpoint as a Hugging Face model: rerun a failed consolidation, or export an
-    intermediate checkpoint. Submits a consolidation job unless --here."""
-    from slurmft.rundir import RunPaths
+    intermediate checkpoint. Submits a consolidation job unless --here. A sweep's directory: every point with a
+    complete checkpoint, no model and no live job, one job each."""
+    from slurmft.rundir import RunPaths, is_sweep_dir
     from slurmft.submit import consolidation
 
+    if is_sweep_dir(run_dir):
+        _consolidate_sweep(run_dir, checkpoint, out, here, template_dir)
+        return
     paths = RunPaths.of(run_dir)
     request = consolidation.check_request(paths, checkpoint, out)
     if here:
@@ -513,6 +519,19 @@ def consolidate(run_dir: Path, checkpoint: str | None, out: str | None, here: bo
         return
     job_id = consolidation.submit(paths, request, template_dir, _err)
     click.echo(f"consolidate job: {job_id}  ({request.checkpoint.name} -> {request.out})")
+
+
+def _consolidate_sweep(root: Path, checkpoint: str | None, out: str | None, here: bool,
+                       template_dir: str | None) -> None:
+    from slurmft.submit.sweep import consolidate_sweep
+
+    if checkpoint or out or here:
+        raise click.UsageError("--checkpoint, --out and --here take one run: give a point's directory (SWEEP_DIR/POINT)")
+    done = consolidate_sweep(root, template_dir, say=_err)
+    for line in done.lines():
+        click.echo(line)
+    if done.failed:
+        raise SystemExit(1)
 
 
 def _model_job(run_dir: Path, kind: str, tasks: str | None, here: bool, template_dir: str | None) -> None:

@@ -6,6 +6,7 @@ override machinery of :mod:`slurmft.config_loading`); this module only says what
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
@@ -16,9 +17,23 @@ from slurmft.config_values import Section
 class SweepSelect(Section):
     """How the points are ranked."""
 
-    metric: Literal["loss"] = Field(
-        "loss", description="What ranks the points: loss = the final training loss (the last logged step's).")
-    mode: Literal["min", "max"] = Field("min", description="min: the lowest value is the best point; max: the highest.")
+    metric: str | None = Field(
+        None, description="What ranks the points: loss = the final training loss (the last logged step's); eval = "
+        "the evaluation's headline score (the first task's acc_norm, acc or exact_match, as `slurmft runs` shows "
+        "it); eval/TASK/METRIC = one score of the evaluation, named as lm-eval writes it and as W&B gets it "
+        "(eval/hellaswag/acc_norm; a filter after a comma: eval/gsm8k/exact_match,strict-match). Default: eval when "
+        "the file has an eval section, else loss.")
+    mode: Literal["min", "max"] | None = Field(
+        None, description="min: the lowest value is the best point; max: the highest. Default: min for loss, max "
+        "for an evaluation score (say min for a perplexity).")
+
+    @field_validator("metric")
+    @classmethod
+    def _metric(cls, v: str | None) -> str | None:
+        if v is None or v in ("loss", "eval") or re.fullmatch(r"eval/[^/\s]+/[^/\s]+", v):
+            return v
+        raise ValueError(f"{v!r} is not a metric: give loss, eval (the evaluation's headline score) or "
+                         "eval/TASK/METRIC (e.g. eval/hellaswag/acc_norm)")
 
 
 class SweepConfig(Section):

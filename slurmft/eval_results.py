@@ -74,3 +74,17 @@ def headline_score(summary: dict[str, Any]) -> tuple[str, float] | None:
                 return f"{first} {metric_label(metric)}", value
     metric, value = candidates[0]
     return f"{first} {metric_label(metric)}", value
+
+
+def named_score(summary: dict[str, Any], metric: str) -> float | None:
+    """The fine-tuned model's value of a sweep's ranking metric (slurmft.config_sweep.SweepSelect): ``eval`` is
+    :func:`headline_score`'s; ``eval/TASK/METRIC`` is that task's metric as lm-eval names it (``acc`` stands for
+    ``acc,none``, as in W&B's ``eval/TASK/METRIC`` keys). None while the summary has no such score."""
+    if metric == "eval":
+        head = headline_score(summary)
+        return head[1] if head else None
+    _, task, name = metric.split("/", 2)
+    for t, m, _, finetuned in score_rows(summary):
+        if t == task and m in (name, f"{name},none"):
+            return finetuned
+    return None

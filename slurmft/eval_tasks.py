@@ -61,6 +61,17 @@ def task_name(data: dict[str, Any]) -> str | None:
     return None
 
 
+def declared_metrics(path: str) -> list[str]:
+    """The metric names a task file's ``metric_list`` declares (empty when it declares none: lm-eval's defaults for
+    its output type, or a file that does not read)."""
+    try:
+        entries = read_task_yaml(Path(path)).get("metric_list")
+    except ValueError:
+        return []
+    return [e["metric"] for e in entries or [] if isinstance(e, dict) and isinstance(e.get("metric"), str)] \
+        if isinstance(entries, list) else []
+
+
 @dataclass
 class EvalTasks:
     """``eval.tasks`` resolved: the names for lm-eval's ``--tasks`` in the config's order, the one folder for

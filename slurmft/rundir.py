@@ -566,6 +566,33 @@ def locked(paths: RunPaths, what: str, say: Callable[[str], None] | None = None,
         release_lock(paths)
 
 
+def sweep_root(run_dir: str | os.PathLike[str]) -> Path | None:
+    """The sweep directory ``run_dir`` is, or is a point of (its parent holds sweep.json); None for a run alone."""
+    path = Path(run_dir).resolve()
+    return next((p for p in (path, path.parent) if is_sweep_dir(p)), None)
+
+
+@contextlib.contextmanager
+def sweep_locked(run_dir: str | os.PathLike[str], what: str, say: Callable[[str], None] | None = None,
+                 wait_s: float | None = None) -> Iterator[None]:
+    """The lock of the sweep ``run_dir`` is or belongs to (the sweep directory's ``.submit.lock``, which its
+    ``submit`` holds), for the block: ``resume SWEEP_DIR`` and ``resume POINT_DIR`` (``consolidate`` too) decide and
+    submit one at a time, so two of them never both submit for one point, and sweep.json is read and written by one.
+    Taken before a point's own lock (always in this order: no two commands wait on each other); another holder is
+    waited for up to ``wait_s`` (default :data:`COMMAND_LOCK_WAIT_S`). Nothing for a run alone, nor when this process holds it already (a sweep's resume
+    resumes its points)."""
+    root = sweep_root(run_dir)
+    paths = RunPaths.of(root) if root is not None else None
+    if paths is None or locks.holds(paths.lock):
+        yield
+        return
+    acquire_lock(paths, what, say, wait_s=COMMAND_LOCK_WAIT_S if wait_s is None else wait_s)
+    try:
+        yield
+    finally:
+        release_lock(paths)
+
+
 @contextlib.contextmanager
 def recorded_here(paths: RunPaths, kind: str, say: Callable[[str], None] | None = None,
                   check: Callable[[], None] | None = None, **fields: Any) -> Iterator[dict[str, Any]]:

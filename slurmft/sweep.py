@@ -42,10 +42,12 @@ FIXED = {
     "prepare": "one prepare job serves every point",
     "consolidate.enabled": "the consolidation array follows every point or none",
     "consolidate.resources": "the tasks of the consolidation array share one allocation",
+    "serve.resources": "the tasks of the serve-check array share one allocation",
+    "eval.resources": "the tasks of the evaluation array share one allocation",
     "sweep": "a point cannot hold a sweep of its own",
 }
-#: Sections whose jobs a sweep does not chain yet (one run at a time: `slurmft serve/eval POINT_DIR`).
-NOT_IN_SWEEPS = ("serve", "eval")
+#: The sections whose jobs follow each point's consolidation as one more array each: every point has them or none.
+MODEL_JOB_SECTIONS = ("serve", "eval")
 #: Names the sweep directory itself uses (a point's name never equals one: it always has a '-').
 RESERVED = frozenset({"logs", "scripts", "submitit", "best", "sweep.json"})
 NAME_MAX = 80
@@ -141,7 +143,7 @@ def points_of(grid: dict[str, list[Any]], extra: list[dict[str, Any]]) -> list[P
 
 
 def _shape_problems(points: list[Point], cfg: RunConfig) -> list[str]:
-    """Refusals that need no point validated: no points, a fixed key, a section not chained, a twin point."""
+    """Refusals that need no point validated: no points, a fixed key, a twin point."""
     problems = []
     if not points:
         problems.append("sweep: no points: give sweep.grid (dotted keys to lists of values) or sweep.points")
@@ -151,10 +153,6 @@ def _shape_problems(points: list[Point], cfg: RunConfig) -> list[str]:
         if where:
             problems.append(f"sweep: {key} cannot differ between points ({FIXED[where]}); set it once, outside "
                             "sweep, or make two sweeps")
-    for section in NOT_IN_SWEEPS:
-        if getattr(cfg, section) is not None:
-            problems.append(f"{section}: a sweep does not chain {section} jobs yet; remove the {section} section "
-                            f"and run `slurmft {section} POINT_DIR` on the points you choose")
     seen: dict[str, Point] = {}
     for p in points:
         key = json.dumps(p.overrides, sort_keys=True, default=str)
@@ -193,9 +191,70 @@ def expand(data: dict[str, Any], cfg: RunConfig, base: Path) -> tuple[list[Point
             problems.append(f"every point: {line}")
         else:
             problems += [f"point {p.name} ({p.label()}): {line}" for p in failing]
+    problems += _section_problems(points, configs) + select_problems(select_of(cfg)["metric"], configs)
     if problems:
         raise ConfigError(f"sweep: {len(problems)} problem(s); nothing was written", problems)
     return points, configs
+
+
+def _section_problems(points: list[Point], configs: list[RunConfig]) -> list[str]:
+    """A serve or eval section is every point's or none's: its array follows every consolidation task."""
+    problems = []
+    for section in MODEL_JOB_SECTIONS:
+        has = [getattr(c, section) is not None for c in configs]
+        if any(has) and not all(has):
+            without = ", ".join(p.name for p, h in zip(points, has, strict=True) if not h)
+            problems.append(f"sweep: points {without} have no {section} section and the others have one; its jobs "
+                            f"are one array that follows every point's consolidation: give every point the {section} "
+                            "section or none")
+    return problems
+
+
+# ------------------------------------------------------------------ the ranking
+def select_of(cfg: RunConfig) -> dict[str, str]:
+    """``sweep.select`` with its defaults said: the metric (eval when the file has an eval section, else loss) and
+    the mode (min for loss, max for an evaluation score). sweep.json records this; status ranks by it."""
+    assert cfg.sweep is not None
+    chosen = cfg.sweep.select
+    metric = chosen.metric or ("eval" if cfg.eval is not None else "loss")
+    return {"metric": metric, "mode": chosen.mode or ("min" if metric == "loss" else "max")}
+
+
+def select_problems(metric: str, configs: list[RunConfig]) -> list[str]:
+    """An evaluation metric needs an eval section; ``eval/TASK/METRIC`` a task of eval.tasks (did-you-mean) and, when
+    that task's file declares its metrics (``metric_list``), one of them. A registry task's metrics are lm-eval's to
+    say: they are checked when the scores arrive (status shows none for a metric the summary lacks)."""
+    import difflib
+
+    from slurmft.eval_tasks import declared_metrics, resolve_tasks
+
+    if metric == "loss":
+        return []
+    problems: list[str] = []
+    for cfg in configs:
+        if cfg.eval is None:
+            line = (f"sweep.select.metric: {metric} is an evaluation score, but there is no eval section; add one "
+                    "(eval.tasks) or rank by metric: loss")
+        elif metric == "eval":
+            continue
+        else:
+            _, task, name = metric.split("/", 2)
+            tasks = resolve_tasks(cfg.eval.tasks)
+            declared = declared_metrics(tasks.from_files[task]) if task in tasks.from_files else []
+            if task not in tasks.names:
+                close = difflib.get_close_matches(task, tasks.names, n=1, cutoff=0.6)
+                line = (f"sweep.select.metric: {metric}: eval.tasks has no task {task!r}" +
+                        (f"; did you mean eval/{close[0]}/{name}?" if close else
+                         f" (its tasks: {', '.join(tasks.names)})"))
+            elif declared and name.split(",", 1)[0] not in declared:
+                close = difflib.get_close_matches(name.split(",", 1)[0], declared, n=1, cutoff=0.6)
+                line = (f"sweep.select.metric: {metric}: task {task} declares no metric {name!r}" +
+                        (f"; did you mean eval/{task}/{close[0]}?" if close else f" (it declares {', '.join(declared)})"))
+            else:
+                continue
+        if line not in problems:
+            problems.append(line)
+    return problems
 
 
 def load_sweep(path: str | os.PathLike[str], overrides: list[str] | None = None) -> Sweep | None:

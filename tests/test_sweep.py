@@ -95,13 +95,12 @@ REFUSALS = [
     ({"grid": {"train.learning_rate": [1e-5, 2]}}, {},
      ["point learning_rate-2 (train.learning_rate=2): train.learning_rate: Input should be less than 1"]),
     ({"points": [{"train.seed": 1}, {"train.seed": 1}]}, {}, ["points seed-1 and seed-1-1 are the same run"]),
-    ({"grid": {"train.seed": [1, 2]}}, {"serve": {}}, ["serve: a sweep does not chain serve jobs yet"]),
 ]
 
 
 @pytest.mark.parametrize(("sweep", "sections", "expected"), REFUSALS,
                          ids=["unknown-key", "resources", "cluster", "output_dir", "empty-grid", "empty-list",
-                              "invalid-point", "twin-points", "serve"])
+                              "invalid-point", "twin-points"])
 def test_refused_before_anything_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str], sweep: dict,
                                             sections: dict, expected: list[str]) -> None:
     path = write(tmp_path, sweep, **sections)
@@ -164,6 +163,7 @@ def test_local_sweep_runs_the_points_one_after_another(tmp_path: Path, micro_mod
                  consolidate={"dtype": "float32"})
     code, out, err = cli(["submit", str(path)], capsys)
     assert code == 0, err
+    assert "point(s), executor local, profile local-test, ranked by loss (min))" in out  # no eval section
     root = tmp_path / "out"
     first, second = root / "learning_rate-0.001", root / "learning_rate-0.003"
     assert err.count("prepare job") == 2  # started + completed: one prepare job for both points
@@ -195,6 +195,30 @@ def test_local_sweep_runs_the_points_one_after_another(tmp_path: Path, micro_mod
     assert code == 2 and "already holds a sweep" in err
     code, out, err = cli(["plot", str(root)], capsys)  # every point's loss on one picture
     assert code == 0 and (root / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", err
+    # logs of the sweep's directory: the end of each point's log under a line naming it; --point: one point's, as
+    # its own directory's
+    code, out, err = cli(["logs", str(root), "--job", "consolidate", "-n", "3"], capsys)
+    assert code == 0, err
+    heads = [line for line in out.splitlines() if line.startswith("==> point ")]
+    assert [h.split(":")[0] for h in heads] == [f"==> point {first.name}", f"==> point {second.name}"], out
+    assert all(": consolidate job " in h for h in heads)
+    assert cli(["logs", str(root), "--point", second.name, "--job", "consolidate"], capsys)[1] == \
+        cli(["logs", str(second), "--job", "consolidate"], capsys)[1]
+    code, out, _ = cli(["logs", str(root), "--job", "prepare", "-n", "1"], capsys)
+    assert code == 0 and f"==> point {second.name}: no prepare job <==" in out  # it read the first point's set
+    code, _, err = cli(["logs", str(root), "--point", "learning_rate-0.0003"], capsys)
+    assert code == 2 and "has no such point; did you mean learning_rate-0.003?" in err, err
+    code, _, err = cli(["logs", str(root), "-f"], capsys)
+    assert code == 2 and "add --point NAME" in err
+    # consolidate SWEEP_DIR: the points with their model are left alone; one whose model is gone is consolidated
+    # again (here: a local sweep), from its newest complete checkpoint, into the same model
+    code, out, err = cli(["consolidate", str(root)], capsys)
+    assert code == 0 and out.count(": not consolidated: has its model") == 2, out + err
+    shutil.rmtree(second / "model")
+    code, out, err = cli(["consolidate", str(root)], capsys)
+    assert code == 0, err
+    assert f"point {second.name}: consolidate job: " in out and f"point {first.name}: not consolidated" in out
+    assert (second / "model" / "model-00001-of-00001.safetensors").read_bytes() == b
 
 
 def test_the_best_point_is_the_best_scored_one_with_a_model(tmp_path: Path) -> None:

@@ -167,7 +167,11 @@ def run_serve(run_dir: str) -> dict[str, object]:
 def run_eval(run_dir: str, tasks: list[str] | None = None) -> dict[str, object]:
     """Evaluation job body (one process): lm-eval on ``RUN_DIR/model`` and the base (:mod:`slurmft.job.evaluate`);
     ``RUN_DIR/eval/``. ``tasks``: other tasks than the config's (``slurmft eval RUN_DIR --tasks``)."""
-    return _after_model(run_dir, "eval", "slurmft.job.evaluate:evaluate_run", tasks)
+    summary = _after_model(run_dir, "eval", "slurmft.job.evaluate:evaluate_run", tasks)
+    from slurmft.watch.sweep import refresh_best_safely
+
+    refresh_best_safely(run_dir)  # a sweep's point ranked by its evaluation: SWEEP_DIR/best, now that it has a score
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -324,10 +324,15 @@ def array_log_pattern(paths: RunPaths, kind: str) -> Path:
 
 def build_array_context(cfg: RunConfig, profile: ClusterProfile, sweep: RunPaths, kind: str, run_dirs: list[Path],
                         parallel: int | None = None, config_path: str = "") -> dict[str, Any]:
-    """A sweep's ``train`` or ``consolidate`` array (``--array=0-(N-1)%P``): the allocation of one point's job
-    (``cfg``: every point has the same, slurmft.sweep.FIXED) and, per task, the point whose script it runs."""
-    build = build_train_context if kind == "train" else build_consolidate_context
-    single = build(cfg, profile, sweep, submitit_command(rank_python_for(cfg, profile), sweep.submitit), config_path)
+    """A sweep's ``train``, ``consolidate``, ``serve`` or ``eval`` array (``--array=0-(N-1)%P``): the allocation of
+    one point's job (``cfg``: every point has the same, slurmft.sweep.FIXED) and, per task, the point whose script
+    it runs."""
+    if kind in MODEL_JOB_TEMPLATES:
+        command = submitit_command(step_python_for(cfg, profile, kind), sweep.submitit)
+        single = build_model_job_context(cfg, profile, sweep, command, kind, config_path)
+    else:
+        build = build_train_context if kind == "train" else build_consolidate_context
+        single = build(cfg, profile, sweep, submitit_command(rank_python_for(cfg, profile), sweep.submitit), config_path)
     n = len(run_dirs)
     directives = [d for d in single["directives"] if not d.startswith(("--output", "--error"))]
     directives += [_flag("array", f"0-{n - 1}%{min(n, parallel or n)}"),
@@ -342,12 +347,14 @@ def build_array_context(cfg: RunConfig, profile: ClusterProfile, sweep: RunPaths
 
 def render_sweep_arrays(sweep: Any, profile: ClusterProfile, config_path: str = "",
                         template_dir: str | Path | None = None) -> dict[str, str]:
-    """A sweep's prepare script (one job for every point), train array script and consolidation array's, named after
-    the sweep, with the allocation of its first point (every point has the same: slurmft.sweep.FIXED, slurmft.submit.sweep.check_one_allocation)."""
+    """A sweep's prepare script (one job for every point), train array script, consolidation array's and those of
+    the jobs after it (serve, eval), named after the sweep, with the allocation of its first point (every point has
+    the same: slurmft.sweep.FIXED, slurmft.submit.sweep.check_one_allocation)."""
     first = sweep.configs[0].model_copy(update={"name": sweep.cfg.name})
     dirs = [Path(c.output_dir) for c in sweep.configs]
     root = RunPaths.of(sweep.cfg.output_dir)
-    kinds = ["train", *(["consolidate"] if first.consolidate.enabled else [])]
+    kinds = ["train", *(["consolidate"] if first.consolidate.enabled else []),
+             *(k for k in MODEL_JOB_TEMPLATES if model_job_enabled(first, k))]
     scripts = {}
     if first.prepare.enabled:  # one prepare job for the sweep (not an array)
         command = submitit_command(rank_python_for(first, profile), root.submitit)

@@ -20,6 +20,7 @@ from slurmft.rundir import (
     locked,
     read_manifest,
     recorded_here,
+    sweep_locked,
 )
 
 Say = Callable[[str], None]
@@ -95,7 +96,8 @@ def submit(paths: RunPaths, request: ConsolidationRequest, template_dir: str | N
     from slurmft.submit.submitted import submitted_run
 
     run = submitted_run(paths)
-    with locked(paths, "consolidate", say, check=lambda: check_not_live(paths, request)) as manifest:
+    with sweep_locked(paths.root, "consolidate", say), locked(paths, "consolidate", say,
+                                                               check=lambda: check_not_live(paths, request)) as manifest:
         if run.local:
             return run_local_consolidation(run.cfg, paths, manifest, say, checkpoint=str(request.checkpoint),
                                            out=str(request.out))

@@ -46,6 +46,7 @@ from slurmft.rundir import (
     read_manifest,
     release_lock,
     start_attempt,
+    sweep_locked,
     write_manifest,
 )
 from slurmft.slurm import scancel
@@ -223,17 +224,19 @@ def resume_run(
 
     Everything is decided under the run's lock, from the manifest and Slurm's answer read there: two
     resumes at once submit one train job (the second waits, then finds it live), and no write drops
-    another command's job entries. Another user's run is refused unless ``force``; a job we cannot see
+    another command's job entries. A sweep's point is resumed under its sweep's lock too (rundir.sweep_locked):
+    ``resume SWEEP_DIR`` and ``resume POINT_DIR`` take turns. Another user's run is refused unless ``force``; a job we cannot see
     (another user's, hidden by Slurm; a process on another host) is never taken for ended, forced or not."""
     paths = RunPaths.of(run_dir)
     overrides = list(overrides or [])
     check_overrides(overrides)
     check_owner(paths, read_manifest(paths), "resume", force)  # before waiting for a lock that is not ours
-    acquire_lock(paths, "resume", say, wait_s=LOCK_WAIT_S)
-    try:
-        return _resume_locked(paths, overrides, template_dir, say, force)
-    finally:
-        release_lock(paths)
+    with sweep_locked(paths.root, "resume", say, wait_s=LOCK_WAIT_S):  # a sweep's point: its sweep's lock first
+        acquire_lock(paths, "resume", say, wait_s=LOCK_WAIT_S)
+        try:
+            return _resume_locked(paths, overrides, template_dir, say, force)
+        finally:
+            release_lock(paths)
 
 
 def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | None, say: Any,

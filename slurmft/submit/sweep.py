@@ -1,5 +1,5 @@
 """Submitting a sweep: every point a complete run directory, one prepare job, the train jobs as one Slurm array,
-the consolidations as a second array, task i after train task i.
+the consolidations as a second array, task i after train task i, and the jobs after consolidation likewise.
 
 Each point's directory is written exactly as ``submit_run`` writes a run alone (its config.yaml, its rendered
 scripts, its manifest), so ``status``, ``logs``, ``resume``, ``consolidate`` and ``cancel`` work on it as on any
@@ -13,7 +13,9 @@ run. What is shared:
   the one a run alone would have, so its rendezvous port (from the task's own SLURM_JOB_ID), its run directory,
   its requeue (``scontrol requeue <array>_<task>``: that task only; :func:`slurmft.slurm.own_job_id`) are a run
   alone's;
-* **the consolidation array**, ``--dependency=aftercorr:<train array>``: task i starts once train task i succeeded.
+* **the consolidation array**, ``--dependency=aftercorr:<train array>``: task i starts once train task i succeeded;
+* **the serve-check and evaluation arrays** (``serve:``/``eval:`` sections), each ``aftercorr:<consolidation
+  array>``: task i runs point i's own serve/eval script once consolidation task i succeeded.
 
 submitit pairs a job with its pickled callable by job id; an array task's id is ``<array>_<task>``, so the
 callable of task i is written into point i's submitit folder under that id once sbatch answered (the job's
@@ -37,6 +39,7 @@ from slurmft.plan.elastic import allocation
 from slurmft.plan.render import (
     PREPARE_TEMPLATE,
     build_prepare_context,
+    model_job_enabled,
     rank_python_for,
     render,
     render_scripts,
@@ -54,10 +57,12 @@ from slurmft.rundir import (
     record_job,
     release_lock,
     start_attempt,
+    sweep_locked,
     write_manifest,
     write_sweep_record,
 )
 from slurmft.submit.dispatch import (
+    MODEL_JOBS,
     Say,
     SubmitResult,
     _write_run_dir,
@@ -68,7 +73,7 @@ from slurmft.submit.dispatch import (
     make_slurm_executor,
     quiet,
 )
-from slurmft.sweep import Sweep
+from slurmft.sweep import Sweep, select_of
 
 
 @dataclass
@@ -96,7 +101,7 @@ def new_record(sweep: Sweep, config_path: str) -> dict[str, Any]:
     """``sweep.json`` before any job: the points, their overrides and directories."""
     assert sweep.cfg.sweep is not None
     return {"version": SWEEP_VERSION, "name": sweep.cfg.name, "executor": sweep.cfg.resolved_executor.value,
-            "config": config_path, "select": sweep.cfg.sweep.select.model_dump(),
+            "config": config_path, "select": select_of(sweep.cfg),
             "points": [{"index": p.index, "name": p.name, "dir": c.output_dir, "overrides": p.overrides}
                        for p, c in zip(sweep.points, sweep.configs, strict=True)],
             "jobs": []}
@@ -154,7 +159,7 @@ def check_one_allocation(sweep: Sweep, scripts: list[dict[str, str]]) -> None:
         return [line for line in text.splitlines() if line.startswith("#SBATCH") and not line.startswith(_OWN_DIRECTIVES)]
 
     problems = []
-    for kind in ("train", "consolidate"):
+    for kind in ("train", "consolidate", *MODEL_JOBS):
         first = allocation_lines(scripts[0].get(kind, ""))
         for point, texts in zip(sweep.points[1:], scripts[1:], strict=True):
             differ = sorted(set(allocation_lines(texts.get(kind, ""))) ^ set(first))
@@ -235,7 +240,7 @@ def _submit_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str, temp
                    groups: list[list[int]], record: dict[str, Any], result: SweepResult, say: Say) -> None:
     from submitit.core.utils import FailedJobError
 
-    from slurmft.job.entrypoint import run_consolidate, run_prepare_each, run_train
+    from slurmft.job.entrypoint import run_prepare_each, run_train
 
     root = RunPaths.of(sweep.paths.root)
     first = sweep.configs[0]
@@ -285,25 +290,68 @@ def _submit_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str, temp
         "at a time" + (f", after prepare job {prep} succeeds" if prep else ""))
     if not first.consolidate.enabled:
         return
-    try:
-        cons = _sbatch(root.script("consolidate"), f"aftercorr:{train}", "consolidation array")
-    except SubmissionError as exc:
-        cancelled = slurm.try_scancel([train, *([prep] if prep else [])])
-        raise SubmissionError(f"{exc}; {'cancelled' if cancelled else 'could NOT cancel (run scancel)'} train array "
-                              f"{train}") from None
-    _pickles_or_cancel(sweep, cons, lambda c: (run_consolidate, (c.output_dir, None, None)),
-                       time_minutes(first.consolidate.resources.time), [cons, train, *([prep] if prep else [])])
+    sent = [j for j in result.jobs.values() if j]
+    cons = _submit_after(sweep, "consolidate", train, sent, manifests, attempts, record, say)
+    assert cons is not None
     result.jobs["consolidate"] = cons
-    record["jobs"].append({"kind": "consolidate", "job_id": cons, "tasks": n, "dependency": f"aftercorr:{train}"})
+    for kind in (k for k in MODEL_JOBS if model_job_enabled(first, k)):
+        job = _submit_after(sweep, kind, cons, [cons, *sent], manifests, attempts, record, say)
+        if job is not None:  # else sbatch refused it: the points train and consolidate without it, as a run alone's
+            result.jobs[kind] = job
+
+
+#: What each array after the train array is called in messages.
+_AFTER = {"consolidate": "consolidation array", "serve": "serve-check array", "eval": "evaluation array"}
+
+
+def _call_of(kind: str) -> Callable[[RunConfig], tuple[Callable[..., Any], tuple]]:
+    from slurmft.job.entrypoint import run_consolidate, run_eval, run_serve
+
+    if kind == "consolidate":
+        return lambda c: (run_consolidate, (c.output_dir, None, None))
+    return lambda c: (run_serve, (c.output_dir,)) if kind == "serve" else (run_eval, (c.output_dir, None))
+
+
+def _submit_after(sweep: Sweep, kind: str, after: str, sent: list[str], manifests: list[dict[str, Any]],
+                  attempts: list[dict[str, Any]], record: dict[str, Any], say: Say) -> str | None:
+    """One array after ``after`` (``--dependency=aftercorr:``: task i once task i of ``after`` succeeded; a task
+    whose predecessor failed is cancelled, ``--kill-on-invalid-dep=yes``), recorded in sweep.json and in each point's
+    manifest as the point's own ``<array>_<i>`` job. The consolidation array is needed: when it cannot be sent the
+    jobs sent so far are cancelled. A serve or eval array is not: a refusal is said and the sweep goes on without it
+    (``slurmft serve/eval POINT_DIR`` later), as a run alone does."""
+    root = RunPaths.of(sweep.paths.root)
+    what, first, optional = _AFTER[kind], sweep.configs[0], kind != "consolidate"
+    section = first.model_job(kind) if optional else first.consolidate
+    assert section is not None, kind
+    try:
+        job = _sbatch(root.script(kind), f"aftercorr:{after}", what)
+    except SubmissionError as exc:
+        if optional:
+            say(f"WARNING: {exc}; the sweep goes on without it (`slurmft {kind} POINT_DIR` once it is fixed)")
+            return None
+        cancelled = slurm.try_scancel(sent)
+        raise SubmissionError(f"{exc}; {'cancelled' if cancelled else 'could NOT cancel (run scancel)'} "
+                              f"{', '.join(sent)}") from None
+    try:  # cancels this array (and, for the consolidation array, the jobs sent before it) when it cannot
+        _pickles_or_cancel(sweep, job, _call_of(kind), time_minutes(section.resources.time),
+                           [job] if optional else [job, *sent])
+    except SubmissionError as exc:
+        if not optional:
+            raise
+        say(f"WARNING: {exc}; the sweep goes on without it (`slurmft {kind} POINT_DIR` once it is fixed)")
+        return None
+    n = len(sweep.points)
+    record["jobs"].append({"kind": kind, "job_id": job, "tasks": n, "dependency": f"aftercorr:{after}"})
     for i, (cfg, manifest, attempt) in enumerate(zip(sweep.configs, manifests, attempts, strict=True)):
         point = RunPaths.of(cfg.output_dir)
-        attempt["consolidate_job"] = f"{cons}_{i}"
-        record_job(manifest, "consolidate", f"{cons}_{i}", run_attempt=attempt["attempt"], array=cons,
-                   dependency=f"afterok:{train}_{i}", script=str(point.script("consolidate")),
-                   log=str(point.log_file("consolidate", f"{cons}_{i}")))
+        attempt[f"{kind}_job"] = f"{job}_{i}"
+        record_job(manifest, kind, f"{job}_{i}", run_attempt=attempt["attempt"], array=job,
+                   dependency=f"afterok:{after}_{i}", script=str(point.script(kind)),
+                   log=str(point.log_file(kind, f"{job}_{i}")))
         write_manifest(point, manifest)
     write_sweep_record(sweep.paths, record)
-    say(f"consolidation array {cons} submitted (task i after train task i succeeds)")
+    say(f"{what} {job} submitted (task i after task i of {after} succeeds)")
+    return job
 
 
 # ------------------------------------------------------------------ local: the points one after another
@@ -339,12 +387,32 @@ class SweepResume:
     live: list[str] = field(default_factory=list)
     refused: dict[str, str] = field(default_factory=dict)  # name -> why it was not resumed
 
+    def lines(self, root: Path) -> list[str]:
+        """What ``resume SWEEP_DIR`` prints: each resumed point's jobs (``point NAME: KIND job: ID``), the others."""
+        out = [f"point {name}: {kind} job: {job_id}" for name, result in self.resumed.items()
+               for kind, job_id in result.jobs.items()]
+        out += [f"{what}: {', '.join(names)}" for what, names in (("finished", self.finished),
+                                                                  ("still queued or running", self.live)) if names]
+        if not self.resumed and not self.refused:
+            out.append(f"{root}: no point to resume")
+        return [*out, f"follow with: slurmft status {root}"]
+
 
 def resume_sweep(root: Path, overrides: list[str], template_dir: str | None = None, say: Say = quiet,
                  force: bool = False) -> SweepResume:
     """``slurmft resume`` of every point that is neither live nor finished, each as a run alone is resumed (its
     own train job from its newest complete checkpoint, a consolidation chained to it); the others are left alone.
-    A point that cannot be resumed is said and does not stop the others."""
+    A point that cannot be resumed is said and does not stop the others. All under the sweep's lock
+    (rundir.sweep_locked): a concurrent ``resume`` of the sweep or of one of its points waits for this one, then
+    finds the points it resumed live."""
+    from slurmft.submit.resume import LOCK_WAIT_S
+
+    with sweep_locked(root, "resume", say, wait_s=LOCK_WAIT_S):
+        return _resume_sweep_locked(root, overrides, template_dir, say, force)
+
+
+def _resume_sweep_locked(root: Path, overrides: list[str], template_dir: str | None, say: Say,
+                         force: bool) -> SweepResume:
     from slurmft.errors import SlurmftError
     from slurmft.submit.resume import Phase, resume_run
     from slurmft.watch.status import KINDS, run_state
@@ -375,4 +443,54 @@ def resume_sweep(root: Path, overrides: list[str], template_dir: str | None = No
     if out.resumed:
         record["jobs"].append({"kind": "resume", "points": {n: dict(r.jobs) for n, r in out.resumed.items()}})
         write_sweep_record(paths, record)
+    return out
+
+
+# ------------------------------------------------------------------ consolidate: the points without a model
+@dataclass
+class SweepConsolidation:
+    """What ``consolidate SWEEP_DIR`` did, point by point."""
+
+    jobs: dict[str, str] = field(default_factory=dict)  # name -> its consolidation job's id
+    skipped: dict[str, str] = field(default_factory=dict)  # name -> why it was left alone
+    failed: dict[str, str] = field(default_factory=dict)  # name -> why its consolidation could not be sent
+
+    def lines(self) -> list[str]:
+        """What ``consolidate SWEEP_DIR`` prints: ``point NAME: consolidate job: ID``, then the points left alone."""
+        return ([f"point {name}: consolidate job: {job_id}" for name, job_id in self.jobs.items()]
+                + [f"point {name}: {what}: {why}" for what, by_point in (("not consolidated", self.skipped),
+                                                                         ("FAILED", self.failed))
+                   for name, why in by_point.items()])
+
+
+def consolidate_sweep(root: Path, template_dir: str | None = None, say: Say = quiet) -> SweepConsolidation:
+    """``slurmft consolidate`` of every point that has a complete checkpoint, no model yet and no job that may still
+    run: one consolidation job each, exactly ``slurmft consolidate POINT_DIR`` (its newest complete checkpoint into
+    its ``model/``); a local sweep's run here one after another. One job per point rather than an array: the points
+    that need it are any subset, and each job is then a run alone's, which ``status``/``logs`` of the point show.
+    A point with its model is left alone (``consolidate POINT_DIR`` exports it again), as is a live one."""
+    from slurmft.errors import CheckpointError, SlurmftError
+    from slurmft.submit import consolidation
+    from slurmft.watch.progress import model_info
+    from slurmft.watch.status import KINDS, run_state
+
+    out = SweepConsolidation()
+    with sweep_locked(root, "consolidate", say):
+        for point in read_sweep_record(SweepPaths(root))["points"]:
+            name, paths = point["name"], RunPaths.of(point["dir"])
+            if model_info(paths) is not None:
+                out.skipped[name] = f"has its model ({paths.model}; `slurmft consolidate {paths.root}` exports again)"
+                continue
+            try:
+                if run_state(paths, adopt=False).may_run(KINDS):
+                    out.skipped[name] = "a job of it is still queued or running (its chain consolidates it)"
+                    continue
+                request = consolidation.check_request(paths, None, None)
+                out.jobs[name] = consolidation.submit(paths, request, template_dir, say)
+            except CheckpointError as exc:
+                out.skipped[name] = str(exc)
+            except SlurmftError as exc:
+                out.failed[name] = exc.render()
+            else:
+                say(f"point {name}: consolidation job {out.jobs[name]} ({request.checkpoint.name} -> {request.out})")
     return out

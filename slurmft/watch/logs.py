@@ -1,4 +1,4 @@
-"""Find and tail a run's log files."""
+"""Find and tail a run's log files, and the end of every point's of a sweep."""
 
 from __future__ import annotations
 
@@ -20,6 +20,42 @@ def log_files(run_dir: Path, kind: str) -> list[Path]:
         raise RunDirError(f"run {paths.root} has no {kind} job (was consolidation disabled?)")
     files = [Path(p) for p in job.get("logs", [])] or [Path(job["log"])]
     return [f for out in files for f in (out, *_stderr_of(out))]
+
+
+def sweep_log_lines(root: Path, kind: str, lines: int) -> list[str]:
+    """``slurmft logs SWEEP_DIR``: the last ``lines`` lines of each point's newest ``kind`` log (as ``slurmft logs
+    POINT_DIR`` would show them), each under a line naming the point, its job and its file; a log several points
+    share (the sweep's one prepare job) is shown once. A point without such a job, or whose directory cannot be
+    read, is said in its header line: one point's problem does not hide the others' logs."""
+    from slurmft.rundir import SweepPaths, read_sweep_record
+
+    out: list[str] = []
+    shown: dict[tuple[Path, ...], str] = {}
+    for point in read_sweep_record(SweepPaths(root))["points"]:
+        head = f"==> point {point['name']}"
+        try:
+            job = latest_jobs(read_manifest(RunPaths.of(point["dir"]))).get(kind)
+            files = log_files(Path(point["dir"]), kind) if job is not None else []
+        except RunDirError as exc:
+            out.append(f"{head}: {exc} <==")
+            continue
+        if job is None:  # e.g. no prepare job of its own: it reads another point's prepared set
+            out.append(f"{head}: no {kind} job <==")
+            continue
+        head += f": {kind} job {job['job_id']}"
+        if tuple(files) in shown:
+            out.append(f"{head}: the log shown for point {shown[tuple(files)]} <==")
+            continue
+        shown[tuple(files)] = point["name"]
+        out.append(f"{head}{f': {files[0]}' if len(files) == 1 else ''} <==")
+        for f in files:
+            if not f.exists():
+                out.append(f"(no log yet: {f} — the job may still be pending)")
+                continue
+            if len(files) > 1:
+                out.append(f"--- {f} ---")
+            out.extend(_read_lines(f)[-lines:])
+    return out
 
 
 def _stderr_of(out: Path) -> list[Path]:

@@ -2,10 +2,12 @@
 ranked by ``sweep.select``, and ``SWEEP_DIR/best``, a link to the best point's model directory.
 
 Each point is a run directory, so a row is what ``slurmft runs`` says of it (:func:`slurmft.watch.runs.run_lines`:
-one squeue call for all points, sacct for those squeue forgot). A point's score is its final training loss: the
-loss of the last logged step once the point has trained every step of its plan (a point still training, or one
-that died, has no score yet and is not ranked). The link is refreshed by every ``status`` of the sweep and by each
-point's consolidation job when it ends, so it names the best of the points whose models exist.
+one squeue call for all points, sacct for those squeue forgot). A point's score is what ``sweep.select.metric``
+names (sweep.json records it with its defaults said, :func:`slurmft.sweep.select_of`): its final training loss, the
+loss of the last logged step once the point has trained every step of its plan, or a score of its evaluation
+(RUN_DIR/eval/summary.json). A point without one yet (still training, not evaluated yet, died) is not ranked; ties
+keep the points' order. The link is refreshed by every ``status`` of the sweep and by each point's consolidation
+and evaluation job when it ends, so it names the best of the points whose models exist.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from slurmft.eval_results import named_score, read_summary
 from slurmft.rundir import RunPaths, SweepPaths, read_sweep_record
 from slurmft.watch.progress import model_info
 from slurmft.watch.runs import run_lines
@@ -22,10 +25,13 @@ from slurmft.watch.runs import run_lines
 Query = Callable[[list[str]], dict[str, dict[str, str]]]
 
 
-def score(row: dict[str, Any], metric: str) -> float | None:
-    """The point's value of ``metric`` (``loss``: the final training loss), None until it has one."""
+def score(row: dict[str, Any], metric: str, run_dir: str | os.PathLike[str] | None = None) -> float | None:
+    """The point's value of ``metric``, None until it has one: ``loss``, the final training loss (once it trained
+    every step of its plan); ``eval`` or ``eval/TASK/METRIC``, its fine-tuned model's score in
+    ``run_dir/eval/summary.json`` (slurmft.eval_results.named_score), once its evaluation wrote it."""
     if metric != "loss":
-        return None
+        summary = read_summary(run_dir) if run_dir is not None else None
+        return named_score(summary, metric) if summary else None
     done = row["step"] is not None and row["max_steps"] is not None and row["step"] >= row["max_steps"]
     return float(row["loss"]) if done and isinstance(row["loss"], int | float) else None
 
@@ -44,12 +50,35 @@ def sweep_rows(root: Path, query: Query | None = None) -> tuple[dict[str, Any], 
         paths = RunPaths.of(point["dir"])
         rows.append({"index": point["index"], "name": point["name"], "overrides": point["overrides"],
                      "dir": point["dir"], "state": row["state"], "step": row["step"], "max_steps": row["max_steps"],
-                     "loss": row["loss"], "score": score(row, metric), "rank": None,
+                     "loss": row["loss"], "score": score(row, metric, point["dir"]), "rank": None,
                      "model": str(paths.model) if model_info(paths) is not None else None})
-    scored = sorted((r for r in rows if r["score"] is not None), key=lambda r: r["score"], reverse=mode == "max")
-    for rank, r in enumerate(scored, 1):
-        r["rank"] = rank
+    rank(rows, mode)
     return record, rows
+
+
+def rank(rows: list[dict[str, Any]], mode: str) -> None:
+    """Each scored row's ``rank`` (1 = best: the lowest score with ``min``, the highest with ``max``); ties keep the
+    rows' order (the earlier point ranks first); a row without a score keeps None."""
+    scored = sorted((r for r in rows if r["score"] is not None), key=lambda r: -r["score"] if mode == "max" else r["score"])
+    for place, r in enumerate(scored, 1):
+        r["rank"] = place
+
+
+def point_dir(root: Path, name: str) -> Path:
+    """The directory of the sweep's point ``name`` (as sweep.json and ``status`` name it); another name is refused
+    with the sweep's names (did you mean)."""
+    import difflib
+
+    from slurmft.errors import RunDirError
+
+    points = read_sweep_record(SweepPaths(root))["points"]
+    for point in points:
+        if point["name"] == name:
+            return Path(point["dir"])
+    names = [p["name"] for p in points]
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    raise RunDirError(f"--point {name}: sweep {root} has no such point" + (f"; did you mean {close[0]}?" if close
+                                                                           else ""), [f"its points: {', '.join(names)}"])
 
 
 def best_point(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -78,7 +107,7 @@ def update_best(root: Path, rows: list[dict[str, Any]]) -> dict[str, Any] | None
 
 
 def refresh_best_safely(run_dir: str | os.PathLike[str]) -> None:
-    """After a point's consolidation: when ``run_dir`` is a point of a sweep, refresh ``best``; never raises (a
+    """After a point's consolidation or evaluation: when ``run_dir`` is a point of a sweep, refresh ``best``; never raises (a
     ranking problem must not fail an export)."""
     root = Path(run_dir).resolve().parent
     if not SweepPaths(root).record.is_file():
@@ -107,6 +136,19 @@ def format_table(record: dict[str, Any], rows: list[dict[str, Any]], best: dict[
     else:
         lines.append("best: none yet (no point has a score and a model)")
     return lines
+
+
+def status_lines(root: Path, as_json: bool = False) -> list[str]:
+    """``slurmft status SWEEP_DIR``: the table (or, ``as_json``, the sweep, its jobs, the rows and the best point as
+    one JSON document); ``best`` refreshed first."""
+    import json
+
+    record, rows = sweep_rows(root)
+    best = update_best(root, rows)
+    if as_json:
+        return [json.dumps({"sweep": record["name"], "executor": record["executor"], "select": record["select"],
+                            "jobs": record["jobs"], "points": rows, "best": best and best["name"]}, indent=2)]
+    return format_table(record, rows, best)
 
 
 def plot_sweep(root: Path, out: str | Path | None = None) -> Path:

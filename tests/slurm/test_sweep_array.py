@@ -1,12 +1,14 @@
 """A sweep on the real two-node cluster (docs/sweeps.md): one prepare job, one train array, one consolidation
-array; each point's model bitwise equal to the same config run alone; one task preempted while the others run; one
-task cancelled, then `slurmft resume SWEEP_DIR` re-submits that point alone; the points ranked, the best linked.
+array, one evaluation array; each point's model bitwise equal to the same config run alone; one task preempted
+while the others run; one task cancelled, then `slurmft resume SWEEP_DIR` re-submits that point alone; the points
+ranked by their evaluation scores (lm-eval on the tiny example's task), the best linked by the evaluation jobs.
 
 One sweep serves every test here: two learning rates by two seeds, 12 steps, each point with a twin run alone. Not
 the shared reference run's 40 steps (the point (1e-3, 42) would be that run, and three twins enough): eight runs of
 12 steps cost ~40 % less job time than seven of 40, and 10 steps after the warning signal's step 2 are still room
 for it. The twins prepare in their allocation (``IN_ALLOCATION``: it saves four job starts; they are compared
-bitwise with points whose data a prepare job packed, which is that check too).
+bitwise with points whose data a prepare job packed, which is that check too). Only the sweep is evaluated (the
+twins' models are compared bitwise): one lm-eval run per point, fine-tuned model only, on one CPU.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import pytest
 import yaml
 
 from slurmft.cli import main
+from slurmft.eval_results import named_score, read_summary
+from tests.conftest import REPO_ROOT, need_model_job_python
 from tests.slurm import jobs
 from tests.slurm.conftest import IN_ALLOCATION
 
@@ -36,6 +40,7 @@ PREEMPTED = 1  # the task given the warning signal: point (1e-3, seed 7)
 CANCELLED = 3  # the task cancelled (scancel), then resumed: point (2e-3, seed 7)
 TRAIN = {"max_steps": 12}
 CHECKPOINT = {"every_steps": 4, "keep_last": 2}
+TINY_TASK = REPO_ROOT / "examples" / "tiny" / "tasks" / "tiny_choice.yaml"
 
 
 def _sacct(names: list[str], since: str) -> list[tuple[str, str, str]]:
@@ -56,7 +61,10 @@ def sweep_run(slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path_factory
     path = config_writer.write_config(tmp, tiny_model, chat_data, train=TRAIN, checkpoint=CHECKPOINT)
     cfg = yaml.safe_load(path.read_text())
     cfg.update(name=NAME, sweep={"grid": {"train.learning_rate": list(RATES), "train.seed": list(SEEDS)},
-                                 "parallel": 2})
+                                 "parallel": 2},
+               eval={"python": need_model_job_python("eval"), "tasks": [str(TINY_TASK)], "backend": "hf",
+                     "compare_base": False, "resources": {"gpus": 0, "cpus_per_task": 1, "mem": "8G",
+                                                          "time": "00:10:00"}})
     path.write_text(yaml.safe_dump(cfg))
     twins: dict[int, tuple[Path, dict]] = {}
     for index, (rate, seed) in enumerate((r, s) for r in RATES for s in SEEDS):
@@ -84,19 +92,24 @@ def sweep_run(slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path_factory
                   timeout=400)
     subprocess.run(["scancel", f"{array}_{CANCELLED}"], check=True)  # that task only
     slurm_cluster.wait_state(f"{array}_{CANCELLED}", "CANCELLED", timeout=120)
-    slurm_cluster.wait_state(f"{out['consolidate']}_{CANCELLED}", "CANCELLED", timeout=120)  # aftercorr, invalid now
+    for kind in ("consolidate", "eval"):  # aftercorr: invalid now
+        slurm_cluster.wait_state(f"{out[kind]}_{CANCELLED}", "CANCELLED", timeout=120)
     for i in range(len(points)):
         if i != CANCELLED:
             slurm_cluster.wait_state(f"{array}_{i}", "COMPLETED", timeout=600)
             slurm_cluster.wait_state(f"{out['consolidate']}_{i}", "COMPLETED", timeout=300)
-    resumed = _submit(["resume", str(root)])
-    for kind in ("train", "consolidate"):
+    resumed = _submit(["resume", str(root)])  # the evaluation tasks of the others may still run: it leaves them alone
+    for kind in ("train", "consolidate", "eval"):
         slurm_cluster.wait_state(resumed[f"point {points[CANCELLED].name}: {kind}"], "COMPLETED", timeout=400)
+    for i in range(len(points)):
+        if i != CANCELLED:
+            slurm_cluster.wait_state(f"{out['eval']}_{i}", "COMPLETED", timeout=300)
+    best_after_jobs = os.readlink(root / "best")  # what the evaluation jobs linked, before any `status` does
     for ids in started.values():
         slurm_cluster.wait_state(ids["train"], "COMPLETED", timeout=300)
         slurm_cluster.wait_state(ids["consolidate"], "COMPLETED", timeout=240)
     return {"root": root, "record": record, "points": points, "jobs": out, "running_beside": running, "since": since,
-            "resumed": resumed,
+            "resumed": resumed, "best_after_jobs": best_after_jobs,
             "twins": {i: run / "model" for i, (run, _) in twins.items()}}
 
 
@@ -126,17 +139,25 @@ def _submit(args: list[str]) -> dict[str, str]:
 def test_one_prepare_job_one_train_array_one_consolidation_array(sweep_run: dict, slurm_cluster) -> None:
     record, out = sweep_run["record"], sweep_run["jobs"]
     assert [(j["kind"], j["job_id"]) for j in record["jobs"]] == [
-        ("prepare", out["prepare"]), ("train", out["train"]), ("consolidate", out["consolidate"])]
+        ("prepare", out["prepare"]), ("train", out["train"]), ("consolidate", out["consolidate"]), ("eval", out["eval"])]
     assert record["jobs"][2]["dependency"] == f"aftercorr:{out['train']}"
-    slurm_cluster.wait_state(f"{out['consolidate']}_2", "COMPLETED", timeout=30, via="sacct")
+    assert record["jobs"][3]["dependency"] == f"aftercorr:{out['consolidate']}"
+    slurm_cluster.wait_state(f"{out['eval']}_2", "COMPLETED", timeout=30, via="sacct")
     by_name: dict[str, set[str]] = {}
-    for job_id, name, _ in _sacct([f"{NAME}-prepare", f"{NAME}-train", f"{NAME}-consolidate"], sweep_run["since"]):
+    for job_id, name, _ in _sacct([f"{NAME}-{k}" for k in ("prepare", "train", "consolidate", "eval")],
+                                  sweep_run["since"]):
         by_name.setdefault(name, set()).add(job_id)
-    # the cancelled point's consolidation task never started (its train task failed: aftercorr), so sacct has no
-    # line for it; the resumed point's own jobs are named after the point
+    # the cancelled point's consolidation and evaluation tasks never started (its train task failed: aftercorr), so
+    # sacct has no line for them; the resumed point's own jobs are named after the point
     assert by_name == {f"{NAME}-prepare": {out["prepare"]},
                        f"{NAME}-train": {f"{out['train']}_{i}" for i in range(4)},
-                       f"{NAME}-consolidate": {f"{out['consolidate']}_{i}" for i in range(4) if i != CANCELLED}}
+                       f"{NAME}-consolidate": {f"{out['consolidate']}_{i}" for i in range(4) if i != CANCELLED},
+                       f"{NAME}-eval": {f"{out['eval']}_{i}" for i in range(4) if i != CANCELLED}}
+    # each evaluation task ran its point's own eval script, after that point's consolidation task
+    for i, point in enumerate(sweep_run["points"]):
+        if i != CANCELLED:
+            log = (point / "logs" / f"eval-{out['eval']}_{i}.out").read_text(errors="replace")
+            assert "eval: wrote" in log, log[-2000:]
     # two seeds: two prepared sets, both made by the one prepare job; the other points link to them
     points = sweep_run["points"]
     assert [p.name for p in points] == ["learning_rate-0.001_seed-42", "learning_rate-0.001_seed-7",
@@ -173,22 +194,35 @@ def test_a_preempted_task_is_requeued_alone(sweep_run: dict) -> None:
 
 def test_a_cancelled_task_is_resumed_alone_and_the_sweep_ranks_four_models(sweep_run: dict, slurmft) -> None:
     points = sweep_run["points"]
-    assert set(sweep_run["resumed"]) == {f"point {points[CANCELLED].name}: train",
-                                         f"point {points[CANCELLED].name}: consolidate"}
+    assert set(sweep_run["resumed"]) == {f"point {points[CANCELLED].name}: {kind}"
+                                         for kind in ("train", "consolidate", "eval")}
     steps = jobs.metrics(points[CANCELLED])
     assert {m["step"] for m in steps} == set(range(1, TRAIN["max_steps"] + 1))  # trained in two jobs
     record = json.loads((sweep_run["root"] / "sweep.json").read_text())
     assert record["jobs"][-1]["kind"] == "resume" and list(record["jobs"][-1]["points"]) == [points[CANCELLED].name]
     code, out, err = slurmft.cli(["status", str(sweep_run["root"]), "--json"])
     assert code == 0, err
-    rows = json.loads(out)["points"]
+    shown = json.loads(out)
+    rows = shown["points"]
     assert [r["state"] for r in rows] == ["done"] * 4
-    assert sorted(r["rank"] for r in rows) == [1, 2, 3, 4]
-    best = min(rows, key=lambda r: r["score"])
-    assert json.loads(out)["best"] == best["name"]
+    # ranked by the evaluation (the file has an eval section: the default), the highest score first, not by the loss:
+    # each point's score is its fine-tuned model's headline score (acc_norm) in its eval/summary.json
+    assert shown["select"] == {"metric": "eval", "mode": "max"}
+    scores = [named_score(read_summary(p), "eval") for p in points]
+    assert all(s is not None and 0 <= s <= 1 for s in scores), scores
+    assert [r["score"] for r in rows] == scores and [r["score"] for r in rows] != [r["loss"] for r in rows]
+    expected = sorted(range(4), key=lambda i: -scores[i])  # ties: the earlier point first
+    assert [r["rank"] for r in rows] == [expected.index(i) + 1 for i in range(4)]
+    best = rows[expected[0]]
+    # the models are bitwise those of the runs alone and lm-eval's log-likelihoods are deterministic, so this is
+    # always so here: the evaluation's best point is not the loss's (a ranking by loss would fail the lines below)
+    assert best["name"] != min(rows, key=lambda r: r["loss"])["name"], rows
+    assert shown["best"] == best["name"]
+    assert sweep_run["best_after_jobs"] == f"{best['name']}/model"  # linked by the last evaluation job, before status
     assert (sweep_run["root"] / "best").resolve() == (Path(best["dir"]) / "model").resolve()
     code, out, err = slurmft.cli(["status", str(sweep_run["root"])])
     assert code == 0 and f"best: {best['name']}" in out and "train.learning_rate=0.002 train.seed=7" in out
+    assert "eval (max)" in out.splitlines()[1], out
 
 
 @pytest.mark.every_slurm  # what squeue and sacct say of an array's never-started tasks is version-bound: both versions

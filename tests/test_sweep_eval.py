@@ -1,0 +1,122 @@
+"""A sweep's points evaluated and ranked by their scores (docs/sweeps.md): sweep.select's metric checked before
+anything is written, the serve and eval arrays rendered after the consolidation array, and the ranking read from
+each point's eval/summary.json. The arrays on the real cluster: tests/slurm/test_sweep_array.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from cli_runner import cli
+from test_sweep import write
+
+from slurmft.profiles import load_profile
+from slurmft.sweep import FIXED, load_sweep, select_of
+from tests.conftest import REPO_ROOT
+
+TINY_TASK = REPO_ROOT / "examples" / "tiny" / "tasks" / "tiny_choice.yaml"
+GRID = {"train.learning_rate": [1e-5, 3e-5], "train.seed": [1, 2]}
+
+
+def _eval(**more: object) -> dict:
+    return {"tasks": [str(TINY_TASK)], "backend": "hf", "compare_base": False, **more}
+
+
+REFUSALS = [
+    ({"grid": GRID, "select": {"metric": "eval/tiny_choice/acc"}}, {},
+     ["sweep.select.metric: eval/tiny_choice/acc is an evaluation score, but there is no eval section; add one"]),
+    ({"grid": GRID, "select": {"metric": "eval/tiny_choise/acc"}}, {"eval": _eval()},
+     ["sweep.select.metric: eval/tiny_choise/acc: eval.tasks has no task 'tiny_choise'; did you mean "
+      "eval/tiny_choice/acc?"]),
+    ({"grid": GRID, "select": {"metric": "eval/tiny_choice/acc_nrom"}}, {"eval": _eval()},
+     ["task tiny_choice declares no metric 'acc_nrom'; did you mean eval/tiny_choice/acc_norm?"]),
+    ({"grid": GRID, "select": {"metric": "accuracy"}}, {"eval": _eval()},
+     ["sweep.select.metric: 'accuracy' is not a metric: give loss, eval"]),
+    ({"grid": {"eval.resources.mem": ["8G", "16G"]}}, {"eval": _eval()},
+     ["eval.resources.mem cannot differ between points", FIXED["eval.resources"]]),
+    ({"points": [{"eval": None}, {"train.seed": 3}]}, {"eval": _eval()},
+     ["sweep: points eval-null have no eval section and the others have one"]),
+]
+
+
+@pytest.mark.parametrize(("sweep", "sections", "expected"), REFUSALS,
+                         ids=["no-eval-section", "unknown-task", "unknown-metric", "not-a-metric", "eval-resources",
+                              "eval-in-one-point"])
+def test_refused_before_anything_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str], sweep: dict,
+                                            sections: dict, expected: list[str]) -> None:
+    path = write(tmp_path, sweep, **sections)
+    for command in ("validate", "submit"):
+        code, _, err = cli([command, str(path)], capsys)
+        assert code == 2, err
+        for text in expected:
+            assert text in " ".join(err.split()), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
+
+
+def test_the_ranking_defaults_to_the_evaluation_when_there_is_one(tmp_path: Path) -> None:
+    cases = [({}, {}, {"metric": "loss", "mode": "min"}),
+             ({}, {"eval": _eval()}, {"metric": "eval", "mode": "max"}),
+             ({"metric": "eval/tiny_choice/acc_norm"}, {"eval": _eval()},
+              {"metric": "eval/tiny_choice/acc_norm", "mode": "max"}),
+             ({"metric": "loss"}, {"eval": _eval()}, {"metric": "loss", "mode": "min"}),
+             ({"metric": "eval/tiny_choice/acc", "mode": "min"}, {"eval": _eval()},
+              {"metric": "eval/tiny_choice/acc", "mode": "min"})]
+    for select, sections, expected in cases:
+        sweep = load_sweep(write(tmp_path, {"grid": GRID, "select": select}, **sections))
+        assert sweep is not None and select_of(sweep.cfg) == expected, (select, sections)
+
+
+def test_serve_and_eval_arrays_follow_the_consolidation_array(tmp_path: Path) -> None:
+    from slurmft.plan.render import render_sweep_arrays
+
+    sweep = load_sweep(write(tmp_path, {"grid": GRID, "parallel": 2}, eval=_eval(resources={"cpus_per_task": 3}),
+                             serve={"resources": {"cpus_per_task": 2}}))
+    assert sweep is not None
+    scripts = render_sweep_arrays(sweep, load_profile("local-test"), "run.yaml", None)
+    assert set(scripts) == {"prepare", "train", "consolidate", "serve", "eval"}
+    out = tmp_path / "out"
+    for kind, cpus in (("serve", 2), ("eval", 3)):
+        text = scripts[kind]
+        assert f"#SBATCH --job-name=sw-{kind}\n" in text and f"#SBATCH --cpus-per-task={cpus}\n" in text
+        assert f"#SBATCH --array=0-3%2\n#SBATCH --output={out}/logs/{kind}-%A_%a.out\n" in text
+        for i, point in enumerate(sweep.points):
+            assert f"    {i}) run_dir={out / point.name} ;;\n" in text
+        assert f'exec "$run_dir/scripts/{kind}.sbatch" >>"$run_dir/logs/{kind}-${{SLURM_ARRAY_JOB_ID}}_' in text
+        script = tmp_path / f"{kind}.sh"
+        script.write_text(text)
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+def _summary(run_dir: Path, acc: float | None, acc_norm: float) -> None:
+    (run_dir / "eval").mkdir(parents=True)
+    tasks = {"tiny_choice": {"acc,none": {"finetuned": acc, "base": 0.25}, "acc_stderr,none": {"finetuned": 0.1},
+                             "acc_norm,none": {"finetuned": acc_norm, "base": 0.25}}}
+    (run_dir / "eval" / "summary.json").write_text(json.dumps({"tasks": tasks}))
+
+
+def test_points_are_ranked_by_their_evaluation_scores(tmp_path: Path) -> None:
+    """The score is the summary's (not the loss); max ranks the highest first, ties keep the points' order, a point
+    not evaluated yet is not ranked; the best point with a model is linked."""
+    from slurmft.watch.sweep import rank, score, update_best
+
+    for name, acc, norm in (("a", 0.5, 0.4), ("b", 0.75, 0.4), ("c", 0.5, 0.9)):
+        _summary(tmp_path / name, acc, norm)
+    (tmp_path / "d").mkdir()  # trained, not evaluated yet
+    done = {"step": 10, "max_steps": 10}
+    rows = [{"name": n, **done, "loss": loss, "rank": None, "model": str(tmp_path / n / "model")}
+            for n, loss in (("a", 1.0), ("b", 3.0), ("c", 2.0), ("d", 0.5))]
+    for metric, expected in (("eval/tiny_choice/acc", [0.5, 0.75, 0.5, None]),
+                             ("eval/tiny_choice/acc,none", [0.5, 0.75, 0.5, None]),
+                             ("eval", [0.4, 0.4, 0.9, None]),  # the headline: acc_norm before acc
+                             ("eval/tiny_choice/exact_match", [None] * 4),
+                             ("loss", [1.0, 3.0, 2.0, 0.5])):
+        assert [score(r, metric, tmp_path / r["name"]) for r in rows] == expected, metric
+    for r in rows:
+        r["score"] = score(r, "eval/tiny_choice/acc", tmp_path / r["name"])
+    rank(rows, "max")
+    assert [r["rank"] for r in rows] == [2, 1, 3, None]  # a and c tie: a first
+    assert update_best(tmp_path, rows)["name"] == "b"
+    rank(rows, "min")
+    assert [r["rank"] for r in rows] == [1, 3, 2, None]
