@@ -23,7 +23,6 @@ submitit processing waits for it). The local executor runs the points one after 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ from slurmft.plan.elastic import allocation
 from slurmft.plan.render import (
     PREPARE_TEMPLATE,
     build_prepare_context,
+    one_prepare_job,
     rank_python_for,
     render,
     render_scripts,
@@ -57,6 +57,7 @@ from slurmft.rundir import (
     write_manifest,
     write_sweep_record,
 )
+from slurmft.submit.arrays import sbatch_array, write_task_pickle
 from slurmft.submit.dispatch import (
     Say,
     SubmitResult,
@@ -194,28 +195,12 @@ def _leaders(sweep: Sweep, groups: list[list[int]]) -> list[str]:
 
 
 # ------------------------------------------------------------------ Slurm: one prepare job, two arrays
-def _sbatch(script: Path, dependency: str | None, what: str) -> str:
-    answer = slurm.sbatch_array(str(script), dependency)
-    job = answer.stdout.strip().split(";")[0] if answer.ok else ""
-    if not job.isdigit():
-        raise SubmissionError(f"sbatch refused the {what} ({answer.problem or answer.stdout.strip()})")
-    return job
-
-
 def _write_pickles(sweep: Sweep, array: str, call: Callable[[RunConfig], tuple[Callable[..., Any], tuple]],
                    timeout_min: int) -> None:
     """Task i's callable in point i's submitit folder, under the id submitit will look for: ``<array>_<i>``."""
-    from submitit.core.utils import DelayedSubmission, JobPaths
-
     for i, cfg in enumerate(sweep.configs):
         function, args = call(cfg)
-        delayed = DelayedSubmission(function, *args)
-        delayed.set_timeout(timeout_min, 3)
-        target = JobPaths(RunPaths.of(cfg.output_dir).submitit, f"{array}_{i}").submitted_pickle
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp")
-        delayed.dump(tmp)
-        os.replace(tmp, target)
+        write_task_pickle(RunPaths.of(cfg.output_dir).submitit, f"{array}_{i}", function, args, timeout_min)
 
 
 def _pickles_or_cancel(sweep: Sweep, array: str, call: Callable[[RunConfig], tuple[Callable[..., Any], tuple]],
@@ -244,7 +229,7 @@ def _submit_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str, temp
     prep = None
     if groups:
         def text(command: str) -> str:
-            cfg = first.model_copy(update={"name": sweep.cfg.name})
+            cfg = first.model_copy(update={"name": sweep.cfg.name, "prepare": one_prepare_job(first)})
             return render(PREPARE_TEMPLATE, build_prepare_context(cfg, profile, root, command, config_path), template_dir)
 
         try:
@@ -260,7 +245,7 @@ def _submit_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str, temp
         say(f"prepare job {prep} submitted: {len(groups)} prepared set(s) for {len(sweep.points)} point(s)")
     n = len(sweep.points)
     try:
-        train = _sbatch(root.script("train"), f"afterok:{prep}" if prep else None, "train array")
+        train = sbatch_array(root.script("train"), f"afterok:{prep}" if prep else None, "train array")
     except SubmissionError as exc:
         if prep:
             slurm.try_scancel([prep])
@@ -286,7 +271,7 @@ def _submit_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str, temp
     if not first.consolidate.enabled:
         return
     try:
-        cons = _sbatch(root.script("consolidate"), f"aftercorr:{train}", "consolidation array")
+        cons = sbatch_array(root.script("consolidate"), f"aftercorr:{train}", "consolidation array")
     except SubmissionError as exc:
         cancelled = slurm.try_scancel([train, *([prep] if prep else [])])
         raise SubmissionError(f"{exc}; {'cancelled' if cancelled else 'could NOT cancel (run scancel)'} train array "
