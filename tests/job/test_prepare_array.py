@@ -101,3 +101,37 @@ def test_shares_cover_the_rows_once() -> None:
         for tasks in (1, 2, 4, 7):
             got = [i for k in range(tasks) for i in share(rows, k, tasks)]
             assert got == list(range(rows))
+
+
+def test_the_local_executor_runs_the_tasks_one_after_another(tiny_model: Path, tmp_path: Path) -> None:
+    """``slurmft prepare run.yaml`` with ``prepare.tasks: 2`` on the local executor: two local jobs, one after another,
+    each recorded; the set they make is the one one preparation of the same config makes (here, in this process)."""
+    import json
+    import subprocess
+    import sys
+
+    from datasets import load_from_disk
+
+    from slurmft.config_loading import load_config
+    from slurmft.job.prepare import prepare_run
+    from tests.conftest import LOCAL_ARGS, LOCAL_EXAMPLE
+
+    from .helpers import REPO
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "slurmft.cli", "prepare", str(LOCAL_EXAMPLE), f"output_dir={run}",
+                           f"model.name_or_path={tiny_model}", *LOCAL_ARGS, "prepare.tasks=2"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, "HF_DATASETS_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "prepare task 1 of 2" in proc.stderr + proc.stdout and "prepare task 2 of 2" in proc.stderr + proc.stdout
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert [(j["kind"], j.get("task"), j["state"]) for j in manifest["jobs"]] == [
+        ("prepare", 0, "COMPLETED"), ("prepare", 1, "COMPLETED")]
+    record = json.loads((run / "prepared" / "slurmft-prepared.json").read_text())
+    assert record["tasks"] == 2 and len(record["shards"]) == 2
+    twin = tmp_path / "twin"
+    prepare_run(str(twin), cfg=load_config(LOCAL_EXAMPLE, [f"output_dir={twin}", f"model.name_or_path={tiny_model}",
+                                                           *LOCAL_ARGS]))
+    ours, one = load_from_disk(str(run / "prepared")), load_from_disk(str(twin / "prepared"))
+    assert ours.with_format("arrow")[:].equals(one.with_format("arrow")[:])
