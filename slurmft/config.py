@@ -64,7 +64,7 @@ class ModelConfig(Section):
 class DatasetSource(Section):
     """One data source; several are mixed by weight."""
 
-    path: str = Field(..., description="Hub id, local .json/.jsonl/.csv/.parquet/.txt/.txt.gz file, or a glob of local "
+    path: str = Field(..., description="Hub id, local .json/.jsonl/.jsonl.zst/.csv/.parquet/.txt/.txt.gz file, or a glob of local "
                       "files of one kind (/data/corpus/*.txt.gz).")
     split: str = Field("train", description="Split to read.")
     weight: float = Field(1.0, gt=0, description="Mixing weight (relative sampling probability).")
@@ -325,7 +325,7 @@ class PrepareConfig(Section):
         1, ge=1, le=10000,
         description="Tasks of the prepare job array (--array=0-(N-1)): task k tokenizes the k-th contiguous share of "
         "the mixture into a shard of its own, the last task to finish packs them all in one plan, and the train job "
-        "waits for the whole array. The prepared data is the same for every value (docs/text.md#corpus-scale); 1: "
+        "waits for the whole array. The prepared data is the same for every value (docs/text.md#corpus-scale-a-prepare-array); 1: "
         "one prepare job. A sweep's shared prepare job, and dpo and grpo runs, prepare in one job.",
     )
     resources: PrepareResources = Field(default_factory=PrepareResources)
