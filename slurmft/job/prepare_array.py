@@ -77,20 +77,24 @@ def run_task(run_dir: str, task: int, tasks: int, group: str, num_proc: int | No
     log.info("task %d of %d: rows %d..%d of the mixture's %d (TRL's preparation, unpacked; the packing waits for every "
              "task)", task, tasks, rows.start, rows.stop - 1, len(run.mixed))
     t = time.time()
-    ready = trl_said(run.cfg, run.paths, lambda: trl.rows(mine, args))
     target, tmp = shard_dir(parts, task), parts / f".shard-{task:05d}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    ready.save_to_disk(str(tmp))
+    if len(mine):
+        ready = trl_said(run.cfg, run.paths, lambda: trl.rows(mine, args))
+        ready.save_to_disk(str(tmp))
+        sequences, tokens = len(ready), int(lengths_of(ready).sum())
+    else:  # more tasks than rows: an empty share, a shard of no rows (the packing task leaves it out)
+        tmp.mkdir(parents=True)
+        sequences, tokens = 0, 0
     seconds = time.time() - t
-    tokens = int(lengths_of(ready).sum())
-    record = {"task": task, "tasks": tasks, "rows": [rows.start, rows.stop], "sequences": len(ready), "tokens": tokens,
+    record = {"task": task, "tasks": tasks, "rows": [rows.start, rows.stop], "sequences": sequences, "tokens": tokens,
               "seconds": round(seconds, 1), "tokens_per_s": round(tokens / max(seconds, 1e-9)), "chat": chat,
               "job_id": own_job_id(os.environ) or None, "host": socket.gethostname(), "started": run.t0,
               "inputs": run.before}
     atomic_write(tmp / SHARD_RECORD, json.dumps(record, indent=2) + "\n")  # last: the shard is complete
     shutil.rmtree(target, ignore_errors=True)  # a task run again (requeued) replaces its shard
     os.replace(tmp, target)
-    log.info("task %d of %d: %d sequences, %d tokens in %.1f s (%.0f tokens/s)", task, tasks, len(ready), tokens,
+    log.info("task %d of %d: %d sequences, %d tokens in %.1f s (%.0f tokens/s)", task, tasks, sequences, tokens,
              seconds, tokens / max(seconds, 1e-9))
     if _last(parts, tasks):
         pack_shards(run, parts, tasks, group)
@@ -124,10 +128,11 @@ def pack_shards(run: Loaded, parts: Path, tasks: int, group: str) -> dict[str, A
             raise JobSetupError(f"data: the sources changed while the prepare array ran (task {r['task']} read other "
                                 f"inputs than task {tasks - 1}): {'; '.join(changed)}; prepare again: "
                                 f"`slurmft prepare {run.paths.root}`")
-    shards = [load_from_disk(str(shard_dir(parts, k))) for k in range(tasks)]
+    kept = [r for r in records if r["rows"][1] > r["rows"][0]]  # an empty share saved no rows
+    shards = [load_from_disk(str(shard_dir(parts, r["task"]))) for r in kept]
     # a share without a conversation has the text rows' column types; one prepare job casts the text rows to the
     # conversations' (slurmft/job/prepare.py: TrlPreparation._with_text), so does this
-    like = next((s for s, r in zip(shards, records, strict=True) if r["chat"] and len(s)), shards[0]).features
+    like = next((s for s, r in zip(shards, kept, strict=True) if r["chat"] and len(s)), shards[0]).features
     rows = concatenate_datasets([s if s.features == like else s.cast(like) for s in shards])
     args = prepare_args(run.cfg, run.num_proc, parts)
     started = min(r["started"] for r in records)

@@ -135,3 +135,18 @@ def test_the_local_executor_runs_the_tasks_one_after_another(tiny_model: Path, t
                                                            *LOCAL_ARGS]))
     ours, one = load_from_disk(str(run / "prepared")), load_from_disk(str(twin / "prepared"))
     assert ours.with_format("arrow")[:].equals(one.with_format("arrow")[:])
+
+
+def test_more_tasks_than_documents_leave_empty_shares_out(tiny_model: Path, tmp_path: Path) -> None:
+    """Two documents, four tasks: two shares are empty (no rows to prepare), and the set is still one job's."""
+    corpus = tmp_path / "two"
+    corpus.mkdir()
+    for i, words in enumerate((20, 150)):
+        (corpus / f"d{i}.txt").write_text(" ".join(WORDS[(i + n) % len(WORDS)] for n in range(words)) + "\n")
+    sources = [{"path": str(corpus / "*.txt")}]
+    runs = [write_run(tmp_path / name, tiny_model, [f"data.max_seq_length={SEQ}", "prepare.enabled=true"],
+                      edit=lambda d: d["data"].update(datasets=sources)) for name in ("one", "many")]
+    _prepare(runs[0], 1)
+    record = _prepare(runs[1], 4)
+    _same(*runs)
+    assert [s["sequences"] > 0 for s in record["shards"]] == [False, True, False, True]
