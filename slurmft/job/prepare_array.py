@@ -97,7 +97,7 @@ def run_task(run_dir: str, task: int, tasks: int, group: str, num_proc: int | No
     log.info("task %d of %d: %d sequences, %d tokens in %.1f s (%.0f tokens/s)", task, tasks, sequences, tokens,
              seconds, tokens / max(seconds, 1e-9))
     if _last(parts, tasks):
-        pack_shards(run, parts, tasks, group)
+        pack_shards(run, parts, tasks, group, task)
     else:
         log.info("task %d of %d: done; the last task to finish packs the shards", task, tasks)
     return record
@@ -115,18 +115,20 @@ def _last(parts: Path, tasks: int) -> bool:
     return True
 
 
-def pack_shards(run: Loaded, parts: Path, tasks: int, group: str) -> dict[str, Any]:
+def pack_shards(run: Loaded, parts: Path, tasks: int, group: str, me: int) -> dict[str, Any]:
     """Every shard, memory-mapped and concatenated in task order, through TRL's shuffle and one packing plan into
     ``prepared/`` (:func:`slurmft.job.prepare.save_prepared`), with a record covering every shard; the shards are
-    removed after."""
+    removed after. ``me``: the task that packs (its inputs are ``run.before``)."""
     from datasets import concatenate_datasets, load_from_disk
+
+    from slurmft.slurm import own_job_id
 
     records = [r for r in shard_records(parts, tasks) if r is not None]
     for r in records:
         changed = prepared.differences(r["inputs"], run.before)
         if changed:
             raise JobSetupError(f"data: the sources changed while the prepare array ran (task {r['task']} read other "
-                                f"inputs than task {tasks - 1}): {'; '.join(changed)}; prepare again: "
+                                f"inputs than task {me}, which packs): {'; '.join(changed)}; prepare again: "
                                 f"`slurmft prepare {run.paths.root}`")
     kept = [r for r in records if r["rows"][1] > r["rows"][0]]  # an empty share saved no rows
     shards = [load_from_disk(str(shard_dir(parts, r["task"]))) for r in kept]
@@ -142,6 +144,7 @@ def pack_shards(run: Loaded, parts: Path, tasks: int, group: str) -> dict[str, A
                   for r in records]
     record = save_prepared(run, lambda _: finish(rows, args), time.time(),
                            {"tasks": tasks, "array_job": group, "shards": shard_list,
+                            "job_id": own_job_id(os.environ) or None,  # this task's, as <array>_<task>
                             "array_seconds": round(time.time() - started, 1)})
     shutil.rmtree(parts, ignore_errors=True)
     return record
