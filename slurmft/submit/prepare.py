@@ -95,4 +95,3 @@ def run_dir_of(target: Path) -> RunPaths | None:
         return paths if target.is_dir() and paths.manifest.is_file() else None
     except PermissionError:
         return paths
-
