@@ -64,7 +64,7 @@ class ModelConfig(Section):
 class DatasetSource(Section):
     """One data source; several are mixed by weight."""
 
-    path: str = Field(..., description="Hub id, local .json/.jsonl/.csv/.parquet/.txt/.txt.gz file, or a glob of local "
+    path: str = Field(..., description="Hub id, local .json/.jsonl/.jsonl.zst/.csv/.parquet/.txt/.txt.gz file, or a glob of local "
                       "files of one kind (/data/corpus/*.txt.gz).")
     split: str = Field("train", description="Split to read.")
     weight: float = Field(1.0, gt=0, description="Mixing weight (relative sampling probability).")
@@ -321,6 +321,13 @@ class PrepareConfig(Section):
         "packs the data with TRL's own preparation; the train job and every requeue and resume read the result. "
         "false: the train job prepares the data inside its allocation (small data, quick local runs).",
     )
+    tasks: int = Field(
+        1, ge=1, le=10000,
+        description="Tasks of the prepare job array (--array=0-(N-1)): task k tokenizes the k-th contiguous share of "
+        "the mixture into a shard of its own, the last task to finish packs them all in one plan, and the train job "
+        "waits for the whole array. The prepared data is the same for every value (docs/text.md#corpus-scale-a-prepare-array); 1: "
+        "one prepare job. A sweep's shared prepare job, and dpo and grpo runs, prepare in one job.",
+    )
     resources: PrepareResources = Field(default_factory=PrepareResources)
 
 
@@ -458,6 +465,9 @@ class RunConfig(Section):
             )
         if self.dpo is not None:
             self._check_dpo(self.dpo)
+        if self.prepare.tasks > 1 and self.method != Method.SFT:
+            raise ValueError(f"prepare.tasks: an array splits SFT's tokenization; a {self.method.value} run prepares in "
+                             "one job. Set prepare.tasks=1")
         self._check_text()
         if self.grpo is not None:
             self._check_grpo(self.grpo)

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 #: Local data file suffix (slurmft.sourcefiles.suffix_of) -> the ``datasets`` builder the job reads it with.
-DATA_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
-                 ".txt.gz": "text"}
+DATA_BUILDERS = {".json": "json", ".jsonl": "json", ".jsonl.zst": "json", ".csv": "csv", ".parquet": "parquet",
+                 ".txt": "text", ".txt.gz": "text"}
 DATA_SUFFIXES = tuple(DATA_BUILDERS)
 
 

@@ -143,6 +143,11 @@ class RunPaths:
         it, so its presence means a complete preparation (slurmft/prepared.py)."""
         return self.prepared / PREPARED_RECORD
 
+    def prepared_parts(self, group: str) -> Path:
+        """Where the tasks of prepare array ``group`` (its job id) write their shards until the last one packs them
+        into ``prepared/`` (slurmft/job/prepare_array.py); a ``.prepared.`` name, as a staging directory's."""
+        return self.root / f".prepared.array-{group}"
+
     def prepared_staging(self, tag: str) -> Path:
         """Where a preparation writes before it replaces ``prepared/`` (same file system: a rename)."""
         return self.root / f".prepared.{tag}.tmp"

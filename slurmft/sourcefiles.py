@@ -12,22 +12,29 @@ source and the file named, by ``validate`` before anything is queued and again b
 from __future__ import annotations
 
 import codecs
+import csv
 import glob
 import gzip
+import io
+import json
 import os
 import zlib
 from pathlib import Path
+from typing import IO, Any
 
 GLOB_CHARS = "*?["
 TEXT_SUFFIXES = (".txt", ".txt.gz")
+#: data file kinds named by two suffixes (a compressed file of one kind)
+COMPOUND_SUFFIXES = (".txt.gz", ".jsonl.zst")
 #: bytes read from the start of each text file to tell text from binary
 SNIFF_BYTES = 64 * 1024
 
 
 def suffix_of(path: str | Path) -> str:
-    """A data file's kind by its name: ``.txt.gz`` for a gzipped text file, else the last suffix, lower-cased."""
+    """A data file's kind by its name: ``.txt.gz`` for a gzipped text file, ``.jsonl.zst`` for zstandard-compressed
+    JSON lines, else the last suffix, lower-cased."""
     name = str(path).lower()
-    return ".txt.gz" if name.endswith(".txt.gz") else Path(name).suffix
+    return next((s for s in COMPOUND_SUFFIXES if name.endswith(s)), Path(name).suffix)
 
 
 def is_glob(path: str) -> bool:
@@ -48,7 +55,7 @@ def is_text(path: str, fmt: str) -> bool:
     whose pattern does not end in a suffix (``corpus/*.gz``, ``corpus/*``) by the files it matches."""
     if fmt == "text" or suffix_of(path) in TEXT_SUFFIXES:
         return True
-    if not is_glob(path) or suffix_of(path) in (".json", ".jsonl", ".csv", ".parquet"):
+    if not is_glob(path) or suffix_of(path) in (".json", ".jsonl", ".jsonl.zst", ".csv", ".parquet"):
         return False
     files = files_of(path)
     return bool(files) and all(suffix_of(f) in TEXT_SUFFIXES for f in files)
@@ -117,3 +124,66 @@ def source_problems(path: str, fmt: str, where: str) -> list[str]:
         if problem:
             out.append(f"{where}: {f} {problem}; remove it from the corpus (or narrow the glob)")
     return out
+
+
+def read_rows(path: Path, limit: int | None) -> list[dict[str, Any]]:
+    """The first ``limit`` rows (all with None) of a local data file, the way ``datasets`` reads it (``validate``'s
+    checks of the columns and formats; a ``.jsonl.zst`` file decompressed as it is read)."""
+    suffix = suffix_of(path)
+    rows: list[dict[str, Any]] = []
+    if suffix == ".json":  # a JSON array (or {"key": [...]}) like datasets reads; else JSON lines
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            data = None
+        if isinstance(data, dict):  # {"data": [...]}-style: the one list-valued key
+            lists = [v for v in data.values() if isinstance(v, list)]
+            data = lists[0] if len(lists) == 1 else [data]
+        if isinstance(data, list):
+            return [r for r in data if isinstance(r, dict)][:limit]
+    if suffix in (".jsonl", ".json", ".jsonl.zst"):
+        with _open_text(path) as fh:
+            for n, line in enumerate(fh, 1):
+                if line.strip():
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise ValueError(f"line {n} is not valid JSON ({exc.msg})") from None
+                    if not isinstance(row, dict):
+                        raise ValueError(f"line {n} is not a JSON object")
+                    rows.append(row)
+                    if limit and len(rows) >= limit:
+                        break
+        return rows
+    if suffix == ".csv":
+        with path.open(encoding="utf-8", newline="") as fh:
+            for row in csv.DictReader(fh):
+                rows.append(dict(row))
+                if limit and len(rows) >= limit:
+                    break
+        return rows
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq  # only called when importable
+
+        table = pq.ParquetFile(path)
+        for batch in table.iter_batches(batch_size=limit or 1024):
+            rows += batch.to_pylist()
+            if limit and len(rows) >= limit:
+                break
+        return rows[:limit] if limit else rows
+    raise ValueError(f"{suffix or 'no suffix'} is not a data file slurmft reads")
+
+
+def _open_text(path: Path) -> IO[str]:
+    """A data file's text: ``.jsonl.zst`` through zstandard's streaming reader (the package ``datasets`` needs for
+    them too: a clear error when it is missing), else the file itself."""
+    if suffix_of(path) != ".jsonl.zst":
+        return path.open(encoding="utf-8")
+    try:
+        import zstandard
+    except ImportError:
+        raise ValueError(f"{path.name} is zstandard-compressed and the zstandard package is not installed here: "
+                         "pip install 'slurmft[zstd]' (where slurmft runs, and in the job's Python)") from None
+    return io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(path.open("rb"), read_across_frames=True,
+                                                                       closefd=True),
+                            encoding="utf-8")

@@ -409,7 +409,7 @@ def test_data_formats_validate_and_convert(name: str, rows: list[dict] | None, e
                                            capsys: pytest.CaptureFixture[str]) -> None:
     from slurmft import formats
     from slurmft.config import DatasetSource
-    from slurmft.plan.checks import _read_rows
+    from slurmft.sourcefiles import read_rows
 
     path = tmp_path / name
     if rows is None:
@@ -420,7 +420,7 @@ def test_data_formats_validate_and_convert(name: str, rows: list[dict] | None, e
     code, out, err = cli(["validate", str(run)], capsys)
     assert code == 0, err
     src = DatasetSource(path=str(path), **extra)
-    row = formats.rename(_read_rows(path, 1)[0], src.columns)
+    row = formats.rename(read_rows(path, 1)[0], src.columns)
     fmt, column = formats.detect_format(src, list(row), row, "src")
     assert formats.to_messages(row, fmt, column) == expected
 

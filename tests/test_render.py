@@ -198,3 +198,20 @@ def test_prepare_script_asks_for_cpus_only_and_is_valid_bash(tmp_path: Path) -> 
 def test_prepare_is_on_by_default_and_off_renders_no_prepare_script() -> None:
     assert list(scripts_for(GOLDEN_CFG)) == ["prepare", "train", "consolidate"]
     assert "prepare" not in scripts_for(GOLDEN_CFG, "prepare.enabled=false")
+
+
+def test_prepare_tasks_render_an_array_logging_per_task(tmp_path: Path) -> None:
+    """prepare.tasks: the prepare script is an array of the same CPU task, task k logging into prepare-<array>_<k>;
+    the train and consolidation scripts do not change (the train job's afterok on the array is submit's)."""
+    scripts = scripts_for(GOLDEN_CFG, "prepare.tasks=4")
+    text = scripts["prepare"]
+    for directive in ("--array=0-3", "--output=/shared/runs/golden-2x8/logs/prepare-%A_%a.out",
+                      "--error=/shared/runs/golden-2x8/logs/prepare-%A_%a.out", "--ntasks-per-node=1"):
+        assert f"#SBATCH {directive}\n" in text, directive
+    assert "prepare-%j.out" not in text
+    script = tmp_path / "prepare.sh"
+    script.write_text(text)
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    one = scripts_for(GOLDEN_CFG)
+    assert scripts["train"] == one["train"] and scripts["consolidate"] == one["consolidate"]
+    assert "--array" not in one["prepare"]

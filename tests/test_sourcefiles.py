@@ -139,3 +139,31 @@ def test_what_cannot_keep_documents_apart_is_refused(tmp_path: Path, bare_model:
     path = write_run(tmp_path, bare_model, tmp_path / "a.txt", **extra)
     code, _, err = cli(["validate", str(path)], capsys)
     assert code == 2 and words in err, err
+
+
+def _zst(path: Path, rows: list[dict]) -> Path:
+    import zstandard
+
+    path.write_bytes(zstandard.ZstdCompressor().compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    return path
+
+
+def test_jsonl_zst_files_are_read_as_json_lines_and_their_column_checked(tmp_path: Path, bare_model: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A glob of .jsonl.zst files (the issue's ``/data/corpus/*.jsonl.zst``): validate reads their rows decompressed,
+    as the job's datasets does, and refuses one without the text column as it refuses a .jsonl."""
+    (tmp_path / "corpus").mkdir()
+    rows = [{"body": PROSE * n, "id": n} for n in (1, 3, 5)]
+    for i in range(2):
+        _zst(tmp_path / "corpus" / f"part{i}.jsonl.zst", rows)
+    assert sourcefiles.suffix_of(tmp_path / "corpus" / "part0.jsonl.zst") == ".jsonl.zst"
+    assert sourcefiles.read_rows(tmp_path / "corpus" / "part0.jsonl.zst", None) == rows
+    assert sourcefiles.read_rows(tmp_path / "corpus" / "part0.jsonl.zst", 2) == rows[:2]
+    glob = str(tmp_path / "corpus" / "*.jsonl.zst")
+    path = write_run(tmp_path, bare_model, tmp_path, data={"datasets": [
+        {"path": glob, "format": "text", "columns": {"text": "body"}}], "max_seq_length": 64})
+    code, out, err = cli(["validate", str(path)], capsys)
+    assert code == 0 and "chat template" not in err, err
+    path = write_run(tmp_path, bare_model, tmp_path, data={"datasets": [{"path": glob, "format": "text"}]})
+    code, _, err = cli(["validate", str(path)], capsys)
+    assert code == 2 and "format 'text' needs the column(s) ['text'], but the columns are ['body', 'id']" in err, err

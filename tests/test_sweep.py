@@ -258,3 +258,14 @@ def test_points_whose_jobs_would_ask_for_another_allocation_are_refused(tmp_path
     assert err.value.problems == [f"point {sweep.points[2].name} ({sweep.points[2].label()}): its train job would ask "
                                   f"Slurm for another allocation than point {sweep.points[0].name}'s "
                                   "(#SBATCH --nodes=1; #SBATCH --nodes=2)"]
+
+
+def test_a_sweeps_shared_prepare_job_stays_one_job_with_prepare_tasks(tmp_path: Path) -> None:
+    """prepare.tasks is for a single run's prepare job: a sweep's one prepare job (every point's set, one after
+    another: run_prepare_each) is never rendered as an array, whatever the points say."""
+    from slurmft.plan.render import render_sweep_arrays
+
+    sweep = load_sweep(write(tmp_path, prepare={"tasks": 4}))
+    assert sweep is not None and sweep.configs[0].prepare.tasks == 4
+    scripts = render_sweep_arrays(sweep, load_profile("local-test"), "run.yaml", None)
+    assert "#SBATCH --array" not in scripts["prepare"] and "prepare-%j.out" in scripts["prepare"]

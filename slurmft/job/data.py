@@ -79,7 +79,14 @@ def _load_files(source: DatasetSource, files: list[Path], where: str):
         raise JobSetupError(f"{where}: {len(problems)} files cannot be read as text", problems=problems)
     builder = DATA_BUILDERS.get(sourcefiles.suffix_of(files[0]))
     if builder is None:
-        raise JobSetupError(f"{where}: {source.path!r} is not a .json, .jsonl, .csv, .parquet, .txt or .txt.gz file")
+        raise JobSetupError(f"{where}: {source.path!r} is not a .json, .jsonl, .jsonl.zst, .csv, .parquet, .txt or "
+                            ".txt.gz file")
+    if sourcefiles.suffix_of(files[0]) == ".jsonl.zst":  # datasets decompresses them through zstandard
+        try:
+            import zstandard  # noqa: F401
+        except ImportError:
+            raise JobSetupError(f"{where}: .jsonl.zst files need the zstandard package in the job's Python: pip "
+                                "install 'slurmft[zstd]'") from None
     kwargs = {"sample_by": TEXT_SAMPLE_BY[source.documents]} if builder == "text" else {}
     return load_dataset(builder, data_files=[str(f) for f in files], split="train", **kwargs)
 

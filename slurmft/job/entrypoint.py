@@ -116,6 +116,22 @@ def run_prepare(run_dir: str) -> dict[str, object]:
     return dict(record.get("result", {}))
 
 
+def run_prepare_task(run_dir: str, task: int, tasks: int, group: str) -> dict[str, object]:
+    """Prepare array task body (``prepare.tasks``): task ``task`` of array ``group`` tokenizes its share of the mixture
+    into its shard; the last task to finish packs them all into ``RUN_DIR/prepared`` (slurmft/job/prepare_array.py).
+    Bad input as in :func:`run_prepare`."""
+    load_the_stack(run_dir, "prepare")
+    from slurmft.errors import SlurmftError
+    from slurmft.job.prepare_array import run_task
+
+    try:
+        return {k: v for k, v in run_task(run_dir, task, tasks, group).items() if k != "inputs"}
+    except SlurmftError as exc:
+        sys.stderr.write(f"slurmft prepare: task {task}: setup error: {exc.render()}\n")
+        sys.stderr.flush()
+        raise SystemExit(EXIT_SETUP_ERROR) from None
+
+
 def run_prepare_each(run_dirs: list[str]) -> dict[str, object]:
     """A sweep's one prepare job: each distinct prepared set, into the run directory of the first point that reads
     it (the others link to it), one after another; the first that fails ends the job (its error as
@@ -175,14 +191,21 @@ def run_eval(run_dir: str, tasks: list[str] | None = None) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m slurmft.job.entrypoint {train,prepare} RUN_DIR [--signal USR2]``."""
+    """``python -m slurmft.job.entrypoint {train,prepare} RUN_DIR [--signal USR2]``; ``prepare-task RUN_DIR --task K
+    --tasks N --group G``: one prepare array task, as Slurm's array runs it (bench/prepare_array.py runs them so)."""
     ap = argparse.ArgumentParser(prog="python -m slurmft.job.entrypoint")
-    ap.add_argument("command", choices=["train", "prepare"])
+    ap.add_argument("command", choices=["train", "prepare", "prepare-task"])
     ap.add_argument("run_dir")
     ap.add_argument("--signal", default="USR2", help="warning signal Slurm sends before the end (default USR2)")
+    ap.add_argument("--task", type=int, default=0, help="prepare-task: this task's index")
+    ap.add_argument("--tasks", type=int, default=1, help="prepare-task: the array's tasks")
+    ap.add_argument("--group", default="here", help="prepare-task: the array's id (its tasks' shared directory)")
     args = ap.parse_args(argv)
     if args.command == "prepare":
         sys.stdout.write(f"slurmft prepare: {run_prepare(args.run_dir)}\n")
+        return 0
+    if args.command == "prepare-task":
+        sys.stdout.write(f"slurmft prepare task {args.task}: {run_prepare_task(args.run_dir, args.task, args.tasks, args.group)}\n")
         return 0
     result = run_train(args.run_dir, args.signal)
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))

@@ -30,6 +30,8 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,28 +95,27 @@ class TrlPreparation:
 
     def run(self, dataset: Any, args: Any) -> Any:
         """TRL's preparation of ``dataset`` (convert, tokenize, labels from the masks, truncate, shuffle); packed by
-        :func:`slurmft.job.packing.pack` when ``args.packing``.
+        :func:`slurmft.job.packing.pack` when ``args.packing``: :meth:`rows`, then :func:`finish`."""
+        return finish(self.rows(dataset, args), args)
+
+    def rows(self, dataset: Any, args: Any) -> Any:
+        """TRL's preparation of ``dataset`` row by row, unpacked and unshuffled: each row depends on its own source row
+        only, so contiguous shares of a mixture prepared apart (a prepare array's tasks) and concatenated are these
+        rows (slurmft/job/prepare_array.py).
 
         Packing: TRL's preparation runs with ``packing=False`` and no ``max_length`` (TRL's packing path neither
-        truncates nor drops a row before packing: the pack cuts each sequence), which ends with TRL's shuffle when
-        ``shuffle_dataset`` is set (its packing path shuffles before packing); the packed rows are shuffled again,
-        as TRL does after packing. A mixture holding plain text goes through :meth:`_with_text` instead."""
+        truncates nor drops a row before packing: the pack cuts each sequence); TRL's own final shuffle
+        (``shuffle_dataset``: ``dataset.shuffle(seed=args.seed)``, its last step) is left to :func:`finish`. A mixture
+        holding plain text goes through :meth:`_with_text` instead."""
         from trl import SFTTrainer
 
-        from slurmft.job import packing
-
+        quiet = copy.copy(args)
+        quiet.shuffle_dataset = False
         if TEXT in dataset.column_names:
-            rows = self._with_text(dataset, args)
-            if not args.packing:
-                return rows
-        elif not args.packing:
-            return SFTTrainer._prepare_dataset(self, dataset, self._tokenizer, args, False, None, "train")
-        else:
-            unpacked = copy.copy(args)
-            unpacked.max_length = None
-            rows = SFTTrainer._prepare_dataset(self, dataset, self._tokenizer, unpacked, False, None, "train")
-        packed = packing.pack(rows, args.max_length, args.packing_strategy, args.dataset_num_proc)
-        return packed.shuffle(seed=args.seed) if args.shuffle_dataset else packed
+            return self._with_text(dataset, quiet)
+        if args.packing:
+            quiet.max_length = None
+        return SFTTrainer._prepare_dataset(self, dataset, self._tokenizer, quiet, False, None, "train")
 
     def _with_text(self, dataset: Any, args: Any) -> Any:
         """A mixture holding plain-text documents: each kind through TRL's own preparation, back in the mixture's order.
@@ -153,8 +154,20 @@ class TrlPreparation:
                 _pieces, batched=True, fn_kwargs={"size": args.max_length}, num_proc=args.dataset_num_proc,
                 desc="Cutting documents longer than max_length into pieces"))
         parts = [part.cast(parts[0].features) for part in parts]
-        rows = concatenate_datasets(parts).sort([ROW, PIECE]).flatten_indices().remove_columns([ROW, PIECE])
-        return rows.shuffle(seed=args.seed) if args.shuffle_dataset else rows
+        return concatenate_datasets(parts).sort([ROW, PIECE]).flatten_indices().remove_columns([ROW, PIECE])
+
+
+def finish(rows: Any, args: Any) -> Any:
+    """The prepared rows as the trainer reads them: TRL's shuffle (``shuffle_dataset``), then, when ``args.packing``,
+    one packing plan over the whole set (:func:`slurmft.job.packing.pack`) and TRL's shuffle after packing."""
+    from slurmft.job import packing
+
+    if args.shuffle_dataset:
+        rows = rows.shuffle(seed=args.seed)
+    if not args.packing:
+        return rows
+    packed = packing.pack(rows, args.max_length, args.packing_strategy, args.dataset_num_proc)
+    return packed.shuffle(seed=args.seed) if args.shuffle_dataset else packed
 
 
 #: the columns of a prepared (tokenized, unpacked) row
@@ -241,11 +254,16 @@ def prepare_rows(cfg: RunConfig, tokenizer: Any, mixed: Any, num_proc: int | Non
     else:
         args = prepare_args(cfg, num_proc, workdir)
         trl = TrlPreparation(tokenizer, args, mixed[0])
+    return trl_said(cfg, paths, lambda: trl.run(mixed, args))
+
+
+def trl_said(cfg: RunConfig, paths: RunPaths, work: Callable[[], Any]) -> Any:
+    """``work()``, TRL's preparation: a row it cannot prepare is the user's data, named without a traceback."""
     try:
-        return trl.run(mixed, args)
+        return work()
     except SlurmftError:
         raise
-    except Exception as exc:  # a row TRL cannot prepare: name it, no traceback (the user's data)
+    except Exception as exc:
         first = (str(exc).strip().splitlines() or [""])[0]
         fix = (f"then `slurmft prepare {paths.root}` (or `slurmft resume {paths.root}`)" if cfg.prepare.enabled
                else f"then `slurmft resume {paths.root}`")
@@ -262,9 +280,22 @@ def _swap_in(staging: Path, target: Path, tag: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def prepare_run(run_dir: str, num_proc: int | None = None, cfg: RunConfig | None = None) -> dict[str, Any]:
-    """Prepare the run's data into ``RUN_DIR/prepared/`` (the config: ``RUN_DIR/config.yaml``, or ``cfg`` for a
-    run not submitted yet); returns the record written there."""
+@dataclass
+class Loaded:
+    """A preparation's start: the run, its tokenizer and mixture, and the inputs' identity when it began."""
+
+    paths: RunPaths
+    cfg: RunConfig
+    tokenizer: Any
+    mixed: Any
+    before: dict[str, Any]
+    num_proc: int | None
+    t0: float
+
+
+def load_run(run_dir: str, num_proc: int | None = None, cfg: RunConfig | None = None) -> Loaded:
+    """The config (``RUN_DIR/config.yaml``, or ``cfg``), the tokenizer and the mixed sources, with the log set up
+    and the inputs' identity (:func:`slurmft.prepared.expected`, hub commits pinned) taken first."""
     os.environ.setdefault("TQDM_MININTERVAL", PROGRESS_EVERY_S)  # datasets' bars: rows/s and an ETA, now and then
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="[slurmft prepare %(asctime)s] %(message)s", datefmt="%H:%M:%S")
@@ -299,23 +330,40 @@ def prepare_run(run_dir: str, num_proc: int | None = None, cfg: RunConfig | None
              "num_proc %s)", len(mixed), t_loaded - t0, len(mixed) / max(t_loaded - t0, 1e-9),
              "DPO pairs" if cfg.dpo else "GRPO prompts, not tokenized" if cfg.grpo else "packing" if cfg.data.packing else "no packing", cfg.data.max_seq_length,
              num_proc or 1)
+    return Loaded(paths, cfg, tokenizer, mixed, before, num_proc, t0)
+
+
+def prepare_run(run_dir: str, num_proc: int | None = None, cfg: RunConfig | None = None) -> dict[str, Any]:
+    """Prepare the run's data into ``RUN_DIR/prepared/`` (the config: ``RUN_DIR/config.yaml``, or ``cfg`` for a
+    run not submitted yet) in this one process; returns the record written there. ``prepare.tasks`` does not
+    matter here: the array's tasks (slurmft/job/prepare_array.py) make the same data."""
+    run = load_run(run_dir, num_proc, cfg)
+    t_loaded = time.time()
+    return save_prepared(run, lambda workdir: prepare_rows(run.cfg, run.tokenizer, run.mixed, run.num_proc, workdir,
+                                                           run.paths), t_loaded, {})
+
+
+def save_prepared(run: Loaded, make: Callable[[Path], Any], t_start: float, extra: dict[str, Any]) -> dict[str, Any]:
+    """``make(staging)``'s prepared set saved into a staging directory with its record (``extra`` added), then
+    swapped in as ``RUN_DIR/prepared/``; returns the record."""
+    paths, cfg, mixed = run.paths, run.cfg, run.mixed
     tag = f"{os.environ.get('SLURM_JOB_ID', 'here')}-{os.getpid()}"
     staging = paths.prepared_staging(tag)
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        ready = prepare_rows(cfg, tokenizer, mixed, num_proc, staging, paths)
+        ready = make(staging)
         t_ready = time.time()
         log.info("TRL prepared %d conversations into %d sequences in %.1f s (%.0f rows/s)", len(mixed), len(ready),
-                 t_ready - t_loaded, len(mixed) / max(t_ready - t_loaded, 1e-9))
+                 t_ready - t_start, len(mixed) / max(t_ready - t_start, 1e-9))
         ready.save_to_disk(str(staging))
         result = {"conversations": len(mixed),
                   **(dpo_counts(ready) if cfg.dpo is not None
                      else {"sequences": len(ready), "tokens": 0, "loss_tokens": None, "fill": None} if cfg.grpo
                      else counts(ready, cfg.data.max_seq_length)),
-                  "seconds": round(time.time() - t0, 1)}
-        record = {**before, "result": result, "num_proc": num_proc, "job_id": os.environ.get("SLURM_JOB_ID"),
+                  "seconds": round(time.time() - run.t0, 1)}
+        record = {**run.before, "result": result, "num_proc": run.num_proc, "job_id": os.environ.get("SLURM_JOB_ID"),
                   "host": socket.gethostname(), "time": time.time(),
-                  "versions": {m: _version(m) for m in ("trl", "datasets", "transformers", "slurmft")}}
+                  "versions": {m: _version(m) for m in ("trl", "datasets", "transformers", "slurmft")}, **extra}
         prepared.write_record(staging / PREPARED_RECORD, record)  # last: its presence means complete
         _swap_in(staging, paths.prepared, tag)
     except BaseException:

@@ -172,53 +172,6 @@ class Sample:
         return len(self.texts) if self.fmt == formats.TEXT else len(self.conversations)
 
 
-def _read_rows(path: Path, limit: int | None) -> list[dict[str, Any]]:
-    """The first ``limit`` rows (all with None) of a local data file, the way ``datasets`` reads it."""
-    suffix = path.suffix.lower()
-    rows: list[dict[str, Any]] = []
-    if suffix == ".json":  # a JSON array (or {"key": [...]}) like datasets reads; else JSON lines
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
-            data = None
-        if isinstance(data, dict):  # {"data": [...]}-style: the one list-valued key
-            lists = [v for v in data.values() if isinstance(v, list)]
-            data = lists[0] if len(lists) == 1 else [data]
-        if isinstance(data, list):
-            return [r for r in data if isinstance(r, dict)][:limit]
-    if suffix in (".jsonl", ".json"):
-        with path.open(encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
-                if line.strip():
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise ValueError(f"line {n} is not valid JSON ({exc.msg})") from None
-                    if not isinstance(row, dict):
-                        raise ValueError(f"line {n} is not a JSON object")
-                    rows.append(row)
-                    if limit and len(rows) >= limit:
-                        break
-        return rows
-    if suffix == ".csv":
-        with path.open(encoding="utf-8", newline="") as fh:
-            for row in csv.DictReader(fh):
-                rows.append(dict(row))
-                if limit and len(rows) >= limit:
-                    break
-        return rows
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq  # only called when importable
-
-        table = pq.ParquetFile(path)
-        for batch in table.iter_batches(batch_size=limit or 1024):
-            rows += batch.to_pylist()
-            if limit and len(rows) >= limit:
-                break
-        return rows[:limit] if limit else rows
-    raise ValueError(f"{suffix or 'no suffix'} is not a data file slurmft reads")
-
-
 def _text_sample(i: int, src: Any, files: list[Path], report: Report) -> Sample | None:
     """A .txt/.txt.gz source: every file readable as text (empty, binary or not UTF-8: a problem each)."""
     problems = sourcefiles.source_problems(src.path, src.format, f"data.datasets[{i}].path")
@@ -252,8 +205,8 @@ def check_data(cfg: RunConfig, report: Report) -> list[Sample]:
             continue
         kinds = sorted({sourcefiles.suffix_of(f) for f in files})
         if any(k not in DATA_SUFFIXES for k in kinds):
-            report.problems.append(f"{where}: {files[0].name if len(files) == 1 else src.path} is not a .jsonl, .json, "
-                                   ".csv, .parquet, .txt or .txt.gz file")
+            report.problems.append(f"{where}: {files[0].name if len(files) == 1 else src.path} is not a .jsonl, .jsonl.zst, "
+                                   ".json, .csv, .parquet, .txt or .txt.gz file")
             continue
         if kinds[0] in sourcefiles.TEXT_SUFFIXES or len(kinds) > 1:
             if (sample := _text_sample(i, src, files, report)) is not None:
@@ -265,7 +218,7 @@ def check_data(cfg: RunConfig, report: Report) -> list[Sample]:
             continue
         small = len(files) == 1 and path.stat().st_size <= COUNT_LIMIT_BYTES
         try:
-            rows = _read_rows(path, None if small else SAMPLE_ROWS)
+            rows = sourcefiles.read_rows(path, None if small else SAMPLE_ROWS)
         except (OSError, ValueError, UnicodeDecodeError, csv.Error) as exc:
             report.problems.append(f"{where}: cannot read {path.name}: {exc}")
             continue

@@ -249,8 +249,19 @@ def build_prepare_context(
     cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, command: str, config_path: str = ""
 ) -> dict[str, Any]:
     """Everything the prepare template places, already quoted: one task on CPUs (``prepare.resources``), no
-    GPU gres, no collective settings."""
-    return _cpu_job_context(cfg, profile, paths, command, config_path, "prepare", cfg.prepare.resources)
+    GPU gres, no collective settings; with ``prepare.tasks`` > 1 an array of such tasks (slurmft/job/prepare_array.py),
+    task k logging into ``prepare-<array>_<k>.out``, the id slurmft records it by."""
+    ctx = _cpu_job_context(cfg, profile, paths, command, config_path, "prepare", cfg.prepare.resources)
+    if cfg.prepare.tasks > 1:
+        log = array_log_pattern(paths, "prepare")
+        ctx["directives"] = [*(d for d in ctx["directives"] if not d.startswith(("--output", "--error"))),
+                             _flag("array", f"0-{cfg.prepare.tasks - 1}"), _flag("output", log), _flag("error", log)]
+    return ctx
+
+
+def one_prepare_job(cfg: RunConfig) -> Any:
+    """``cfg.prepare`` as one job: a sweep's shared prepare job prepares every point's set, one after another."""
+    return cfg.prepare.model_copy(update={"tasks": 1})
 
 
 def build_model_job_context(
@@ -350,7 +361,7 @@ def render_sweep_arrays(sweep: Any, profile: ClusterProfile, config_path: str = 
     """A sweep's prepare script (one job for every point), train array script, consolidation array's and those of
     the jobs after it (serve, eval), named after the sweep, with the allocation of its first point (every point has
     the same: slurmft.sweep.FIXED, slurmft.submit.sweep.check_one_allocation)."""
-    first = sweep.configs[0].model_copy(update={"name": sweep.cfg.name})
+    first = sweep.configs[0].model_copy(update={"name": sweep.cfg.name, "prepare": one_prepare_job(sweep.configs[0])})
     dirs = [Path(c.output_dir) for c in sweep.configs]
     root = RunPaths.of(sweep.cfg.output_dir)
     kinds = ["train", *(["consolidate"] if first.consolidate.enabled else []),

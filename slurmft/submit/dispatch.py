@@ -291,7 +291,9 @@ def _submit_slurm(
         result.jobs["prepare"] = first
         attempt["prepare_job"] = first
         write_manifest(paths, manifest)
-        say(f"prepare job {first} submitted ({cfg.prepare.resources.cpus_per_task} CPU(s), no GPU)")
+        tasks = f"{cfg.prepare.tasks} tasks x " if cfg.prepare.tasks > 1 else ""
+        say(f"prepare {'array' if tasks else 'job'} {first} submitted ({tasks}{cfg.prepare.resources.cpus_per_task} "
+            "CPU(s), no GPU)")
     elif cfg.prepare.enabled:
         say(f"the data is prepared already ({paths.prepared}): no prepare job")
     try:
@@ -466,6 +468,11 @@ def submit_prepare(cfg: RunConfig, profile: Any, paths: RunPaths, manifest: dict
 
     from slurmft.job.entrypoint import run_prepare
 
+    if cfg.prepare.tasks > 1:
+        from slurmft.submit.arrays import submit_array
+
+        return submit_array(cfg, profile, paths, manifest, config_path, template_dir, _prepare_fields(run_attempt))
+
     def text(command: str) -> str:
         return render(PREPARE_TEMPLATE, build_prepare_context(cfg, profile, paths, command, config_path), template_dir)
 
@@ -489,6 +496,10 @@ def run_local_prepare(cfg: RunConfig, paths: RunPaths, manifest: dict[str, Any],
 
     from slurmft.job.entrypoint import run_prepare
 
+    if cfg.prepare.tasks > 1:
+        from slurmft.submit.arrays import run_local_array
+
+        return run_local_array(cfg, paths, manifest, say, _prepare_fields(run_attempt), _wait_local)
     ex = LocalExecutor(folder=paths.submitit, python=python_for(cfg))
     ex.update_parameters(tasks_per_node=1, nodes=1, timeout_min=time_minutes(cfg.prepare.resources.time))
     job = ex.submit(run_prepare, str(paths.root))

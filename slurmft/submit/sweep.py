@@ -25,7 +25,6 @@ submitit processing waits for it). The local executor runs the points one after 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ from slurmft.plan.render import (
     PREPARE_TEMPLATE,
     build_prepare_context,
     model_job_enabled,
+    one_prepare_job,
     rank_python_for,
     render,
     render_scripts,
@@ -61,6 +61,7 @@ from slurmft.rundir import (
     write_manifest,
     write_sweep_record,
 )
+from slurmft.submit.arrays import sbatch_array, write_task_pickle
 from slurmft.submit.dispatch import (
     MODEL_JOBS,
     Say,
@@ -199,28 +200,12 @@ def _leaders(sweep: Sweep, groups: list[list[int]]) -> list[str]:
 
 
 # ------------------------------------------------------------------ Slurm: one prepare job, two arrays
-def _sbatch(script: Path, dependency: str | None, what: str) -> str:
-    answer = slurm.sbatch_array(str(script), dependency)
-    job = answer.stdout.strip().split(";")[0] if answer.ok else ""
-    if not job.isdigit():
-        raise SubmissionError(f"sbatch refused the {what} ({answer.problem or answer.stdout.strip()})")
-    return job
-
-
 def _write_pickles(sweep: Sweep, array: str, call: Callable[[RunConfig], tuple[Callable[..., Any], tuple]],
                    timeout_min: int) -> None:
     """Task i's callable in point i's submitit folder, under the id submitit will look for: ``<array>_<i>``."""
-    from submitit.core.utils import DelayedSubmission, JobPaths
-
     for i, cfg in enumerate(sweep.configs):
         function, args = call(cfg)
-        delayed = DelayedSubmission(function, *args)
-        delayed.set_timeout(timeout_min, 3)
-        target = JobPaths(RunPaths.of(cfg.output_dir).submitit, f"{array}_{i}").submitted_pickle
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp")
-        delayed.dump(tmp)
-        os.replace(tmp, target)
+        write_task_pickle(RunPaths.of(cfg.output_dir).submitit, f"{array}_{i}", function, args, timeout_min)
 
 
 def _pickles_or_cancel(sweep: Sweep, array: str, call: Callable[[RunConfig], tuple[Callable[..., Any], tuple]],
@@ -249,7 +234,7 @@ def _submit_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str, temp
     prep = None
     if groups:
         def text(command: str) -> str:
-            cfg = first.model_copy(update={"name": sweep.cfg.name})
+            cfg = first.model_copy(update={"name": sweep.cfg.name, "prepare": one_prepare_job(first)})
             return render(PREPARE_TEMPLATE, build_prepare_context(cfg, profile, root, command, config_path), template_dir)
 
         try:
@@ -265,7 +250,7 @@ def _submit_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str, temp
         say(f"prepare job {prep} submitted: {len(groups)} prepared set(s) for {len(sweep.points)} point(s)")
     n = len(sweep.points)
     try:
-        train = _sbatch(root.script("train"), f"afterok:{prep}" if prep else None, "train array")
+        train = sbatch_array(root.script("train"), f"afterok:{prep}" if prep else None, "train array")
     except SubmissionError as exc:
         if prep:
             slurm.try_scancel([prep])
@@ -324,7 +309,7 @@ def _submit_after(sweep: Sweep, kind: str, after: str, sent: list[str], manifest
     section = first.model_job(kind) if optional else first.consolidate
     assert section is not None, kind
     try:
-        job = _sbatch(root.script(kind), f"aftercorr:{after}", what)
+        job = sbatch_array(root.script(kind), f"aftercorr:{after}", what)
     except SubmissionError as exc:
         if optional:
             say(f"WARNING: {exc}; the sweep goes on without it (`slurmft {kind} POINT_DIR` once it is fixed)")

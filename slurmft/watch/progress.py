@@ -574,6 +574,8 @@ def prepare_info(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dic
         except OSError:
             text = ""
         out["running"] = {"job_id": rows[-1]["job_id"], "progress": last_progress(text)}
+        if job.get("tasks", 1) > 1 and "pid" not in job:  # a prepare array: its shards so far, and the total
+            out["running"]["array"] = prepared.array_progress(paths.prepared_parts(job["job_id"]), job["tasks"])
     return out or None
 
 
@@ -618,6 +620,8 @@ def overview_lines(ov: dict[str, Any]) -> list[str]:
     prep = ov.get("prepared") or {}
     if prep.get("running"):
         lines.append(f"preparing (job {prep['running']['job_id']}): {prep['running']['progress'] or 'starting'}")
+        if prep["running"].get("array"):
+            lines.append(f"prepare array {prep['running']['job_id']}: {prep['running']['array']}")
     if prep.get("summary"):
         lines.append(f"prepared data: {prep['summary']}")
     lines.append(f"checkpoint: step {ck['step']}, {fmt_duration(ck['age_s'])} old, {binary_bytes(ck['bytes'])} "

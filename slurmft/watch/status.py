@@ -85,6 +85,8 @@ def slurm_view(manifest: dict[str, Any], job_tags: set[str] | frozenset[str] = f
     missed) and one sacct."""
     view = SlurmView()
     known = {j["job_id"] for j in manifest.get("jobs", []) if "pid" not in j}  # not the processes run here
+    known |= {f"{j['job_id']}_{k}" for j in manifest.get("jobs", []) if "pid" not in j for k in range(j.get("tasks", 1))
+              if j.get("tasks", 1) > 1}  # a prepare array's tasks
     queued = slurm.squeue_jobs()
     if queued is None:
         view.problems.append(SQUEUE_SILENT)
@@ -99,7 +101,24 @@ def slurm_view(manifest: dict[str, Any], job_tags: set[str] | frozenset[str] = f
                              "are unknown")
         acct = {}
     view.acct = acct
+    for job in manifest.get("jobs", []):
+        if job.get("tasks", 1) > 1 and "pid" not in job:  # a prepare array, recorded by the array's id
+            tasks = [f"{job['job_id']}_{k}" for k in range(job["tasks"])]
+            fold_array(view, job["job_id"], [queued.get(t) for t in tasks], [acct.get(t) for t in tasks])
     return view
+
+
+def fold_array(view: SlurmView, array: str, queued: list[dict[str, str] | None],
+               acct: list[dict[str, str] | None]) -> None:
+    """An array's tasks as one job of the run (the train job waits for them all: ``afterok:<array>``): live while a
+    task is (a running one shown first), else COMPLETED when every task completed, else the first other ending."""
+    live = [q for q in queued if q]
+    if live:
+        view.queued[array] = next((q for q in live if q["state"] == State.RUNNING.value), live[0])
+        return
+    ended = [a for a in acct if a]
+    if ended and len(ended) == len(acct):
+        view.acct[array] = next((a for a in ended if a["state"] != State.COMPLETED.value), ended[-1])
 
 
 def adopt_tagged(manifest: dict[str, Any], view: SlurmView) -> list[dict[str, Any]]:

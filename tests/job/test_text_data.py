@@ -201,3 +201,31 @@ def test_a_mixture_keeps_its_order_and_each_kind_is_trls_own_preparation(prepare
     tok.eos_token = None  # a tokenizer that defines no EOS: the documents could not be told apart
     with pytest.raises(JobSetupError, match="the tokenizer has no EOS token, which plain text needs"):
         TrlPreparation(tok, args, mixed[0])._with_text(mixed, args)
+
+
+def test_a_jsonl_zst_corpus_is_prepared_document_by_document(tiny_model: Path, tmp_path: Path) -> None:
+    """``.jsonl.zst`` files (zstandard-compressed JSON lines, ``format: text``): datasets decompresses them in the job;
+    every document's tokens are in the prepared set."""
+    import zstandard
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer
+
+    from slurmft.job.prepare import prepare_run
+    from slurmft.job.train import read_config
+    from slurmft.rundir import RunPaths
+
+    rng = random.Random(5)
+    docs = [_prose(rng, n) for n in (10, 40, 120, 7)]
+    for i in range(2):
+        lines = "".join(json.dumps({"text": d}) + "\n" for d in docs[2 * i:2 * i + 2])
+        (tmp_path / f"part{i}.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+    sources = [{"path": str(tmp_path / "*.jsonl.zst"), "format": "text"}]
+    run = write_run(tmp_path / "run", tiny_model, [f"data.max_seq_length={SEQ}"],
+                    edit=lambda d: d["data"].update(datasets=sources))
+    record = prepare_run(str(run), num_proc=1, cfg=read_config(RunPaths.of(run)))
+    assert record["result"]["conversations"] == len(docs)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    sequences = Counter(tuple(ids) for ids, _ in _sequences(load_from_disk(str(run / "prepared"))))
+    for doc in docs:
+        ids = tok(doc + tok.eos_token)["input_ids"]
+        assert all(sequences[tuple(ids[i:i + SEQ])] >= 1 for i in range(0, len(ids), SEQ)), doc[:40]

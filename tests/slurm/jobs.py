@@ -76,6 +76,22 @@ def restarts(job: str) -> int:
     return int(out.split("Restarts=")[1].split()[0])
 
 
+def started_here(args: list[str]) -> dict[str, str]:
+    """Run ``slurmft ARGS`` in-process, from a fixture wider than one test (it has no capsys); the jobs it started."""
+    import contextlib
+    import io
+
+    from slurmft.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        try:
+            main(args)
+        except SystemExit as exc:
+            assert not exc.code, buf.getvalue()
+    return started_jobs(buf.getvalue())
+
+
 def started_jobs(out: str) -> dict[str, str]:
     """{kind: job id} from what submit, resume or prepare printed (``train job: 12``)."""
     return dict(line.split(" job: ") for line in out.splitlines() if " job: " in line)

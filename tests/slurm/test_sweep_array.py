@@ -13,8 +13,6 @@ twins' models are compared bitwise): one lm-eval run per point, fine-tuned model
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import signal
@@ -25,7 +23,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slurmft.cli import main
 from slurmft.eval_results import named_score, read_summary
 from tests.conftest import REPO_ROOT, need_model_job_python
 from tests.slurm import jobs
@@ -75,9 +72,9 @@ def sweep_run(slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path_factory
         twins[index] = (tmp / f"twin-{index}" / "run", twin)
     started = {}
     for index, (_, twin) in twins.items():
-        started[index] = _submit(["submit", str(twin)])
+        started[index] = jobs.started_here(["submit", str(twin)])
     since = time.strftime("%Y-%m-%dT%H:%M:%S")
-    out = _submit(["submit", str(path)])
+    out = jobs.started_here(["submit", str(path)])
     root = tmp / "run"
     record = json.loads((root / "sweep.json").read_text())
     points = [Path(p["dir"]) for p in record["points"]]
@@ -98,7 +95,7 @@ def sweep_run(slurm_cluster, tiny_model: Path, chat_data: Path, tmp_path_factory
         if i != CANCELLED:
             slurm_cluster.wait_state(f"{array}_{i}", "COMPLETED", timeout=600)
             slurm_cluster.wait_state(f"{out['consolidate']}_{i}", "COMPLETED", timeout=300)
-    resumed = _submit(["resume", str(root)])  # the evaluation tasks of the others may still run: it leaves them alone
+    resumed = jobs.started_here(["resume", str(root)])  # the evaluation tasks of the others may still run: it leaves them alone
     for kind in ("train", "consolidate", "eval"):
         slurm_cluster.wait_state(resumed[f"point {points[CANCELLED].name}: {kind}"], "COMPLETED", timeout=400)
     for i in range(len(points)):
@@ -123,17 +120,6 @@ def _warn_ranks(task: str) -> None:
     pids = jobs.wait_for(f"the ranks of {task}", lambda: (p := jobs.rank_pids(own)) and len(p) == 2 and p)
     for pid in pids.values():
         os.kill(pid, signal.SIGUSR2)
-
-
-def _submit(args: list[str]) -> dict[str, str]:
-    """Run ``slurmft ARGS`` in-process (a module fixture has no capsys); the jobs it started."""
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        try:
-            main(args)
-        except SystemExit as exc:
-            assert not exc.code, buf.getvalue()
-    return jobs.started_jobs(buf.getvalue())
 
 
 def test_one_prepare_job_one_train_array_one_consolidation_array(sweep_run: dict, slurm_cluster) -> None:

@@ -1,0 +1,175 @@
+"""A plain-text corpus prepared by one prepare job and by a prepare array; the train job's start on a large prepared set.
+
+Run: python bench/prepare_array.py [--tokens 50000000] [--tasks 4] [--model DIR] [--quick]
+One invocation: it writes a text corpus locally (seeded prose, documents separated by blank lines, nothing
+downloaded; ``--tokens`` of the tiny model's tokenizer, 50M by default), builds the tiny model (slurmft.tiny;
+``--model``: that preset built already), then:
+
+* **prepare throughput**: the corpus prepared by one prepare job (``python -m slurmft.job.entrypoint prepare``, one
+  process) and by an array of ``--tasks`` tasks (``prepare-task``, each a process of its own started at once, as
+  Slurm starts an array's tasks; the last one to finish packs). Wall times and tokens/s, their ratio, and whether the
+  two ``prepared/`` sets are bitwise equal (they must be: exit 1 otherwise). On a machine with fewer cores than
+  tasks the tasks share the cores: the ratio is what this machine gives, not what N nodes give.
+* **train job start**: the 2-rank train job (gloo, real FSDP2, tiny model) on the full prepared set and on a tenth
+  of the corpus prepared the same way: seconds from launch to the first step, and the first step's peak RSS
+  (``metrics.jsonl``'s ``peak_rss_mib``, the largest rank's). ``prepared/`` is read memory-mapped
+  (``datasets.load_from_disk``): both should be flat in the set's size.
+
+Targets (exit 1 when missed): the two prepared sets are bitwise equal; the train job's time to first step and RSS on
+the full set are within ``FLAT`` times the tenth's. ``--quick`` (200k tokens) checks that the pipeline runs and the
+sets are equal, not the figures. The tables are what docs/benchmarks.md
+quotes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+from prepare_first_step import WORDS, env_for, first_step_s  # noqa: E402 - this directory's sibling bench
+
+SEQ = 512
+FILES = 64
+#: "flat": the train job's time to its first step and its RSS on the full set at most this times the tenth's
+FLAT = 1.25
+
+
+def write_corpus(root: Path, words: int, seed: int = 0) -> None:
+    """``words`` words of seeded prose in ``FILES`` files, paragraphs of 20-400 words between blank lines."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True)
+    per_file = -(-words // FILES)
+    for i in range(FILES):
+        left, paragraphs = per_file, []
+        while left > 0:
+            n = min(left, rng.randint(20, 400))
+            paragraphs.append(" ".join(rng.choices(WORDS, k=n)))
+            left -= n
+        (root / f"part{i:03d}.txt").write_text("\n\n".join(paragraphs) + "\n")
+
+
+def tokens_per_word(model: Path) -> float:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    sample = " ".join(random.Random(1).choices(WORDS, k=20000))
+    return len(tok(sample)["input_ids"]) / 20000
+
+
+def write_run(run: Path, model: Path, corpus: Path, files: str = "*.txt") -> None:
+    from slurmft.config_loading import dump_config, load_config
+
+    cfg = load_config(REPO / "examples" / "tiny" / "run.yaml", [
+        f"model.name_or_path={model}", f"output_dir={run}",
+        "data.datasets=[{path: '" + str(corpus / files) + "', documents: blank_line}]", f"data.max_seq_length={SEQ}",
+        "data.num_proc=1", "train.max_steps=1", "checkpoint.every_steps=1000", "prepare.enabled=true"])
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(dump_config(cfg))
+
+
+def prepare_one(run: Path, env: dict[str, str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "slurmft.job.entrypoint", "prepare", str(run)], check=True, env=env,
+                   stdout=subprocess.DEVNULL, stderr=open(run.parent / f"{run.name}.log", "w"))  # noqa: SIM115
+    return time.perf_counter() - t0
+
+
+def prepare_array(run: Path, tasks: int, env: dict[str, str]) -> float:
+    """Every task started at once, each its own process (as the array's tasks on their nodes); until the last ends."""
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-m", "slurmft.job.entrypoint", "prepare-task", str(run), "--task",
+                               str(k), "--tasks", str(tasks), "--group", "bench"], env=env, stdout=subprocess.DEVNULL,
+                              stderr=open(run.parent / f"{run.name}-task{k}.log", "w"))  # noqa: SIM115
+             for k in range(tasks)]
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"prepare array: task exit codes {codes}; see {run.parent}/{run.name}-task*.log")
+    return time.perf_counter() - t0
+
+
+def same_prepared(a: Path, b: Path) -> bool:
+    from datasets import load_from_disk
+
+    x, y = load_from_disk(str(a / "prepared")), load_from_disk(str(b / "prepared"))
+    return x.features == y.features and x.with_format("arrow")[:].equals(y.with_format("arrow")[:])
+
+
+def first_step_rss_mib(run: Path) -> float:
+    first = next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"step"' in line)
+    return float(first["peak_rss_mib"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=50_000_000, help="the corpus's size in tokens (default 50M)")
+    ap.add_argument("--tasks", type=int, default=4)
+    ap.add_argument("--model", help="the slurmft.tiny tiny preset, built already (default: build it here)")
+    ap.add_argument("--quick", action="store_true", help="200k tokens: the pipeline runs (figures not meaningful)")
+    ap.add_argument("--keep", help="keep the work directory here (default: a temporary one, removed)")
+    args = ap.parse_args(argv)
+    tokens = 200_000 if args.quick else args.tokens
+    sys.path.insert(0, str(REPO))
+
+    with tempfile.TemporaryDirectory(prefix="slurmft-prepare-array-bench-", dir=args.keep) as tmp:
+        work = Path(tmp)
+        if args.model:
+            model = Path(args.model).resolve()
+        else:
+            from slurmft.tiny import build
+
+            model = build(work / "model", "tiny", "float32")
+        words = int(tokens / tokens_per_word(model))
+        corpus = work / "corpus"
+        write_corpus(corpus, words)
+        one, many, small = work / "one", work / "array", work / "small"
+        write_run(one, model, corpus)
+        write_run(many, model, corpus)
+        write_run(small, model, corpus, f"part00[0-{FILES // 10 - 1}].txt")  # a tenth of the files
+        one_s = prepare_one(one, env_for(work / "cache-one"))
+        many_s = prepare_array(many, args.tasks, env_for(work / "cache-array"))
+        equal = same_prepared(one, many)
+        prepare_one(small, env_for(work / "cache-small"))
+        big = json.loads((one / "prepared" / "slurmft-prepared.json").read_text())
+        record = json.loads((many / "prepared" / "slurmft-prepared.json").read_text())
+        tenth = json.loads((small / "prepared" / "slurmft-prepared.json").read_text())["result"]
+        start_big = first_step_s(one, env_for(work / "cache-train-big"))
+        start_small = first_step_s(small, env_for(work / "cache-train-small"))
+        rss_big, rss_small = first_step_rss_mib(one), first_step_rss_mib(small)
+    result = big["result"]
+    n = result["tokens"]
+    print(f"corpus: {FILES} .txt files, documents between blank lines -> {result['conversations']:,} documents, "
+          f"{n:,} tokens in {result['sequences']:,} packed rows of <= {SEQ}; tiny model's tokenizer")
+    print("| preparation | wall | tokens/s |")
+    print("|---|---|---|")
+    print(f"| one prepare job (1 process) | {one_s:.1f} s | {n / one_s:,.0f} |")
+    print(f"| prepare array, {args.tasks} tasks at once (the last one packs) | {many_s:.1f} s | {n / many_s:,.0f} |")
+    per_task = ", ".join(f"{s['tokens_per_s']:,}" for s in record["shards"])
+    print(f"ratio: the array takes {many_s / one_s:.2f}x the one job's time; its tasks' own tokens/s: {per_task}")
+    print(f"prepared/ of the array bitwise equal to the one job's: {'yes' if equal else 'NO'}")
+    print("| train job (2 gloo ranks, tiny model) on a prepared set of | time to first step | first step's peak RSS |")
+    print("|---|---|---|")
+    print(f"| {tenth['tokens']:,} tokens | {start_small:.1f} s | {rss_small:.0f} MiB |")
+    print(f"| {n:,} tokens | {start_big:.1f} s | {rss_big:.0f} MiB |")
+    time_ratio, rss_ratio = start_big / start_small, rss_big / rss_small
+    print(f"ratio (large / small): time to first step {time_ratio:.2f}x, RSS {rss_ratio:.2f}x")
+    if args.quick:
+        print(f"targets (--quick: the pipeline runs, the two prepared sets are equal): {'met' if equal else 'MISSED'}")
+        return 0 if equal else 1
+    missed = [what for what, ok in (("prepared sets equal", equal), (f"RSS flat (<= {FLAT:g}x)", rss_ratio <= FLAT),
+                                    (f"time to first step flat (<= {FLAT:g}x)", time_ratio <= FLAT)) if not ok]
+    print(f"targets (the array's prepared set equal to one job's; first step's time and RSS within {FLAT:g}x for "
+          f"{n / max(tenth['tokens'], 1):.0f}x the tokens): {'met' if not missed else 'MISSED ' + ', '.join(missed)}")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""The prepare job as a Slurm job array (``prepare.tasks``): a corpus's tokenization spread over N tasks.
+
+One prepare job tokenizes a corpus with the CPUs of one node: hours for billions of tokens, while the train job
+waits. With ``prepare.tasks: N`` the prepare job is an array (``--array=0-(N-1)``, slurmft/submit/prepare.py). Every
+task loads and mixes the sources as one prepare job does (cheap beside tokenization; datasets' cache shares the
+files' Arrow copies), takes the k-th contiguous share of the mixture's rows (:func:`share`), runs TRL's preparation
+on it row by row (:meth:`slurmft.job.prepare.TrlPreparation.rows`: no packing, no shuffle) and saves the rows as
+shard k of ``RUN_DIR/.prepared.array-<array id>/`` with a record of its own (rows, tokens, seconds, tokens/s, the
+inputs' identity). A prepared row depends on its own source row only, so the shards concatenated in task order
+are the rows one prepare job makes. The task that finds every shard complete (the last to finish: each writes its
+shard before it looks) runs what needs the whole set: TRL's shuffle and slurmft's one packing plan
+(:func:`slurmft.job.prepare.finish`), over the shards read memory-mapped and concatenated without a copy
+(``load_from_disk`` + ``concatenate_datasets`` keep datasets' Arrow files mapped), and writes ``prepared/`` with a
+record covering every shard. So ``prepared/`` is bitwise what ``prepare.tasks: 1`` writes, whatever N and the CPUs
+(tests/job/test_prepare_array.py), and the train job reads it as before. The train job waits for the whole array
+(``afterok:<array id>``).
+
+A cache is bound to what it was computed from: every task records the inputs (files' sizes and times, tokenizer
+hashes, hub commits) as it began, and the packing task refuses shards made from different inputs (a file changed
+while the array ran) instead of mixing them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from slurmft import prepared
+from slurmft.errors import JobSetupError
+from slurmft.job.prepare import (
+    TEXT,
+    Loaded,
+    TrlPreparation,
+    finish,
+    load_run,
+    prepare_args,
+    save_prepared,
+    trl_said,
+)
+from slurmft.prepared import SHARD_RECORD, shard_dir, shard_records
+from slurmft.rundir import atomic_write
+
+log = logging.getLogger("slurmft.job")
+#: made (O_EXCL) by the one task that packs the shards; the others see it and stop
+CLAIM = "packing"
+
+
+def share(rows: int, task: int, tasks: int) -> range:
+    """The mixture's rows task ``task`` of ``tasks`` prepares: a contiguous share, sizes differing by one at most."""
+    return range(rows * task // tasks, rows * (task + 1) // tasks)
+
+
+def run_task(run_dir: str, task: int, tasks: int, group: str, num_proc: int | None = None) -> dict[str, Any]:
+    """Task ``task`` of prepare array ``group`` (its job id): its share tokenized into its shard; the last task to
+    finish also packs every shard into ``prepared/``. Returns the shard's record."""
+    import pyarrow.compute as pc
+
+    from slurmft.job.packing import lengths_of
+    from slurmft.slurm import own_job_id
+
+    if not 0 <= task < tasks:
+        raise JobSetupError(f"prepare array task {task} is not one of 0..{tasks - 1}")
+    run = load_run(run_dir, num_proc)
+    parts = run.paths.prepared_parts(group)
+    parts.mkdir(parents=True, exist_ok=True)
+    rows = share(len(run.mixed), task, tasks)
+    args = prepare_args(run.cfg, run.num_proc, parts)
+    trl = TrlPreparation(run.tokenizer, args, run.mixed[0])
+    mine = run.mixed.select(rows)
+    chat = TEXT not in mine.column_names or not pc.all(mine.with_format("arrow")[:][TEXT].is_valid()).as_py()
+    log.info("task %d of %d: rows %d..%d of the mixture's %d (TRL's preparation, unpacked; the packing waits for every "
+             "task)", task, tasks, rows.start, rows.stop - 1, len(run.mixed))
+    t = time.time()
+    target, tmp = shard_dir(parts, task), parts / f".shard-{task:05d}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    if len(mine):
+        ready = trl_said(run.cfg, run.paths, lambda: trl.rows(mine, args))
+        ready.save_to_disk(str(tmp))
+        sequences, tokens = len(ready), int(lengths_of(ready).sum())
+    else:  # more tasks than rows: an empty share, a shard of no rows (the packing task leaves it out)
+        tmp.mkdir(parents=True)
+        sequences, tokens = 0, 0
+    seconds = time.time() - t
+    record = {"task": task, "tasks": tasks, "rows": [rows.start, rows.stop], "sequences": sequences, "tokens": tokens,
+              "seconds": round(seconds, 1), "tokens_per_s": round(tokens / max(seconds, 1e-9)), "chat": chat,
+              "job_id": own_job_id(os.environ) or None, "host": socket.gethostname(), "started": run.t0,
+              "inputs": run.before}
+    atomic_write(tmp / SHARD_RECORD, json.dumps(record, indent=2) + "\n")  # last: the shard is complete
+    shutil.rmtree(target, ignore_errors=True)  # a task run again (requeued) replaces its shard
+    os.replace(tmp, target)
+    log.info("task %d of %d: %d sequences, %d tokens in %.1f s (%.0f tokens/s)", task, tasks, sequences, tokens,
+             seconds, tokens / max(seconds, 1e-9))
+    if _last(parts, tasks):
+        pack_shards(run, parts, tasks, group, task)
+    else:
+        log.info("task %d of %d: done; the last task to finish packs the shards", task, tasks)
+    return record
+
+
+def _last(parts: Path, tasks: int) -> bool:
+    """Whether this task packs: every shard is complete and no other task claimed the packing first (each task
+    writes its shard before it looks, so the last one to finish always sees them all)."""
+    if any(r is None for r in shard_records(parts, tasks)):
+        return False
+    try:
+        os.close(os.open(parts / CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False
+    return True
+
+
+def pack_shards(run: Loaded, parts: Path, tasks: int, group: str, me: int) -> dict[str, Any]:
+    """Every shard, memory-mapped and concatenated in task order, through TRL's shuffle and one packing plan into
+    ``prepared/`` (:func:`slurmft.job.prepare.save_prepared`), with a record covering every shard; the shards are
+    removed after. ``me``: the task that packs (its inputs are ``run.before``)."""
+    from datasets import concatenate_datasets, load_from_disk
+
+    from slurmft.slurm import own_job_id
+
+    records = [r for r in shard_records(parts, tasks) if r is not None]
+    for r in records:
+        changed = prepared.differences(r["inputs"], run.before)
+        if changed:
+            raise JobSetupError(f"data: the sources changed while the prepare array ran (task {r['task']} read other "
+                                f"inputs than task {me}, which packs): {'; '.join(changed)}; prepare again: "
+                                f"`slurmft prepare {run.paths.root}`")
+    kept = [r for r in records if r["rows"][1] > r["rows"][0]]  # an empty share saved no rows
+    shards = [load_from_disk(str(shard_dir(parts, r["task"]))) for r in kept]
+    # a share without a conversation has the text rows' column types; one prepare job casts the text rows to the
+    # conversations' (slurmft/job/prepare.py: TrlPreparation._with_text), so does this
+    like = next((s for s, r in zip(shards, kept, strict=True) if r["chat"] and len(s)), shards[0]).features
+    rows = concatenate_datasets([s if s.features == like else s.cast(like) for s in shards])
+    args = prepare_args(run.cfg, run.num_proc, parts)
+    started = min(r["started"] for r in records)
+    log.info("packing %d shards: %d sequences, %d tokens (one plan for the whole set)", tasks, len(rows),
+             sum(r["tokens"] for r in records))
+    shard_list = [{k: r[k] for k in ("task", "rows", "sequences", "tokens", "seconds", "tokens_per_s", "job_id", "host")}
+                  for r in records]
+    record = save_prepared(run, lambda _: finish(rows, args), time.time(),
+                           {"tasks": tasks, "array_job": group, "shards": shard_list,
+                            "job_id": own_job_id(os.environ) or None,  # this task's, as <array>_<task>
+                            "array_seconds": round(time.time() - started, 1)})
+    shutil.rmtree(parts, ignore_errors=True)
+    return record

@@ -1,0 +1,152 @@
+"""The prepare array's tasks (slurmft/job/prepare_array.py), run here one after another as the local executor does.
+
+What must hold: ``prepared/`` from N tasks is bitwise ``prepared/`` from one prepare job (the packed rows, their
+column types, the record's counts), for a mixture of plain text and chat, packed, and unpacked with TRL's shuffle;
+the record covers every shard; shards made from different inputs are refused, not mixed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from slurmft.errors import JobSetupError
+
+from .helpers import TINY_DATA, write_run
+
+SEQ = 64
+WORDS = ["the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Twelve text files (two longer than SEQ tokens), documents per file."""
+    rng = random.Random(3)
+    root = tmp_path_factory.mktemp("array-corpus")
+    for i in range(12):
+        words = rng.choice((6, 30, 90, 200))
+        (root / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(words)) + "\n")
+    return root
+
+
+def _run(root: Path, name: str, model: Path, corpus: Path, extra: list[str]) -> Path:
+    sources = [{"path": str(corpus / "*.txt"), "weight": 1.0}, {"path": str(TINY_DATA / "lima.jsonl"), "weight": 0.1}]
+    return write_run(root / name, model, [f"data.max_seq_length={SEQ}", "prepare.enabled=true", *extra],
+                     edit=lambda d: d["data"].update(datasets=sources))
+
+
+def _prepare(run: Path, tasks: int) -> dict:
+    from slurmft.job.prepare import prepare_run
+    from slurmft.job.prepare_array import run_task
+
+    if tasks == 1:
+        return prepare_run(str(run), num_proc=1)
+    for k in range(tasks):  # as the local executor runs an array: one after another, the last one packs
+        run_task(str(run), k, tasks, "7", num_proc=1)
+    from slurmft.prepared import read_record
+    from slurmft.rundir import RunPaths
+
+    return read_record(RunPaths.of(run)) or {}
+
+
+def _same(a: Path, b: Path) -> None:
+    from datasets import load_from_disk
+
+    one, many = load_from_disk(str(a / "prepared")), load_from_disk(str(b / "prepared"))
+    assert one.features == many.features
+    assert one.with_format("arrow")[:].equals(many.with_format("arrow")[:])  # every token, label, length, in order
+
+
+@pytest.mark.parametrize("tasks,extra", [(3, []), (2, ["data.packing=false", "train.sft.shuffle_dataset=true"])],
+                         ids=["packed-3-tasks", "unpacked-shuffled-2-tasks"])
+def test_array_prepares_what_one_job_prepares(tasks: int, extra: list[str], corpus: Path, tiny_model: Path,
+                                              tmp_path: Path) -> None:
+    one = _run(tmp_path, "one", tiny_model, corpus, extra)
+    many = _run(tmp_path, "many", tiny_model, corpus, extra)
+    single, array = _prepare(one, 1), _prepare(many, tasks)
+    _same(one, many)
+    assert array["result"] | {"seconds": 0} == single["result"] | {"seconds": 0}
+    assert array["inputs"] == single["inputs"] and array["settings"]["sources"][0]["path"] == str(corpus / "*.txt")
+    assert array["tasks"] == tasks and [s["task"] for s in array["shards"]] == list(range(tasks))
+    shares = [s["rows"] for s in array["shards"]]
+    assert shares[0][0] == 0 and all(a[1] == b[0] for a, b in zip(shares, shares[1:], strict=False))
+    assert shares[-1][1] == single["result"]["conversations"]
+    assert all(s["tokens"] > 0 and s["tokens_per_s"] > 0 for s in array["shards"])
+    assert not list(many.glob(".prepared.*")), "the shards are removed once packed"
+
+
+def test_array_refuses_shards_of_changed_inputs(corpus: Path, tiny_model: Path, tmp_path: Path) -> None:
+    from slurmft.job.prepare_array import run_task
+
+    run = _run(tmp_path, "changed", tiny_model, corpus, [])
+    run_task(str(run), 0, 2, "9", num_proc=1)
+    doc = corpus / "doc03.txt"
+    st = doc.stat()
+    try:
+        os.utime(doc, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file "changed" between the two tasks
+        with pytest.raises(JobSetupError, match="changed while the prepare array ran"):
+            run_task(str(run), 1, 2, "9", num_proc=1)
+    finally:
+        os.utime(doc, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert not (run / "prepared").exists()
+
+
+def test_shares_cover_the_rows_once() -> None:
+    from slurmft.job.prepare_array import share
+
+    for rows in (0, 1, 5, 97):
+        for tasks in (1, 2, 4, 7):
+            got = [i for k in range(tasks) for i in share(rows, k, tasks)]
+            assert got == list(range(rows))
+
+
+def test_the_local_executor_runs_the_tasks_one_after_another(tiny_model: Path, tmp_path: Path) -> None:
+    """``slurmft prepare run.yaml`` with ``prepare.tasks: 2`` on the local executor: two local jobs, one after another,
+    each recorded; the set they make is the one one preparation of the same config makes (here, in this process)."""
+    import json
+    import subprocess
+    import sys
+
+    from datasets import load_from_disk
+
+    from slurmft.config_loading import load_config
+    from slurmft.job.prepare import prepare_run
+    from tests.conftest import LOCAL_ARGS, LOCAL_EXAMPLE
+
+    from .helpers import REPO
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "slurmft.cli", "prepare", str(LOCAL_EXAMPLE), f"output_dir={run}",
+                           f"model.name_or_path={tiny_model}", *LOCAL_ARGS, "prepare.tasks=2"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, "HF_DATASETS_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "prepare task 1 of 2" in proc.stderr + proc.stdout and "prepare task 2 of 2" in proc.stderr + proc.stdout
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert [(j["kind"], j.get("task"), j["state"]) for j in manifest["jobs"]] == [
+        ("prepare", 0, "COMPLETED"), ("prepare", 1, "COMPLETED")]
+    record = json.loads((run / "prepared" / "slurmft-prepared.json").read_text())
+    assert record["tasks"] == 2 and len(record["shards"]) == 2
+    twin = tmp_path / "twin"
+    prepare_run(str(twin), cfg=load_config(LOCAL_EXAMPLE, [f"output_dir={twin}", f"model.name_or_path={tiny_model}",
+                                                           *LOCAL_ARGS]))
+    ours, one = load_from_disk(str(run / "prepared")), load_from_disk(str(twin / "prepared"))
+    assert ours.with_format("arrow")[:].equals(one.with_format("arrow")[:])
+
+
+def test_more_tasks_than_documents_leave_empty_shares_out(tiny_model: Path, tmp_path: Path) -> None:
+    """Two documents, four tasks: two shares are empty (no rows to prepare), and the set is still one job's."""
+    corpus = tmp_path / "two"
+    corpus.mkdir()
+    for i, words in enumerate((20, 150)):
+        (corpus / f"d{i}.txt").write_text(" ".join(WORDS[(i + n) % len(WORDS)] for n in range(words)) + "\n")
+    sources = [{"path": str(corpus / "*.txt")}]
+    runs = [write_run(tmp_path / name, tiny_model, [f"data.max_seq_length={SEQ}", "prepare.enabled=true"],
+                      edit=lambda d: d["data"].update(datasets=sources)) for name in ("one", "many")]
+    _prepare(runs[0], 1)
+    record = _prepare(runs[1], 4)
+    _same(*runs)
+    assert [s["sequences"] > 0 for s in record["shards"]] == [False, True, False, True]

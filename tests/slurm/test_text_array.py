@@ -1,0 +1,90 @@
+"""Plain text prepared by a prepare job array on the real two-node cluster (``prepare.tasks``; docs/text.md).
+
+Two runs of one continued-pretraining config (a globbed .txt corpus, packed), submitted side by side: one prepared by
+a 2-task prepare array and preempted once by the warning signal, one prepared by one prepare job and left alone.
+They must end with bitwise-equal models. With the ``prepared/`` sets of the two also bitwise equal (asserted), the
+second run is the first one's uninterrupted twin as well: a 2-task twin would train on the very same bytes. So one
+pair of runs shows both: the array changes nothing that trains, and the preemption changes nothing either.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from slurmft.rundir import RunPaths
+from tests.slurm import jobs
+
+pytestmark = pytest.mark.slurm
+
+TRAIN = {"max_steps": 8}
+CHECKPOINT = {"every_steps": 2, "keep_last": 2}
+RESOURCES = {"cpus_per_task": 1, "mem": "2G", "time": "00:10:00"}
+WORDS = ["the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not",
+         "he", "this", "are", "or", "his", "from", "at", "which", "node", "rank", "shard", "token", "signal"]
+
+
+def _corpus(root: Path) -> Path:
+    """Thirty documents, one a file, some longer than max_seq_length (cut into pieces)."""
+    rng = random.Random(11)
+    root.mkdir()
+    for i in range(30):
+        words = rng.choice((8, 25, 60, 140))
+        (root / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(words)) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def text_runs(slurm_cluster, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, config_writer) -> dict:
+    tmp = tmp_path_factory.mktemp("text-array")
+    corpus = _corpus(tmp / "corpus")
+    started, runs = {}, {}
+    for name, tasks in (("array", 2), ("one", 1)):
+        (tmp / name).mkdir()
+        path = config_writer.write_config(tmp / name, tiny_model, corpus / "*.txt", train=TRAIN, checkpoint=CHECKPOINT,
+                                          prepare={"tasks": tasks, "resources": RESOURCES})
+        runs[name] = tmp / name / "run"
+        started[name] = jobs.started_here(["submit", str(path)])
+    array = started["array"]
+    jobs.wait_for("step 2", lambda: any(m["step"] >= 2 for m in jobs.metrics(runs["array"])), timeout=300)
+    jobs.signal_rank_steps(array["train"])
+    jobs.wait_for("restart 1", lambda: jobs.restarts(array["train"]) >= 1, timeout=120)
+    for ids in started.values():
+        slurm_cluster.wait_state(ids["train"], "COMPLETED", timeout=400)
+        slurm_cluster.wait_state(ids["consolidate"], "COMPLETED", timeout=240)
+    return {"runs": runs, "jobs": started}
+
+
+def test_a_text_run_prepared_by_a_2_task_array_and_preempted_equals_one_prepared_by_one_job(
+        text_runs: dict, slurm_cluster, slurmft) -> None:
+    from datasets import load_from_disk
+
+    runs, started = text_runs["runs"], text_runs["jobs"]
+    array = started["array"]["prepare"]
+    for k in range(2):  # the array's tasks, each with its own log: its share, its tokens/s
+        slurm_cluster.wait_state(f"{array}_{k}", "COMPLETED", timeout=30, via="sacct")
+        log = (runs["array"] / "logs" / f"prepare-{array}_{k}.out").read_text(errors="replace")
+        assert f"task {k} of 2:" in log and "tokens/s" in log, log[-2000:]
+    script = (runs["array"] / "scripts" / "prepare.sbatch").read_text()
+    assert "#SBATCH --array=0-1" in script
+    manifest = json.loads(RunPaths.of(runs["array"]).manifest.read_text())
+    train = next(j for j in manifest["jobs"] if j["kind"] == "train")
+    assert train["dependency"] == f"afterok:{array}"  # the whole array
+    record = json.loads(RunPaths.of(runs["array"]).prepared_record.read_text())
+    assert record["tasks"] == 2 and [s["task"] for s in record["shards"]] == [0, 1]
+    assert {s["job_id"] for s in record["shards"]} == {f"{array}_0", f"{array}_1"}
+    one = json.loads(RunPaths.of(runs["one"]).prepared_record.read_text())
+    assert record["result"] | {"seconds": 0} == one["result"] | {"seconds": 0}
+    a, b = (load_from_disk(str(RunPaths.of(runs[n]).prepared)) for n in ("array", "one"))
+    assert a.with_format("arrow")[:].equals(b.with_format("arrow")[:])  # the packs, bitwise
+    assert not list(runs["array"].glob(".prepared.*"))  # the shards are gone once packed
+
+    steps = jobs.metrics(runs["array"])
+    assert sorted(m["step"] for m in steps) == list(range(1, TRAIN["max_steps"] + 1))
+    assert {m["restart"] for m in steps} == {0, 1}  # preempted between two steps it logged
+    rows = slurmft.status_json(runs["array"])
+    assert rows["prepare"]["job_id"] == array and rows["prepare"]["state"] == "COMPLETED"
+    slurmft.assert_same_model(RunPaths.of(runs["array"]).model, RunPaths.of(runs["one"]).model)
