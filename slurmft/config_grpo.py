@@ -97,9 +97,10 @@ class GRPOConfig(Section):
     rollouts: Rollouts = Field(
         Rollouts.TRANSFORMERS,
         description="Who generates: transformers (transformers' generate on the FSDP2-sharded policy, every rank "
-        "its share; works everywhere, slow for long completions); colocate (a vLLM engine in every training "
-        "process) and server (vLLM on the allocation's last node) need vLLM in the job's Python and are not "
-        "implemented yet (validate refuses them).",
+        "its share; works everywhere, slow for long completions); colocate (TRL's colocate mode: a vLLM engine in "
+        "every training process, the weights synced into it after each optimizer step; needs vLLM in the job's "
+        "Python; the same seeded completions as transformers); server (vLLM on the allocation's last node) is not "
+        "implemented yet (validate refuses it).",
     )
     rewards: list[RewardSpec] = Field(..., min_length=1, description="The reward functions, summed with their weights.")
 

@@ -61,7 +61,8 @@ def _missing_column(signature: str | None) -> str | None:
 
 
 def rollouts_problem(cfg: RunConfig, python: str | None) -> str | None:
-    """``rollouts: colocate``/``server``: vLLM is needed in the job's Python, and slurmft does not run them yet."""
+    """``rollouts: colocate``/``server``: vLLM is needed in the job's Python (colocate runs where it imports, or
+    where that Python cannot be asked here: the job checks again); slurmft does not run ``server`` yet."""
     assert cfg.grpo is not None
     rollouts = cfg.grpo.rollouts
     if rollouts == Rollouts.TRANSFORMERS:
@@ -76,6 +77,8 @@ def rollouts_problem(cfg: RunConfig, python: str | None) -> str | None:
         return (f"grpo.rollouts: {rollouts.value} generates with vLLM, which the job's Python {python} cannot import; "
                 "set grpo.rollouts=transformers (transformers' generate on the FSDP2-sharded policy: works on CPUs "
                 "and GPUs without vLLM), or install vllm there")
+    if rollouts == Rollouts.COLOCATE:
+        return None
     return (f"grpo.rollouts: {rollouts.value} (vLLM) is not implemented in this slurmft yet; set "
             "grpo.rollouts=transformers (transformers' generate on the FSDP2-sharded policy)")
 
