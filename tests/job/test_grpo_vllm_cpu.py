@@ -124,6 +124,9 @@ def test_the_colocated_run_trains_as_the_transformers_run(vllm_runs: dict[str, A
     assert [{k: m[k] for k in COMPARED} for m in ours] == [{k: m[k] for k in COMPARED} for m in theirs]
     assert [m["loss"] for m in ours] == pytest.approx([m["loss"] for m in theirs], abs=1e-6)
     assert [m["grad_norm"] for m in ours] == pytest.approx([m["grad_norm"] for m in theirs], rel=1e-5)
+    for rank in (0, 1):  # the policy the engine is synced from: FSDP2 shards on both ranks
+        fsdp = json.loads((vllm_runs["runs"]["colocate"] / "fsdp_report" / f"rank{rank}.json").read_text())
+        assert fsdp["num_dtensors"] == fsdp["num_tensors"] > 0 and fsdp["local_fraction"] < 1, fsdp
     log = vllm_runs["log"]
     assert "vLLM colocated engine" in log and "'dtype': 'float32'" in log
     assert "synced through vLLM's in-place reload" in log  # the CPU backend's sync (its linear layers keep no weight)
