@@ -14,7 +14,8 @@ of a run, as far as the two engines' logits agree (fp32 on CPUs: tests/job/test_
 Besides the processor, what differs from TRL's colocate mode:
 
 - the engine is built from the model's files (``model_dir``: TRL would pass the sharded model's ``name_or_path``)
-  in the policy's compute dtype (``model.dtype``; vLLM's ``auto`` turns a float32 checkpoint into float16);
+  in the policy's compute dtype (vLLM's ``auto`` downcasts a float32 checkpoint to the platform's preferred 16-bit
+  dtype);
 - no importance-sampling correction (``vllm_importance_sampling_correction=False``, grpo.py): the tokens are the
   seeded draws, not vLLM's, so the log-probs vLLM reports for them are not those of the sampling distribution;
   and the engine is asked for none;
