@@ -138,9 +138,10 @@ class GRPOConfig(Section):
     rollouts: Rollouts = Field(
         Rollouts.TRANSFORMERS,
         description="Who generates: transformers (transformers' generate on the FSDP2-sharded policy, every rank "
-        "its share; works everywhere, slow for long completions); colocate (a vLLM engine in every training "
-        "process) and server (TRL's vLLM server on the allocation's last node, grpo.server; `slurmft render` "
-        "writes its scripts) need vLLM in the job's Python and GPUs, and are not run yet (validate refuses them).",
+        "its share; works everywhere, slow for long completions); colocate (TRL's colocate mode: a vLLM engine in "
+        "every training process, the weights synced into it after each optimizer step; needs vLLM in the job's "
+        "Python; the same seeded completions as transformers); server (TRL's vLLM server on the allocation's last "
+        "node, grpo.server; `slurmft render` writes its scripts) has not run on a GPU yet (validate refuses it).",
     )
     vllm_gpu_memory_utilization: float = Field(
         COLOCATE_GPU_MEMORY_UTILIZATION, gt=0, lt=1, description="rollouts: colocate: the share of each training GPU "

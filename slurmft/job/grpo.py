@@ -41,14 +41,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
+import importlib.util
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
 from slurmft.config import RunConfig
 from slurmft.errors import JobSetupError
 from slurmft.job.loading import trl_loads_instead
+from slurmft.job.seeded_sampling import SeededSampling, generation_point
 
 log = logging.getLogger("slurmft.job")
 
@@ -65,13 +67,26 @@ def grpo_config(cfg: RunConfig, common: dict[str, Any]) -> Any:
               "epsilon": g.epsilon, "importance_sampling_level": g.importance_sampling_level,
               "steps_per_generation": g.generations_per_step(cfg.train.gradient_accumulation_steps),
               "reward_weights": [r.weight for r in g.rewards],
-              "use_vllm": False,  # grpo.rollouts: transformers (validate refuses the vLLM layouts for now)
+              **_vllm_options(g.rollouts, g.vllm_gpu_memory_utilization),
               "include_num_input_tokens_seen": "no",  # GRPO's batches are prompt rows, not token ids
               "log_completions": False}
     try:
         return GRPOConfig(**kwargs)
     except (TypeError, ValueError) as exc:
         raise JobSetupError(f"grpo: TRL rejected the GRPO options: {exc}") from None
+
+
+def _vllm_options(rollouts: Any, vllm_share: float) -> dict[str, Any]:
+    """TRL's vLLM options for ``grpo.rollouts``: colocate = TRL's colocate mode, sampled by slurmft's seeded
+    processor (slurmft/job/vllm_rollouts.py), hence no importance-sampling correction against vLLM's own log-probs
+    (the tokens are the seeded draws: vLLM's log-probs of them are not the sampling distribution's); the engine's
+    share of the device is ``grpo.vllm_gpu_memory_utilization`` (what ``slurmft estimate`` counted)."""
+    from slurmft.config_grpo import Rollouts
+
+    if rollouts != Rollouts.COLOCATE:
+        return {"use_vllm": False}  # transformers (validate and check_options refuse server for now)
+    return {"use_vllm": True, "vllm_mode": "colocate", "vllm_importance_sampling_correction": False,
+            "vllm_gpu_memory_utilization": vllm_share}
 
 
 def check_options(cfg: RunConfig) -> None:
@@ -82,9 +97,12 @@ def check_options(cfg: RunConfig) -> None:
     if cfg.grpo is None:
         return
     problems = [p for p in (loss_type_problem(cfg.grpo.loss_type),) if p]
-    if cfg.grpo.rollouts != Rollouts.TRANSFORMERS:
+    if cfg.grpo.rollouts == Rollouts.SERVER:
         problems.append(f"grpo.rollouts: {cfg.grpo.rollouts.value} (vLLM) is not implemented in this slurmft yet; "
-                        "set grpo.rollouts=transformers")
+                        "set grpo.rollouts=colocate or transformers")
+    if cfg.grpo.rollouts == Rollouts.COLOCATE and importlib.util.find_spec("vllm") is None:
+        problems.append(f"grpo.rollouts: colocate generates with vLLM, which this Python ({sys.executable}) cannot "
+                        "import; install vllm there, or set grpo.rollouts=transformers")
     if problems:
         raise JobSetupError("grpo: options this job cannot run", problems=problems)
 
@@ -111,42 +129,6 @@ def uses_reference_copy(cfg: RunConfig) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ sampling
-def _noise_seed(seed: int, point: int, row: int, position: int) -> int:
-    """A 63-bit generator seed for one token of one completion: the same on every world size and attempt."""
-    digest = hashlib.blake2b(f"{seed}:{point}:{row}:{position}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-class SeededSampling:
-    """A logits processor for greedy ``generate``: temperature, top-p, then per-completion Gumbel noise, so the
-    argmax is a sample from TRL's distribution drawn from ``(seed, point, first_row + i, position)``."""
-
-    def __init__(self, seed: int, point: int, first_row: int, prompt_length: int, temperature: float,
-                 top_p: float) -> None:
-        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
-
-        self.seed, self.point, self.first_row, self.prompt_length = seed, point, first_row, prompt_length
-        warpers = [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
-        if top_p < 1.0:
-            warpers.append(TopPLogitsWarper(top_p))
-        self.warpers = LogitsProcessorList(warpers)
-
-    def __call__(self, input_ids: Any, scores: Any) -> Any:
-        import torch
-
-        scores = self.warpers(input_ids, scores.float())
-        position = input_ids.shape[1] - self.prompt_length
-        # drawn where the logits are: one small draw per completion (a vocabulary of uniforms), no host round trip;
-        # CUDA's generator gives other numbers than the CPU's, each the same on every world size of its kind
-        noise = torch.empty_like(scores)
-        generator = torch.Generator(device=scores.device)
-        for i in range(scores.shape[0]):
-            generator.manual_seed(_noise_seed(self.seed, self.point, self.first_row + i, position))
-            torch.rand(scores.shape[1], generator=generator, out=noise[i])
-        tiny = torch.finfo(noise.dtype).tiny
-        return scores - torch.log(-torch.log(noise.clamp_(tiny, 1 - 1e-7)))
-
-
 def generate_seeded(trainer: Any, prompt_ids: list[list[int]]) -> list[list[int]]:
     """This rank's completions of ``prompt_ids`` (its slice of the generation batch), sampled by
     :class:`SeededSampling`; the ids up to and including the first EOS, as TRL keeps them."""
@@ -161,8 +143,7 @@ def generate_seeded(trainer: Any, prompt_ids: list[list[int]]) -> list[list[int]
     rows = len(prompt_ids)
     rank = trainer.accelerator.process_index
     args = trainer.args
-    point = trainer.state.global_step * args.gradient_accumulation_steps + (
-        trainer._step % args.gradient_accumulation_steps)
+    point = generation_point(trainer)
     tensors = [torch.tensor(ids) for ids in prompt_ids]
     inputs = {"input_ids": pad(tensors, padding_value=tokenizer.pad_token_id, padding_side="left"),
               "attention_mask": pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left")}
@@ -223,9 +204,12 @@ def trainer_class() -> type:
     class SeededGRPOTrainer(GRPOTrainer):
         def _generate_single_turn(self, prompt_ids: Any, images: Any, multimodal_fields: Any, num_generations: int,
                                   has_tool_images: bool = False) -> Any:
-            if self.use_vllm or images or multimodal_fields:
-                raise JobSetupError("grpo: slurmft generates text completions with transformers only (no vLLM, "
-                                    "no images yet)")
+            if images or multimodal_fields:
+                raise JobSetupError("grpo: slurmft generates text completions only (no images yet)")
+            if self.use_vllm:  # grpo.rollouts: colocate
+                from slurmft.job import vllm_rollouts
+
+                return vllm_rollouts.generate(self, prompt_ids), None
             return generate_seeded(self, prompt_ids), None
 
         def _save_rng_state(self, output_dir: str) -> None:
@@ -240,20 +224,41 @@ def trainer_class() -> type:
     return SeededGRPOTrainer
 
 
+def _colocated_engine(cfg: RunConfig, model_dir: Path) -> Any:
+    """TRL's colocated vLLM engine as slurmft builds it (slurmft/job/vllm_rollouts.py), in the policy's compute
+    dtype (``train.precision`` resolved on this device)."""
+    import torch
+
+    from slurmft.job.vllm_rollouts import engine_as_ours
+    from slurmft.precision import resolve
+
+    dtype = resolve(cfg.train.precision, torch.cuda.is_available()).compute_dtype
+    return engine_as_ours(model_dir, dtype)
+
+
 def new_trainer(cfg: RunConfig, model: Any, reference: Any, args: Any, dataset: Any, tokenizer: Any,
-                callbacks: list[Any], optimizer: Any) -> Any:
-    """TRL's GRPOTrainer (generating with :func:`generate_seeded`) on the sharded policy; ``reference`` is the
-    sharded starting model when ``beta > 0`` on a full fine-tune, else None (LoRA: the adapters disabled). Its EOS
-    ids are the model files' generation_config.json's (slurmft/job/loading.py ``use_generation_config``), as TRL's
-    would be."""
+                callbacks: list[Any], optimizer: Any, model_dir: Path) -> Any:
+    """TRL's GRPOTrainer (generating with :func:`generate_seeded`, or its colocated vLLM engine) on the sharded
+    policy; ``reference`` is the sharded starting model when ``beta > 0`` on a full fine-tune, else None (LoRA: the
+    adapters disabled). Its EOS ids are the model files' generation_config.json's (slurmft/job/loading.py
+    ``use_generation_config``), as TRL's would be. ``model_dir``: the model's files, which a colocated engine starts from."""
     from slurmft.job.adapters import no_reference_adapter
 
     cls = trainer_class()
-    # beta > 0 on a full fine-tune: the copy TRL would load from the model's files is our sharded reference
-    with (trl_loads_instead("grpo_trainer", reference) if reference is not None else contextlib.nullcontext(),
-          no_reference_adapter(model, "grpo")):
+    with contextlib.ExitStack() as stack:
+        # beta > 0 on a full fine-tune: the copy TRL would load from the model's files is our sharded reference
+        if reference is not None:
+            stack.enter_context(trl_loads_instead("grpo_trainer", reference))
+        if args.use_vllm:  # grpo.rollouts: colocate
+            stack.enter_context(_colocated_engine(cfg, model_dir))
+        stack.enter_context(no_reference_adapter(model, "grpo"))
         trainer = cls(model=model, reward_funcs=reward_functions(cfg), args=args, train_dataset=dataset,
                       processing_class=tokenizer, callbacks=callbacks)
+    if args.use_vllm:
+        from slurmft.job.vllm_rollouts import use_cpu_sync
+
+        if use_cpu_sync(trainer):
+            log.info("grpo: vLLM runs on its CPU backend: the weights are synced through vLLM's in-place reload")
     if trainer.ref_model is not reference:  # LoRA or beta 0: None, never a copy TRL loaded itself
         raise JobSetupError("grpo: TRL built a reference model of its own; this TRL is not supported")
     trainer.optimizer_cls_and_kwargs = optimizer  # GRPOTrainer does not pass it on; the optimizer is made in train()

@@ -40,6 +40,7 @@ from slurmft.job import (
     tracking,
     unused_packages,
     versions,
+    vllm_rollouts,
 )
 from slurmft.job.batches import BatchDigest
 from slurmft.job.callbacks import MetricsLog, PreemptionStop, StepLog, StopBeforeFirstStep
@@ -85,6 +86,7 @@ def train(run_dir: str) -> dict[str, Any]:
         # FSDP state holds the process group: free the trainer and model (``_run``'s frame, plus any
         # reference cycles) before destroying it, not during interpreter shutdown.
         gc.collect()
+        vllm_rollouts.close_engines()  # grpo.rollouts: colocate: vLLM leaves the process group itself
         distributed.shutdown()
 
 
@@ -506,7 +508,7 @@ class Trainers:
         if cfg.grpo is not None:
             trainer = grpo.new_trainer(cfg, self.sharded.model, self.reference.model if self.reference else None,
                                        self.args, self.dataset, self.inputs.tokenizer, self.hooks.ordered,
-                                       self.optimizer)
+                                       self.optimizer, self.inputs.model_dir)
         elif cfg.dpo is not None:
             trainer = dpo.new_trainer(self.sharded.model, self.reference.model if self.reference else None, self.args,
                                       self.dataset, self.inputs.tokenizer, self.hooks.ordered, self.optimizer,

@@ -61,7 +61,8 @@ def _missing_column(signature: str | None) -> str | None:
 
 
 def rollouts_problem(cfg: RunConfig, python: str | None) -> str | None:
-    """``rollouts: colocate``/``server``: vLLM is needed in the job's Python, and slurmft does not run them yet."""
+    """``rollouts: colocate``/``server``: vLLM is needed in the job's Python (colocate runs where it imports, or
+    where that Python cannot be asked here: the job checks again); slurmft does not run ``server`` yet."""
     assert cfg.grpo is not None
     rollouts = cfg.grpo.rollouts
     if rollouts == Rollouts.TRANSFORMERS:
@@ -76,6 +77,12 @@ def rollouts_problem(cfg: RunConfig, python: str | None) -> str | None:
         return (f"grpo.rollouts: {rollouts.value} generates with vLLM, which the job's Python {python} cannot import; "
                 "set grpo.rollouts=transformers (transformers' generate on the FSDP2-sharded policy: works on CPUs "
                 "and GPUs without vLLM), or install vllm there")
+    if rollouts == Rollouts.COLOCATE and cfg.lora is not None:  # untested: the adapters' sync into the engine
+        return ("grpo.rollouts: colocate with lora: is not supported yet (the adapters would have to be merged into "
+                "the engine's weights after every step, which no test has shown); set grpo.rollouts=transformers "
+                "(LoRA-GRPO with transformers' generate works), or drop the lora: section")
+    if rollouts == Rollouts.COLOCATE:
+        return None
     if rollouts == Rollouts.SERVER:  # the scripts are built and checked; the job side has never run on a GPU
         return ("grpo.rollouts: server renders (`slurmft render` writes the vLLM server's step and the training "
                 "step on the other nodes) but its job side is not wired nor run on a GPU yet, so slurmft does not "

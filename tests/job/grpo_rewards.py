@@ -28,3 +28,16 @@ def length_then_signal(completions, trainer_state, **kwargs):
             and os.environ.get("SLURM_RESTART_COUNT") == "0"):
         os.kill(os.getpid(), signal.SIGUSR2)
     return length(completions)
+
+
+def length_recorded(completions, completion_ids, trainer_state, **kwargs):
+    """:func:`length`; each rank also appends the completion ids it scores, with the step, to
+    ``$GRPO_TEST_RECORD.rank<R>.jsonl`` (tests/job/test_grpo_vllm_cpu.py compares the rollouts of two runs)."""
+    import json
+    import os
+
+    record = os.environ.get("GRPO_TEST_RECORD")
+    if record:
+        with open(f"{record}.rank{os.environ.get('SLURM_PROCID', '0')}.jsonl", "a") as f:
+            f.write(json.dumps({"step": trainer_state.global_step, "ids": [list(c) for c in completion_ids]}) + "\n")
+    return length(completions)

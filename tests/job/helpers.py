@@ -116,14 +116,15 @@ def launch(run_dir: Path, env: dict[str, str], nproc: int = 2, target: list[str]
 
 def launch_like_srun(run_dir: Path, env: dict[str, str], ntasks: int = 2, job_id: str = "4242", restart: int = 0,
                      ranks: list[int] | None = None, port: int | None = None, nodes: int = 1,
-                     program: list[str] | None = None, args: list[str] | None = None) -> Launch:
+                     program: list[str] | None = None, args: list[str] | None = None,
+                     python: str | None = None) -> Launch:
     """One ``python -m slurmft.job.entrypoint train RUN_DIR`` per rank with the variables srun sets.
 
     This is the path a real Slurm job takes (our own rendezvous store, no torchrun agent).
     ``ranks`` starts only some of them (to test a rank that never shows up). ``nodes`` pretends the
     ranks are spread over that many nodes, block-distributed as srun does (all on this machine).
     ``program`` replaces ``-m slurmft.job.entrypoint`` (a script taking the same arguments), ``args``
-    replaces its arguments ``train RUN_DIR``.
+    replaces its arguments ``train RUN_DIR``; ``python`` the interpreter (default: this one).
     """
     per_node = ntasks // nodes
     log_path = run_dir.parent / f"{run_dir.name}.{int(time.time() * 1000)}.log"
@@ -136,7 +137,7 @@ def launch_like_srun(run_dir: Path, env: dict[str, str], ntasks: int = 2, job_id
                         "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_NTASKS_PER_NODE": str(per_node),
                         "SLURM_JOB_ID": job_id, "SLURM_RESTART_COUNT": str(restart),
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-            cmd = [sys.executable, *(program or ["-m", "slurmft.job.entrypoint"]), *(args or ["train", str(run_dir)])]
+            cmd = [python or sys.executable, *(program or ["-m", "slurmft.job.entrypoint"]), *(args or ["train", str(run_dir)])]
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=rank_env, text=True,
                                           cwd=str(run_dir.parent), start_new_session=True))
     return Launch(procs=procs, run_dir=run_dir, log_path=log_path, torchrun=False)
