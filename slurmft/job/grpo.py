@@ -43,11 +43,14 @@ import contextlib
 import functools
 import hashlib
 import logging
+import os
+import time
 from pathlib import Path
 from typing import Any
 
 from slurmft.config import RunConfig
 from slurmft.errors import JobSetupError
+from slurmft.job import grpo_server
 from slurmft.job.loading import trl_loads_instead
 
 log = logging.getLogger("slurmft.job")
@@ -65,9 +68,11 @@ def grpo_config(cfg: RunConfig, common: dict[str, Any]) -> Any:
               "epsilon": g.epsilon, "importance_sampling_level": g.importance_sampling_level,
               "steps_per_generation": g.generations_per_step(cfg.train.gradient_accumulation_steps),
               "reward_weights": [r.weight for r in g.rewards],
-              "use_vllm": False,  # grpo.rollouts: transformers (validate refuses the vLLM layouts for now)
+              "use_vllm": False,  # grpo.rollouts: transformers; server: below (colocate: refused for now)
               "include_num_input_tokens_seen": "no",  # GRPO's batches are prompt rows, not token ids
               "log_completions": False}
+    if grpo_server.is_server(cfg):  # TRL's server mode, the address and time-outs from the batch script
+        kwargs.update(grpo_server.server_config(dict(os.environ)))
     try:
         return GRPOConfig(**kwargs)
     except (TypeError, ValueError) as exc:
@@ -82,7 +87,11 @@ def check_options(cfg: RunConfig) -> None:
     if cfg.grpo is None:
         return
     problems = [p for p in (loss_type_problem(cfg.grpo.loss_type),) if p]
-    if cfg.grpo.rollouts != Rollouts.TRANSFORMERS:
+    if grpo_server.is_server(cfg):
+        import torch
+
+        problems += grpo_server.problems(torch.cuda.is_available())
+    elif cfg.grpo.rollouts != Rollouts.TRANSFORMERS:
         problems.append(f"grpo.rollouts: {cfg.grpo.rollouts.value} (vLLM) is not implemented in this slurmft yet; "
                         "set grpo.rollouts=transformers")
     if problems:
@@ -147,6 +156,14 @@ class SeededSampling:
         return scores - torch.log(-torch.log(noise.clamp_(tiny, 1 - 1e-7)))
 
 
+def generation_point(trainer: Any) -> int:
+    """Where the run is, counted in micro-steps (``global_step x gradient_accumulation_steps + micro-step``): the
+    same on every world size and attempt, so a generation's random draws can be keyed by it."""
+    args = trainer.args
+    return trainer.state.global_step * args.gradient_accumulation_steps + (
+        trainer._step % args.gradient_accumulation_steps)
+
+
 def generate_seeded(trainer: Any, prompt_ids: list[list[int]]) -> list[list[int]]:
     """This rank's completions of ``prompt_ids`` (its slice of the generation batch), sampled by
     :class:`SeededSampling`; the ids up to and including the first EOS, as TRL keeps them."""
@@ -161,8 +178,7 @@ def generate_seeded(trainer: Any, prompt_ids: list[list[int]]) -> list[list[int]
     rows = len(prompt_ids)
     rank = trainer.accelerator.process_index
     args = trainer.args
-    point = trainer.state.global_step * args.gradient_accumulation_steps + (
-        trainer._step % args.gradient_accumulation_steps)
+    point = generation_point(trainer)
     tensors = [torch.tensor(ids) for ids in prompt_ids]
     inputs = {"input_ids": pad(tensors, padding_value=tokenizer.pad_token_id, padding_side="left"),
               "attention_mask": pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left")}
@@ -223,6 +239,11 @@ def trainer_class() -> type:
     class SeededGRPOTrainer(GRPOTrainer):
         def _generate_single_turn(self, prompt_ids: Any, images: Any, multimodal_fields: Any, num_generations: int,
                                   has_tool_images: bool = False) -> Any:
+            if self.use_vllm and self.vllm_mode == "server" and not images and not multimodal_fields:
+                # vLLM's sampling, seeded per generation (slurmft/job/grpo_server.py says what that keeps)
+                grpo_server.seed_generation(self, _noise_seed(self.args.seed, generation_point(self), -1, -1) >> 32)
+                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                     has_tool_images)
             if self.use_vllm or images or multimodal_fields:
                 raise JobSetupError("grpo: slurmft generates text completions with transformers only (no vLLM, "
                                     "no images yet)")
@@ -249,11 +270,17 @@ def new_trainer(cfg: RunConfig, model: Any, reference: Any, args: Any, dataset: 
     from slurmft.job.adapters import no_reference_adapter
 
     cls = trainer_class()
+    server, started = grpo_server.is_server(cfg), time.time()
     # beta > 0 on a full fine-tune: the copy TRL would load from the model's files is our sharded reference
     with (trl_loads_instead("grpo_trainer", reference) if reference is not None else contextlib.nullcontext(),
-          no_reference_adapter(model, "grpo")):
+          no_reference_adapter(model, "grpo"),
+          grpo_server.watch_init(dict(os.environ)) if server else contextlib.nullcontext()):
         trainer = cls(model=model, reward_funcs=reward_functions(cfg), args=args, train_dataset=dataset,
                       processing_class=tokenizer, callbacks=callbacks)
+    if server:  # every weight sync under grpo.server.sync_timeout_s
+        grpo_server.watch_syncs(trainer, dict(os.environ))
+        if trainer.accelerator.is_main_process:
+            grpo_server.log_layout(dict(os.environ), started)
     if trainer.ref_model is not reference:  # LoRA or beta 0: None, never a copy TRL loaded itself
         raise JobSetupError("grpo: TRL built a reference model of its own; this TRL is not supported")
     trainer.optimizer_cls_and_kwargs = optimizer  # GRPOTrainer does not pass it on; the optimizer is made in train()
