@@ -103,7 +103,7 @@ def test_train_nodes_and_the_server_node(nodes: int, golden: str, tmp_path: Path
     # the server's address from the allocation: node `train_nodes` (0-based), asked once in the batch shell
     assert f"-m slurmft.job.rendezvous exports --vllm-server-node={train_nodes})" in text
     # the time-outs the trainer gets (TRL's vllm_server_timeout; slurmft's limit on one weight sync)
-    assert "export SLURMFT_VLLM_SERVER_TIMEOUT=600" in text and "export SLURMFT_VLLM_SYNC_TIMEOUT=1800" in text
+    assert "export SLURMFT_VLLM_SERVER_TIMEOUT=600" in text and "export SLURMFT_VLLM_SYNC_TIMEOUT=900" in text
     assert f"nodes\n# 0-{train_nodes - 1} train ({8 * train_nodes} ranks); the trainer waits up to 600 s" in text
 
 

@@ -90,7 +90,9 @@ def check_options(cfg: RunConfig) -> None:
     if grpo_server.is_server(cfg):
         import torch
 
-        problems += grpo_server.problems(torch.cuda.is_available())
+        from slurmft.job.distributed import collective_timeout_s
+
+        problems += grpo_server.problems(torch.cuda.is_available(), dict(os.environ), collective_timeout_s())
     elif cfg.grpo.rollouts != Rollouts.TRANSFORMERS:
         problems.append(f"grpo.rollouts: {cfg.grpo.rollouts.value} (vLLM) is not implemented in this slurmft yet; "
                         "set grpo.rollouts=transformers")

@@ -69,20 +69,39 @@ def is_server(cfg: RunConfig) -> bool:
     return cfg.grpo is not None and cfg.grpo.rollouts == Rollouts.SERVER
 
 
-def problems(cuda_available: bool) -> list[str]:
-    """Why this rank cannot train with the server (empty: it can), found before the model loads."""
+def problems(cuda_available: bool, environ: dict[str, str], collective_s: int) -> list[str]:
+    """Why this rank cannot train with the server (empty: it can), found before the model loads: each of no CUDA
+    device, no vLLM, limits that end after the collectives' time-out."""
     import importlib.util
 
+    found = []
     if not cuda_available:
-        return [f"grpo.rollouts: server pushes the trained weights to the vLLM server over NCCL (TRL's "
-                f"VLLMClient.init_communicator takes a CUDA device only) and this rank ({os.uname().nodename}) sees "
-                "no CUDA device; run it on GPU nodes (resources.gpus_per_node > 0), or set "
-                "grpo.rollouts=transformers"]
+        found.append(f"grpo.rollouts: server pushes the trained weights to the vLLM server over NCCL (TRL's "
+                     f"VLLMClient.init_communicator takes a CUDA device only) and this rank ({os.uname().nodename}) "
+                     "sees no CUDA device; run it on GPU nodes (resources.gpus_per_node > 0), or set "
+                     "grpo.rollouts=transformers")
     if importlib.util.find_spec("vllm") is None:  # TRL's VLLMClient imports vLLM's weight-transfer engine
-        return [f"grpo.rollouts: server: vLLM is not importable in the job's Python {sys.executable} (TRL's "
-                "client of the server needs it on the training nodes too); install vllm there, or set "
-                "grpo.rollouts=transformers"]
-    return []
+        found.append(f"grpo.rollouts: server: vLLM is not importable in the job's Python {sys.executable} (TRL's "
+                     "client of the server needs it on the training nodes too); install vllm there, or set "
+                     "grpo.rollouts=transformers")
+    timing = timing_problem(environ, collective_s)
+    return [*found, timing] if timing else found
+
+
+def timing_problem(environ: dict[str, str], collective_s: int) -> str | None:
+    """The server's wait and the sync limit must end before the collectives' time-out: while rank 0 waits for the
+    server and sets up the weight-sync group (building the trainer), or streams a sync, the other ranks wait for it in
+    a collective, which would otherwise end them first with an unnamed NCCL time-out (and Slurm the rest)."""
+    try:
+        wait, sync = float(environ[VLLM_TIMEOUT_ENV]), float(environ[VLLM_SYNC_TIMEOUT_ENV])
+    except (KeyError, ValueError):
+        return None  # server_config names what is missing
+    if wait + sync < collective_s:
+        return None
+    return (f"grpo.server.timeout_s + grpo.server.sync_timeout_s ({wait:g} + {sync:g} s) must stay under the "
+            f"collectives' time-out ({collective_s} s, SLURMFT_COLLECTIVE_TIMEOUT): meanwhile the other ranks wait "
+            "for rank 0 in a collective, which would stop them first with a time-out that does not name the "
+            "server; lower them, or raise SLURMFT_COLLECTIVE_TIMEOUT (cluster.env)")
 
 
 def server_config(environ: dict[str, str]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from slurmft.job import grpo_server
 from .helpers import REPO, launch_like_srun, write_run
 
 ENV = {VLLM_HOST_ENV: "10.1.2.3", VLLM_PORT_ENV: "29617", VLLM_GROUP_PORT_ENV: "29117",
-       VLLM_TIMEOUT_ENV: "600", VLLM_SYNC_TIMEOUT_ENV: "1800"}
+       VLLM_TIMEOUT_ENV: "600", VLLM_SYNC_TIMEOUT_ENV: "900"}
 
 
 def watchdogs() -> list[threading.Thread]:
@@ -140,7 +140,8 @@ def test_server_config_names_what_is_missing() -> None:
 def test_the_job_refuses_a_server_run_without_cuda(micro_model: Path, job_env: dict[str, str],
                                                    tmp_path: Path) -> None:
     """The product path: the train entrypoint on one rank with a ``rollouts: server`` run and the batch script's
-    variables; without a CUDA device it stops before loading the model, naming why (exit 2)."""
+    variables; without a CUDA device it stops before loading the model, naming why (exit 2), and every other reason
+    it would not run (here also the collectives' short time-out of the test's environment)."""
     from .test_grpo_cpu import on_prompts
 
     def server_run(cfg: dict) -> None:
@@ -154,16 +155,32 @@ def test_the_job_refuses_a_server_run_without_cuda(micro_model: Path, job_env: d
     assert rc == 2, out
     assert "grpo.rollouts: server pushes the trained weights to the vLLM server over NCCL" in out, out
     assert "sees no CUDA device; run it on GPU nodes (resources.gpus_per_node > 0)" in out
+    # the test's job_env sets SLURMFT_COLLECTIVE_TIMEOUT=120: the server's limits (600 + 900 s) end after it
+    assert "(600 + 900 s) must stay under the collectives' time-out (120 s, SLURMFT_COLLECTIVE_TIMEOUT)" in out
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
 
 
-def test_a_rank_without_vllm_is_refused_too() -> None:
+def test_each_reason_a_rank_cannot_serve_is_named() -> None:
     import importlib.util
 
-    found = grpo_server.problems(cuda_available=True)
-    if importlib.util.find_spec("vllm") is None:
-        assert len(found) == 1 and found[0].startswith("grpo.rollouts: server: vLLM is not importable in the job's "
-                                                        f"Python {sys.executable}")
-    else:
-        assert found == []
-    assert "sees no CUDA device" in grpo_server.problems(cuda_available=False)[0]
+    no_vllm = importlib.util.find_spec("vllm") is None
+    found = grpo_server.problems(True, ENV, 1800)
+    assert len(found) == int(no_vllm)
+    if no_vllm:
+        assert found[0].startswith(f"grpo.rollouts: server: vLLM is not importable in the job's Python {sys.executable}")
+    found = grpo_server.problems(False, ENV, 1200)
+    assert len(found) == 2 + int(no_vllm)
+    assert "sees no CUDA device" in found[0] and "(600 + 900 s) must stay under" in found[-1]
+
+
+def test_the_limits_must_end_before_the_collectives_time_out() -> None:
+    """While rank 0 waits for the server and sets up the group, or streams a sync, the other ranks wait in a
+    collective: the named error must come before their time-out (600 + 900 < 1800, the defaults)."""
+    assert grpo_server.timing_problem(ENV, 1800) is None
+    slow = {**ENV, VLLM_SYNC_TIMEOUT_ENV: "1200"}
+    problem = grpo_server.timing_problem(slow, 1800)
+    assert problem is not None and problem.startswith(
+        "grpo.server.timeout_s + grpo.server.sync_timeout_s (600 + 1200 s) must stay under the collectives' time-out "
+        "(1800 s, SLURMFT_COLLECTIVE_TIMEOUT)")
+    assert grpo_server.problems(True, slow, 1800)[-1] == problem
+    assert grpo_server.timing_problem(slow, 3600) is None
