@@ -58,3 +58,20 @@ def test_validate_counts_the_batch_on_the_training_ranks() -> None:
     lines = batch_notes(load_config(SERVER), [], None)
     assert lines[0].startswith("batch: 16 rank(s) x 4 x 1 steps per generation = 64 completions per generation "
                                "(8 prompts x 8)")
+
+
+def test_the_servers_lines_are_not_training_rank_0s() -> None:
+    """The server step is not labelled (srun would number its lines 0:, as training rank 0's): ``slurmft logs
+    --rank 0`` shows the rank's lines only, the whole log both."""
+    from slurmft.plan.render import render_scripts
+    from slurmft.profiles import load_profile
+    from slurmft.watch.logs import rank_lines
+
+    cfg = load_config(SERVER)
+    script = render_scripts(cfg, load_profile(cfg.cluster.profile), RunPaths.of(cfg.output_dir), "x.yaml")["train"]
+    server_step = next(line for line in script.splitlines() if "slurmft.job.vllm_server" in line)
+    train_step = next(line for line in script.splitlines() if "slurmft.job.launch" in line)
+    assert "--label" not in server_step and "--label" in train_step
+    log = ["[slurmft] job=7 restart=0 nodes=n[1-3]", " 0: [slurmft rank0] rank 0 of 16", "INFO: vLLM API server up",
+           " 1: step 1/100"]
+    assert rank_lines(log, 0) == ["[slurmft] job=7 restart=0 nodes=n[1-3]", " 0: [slurmft rank0] rank 0 of 16"]
