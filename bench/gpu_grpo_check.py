@@ -8,7 +8,7 @@ Not run in CI and never run yet: it needs a CUDA GPU (TRL's server mode pushes t
 (bench/gpu_image_packages.txt) and its wheel is far over the 64 MiB a device call carries, so on those machines it
 stops at once and says so (exit 2), as it does on a machine without CUDA. What it checks where it can run:
 
-* ``server``: the product's path, as a lent GPU machine (one GPU, no Slurm) can run it. ``slurmft validate`` on
+* ``server``: the product's path, as far as one machine without Slurm can run it. ``slurmft validate`` on
   ``examples/tiny/grpo.yaml`` with ``grpo.rollouts=server`` (2 nodes x 1 GPU: one trains, one serves) and
   ``SLURMFT_UNPROVEN_VLLM_SERVER=1`` (validate refuses the server without it: never run on a GPU before this check)
   must pass; the run directory gets the resolved config as ``submit`` writes it; the server is started with the
@@ -17,8 +17,9 @@ stops at once and says so (exit 2), as it does on a machine without CUDA. What i
   address and time-outs in the variables the batch shell exports (``SLURMFT_VLLM_*``); the trainer is the train
   job's own entrypoint (``python -m slurmft.job.entrypoint train RUN_DIR``) on one rank with the variables srun gives
   a task, so the job builds TRL's ``GRPOConfig`` itself (slurmft/job/grpo_server.py), its weight syncs under the
-  watchdog. Both share the one GPU (the server at 0.3 of its memory). Figures: the server's start-up, seconds per
-  step and the rewards from the run's metrics.jsonl, the final checkpoint.
+  watchdog. It needs 2 GPUs: the server on the last one, the trainer on the first (NCCL refuses two ranks of one
+  group on one GPU: "Duplicate GPU detected"), so on a one-GPU machine it is skipped, and said. Figures: the
+  server's start-up, seconds per step and the rewards from the run's metrics.jsonl, the final checkpoint.
 * ``colocate``: TRL's colocate mode (``vllm_gpu_memory_utilization`` 0.3, TRL's default) on the same model and
   prompts: seconds per step and rewards beside the server's.
 
@@ -115,7 +116,7 @@ def colocate(model: Path, work: Path, steps: int) -> dict[str, Any]:
 
 
 def server_overrides(model: Path, run_dir: Path, steps: int) -> list[str]:
-    """``examples/tiny/grpo.yaml`` as a server run on this one GPU: one training node + one server node."""
+    """``examples/tiny/grpo.yaml`` as a server run here: one training node (GPU 0) + one server node (the last GPU)."""
     return [f"model.name_or_path={model}", f"output_dir={run_dir}", "executor=slurm", "resources.nodes=2",
             "resources.gpus_per_node=1", "resources.tasks_per_node=1", "grpo.rollouts=server",
             "grpo.server.gpu_memory_utilization=0.3", f"train.max_steps={steps}", "train.per_device_batch_size=4",
@@ -165,6 +166,9 @@ def server(model: Path, work: Path, steps: int, wait_s: int) -> dict[str, Any]:
     paths.root.mkdir(parents=True, exist_ok=True)
     paths.config.write_text(dump_config(cfg))  # what submit writes; the job reads it back
     port = free_port()
+    import torch
+
+    last = torch.cuda.device_count() - 1  # the server's GPU; the trainer takes GPU 0 (NCCL: one rank per GPU)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            grpoopts.VLLM_HOST_ENV: "127.0.0.1", grpoopts.VLLM_PORT_ENV: str(port),
            grpoopts.VLLM_GROUP_PORT_ENV: str(free_port()), **server_env(cfg)}
@@ -176,12 +180,13 @@ def server(model: Path, work: Path, steps: int, wait_s: int) -> dict[str, Any]:
     with (work / "server.log").open("w") as server_log, (work / "train.log").open("w") as train_log:
         command = [sys.executable, "-m", "slurmft.job.vllm_server", "--signal=USR2", "--",
                    *server_arguments(cfg, layout)]
-        proc = subprocess.Popen(command, env=env, stdout=server_log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, env={**env, "CUDA_VISIBLE_DEVICES": str(last)}, stdout=server_log,
+                                stderr=subprocess.STDOUT)
         try:
             up = wait_for(f"http://127.0.0.1:{port}/health", wait_s, proc)
             begun, begun_wall = time.monotonic(), time.time()
             job = subprocess.run([sys.executable, "-m", "slurmft.job.entrypoint", "train", str(paths.root)],
-                                 env={**env, **rank}, stdout=train_log, stderr=subprocess.STDOUT,
+                                 env={**env, **rank, "CUDA_VISIBLE_DEVICES": "0"}, stdout=train_log, stderr=subprocess.STDOUT,
                                  timeout=wait_s + 60 * steps + 600)
             train_s = time.monotonic() - begun
         finally:
@@ -233,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
                               "trl": trl.__version__, "vllm": vllm.__version__, "cases": {}}
     problems: list[str] = []
     for name in args.cases.split(","):
+        if name == "server" and torch.cuda.device_count() < 2:
+            report["cases"][name] = {"skipped": f"server mode needs 2 GPUs (NCCL: one rank per GPU), this machine has "
+                                                f"{torch.cuda.device_count()}"}
+            continue
         try:
             r = (colocate(model, args.workdir, args.steps) if name == "colocate"
                  else server(model, args.workdir, args.steps, args.server_wait_s))
@@ -245,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "gpu_grpo_check.json").write_text(json.dumps(report, indent=2))
     lines = [f"{report['device']} torch {report['torch']} trl {report['trl']} vllm {report['vllm']}"]
     for name, r in report["cases"].items():
+        if "skipped" in r:
+            lines.append(f"{name}: SKIPPED ({r['skipped']})")
+            continue
         lines.append(f"{name}: " + (r["error"] if "error" in r else
                      f"{r['s_per_step']:.2f} s/step, built in {r['build_s']:.1f} s"
                      + (f", server up in {r['server_start_s']:.1f} s" if "server_start_s" in r else "")
