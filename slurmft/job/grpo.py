@@ -276,7 +276,8 @@ def new_trainer(cfg: RunConfig, model: Any, reference: Any, args: Any, dataset: 
     # beta > 0 on a full fine-tune: the copy TRL would load from the model's files is our sharded reference
     with (trl_loads_instead("grpo_trainer", reference) if reference is not None else contextlib.nullcontext(),
           no_reference_adapter(model, "grpo"),
-          grpo_server.watch_init(dict(os.environ)) if server else contextlib.nullcontext()):
+          grpo_server.watch_init(dict(os.environ)) if server else contextlib.nullcontext(),
+          grpo_server.one_client() if server else contextlib.nullcontext()):
         trainer = cls(model=model, reward_funcs=reward_functions(cfg), args=args, train_dataset=dataset,
                       processing_class=tokenizer, callbacks=callbacks)
     if server:  # every weight sync under grpo.server.sync_timeout_s

@@ -15,13 +15,17 @@ What this module adds:
 
 - :func:`server_config`: TRL's ``GRPOConfig`` arguments from the train step's variables
   (:func:`slurmft.grpoopts.server_options`), a missing one named;
-- :func:`problems`: what this rank cannot do, before anything loads: no CUDA device (the sync is NCCL only);
+- :func:`problems`: what this rank cannot do, before anything loads: no CUDA device (the sync is NCCL only), no
+  vLLM, limits that would end after the collectives' time-out (the other ranks wait for rank 0 in one);
 - :func:`deadline`: a watchdog thread armed around one call; when the call outlives ``timeout_s`` the job ends with
   an error that names the call, the server and the time (plus every thread's stack, for the hang), never a silent
   stall. It cannot interrupt a thread blocked inside NCCL, so it ends the process (exit 2, the house's exit for a
   failure slurmft names; the batch script does not requeue it). :func:`watch_init` arms it around
   ``VLLMClient.init_communicator`` while the trainer is built, :func:`watch_syncs` around every ``sync_weights``;
-- :func:`seed_generation`: a per-generation ``seed`` in vLLM's sampling parameters (below).
+- :func:`seed_generation`: a per-generation ``seed`` in vLLM's sampling parameters (below);
+- :func:`one_client`: one ``VLLMGeneration`` (one client, one NCCL group) per process. The job builds a second
+  trainer when a checkpoint fails to load and it falls back to an older one (slurmft/job/checkpointing/
+  fallback.py); TRL would open a second group with the same server on the same port.
 
 Sampling: with vLLM the rollouts are vLLM's, not slurmft's :class:`~slurmft.job.grpo.SeededSampling`. TRL sends no
 seed with a request (``VLLMClient.generate`` passes ``generation_kwargs`` only), so the server would draw from its
@@ -193,10 +197,37 @@ def watch_init(environ: dict[str, str]) -> Iterator[None]:
 
 
 def watch_syncs(trainer: Any, environ: dict[str, str]) -> None:
-    """Every weight sync of ``trainer`` (``VLLMGeneration.sync_weights``, on every rank) under the watchdog."""
+    """Every weight sync of ``trainer`` (``VLLMGeneration.sync_weights``, on every rank) under the watchdog (once:
+    a trainer built again reuses the first one's, :func:`one_client`)."""
     generation = trainer.vllm_generation
+    if hasattr(generation.sync_weights, "__wrapped__"):
+        return
     generation.sync_weights = watched("VLLMGeneration.sync_weights (a weight sync)", address(environ),
                                       sync_timeout(environ), generation.sync_weights)
+
+
+_generation: list[Any] = []  # the process's one VLLMGeneration (:func:`one_client`)
+
+
+@contextlib.contextmanager
+def one_client() -> Iterator[None]:
+    """While a trainer is built: TRL's ``VLLMGeneration`` made once per process, the same one handed to every later
+    trainer (its client and NCCL group with the server stay; its model is the same sharded policy object, and the
+    accelerator state it reads is the process's, shared by every Accelerator)."""
+    import trl.trainer.grpo_trainer as grpo_trainer
+
+    original = grpo_trainer.VLLMGeneration
+
+    def first_or_made(*args: Any, **kwargs: Any) -> Any:
+        if not _generation:
+            _generation.append(original(*args, **kwargs))
+        return _generation[0]
+
+    grpo_trainer.VLLMGeneration = first_or_made
+    try:
+        yield
+    finally:
+        grpo_trainer.VLLMGeneration = original
 
 
 def seed_generation(trainer: Any, seed: int) -> None:

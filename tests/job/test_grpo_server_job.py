@@ -90,8 +90,9 @@ def test_the_watchdog_ends_the_job_with_exit_2_and_every_stack() -> None:
 
 def test_trls_init_communicator_against_a_server_that_never_answers(tmp_path: Path) -> None:
     """TRL's real ``VLLMClient.init_communicator`` under :func:`watch_init`, its server a socket that accepts and
-    never replies (a hung server: requests has no time-out there), ends the job naming the call and the server;
-    TRL 1.16's GRPOConfig takes :func:`server_config`'s arguments (same process: one TRL import)."""
+    never replies (a hung server: requests has no time-out there), ends the job naming the call and the server.
+    In the same process (one TRL import): TRL 1.16's GRPOConfig takes :func:`server_config`'s arguments, and
+    :func:`one_client` hands a second trainer the first one's generation backend, its syncs watched once."""
     code = textwrap.dedent(f"""
         import os, socket
         server = socket.create_server(("127.0.0.1", 0))
@@ -106,6 +107,25 @@ def test_trls_init_communicator_against_a_server_that_never_answers(tmp_path: Pa
                           **grpo_server.server_config(dict(os.environ)))
         print("config", args.use_vllm, args.vllm_mode, args.vllm_server_host, args.vllm_server_port,
               args.vllm_group_port, args.vllm_server_timeout, flush=True)
+        # one_client: a trainer built again (a checkpoint fallback) gets the first VLLMGeneration, not a second
+        # NCCL group; TRL's class needs vLLM to be built, so a stand-in takes its place in TRL's module here
+        import trl.trainer.grpo_trainer as grpo_trainer
+        class StandIn:
+            made = 0
+            def __init__(self, **kwargs):
+                StandIn.made += 1
+                self.sync_weights = lambda: "synced"
+        trl_class, grpo_trainer.VLLMGeneration = grpo_trainer.VLLMGeneration, StandIn
+        with grpo_server.one_client():
+            first, second = grpo_trainer.VLLMGeneration(model=1), grpo_trainer.VLLMGeneration(model=1)
+        assert grpo_trainer.VLLMGeneration is StandIn and first is second and StandIn.made == 1
+        grpo_trainer.VLLMGeneration = trl_class
+        holder = type("Trainer", (), {{"vllm_generation": first}})()
+        grpo_server.watch_syncs(holder, dict(os.environ))
+        wrapped = first.sync_weights
+        grpo_server.watch_syncs(holder, dict(os.environ))  # the second trainer: no second watchdog
+        assert first.sync_weights is wrapped and wrapped() == "synced"
+        print("one client", flush=True)
         original = VLLMClient.init_communicator
         with grpo_server.watch_init(dict(os.environ)):
             assert VLLMClient.init_communicator.__wrapped__ is original
@@ -118,6 +138,7 @@ def test_trls_init_communicator_against_a_server_that_never_answers(tmp_path: Pa
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "config True server 127.0.0.1" in proc.stdout and " 29117 600.0" in proc.stdout, proc.stdout
+    assert "one client" in proc.stdout
     assert "returned" not in proc.stdout
     assert ("error: grpo.server.sync_timeout_s: VLLMClient.init_communicator (the weight-sync NCCL group's set-up) "
             "with the vLLM server at http://127.0.0.1:") in proc.stderr, proc.stderr
