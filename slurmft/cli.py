@@ -126,11 +126,15 @@ def validate(config: Path, overrides: tuple[str, ...]) -> None:
     if cfg.sweep is not None:
         _sweep_checked(config, overrides, profile, force=False)
         return
+    from slurmft.plan.elastic import allocation
+    from slurmft.watch.progress import allocation_words
+
     report = _checks(cfg, config)
     result = _estimate(cfg, profile)[0]
     _warn_lead_time(result, cfg, profile)
     click.echo(f"{config}: ok (run {cfg.name}, executor {cfg.resolved_executor.value}, profile {profile.name}, "
-               f"{cfg.resources.nodes} node(s) x {cfg.resources.ranks_per_node} rank(s))")
+               f"{cfg.resources.nodes} node(s) x {cfg.resources.ranks_per_node} rank(s)"
+               f"{'' if cfg.train_nodes == cfg.resources.nodes else ':' + allocation_words(allocation(cfg))})")
     if cfg.lora is not None:
         from slurmft.plan.estimate_text import lora_summary
         from slurmft.plan.settings import LoraSettings

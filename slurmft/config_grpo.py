@@ -54,8 +54,11 @@ class VLLMServer(Section):
         "an error naming the server's address (TRL's vllm_server_timeout; TRL's default is 240 s, slurmft's 600 s "
         "because the server loads the model from the shared file system while the trainer loads its shards).")
     sync_timeout_s: int = Field(
-        1800, ge=10, le=86400, description="Seconds one weight sync to the server (NCCL) may take before the job "
-        "stops with an error naming it instead of hanging (TRL sets no limit: trl#2923, trl#6797).")
+        900, ge=10, le=86400, description="Seconds the weight-sync group's set-up (TRL's init_communicator) or one "
+        "weight sync to the server (NCCL) may take before the job stops (exit 2) with an error naming the call, the "
+        "server and the limit, and every thread's stack, instead of hanging (TRL sets no limit: trl#2923, trl#6797). "
+        "timeout_s + sync_timeout_s must stay under the collectives' time-out (SLURMFT_COLLECTIVE_TIMEOUT, 1800 s), "
+        "which the other ranks wait in meanwhile: the job refuses otherwise.")
 
     def tensor_parallel(self, gpus_per_node: int) -> int:
         """The GPUs the served model is split over: tensor_parallel_size, else the whole node's."""
@@ -141,7 +144,8 @@ class GRPOConfig(Section):
         "its share; works everywhere, slow for long completions); colocate (TRL's colocate mode: a vLLM engine in "
         "every training process, the weights synced into it after each optimizer step; needs vLLM in the job's "
         "Python; the same seeded completions as transformers); server (TRL's vLLM server on the allocation's last "
-        "node, grpo.server; `slurmft render` writes its scripts) has not run on a GPU yet (validate refuses it).",
+        "node, grpo.server; `slurmft render` writes its scripts; the train job is wired for it) has not run on a GPU "
+        "yet (validate refuses it; docs/grpo.md).",
     )
     vllm_gpu_memory_utilization: float = Field(
         COLOCATE_GPU_MEMORY_UTILIZATION, gt=0, lt=1, description="rollouts: colocate: the share of each training GPU "

@@ -41,6 +41,9 @@ VLLM_GROUP_PORT_ENV = "SLURMFT_VLLM_GROUP_PORT"  # the weight-sync group's port,
 VLLM_TIMEOUT_ENV = "SLURMFT_VLLM_SERVER_TIMEOUT"  # grpo.server.timeout_s
 VLLM_SYNC_TIMEOUT_ENV = "SLURMFT_VLLM_SYNC_TIMEOUT"  # grpo.server.sync_timeout_s
 VLLM_SERVER_ENV = (VLLM_HOST_ENV, VLLM_PORT_ENV, VLLM_GROUP_PORT_ENV)
+#: ``=1`` lets ``validate`` pass ``rollouts: server``, which is wired but has never run on a GPU: the gate of the
+#: prepared GPU check (bench/gpu_grpo_check.sh), not a user setting
+UNPROVEN_SERVER_ENV = "SLURMFT_UNPROVEN_VLLM_SERVER"
 
 
 def server_options(environ: dict[str, str]) -> dict[str, Any]:

@@ -103,7 +103,7 @@ def test_train_nodes_and_the_server_node(nodes: int, golden: str, tmp_path: Path
     # the server's address from the allocation: node `train_nodes` (0-based), asked once in the batch shell
     assert f"-m slurmft.job.rendezvous exports --vllm-server-node={train_nodes})" in text
     # the time-outs the trainer gets (TRL's vllm_server_timeout; slurmft's limit on one weight sync)
-    assert "export SLURMFT_VLLM_SERVER_TIMEOUT=600" in text and "export SLURMFT_VLLM_SYNC_TIMEOUT=1800" in text
+    assert "export SLURMFT_VLLM_SERVER_TIMEOUT=600" in text and "export SLURMFT_VLLM_SYNC_TIMEOUT=900" in text
     assert f"nodes\n# 0-{train_nodes - 1} train ({8 * train_nodes} ranks); the trainer waits up to 600 s" in text
 
 
@@ -172,12 +172,24 @@ def test_the_training_ranks_are_counted_without_the_server_node() -> None:
     assert re.search(r"--ntasks=32\b", train_script("resources.nodes=5"))
 
 
-def test_validate_refuses_the_server_with_what_is_built_and_what_is_not() -> None:
-    """Where the job's Python is not asked (an image; None here) or has vLLM: the server renders but is not run."""
+def test_validate_refuses_the_server_with_what_is_built_and_what_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the job's Python is not asked (an image; None here) or has vLLM: the server renders and is wired but
+    has never run on a GPU, so validate refuses it; SLURMFT_UNPROVEN_VLLM_SERVER=1 (the GPU check's gate) passes
+    it, and only "1" does."""
+    from slurmft.grpoopts import UNPROVEN_SERVER_ENV
     from slurmft.plan.grpo_checks import rollouts_problem
 
-    problem = rollouts_problem(load_config(CFG), None)
+    monkeypatch.delenv(UNPROVEN_SERVER_ENV, raising=False)
+    cfg = load_config(CFG)
+    problem = rollouts_problem(cfg, None)
     assert problem is not None and problem.startswith(
         "grpo.rollouts: server renders (`slurmft render` writes the vLLM server's step and the training step on the "
-        "other nodes) but its job side is not wired nor run on a GPU yet")
-    assert problem.endswith("set grpo.rollouts=transformers (transformers' generate on the FSDP2-sharded policy)")
+        "other nodes) and its job side is wired (TRL's server mode, weight syncs under grpo.server.sync_timeout_s), "
+        "but it has never run on a GPU")
+    assert "set grpo.rollouts=transformers" in problem
+    assert problem.endswith("SLURMFT_UNPROVEN_VLLM_SERVER=1 lets it through for the prepared GPU check "
+                            "(bench/gpu_grpo_check.sh)")
+    monkeypatch.setenv(UNPROVEN_SERVER_ENV, "yes")
+    assert rollouts_problem(cfg, None) == problem
+    monkeypatch.setenv(UNPROVEN_SERVER_ENV, "1")
+    assert rollouts_problem(cfg, None) is None

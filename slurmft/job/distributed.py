@@ -68,6 +68,11 @@ class DistContext:
         return self.device.type == "cuda"
 
 
+def collective_timeout_s() -> int:
+    """The collectives' time-out after the rendezvous: ``SLURMFT_COLLECTIVE_TIMEOUT``, else the default."""
+    return _timeout_from_env("SLURMFT_COLLECTIVE_TIMEOUT", DEFAULT_COLLECTIVE_TIMEOUT_S)
+
+
 def _timeout_from_env(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if not raw:
@@ -100,7 +105,7 @@ def _rendezvous_store(env: JobEnv, timeout_s: int) -> dist.Store | None:
             "port is free, and that every rank started (see the other ranks' logs)."
         ) from None
     # The store outlives the rendezvous: later key waits (gloo connection set-up, barriers) may be long.
-    store.set_timeout(timedelta(seconds=_timeout_from_env("SLURMFT_COLLECTIVE_TIMEOUT", DEFAULT_COLLECTIVE_TIMEOUT_S)))
+    store.set_timeout(timedelta(seconds=collective_timeout_s()))
     return store
 
 
@@ -168,7 +173,7 @@ def init(env: JobEnv) -> DistContext:
     env.export()
     _gloo_interface(env)
     rdzv_s = _timeout_from_env("SLURMFT_RENDEZVOUS_TIMEOUT", DEFAULT_RENDEZVOUS_TIMEOUT_S)
-    coll_s = _timeout_from_env("SLURMFT_COLLECTIVE_TIMEOUT", DEFAULT_COLLECTIVE_TIMEOUT_S)
+    coll_s = collective_timeout_s()
     device_error: str | None = None
     if torch.cuda.is_available():
         backend = GPU_BACKEND

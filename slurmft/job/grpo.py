@@ -43,14 +43,17 @@ import contextlib
 import functools
 import importlib.util
 import logging
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from slurmft.config import RunConfig
 from slurmft.errors import JobSetupError
+from slurmft.job import grpo_server
 from slurmft.job.loading import trl_loads_instead
-from slurmft.job.seeded_sampling import SeededSampling, generation_point
+from slurmft.job.seeded_sampling import SeededSampling, generation_point, noise_seed
 
 log = logging.getLogger("slurmft.job")
 
@@ -70,6 +73,8 @@ def grpo_config(cfg: RunConfig, common: dict[str, Any]) -> Any:
               **_vllm_options(g.rollouts, g.vllm_gpu_memory_utilization),
               "include_num_input_tokens_seen": "no",  # GRPO's batches are prompt rows, not token ids
               "log_completions": False}
+    if grpo_server.is_server(cfg):  # TRL's server mode, the address and time-outs from the batch script
+        kwargs.update(grpo_server.server_config(dict(os.environ)))
     try:
         return GRPOConfig(**kwargs)
     except (TypeError, ValueError) as exc:
@@ -84,7 +89,7 @@ def _vllm_options(rollouts: Any, vllm_share: float) -> dict[str, Any]:
     from slurmft.config_grpo import Rollouts
 
     if rollouts != Rollouts.COLOCATE:
-        return {"use_vllm": False}  # transformers (validate and check_options refuse server for now)
+        return {"use_vllm": False}  # transformers; server: grpo_config adds grpo_server.server_config
     return {"use_vllm": True, "vllm_mode": "colocate", "vllm_importance_sampling_correction": False,
             "vllm_gpu_memory_utilization": vllm_share}
 
@@ -97,9 +102,12 @@ def check_options(cfg: RunConfig) -> None:
     if cfg.grpo is None:
         return
     problems = [p for p in (loss_type_problem(cfg.grpo.loss_type),) if p]
-    if cfg.grpo.rollouts == Rollouts.SERVER:
-        problems.append(f"grpo.rollouts: {cfg.grpo.rollouts.value} (vLLM) is not implemented in this slurmft yet; "
-                        "set grpo.rollouts=colocate or transformers")
+    if grpo_server.is_server(cfg):
+        import torch
+
+        from slurmft.job.distributed import collective_timeout_s
+
+        problems += grpo_server.problems(torch.cuda.is_available(), dict(os.environ), collective_timeout_s())
     if cfg.grpo.rollouts == Rollouts.COLOCATE and importlib.util.find_spec("vllm") is None:
         problems.append(f"grpo.rollouts: colocate generates with vLLM, which this Python ({sys.executable}) cannot "
                         "import; install vllm there, or set grpo.rollouts=transformers")
@@ -206,6 +214,11 @@ def trainer_class() -> type:
                                   has_tool_images: bool = False) -> Any:
             if images or multimodal_fields:
                 raise JobSetupError("grpo: slurmft generates text completions only (no images yet)")
+            if self.use_vllm and self.vllm_mode == "server":
+                # vLLM's sampling, seeded per generation (slurmft/job/grpo_server.py says what that keeps)
+                grpo_server.seed_generation(self, noise_seed(self.args.seed, generation_point(self), -1, -1) >> 32)
+                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                     has_tool_images)
             if self.use_vllm:  # grpo.rollouts: colocate
                 from slurmft.job import vllm_rollouts
 
@@ -245,20 +258,28 @@ def new_trainer(cfg: RunConfig, model: Any, reference: Any, args: Any, dataset: 
     from slurmft.job.adapters import no_reference_adapter
 
     cls = trainer_class()
+    server, started = grpo_server.is_server(cfg), time.time()
     with contextlib.ExitStack() as stack:
         # beta > 0 on a full fine-tune: the copy TRL would load from the model's files is our sharded reference
         if reference is not None:
             stack.enter_context(trl_loads_instead("grpo_trainer", reference))
-        if args.use_vllm:  # grpo.rollouts: colocate
+        if args.use_vllm and not server:  # grpo.rollouts: colocate
             stack.enter_context(_colocated_engine(cfg, model_dir))
         stack.enter_context(no_reference_adapter(model, "grpo"))
+        if server:
+            stack.enter_context(grpo_server.watch_init(dict(os.environ)))
+            stack.enter_context(grpo_server.one_client())
         trainer = cls(model=model, reward_funcs=reward_functions(cfg), args=args, train_dataset=dataset,
                       processing_class=tokenizer, callbacks=callbacks)
-    if args.use_vllm:
+    if args.use_vllm and not server:
         from slurmft.job.vllm_rollouts import use_cpu_sync
 
         if use_cpu_sync(trainer):
             log.info("grpo: vLLM runs on its CPU backend: the weights are synced through vLLM's in-place reload")
+    if server:  # every weight sync under grpo.server.sync_timeout_s
+        grpo_server.watch_syncs(trainer, dict(os.environ))
+        if trainer.accelerator.is_main_process:
+            grpo_server.log_layout(dict(os.environ), started)
     if trainer.ref_model is not reference:  # LoRA or beta 0: None, never a copy TRL loaded itself
         raise JobSetupError("grpo: TRL built a reference model of its own; this TRL is not supported")
     trainer.optimizer_cls_and_kwargs = optimizer  # GRPOTrainer does not pass it on; the optimizer is made in train()

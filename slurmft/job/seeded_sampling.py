@@ -14,7 +14,7 @@ import hashlib
 from typing import Any
 
 
-def _noise_seed(seed: int, point: int, row: int, position: int) -> int:
+def noise_seed(seed: int, point: int, row: int, position: int) -> int:
     """A 63-bit generator seed for one token of one completion: the same on every world size and attempt."""
     digest = hashlib.blake2b(f"{seed}:{point}:{row}:{position}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
@@ -49,7 +49,7 @@ class SeededSampling:
         noise = torch.empty_like(scores)
         generator = torch.Generator(device=scores.device)
         for i in range(scores.shape[0]):
-            generator.manual_seed(_noise_seed(self.seed, self.point, self.first_row + i, position))
+            generator.manual_seed(noise_seed(self.seed, self.point, self.first_row + i, position))
             torch.rand(scores.shape[1], generator=generator, out=noise[i])
         tiny = torch.finfo(noise.dtype).tiny
         return scores - torch.log(-torch.log(noise.clamp_(tiny, 1 - 1e-7)))

@@ -560,16 +560,16 @@ def check_model_jobs(cfg: RunConfig, report: Report) -> None:
 # ====================================================================== the effective batch
 def batch_notes(cfg: RunConfig, samples: list[Sample], template: Template | None) -> list[str]:
     """Sequences and tokens per optimizer step; steps per epoch when every source is a local file."""
-    r, t, ws = cfg.resources, cfg.train, cfg.train_world_size  # ws: a GRPO server's node does not train
+    t, ws = cfg.train, cfg.train_world_size  # ws: a GRPO server's node does not train
     per_step = ws * t.per_device_batch_size * t.gradient_accumulation_steps
     packed = cfg.packed
     unit = "packed sequences" if packed else "sequences (up to"
     tokens = f"{per_step * cfg.data.max_seq_length:,} tokens" + ("" if packed else " at most")
-    lines = [f"batch: {r.world_size} rank(s) x {t.per_device_batch_size} x {t.gradient_accumulation_steps} "
+    lines = [f"batch: {ws} rank(s) x {t.per_device_batch_size} x {t.gradient_accumulation_steps} "
              f"accumulation = {per_step} {unit} of {cfg.data.max_seq_length} tokens{')' if not packed else ''}"
              f" = {tokens} per optimizer step"]
     if cfg.dpo is not None:
-        lines = [f"batch: {r.world_size} rank(s) x {t.per_device_batch_size} x {t.gradient_accumulation_steps} "
+        lines = [f"batch: {ws} rank(s) x {t.per_device_batch_size} x {t.gradient_accumulation_steps} "
                  f"accumulation = {per_step} preference pairs per optimizer step, each a chosen and a rejected "
                  f"sequence of up to {cfg.data.max_seq_length} tokens (prompt + reply)"]
     if cfg.grpo is not None:
@@ -586,7 +586,7 @@ def batch_notes(cfg: RunConfig, samples: list[Sample], template: Template | None
     counts = prepared.counted(cfg)
     if counts is not None:  # counted by the prepare job: the job's own figure, not an estimate
         exact = counts["sequences"]
-        steps = steps_per_epoch(exact, r.world_size, t.per_device_batch_size, t.gradient_accumulation_steps)
+        steps = steps_per_epoch(exact, ws, t.per_device_batch_size, t.gradient_accumulation_steps)
         lines.append(f"data: {exact:,} {'packed ' if packed else ''}sequences per epoch (prepared, "
                      f"exact) -> {steps} optimizer steps per epoch")
         if counts.get("tokens"):

@@ -105,12 +105,15 @@ def reshape(saved: BatchShape, world_size: int, requested: BatchShape | None = N
 
 
 def allocation(cfg: RunConfig) -> dict[str, int]:
-    """What an attempt runs on, for its manifest entry (``status`` and the report show it)."""
+    """What an attempt runs on, for its manifest entry (``status`` and the report show it): the allocation's nodes,
+    the training ranks (``world_size``: a GRPO vLLM server's node holds none, ``server_nodes`` says how many serve)."""
     r, t = cfg.resources, cfg.train
+    served = {"server_nodes": r.nodes - cfg.train_nodes} if cfg.train_nodes != r.nodes else {}
     return {
         "nodes": r.nodes,
         "ranks_per_node": r.ranks_per_node,
-        "world_size": r.world_size,
+        "world_size": cfg.train_world_size,
+        **served,
         "per_device_batch_size": t.per_device_batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
     }

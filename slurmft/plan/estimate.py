@@ -631,8 +631,8 @@ def schedule(cfg: RunConfig) -> dict[str, Any] | None:
     if counts is None:
         return None
     sequences = counts["sequences"]
-    r, t = cfg.resources, cfg.train
-    per_epoch = steps_per_epoch(sequences, r.world_size, t.per_device_batch_size, t.gradient_accumulation_steps)
+    t = cfg.train  # the training ranks: a GRPO vLLM server's node holds none
+    per_epoch = steps_per_epoch(sequences, cfg.train_world_size, t.per_device_batch_size, t.gradient_accumulation_steps)
     max_steps = math.ceil(t.epochs * per_epoch) if t.epochs is not None else t.max_steps
     return {"sequences_per_epoch": sequences, "tokens_per_epoch": counts.get("tokens"), "steps_per_epoch": per_epoch,
             "max_steps": max_steps,

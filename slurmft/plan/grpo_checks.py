@@ -11,13 +11,14 @@ after the queue wait, the model load and the first generation.
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Any
 
 from slurmft.config import RunConfig
 from slurmft.config_grpo import Rollouts
 from slurmft.config_paths import is_program_path
-from slurmft.grpoopts import NOT_PASSED, REWARD_ARGUMENTS, REWARD_CHECK, split_reward
+from slurmft.grpoopts import NOT_PASSED, REWARD_ARGUMENTS, REWARD_CHECK, UNPROVEN_SERVER_ENV, split_reward
 from slurmft.interpreter import NOT_ON_PATH, NoAnswer, finds_modules, in_words, locate, run_json
 
 
@@ -62,7 +63,8 @@ def _missing_column(signature: str | None) -> str | None:
 
 def rollouts_problem(cfg: RunConfig, python: str | None) -> str | None:
     """``rollouts: colocate``/``server``: vLLM is needed in the job's Python (colocate runs where it imports, or
-    where that Python cannot be asked here: the job checks again); slurmft does not run ``server`` yet."""
+    where that Python cannot be asked here: the job checks again); server is wired but unproven on a GPU (passed
+    only with :data:`~slurmft.grpoopts.UNPROVEN_SERVER_ENV` = 1); neither with LoRA yet."""
     assert cfg.grpo is not None
     rollouts = cfg.grpo.rollouts
     if rollouts == Rollouts.TRANSFORMERS:
@@ -77,18 +79,21 @@ def rollouts_problem(cfg: RunConfig, python: str | None) -> str | None:
         return (f"grpo.rollouts: {rollouts.value} generates with vLLM, which the job's Python {python} cannot import; "
                 "set grpo.rollouts=transformers (transformers' generate on the FSDP2-sharded policy: works on CPUs "
                 "and GPUs without vLLM), or install vllm there")
-    if rollouts == Rollouts.COLOCATE and cfg.lora is not None:  # untested: the adapters' sync into the engine
-        return ("grpo.rollouts: colocate with lora: is not supported yet (the adapters would have to be merged into "
-                "the engine's weights after every step, which no test has shown); set grpo.rollouts=transformers "
-                "(LoRA-GRPO with transformers' generate works), or drop the lora: section")
+    if cfg.lora is not None:  # untested: the adapters' sync into the engine (merged into sharded weights by TRL)
+        return (f"grpo.rollouts: {rollouts.value} with lora: is not supported yet (the adapters would have to be "
+                "merged into the engine's weights after every step, which no test has shown); set "
+                "grpo.rollouts=transformers (LoRA-GRPO with transformers' generate works), or drop the lora: section")
     if rollouts == Rollouts.COLOCATE:
         return None
-    if rollouts == Rollouts.SERVER:  # the scripts are built and checked; the job side has never run on a GPU
+    if rollouts == Rollouts.SERVER and os.environ.get(UNPROVEN_SERVER_ENV) != "1":
+        # rendered, checked on Slurm, wired into the job; never run on a GPU (TRL's weight sync is NCCL only)
         return ("grpo.rollouts: server renders (`slurmft render` writes the vLLM server's step and the training "
-                "step on the other nodes) but its job side is not wired nor run on a GPU yet, so slurmft does not "
-                "submit it; set grpo.rollouts=transformers (transformers' generate on the FSDP2-sharded policy)")
-    return (f"grpo.rollouts: {rollouts.value} (vLLM) is not implemented in this slurmft yet; set "
-            "grpo.rollouts=transformers (transformers' generate on the FSDP2-sharded policy)")
+                "step on the other nodes) and its job side is wired (TRL's server mode, weight syncs under "
+                "grpo.server.sync_timeout_s), but it has never run on a GPU (no GPU with vLLM was available to "
+                "prove it), so slurmft does not submit it; set grpo.rollouts=transformers (transformers' generate "
+                f"on the FSDP2-sharded policy). {UNPROVEN_SERVER_ENV}=1 lets it through for the prepared GPU check "
+                "(bench/gpu_grpo_check.sh)")
+    return None
 
 
 def check_grpo(cfg: RunConfig, report: Any, columns: list[list[str]], job_python: bool = True) -> None:

@@ -44,8 +44,10 @@ class ServerLayout:
         return [f"--nodes={self.train_nodes}", f"--ntasks={self.train_world_size}", "--relative=0"]
 
     def server_options(self, gpus: bool) -> list[str]:
-        """``srun`` options of the server step: one task on the last node with its CPUs (and all its GPUs)."""
-        options = ["--unbuffered", "--label", "--nodes=1", "--ntasks=1", f"--relative={self.server_node}",
+        """``srun`` options of the server step: one task on the last node with its CPUs (and all its GPUs). No
+        ``--label``: it would number the server's lines ``0:``, as training rank 0's, and ``slurmft logs --rank 0``
+        would mix them; unlabelled, they show in the whole log only."""
+        options = ["--unbuffered", "--nodes=1", "--ntasks=1", f"--relative={self.server_node}",
                    f"--cpus-per-task={self.cpus_per_node}"]
         return [*options, "--gpu-bind=none"] if gpus else options
 

@@ -53,6 +53,7 @@ from slurmft.rundir import (
     write_manifest,
 )
 from slurmft.units import binary_bytes
+from slurmft.watch.progress import allocation_words
 
 Say = Callable[[str], None]
 
@@ -88,7 +89,7 @@ def make_slurm_executor(
             dep = [f"--dependency=afterok:{dependency}", KILL_ON_INVALID_DEP] if dependency else []
             return ["sbatch", *dep, str(submission_file_path)]
 
-        def _num_tasks(self) -> int:
+        def _num_tasks(self) -> int:  # the training step's tasks (a GRPO server's step is not submitit's)
             return ntasks
 
     ex = TemplatedSlurmExecutor(folder=paths.submitit, python=python)
@@ -298,7 +299,7 @@ def _submit_slurm(
         say(f"the data is prepared already ({paths.prepared}): no prepare job")
     try:
         ex = make_slurm_executor(
-            paths, cfg.resources.world_size, time_minutes(cfg.cluster.time), train_text, first,
+            paths, cfg.train_world_size, time_minutes(cfg.cluster.time), train_text, first,
             rank_python_for(cfg, profile),
         )
         train = ex.submit(run_train, str(paths.root), cfg.preemption.signal)
@@ -313,7 +314,7 @@ def _submit_slurm(
     record_job(manifest, "train", train.job_id, run_attempt=attempt["attempt"], script=str(paths.script("train")),
                log=str(paths.log_file("train", train.job_id)), **({"dependency": f"afterok:{first}"} if first else {}))
     write_manifest(paths, manifest)
-    say(f"train job {train.job_id} submitted ({cfg.resources.nodes} node(s) x {cfg.resources.ranks_per_node} task(s))"
+    say(f"train job {train.job_id} submitted{allocation_words(allocation(cfg))}"
         + (f", starts after prepare job {first} succeeds" if first else ""))
     if not cfg.consolidate.enabled:
         return

@@ -140,7 +140,8 @@ def model_ready(paths: RunPaths, final_checkpoint: Path | None, adapter_only: bo
 
 
 def _shape(cfg: RunConfig) -> BatchShape:
-    return BatchShape(cfg.resources.world_size, cfg.train.per_device_batch_size, cfg.train.gradient_accumulation_steps)
+    """The batch shape ``cfg`` trains with: its training ranks (a GRPO vLLM server's node holds none)."""
+    return BatchShape(cfg.train_world_size, cfg.train.per_device_batch_size, cfg.train.gradient_accumulation_steps)
 
 
 def saved_shape(previous: RunConfig, ckpt: Path | None) -> BatchShape:
@@ -164,7 +165,7 @@ def resume_config(paths: RunPaths, overrides: list[str], executor: str, ckpt: Pa
     cfg = read_run_config(paths.config, overrides)
     saved = saved_shape(previous, ckpt)
     batch_named = any(".".join(parse_override(text)[0]) in BATCH_KEYS for text in overrides)
-    shape = reshape(saved, cfg.resources.world_size, _shape(cfg) if batch_named else None)
+    shape = reshape(saved, cfg.train_world_size, _shape(cfg) if batch_named else None)
     if shape != _shape(cfg):
         cfg = read_run_config(paths.config, [*overrides, f"train.per_device_batch_size={shape.per_device_batch_size}",
                                              f"train.gradient_accumulation_steps={shape.gradient_accumulation_steps}"])

@@ -393,11 +393,15 @@ def segments(records: Iterable[dict[str, Any]]) -> list[Segment]:
 
 
 def allocation_words(row: dict[str, Any]) -> str:
-    """`` on 2 nodes x 8 ranks`` for an attempt row that knows its allocation, else ``""``."""
-    nodes, ranks = row.get("nodes"), row.get("ranks_per_node")
-    if not isinstance(nodes, int) or not isinstance(ranks, int):
+    """`` on 2 nodes x 8 ranks`` for an attempt row that knows its allocation, else ``""``; a GRPO vLLM server's
+    nodes (``server_nodes``) are not training ranks: `` on 2 training nodes x 8 ranks + 1 vLLM server node``."""
+    nodes, ranks, served = row.get("nodes"), row.get("ranks_per_node"), row.get("server_nodes") or 0
+    if not isinstance(nodes, int) or not isinstance(ranks, int) or not isinstance(served, int):
         return ""
-    return f" on {nodes} node{'s' if nodes != 1 else ''} x {ranks} rank{'s' if ranks != 1 else ''}"
+    train = nodes - served
+    words = f" on {train} {'training ' if served else ''}node{'s' if train != 1 else ''} x {ranks} " \
+            f"rank{'s' if ranks != 1 else ''}"
+    return words + (f" + {served} vLLM server node{'s' if served != 1 else ''}" if served else "")
 
 
 def attempts(manifest: dict[str, Any], metrics_records: list[dict[str, Any]], slurm_rows: list[dict[str, Any]],
@@ -461,7 +465,8 @@ def attempts(manifest: dict[str, Any], metrics_records: list[dict[str, Any]], sl
                         "reason": reason, "start": min(times) if times else None,
                         "end": None if live else end,
                         "first_step": first, "last_step": last, "resumed_from_step": resumed_from,
-                        "nodes": record.get("nodes"), "ranks_per_node": record.get("ranks_per_node")})
+                        "nodes": record.get("nodes"), "ranks_per_node": record.get("ranks_per_node"),
+                        "server_nodes": record.get("server_nodes")})
     return out
 
 
