@@ -562,13 +562,10 @@ def locked(paths: RunPaths, what: str, say: Callable[[str], None] | None = None,
     :data:`COMMAND_LOCK_WAIT_S`), ``check`` run under it (a command's refusal while a job it would disturb may still
     run), and the manifest as it is then: what a command that adds to the manifest changes, before the lock is
     released."""
-    acquire_lock(paths, what, say, wait_s=COMMAND_LOCK_WAIT_S)
-    try:
+    with locks.held(paths.lock, what, say, wait_s=COMMAND_LOCK_WAIT_S):
         if check is not None:
             check()
         yield read_manifest(paths)
-    finally:
-        release_lock(paths)
 
 
 def sweep_root(run_dir: str | os.PathLike[str]) -> Path | None:
@@ -591,11 +588,8 @@ def sweep_locked(run_dir: str | os.PathLike[str], what: str, say: Callable[[str]
     if paths is None or locks.holds(paths.lock):
         yield
         return
-    acquire_lock(paths, what, say, wait_s=COMMAND_LOCK_WAIT_S if wait_s is None else wait_s)
-    try:
+    with locks.held(paths.lock, what, say, wait_s=COMMAND_LOCK_WAIT_S if wait_s is None else wait_s):
         yield
-    finally:
-        release_lock(paths)
 
 
 @contextlib.contextmanager
