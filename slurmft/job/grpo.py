@@ -272,8 +272,11 @@ def new_trainer(cfg: RunConfig, model: Any, reference: Any, args: Any, dataset: 
         trainer = cls(model=model, reward_funcs=reward_functions(cfg), args=args, train_dataset=dataset,
                       processing_class=tokenizer, callbacks=callbacks)
     if args.use_vllm and not server:
-        from slurmft.job.vllm_rollouts import use_cpu_sync
+        from slurmft.job.vllm_rollouts import use_cpu_sync, use_merged_adapters
 
+        if cfg.lora is not None:
+            use_merged_adapters(trainer)
+            log.info("grpo: LoRA: every sync pushes the base weights with the adapters merged (out of place)")
         if use_cpu_sync(trainer):
             log.info("grpo: vLLM runs on its CPU backend: the weights are synced through vLLM's in-place reload")
     if server:  # every weight sync under grpo.server.sync_timeout_s

@@ -160,15 +160,16 @@ def test_the_policy_and_the_reference_are_fsdp2_shards_and_the_reference_never_m
     assert saved == given and len(saved) > 100
 
 
-def _final_weights(run: Path) -> dict[str, Any]:
-    """The model state of the run's last checkpoint, read from its DCP files (no process group)."""
+def _final_weights(run: Path, steps: int = STEPS) -> dict[str, Any]:
+    """The model state of the run's last checkpoint (``checkpoint-<steps>``), read from its DCP files (no process
+    group)."""
     import warnings
 
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    folder = run / "checkpoints" / f"checkpoint-{STEPS}" / "pytorch_model_fsdp_0"
+    folder = run / "checkpoints" / f"checkpoint-{steps}" / "pytorch_model_fsdp_0"
     meta = FileSystemReader(str(folder)).read_metadata()
     state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
              if hasattr(v, "size")}
