@@ -19,6 +19,8 @@ Besides the processor, what differs from TRL's colocate mode:
 - no importance-sampling correction (``vllm_importance_sampling_correction=False``, grpo.py): the tokens are the
   seeded draws, not vLLM's, so the log-probs vLLM reports for them are not those of the sampling distribution;
   and the engine is asked for none;
+- the engine's start leaves the process's random generators as it found them (:func:`generators_kept`);
+- LoRA: every sync pushes the base weights with the adapters merged, out of place (:func:`merged_params`);
 - **CPU only** (:func:`cpu_sync`): vLLM's CPU backend repacks every linear layer's weight for its GEMM kernel
   (oneDNN, or the SGL/zentorch kernels) once loaded and leaves ``layer.weight`` an empty ``Parameter`` without a
   ``weight_loader`` (vLLM 0.32 ``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``), so TRL's sync, the
