@@ -113,3 +113,27 @@ def test_validate_and_estimate_check_a_new_allocation_before_anything_is_queued(
     code, _, err = cli(["validate", str(paths.config), "train.learning_rate=1"], capsys)  # not what a resume may change
     assert code == 2 and "resume cannot change train.learning_rate" in err
     assert (paths.config.read_text(), paths.manifest.read_text()) == before
+
+
+def test_a_grpo_run_resumes_on_fewer_ranks_with_its_batch_refitted_first(tmp_path: Path) -> None:
+    """A GRPO run of 2 ranks x 2 x 1 (one generation of 4 completions, one group, per step) resumed on 1 rank: the
+    refit (1 x 2 x 2) is what the config is checked with. Checking the new allocation with the old batch first
+    refused it: 1 x 2 x 1 = 2 completions cannot hold a group of 4 (tests/job/test_grpo_cpu.py resumes it)."""
+    from slurmft.config_loading import dump_config
+    from slurmft.rundir import RunPaths
+    from slurmft.submit.resume import resume_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config(EXAMPLE.parent / "grpo.yaml", [f"output_dir={run}", "grpo.steps_per_generation=null"])
+    (run / "config.yaml").write_text(dump_config(cfg))
+    notes: list[str] = []
+    resumed = resume_config(RunPaths.of(run), ["resources.tasks_per_node=1"], "local", None, notes.append)
+    assert (resumed.train_world_size, resumed.train.per_device_batch_size,
+            resumed.train.gradient_accumulation_steps) == (1, 2, 2)
+    assert resumed.grpo is not None and resumed.grpo.generations_per_step(2) == 2  # the generation batch: 4, kept
+    assert "global batch of 4 sequences per step kept" in notes[0]
+    with pytest.raises(ConfigError) as refused:  # a batch named by hand is checked as given
+        resume_config(RunPaths.of(run), ["resources.tasks_per_node=1", "train.gradient_accumulation_steps=1"],
+                      "local", None)
+    assert "grpo.num_generations: 4 does not divide the generation batch" in str(refused.value.problems)

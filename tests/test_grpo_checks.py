@@ -151,7 +151,8 @@ def test_colocate_validates_where_the_jobs_python_imports_vllm(tmp_path: Path, m
                                                               capsys: pytest.CaptureFixture[str],
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The vLLM venv (examples/tiny/envs.sh: vLLM's CPU build beside the training stack) as cluster.python:
-    colocate is accepted there, server is still refused (not implemented)."""
+    colocate is accepted there (with LoRA too), server is still refused (unproven), and with LoRA even through the
+    gate."""
     from tests.conftest import need_model_job_python
 
     python = need_model_job_python("serve")
@@ -162,11 +163,16 @@ def test_colocate_validates_where_the_jobs_python_imports_vllm(tmp_path: Path, m
     code, text = validate(tmp_path, model_dir, capsys, grpo={**GRPO, "rollouts": "server"}, cluster=cluster,
                           resources={"nodes": 2, "gpus_per_node": 2})
     assert code == 2 and "grpo.rollouts: server renders" in text, text
-    # LoRA with colocate: the adapters' sync into the engine is untested, refused with the way that works
+    # LoRA with colocate validates (its syncs merge the adapters: tests/job/test_grpo_vllm_cpu.py); with server it
+    # is refused, with the gate open too, naming the ways that work
     code, text = validate(tmp_path, model_dir, capsys, grpo={**GRPO, "rollouts": "colocate"}, cluster=cluster,
                           lora={})
-    assert code == 2 and "grpo.rollouts: colocate with lora: is not supported yet" in text, text
-    assert "set grpo.rollouts=transformers" in text
+    assert code == 0, text
+    monkeypatch.setenv("SLURMFT_UNPROVEN_VLLM_SERVER", "1")
+    code, text = validate(tmp_path, model_dir, capsys, grpo={**GRPO, "rollouts": "server"}, cluster=cluster,
+                          resources={"nodes": 2, "gpus_per_node": 2}, lora={})
+    assert code == 2 and "grpo.rollouts: server with lora: is not supported yet" in text, text
+    assert "set grpo.rollouts=colocate" in text
 
 
 def test_loss_types_are_read_from_the_installed_trl() -> None:

@@ -17,7 +17,8 @@ What we do instead:
   distribution (with float32 uniforms), the noise drawn from a generator seeded by ``(train.seed, generation point, the
   completion's index in the global generation batch, token position)``. The same prompt at the same place of a
   run gets the same completion on 1, 2 or 16 ranks, after a requeue too, and without any saved RNG state.
-  The generation point is ``global_step x gradient_accumulation_steps + micro-step``, the same on every shape;
+  The generation point is the completions trained on before it (``(global_step x gradient_accumulation_steps +
+  micro-step) x ranks x per_device_batch_size``), the same on every shape that keeps the global batch;
 - ``synced_gpus`` on whenever a process group exists, so every rank runs the same number of forwards;
 - **the rollouts in the checkpoint** (:func:`save_rollouts`): TRL generates once per ``steps_per_generation`` steps
   and keeps the scored completions (``_buffered_inputs``: ids, masks, advantages, old log-probabilities) and its
@@ -229,8 +230,10 @@ def trainer_class() -> type:
             super()._save_rng_state(output_dir)
             save_rollouts(self, Path(output_dir))
 
-        def _load_rng_state(self, checkpoint: str | None) -> None:
-            super()._load_rng_state(checkpoint)
+        def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+            # here, not beside the RNG files' load: a resume on another world size reseeds instead of loading them
+            # (slurmft/job/elastic.py wraps _load_rng_state), and must still be told its rollouts do not fit
+            super()._load_optimizer_and_scheduler(checkpoint)
             if checkpoint is not None:
                 load_rollouts(self, Path(checkpoint))
 
@@ -272,8 +275,11 @@ def new_trainer(cfg: RunConfig, model: Any, reference: Any, args: Any, dataset: 
         trainer = cls(model=model, reward_funcs=reward_functions(cfg), args=args, train_dataset=dataset,
                       processing_class=tokenizer, callbacks=callbacks)
     if args.use_vllm and not server:
-        from slurmft.job.vllm_rollouts import use_cpu_sync
+        from slurmft.job.vllm_rollouts import use_cpu_sync, use_merged_adapters
 
+        if cfg.lora is not None:
+            use_merged_adapters(trainer)
+            log.info("grpo: LoRA: every sync pushes the base weights with the adapters merged (out of place)")
         if use_cpu_sync(trainer):
             log.info("grpo: vLLM runs on its CPU backend: the weights are synced through vLLM's in-place reload")
     if server:  # every weight sync under grpo.server.sync_timeout_s

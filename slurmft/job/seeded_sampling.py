@@ -56,8 +56,12 @@ class SeededSampling:
 
 
 def generation_point(trainer: Any) -> int:
-    """Where in the run a generation happens, the same on every world size and attempt:
-    ``global_step x gradient_accumulation_steps + micro-step``."""
+    """Where in the run a generation happens, the same on every world size and attempt: the completions the run
+    has trained on before it, ``(global_step x gradient_accumulation_steps + micro-step) x ranks x
+    per_device_batch_size``. A resume on another number of ranks keeps the global batch by recomputing accumulation
+    (slurmft/plan/elastic.py): counted in micro-steps alone, 2 ranks x 2 x 1 and 1 rank x 2 x 2 would key the same
+    generation by other points (tests/job/test_grpo_cpu.py, the elastic resume)."""
     args = trainer.args
-    return trainer.state.global_step * args.gradient_accumulation_steps + (
+    micro_steps = trainer.state.global_step * args.gradient_accumulation_steps + (
         trainer._step % args.gradient_accumulation_steps)
+    return micro_steps * trainer.accelerator.num_processes * args.per_device_train_batch_size

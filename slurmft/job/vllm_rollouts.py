@@ -19,6 +19,8 @@ Besides the processor, what differs from TRL's colocate mode:
 - no importance-sampling correction (``vllm_importance_sampling_correction=False``, grpo.py): the tokens are the
   seeded draws, not vLLM's, so the log-probs vLLM reports for them are not those of the sampling distribution;
   and the engine is asked for none;
+- the engine's start leaves the process's random generators as it found them (:func:`generators_kept`);
+- LoRA: every sync pushes the base weights with the adapters merged, out of place (:func:`merged_params`);
 - **CPU only** (:func:`cpu_sync`): vLLM's CPU backend repacks every linear layer's weight for its GEMM kernel
   (oneDNN, or the SGL/zentorch kernels) once loaded and leaves ``layer.weight`` an empty ``Parameter`` without a
   ``weight_loader`` (vLLM 0.32 ``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``), so TRL's sync, the
@@ -106,7 +108,8 @@ def engine_as_ours(model_dir: Path, dtype: str) -> Iterator[None]:
     def build(**kwargs: Any) -> Any:
         kwargs.update(model=str(model_dir), dtype=dtype, logits_processors=[seeded_processor()])
         log.info("grpo: vLLM colocated engine: %s", {k: v for k, v in kwargs.items() if k != "logits_processors"})
-        llm = original(**kwargs)
+        with generators_kept():
+            llm = original(**kwargs)
         _ENGINES.append(llm)
         return llm
 
@@ -115,6 +118,25 @@ def engine_as_ours(model_dir: Path, dtype: str) -> Iterator[None]:
         yield
     finally:
         vllm_generation.LLM = original
+
+
+@contextlib.contextmanager
+def generators_kept() -> Iterator[None]:
+    """The process's global random generators (Python's, NumPy's, torch's on the CPU and the device) as they were
+    before: vLLM's worker seeds all of them at its start (``set_random_seed(model_config.seed)``, vLLM 0.32, CPU and
+    GPU workers), which changed the run's stream, e.g. the order TRL shuffles a generation batch into its
+    ``steps_per_generation`` steps: a colocate run trained other halves per step than the same run with
+    transformers' rollouts (tests/job/test_grpo_vllm_cpu.py)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    python, numpy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        yield
+    random.setstate(python)
+    np.random.set_state(numpy)
 
 
 #: the engines this process started (closed by :func:`close_engines`)
@@ -144,6 +166,41 @@ def cpu_sync(generation: Any) -> None:
     generation.llm.reset_prefix_cache()
 
 
+def merged_params(generation: Any) -> Iterator[tuple[str, Any]]:
+    """LoRA: the policy's full tensors under the base model's names, each LoRA layer's weight with its adapter
+    merged (``W + scaling * B @ A``, PEFT's ``get_delta_weight`` on the gathered tensors), the adapters' own tensors
+    left out: what vLLM, started from the base model's files, loads. Out of place: TRL's ``_iter_named_params``
+    merges into the sharded weights and unmerges after (``merge_adapter``/``unmerge_adapter``), which leaves the
+    frozen base ``(W + d) - d``, not ``W``, after every sync. A collective like TRL's: every rank walks it, one
+    tensor gathered at a time."""
+    from peft.tuners.lora import LoraLayer
+
+    model = generation.model
+    for name, param in model.named_parameters():
+        if ".lora_" in name or "original_module" in name:  # merged below / modules_to_save's untrained copy
+            continue
+        owner = model.get_submodule(name.rsplit(".", 2)[0]) if ".base_layer." in name else None
+        if param.is_cpu and generation.accelerator.device.type != "cpu":  # offloaded: gathered on the device
+            param = param.to(generation.accelerator.device)
+        tensor = param.full_tensor() if hasattr(param, "full_tensor") else param.data
+        if isinstance(owner, LoraLayer) and name.endswith(".base_layer.weight"):
+            for adapter in owner.active_adapters:
+                if owner.use_dora.get(adapter) or adapter not in owner.lora_A:
+                    raise NotImplementedError(f"grpo: {name}: only plain LoRA adapters merge into vLLM's weights")
+                a, b = (getattr(owner, f"lora_{x}")[adapter].weight for x in "AB")
+                a, b = (t.full_tensor() if hasattr(t, "full_tensor") else t for t in (a, b))
+                delta = (b.float() @ a.float()) * owner.scaling[adapter]
+                tensor = (tensor.float() + (delta.T if owner.fan_in_fan_out else delta)).to(tensor.dtype)
+        name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        yield generation._fix_param_name_to_vllm(name, extra_prefixes=["modules_to_save.default."]), tensor
+
+
+def use_merged_adapters(trainer: Any) -> None:
+    """A LoRA policy's syncs push :func:`merged_params` (TRL's own sync, or :func:`cpu_sync`, walks it)."""
+    generation = trainer.vllm_generation
+    generation._iter_named_params = functools.partial(merged_params, generation)
+
+
 def use_cpu_sync(trainer: Any) -> bool:
     """Give the trainer's engine :func:`cpu_sync` where the engine runs on vLLM's CPU backend; True if it did."""
     from vllm.platforms import current_platform
@@ -164,8 +221,13 @@ def generate(trainer: Any, prompt_ids: list[list[int]]) -> list[list[int]]:
 
     from slurmft.job.seeded_sampling import generation_point
 
+    # TRL's tag starts at -1 in every new trainer: the first generation of an attempt (a requeued one too: its
+    # engine starts from the model's files) loads the policy as it is then, the resumed weights
     if trainer.state.global_step != trainer._last_loaded_step:
         trainer.vllm_generation.sync_weights()
+        if trainer.accelerator.is_main_process:
+            log.info("grpo: vLLM weights synced at step %d (last synced: %d)", trainer.state.global_step,
+                     trainer._last_loaded_step)
         trainer._last_loaded_step = trainer.state.global_step
     first_row = trainer.accelerator.process_index * len(prompt_ids)
     point = generation_point(trainer)

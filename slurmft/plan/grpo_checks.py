@@ -64,7 +64,7 @@ def _missing_column(signature: str | None) -> str | None:
 def rollouts_problem(cfg: RunConfig, python: str | None) -> str | None:
     """``rollouts: colocate``/``server``: vLLM is needed in the job's Python (colocate runs where it imports, or
     where that Python cannot be asked here: the job checks again); server is wired but unproven on a GPU (passed
-    only with :data:`~slurmft.grpoopts.UNPROVEN_SERVER_ENV` = 1); neither with LoRA yet."""
+    only with :data:`~slurmft.grpoopts.UNPROVEN_SERVER_ENV` = 1), and not with LoRA (colocate is)."""
     assert cfg.grpo is not None
     rollouts = cfg.grpo.rollouts
     if rollouts == Rollouts.TRANSFORMERS:
@@ -79,12 +79,12 @@ def rollouts_problem(cfg: RunConfig, python: str | None) -> str | None:
         return (f"grpo.rollouts: {rollouts.value} generates with vLLM, which the job's Python {python} cannot import; "
                 "set grpo.rollouts=transformers (transformers' generate on the FSDP2-sharded policy: works on CPUs "
                 "and GPUs without vLLM), or install vllm there")
-    if cfg.lora is not None:  # untested: the adapters' sync into the engine (merged into sharded weights by TRL)
-        return (f"grpo.rollouts: {rollouts.value} with lora: is not supported yet (the adapters would have to be "
-                "merged into the engine's weights after every step, which no test has shown); set "
-                "grpo.rollouts=transformers (LoRA-GRPO with transformers' generate works), or drop the lora: section")
-    if rollouts == Rollouts.COLOCATE:
+    if rollouts == Rollouts.COLOCATE:  # LoRA too: the syncs merge the adapters (tests/job/test_grpo_vllm_cpu.py)
         return None
+    if cfg.lora is not None:  # untested: the adapters' sync to a server (no GPU to run it)
+        return ("grpo.rollouts: server with lora: is not supported yet (no test has synced adapters to a vLLM "
+                "server); set grpo.rollouts=colocate (the syncs merge the adapters into the engine's weights) or "
+                "grpo.rollouts=transformers, or drop the lora: section")
     if rollouts == Rollouts.SERVER and os.environ.get(UNPROVEN_SERVER_ENV) != "1":
         # rendered, checked on Slurm, wired into the job; never run on a GPU (TRL's weight sync is NCCL only)
         return ("grpo.rollouts: server renders (`slurmft render` writes the vLLM server's step and the training "

@@ -30,7 +30,7 @@ from typing import Any
 from slurmft import prepared
 from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, read_marker, step_of
 from slurmft.config import Executor, RunConfig
-from slurmft.config_loading import dump_config, parse_override, read_run_config
+from slurmft.config_loading import apply_overrides, dump_config, parse_override, read_run_config, read_yaml
 from slurmft.errors import ConfigError, RunDirError, SubmissionError
 from slurmft.job.requeue import EXIT_REQUEUE_REFUSED  # torch-free: the batch shell runs it
 from slurmft.plan.elastic import ALLOCATION_KEYS, BATCH_KEYS, BatchShape, allocation, reshape
@@ -144,6 +144,15 @@ def _shape(cfg: RunConfig) -> BatchShape:
     return BatchShape(cfg.train_world_size, cfg.train.per_device_batch_size, cfg.train.gradient_accumulation_steps)
 
 
+def _world_size(paths: RunPaths, previous: RunConfig, overrides: list[str]) -> int:
+    """The training ranks ``overrides`` ask for, read before the batch is refitted to them: the whole config with
+    the new allocation and the old batch need not be valid (a GRPO generation batch of 1 rank x 2 x 1 cannot hold a
+    group of 4 completions, while the refitted 1 x 2 x 2 does), so only its ``resources`` are checked here."""
+    data = apply_overrides(read_yaml(paths.config), overrides)
+    resources = type(previous.resources).model_validate(data.get("resources") or {})
+    return previous.model_copy(update={"resources": resources}).train_world_size
+
+
 def saved_shape(previous: RunConfig, ckpt: Path | None) -> BatchShape:
     """The batch shape ``ckpt`` was trained with: its marker's record (world size, per-device batch,
     accumulation), each missing field (a marker older than that record) from the run's config as it was."""
@@ -162,13 +171,12 @@ def resume_config(paths: RunPaths, overrides: list[str], executor: str, ckpt: Pa
     if not paths.config.is_file():
         raise RunDirError(f"{paths.root} has a manifest but no {paths.config.name}: it cannot be resumed")
     previous = read_run_config(paths.config)
-    cfg = read_run_config(paths.config, overrides)
     saved = saved_shape(previous, ckpt)
     batch_named = any(".".join(parse_override(text)[0]) in BATCH_KEYS for text in overrides)
-    shape = reshape(saved, cfg.train_world_size, _shape(cfg) if batch_named else None)
-    if shape != _shape(cfg):
-        cfg = read_run_config(paths.config, [*overrides, f"train.per_device_batch_size={shape.per_device_batch_size}",
-                                             f"train.gradient_accumulation_steps={shape.gradient_accumulation_steps}"])
+    requested = _shape(read_run_config(paths.config, overrides)) if batch_named else None
+    shape = reshape(saved, _world_size(paths, previous, overrides), requested)
+    cfg = read_run_config(paths.config, [*overrides, f"train.per_device_batch_size={shape.per_device_batch_size}",
+                                         f"train.gradient_accumulation_steps={shape.gradient_accumulation_steps}"])
     if shape.world_size != saved.world_size:
         say(f"{ckpt.name if ckpt else 'the run'} was trained on {saved.world_size} ranks, this attempt runs on "
             f"{shape.world_size}: global batch of {shape.global_batch} sequences per step kept ({saved.words()} "

@@ -41,3 +41,10 @@ def length_recorded(completions, completion_ids, trainer_state, **kwargs):
         with open(f"{record}.rank{os.environ.get('SLURM_PROCID', '0')}.jsonl", "a") as f:
             f.write(json.dumps({"step": trainer_state.global_step, "ids": [list(c) for c in completion_ids]}) + "\n")
     return length(completions)
+
+
+def length_recorded_then_signal(completions, completion_ids, trainer_state, **kwargs):
+    """:func:`length_recorded` and the warning signal of :func:`length_then_signal` (tests/job/test_grpo_vllm_cpu.py's
+    preempted colocate run: its completions recorded like its twin's, the signal landing inside a generation)."""
+    length_then_signal(completions, trainer_state)
+    return length_recorded(completions, completion_ids, trainer_state)

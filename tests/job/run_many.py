@@ -20,6 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from slurmft.job import preemption
 from slurmft.job.entrypoint import run_train
 from slurmft.job.rendezvous import free_port
 from slurmft.job.unused_packages import OPT_OUT
@@ -66,10 +67,25 @@ def _port(run_dir: str, rank: str) -> str:
 #: of a run (a check that needs the process group, e.g. tests/job/adapter_survival.py); its port file is named
 #: after WHERE, the function and the last segment of the first ARG, its failure files after WHERE.
 CALL = "call:"
+#: An argument ``requeued:RUN_DIR`` trains RUN_DIR's next attempt in these processes: ``SLURM_RESTART_COUNT=1``
+#: and the warning signal's flag lowered (what a requeued job's fresh processes start with), the start-up spared.
+#: Everything else is a run's own (process group, trainer, vLLM engine: built again by ``run_train``).
+REQUEUED = "requeued:"
 
 
 def _one(item: str) -> str:
     """Run one item (a run directory, or a ``call:``); returns the path its port and failure files are named by."""
+    if item.startswith(REQUEUED):
+        item = item[len(REQUEUED):]
+        os.environ["MASTER_PORT"] = _port(item + ".requeued", RANK)
+        before = os.environ.get("SLURM_RESTART_COUNT", "0")
+        os.environ["SLURM_RESTART_COUNT"] = str(int(before) + 1)
+        preemption._state.update(flag=False, signum=0, at=0.0)  # a fresh process's: no signal yet
+        try:
+            run_train(item)
+        finally:
+            os.environ["SLURM_RESTART_COUNT"] = before
+        return item
     if not item.startswith(CALL):
         os.environ["MASTER_PORT"] = _port(item, RANK)
         run_train(item)
@@ -93,7 +109,7 @@ def main(items: list[str]) -> int:
         except BaseException as exc:  # noqa: BLE001 - SystemExit(2) for a setup error too: record it, go on
             failed += 1
             text = f"{said.text()}rank {RANK}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-            where = item if not item.startswith(CALL) else item.rsplit(":", 1)[-1] + ".call"
+            where = (item.rsplit(":", 1)[-1] + ".call" if item.startswith(CALL) else item.removeprefix(REQUEUED))
             Path(f"{where}.failed.rank{RANK}").write_text(text)
             sys.stderr.write(text)
         finally:

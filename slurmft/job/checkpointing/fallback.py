@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 # The Trainer's methods that read a checkpoint when resuming, and what each one reads.
 LOADERS = {
     "_load_from_checkpoint": "the model (pytorch_model_fsdp_0/)",
-    "_load_optimizer_and_scheduler": "the optimizer and scheduler (optimizer_0/, scheduler.pt)",
+    "_load_optimizer_and_scheduler": "the optimizer and scheduler (optimizer_0/, scheduler.pt; GRPO: grpo_rollouts_<rank>.pt)",
     "_load_scaler": "the gradient scaler (scaler.pt)",
     "_load_rng_state": "the random generator state (rng_state_<rank>.pth)",
 }
