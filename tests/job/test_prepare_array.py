@@ -175,3 +175,54 @@ def test_more_tasks_than_documents_leave_empty_shares_out(tiny_model: Path, tmp_
     record = _prepare(runs[1], 4)
     _same(*runs)
     assert [s["sequences"] > 0 for s in record["shards"]] == [False, True, False, True]
+
+
+def _steps(run: Path, name: str, until: int | None = None) -> dict[int, dict]:
+    import json
+
+    lines = [json.loads(line) for line in (run / name).read_text().splitlines() if line.strip()]
+    return {m["step"]: m for m in lines if "step" in m and m.get("event") != "save" and (until is None or m["step"] <= until)}
+
+
+def _keep_until(run: Path, name: str, step: int) -> None:
+    import json
+
+    lines = (run / name).read_text().splitlines()
+    (run / name).write_text("".join(f"{line}\n" for line in lines if json.loads(line).get("step", 0) <= step))
+
+
+@pytest.mark.train
+def test_the_train_job_trains_on_the_shards_as_on_one_jobs_set_and_resumes_at_the_next_sequence(
+        corpus: Path, tiny_model: Path, tmp_path: Path, job_env: dict[str, str]) -> None:
+    """Unpacked, shuffled, 2 tasks: the 2-rank train job (gloo, FSDP2) reads the shards memory-mapped through the
+    recorded order; its steps' sequences (batches.jsonl's digests) and losses equal those of the run prepared by one
+    job. Then its last checkpoint is lost: the relaunch resumes from the one before and trains the very next
+    sequences, with the same losses."""
+    import shutil
+
+    from .helpers import launch, launch_like_srun
+
+    extra = ["data.packing=false", "train.sft.shuffle_dataset=true", "train.max_steps=4", "checkpoint.every_steps=2",
+             "train.per_device_batch_size=2", "train.gradient_accumulation_steps=1", "train.warmup_ratio=0"]
+    one, many = _run(tmp_path, "one", tiny_model, corpus, extra), _run(tmp_path, "many", tiny_model, corpus, extra)
+    _prepare(one, 1)
+    assert _prepare(many, 2)["layout"] == "shards"
+    for run in (one, many):
+        rc, out = launch(run, job_env).wait(timeout=300)
+        assert rc == 0, out[-6000:]
+    assert "2 shards memory-mapped" in out, out[-3000:]
+    want_b, want_m = _steps(one, "batches.jsonl"), _steps(one, "metrics.jsonl")
+    got_b = _steps(many, "batches.jsonl")
+    assert sorted(want_b) == [1, 2, 3, 4]
+    assert [got_b[s]["digest"] for s in want_b] == [want_b[s]["digest"] for s in want_b]  # the same sequences
+    assert [_steps(many, "metrics.jsonl")[s]["loss"] for s in want_b] == [want_m[s]["loss"] for s in want_b]
+
+    shutil.rmtree(many / "checkpoints" / "checkpoint-4")  # lost: the relaunch resumes from step 2
+    for name in ("batches.jsonl", "metrics.jsonl"):
+        _keep_until(many, name, 2)
+    rc, out = launch_like_srun(many, job_env, job_id="4343", restart=1).wait(timeout=300)
+    assert rc == 0, out[-6000:]
+    assert "resuming from checkpoint-2" in out, out[-3000:]
+    got_b, got_m = _steps(many, "batches.jsonl"), _steps(many, "metrics.jsonl")
+    assert [got_b[s]["digest"] for s in (3, 4)] == [want_b[s]["digest"] for s in (3, 4)]  # the next sequences
+    assert [got_m[s]["loss"] for s in (3, 4)] == [want_m[s]["loss"] for s in (3, 4)]
