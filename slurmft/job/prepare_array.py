@@ -150,7 +150,7 @@ def pack_shards(run: Loaded, parts: Path, tasks: int, group: str, me: int) -> di
              "one plan for the whole set" if args.packing else "unpacked: the shards become prepared/'s files")
     shard_list = [{k: r[k] for k in ("task", "rows", "sequences", "tokens", "seconds", "tokens_per_s", "job_id", "host")}
                   for r in records]
-    extra = {"tasks": tasks, "array_job": group, "shards": shard_list,
+    extra = {"tasks": tasks, "array_job": group, "shards": shard_list, "pack_started": time.time(),
              "job_id": own_job_id(os.environ) or None}  # this task's, as <array>_<task>
     if args.packing:
         record = save_prepared(run, lambda _: finish(rows, args), time.time(),
