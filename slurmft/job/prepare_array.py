@@ -179,7 +179,9 @@ def shuffled_order(rows: int, seed: int) -> Any:
     from datasets import Dataset
 
     numbers = Dataset.from_dict({"i": np.arange(rows, dtype=np.int64)})
-    return np.asarray(numbers.shuffle(seed=seed, keep_in_memory=True).with_format("numpy")["i"], dtype=np.int64)
+    # read as Arrow: one take through the indices (the numpy format took 22 s for 100k rows, this 0.2 s)
+    shuffled = numbers.shuffle(seed=seed, keep_in_memory=True).with_format("arrow")[:]
+    return shuffled["i"].to_numpy().astype(np.int64)
 
 
 def _alike(parts: Path, kept: list[dict[str, Any]]) -> list[Any]:
