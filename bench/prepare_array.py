@@ -1,19 +1,21 @@
 """A plain-text corpus prepared by one prepare job and by a prepare array; the train job's start on a large prepared set.
 
-Run: python bench/prepare_array.py [--tokens 50000000] [--tasks 4] [--model DIR] [--quick]
+Run: python bench/prepare_array.py [--tokens 50000000] [--tasks 4] [--model DIR] [--quick] [--unpacked]
 One invocation: it writes a text corpus locally (seeded prose, documents separated by blank lines, nothing
 downloaded; ``--tokens`` of the tiny model's tokenizer, 50M by default), builds the tiny model (slurmft.tiny;
 ``--model``: that preset built already), then:
 
 * **prepare throughput**: the corpus prepared by one prepare job (``python -m slurmft.job.entrypoint prepare``, one
   process) and by an array of ``--tasks`` tasks (``prepare-task``, each a process of its own started at once, as
-  Slurm starts an array's tasks; the last one to finish packs). Wall times and tokens/s, their ratio, and whether the
-  two ``prepared/`` sets are bitwise equal (they must be: exit 1 otherwise). On a machine with fewer cores than
+  Slurm starts an array's tasks; the last one to finish packs). Wall times and tokens/s, their ratio, what the
+  packing task did after the shards were done (seconds, MiB written), and whether the rows the train job reads from
+  the two ``prepared/`` sets are bitwise equal (they must be: exit 1 otherwise). On a machine with fewer cores than
   tasks the tasks share the cores: the ratio is what this machine gives, not what N nodes give.
-* **train job start**: the 2-rank train job (gloo, real FSDP2, tiny model) on the full prepared set and on a tenth
-  of the corpus prepared the same way: seconds from launch to the first step, and the first step's peak RSS
+* **train job start**: the 2-rank train job (gloo, real FSDP2, tiny model) on the array's prepared set and on a
+  tenth of the corpus prepared by one job: seconds from launch to the first step, and the first step's peak RSS
   (``metrics.jsonl``'s ``peak_rss_mib``, the largest rank's). ``prepared/`` is read memory-mapped
-  (``datasets.load_from_disk``): both should be flat in the set's size.
+  (``datasets.load_from_disk``; ``--unpacked``: the array's shards themselves, concatenated without a copy and read
+  through the recorded order): both should be flat in the set's size.
 
 Targets (exit 1 when missed): the two prepared sets are bitwise equal; the train job's time to first step and RSS on
 the full set are within ``FLAT`` times the tenth's. ``--quick`` (200k tokens) checks that the pipeline runs and the
@@ -65,13 +67,14 @@ def tokens_per_word(model: Path) -> float:
     return len(tok(sample)["input_ids"]) / 20000
 
 
-def write_run(run: Path, model: Path, corpus: Path, files: str = "*.txt") -> None:
+def write_run(run: Path, model: Path, corpus: Path, files: str = "*.txt", unpacked: bool = False) -> None:
     from slurmft.config_loading import dump_config, load_config
 
     cfg = load_config(REPO / "examples" / "tiny" / "run.yaml", [
         f"model.name_or_path={model}", f"output_dir={run}",
         "data.datasets=[{path: '" + str(corpus / files) + "', documents: blank_line}]", f"data.max_seq_length={SEQ}",
-        "data.num_proc=1", "train.max_steps=1", "checkpoint.every_steps=1000", "prepare.enabled=true"])
+        "data.num_proc=1", "train.max_steps=1", "checkpoint.every_steps=1000", "prepare.enabled=true",
+        *(["data.packing=false", "train.sft.shuffle_dataset=true"] if unpacked else [])])
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(dump_config(cfg))
 
@@ -97,10 +100,26 @@ def prepare_array(run: Path, tasks: int, env: dict[str, str]) -> float:
 
 
 def same_prepared(a: Path, b: Path) -> bool:
-    from datasets import load_from_disk
+    """Whether the train job reads the same rows, in the same order, from both runs' ``prepared/``."""
+    from slurmft.job.prepare import read_prepared
 
-    x, y = load_from_disk(str(a / "prepared")), load_from_disk(str(b / "prepared"))
+    x, y = (read_prepared(r / "prepared", json.loads((r / "prepared" / "slurmft-prepared.json").read_text()))
+            for r in (a, b))
     return x.features == y.features and x.with_format("arrow")[:].equals(y.with_format("arrow")[:])
+
+
+def mib(root: Path, pattern: str = "**/*.arrow") -> float:
+    return sum(p.stat().st_size for p in root.glob(pattern) if p.is_file()) / 2**20
+
+
+def packing_task(record: dict, prepared: Path) -> str:
+    """What the task that packs did after every shard was done: its seconds, and what it wrote into ``prepared/``."""
+    seconds = record["time"] - record["pack_started"]
+    if record.get("layout") == "shards":  # the shards moved in: only the order (and the record) are new
+        written = (prepared / record["order"]).stat().st_size / 2**20 if record.get("order") else 0.0
+        return (f"the packing task: {seconds:.1f} s, {written:.1f} MiB written (the order; the shards, "
+                f"{mib(prepared):.1f} MiB, moved into prepared/ as they are)")
+    return f"the packing task: {seconds:.1f} s, {mib(prepared, '*.arrow'):.1f} MiB written (the packed rows)"
 
 
 def first_step_rss_mib(run: Path) -> float:
@@ -115,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="the slurmft.tiny tiny preset, built already (default: build it here)")
     ap.add_argument("--quick", action="store_true", help="200k tokens: the pipeline runs (figures not meaningful)")
     ap.add_argument("--keep", help="keep the work directory here (default: a temporary one, removed)")
+    ap.add_argument("--unpacked", action="store_true", help="data.packing false, TRL's shuffle on: the array's shards "
+                    "stay as prepared/'s files and the train job reads them memory-mapped through the order")
     args = ap.parse_args(argv)
     tokens = 200_000 if args.quick else args.tokens
     sys.path.insert(0, str(REPO))
@@ -131,9 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         corpus = work / "corpus"
         write_corpus(corpus, words)
         one, many, small = work / "one", work / "array", work / "small"
-        write_run(one, model, corpus)
-        write_run(many, model, corpus)
-        write_run(small, model, corpus, f"part00[0-{FILES // 10 - 1}].txt")  # a tenth of the files
+        write_run(one, model, corpus, unpacked=args.unpacked)
+        write_run(many, model, corpus, unpacked=args.unpacked)
+        write_run(small, model, corpus, f"part00[0-{FILES // 10 - 1}].txt", args.unpacked)  # a tenth of the files
         one_s = prepare_one(one, env_for(work / "cache-one"))
         many_s = prepare_array(many, args.tasks, env_for(work / "cache-array"))
         equal = same_prepared(one, many)
@@ -141,24 +162,29 @@ def main(argv: list[str] | None = None) -> int:
         big = json.loads((one / "prepared" / "slurmft-prepared.json").read_text())
         record = json.loads((many / "prepared" / "slurmft-prepared.json").read_text())
         tenth = json.loads((small / "prepared" / "slurmft-prepared.json").read_text())["result"]
-        start_big = first_step_s(one, env_for(work / "cache-train-big"))
+        packer = packing_task(record, many / "prepared")
+        # the large set as the array left it (unpacked: its shards, memory-mapped, through the order)
+        start_big = first_step_s(many, env_for(work / "cache-train-big"))
         start_small = first_step_s(small, env_for(work / "cache-train-small"))
-        rss_big, rss_small = first_step_rss_mib(one), first_step_rss_mib(small)
+        rss_big, rss_small = first_step_rss_mib(many), first_step_rss_mib(small)
     result = big["result"]
     n = result["tokens"]
     print(f"corpus: {FILES} .txt files, documents between blank lines -> {result['conversations']:,} documents, "
-          f"{n:,} tokens in {result['sequences']:,} packed rows of <= {SEQ}; tiny model's tokenizer")
+          f"{n:,} tokens in {result['sequences']:,} {'rows (unpacked, shuffled)' if args.unpacked else 'packed rows'} "
+          f"of <= {SEQ}; tiny model's tokenizer")
     print("| preparation | wall | tokens/s |")
     print("|---|---|---|")
     print(f"| one prepare job (1 process) | {one_s:.1f} s | {n / one_s:,.0f} |")
     print(f"| prepare array, {args.tasks} tasks at once (the last one packs) | {many_s:.1f} s | {n / many_s:,.0f} |")
     per_task = ", ".join(f"{s['tokens_per_s']:,}" for s in record["shards"])
     print(f"ratio: the array takes {many_s / one_s:.2f}x the one job's time; its tasks' own tokens/s: {per_task}")
-    print(f"prepared/ of the array bitwise equal to the one job's: {'yes' if equal else 'NO'}")
+    print(packer)
+    print(f"the rows the train job reads from the array's prepared/ bitwise equal to the one job's: "
+          f"{'yes' if equal else 'NO'}")
     print("| train job (2 gloo ranks, tiny model) on a prepared set of | time to first step | first step's peak RSS |")
     print("|---|---|---|")
     print(f"| {tenth['tokens']:,} tokens | {start_small:.1f} s | {rss_small:.0f} MiB |")
-    print(f"| {n:,} tokens | {start_big:.1f} s | {rss_big:.0f} MiB |")
+    print(f"| {n:,} tokens (the array's{' shards' if args.unpacked else ''}) | {start_big:.1f} s | {rss_big:.0f} MiB |")
     time_ratio, rss_ratio = start_big / start_small, rss_big / rss_small
     print(f"ratio (large / small): time to first step {time_ratio:.2f}x, RSS {rss_ratio:.2f}x")
     if args.quick:

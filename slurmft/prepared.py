@@ -231,6 +231,12 @@ def _when(mtime_ns: object) -> str:
 
 #: a prepare array task's shard record, written last inside its shard: its presence means the shard is complete
 SHARD_RECORD = "shard.json"
+#: the record's ``layout`` when ``prepared/`` holds a prepare array's unpacked shards as its own files (no concatenated
+#: copy): ``shard_files`` (datasets' saved sets, in task order) and ``order`` (None, or the file of the row order the
+#: trainer reads: TRL's shuffle as indices); slurmft.job.prepare.read_prepared reads both layouts
+SHARDS_LAYOUT = "shards"
+#: the row order of a ``shards`` layout (an int64 .npy of indices into the shards' concatenation)
+ORDER_FILE = "order.npy"
 
 
 def shard_dir(parts: Path, task: int) -> Path:

@@ -343,9 +343,12 @@ def prepare_run(run_dir: str, num_proc: int | None = None, cfg: RunConfig | None
                                                            run.paths), t_loaded, {})
 
 
-def save_prepared(run: Loaded, make: Callable[[Path], Any], t_start: float, extra: dict[str, Any]) -> dict[str, Any]:
+def save_prepared(run: Loaded, make: Callable[[Path], Any], t_start: float, extra: dict[str, Any],
+                  save: Callable[[Any, Path], None] | None = None) -> dict[str, Any]:
     """``make(staging)``'s prepared set saved into a staging directory with its record (``extra`` added), then
-    swapped in as ``RUN_DIR/prepared/``; returns the record."""
+    swapped in as ``RUN_DIR/prepared/``; returns the record. ``save(ready, staging)``: how the set's files get there
+    (default: ``save_to_disk``; a prepare array's unpacked shards are moved there instead, slurmft/job/prepare_array.py);
+    the counts are taken from ``ready`` before it is saved."""
     paths, cfg, mixed = run.paths, run.cfg, run.mixed
     tag = f"{os.environ.get('SLURM_JOB_ID', 'here')}-{os.getpid()}"
     staging = paths.prepared_staging(tag)
@@ -355,12 +358,15 @@ def save_prepared(run: Loaded, make: Callable[[Path], Any], t_start: float, extr
         t_ready = time.time()
         log.info("TRL prepared %d conversations into %d sequences in %.1f s (%.0f rows/s)", len(mixed), len(ready),
                  t_ready - t_start, len(mixed) / max(t_ready - t_start, 1e-9))
-        ready.save_to_disk(str(staging))
         result = {"conversations": len(mixed),
                   **(dpo_counts(ready) if cfg.dpo is not None
                      else {"sequences": len(ready), "tokens": 0, "loss_tokens": None, "fill": None} if cfg.grpo
-                     else counts(ready, cfg.data.max_seq_length)),
-                  "seconds": round(time.time() - run.t0, 1)}
+                     else counts(ready, cfg.data.max_seq_length))}
+        if save is None:
+            ready.save_to_disk(str(staging))
+        else:
+            save(ready, staging)
+        result["seconds"] = round(time.time() - run.t0, 1)
         record = {**run.before, "result": result, "num_proc": run.num_proc, "job_id": os.environ.get("SLURM_JOB_ID"),
                   "host": socket.gethostname(), "time": time.time(),
                   "versions": {m: _version(m) for m in ("trl", "datasets", "transformers", "slurmft")}, **extra}
@@ -392,10 +398,24 @@ def load_prepared(paths: RunPaths, cfg: RunConfig) -> Any:
         raise JobSetupError(
             f"prepare.enabled is true but {paths.prepared} holds no complete preparation (did the prepare job "
             f"fail?): prepare it with `slurmft prepare {paths.root}`, then `slurmft resume {paths.root}`")
-    from datasets import load_from_disk
-
-    ds = load_from_disk(str(paths.prepared))
-    log.info("data: %d prepared sequences read from %s (prepared by %s; TRL prepares nothing here)", len(ds),
-             paths.prepared, f"job {record['job_id']}" if record.get("job_id") else record.get("host", "?"))
+    ds = read_prepared(paths.prepared, record)
+    shards = (f", {len(record['shard_files'])} shards memory-mapped" if record.get("layout") == prepared.SHARDS_LAYOUT
+              else "")
+    log.info("data: %d prepared sequences read from %s (prepared by %s%s; TRL prepares nothing here)", len(ds),
+             paths.prepared, f"job {record['job_id']}" if record.get("job_id") else record.get("host", "?"), shards)
     return ds
+
+
+def read_prepared(where: Path, record: dict[str, Any]) -> Any:
+    """``prepared/`` (``where``, its record ``record``) as the trainer reads it: the saved set, memory-mapped; or, when a
+    prepare array left its unpacked shards there (``layout: shards``, slurmft/job/prepare_array.py), the shards'
+    memory-mapped concatenation (``concatenate_datasets`` of ``load_from_disk``: no row copied) read in the recorded
+    order (``select``: an indices mapping in memory, 8 bytes a row, nothing written). Either way the same rows."""
+    from datasets import concatenate_datasets, load_from_disk
+
+    if record.get("layout") != prepared.SHARDS_LAYOUT:
+        return load_from_disk(str(where))
+    rows = concatenate_datasets([load_from_disk(str(where / name)) for name in record["shard_files"]])
+    order = record.get("order")
+    return rows.select(np.load(where / order)) if order else rows
 

@@ -8,12 +8,19 @@ on it row by row (:meth:`slurmft.job.prepare.TrlPreparation.rows`: no packing, n
 shard k of ``RUN_DIR/.prepared.array-<array id>/`` with a record of its own (rows, tokens, seconds, tokens/s, the
 inputs' identity). A prepared row depends on its own source row only, so the shards concatenated in task order
 are the rows one prepare job makes. The task that finds every shard complete (the last to finish: each writes its
-shard before it looks) runs what needs the whole set: TRL's shuffle and slurmft's one packing plan
-(:func:`slurmft.job.prepare.finish`), over the shards read memory-mapped and concatenated without a copy
-(``load_from_disk`` + ``concatenate_datasets`` keep datasets' Arrow files mapped), and writes ``prepared/`` with a
-record covering every shard. So ``prepared/`` is bitwise what ``prepare.tasks: 1`` writes, whatever N and the CPUs
-(tests/job/test_prepare_array.py), and the train job reads it as before. The train job waits for the whole array
-(``afterok:<array id>``).
+shard before it looks) runs what needs the whole set, over the shards read memory-mapped and concatenated without a
+copy (``load_from_disk`` + ``concatenate_datasets`` keep datasets' Arrow files mapped), and writes ``prepared/`` with
+a record covering every shard:
+
+* packed (``data.packing``): TRL's shuffle and slurmft's one packing plan (:func:`slurmft.job.prepare.finish`); the
+  packed rows are written once (docs/text.md says why they are not a plan over the shards);
+* unpacked: nothing is copied. The shards are moved into ``prepared/`` as its own files, and the record names them
+  (``layout: shards``) and the order the trainer reads their rows in (TRL's shuffle as a permutation, ``order.npy``);
+  the train job reads the shards memory-mapped, concatenated, through that order
+  (:func:`slurmft.job.prepare.read_prepared`).
+
+Either way the train job reads bitwise the rows ``prepare.tasks: 1`` gives, whatever N and the CPUs
+(tests/job/test_prepare_array.py). The train job waits for the whole array (``afterok:<array id>``).
 
 A cache is bound to what it was computed from: every task records the inputs (files' sizes and times, tokenizer
 hashes, hub commits) as it began, and the packing task refuses shards made from different inputs (a file changed
@@ -31,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from slurmft import prepared
 from slurmft.errors import JobSetupError
 from slurmft.job.prepare import (
@@ -43,7 +52,7 @@ from slurmft.job.prepare import (
     save_prepared,
     trl_said,
 )
-from slurmft.prepared import SHARD_RECORD, shard_dir, shard_records
+from slurmft.prepared import ORDER_FILE, SHARD_RECORD, SHARDS_LAYOUT, shard_dir, shard_records
 from slurmft.rundir import atomic_write
 
 log = logging.getLogger("slurmft.job")
@@ -116,10 +125,13 @@ def _last(parts: Path, tasks: int) -> bool:
 
 
 def pack_shards(run: Loaded, parts: Path, tasks: int, group: str, me: int) -> dict[str, Any]:
-    """Every shard, memory-mapped and concatenated in task order, through TRL's shuffle and one packing plan into
-    ``prepared/`` (:func:`slurmft.job.prepare.save_prepared`), with a record covering every shard; the shards are
-    removed after. ``me``: the task that packs (its inputs are ``run.before``)."""
-    from datasets import concatenate_datasets, load_from_disk
+    """Every shard, memory-mapped and concatenated in task order, made ``prepared/`` with a record covering every
+    shard. Packed (``data.packing``): TRL's shuffle and one packing plan, the packed rows written once
+    (:func:`slurmft.job.prepare.save_prepared`), the shards removed after. Unpacked: no copy at all: the shards are
+    moved into ``prepared/`` as its own files and the record names them and the order (TRL's shuffle as indices,
+    ``order.npy``) the train job reads them in (:func:`slurmft.job.prepare.read_prepared`). ``me``: the task that
+    packs (its inputs are ``run.before``)."""
+    from datasets import concatenate_datasets
 
     from slurmft.slurm import own_job_id
 
@@ -131,20 +143,65 @@ def pack_shards(run: Loaded, parts: Path, tasks: int, group: str, me: int) -> di
                                 f"inputs than task {me}, which packs): {'; '.join(changed)}; prepare again: "
                                 f"`slurmft prepare {run.paths.root}`")
     kept = [r for r in records if r["rows"][1] > r["rows"][0]]  # an empty share saved no rows
-    shards = [load_from_disk(str(shard_dir(parts, r["task"]))) for r in kept]
-    # a share without a conversation has the text rows' column types; one prepare job casts the text rows to the
-    # conversations' (slurmft/job/prepare.py: TrlPreparation._with_text), so does this
-    like = next((s for s, r in zip(shards, kept, strict=True) if r["chat"] and len(s)), shards[0]).features
-    rows = concatenate_datasets([s if s.features == like else s.cast(like) for s in shards])
+    rows = concatenate_datasets(_alike(parts, kept))
     args = prepare_args(run.cfg, run.num_proc, parts)
     started = min(r["started"] for r in records)
-    log.info("packing %d shards: %d sequences, %d tokens (one plan for the whole set)", tasks, len(rows),
-             sum(r["tokens"] for r in records))
+    log.info("packing %d shards: %d sequences, %d tokens (%s)", tasks, len(rows), sum(r["tokens"] for r in records),
+             "one plan for the whole set" if args.packing else "unpacked: the shards become prepared/'s files")
     shard_list = [{k: r[k] for k in ("task", "rows", "sequences", "tokens", "seconds", "tokens_per_s", "job_id", "host")}
                   for r in records]
-    record = save_prepared(run, lambda _: finish(rows, args), time.time(),
-                           {"tasks": tasks, "array_job": group, "shards": shard_list,
-                            "job_id": own_job_id(os.environ) or None,  # this task's, as <array>_<task>
-                            "array_seconds": round(time.time() - started, 1)})
+    extra = {"tasks": tasks, "array_job": group, "shards": shard_list, "pack_started": time.time(),
+             "job_id": own_job_id(os.environ) or None}  # this task's, as <array>_<task>
+    if args.packing:
+        record = save_prepared(run, lambda _: finish(rows, args), time.time(),
+                               {**extra, "array_seconds": round(time.time() - started, 1)})
+    else:
+        names = [shard_dir(parts, r["task"]).name for r in kept]
+        order = ORDER_FILE if args.shuffle_dataset else None
+
+        def move(_: Any, staging: Path) -> None:
+            staging.mkdir(parents=True)
+            if order:  # TRL's shuffle (finish: rows.shuffle(seed)) as the permutation of the rows, not a copy of them
+                np.save(staging / order, shuffled_order(len(rows), args.seed))
+            for name in names:
+                os.replace(parts / name, staging / name)
+
+        record = save_prepared(run, lambda _: rows, time.time(),
+                               {**extra, "layout": SHARDS_LAYOUT, "shard_files": names, "order": order,
+                                "array_seconds": round(time.time() - started, 1)}, save=move)
     shutil.rmtree(parts, ignore_errors=True)
     return record
+
+
+def shuffled_order(rows: int, seed: int) -> Any:
+    """The order ``Dataset.shuffle(seed=seed)`` puts ``rows`` rows in (it depends on the number of rows and the seed
+    only), asked of datasets itself on a column of row numbers: the indices TRL's shuffle would map."""
+    from datasets import Dataset
+
+    numbers = Dataset.from_dict({"i": np.arange(rows, dtype=np.int64)})
+    # read as Arrow: one take through the indices (the numpy format took 22 s for 100k rows, this 0.2 s)
+    shuffled = numbers.shuffle(seed=seed, keep_in_memory=True).with_format("arrow")[:]
+    return shuffled["i"].to_numpy().astype(np.int64)
+
+
+def _alike(parts: Path, kept: list[dict[str, Any]]) -> list[Any]:
+    """The kept shards, memory-mapped, all with the same column types. A share without a conversation has the text
+    rows' column types; one prepare job casts the text rows to the conversations' (slurmft/job/prepare.py:
+    TrlPreparation._with_text), so such a shard is cast and saved again in its place (only it is rewritten), so that
+    the shards concatenate as they are, here and in the train job."""
+    from datasets import load_from_disk
+
+    shards = [load_from_disk(str(shard_dir(parts, r["task"]))) for r in kept]
+    like = next((s for s, r in zip(shards, kept, strict=True) if r["chat"] and len(s)), shards[0]).features
+    out = []
+    for shard, r in zip(shards, kept, strict=True):
+        if shard.features != like:
+            where, tmp = shard_dir(parts, r["task"]), parts / f".cast-{r['task']:05d}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shard.cast(like).save_to_disk(str(tmp))
+            shutil.copyfile(where / SHARD_RECORD, tmp / SHARD_RECORD)
+            shutil.rmtree(where)
+            os.replace(tmp, where)
+            shard = load_from_disk(str(where))
+        out.append(shard)
+    return out

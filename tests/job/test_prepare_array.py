@@ -52,16 +52,28 @@ def _prepare(run: Path, tasks: int) -> dict:
     return read_record(RunPaths.of(run)) or {}
 
 
-def _same(a: Path, b: Path) -> None:
-    from datasets import load_from_disk
+def trained_rows(run: Path):
+    """The rows the train job reads from ``run``'s ``prepared/`` (slurmft.job.prepare.read_prepared), in its order."""
+    from slurmft.job.prepare import read_prepared
+    from slurmft.prepared import read_record
+    from slurmft.rundir import RunPaths
 
-    one, many = load_from_disk(str(a / "prepared")), load_from_disk(str(b / "prepared"))
+    return read_prepared(run / "prepared", read_record(RunPaths.of(run)) or {})
+
+
+def _same(a: Path, b: Path) -> None:
+    one, many = trained_rows(a), trained_rows(b)
     assert one.features == many.features
     assert one.with_format("arrow")[:].equals(many.with_format("arrow")[:])  # every token, label, length, in order
 
 
-@pytest.mark.parametrize("tasks,extra", [(3, []), (2, ["data.packing=false", "train.sft.shuffle_dataset=true"])],
-                         ids=["packed-3-tasks", "unpacked-shuffled-2-tasks"])
+def _files(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("tasks,extra", [(3, []), (2, ["data.packing=false", "train.sft.shuffle_dataset=true"]),
+                                         (3, ["data.packing=false"])],
+                         ids=["packed-3-tasks", "unpacked-shuffled-2-tasks", "unpacked-3-tasks"])
 def test_array_prepares_what_one_job_prepares(tasks: int, extra: list[str], corpus: Path, tiny_model: Path,
                                               tmp_path: Path) -> None:
     one = _run(tmp_path, "one", tiny_model, corpus, extra)
@@ -75,7 +87,22 @@ def test_array_prepares_what_one_job_prepares(tasks: int, extra: list[str], corp
     assert shares[0][0] == 0 and all(a[1] == b[0] for a, b in zip(shares, shares[1:], strict=False))
     assert shares[-1][1] == single["result"]["conversations"]
     assert all(s["tokens"] > 0 and s["tokens_per_s"] > 0 for s in array["shards"])
-    assert not list(many.glob(".prepared.*")), "the shards are removed once packed"
+    assert not list(many.glob(".prepared.*")), "the shards are removed once packed, or moved into prepared/"
+    files = _files(many / "prepared")
+    if "data.packing=false" in extra:  # no concatenated copy: prepared/ holds the shards themselves and the order
+        shuffled = "train.sft.shuffle_dataset=true" in extra
+        names = [f"shard-{k:05d}" for k in range(tasks)]
+        assert array["layout"] == "shards" and array["shard_files"] == names
+        assert array["order"] == ("order.npy" if shuffled else None)
+        assert {f.split("/")[0] for f in files} == {*names, "slurmft-prepared.json", *(["order.npy"] if shuffled else [])}
+        one_set = _files(one / "prepared")
+        shard_bytes = sum(n for f, n in files.items() if f.endswith(".arrow"))
+        assert shard_bytes <= 1.1 * sum(n for f, n in one_set.items() if f.endswith(".arrow"))  # the rows once
+        rows = trained_rows(many)
+        assert sum(len(r["input_ids"]) for r in rows) == single["result"]["tokens"]  # read through, every row
+        assert _files(many / "prepared") == files, "reading the shards writes nothing (no cache, no indices file)"
+    else:
+        assert "layout" not in array
 
 
 def test_array_refuses_shards_of_changed_inputs(corpus: Path, tiny_model: Path, tmp_path: Path) -> None:
@@ -110,8 +137,6 @@ def test_the_local_executor_runs_the_tasks_one_after_another(tiny_model: Path, t
     import subprocess
     import sys
 
-    from datasets import load_from_disk
-
     from slurmft.config_loading import load_config
     from slurmft.job.prepare import prepare_run
     from tests.conftest import LOCAL_ARGS, LOCAL_EXAMPLE
@@ -133,7 +158,7 @@ def test_the_local_executor_runs_the_tasks_one_after_another(tiny_model: Path, t
     twin = tmp_path / "twin"
     prepare_run(str(twin), cfg=load_config(LOCAL_EXAMPLE, [f"output_dir={twin}", f"model.name_or_path={tiny_model}",
                                                            *LOCAL_ARGS]))
-    ours, one = load_from_disk(str(run / "prepared")), load_from_disk(str(twin / "prepared"))
+    ours, one = trained_rows(run), trained_rows(twin)
     assert ours.with_format("arrow")[:].equals(one.with_format("arrow")[:])
 
 
@@ -150,3 +175,54 @@ def test_more_tasks_than_documents_leave_empty_shares_out(tiny_model: Path, tmp_
     record = _prepare(runs[1], 4)
     _same(*runs)
     assert [s["sequences"] > 0 for s in record["shards"]] == [False, True, False, True]
+
+
+def _steps(run: Path, name: str, until: int | None = None) -> dict[int, dict]:
+    import json
+
+    lines = [json.loads(line) for line in (run / name).read_text().splitlines() if line.strip()]
+    return {m["step"]: m for m in lines if "step" in m and m.get("event") != "save" and (until is None or m["step"] <= until)}
+
+
+def _keep_until(run: Path, name: str, step: int) -> None:
+    import json
+
+    lines = (run / name).read_text().splitlines()
+    (run / name).write_text("".join(f"{line}\n" for line in lines if json.loads(line).get("step", 0) <= step))
+
+
+@pytest.mark.train
+def test_the_train_job_trains_on_the_shards_as_on_one_jobs_set_and_resumes_at_the_next_sequence(
+        corpus: Path, tiny_model: Path, tmp_path: Path, job_env: dict[str, str]) -> None:
+    """Unpacked, shuffled, 2 tasks: the 2-rank train job (gloo, FSDP2) reads the shards memory-mapped through the
+    recorded order; its steps' sequences (batches.jsonl's digests) and losses equal those of the run prepared by one
+    job. Then its last checkpoint is lost: the relaunch resumes from the one before and trains the very next
+    sequences, with the same losses."""
+    import shutil
+
+    from .helpers import launch, launch_like_srun
+
+    extra = ["data.packing=false", "train.sft.shuffle_dataset=true", "train.max_steps=4", "checkpoint.every_steps=2",
+             "train.per_device_batch_size=2", "train.gradient_accumulation_steps=1", "train.warmup_ratio=0"]
+    one, many = _run(tmp_path, "one", tiny_model, corpus, extra), _run(tmp_path, "many", tiny_model, corpus, extra)
+    _prepare(one, 1)
+    assert _prepare(many, 2)["layout"] == "shards"
+    for run in (one, many):
+        rc, out = launch(run, job_env).wait(timeout=300)
+        assert rc == 0, out[-6000:]
+    assert "2 shards memory-mapped" in out, out[-3000:]
+    want_b, want_m = _steps(one, "batches.jsonl"), _steps(one, "metrics.jsonl")
+    got_b = _steps(many, "batches.jsonl")
+    assert sorted(want_b) == [1, 2, 3, 4]
+    assert [got_b[s]["digest"] for s in want_b] == [want_b[s]["digest"] for s in want_b]  # the same sequences
+    assert [_steps(many, "metrics.jsonl")[s]["loss"] for s in want_b] == [want_m[s]["loss"] for s in want_b]
+
+    shutil.rmtree(many / "checkpoints" / "checkpoint-4")  # lost: the relaunch resumes from step 2
+    for name in ("batches.jsonl", "metrics.jsonl"):
+        _keep_until(many, name, 2)
+    rc, out = launch_like_srun(many, job_env, job_id="4343", restart=1).wait(timeout=300)
+    assert rc == 0, out[-6000:]
+    assert "resuming from checkpoint-2" in out, out[-3000:]
+    got_b, got_m = _steps(many, "batches.jsonl"), _steps(many, "metrics.jsonl")
+    assert [got_b[s]["digest"] for s in (3, 4)] == [want_b[s]["digest"] for s in (3, 4)]  # the next sequences
+    assert [got_m[s]["loss"] for s in (3, 4)] == [want_m[s]["loss"] for s in (3, 4)]
