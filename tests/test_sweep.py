@@ -195,6 +195,14 @@ def test_local_sweep_runs_the_points_one_after_another(tmp_path: Path, micro_mod
     assert code == 2 and "already holds a sweep" in err
     code, out, err = cli(["plot", str(root)], capsys)  # every point's loss on one picture
     assert code == 0 and (root / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", err
+    # report SWEEP_DIR: the points ranked, best first, the best one named, the picture beside it
+    code, out, err = cli(["report", str(root)], capsys)
+    assert code == 0 and out.strip() == f"wrote {root / 'report.md'}", err
+    report = (root / "report.md").read_text()
+    other = next(r for r in rows if r["name"] != best["name"])
+    assert f"**Best:** {best['name']} (`{best['model']}`" in report and "ranked by loss (min)" in report
+    assert report.index(f"| 1 | {best['name']} |") < report.index(f"| 2 | {other['name']} |")
+    assert f"{best['score']:.4f}" in report and "![loss by step](loss.png)" in report
     # logs of the sweep's directory: the end of each point's log under a line naming it; --point: one point's, as
     # its own directory's
     code, out, err = cli(["logs", str(root), "--job", "consolidate", "-n", "3"], capsys)

@@ -21,7 +21,7 @@ import yaml
 
 from slurmft import __version__
 from slurmft.errors import RunDirError
-from slurmft.rundir import RunPaths, atomic_write, read_manifest, unreadable
+from slurmft.rundir import RunPaths, atomic_write, is_sweep_dir, read_manifest, unreadable
 from slurmft.trackers import read_tracker, sync_command, tracker_lines
 from slurmft.units import binary_bytes, fmt_duration
 from slurmft.watch.model_results import result_lines
@@ -274,6 +274,10 @@ def write_report(run_dir: str | Path, slurm_rows: list[dict[str, Any]] | None = 
 
     A plot that cannot be drawn (no matplotlib, no metrics) is said in the report, not raised.
     """
+    if is_sweep_dir(run_dir):  # a sweep's directory: its points ranked (slurmft/watch/sweep.py)
+        from slurmft.watch.sweep import write_sweep_report
+
+        return write_sweep_report(Path(run_dir))
     paths = RunPaths.of(run_dir)
     if not paths.root.is_dir():
         raise RunDirError(f"run directory {str(paths.root)!r} does not exist")

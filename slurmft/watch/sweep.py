@@ -190,3 +190,38 @@ def plot_sweep(root: Path, out: str | Path | None = None) -> Path:
     fig.savefig(tmp, format="png")
     tmp.replace(target)
     return target
+
+
+def write_sweep_report(root: Path) -> Path:
+    """``slurmft report SWEEP_DIR``: ``SWEEP_DIR/report.md``, the points ranked by ``sweep.select`` (best first, the
+    unranked after in the file's order) with each one's overrides, state, steps, last loss, score and model, the best
+    point named; ``loss.png`` beside it (a plot that cannot be drawn is said, not raised). ``best`` refreshed first."""
+    from slurmft.errors import SlurmftError
+    from slurmft.rundir import atomic_write
+
+    record, rows = sweep_rows(root)
+    best = update_best(root, rows)
+    select = record.get("select") or {}
+    try:
+        plot = f"![loss by step]({plot_sweep(root).name})"
+    except SlurmftError as exc:
+        plot = f"(no plot: {exc})"
+    ordered = sorted(rows, key=lambda r: (r["rank"] is None, r["rank"] or 0))
+    lines = [f"# Sweep {record.get('name')}", "",
+             f"{len(rows)} point(s), executor {record.get('executor')}, ranked by {select.get('metric', 'loss')} "
+             f"({select.get('mode', 'min')}).", "",
+             f"**Best:** {best['name']} (`{best['model']}`, linked as `best`)" if best
+             else "**Best:** none yet (no point has a score and a model)", "",
+             "| rank | point | overrides | state | step | loss | score | model |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in ordered:
+        overrides = " ".join(f"`{k}={v}`" for k, v in r["overrides"].items()) or "(as written)"
+        step = f"{'-' if r['step'] is None else r['step']}/{'?' if r['max_steps'] is None else r['max_steps']}"
+        loss = f"{r['loss']:.4f}" if isinstance(r["loss"], int | float) else "-"
+        score = f"{r['score']:.4f}" if r["score"] is not None else "-"
+        lines.append(f"| {r['rank'] or '-'} | {r['name']} | {overrides} | {r['state']} | {step} | {loss} | {score} | "
+                     f"{r['model'] or '-'} |")
+    lines += ["", plot, ""]
+    target = Path(root) / "report.md"
+    atomic_write(target, "\n".join(lines))
+    return target
