@@ -103,13 +103,21 @@ REFUSALS = [
                               "invalid-point", "twin-points"])
 def test_refused_before_anything_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str], sweep: dict,
                                             sections: dict, expected: list[str]) -> None:
+    for err in refusals(tmp_path, capsys, sweep, sections):
+        for text in expected:
+            assert text in err, err
+
+
+def refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str], sweep: dict, sections: dict) -> list[str]:
+    """``validate`` and ``submit`` of the file both exit 2 and write nothing beside run.yaml; what each printed."""
     path = write(tmp_path, sweep, **sections)
+    errs = []
     for command in ("validate", "submit"):
         code, _, err = cli([command, str(path)], capsys)
         assert code == 2, err
-        for text in expected:
-            assert text in err, err
+        errs.append(err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
+    return errs
 
 
 def test_a_point_that_does_not_fit_is_named_and_nothing_is_written(tmp_path: Path, micro_model: Path,

@@ -9,8 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cli_runner import cli
-from test_sweep import write
+from test_sweep import refusals, write
 
 from slurmft.profiles import load_profile
 from slurmft.sweep import FIXED, load_sweep, select_of
@@ -46,13 +45,9 @@ REFUSALS = [
                               "eval-in-one-point"])
 def test_refused_before_anything_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str], sweep: dict,
                                             sections: dict, expected: list[str]) -> None:
-    path = write(tmp_path, sweep, **sections)
-    for command in ("validate", "submit"):
-        code, _, err = cli([command, str(path)], capsys)
-        assert code == 2, err
+    for err in refusals(tmp_path, capsys, sweep, sections):
         for text in expected:
             assert text in " ".join(err.split()), err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
 
 
 def test_the_ranking_defaults_to_the_evaluation_when_there_is_one(tmp_path: Path) -> None:
