@@ -15,7 +15,7 @@ from cli_runner import cli
 
 from slurmft.config_loading import load_config
 from slurmft.profiles import load_profile
-from slurmft.sweep import FIXED, load_sweep, point_name, points_of
+from slurmft.sweep import FIXED, Sweep, load_sweep, point_name, points_of
 
 DATA = Path(__file__).parent / "data"
 
@@ -141,23 +141,28 @@ def test_array_scripts_pick_the_task_point_and_are_shellcheck_clean(tmp_path: Pa
     scripts = render_sweep_arrays(sweep, load_profile("local-test"), "run.yaml", None)
     assert set(scripts) == {"prepare", "train", "consolidate"}
     assert "#SBATCH --array" not in scripts["prepare"] and "#SBATCH --job-name=sw-prepare\n" in scripts["prepare"]
-    out = tmp_path / "out"
     for kind, text in scripts.items():
-        if kind == "prepare":
-            continue
-        assert f"#SBATCH --array=0-3%2\n#SBATCH --output={out}/logs/{kind}-%A_%a.out\n" in text
-        assert f"#SBATCH --job-name=sw-{kind}\n" in text
-        for i, point in enumerate(sweep.points):
-            assert f"    {i}) run_dir={out / point.name} ;;\n" in text
-        assert f'exec "$run_dir/scripts/{kind}.sbatch" >>"$run_dir/logs/{kind}-${{SLURM_ARRAY_JOB_ID}}_' in text
-        script = tmp_path / f"{kind}.sh"
-        script.write_text(text)
-        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-        if shutil.which("shellcheck"):  # test_render.py's test_shellcheck_clean says when its absence fails
-            check = subprocess.run(["shellcheck", "-S", "warning", str(script)], capture_output=True, text=True)
-            assert check.returncode == 0, check.stdout
+        if kind != "prepare":
+            check_array_script(tmp_path, sweep, kind, text)
     assert "--requeue" in scripts["train"] and "--signal=USR2@" in scripts["train"]
     assert "--nodes=2" in scripts["train"] and "#SBATCH --nodes=1\n" in scripts["consolidate"]
+
+
+def check_array_script(tmp_path: Path, sweep: Sweep, kind: str, text: str) -> None:
+    """An array script of the 4-point sweep written to ``tmp_path/out`` (2 at a time): task i execs point i's own
+    ``scripts/KIND.sbatch`` into its log; ``bash -n`` and shellcheck clean."""
+    out = tmp_path / "out"
+    assert f"#SBATCH --array=0-3%2\n#SBATCH --output={out}/logs/{kind}-%A_%a.out\n" in text
+    assert f"#SBATCH --job-name=sw-{kind}\n" in text
+    for i, point in enumerate(sweep.points):
+        assert f"    {i}) run_dir={out / point.name} ;;\n" in text
+    assert f'exec "$run_dir/scripts/{kind}.sbatch" >>"$run_dir/logs/{kind}-${{SLURM_ARRAY_JOB_ID}}_' in text
+    script = tmp_path / f"{kind}.sh"
+    script.write_text(text)
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    if shutil.which("shellcheck"):  # test_render.py's test_shellcheck_clean says when its absence fails
+        check = subprocess.run(["shellcheck", "-S", "warning", str(script)], capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout
 
 
 def test_local_sweep_runs_the_points_one_after_another(tmp_path: Path, micro_model: Path, chat_data: Path,
