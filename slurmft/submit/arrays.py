@@ -43,6 +43,21 @@ def write_task_pickle(folder: Path, job_id: str, function: Callable[..., Any], a
     os.replace(tmp, target)
 
 
+def write_pickles_or_cancel(array: str, calls: list[tuple[Path, Callable[..., Any], tuple[Any, ...]]],
+                            timeout_min: int, jobs: list[str]) -> None:
+    """Task i's callable (``calls[i]``: its submitit folder, function and arguments) under the id submitit looks
+    for, ``<array>_<i>``; when they cannot be written, ``jobs`` (the ones sent so far) are cancelled: their tasks
+    would wait for pickles that never come, then fail."""
+    try:
+        for i, (folder, function, args) in enumerate(calls):
+            write_task_pickle(folder, f"{array}_{i}", function, args, timeout_min)
+    except OSError as exc:
+        cancelled = slurm.try_scancel(jobs)
+        raise SubmissionError(f"cannot write the array {array}'s pickles ({exc}); "
+                              + (f"cancelled {', '.join(jobs)}" if cancelled else f"could NOT cancel: scancel "
+                                 f"{' '.join(jobs)}")) from None
+
+
 def submit_array(cfg: RunConfig, profile: Any, paths: RunPaths, manifest: dict[str, Any], config_path: str,
                  template_dir: str | None, fields: dict[str, Any]) -> str:
     """sbatch the prepare array (``prepare.tasks`` > 1: slurmft/job/prepare_array.py), write each task's pickle,
@@ -63,14 +78,8 @@ def submit_array(cfg: RunConfig, profile: Any, paths: RunPaths, manifest: dict[s
     atomic_write(script, render(PREPARE_TEMPLATE, build_prepare_context(cfg, profile, paths, command, config_path),
                                 template_dir), executable=True)
     array = sbatch_array(script, None, "prepare array")
-    try:
-        for k in range(tasks):
-            write_task_pickle(paths.submitit, f"{array}_{k}", run_prepare_task, (str(paths.root), k, tasks, array),
-                              time_minutes(cfg.prepare.resources.time))
-    except OSError as exc:
-        cancelled = slurm.try_scancel([array])
-        raise SubmissionError(f"cannot write the prepare array {array}'s pickles ({exc}); "
-                              + ("cancelled it" if cancelled else f"could NOT cancel it: scancel {array}")) from None
+    write_pickles_or_cancel(array, [(paths.submitit, run_prepare_task, (str(paths.root), k, tasks, array))
+                                    for k in range(tasks)], time_minutes(cfg.prepare.resources.time), [array])
     record_job(manifest, "prepare", array, **fields, tasks=tasks, script=str(script),
                logs=[str(paths.log_file("prepare", f"{array}_{k}")) for k in range(tasks)])
     write_manifest(paths, manifest)

@@ -61,7 +61,7 @@ from slurmft.rundir import (
     write_manifest,
     write_sweep_record,
 )
-from slurmft.submit.arrays import sbatch_array, write_task_pickle
+from slurmft.submit.arrays import sbatch_array, write_pickles_or_cancel
 from slurmft.submit.dispatch import (
     MODEL_JOBS,
     Say,
@@ -200,25 +200,11 @@ def _leaders(sweep: Sweep, groups: list[list[int]]) -> list[str]:
 
 
 # ------------------------------------------------------------------ Slurm: one prepare job, two arrays
-def _write_pickles(sweep: Sweep, array: str, call: Callable[[RunConfig], tuple[Callable[..., Any], tuple]],
-                   timeout_min: int) -> None:
-    """Task i's callable in point i's submitit folder, under the id submitit will look for: ``<array>_<i>``."""
-    for i, cfg in enumerate(sweep.configs):
-        function, args = call(cfg)
-        write_task_pickle(RunPaths.of(cfg.output_dir).submitit, f"{array}_{i}", function, args, timeout_min)
-
-
 def _pickles_or_cancel(sweep: Sweep, array: str, call: Callable[[RunConfig], tuple[Callable[..., Any], tuple]],
                        timeout_min: int, jobs: list[str]) -> None:
-    """:func:`_write_pickles`; when they cannot be written, the jobs sent so far are cancelled (their tasks would
-    wait for pickles that never come, then fail)."""
-    try:
-        _write_pickles(sweep, array, call, timeout_min)
-    except OSError as exc:
-        cancelled = slurm.try_scancel(jobs)
-        raise SubmissionError(f"cannot write the array {array}'s pickles ({exc}); "
-                              + (f"cancelled {', '.join(jobs)}" if cancelled else f"could NOT cancel: scancel "
-                                 f"{' '.join(jobs)}")) from None
+    """Point i's callable (``call(config)``) in its own submitit folder as task i's (arrays.write_pickles_or_cancel)."""
+    calls = [(RunPaths.of(cfg.output_dir).submitit, *call(cfg)) for cfg in sweep.configs]
+    write_pickles_or_cancel(array, calls, timeout_min, jobs)
 
 
 def _submit_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str, template_dir: str | None,
