@@ -15,11 +15,14 @@ generation (generations at global steps 0 and 2):
 - ``preempted``: ``colocate`` whose reward raises the warning signal on rank 1 while step 1 generates; it saves
   checkpoint-1 inside the generation and stops, and its requeued attempt (``requeued:`` in run_many: the same
   processes with ``SLURM_RESTART_COUNT=1`` and the signal's flag lowered; a new trainer and a new engine from the
-  model's files) trains steps 2 and 3.
+  model's files) trains steps 2 and 3;
+- ``lora_preempted``: ``lora_colocate`` with ``preempted``'s signal, and its requeued attempt: the new engine starts
+  from the base model's files, and its first sync pushes the resumed adapters merged.
 
 What is compared, exactly: every completion's token ids, per rank and generation (a reward of the tests' own
 records what it scores), every step's loss, gradient norm, rewards and completion length, and (preemption) the
-final weights. The first generation (the model files' weights) is the same in every run; later ones are generated
+final weights (LoRA: the adapters), each preempted run against its uninterrupted twin (``colocate``,
+``lora_colocate``). The first generation (the model files' weights) is the same in every run; later ones are generated
 after weight syncs: colocate's equal transformers' (the seeded draws from vLLM's logits of the synced weights equal
 those from the trained FSDP2 policy's) and differ from frozen's (so the sync is what made them equal). The model is
 the tiny preset (head size 64): the micro model's 16 is refused by vLLM's CPU attention ("Unsupported CPU attention
@@ -55,6 +58,8 @@ REWARDS = [{"function": f"{HERE / 'grpo_rewards.py'}:shared_letters", "weight": 
            {"function": f"{HERE / 'grpo_rewards.py'}:length_recorded", "weight": 0.5}]
 COMPARED = ("reward", "reward_std", "rewards/shared_letters/mean", "rewards/length_recorded/mean",
             "completions/mean_length")
+#: each preempted run and its uninterrupted twin (the same run without the signal)
+PREEMPTED = {"preempted": "colocate", "lora_preempted": "lora_colocate"}
 
 
 def colocate_python() -> str:
@@ -112,21 +117,25 @@ def vllm_runs(tiny_model: Path, job_env: dict[str, str], tmp_path_factory: pytes
             "colocate": write_run(root / "colocate", model, [*RUN_ARGS, lr], edit=grpo("colocate")),
             "lora_colocate": write_run(root / "lora_colocate", model, [*RUN_ARGS, *LORA_ARGS],
                                        edit=grpo("colocate", lora=True)),
-            "preempted": write_run(root / "preempted", model, [*RUN_ARGS, lr], edit=grpo("colocate", signaled=True))}
+            "preempted": write_run(root / "preempted", model, [*RUN_ARGS, lr], edit=grpo("colocate", signaled=True)),
+            "lora_preempted": write_run(root / "lora_preempted", model, [*RUN_ARGS, *LORA_ARGS],
+                                        edit=grpo("colocate", signaled=True, lora=True))}
     # one start-up for all (tests/job/run_many.py), the colocated engines' runs last (each engine leaves the process
-    # group when its run ends): the preempted run stops after step 1 (the signal came while step 1 generated) and
-    # its requeued attempt (SLURM_RESTART_COUNT=1, the flag lowered, a new trainer and engine) trains steps 2 and 3
+    # group when its run ends): a preempted run stops after step 1 (the signal came while step 1 generated) and its
+    # requeued attempt (SLURM_RESTART_COUNT=1, the flag lowered, a new trainer and engine) trains steps 2 and 3,
+    # right after it (the recorded completions are split into runs where a run's step 0 starts)
     env = {**job_env, "VLLM_CPU_KVCACHE_SPACE": "1", "GRPO_TEST_RECORD": str(root / "recorded"),
            "GRPO_TEST_SIGNAL_AT": str(MID - 1)}
-    items = [str(run) for run in runs.values()]
-    requeue_dir = runs["preempted"] / "requeue"
-    rc, log = launch_like_srun(root / "all", env, program=[str(HERE / "run_many.py")],
-                               args=[*items, f"requeued:{runs['preempted']}"], python=python).wait(timeout=900)
+    items = [item for name, run in runs.items()
+             for item in ([str(run), f"requeued:{run}"] if name in PREEMPTED else [str(run)])]
+    rc, log = launch_like_srun(root / "all", env, program=[str(HERE / "run_many.py")], args=items,
+                               python=python).wait(timeout=1200)
     for path in sorted(root.glob("*.failed.rank*")):
         pytest.fail(path.read_text()[-6000:])
     assert rc == 0, log[-6000:]
     return {"runs": runs, "log": log, "recorded": _recorded(root / "recorded", list(runs)),
-            "requeued": sorted(p.name for p in requeue_dir.iterdir()) if requeue_dir.is_dir() else []}
+            "requeued": {name: sorted(p.name for p in (runs[name] / "requeue").iterdir())
+                         if (runs[name] / "requeue").is_dir() else [] for name in PREEMPTED}}
 
 
 def test_colocated_vllm_rollouts_equal_transformers_generate_before_and_after_weight_syncs(
@@ -156,31 +165,34 @@ def test_the_colocated_run_trains_as_the_transformers_run(vllm_runs: dict[str, A
     log = vllm_runs["log"]
     assert "vLLM colocated engine" in log and "'dtype': 'float32'" in log
     assert "synced through vLLM's in-place reload" in log  # the CPU backend's sync (its linear layers keep no weight)
-    # rank 0 logs it, once per engine: colocate, LoRA's, the preempted run and its requeued attempt
-    assert log.count("vLLM colocated engine") == 4
+    # rank 0 logs it, once per engine: colocate, LoRA's, each preempted run and its requeued attempt
+    assert log.count("vLLM colocated engine") == 2 + 2 * len(PREEMPTED)
     assert "Invalid process group" not in log  # the engines are shut down before the job leaves the process group
 
 
+@pytest.mark.parametrize(("name", "twin_name"), PREEMPTED.items(), ids=list(PREEMPTED))
 def test_a_colocated_run_preempted_inside_a_generation_ends_bitwise_equal_to_its_twin(
-        vllm_runs: dict[str, Any]) -> None:
+        vllm_runs: dict[str, Any], name: str, twin_name: str) -> None:
     """The warning signal lands while step 1 generates (rank 1's reward raises it): the ranks save checkpoint-1 with
     their rollouts (inside a generation) and stop; the requeued attempt's new engine starts from the model's files,
     trains step 2 on the saved rollouts, and before step 3's generation loads the policy it resumed and trained
     (TRL's tag of the last synced step starts at -1 in the new trainer). Every step's loss, gradient norm, rewards
     and completion length, every completion, and the final weights are those of the uninterrupted colocate twin;
     step 3's completions are not what the model files' weights sample (the frozen run's), so they come from the
-    resumed weights."""
+    resumed weights. LoRA (``lora_preempted``, twin ``lora_colocate``): the new engine starts from the base model's
+    files, and its first sync pushes the resumed adapters merged (:func:`merged_params`); the final weights compared
+    are the adapters (the checkpoints hold no base)."""
     import torch
 
     from .test_grpo_cpu import _final_weights
 
     runs, recorded = vllm_runs["runs"], vllm_runs["recorded"]
-    assert vllm_runs["requeued"] == ["4242-0"]
-    marker = json.loads((runs["preempted"] / "requeue" / "4242-0").read_text())
+    assert vllm_runs["requeued"][name] == ["4242-0"]
+    marker = json.loads((runs[name] / "requeue" / "4242-0").read_text())
     assert marker["step"] == MID and marker["saved"]
-    assert sorted(p.name for p in (runs["preempted"] / "checkpoints" / f"checkpoint-{MID}").glob("grpo_rollouts_*")) \
+    assert sorted(p.name for p in (runs[name] / "checkpoints" / f"checkpoint-{MID}").glob("grpo_rollouts_*")) \
         == ["grpo_rollouts_0.pt", "grpo_rollouts_1.pt"]
-    twin, preempted = read_metrics(runs["colocate"]), read_metrics(runs["preempted"])
+    twin, preempted = read_metrics(runs[twin_name]), read_metrics(runs[name])
     assert [m["step"] for m in preempted] == list(range(1, STEPS + 1))
     assert [m["restart"] for m in preempted] == [0] * MID + [1] * (STEPS - MID)
     # its second reward is the twin's under another name (it also raises the signal)
@@ -192,14 +204,16 @@ def test_a_colocated_run_preempted_inside_a_generation_ends_bitwise_equal_to_its
     assert "reward" not in preempted[MID] and "reward" in preempted[MID + 1]  # step 2: saved rollouts; 3 generates
     # every generation's completions: the first attempt's (global step 0), the requeued attempt's (2)
     for rank in (0, 1):
-        assert [g["step"] for g in recorded["preempted"][rank]] == list(range(0, STEPS, SPG))
-        assert recorded["preempted"][rank] == recorded["colocate"][rank], rank
-    assert any(recorded["frozen"][r][-1] != recorded["colocate"][r][-1] for r in (0, 1))  # not the files' weights
+        assert [g["step"] for g in recorded[name][rank]] == list(range(0, STEPS, SPG))
+        assert recorded[name][rank] == recorded[twin_name][rank], rank
+    assert any(recorded["frozen"][r][-1] != recorded[twin_name][r][-1] for r in (0, 1))  # not the files' weights
     log = vllm_runs["log"]
-    assert "vLLM weights synced at step 2 (last synced: -1)" in log  # the requeued attempt's first generation
-    assert "vLLM weights synced at step 2 (last synced: 0)" in log  # the twin's
-    a, b = _final_weights(runs["colocate"], STEPS), _final_weights(runs["preempted"], STEPS)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the requeued attempts' first generations (one per preempted run), the twins' second ones
+    assert log.count("vLLM weights synced at step 2 (last synced: -1)") == len(PREEMPTED)
+    assert log.count("vLLM weights synced at step 2 (last synced: 0)") == len(PREEMPTED)
+    a, b = _final_weights(runs[twin_name], STEPS), _final_weights(runs[name], STEPS)
+    assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(".lora_" in k for k in a) == name.startswith("lora"), sorted(a)[:4]
 
 
 def test_lora_with_colocated_rollouts_syncs_the_merged_adapters(vllm_runs: dict[str, Any]) -> None:
@@ -220,6 +234,7 @@ def test_lora_with_colocated_rollouts_syncs_the_merged_adapters(vllm_runs: dict[
     assert [{k: m.get(k) for k in COMPARED} for m in ours] == [{k: m.get(k) for k in COMPARED} for m in theirs]
     assert [m["loss"] for m in ours] == pytest.approx([m["loss"] for m in theirs], abs=1e-6)
     assert [m["grad_norm"] for m in ours] == pytest.approx([m["grad_norm"] for m in theirs], rel=1e-5)
-    assert "every sync pushes the base weights with the adapters merged" in vllm_runs["log"]
+    # rank 0 logs it once per LoRA engine: lora_colocate's, lora_preempted's and its requeued attempt's
+    assert vllm_runs["log"].count("every sync pushes the base weights with the adapters merged") == 3
     fsdp = json.loads((vllm_runs["runs"]["lora_colocate"] / "fsdp_report" / "rank1.json").read_text())
     assert fsdp["num_dtensors"] == fsdp["num_tensors"] > 0 and fsdp["local_fraction"] < 1, fsdp
