@@ -127,17 +127,17 @@ def run_task(run_dir: str, task: int, tasks: int, group: str, num_proc: int | No
 
     if not 0 <= task < tasks:
         raise JobSetupError(f"prepare array task {task} is not one of 0..{tasks - 1}")
-    mine_files: dict[str, Any] = {}
+    mine_files: list[range] = []  # its range of the source's files, when the tasks share the files
 
     def files(cfg: RunConfig, before: dict[str, Any]) -> list[Path] | None:
         entries = shared_files(cfg, before, tasks)
         if entries is None:
             return None
-        got = file_share([int(f["size"]) for f in entries], task, tasks)
-        mine_files.update(range=got, of=len(entries), bytes=sum(int(f["size"]) for f in entries[got.start:got.stop]),
-                          total=sum(int(f["size"]) for f in entries))
+        sizes = [int(f["size"]) for f in entries]
+        got = file_share(sizes, task, tasks)
+        mine_files.append(got)
         log.info("task %d of %d: reads files %d..%d of the source's %d (%.1f of %.1f MiB), not the others", task,
-                 tasks, got.start, got.stop - 1, len(entries), mine_files["bytes"] / 2**20, mine_files["total"] / 2**20)
+                 tasks, got.start, got.stop - 1, len(entries), sum(sizes[got.start:got.stop]) / 2**20, sum(sizes) / 2**20)
         return [Path(f["file"]) for f in entries[got.start:got.stop]]
 
     run = load_run(run_dir, num_proc, files=files)
@@ -172,7 +172,7 @@ def run_task(run_dir: str, task: int, tasks: int, group: str, num_proc: int | No
               "seconds": round(seconds, 1), "tokens_per_s": round(tokens / max(seconds, 1e-9)), "chat": chat,
               "load_seconds": round(load_seconds, 1),
               # a share of the files: which ones ([first, stop) of the source's), and "rows" counts its files' rows
-              **({"files": [mine_files["range"].start, mine_files["range"].stop]} if mine_files else {}),
+              **({"files": [mine_files[0].start, mine_files[0].stop]} if mine_files else {}),
               "job_id": own_job_id(os.environ) or None, "host": socket.gethostname(), "started": run.t0,
               "inputs": run.before}
     atomic_write(tmp / SHARD_RECORD, json.dumps(record, indent=2) + "\n")  # last: the shard is complete
