@@ -7,7 +7,8 @@ downloaded; ``--tokens`` of the tiny model's tokenizer, 50M by default), builds 
 
 * **prepare throughput**: the corpus prepared by one prepare job (``python -m slurmft.job.entrypoint prepare``, one
   process) and by an array of ``--tasks`` tasks (``prepare-task``, each a process of its own started at once, as
-  Slurm starts an array's tasks; the last one to finish packs). Wall times and tokens/s, their ratio, what the
+  Slurm starts an array's tasks; the last one to finish packs). Wall times and tokens/s, their ratio, each task's
+  seconds to load its rows (one source of ``FILES`` files: each task reads its share of the files), what the
   packing task did after the shards were done (seconds, MiB written), and whether the rows the train job reads from
   the two ``prepared/`` sets are bitwise equal (they must be: exit 1 otherwise). On a machine with fewer cores than
   tasks the tasks share the cores: the ratio is what this machine gives, not what N nodes give.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -122,6 +124,20 @@ def packing_task(record: dict, prepared: Path) -> str:
     return f"the packing task: {seconds:.1f} s, {mib(prepared, '*.arrow'):.1f} MiB written (the packed rows)"
 
 
+def task_loads(record: dict, run: Path) -> str:
+    """Each task's seconds from its start to its rows loaded, and what it loaded (its share of the files, or the whole
+    mixture): the record's ``load_seconds``, or (slurmft before they were recorded) its log's ``loaded ... in S s``."""
+    out = []
+    for shard in record["shards"]:
+        seconds = shard.get("load_seconds")
+        if seconds is None:
+            log = (run.parent / f"{run.name}-task{shard['task']}.log").read_text()
+            seconds = float(re.findall(r"loaded \d+ conversations in ([\d.]+) s", log)[-1])
+        what = f"files {shard['files'][0]}..{shard['files'][1] - 1}" if "files" in shard else "the whole mixture"
+        out.append(f"task {shard['task']}: {seconds:.1f} s ({what})")
+    return "each task's loading: " + ", ".join(out)
+
+
 def first_step_rss_mib(run: Path) -> float:
     first = next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"step"' in line)
     return float(first["peak_rss_mib"])
@@ -163,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         record = json.loads((many / "prepared" / "slurmft-prepared.json").read_text())
         tenth = json.loads((small / "prepared" / "slurmft-prepared.json").read_text())["result"]
         packer = packing_task(record, many / "prepared")
+        loads = task_loads(record, many)
         # the large set as the array left it (unpacked: its shards, memory-mapped, through the order)
         start_big = first_step_s(many, env_for(work / "cache-train-big"))
         start_small = first_step_s(small, env_for(work / "cache-train-small"))
@@ -178,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| prepare array, {args.tasks} tasks at once (the last one packs) | {many_s:.1f} s | {n / many_s:,.0f} |")
     per_task = ", ".join(f"{s['tokens_per_s']:,}" for s in record["shards"])
     print(f"ratio: the array takes {many_s / one_s:.2f}x the one job's time; its tasks' own tokens/s: {per_task}")
+    print(loads)
     print(packer)
     print(f"the rows the train job reads from the array's prepared/ bitwise equal to the one job's: "
           f"{'yes' if equal else 'NO'}")

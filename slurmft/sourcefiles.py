@@ -104,10 +104,11 @@ def read_documents(files: list[Path], documents: str, limit_bytes: int) -> tuple
     return docs, True
 
 
-def source_problems(path: str, fmt: str, where: str) -> list[str]:
+def source_problems(path: str, fmt: str, where: str, files: list[Path] | None = None) -> list[str]:
     """Every local file of a plain-text source that cannot be read, or the glob that matches nothing; each message
-    names the source (``where``) and the file."""
-    files = files_of(path)
+    names the source (``where``) and the file. ``files``: these of its files only (a prepare array task checks the
+    files it reads; ``validate`` checked them all before the array was queued)."""
+    files = files_of(path) if files is None else files
     if not files:
         what = "matches no file" if is_glob(path) else "does not exist"
         return [f"{where}: {path!r} {what} (give a .txt/.txt.gz file or a glob of them, or a data file with "

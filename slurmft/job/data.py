@@ -68,11 +68,12 @@ def detect_format(source: DatasetSource, columns: list[str], first: dict[str, An
         raise JobSetupError(str(exc)) from None
 
 
-def _load_files(source: DatasetSource, files: list[Path], where: str):
-    """A local source's files (one, or a glob's), each checked first when they are plain text."""
+def _load_files(source: DatasetSource, files: list[Path], where: str, share: bool = False):
+    """A local source's files (one, or a glob's; ``share``: the part of them a prepare array task reads), each checked
+    first when they are plain text."""
     from datasets import load_dataset
 
-    problems = sourcefiles.source_problems(source.path, source.format, where)
+    problems = sourcefiles.source_problems(source.path, source.format, where, files if share else None)
     if len(problems) == 1:
         raise JobSetupError(problems[0])
     if problems:
@@ -91,11 +92,15 @@ def _load_files(source: DatasetSource, files: list[Path], where: str):
     return load_dataset(builder, data_files=[str(f) for f in files], split="train", **kwargs)
 
 
-def _load_source(source: DatasetSource, where: str):
+def _load_source(source: DatasetSource, where: str, files: list[Path] | None = None):
+    """The source's rows as datasets reads them; ``files``: only these of its local files (a prepare array task's
+    share, slurmft/job/prepare_array.py), in this order."""
     from datasets import load_dataset
 
     path = Path(source.path).expanduser()
     try:
+        if files is not None:
+            return _load_files(source, files, where, share=True)
         files = sourcefiles.files_of(source.path)
         if files:
             return _load_files(source, files, where)
@@ -155,22 +160,25 @@ def load_preference_source(ds, fmt: str, where: str, num_proc: int | None):
     return ds
 
 
-def _keep(ds, usable, num_proc: int | None, where: str, none_left: str, dropped: str):
-    """The rows ``usable`` accepts; none left is an error (``none_left``), the dropped ones counted in a warning."""
+def _keep(ds, usable, num_proc: int | None, where: str, none_left: str, dropped: str, share: bool = False):
+    """The rows ``usable`` accepts; none left is an error (``none_left``; not for ``share``, a part of the source's
+    files, which may hold none), the dropped ones counted in a warning."""
     before = len(ds)
     ds = ds.filter(usable, num_proc=num_proc)
-    if len(ds) == 0:
+    if len(ds) == 0 and not share:
         raise JobSetupError(f"{where}: {none_left}")
     if len(ds) < before:
         log.warning("%s: dropped %d of %d %s", where, before - len(ds), before, dropped)
     return ds
 
 
-def load_text_source(ds, column: str, where: str, num_proc: int | None):
-    """A plain-text source as ``text`` documents (``messages`` empty); blank documents dropped, none left refused."""
+def load_text_source(ds, column: str, where: str, num_proc: int | None, share: bool = False):
+    """A plain-text source as ``text`` documents (``messages`` empty); blank documents dropped, none left refused
+    (``share``: a part of its files, which may hold none). The columns are always ``_features(text=True)``, whatever
+    types datasets inferred from the files read, so a part of the files gives the rows the whole gives them."""
     ds = ds.map(_convert_text, batched=True, fn_kwargs={"column": column}, remove_columns=ds.column_names,
                 features=_features(text=True), num_proc=num_proc, desc=f"{where}: text -> documents")
-    ds = _keep(ds, _has_words, num_proc, where, "no text: every document is empty or blank", "blank documents")
+    ds = _keep(ds, _has_words, num_proc, where, "no text: every document is empty or blank", "blank documents", share)
     log.info("%s: %d documents (plain text: every token in the loss)", where, len(ds))
     return ds
 
@@ -188,18 +196,22 @@ def load_prompt_source(ds, where: str):
 
 
 def load_source(source: DatasetSource, index: int, num_proc: int | None, method: str = "sft",
-                with_text: bool = False):
+                with_text: bool = False, files: list[Path] | None = None):
     """One source as a ``messages``-only dataset, unusable rows dropped; for ``method`` dpo: as
     ``prompt``/``chosen``/``rejected`` conversations, refused when it is not preference data; grpo: prompts as they
     are (with the columns the rewards read), refused when they hold completions; ``with_text`` (a mixture holding
-    plain text): ``messages`` and ``text`` on every row, a plain-text source as documents."""
+    plain text): ``messages`` and ``text`` on every row, a plain-text source as documents. ``files``: a plain-text
+    source read from these of its files only (a prepare array task's share: it may hold no document)."""
     where = f"data.datasets[{index}] ({source.path})"
-    ds = _load_source(source, where)
-    if len(ds) == 0:
+    share = files is not None
+    if share and not sourcefiles.is_text(source.path, source.format):
+        raise JobSetupError(f"{where}: only a plain-text source is read by shares of its files")
+    ds = _load_source(source, where, files)
+    if len(ds) == 0 and not share:
         raise JobSetupError(f"{where}: the dataset is empty")
     if source.columns:
         ds = ds.rename_columns({theirs: ours for ours, theirs in source.columns.items() if theirs in ds.column_names})
-    fmt, column = detect_format(source, list(ds.column_names), ds[0], where)
+    fmt, column = detect_format(source, list(ds.column_names), ds[0] if len(ds) else {}, where)
     problem = formats.method_problem(fmt, method, list(ds.column_names), where)
     if problem:
         raise JobSetupError(problem)
@@ -208,7 +220,7 @@ def load_source(source: DatasetSource, index: int, num_proc: int | None, method:
     if method == "grpo":
         return load_prompt_source(ds, where)
     if fmt == formats.TEXT:
-        return load_text_source(ds, column, where, num_proc)
+        return load_text_source(ds, column, where, num_proc, share)
     ds = ds.map(
         _convert,
         batched=True,
@@ -243,13 +255,19 @@ def check_template(ds, tokenizer, where: str, n: int = 16) -> None:
             raise JobSetupError(chat_template.cannot_render_message(where, i, exc)) from None
 
 
-def load_mixture(data: DataConfig, seed: int, tokenizer: Any = None, method: str = "sft"):
+def load_mixture(data: DataConfig, seed: int, tokenizer: Any = None, method: str = "sft",
+                 files: list[Path] | None = None):
     """All sources, mixed by weight into one ``messages`` dataset (checked against ``tokenizer``'s template);
-    ``method`` dpo: one ``prompt``/``chosen``/``rejected`` dataset; grpo: one prompt dataset."""
+    ``method`` dpo: one ``prompt``/``chosen``/``rejected`` dataset; grpo: one prompt dataset. ``files``: the one
+    plain-text source's rows from these of its files only (a prepare array task's share of the files,
+    slurmft/job/prepare_array.py: with one source there is no interleaving, and a document depends on its own file
+    only, so the shares' rows in file order are the whole source's)."""
     from datasets import interleave_datasets
 
     with_text = has_text(data) and method == "sft"
-    parts = [load_source(src, i, data.num_proc, method, with_text) for i, src in enumerate(data.datasets)]
+    if files is not None and len(data.datasets) != 1:
+        raise JobSetupError(f"data.datasets: a share of the files needs one source, not {len(data.datasets)}")
+    parts = [load_source(src, i, data.num_proc, method, with_text, files) for i, src in enumerate(data.datasets)]
     if tokenizer is not None:
         for i, (src, part) in enumerate(zip(data.datasets, parts, strict=True)):
             if not sourcefiles.is_text(src.path, src.format):  # plain text meets no chat template

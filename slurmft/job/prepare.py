@@ -293,9 +293,12 @@ class Loaded:
     t0: float
 
 
-def load_run(run_dir: str, num_proc: int | None = None, cfg: RunConfig | None = None) -> Loaded:
+def load_run(run_dir: str, num_proc: int | None = None, cfg: RunConfig | None = None,
+             files: Callable[[RunConfig, dict[str, Any]], list[Path] | None] | None = None) -> Loaded:
     """The config (``RUN_DIR/config.yaml``, or ``cfg``), the tokenizer and the mixed sources, with the log set up
-    and the inputs' identity (:func:`slurmft.prepared.expected`, hub commits pinned) taken first."""
+    and the inputs' identity (:func:`slurmft.prepared.expected`, hub commits pinned) taken first. ``files(cfg,
+    inputs' identity)``: the files of the one plain-text source to read instead of all of them (a prepare array task's
+    share, slurmft/job/prepare_array.py), or None for the whole mixture; ``mixed`` then holds that share's rows."""
     os.environ.setdefault("TQDM_MININTERVAL", PROGRESS_EVERY_S)  # datasets' bars: rows/s and an ETA, now and then
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="[slurmft prepare %(asctime)s] %(message)s", datefmt="%H:%M:%S")
@@ -324,7 +327,8 @@ def load_run(run_dir: str, num_proc: int | None = None, cfg: RunConfig | None = 
     model_dir = resolve_model_dir(cfg.model, with_weights=False)
     tokenizer = load_tokenizer(resolve_tokenizer_dir(cfg.model, model_dir), cfg)
     mixed = data.load_mixture(cfg.data.model_copy(update={"num_proc": num_proc, "datasets": sources}),
-                              cfg.train.seed, tokenizer, method=cfg.method.value)
+                              cfg.train.seed, tokenizer, method=cfg.method.value,
+                              files=files(cfg, before) if files else None)
     t_loaded = time.time()
     log.info("loaded %d conversations in %.1f s (%.0f rows/s); TRL's preparation next (%s, max_length %d, "
              "num_proc %s)", len(mixed), t_loaded - t0, len(mixed) / max(t_loaded - t0, 1e-9),

@@ -1,13 +1,23 @@
 """The prepare job as a Slurm job array (``prepare.tasks``): a corpus's tokenization spread over N tasks.
 
 One prepare job tokenizes a corpus with the CPUs of one node: hours for billions of tokens, while the train job
-waits. With ``prepare.tasks: N`` the prepare job is an array (``--array=0-(N-1)``, slurmft/submit/prepare.py). Every
-task loads and mixes the sources as one prepare job does (cheap beside tokenization; datasets' cache shares the
-files' Arrow copies), takes the k-th contiguous share of the mixture's rows (:func:`share`), runs TRL's preparation
-on it row by row (:meth:`slurmft.job.prepare.TrlPreparation.rows`: no packing, no shuffle) and saves the rows as
-shard k of ``RUN_DIR/.prepared.array-<array id>/`` with a record of its own (rows, tokens, seconds, tokens/s, the
-inputs' identity). A prepared row depends on its own source row only, so the shards concatenated in task order
-are the rows one prepare job makes. The task that finds every shard complete (the last to finish: each writes its
+waits. With ``prepare.tasks: N`` the prepare job is an array (``--array=0-(N-1)``, slurmft/submit/prepare.py). Task k
+loads its share and runs TRL's preparation on it row by row (:meth:`slurmft.job.prepare.TrlPreparation.rows`: no
+packing, no shuffle), and saves the rows as shard k of ``RUN_DIR/.prepared.array-<array id>/`` with a record of its
+own (rows, tokens, load seconds, seconds, tokens/s, the inputs' identity). Its share:
+
+* **a share of the files** when the mixture is one plain-text source of local files matched by a glob, at least as
+  many as tasks (:func:`shared_files`): the k-th contiguous range of the files, cut by their bytes (:func:`file_share`;
+  the sizes are in the inputs' identity, taken before any file is read), and the task reads those files only, so its
+  loading grows with its share, not with the corpus (a task on a node without datasets' cache of the corpus reads
+  its files, not every file). A document is a file or a block of one, and one source is not interleaved, so the
+  shards in task order are the source's rows in file order;
+* **a share of the rows** otherwise: the task loads and mixes every source as one prepare job does and takes the
+  k-th contiguous share of the mixture's rows (:func:`share`). Several sources are interleaved by weight in an order
+  that depends on every source's length, so no task can place its rows without them all.
+
+A prepared row depends on its own source row only, so the shards concatenated in task order are the rows one
+prepare job makes. The task that finds every shard complete (the last to finish: each writes its
 shard before it looks) runs what needs the whole set, over the shards read memory-mapped and concatenated without a
 copy (``load_from_disk`` + ``concatenate_datasets`` keep datasets' Arrow files mapped), and writes ``prepared/`` with
 a record covering every shard:
@@ -35,12 +45,15 @@ import os
 import shutil
 import socket
 import time
+from bisect import bisect_left
+from dataclasses import replace
+from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from slurmft import prepared
+from slurmft import prepared, sourcefiles
 from slurmft.errors import JobSetupError
 from slurmft.job.prepare import (
     TEXT,
@@ -55,6 +68,9 @@ from slurmft.job.prepare import (
 from slurmft.prepared import ORDER_FILE, SHARD_RECORD, SHARDS_LAYOUT, shard_dir, shard_records
 from slurmft.rundir import atomic_write
 
+if TYPE_CHECKING:
+    from slurmft.config import RunConfig
+
 log = logging.getLogger("slurmft.job")
 #: made (O_EXCL) by the one task that packs the shards; the others see it and stop
 CLAIM = "packing"
@@ -63,6 +79,42 @@ CLAIM = "packing"
 def share(rows: int, task: int, tasks: int) -> range:
     """The mixture's rows task ``task`` of ``tasks`` prepares: a contiguous share, sizes differing by one at most."""
     return range(rows * task // tasks, rows * (task + 1) // tasks)
+
+
+def file_share(sizes: list[int], task: int, tasks: int) -> range:
+    """The files (of ``sizes`` bytes, in the source's order) task ``task`` of ``tasks`` reads: a contiguous share, each
+    cut where the bytes before it come nearest to its fraction of the whole, every task at least one file when there
+    are as many files as tasks. Bytes, not rows: a task knows the files' sizes (the inputs' identity) before it
+    reads any, not their rows."""
+    cum = list(accumulate(sizes, initial=0))
+    bounds = [0]
+    for k in range(1, tasks):
+        target = cum[-1] * k / tasks
+        lo, hi = min(bounds[-1] + 1, len(sizes)), max(len(sizes) - (tasks - k), bounds[-1])
+        i = min(max(bisect_left(cum, target), lo), hi)
+        if i > lo and target - cum[i - 1] <= cum[i] - target:  # the nearer of the two cuts around the target
+            i -= 1
+        bounds.append(i)
+    bounds.append(len(sizes))
+    return range(bounds[task], bounds[task + 1])
+
+
+def shared_files(cfg: RunConfig, before: dict[str, Any], tasks: int) -> list[dict[str, Any]] | None:
+    """The files the tasks share out (the inputs' identity's entries, each ``file`` and ``size``, in the order one job
+    reads them) when the mixture allows it; None: each task reads the whole mixture and takes a share of its rows.
+
+    It allows it when a prepared row depends on one file alone and the files' order is the mixture's: one source (the
+    weighted interleaving of several orders the rows by every source's length), plain text (a document is a file or a
+    block of one; its columns are fixed whatever datasets infers from the files read; a chat source's format and
+    template checks read its first rows), local files matched by a glob, at least as many as tasks (fewer would leave
+    tasks idle: one large file is shared by rows)."""
+    sources = before["inputs"]["sources"]
+    if tasks < 2 or cfg.method.value != "sft" or len(cfg.data.datasets) != 1 or len(sources) != 1:
+        return None
+    src, files = cfg.data.datasets[0], sources[0].get("files")
+    if not sourcefiles.is_text(src.path, src.format) or not files or len(files) < tasks:
+        return None
+    return files
 
 
 def run_task(run_dir: str, task: int, tasks: int, group: str, num_proc: int | None = None) -> dict[str, Any]:
@@ -75,16 +127,36 @@ def run_task(run_dir: str, task: int, tasks: int, group: str, num_proc: int | No
 
     if not 0 <= task < tasks:
         raise JobSetupError(f"prepare array task {task} is not one of 0..{tasks - 1}")
-    run = load_run(run_dir, num_proc)
+    mine_files: list[range] = []  # its range of the source's files, when the tasks share the files
+
+    def files(cfg: RunConfig, before: dict[str, Any]) -> list[Path] | None:
+        entries = shared_files(cfg, before, tasks)
+        if entries is None:
+            return None
+        sizes = [int(f["size"]) for f in entries]
+        got = file_share(sizes, task, tasks)
+        mine_files.append(got)
+        log.info("task %d of %d: reads files %d..%d of the source's %d (%.1f of %.1f MiB), not the others", task,
+                 tasks, got.start, got.stop - 1, len(entries), sum(sizes[got.start:got.stop]) / 2**20, sum(sizes) / 2**20)
+        return [Path(f["file"]) for f in entries[got.start:got.stop]]
+
+    run = load_run(run_dir, num_proc, files=files)
+    load_seconds = time.time() - run.t0
     parts = run.paths.prepared_parts(group)
     parts.mkdir(parents=True, exist_ok=True)
-    rows = share(len(run.mixed), task, tasks)
     args = prepare_args(run.cfg, run.num_proc, parts)
-    trl = TrlPreparation(run.tokenizer, args, run.mixed[0])
-    mine = run.mixed.select(rows)
+    trl = TrlPreparation(run.tokenizer, args, run.mixed[0] if len(run.mixed) else dict.fromkeys(run.mixed.column_names))
+    if mine_files:  # its files' rows, all of them: the shares in task order are the source's rows in file order
+        rows, mine = range(len(run.mixed)), run.mixed
+        log.info("task %d of %d: the %d documents of its files, loaded in %.1f s (TRL's preparation, unpacked; the "
+                 "packing waits for every task)", task, tasks, len(mine), load_seconds)
+    else:
+        rows = share(len(run.mixed), task, tasks)
+        mine = run.mixed.select(rows)
+        log.info("task %d of %d: rows %d..%d of the mixture's %d, loaded whole in %.1f s (TRL's preparation, unpacked; "
+                 "the packing waits for every task)", task, tasks, rows.start, rows.stop - 1, len(run.mixed),
+                 load_seconds)
     chat = TEXT not in mine.column_names or not pc.all(mine.with_format("arrow")[:][TEXT].is_valid()).as_py()
-    log.info("task %d of %d: rows %d..%d of the mixture's %d (TRL's preparation, unpacked; the packing waits for every "
-             "task)", task, tasks, rows.start, rows.stop - 1, len(run.mixed))
     t = time.time()
     target, tmp = shard_dir(parts, task), parts / f".shard-{task:05d}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -98,6 +170,9 @@ def run_task(run_dir: str, task: int, tasks: int, group: str, num_proc: int | No
     seconds = time.time() - t
     record = {"task": task, "tasks": tasks, "rows": [rows.start, rows.stop], "sequences": sequences, "tokens": tokens,
               "seconds": round(seconds, 1), "tokens_per_s": round(tokens / max(seconds, 1e-9)), "chat": chat,
+              "load_seconds": round(load_seconds, 1),
+              # a share of the files: which ones ([first, stop) of the source's), and "rows" counts its files' rows
+              **({"files": [mine_files[0].start, mine_files[0].stop]} if mine_files else {}),
               "job_id": own_job_id(os.environ) or None, "host": socket.gethostname(), "started": run.t0,
               "inputs": run.before}
     atomic_write(tmp / SHARD_RECORD, json.dumps(record, indent=2) + "\n")  # last: the shard is complete
@@ -106,10 +181,17 @@ def run_task(run_dir: str, task: int, tasks: int, group: str, num_proc: int | No
     log.info("task %d of %d: %d sequences, %d tokens in %.1f s (%.0f tokens/s)", task, tasks, sequences, tokens,
              seconds, tokens / max(seconds, 1e-9))
     if _last(parts, tasks):
-        pack_shards(run, parts, tasks, group, task)
+        pack_shards(_whole(run, parts, tasks) if mine_files else run, parts, tasks, group, task)
     else:
         log.info("task %d of %d: done; the last task to finish packs the shards", task, tasks)
     return record
+
+
+def _whole(run: Loaded, parts: Path, tasks: int) -> Loaded:
+    """The packing task's run when the tasks shared the files: its ``mixed`` held its own files' rows; the record's
+    ``conversations`` (``len(mixed)``, all save_prepared reads of it) is every share's."""
+    rows = sum(r["rows"][1] - r["rows"][0] for r in shard_records(parts, tasks) if r is not None)
+    return replace(run, mixed=range(rows))
 
 
 def _last(parts: Path, tasks: int) -> bool:
@@ -148,8 +230,8 @@ def pack_shards(run: Loaded, parts: Path, tasks: int, group: str, me: int) -> di
     started = min(r["started"] for r in records)
     log.info("packing %d shards: %d sequences, %d tokens (%s)", tasks, len(rows), sum(r["tokens"] for r in records),
              "one plan for the whole set" if args.packing else "unpacked: the shards become prepared/'s files")
-    shard_list = [{k: r[k] for k in ("task", "rows", "sequences", "tokens", "seconds", "tokens_per_s", "job_id", "host")}
-                  for r in records]
+    shard_list = [{k: r[k] for k in ("task", "rows", "files", "sequences", "tokens", "load_seconds", "seconds",
+                                     "tokens_per_s", "job_id", "host") if k in r} for r in records]
     extra = {"tasks": tasks, "array_job": group, "shards": shard_list, "pack_started": time.time(),
              "job_id": own_job_id(os.environ) or None}  # this task's, as <array>_<task>
     if args.packing:

@@ -87,6 +87,7 @@ def test_array_prepares_what_one_job_prepares(tasks: int, extra: list[str], corp
     assert shares[0][0] == 0 and all(a[1] == b[0] for a, b in zip(shares, shares[1:], strict=False))
     assert shares[-1][1] == single["result"]["conversations"]
     assert all(s["tokens"] > 0 and s["tokens_per_s"] > 0 for s in array["shards"])
+    assert not any("files" in s for s in array["shards"]), "two sources: every task reads the whole mixture"
     assert not list(many.glob(".prepared.*")), "the shards are removed once packed, or moved into prepared/"
     files = _files(many / "prepared")
     if "data.packing=false" in extra:  # no concatenated copy: prepared/ holds the shards themselves and the order
@@ -103,6 +104,90 @@ def test_array_prepares_what_one_job_prepares(tasks: int, extra: list[str], corp
         assert _files(many / "prepared") == files, "reading the shards writes nothing (no cache, no indices file)"
     else:
         assert "layout" not in array
+
+
+@pytest.fixture(scope="module")
+def blocks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Nine text files, some gzipped, of 1 to 6 blank-line-separated blocks (one blank: dropped), sizes uneven."""
+    import gzip
+
+    rng = random.Random(5)
+    root = tmp_path_factory.mktemp("array-blocks")
+    for i in range(9):
+        text = "\n\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.choice((4, 25, 120))))
+                           for _ in range(rng.randint(1, 6)))
+        text += "\n\n   \n\nend\n" if i == 4 else "\n"
+        if i % 3 == 2:
+            (root / f"part{i}.txt.gz").write_bytes(gzip.compress(text.encode()))
+        else:
+            (root / f"part{i}.txt").write_text(text)
+    return root
+
+
+def test_tasks_of_one_text_source_read_only_their_files(blocks: Path, tiny_model: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One plain-text source of nine files: each of 2 (then 3) tasks reads only its contiguous share of the files (the
+    files handed to datasets' ``load_dataset``, seen here), and the set they make is bitwise one job's."""
+    import datasets
+
+    read: list[list[str]] = []
+    real = datasets.load_dataset
+
+    def seen(*args, **kwargs):  # datasets' own loader, the files it is asked for noted
+        read.append([str(f) for f in kwargs.get("data_files") or []])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset", seen)
+    sources = [{"path": str(blocks / "*.txt*"), "documents": "blank_line"}]
+    every = [str(p) for p in sorted(blocks.glob("*.txt*"))]
+    one = write_run(tmp_path / "one", tiny_model, [f"data.max_seq_length={SEQ}", "prepare.enabled=true"],
+                    edit=lambda d: d["data"].update(datasets=sources))
+    single = _prepare(one, 1)
+    assert read == [every]
+    for tasks in (2, 3):
+        read.clear()
+        many = write_run(tmp_path / f"many{tasks}", tiny_model, [f"data.max_seq_length={SEQ}", "prepare.enabled=true"],
+                         edit=lambda d: d["data"].update(datasets=sources))
+        array = _prepare(many, tasks)
+        _same(one, many)
+        assert array["result"] | {"seconds": 0} == single["result"] | {"seconds": 0}
+        assert array["inputs"] == single["inputs"]
+        shards = array["shards"]
+        assert len(read) == tasks and [f for files in read for f in files] == every  # each file read once, in order
+        assert [every[slice(*s["files"])] for s in shards] == read  # the record names the files each task read
+        assert all(len(files) < len(every) for files in read)
+        assert sum(s["rows"][1] - s["rows"][0] for s in shards) == single["result"]["conversations"]
+        assert all(s["sequences"] > 0 and s["load_seconds"] >= 0 for s in shards)
+
+
+def test_a_share_of_blank_files_is_an_empty_shard(tiny_model: Path, tmp_path: Path) -> None:
+    """A ``format: text`` source whose first file holds only blank or null texts: with two tasks the first task's
+    share has no document (one job drops them with the others'); its shard is empty and the set is one job's."""
+    import json
+
+    corpus = tmp_path / "rows"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text(f"{json.dumps({'body': None})}\n{json.dumps({'body': '  '})}\n")
+    (corpus / "b.jsonl").write_text("".join(json.dumps({"body": " ".join(WORDS[i:i + 9])}) + "\n" for i in range(6)))
+    sources = [{"path": str(corpus / "*.jsonl"), "format": "text", "columns": {"text": "body"}}]
+    runs = [write_run(tmp_path / name, tiny_model, [f"data.max_seq_length={SEQ}", "prepare.enabled=true"],
+                      edit=lambda d: d["data"].update(datasets=sources)) for name in ("one", "many")]
+    single = _prepare(runs[0], 1)
+    record = _prepare(runs[1], 2)
+    _same(*runs)
+    assert [(s["files"], s["rows"], s["sequences"]) for s in record["shards"]] == [([0, 1], [0, 0], 0),
+                                                                                  ([1, 2], [0, 6], 6)]
+    assert record["result"] | {"seconds": 0} == single["result"] | {"seconds": 0}
+
+
+def test_file_shares_cover_the_files_once_by_bytes() -> None:
+    from slurmft.job.prepare_array import file_share
+
+    for sizes in ([1] * 12, [5, 1, 1, 1, 1, 1, 1, 9], [100, 1, 1, 1], [1, 1, 1, 100], list(range(1, 20))):
+        for tasks in range(1, 5):
+            got = [file_share(sizes, k, tasks) for k in range(tasks)]
+            assert [i for r in got for i in r] == list(range(len(sizes))) and all(got)
+    assert [sum(range(1, 20)[i] for i in file_share(list(range(1, 20)), k, 4)) for k in range(4)] == [45, 46, 45, 54]
 
 
 def test_array_refuses_shards_of_changed_inputs(corpus: Path, tiny_model: Path, tmp_path: Path) -> None:
