@@ -91,11 +91,13 @@ def test_a_test_cluster_never_listens_on_the_jobs_rendezvous_ports(tmp_path: Pat
                                               "SLURMFT_CLUSTER_DIR": str(tmp_path / "cluster")})
 
     assert {port_for_job(str(j)) for j in (0, 17, PORT_SPAN - 1)} <= set(range(PORT_BASE, PORT_BASE + PORT_SPAN))
-    for port, suite in ((PORT_BASE + 17, "bookworm"), (PORT_BASE - 4, "bookworm"), (PORT_BASE - 10, "trixie"),
+    # a cluster's daemons take its port and the 7 above it (n3-n5 on +5..+7)
+    for port, suite in ((PORT_BASE + 17, "bookworm"), (PORT_BASE - 7, "bookworm"), (PORT_BASE - 10, "trixie"),
                         (PORT_BASE + PORT_SPAN - 1, "bookworm")):
         out = env(port, suite)
         assert out.returncode == 2 and f"rendezvous ports {PORT_BASE}-{PORT_BASE + PORT_SPAN - 1}" in out.stderr, (port, suite)
-    for port, suite in ((16817, "bookworm"), (16817, "trixie"), (PORT_BASE - 5, "bookworm"), (PORT_BASE + PORT_SPAN, "trixie")):
+    for port, suite in ((16817, "bookworm"), (16817, "trixie"), (PORT_BASE - 8, "bookworm"), (PORT_BASE - 18, "trixie"),
+                        (PORT_BASE + PORT_SPAN, "trixie")):
         out = env(port, suite)
         assert out.returncode == 0 and f"SLURMFT_CLUSTER_PORT={port}" in out.stdout, (port, suite, out.stderr)
 

@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
-# A self-contained two-node Slurm cluster on this one machine, for slurmft's tests: Slurm 22.05 from
-# this Debian 12 machine's own packages, or Slurm 24.11 from a Debian 13 root file system.
+# A self-contained Slurm cluster on this one machine, for slurmft's tests: two nodes in the default partition
+# (five in a second one), Slurm 22.05 from this Debian 12 machine's own packages, or Slurm 24.11 from a Debian 13
+# root file system.
 #
 #   bash tests/slurm/cluster.sh up      install the Debian packages if missing, start everything,
-#                                       wait until n1 and n2 are idle (a no-op when already healthy)
+#                                       wait until n1-n5 are idle (a no-op when already healthy)
 #   bash tests/slurm/cluster.sh down    cancel jobs, stop the daemons (by pid file only), kill our
 #                                       stray slurmstepd; logs and state stay for a post-mortem
 #   bash tests/slurm/cluster.sh env     print `export ...` lines:  eval "$(bash tests/slurm/cluster.sh env)"
 #   bash tests/slurm/cluster.sh status  daemons and nodes; exit 0 only when the cluster is healthy
 #
-# Daemons: munged (private socket), mariadbd + slurmdbd (so sacct works), slurmctld, and two slurmd
-# (n1, n2; NodeHostname=localhost, NodeAddr 127.0.0.2 and 127.0.0.1), each node with 32 CPUs, 128000 MB and 8 fake
-# GPUs (gres File= symlinks to /dev/null). Nothing is written outside the cluster's directory (and, for
+# Daemons: munged (private socket), mariadbd + slurmdbd (so sacct works), slurmctld, and five slurmd
+# (n1-n5; NodeHostname=localhost, NodeAddr 127.0.0.2, 127.0.0.1, 127.0.0.3, .4, .5), each node with 32 CPUs,
+# 128000 MB and 8 fake GPUs (gres File= symlinks to /dev/null). Partitions: `debug` (the default: n1, n2), which
+# every test uses unless it names another, and `wide` (n1-n5) for the layouts that need more than two nodes
+# (tests/slurm/test_grpo_layout.py: GRPO's server layout at 2+1 and 4+1 nodes). Nothing is written outside the cluster's directory (and, for
 # trixie, the root file system cache): clients find the cluster through SLURM_CONF, never
 # /etc/slurm/slurm.conf.
 #
 # Knobs (environment):
 #   SLURMFT_CLUSTER_DIR      everything lives here (trixie: in DIR-trixie)          (/tmp/slurmft-cluster)
-#   SLURMFT_CLUSTER_PORT     slurmctld port; n1, n2, slurmdbd, mariadb use +1..+4; trixie adds 10 to
-#                            each, so the two versions run side by side from the same knobs   (16817); refused where
+#   SLURMFT_CLUSTER_PORT     slurmctld port; n1, n2, slurmdbd, mariadb use +1..+4, n3-n5 +5..+7; trixie adds 10
+#                            to each, so the two versions run side by side from the same knobs   (16817); refused where
 #                            it would overlap the jobs' rendezvous ports 20000-32767 (slurmft/job/rendezvous.py)
 #   SLURMFT_CLUSTER_TIMEOUT  seconds to wait for each daemon and for the idle nodes (60)
 #   SLURMFT_CLUSTER_SUITE    whose Slurm: bookworm (this Debian 12 machine's packages, Slurm 22.05.8)
@@ -66,9 +69,9 @@ esac
 # slurmft's rendezvous ports (MASTER_PORT = 20000 + job id mod 12768: slurmft/job/rendezvous.py PORT_BASE, PORT_SPAN)
 # must stay free: a cluster whose daemons listen there makes the job with that id fail with EADDRINUSE
 case $PORT in *[!0-9]* | "") echo "SLURMFT_CLUSTER_PORT must be a number, not $BASE_PORT" >&2; exit 2 ;; esac
-if [ $((PORT + 4)) -ge 20000 ] && [ "$PORT" -lt 32768 ]; then
-  echo "SLURMFT_CLUSTER_PORT: ports $PORT-$((PORT + 4)) overlap slurmft's rendezvous ports 20000-32767 (a job whose" \
-    "id maps onto one would fail with EADDRINUSE); choose a port below 19995 or from 32768" >&2
+if [ $((PORT + 7)) -ge 20000 ] && [ "$PORT" -lt 32768 ]; then
+  echo "SLURMFT_CLUSTER_PORT: ports $PORT-$((PORT + 7)) overlap slurmft's rendezvous ports 20000-32767 (a job whose" \
+    "id maps onto one would fail with EADDRINUSE); choose a port below 19992 or from 32768" >&2
   exit 2
 fi
 ROOTFS=${SLURMFT_ROOTFS_CACHE:-/var/cache/slurmft}/rootfs-$SUITE
@@ -86,7 +89,8 @@ if [ -n "$NODE_LOCAL" ] && [ "$SUITE" != bookworm ]; then
 fi
 
 CLUSTER_NAME=slurmft
-NODES=(n1 n2)
+# n1 and n2 make the default partition; n3-n5 join them in `wide` only (render_slurm_conf).
+NODES=(n1 n2 n3 n4 n5)
 NODE_CPUS=32
 NODE_MEM_MB=128000
 NODE_GPUS=8
@@ -101,10 +105,17 @@ ROOTFS_COMMANDS=(sbatch srun salloc squeue sacct sacctmgr scancel scontrol sinfo
                  slurmctld slurmd slurmdbd munged munge unmunge)
 
 CTLD_PORT=$PORT
-N1_PORT=$((PORT + 1))
-N2_PORT=$((PORT + 2))
 DBD_PORT=$((PORT + 3))
 DB_PORT=$((PORT + 4))
+LAST_PORT=$((PORT + 7))
+node_port() {  # node_port NODE: n1, n2 on +1, +2 (as before n3-n5 existed), n3-n5 on +5..+7
+  case $1 in n1) echo $((PORT + 1)) ;; n2) echo $((PORT + 2)) ;; *) echo $((PORT + 2 + ${1#n})) ;; esac
+}
+node_addr() {  # node_addr NODE: each node its own loopback address (all of 127.0.0.0/8 is this host)
+  # n1 (the first node: rank 0, the rendezvous host) answers on 127.0.0.2, so a test can tell the NodeAddr that
+  # slurmft reads from `scontrol` apart from a 127.0.0.1 fallback; n3-n5 on 127.0.0.3-5 (a test tells them apart)
+  case $1 in n1) echo 127.0.0.2 ;; n2) echo 127.0.0.1 ;; *) echo "127.0.0.${1#n}" ;; esac
+}
 
 ETC=$DIR/etc
 RUN=$DIR/run
@@ -121,7 +132,7 @@ DB_PASSWORD=slurmft-test-only
 
 # Every daemon: name (also the pid file run/NAME.pid and the log prefix) and process name.
 # Stopped in this order (compute side first), started in the reverse one.
-DAEMONS=(slurmd-n1:slurmd slurmd-n2:slurmd slurmctld:slurmctld slurmdbd:slurmdbd mariadb:mariadbd munged:munged)
+DAEMONS=(slurmd-n1:slurmd slurmd-n2:slurmd slurmd-n3:slurmd slurmd-n4:slurmd slurmd-n5:slurmd slurmctld:slurmctld slurmdbd:slurmdbd mariadb:mariadbd munged:munged)
 
 export SLURM_CONF=$CONF
 [ "$SUITE" = bookworm ] || export PATH=$BIN:$PATH
@@ -319,7 +330,7 @@ install_bin() {  # $DIR/bin: in-root and one link per command it runs there
 
 # ------------------------------------------------------------------------------ configuration
 render_slurm_conf() {
-  local node port addr
+  local node
   cat <<EOF
 # Generated by tests/slurm/cluster.sh; rewritten by every fresh 'up'.
 ClusterName=$CLUSTER_NAME
@@ -373,20 +384,20 @@ EOF
     echo "PrivateData=$PRIVATE_DATA"
   fi
   for node in "${NODES[@]}"; do
-    # n1 (the first node: rank 0, the rendezvous host) answers on 127.0.0.2, so a test can tell
-    # the NodeAddr that slurmft reads from `scontrol` apart from a 127.0.0.1 fallback.
-    case $node in n1) port=$N1_PORT addr=127.0.0.2 ;; n2) port=$N2_PORT addr=127.0.0.1 ;; esac
-    echo "NodeName=$node NodeHostname=localhost NodeAddr=$addr Port=$port" \
+    echo "NodeName=$node NodeHostname=localhost NodeAddr=$(node_addr "$node") Port=$(node_port "$node")" \
       "CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB Gres=gpu:$NODE_GPUS State=UNKNOWN"
   done
   echo "PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP"
+  # not the default: a job lands on n3-n5 only when it asks for this partition, so every other test sees
+  # the two nodes of `debug` alone (and its jobs never wait behind a wide one)
+  echo "PartitionName=wide Nodes=n[1-5] Default=NO MaxTime=INFINITE State=UP"
 }
 
 render_gres_conf() {
   # slurmd drops GPUs without File=, and a count-only gres drains the node: point File= at
   # symlinks to /dev/null (a character device).
   echo "AutoDetect=off"
-  echo "NodeName=n[1-2] Name=gpu File=$DEV_DIR/nvidia[0-$((NODE_GPUS - 1))]"
+  echo "NodeName=n[1-5] Name=gpu File=$DEV_DIR/nvidia[0-$((NODE_GPUS - 1))]"
 }
 
 render_cgroup_conf() {
@@ -429,16 +440,17 @@ config_current() {  # the files on disk are what this script would write now
 }
 
 # ------------------------------------------------------------------------------ health
+# one line per node (sinfo -N prints n1 and n2 once per partition)
 node_states() { timeout 10 sinfo -h -N -o '%N %T' 2>/dev/null | sort -u; }
 
 nodes_idle() {
-  [ "$(node_states)" = "$(printf 'n1 idle\nn2 idle')" ]
+  [ "$(node_states)" = "$(printf '%s idle\n' "${NODES[@]}" | sort)" ]
 }
 
-nodes_usable() {  # both nodes up and responding (running jobs allowed; 24.11's "planned": kept for a pending job)
+nodes_usable() {  # every node up and responding (running jobs allowed; 24.11's "planned": kept for a pending job)
   local states
   states=$(node_states)
-  [ "$(grep -cE '^n[12] (idle|mixed|allocated|completing|planned)$' <<<"$states")" = 2 ]
+  [ "$(grep -cE '^n[0-9]+ (idle|mixed|allocated|completing|planned)$' <<<"$states")" = ${#NODES[@]} ]
 }
 
 healthy() {
@@ -454,8 +466,11 @@ munge_ok() { munge -S "$MUNGE_SOCKET" -n 2>/dev/null | unmunge -S "$MUNGE_SOCKET
 db_ok() { mariadb --no-defaults -S "$DB_SOCKET" -e 'SELECT 1' >/dev/null 2>&1; }
 ctld_ok() { port_open "$CTLD_PORT" && timeout 5 scontrol ping 2>/dev/null | grep -q 'is UP'; }
 registered() { timeout 10 sacctmgr -n -P list cluster format=Cluster 2>/dev/null | grep -qx "$CLUSTER_NAME"; }
-both_idle() {  # n2 is watched by wait_for, n1 here
-  running "$(tr -dc 0-9 <"$RUN/slurmd-n1.pid")" || die "slurmd-n1 died"
+all_idle() {  # the last node's slurmd is watched by wait_for, the others here
+  local node
+  for node in "${NODES[@]}"; do
+    running "$(tr -dc 0-9 <"$RUN/slurmd-$node.pid")" || die "slurmd-$node died"
+  done
   nodes_idle
 }
 
@@ -518,7 +533,7 @@ start_cluster() {
   mkdir -p "$ETC" "$RUN" "$LOG" "$STATE/ctld" "$MUNGE_DIR" "$DB_DIR" "$DEV_DIR"
   for node in "${NODES[@]}"; do mkdir -p "$STATE/$node"; done
   chmod 755 "$DIR" "$MUNGE_DIR"  # munged wants a socket directory nobody else may write to
-  for port in "$CTLD_PORT" "$N1_PORT" "$N2_PORT" "$DBD_PORT" "$DB_PORT"; do
+  for port in $(seq "$CTLD_PORT" "$LAST_PORT"); do
     port_open "$port" && die "port $port on 127.0.0.1 is already in use (another cluster? set SLURMFT_CLUSTER_PORT)"
   done
 
@@ -582,8 +597,8 @@ start_cluster() {
       spawn "slurmd-$node" slurmd -D -f "$CONF" -N "$node"
     fi
   done
-  wait_for "n1 and n2 to be idle" slurmd-n2 both_idle
-  log "slurmd n1 (:$N1_PORT) and n2 (:$N2_PORT) idle"
+  wait_for "${NODES[*]} to be idle" "slurmd-${NODES[-1]}" all_idle
+  log "slurmd $(for node in "${NODES[@]}"; do printf '%s (:%s) ' "$node" "$(node_port "$node")"; done)idle"
 
   # sacct answers only once slurmctld has registered the cluster with slurmdbd
   wait_for "the cluster to register with slurmdbd" slurmctld registered
@@ -591,7 +606,7 @@ start_cluster() {
 }
 
 cmd_up() {
-  log "cluster dir $DIR, ports $CTLD_PORT-$DB_PORT"
+  log "cluster dir $DIR, ports $CTLD_PORT-$LAST_PORT"
   if healthy; then
     log "already up and healthy; nothing to do"
     cmd_env_hint
@@ -600,7 +615,7 @@ cmd_up() {
   ensure_packages
   [ "$SUITE" = bookworm ] || ensure_rootfs
   start_cluster
-  log "cluster ready: $(timeout 10 sinfo -h -N -o '%N:%T:%c cpus:%m MB:%G' | tr '\n' ' ')"
+  log "cluster ready: $(timeout 10 sinfo -h -N -o '%N:%T:%c cpus:%m MB:%G' | sort -u | tr '\n' ' ')"
   cmd_env_hint
 }
 
@@ -631,7 +646,7 @@ cmd_env() {
 
 cmd_status() {
   local d pid
-  echo "cluster dir: $DIR   SLURM_CONF=$CONF   ports: $CTLD_PORT-$DB_PORT"
+  echo "cluster dir: $DIR   SLURM_CONF=$CONF   ports: $CTLD_PORT-$LAST_PORT"
   for d in "${DAEMONS[@]}"; do
     if pid=$(daemon_pid "${d%%:*}" "${d#*:}"); then
       printf '  %-10s running (pid %s)\n' "${d%%:*}" "$pid"
@@ -640,7 +655,7 @@ cmd_status() {
     fi
   done
   if daemon_pid slurmctld slurmctld >/dev/null; then
-    timeout 10 sinfo -N -o '%N %T %c %m %G' 2>&1 | sed 's/^/  /' || true
+    timeout 10 sinfo -N -o '%N %P %T %c %m %G' 2>&1 | sed 's/^/  /' || true
   fi
   if healthy; then
     echo "healthy"

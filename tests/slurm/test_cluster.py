@@ -25,8 +25,12 @@ def wait_reason(cluster, job_id: str, reason: str, timeout: float = 20) -> None:
 
 
 def test_two_nodes_with_eight_gpus_each(slurm_cluster):
-    out = slurm_cluster.slurm("sinfo", "-h", "-N", "-o", "%N %c %m %G")
-    assert sorted(out.splitlines()) == ["n1 32 128000 gpu:8", "n2 32 128000 gpu:8"], out
+    """The default partition ``debug``, where every test's jobs run unless they name another, is n1 and n2; the
+    partition ``wide`` adds n3-n5 for the layouts that need more nodes (tests/slurm/test_grpo_layout.py)."""
+    out = slurm_cluster.slurm("sinfo", "-h", "-N", "-o", "%N %P %c %m %G")
+    assert sorted(out.splitlines()) == sorted(
+        [f"{node} debug* 32 128000 gpu:8" for node in ("n1", "n2")]
+        + [f"{node} wide 32 128000 gpu:8" for node in ("n1", "n2", "n3", "n4", "n5")]), out
 
 
 def test_srun_reaches_both_nodes(slurm_cluster, tmp_path):
