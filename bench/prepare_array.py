@@ -105,10 +105,13 @@ def prepare_array(run: Path, tasks: int, env: dict[str, str]) -> float:
 
 def same_prepared(a: Path, b: Path) -> bool:
     """Whether the train job reads the same rows, in the same order, from both runs' ``prepared/``."""
+    from slurmft.job.packing import gathers_when_read
     from slurmft.job.prepare import read_prepared
 
     x, y = (read_prepared(r / "prepared", json.loads((r / "prepared" / "slurmft-prepared.json").read_text()))
             for r in (a, b))
+    if gathers_when_read(y):  # a packed array's plan: its rows as the trainer gets them, a thousand at a time
+        return len(x) == len(y) and all(x[i:i + 1000] == y[i:i + 1000] for i in range(0, len(x), 1000))
     return x.features == y.features and x.with_format("arrow")[:].equals(y.with_format("arrow")[:])
 
 
@@ -123,7 +126,8 @@ def packing_task(record: dict, prepared: Path) -> str:
         plan = record["layout"] == "plan"
         new = (mib(prepared, f"{record['plan']}/*.npy") if plan
                else (prepared / record["order"]).stat().st_size / 2**20 if record.get("order") else 0.0)
-        return (f"the packing task: {seconds:.1f} s, {new:.1f} MiB written ({'the plan' if plan else 'the order'}; the "
+        size = f"{new:.1f} MiB" if new >= 1 else f"{new * 1024:.0f} KiB"
+        return (f"the packing task: {seconds:.1f} s, {size} written ({'the plan' if plan else 'the order'}; the "
                 f"shards, {mib(prepared):.1f} MiB, moved into prepared/ as they are)")
     return f"the packing task: {seconds:.1f} s, {mib(prepared, '*.arrow'):.1f} MiB written (the packed rows)"
 
