@@ -12,11 +12,14 @@ downloaded; ``--tokens`` of the tiny model's tokenizer, 50M by default), builds 
   packing task did after the shards were done (seconds, MiB written), and whether the rows the train job reads from
   the two ``prepared/`` sets are bitwise equal (they must be: exit 1 otherwise). On a machine with fewer cores than
   tasks the tasks share the cores: the ratio is what this machine gives, not what N nodes give.
-* **train job start**: the 2-rank train job (gloo, real FSDP2, tiny model) on the array's prepared set and on a
-  tenth of the corpus prepared by one job: seconds from launch to the first step, and the first step's peak RSS
-  (``metrics.jsonl``'s ``peak_rss_mib``, the largest rank's). ``prepared/`` is read memory-mapped
-  (``datasets.load_from_disk``; ``--unpacked``: the array's shards themselves, concatenated without a copy and read
-  through the recorded order): both should be flat in the set's size.
+* **train job start**: the 2-rank train job (gloo, real FSDP2, tiny model) on the array's prepared set, on the one
+  job's (the same rows, saved) and on a tenth of the corpus prepared by one job: seconds from launch to the first
+  step, and the first step's peak RSS (``metrics.jsonl``'s ``peak_rss_mib``, the largest rank's). ``prepared/`` is
+  read memory-mapped: the one job's saved rows (``datasets.load_from_disk``), the array's shards themselves,
+  concatenated without a copy, packed by the recorded plan (each packed row gathered when read) or, ``--unpacked``,
+  read through the recorded order: both should be flat in the set's size. Each is launched twice, in turn (the first
+  launch pays the libraries' cold start): the faster time, the larger RSS. And what a read costs: rows/s fetched
+  from each large set as the DataLoader fetches them (8 at a time, in a random order, one process).
 
 Targets (exit 1 when missed): the two prepared sets are bitwise equal; the train job's time to first step and RSS on
 the full set are within ``FLAT`` times the tenth's. ``--quick`` (200k tokens) checks that the pipeline runs and the
@@ -45,6 +48,8 @@ SEQ = 512
 FILES = 64
 #: "flat": the train job's time to its first step and its RSS on the full set at most this times the tenth's
 FLAT = 1.25
+#: rows read by :func:`read_rate` from each large prepared set
+READ_ROWS = 4000
 
 
 def write_corpus(root: Path, words: int, seed: int = 0) -> None:
@@ -103,10 +108,13 @@ def prepare_array(run: Path, tasks: int, env: dict[str, str]) -> float:
 
 def same_prepared(a: Path, b: Path) -> bool:
     """Whether the train job reads the same rows, in the same order, from both runs' ``prepared/``."""
+    from slurmft.job.packing import gathers_when_read
     from slurmft.job.prepare import read_prepared
 
     x, y = (read_prepared(r / "prepared", json.loads((r / "prepared" / "slurmft-prepared.json").read_text()))
             for r in (a, b))
+    if gathers_when_read(y):  # a packed array's plan: its rows as the trainer gets them, a thousand at a time
+        return len(x) == len(y) and all(x[i:i + 1000] == y[i:i + 1000] for i in range(0, len(x), 1000))
     return x.features == y.features and x.with_format("arrow")[:].equals(y.with_format("arrow")[:])
 
 
@@ -117,10 +125,13 @@ def mib(root: Path, pattern: str = "**/*.arrow") -> float:
 def packing_task(record: dict, prepared: Path) -> str:
     """What the task that packs did after every shard was done: its seconds, and what it wrote into ``prepared/``."""
     seconds = record["time"] - record["pack_started"]
-    if record.get("layout") == "shards":  # the shards moved in: only the order (and the record) are new
-        written = (prepared / record["order"]).stat().st_size / 2**20 if record.get("order") else 0.0
-        return (f"the packing task: {seconds:.1f} s, {written:.1f} MiB written (the order; the shards, "
-                f"{mib(prepared):.1f} MiB, moved into prepared/ as they are)")
+    if record.get("layout") in ("shards", "plan"):  # the shards moved in: only the order or the plan are new
+        plan = record["layout"] == "plan"
+        new = (mib(prepared, f"{record['plan']}/*.npy") if plan
+               else (prepared / record["order"]).stat().st_size / 2**20 if record.get("order") else 0.0)
+        size = f"{new:.1f} MiB" if new >= 1 else f"{new * 1024:.0f} KiB"
+        return (f"the packing task: {seconds:.1f} s, {size} written ({'the plan' if plan else 'the order'}; the "
+                f"shards, {mib(prepared):.1f} MiB, moved into prepared/ as they are)")
     return f"the packing task: {seconds:.1f} s, {mib(prepared, '*.arrow'):.1f} MiB written (the packed rows)"
 
 
@@ -136,6 +147,32 @@ def task_loads(record: dict, run: Path) -> str:
         what = f"files {shard['files'][0]}..{shard['files'][1] - 1}" if "files" in shard else "the whole mixture"
         out.append(f"task {shard['task']}: {seconds:.1f} s ({what})")
     return "each task's loading: " + ", ".join(out)
+
+
+def read_rate(run: Path, rows: int = READ_ROWS, batch: int = 8) -> tuple[float, int]:
+    """(rows/s, rows read): ``rows`` rows of ``run``'s ``prepared/`` fetched as the DataLoader fetches them (batches of
+    ``batch`` in a random order, ``__getitems__``), in this process: what reading costs a rank per sequence."""
+    import numpy as np
+
+    from slurmft.job.prepare import read_prepared
+
+    ds = read_prepared(run / "prepared", json.loads((run / "prepared" / "slurmft-prepared.json").read_text()))
+    picks = np.random.default_rng(0).permutation(len(ds))[:rows].tolist()
+    t0 = time.perf_counter()
+    for i in range(0, len(picks), batch):
+        ds.__getitems__(picks[i:i + batch])
+    return len(picks) / (time.perf_counter() - t0), len(picks)
+
+
+def twin(run: Path, name: str) -> Path:
+    """Another run directory on ``run``'s prepared set (hard links: nothing copied), to launch its train job again."""
+    import os
+    import shutil
+
+    other = run.parent / name
+    shutil.copytree(run / "prepared", other / "prepared", copy_function=os.link)
+    (other / "config.yaml").write_text((run / "config.yaml").read_text().replace(str(run), str(other)))
+    return other
 
 
 def first_step_rss_mib(run: Path) -> float:
@@ -180,10 +217,15 @@ def main(argv: list[str] | None = None) -> int:
         tenth = json.loads((small / "prepared" / "slurmft-prepared.json").read_text())["result"]
         packer = packing_task(record, many / "prepared")
         loads = task_loads(record, many)
-        # the large set as the array left it (unpacked: its shards, memory-mapped, through the order)
-        start_big = first_step_s(many, env_for(work / "cache-train-big"))
-        start_small = first_step_s(small, env_for(work / "cache-train-small"))
-        rss_big, rss_small = first_step_rss_mib(many), first_step_rss_mib(small)
+        # the large set as the array left it (its shards, memory-mapped: packed by the plan, or through the order), the
+        # same rows saved by one prepare job, the tenth; each launched twice, in turn (the first launch of all pays the
+        # cold start of the libraries): the faster time, the larger RSS
+        sets = {"big": many, "one": one, "small": small}
+        runs = [*sets.items(), *((k, twin(r, f"{r.name}-again")) for k, r in reversed(sets.items()))]
+        starts = [(k, first_step_s(r, env_for(work / f"cache-train-{r.name}")), first_step_rss_mib(r)) for k, r in runs]
+        (start_big, rss_big), (start_one, rss_one), (start_small, rss_small) = (
+            (min(t for k, t, _ in starts if k == key), max(m for k, _, m in starts if k == key)) for key in sets)
+        (rate_many, read), (rate_one, _) = read_rate(many), read_rate(one)
     result = big["result"]
     n = result["tokens"]
     print(f"corpus: {FILES} .txt files, documents between blank lines -> {result['conversations']:,} documents, "
@@ -202,9 +244,14 @@ def main(argv: list[str] | None = None) -> int:
     print("| train job (2 gloo ranks, tiny model) on a prepared set of | time to first step | first step's peak RSS |")
     print("|---|---|---|")
     print(f"| {tenth['tokens']:,} tokens | {start_small:.1f} s | {rss_small:.0f} MiB |")
-    print(f"| {n:,} tokens (the array's{' shards' if args.unpacked else ''}) | {start_big:.1f} s | {rss_big:.0f} MiB |")
+    print(f"| {n:,} tokens (one prepare job's saved rows) | {start_one:.1f} s | {rss_one:.0f} MiB |")
+    kind = "shards through the order" if args.unpacked else "shards packed by the plan"
+    print(f"| {n:,} tokens (the array's {kind}) | {start_big:.1f} s | {rss_big:.0f} MiB |")
     time_ratio, rss_ratio = start_big / start_small, rss_big / rss_small
-    print(f"ratio (large / small): time to first step {time_ratio:.2f}x, RSS {rss_ratio:.2f}x")
+    print(f"ratio (large / small): time to first step {time_ratio:.2f}x, RSS {rss_ratio:.2f}x; the array's / one job's "
+          f"set: {start_big / start_one:.2f}x, {rss_big / rss_one:.2f}x")
+    print(f"reading {read:,} rows in a random order, 8 at a time (one process): the array's {kind}: "
+          f"{rate_many:,.0f} rows/s; one prepare job's saved rows: {rate_one:,.0f} rows/s")
     if args.quick:
         print(f"targets (--quick: the pipeline runs, the two prepared sets are equal): {'met' if equal else 'MISSED'}")
         return 0 if equal else 1

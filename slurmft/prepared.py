@@ -237,6 +237,18 @@ SHARD_RECORD = "shard.json"
 SHARDS_LAYOUT = "shards"
 #: the row order of a ``shards`` layout (an int64 .npy of indices into the shards' concatenation)
 ORDER_FILE = "order.npy"
+#: the record's ``layout`` when a prepare array's packed set is its shards and the packing plan over them (no packed
+#: rows written): ``shard_files`` as for ``shards``, ``plan`` (the directory of the plan's arrays: each piece's row of
+#: the shards' concatenation, start and stop, each packed row's first piece, and the packed rows' order when TRL
+#: shuffles them) and ``packing_strategy``; the train job gathers each packed row when it reads it
+PLAN_LAYOUT = "plan"
+#: the directory of a ``plan`` layout's arrays (slurmft.job.packing.Plan.save)
+PLAN_DIR = "plan"
+#: the layouts this slurmft reads (none: ``prepared/`` is one saved data set)
+LAYOUTS = (SHARDS_LAYOUT, PLAN_LAYOUT)
+#: the record version of a ``plan`` layout: a slurmft older than the layout reads only version 1, so it finds no complete
+#: preparation there (and prepares again) instead of opening the plan's directory as a saved data set
+PLAN_RECORD_VERSION = 2
 
 
 def shard_dir(parts: Path, task: int) -> Path:
@@ -270,7 +282,8 @@ def read_record(paths: RunPaths) -> dict[str, Any] | None:
         record = json.loads(paths.prepared_record.read_text())
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) and record.get("version") == PREPARED_VERSION else None
+    readable = (PREPARED_VERSION, PLAN_RECORD_VERSION)
+    return record if isinstance(record, dict) and record.get("version") in readable else None
 
 
 def write_record(path: Path, record: dict[str, Any]) -> None:
@@ -290,6 +303,10 @@ def check(paths: RunPaths, cfg: RunConfig) -> dict[str, Any] | None:
     record = read_record(paths)
     if record is None:
         return None
+    if record.get("layout") not in (None, *LAYOUTS):
+        raise RunDirError(f"{paths.prepared} was written by a newer slurmft (layout {record.get('layout')!r}; this one "
+                          f"reads {', '.join(LAYOUTS)} and a saved data set)",
+                          [f"use the slurmft that prepared it, or prepare it again: slurmft prepare {paths.root}"])
     problems = differences(record, expected(cfg))
     if problems:
         raise refusal(paths, problems)

@@ -248,3 +248,20 @@ def test_a_grpo_preparation_is_summarised_as_prompts() -> None:
     record = {"settings": {"method": "grpo", "max_seq_length": 128}, "result": {"conversations": 32, "sequences": 32,
                                                                               "tokens": 0, "seconds": 6.9}}
     assert summary_line(record) == "32 prompts (not tokenized: GRPO renders them at every generation), prepared in 6.9 s"
+
+
+def test_a_plan_layout_is_read_and_an_unknown_layout_is_refused_with_the_fix(run) -> None:  # noqa: ANN001
+    """A packed prepare array's record (``layout: plan``) says version 2, so a slurmft that reads only version 1 finds
+    no complete preparation (and prepares again) instead of opening the plan as a saved data set; this slurmft reads
+    it, and refuses a layout it does not know (a newer slurmft's) with the fix, never reading it as another layout."""
+    cfg, _, _, paths = run
+    paths.prepared.mkdir(parents=True)
+    record = {**prepared.expected(cfg()), "result": {"sequences": 3}}
+    prepared.write_record(paths.prepared_record, {**record, "version": 2, "layout": "plan"})
+    assert prepared.check(paths, cfg())["layout"] == "plan"
+    prepared.write_record(paths.prepared_record, {**record, "layout": "tiles"})
+    with pytest.raises(RunDirError) as exc:
+        prepared.check(paths, cfg())
+    assert "newer slurmft (layout 'tiles'" in exc.value.render() and "slurmft prepare" in exc.value.render()
+    prepared.write_record(paths.prepared_record, {**record, "version": 3})
+    assert prepared.check(paths, cfg()) is None  # a version this slurmft does not know: no preparation it can read

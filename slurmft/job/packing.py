@@ -21,12 +21,17 @@ around the packing where ``train.sft.shuffle_dataset`` asks for them. Packing th
 the rows better than packing 1,000 rows at a time (docs/prepare.md has the figures).
 
 Both paths call it: the prepare job (slurmft/job/prepare.py) and the train job preparing in its allocation
-(``prepare.enabled: false``), so the two train bitwise the same.
+(``prepare.enabled: false``), so the two train bitwise the same. A prepare array (slurmft/job/prepare_array.py) saves
+the :class:`Plan` instead of the rows, and the train job gathers each packed row when it reads it (:func:`gathered`),
+by the same :func:`_gather`: the rows of the packed set one prepare job writes, without their copy.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -157,29 +162,119 @@ def lengths_of(dataset: Any, column: str = "input_ids") -> np.ndarray:
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
 
 
-def _gather(batch: dict[str, list[Any]], source: Any, pieces: dict[str, np.ndarray], columns: list[str],
+@dataclass(frozen=True)
+class Plan:
+    """Where every packed row's tokens come from (:func:`plan`): piece ``p`` is tokens ``start[p]:stop[p]`` of row
+    ``source[p]``, packed row ``r`` is pieces ``offsets[r]:offsets[r + 1]``; ``order``: the packed rows in the order the
+    trainer reads them (None: as planned). 24 bytes a piece and 8 (16 with an order) a packed row: a prepare array saves
+    this instead of the packed rows (slurmft/job/prepare_array.py) and the train job gathers each row when it reads it
+    (:func:`gathered`)."""
+
+    source: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+    offsets: np.ndarray
+    strategy: str
+    order: np.ndarray | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.offsets) - 1
+
+    def save(self, where: Path) -> None:
+        """One ``.npy`` per array in ``where`` (a new directory), so :meth:`load` maps them without reading them."""
+        where.mkdir(parents=True)
+        for name in (*PLAN_ARRAYS, *(["order"] if self.order is not None else [])):
+            np.save(where / f"{name}.npy", np.asarray(getattr(self, name), dtype=np.int64))
+
+    @classmethod
+    def load(cls, where: Path, strategy: str) -> Plan:
+        """The plan :meth:`save` wrote, memory-mapped (the ranks share its pages; nothing is copied into RAM)."""
+        arrays = {name: np.load(where / f"{name}.npy", mmap_mode="r") for name in PLAN_ARRAYS}
+        order = where / "order.npy"
+        return cls(**arrays, strategy=strategy, order=np.load(order, mmap_mode="r") if order.exists() else None)
+
+
+#: the arrays of a saved :class:`Plan` (``order.npy`` beside them when the packed rows are shuffled)
+PLAN_ARRAYS = ("source", "start", "stop", "offsets")
+
+
+def has_lengths(strategy: str) -> bool:
+    """Whether packed rows carry ``seq_lengths`` (TRL's best-fit strategies; ``wrapped`` rows are one stream)."""
+    return strategy != "wrapped"
+
+
+def _gather(batch: dict[str, list[Any]], source: Any, pieces: Plan, columns: list[str],
             with_lengths: bool) -> dict[str, list[Any]]:
-    """The packed rows ``batch["row"]``: each the concatenation of its planned pieces of ``source``'s rows."""
-    offsets = pieces["offsets"]
-    rows = batch["row"]
-    first, last = int(offsets[rows[0]]), int(offsets[rows[-1] + 1])
-    wanted = pieces["source"][first:last]
-    unique, where = np.unique(wanted, return_inverse=True)
-    data = source.select_columns(columns)[unique.tolist()]
+    """The packed rows ``batch["row"]`` (any rows, in any order): each the concatenation of its planned pieces of
+    ``source``'s rows. The one place a packed row is made: :func:`pack` writes them, :func:`gathered` reads them."""
+    rows = np.asarray(batch["row"], dtype=np.int64)
+    first, counts = pieces.offsets[rows], pieces.offsets[rows + 1] - pieces.offsets[rows]
+    ends = np.cumsum(counts)
+    idx = np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - counts - first, counts)  # their pieces
+    starts, stops = pieces.start[idx].tolist(), pieces.stop[idx].tolist()
+    unique, where = np.unique(pieces.source[idx], return_inverse=True)
+    # (select_columns copies the set's metadata: 60% of a read's time where source holds these columns already)
+    data = (source if source.column_names == columns else source.select_columns(columns))[unique.tolist()]
+    where = where.tolist()
     out: dict[str, list[Any]] = {c: [] for c in columns}
     if with_lengths:
         out["seq_lengths"] = []
-    for r in rows:
-        lo, hi = int(offsets[r]) - first, int(offsets[r + 1]) - first
+    k = 0
+    for n in counts.tolist():
         for c in columns:
             row: list[Any] = []
-            for p in range(lo, hi):
-                row.extend(data[c][int(where[p])][int(pieces["start"][first + p]):int(pieces["stop"][first + p])])
+            for p in range(k, k + n):
+                row.extend(data[c][where[p]][starts[p]:stops[p]])
             out[c].append(row)
         if with_lengths:
-            out["seq_lengths"].append([int(pieces["stop"][first + p] - pieces["start"][first + p])
-                                       for p in range(lo, hi)])
+            out["seq_lengths"].append([stops[p] - starts[p] for p in range(k, k + n)])
+        k += n
     return out
+
+
+def gathered(source: Any, plan: Plan) -> Any:
+    """The packed set ``plan`` makes of ``source`` (TRL's prepared, unpacked rows), its rows gathered when they are
+    read: a ``datasets.Dataset`` (TRL's SFTTrainer takes no other map-style set) of the packed rows' numbers, in the
+    plan's order, whose transform returns each row's ``input_ids``, ``labels`` and ``seq_lengths`` by :func:`_gather`,
+    the function :func:`pack` writes them with: the rows, and their Python types, of the packed set :func:`pack` saves.
+    Nothing is written; ``source`` stays memory-mapped. Its one column (``row``) is no model input: the train job turns
+    the Trainer's ``remove_unused_columns`` off for it (:func:`gathers_when_read`)."""
+    from datasets import Dataset
+
+    order = plan.order if plan.order is not None else np.arange(plan.rows, dtype=np.int64)
+    index = Dataset.from_dict({"row": np.asarray(order, dtype=np.int64)})
+    return index.with_transform(partial(_gather, source=source.with_format(None).select_columns(list(COLUMNS)),
+                                         pieces=plan, columns=list(COLUMNS), with_lengths=has_lengths(plan.strategy)))
+
+
+def gathers_when_read(dataset: Any) -> bool:
+    """Whether ``dataset`` is a :func:`gathered` packed set (its rows are not its columns)."""
+    format_ = getattr(dataset, "format", None) or {}
+    return format_.get("type") == "custom" and list(getattr(dataset, "column_names", [])) == ["row"]
+
+
+def plan_counts(source: Any, plan: Plan) -> tuple[int, int]:
+    """(tokens, tokens in the loss) of the packed rows ``plan`` makes of ``source``, without gathering them: one pass
+    over the labels, a batch of rows at a time (what :func:`slurmft.job.prepare.counts` finds in the packed rows)."""
+    import pyarrow.compute as pc
+
+    by_row = np.argsort(plan.source, kind="stable")
+    rows, starts, stops = plan.source[by_row], plan.start[by_row], plan.stop[by_row]
+    loss, base, done = 0, 0, 0
+    for batch in source.with_format("arrow").select_columns(["labels"]).iter(batch_size=BATCH):
+        labels = batch["labels"]
+        upto = int(np.searchsorted(rows, base + len(labels), side="left"))
+        if upto > done:
+            lengths = pc.list_value_length(labels).to_numpy(zero_copy_only=False).astype(np.int64)
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            kept = pc.not_equal(pc.list_flatten(labels), -100).to_numpy(zero_copy_only=False)
+            cum = np.concatenate([[0], np.cumsum(kept, dtype=np.int64)])
+            at = offsets[rows[done:upto] - base]
+            loss += int((cum[at + stops[done:upto]] - cum[at + starts[done:upto]]).sum())
+            done = upto
+        base += len(labels)
+    return int((plan.stop - plan.start).sum()), loss
 
 
 def pack(dataset: Any, seq_length: int, strategy: str = "bfd", num_proc: int | None = None) -> Any:
@@ -191,14 +286,13 @@ def pack(dataset: Any, seq_length: int, strategy: str = "bfd", num_proc: int | N
     again, and no rank holds the packed set in memory.
     """
     import hashlib
-    from pathlib import Path
 
     from datasets import Dataset, Features, List, Value
 
     source = dataset.with_format(None).select_columns(list(COLUMNS))
     pieces_source, start, stop, offsets = plan(lengths_of(source), seq_length, strategy)
     rows = len(offsets) - 1
-    with_lengths = strategy != "wrapped"
+    with_lengths = has_lengths(strategy)
     features = Features({**{c: source.features[c] for c in COLUMNS},
                          **({"seq_lengths": List(Value("int32"))} if with_lengths else {})})
     key = hashlib.sha256(f"{source._fingerprint}:{seq_length}:{strategy}:{PLAN_VERSION}".encode()).hexdigest()[:16]
@@ -210,7 +304,7 @@ def pack(dataset: Any, seq_length: int, strategy: str = "bfd", num_proc: int | N
         num_proc=num_proc if num_proc and rows > BATCH else None, desc="Packing (one plan for the whole set)",
         cache_file_name=cache, new_fingerprint=key,
         fn_kwargs={"source": source, "columns": list(COLUMNS), "with_lengths": with_lengths,
-                   "pieces": {"source": pieces_source, "start": start, "stop": stop, "offsets": offsets}})
+                   "pieces": Plan(pieces_source, start, stop, offsets, strategy)})
     tokens = int((stop - start).sum())
     log.info("packed %d sequences into %d rows of <= %d tokens (%s): %.1f%% of the slots filled", len(source), rows,
              seq_length, strategy, 100 * tokens / max(1, rows * seq_length))

@@ -170,6 +170,34 @@ def finish(rows: Any, args: Any) -> Any:
     return packed.shuffle(seed=args.seed) if args.shuffle_dataset else packed
 
 
+def finish_plan(rows: Any, args: Any) -> Any:
+    """:func:`finish`'s packed set (``args.packing``) as a :class:`slurmft.job.packing.Plan` over ``rows``, nothing
+    gathered: the same plan over the same lengths, its pieces' rows mapped back through TRL's shuffle before packing
+    (so they index ``rows`` itself), and TRL's shuffle after packing as the packed rows' order, each shuffle asked of
+    datasets itself (:func:`shuffled_order`). Gathered (:func:`slurmft.job.packing.gathered`), row ``i`` is row ``i``
+    of :func:`finish`'s set (tests/job/test_prepare_array.py)."""
+    from slurmft.job import packing
+
+    lengths = packing.lengths_of(rows)
+    before = shuffled_order(len(rows), args.seed) if args.shuffle_dataset else None
+    source, start, stop, offsets = packing.plan(lengths if before is None else lengths[before], args.max_length,
+                                                args.packing_strategy)
+    after = shuffled_order(len(offsets) - 1, args.seed) if args.shuffle_dataset else None
+    return packing.Plan(source if before is None else before[source], start, stop, offsets, args.packing_strategy,
+                        after)
+
+
+def shuffled_order(rows: int, seed: int) -> Any:
+    """The order ``Dataset.shuffle(seed=seed)`` puts ``rows`` rows in (it depends on the number of rows and the seed
+    only), asked of datasets itself on a column of row numbers: the indices TRL's shuffle would map."""
+    from datasets import Dataset
+
+    numbers = Dataset.from_dict({"i": np.arange(rows, dtype=np.int64)})
+    # read as Arrow: one take through the indices (the numpy format took 22 s for 100k rows, this 0.2 s)
+    shuffled = numbers.shuffle(seed=seed, keep_in_memory=True).with_format("arrow")[:]
+    return shuffled["i"].to_numpy().astype(np.int64)
+
+
 #: the columns of a prepared (tokenized, unpacked) row
 ROW_COLUMNS = ("input_ids", "labels")
 #: where a prepared row came from: the mixture's row, and the piece of it (0 for a conversation)
@@ -236,8 +264,13 @@ def counts(ds: Any, max_length: int) -> dict[str, Any]:
     if "labels" in table.column_names:
         flat = pc.list_flatten(table["labels"])
         loss = int(pc.sum(pc.not_equal(flat, -100).cast("int64")).as_py() or 0)
-    return {"sequences": len(ds), "tokens": tokens, "loss_tokens": loss,
-            "fill": round(tokens / (len(ds) * max_length), 4) if len(ds) else 0.0}
+    return result_counts(len(ds), tokens, loss, max_length)
+
+
+def result_counts(sequences: int, tokens: int, loss: int | None, max_length: int) -> dict[str, Any]:
+    """The record's counts: sequences, tokens, tokens in the loss, and how full the packed slots are."""
+    return {"sequences": sequences, "tokens": tokens, "loss_tokens": loss,
+            "fill": round(tokens / (sequences * max_length), 4) if sequences else 0.0}
 
 
 def prepare_rows(cfg: RunConfig, tokenizer: Any, mixed: Any, num_proc: int | None, workdir: Path,
@@ -348,11 +381,12 @@ def prepare_run(run_dir: str, num_proc: int | None = None, cfg: RunConfig | None
 
 
 def save_prepared(run: Loaded, make: Callable[[Path], Any], t_start: float, extra: dict[str, Any],
-                  save: Callable[[Any, Path], None] | None = None) -> dict[str, Any]:
+                  save: Callable[[Any, Path], None] | None = None,
+                  count: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, Any]:
     """``make(staging)``'s prepared set saved into a staging directory with its record (``extra`` added), then
     swapped in as ``RUN_DIR/prepared/``; returns the record. ``save(ready, staging)``: how the set's files get there
-    (default: ``save_to_disk``; a prepare array's unpacked shards are moved there instead, slurmft/job/prepare_array.py);
-    the counts are taken from ``ready`` before it is saved."""
+    (default: ``save_to_disk``; a prepare array's shards are moved there instead, slurmft/job/prepare_array.py);
+    the counts are taken from ``ready`` before it is saved (``count(ready)``: by the caller's own means)."""
     paths, cfg, mixed = run.paths, run.cfg, run.mixed
     tag = f"{os.environ.get('SLURM_JOB_ID', 'here')}-{os.getpid()}"
     staging = paths.prepared_staging(tag)
@@ -363,7 +397,7 @@ def save_prepared(run: Loaded, make: Callable[[Path], Any], t_start: float, extr
         log.info("TRL prepared %d conversations into %d sequences in %.1f s (%.0f rows/s)", len(mixed), len(ready),
                  t_ready - t_start, len(mixed) / max(t_ready - t_start, 1e-9))
         result = {"conversations": len(mixed),
-                  **(dpo_counts(ready) if cfg.dpo is not None
+                  **(count(ready) if count is not None else dpo_counts(ready) if cfg.dpo is not None
                      else {"sequences": len(ready), "tokens": 0, "loss_tokens": None, "fill": None} if cfg.grpo
                      else counts(ready, cfg.data.max_seq_length))}
         if save is None:
@@ -403,8 +437,10 @@ def load_prepared(paths: RunPaths, cfg: RunConfig) -> Any:
             f"prepare.enabled is true but {paths.prepared} holds no complete preparation (did the prepare job "
             f"fail?): prepare it with `slurmft prepare {paths.root}`, then `slurmft resume {paths.root}`")
     ds = read_prepared(paths.prepared, record)
-    shards = (f", {len(record['shard_files'])} shards memory-mapped" if record.get("layout") == prepared.SHARDS_LAYOUT
-              else "")
+    layout = record.get("layout")
+    shards = (f", {len(record['shard_files'])} shards memory-mapped" if layout == prepared.SHARDS_LAYOUT
+              else f", packed rows gathered from {len(record['shard_files'])} shards memory-mapped by the plan"
+              if layout == prepared.PLAN_LAYOUT else "")
     log.info("data: %d prepared sequences read from %s (prepared by %s%s; TRL prepares nothing here)", len(ds),
              paths.prepared, f"job {record['job_id']}" if record.get("job_id") else record.get("host", "?"), shards)
     return ds
@@ -412,14 +448,21 @@ def load_prepared(paths: RunPaths, cfg: RunConfig) -> Any:
 
 def read_prepared(where: Path, record: dict[str, Any]) -> Any:
     """``prepared/`` (``where``, its record ``record``) as the trainer reads it: the saved set, memory-mapped; or, when a
-    prepare array left its unpacked shards there (``layout: shards``, slurmft/job/prepare_array.py), the shards'
-    memory-mapped concatenation (``concatenate_datasets`` of ``load_from_disk``: no row copied) read in the recorded
-    order (``select``: an indices mapping in memory, 8 bytes a row, nothing written). Either way the same rows."""
+    prepare array left its shards there (slurmft/job/prepare_array.py), the shards' memory-mapped concatenation
+    (``concatenate_datasets`` of ``load_from_disk``: no row copied), read unpacked in the recorded order (``layout:
+    shards``; ``select``: an indices mapping in memory, 8 bytes a row, nothing written) or packed by the recorded plan
+    (``layout: plan``; :func:`slurmft.job.packing.gathered`: each packed row gathered when it is read, nothing
+    written). Every layout gives the same rows as one prepare job's set; an unknown one is refused
+    (:func:`slurmft.prepared.check`)."""
     from datasets import concatenate_datasets, load_from_disk
 
-    if record.get("layout") != prepared.SHARDS_LAYOUT:
+    from slurmft.job import packing
+
+    layout = record.get("layout")
+    if layout is None:
         return load_from_disk(str(where))
     rows = concatenate_datasets([load_from_disk(str(where / name)) for name in record["shard_files"]])
+    if layout == prepared.PLAN_LAYOUT:
+        return packing.gathered(rows, packing.Plan.load(where / record["plan"], record["packing_strategy"]))
     order = record.get("order")
     return rows.select(np.load(where / order)) if order else rows
-

@@ -22,11 +22,18 @@ shard before it looks) runs what needs the whole set, over the shards read memor
 copy (``load_from_disk`` + ``concatenate_datasets`` keep datasets' Arrow files mapped), and writes ``prepared/`` with
 a record covering every shard:
 
-* packed (``data.packing``): TRL's shuffle and slurmft's one packing plan (:func:`slurmft.job.prepare.finish`); the
-  packed rows are written once (docs/text.md says why they are not a plan over the shards);
-* unpacked: nothing is copied. The shards are moved into ``prepared/`` as its own files, and the record names them
-  (``layout: shards``) and the order the trainer reads their rows in (TRL's shuffle as a permutation, ``order.npy``);
-  the train job reads the shards memory-mapped, concatenated, through that order
+* packed (``data.packing``): nothing is gathered. TRL's shuffle and slurmft's one packing plan over the whole set
+  (:func:`slurmft.job.prepare.finish_plan`: the plan :func:`slurmft.job.prepare.finish` packs by, its pieces' rows
+  composed with TRL's shuffle before packing, TRL's shuffle after packing as the packed rows' order) are saved in
+  place of the packed rows (``layout: plan``, ``prepared/plan/``: 24 bytes a piece, 16 a packed row), and the shards
+  are moved into ``prepared/`` as its own files; the train job gathers each packed row when it reads it
+  (:func:`slurmft.job.packing.gathered`, by :func:`slurmft.job.packing._gather`, the function one prepare job writes the
+  rows with). Writing the rows took the packing task 33 s and ~12 bytes a token for 50M tokens (about an hour and
+  ~56 GiB at 5B), one task while the others had finished; the counts of the record are taken from the plan and one
+  pass over the labels;
+* unpacked: nothing is copied either. The shards are moved into ``prepared/`` as its own files, and the record names
+  them (``layout: shards``) and the order the trainer reads their rows in (TRL's shuffle as a permutation,
+  ``order.npy``); the train job reads the shards memory-mapped, concatenated, through that order
   (:func:`slurmft.job.prepare.read_prepared`).
 
 Either way the train job reads bitwise the rows ``prepare.tasks: 1`` gives, whatever N and the CPUs
@@ -55,17 +62,29 @@ import numpy as np
 
 from slurmft import prepared, sourcefiles
 from slurmft.errors import JobSetupError
+from slurmft.job import packing
 from slurmft.job.prepare import (
     TEXT,
     Loaded,
     TrlPreparation,
-    finish,
+    finish_plan,
     load_run,
     prepare_args,
+    result_counts,
     save_prepared,
+    shuffled_order,
     trl_said,
 )
-from slurmft.prepared import ORDER_FILE, SHARD_RECORD, SHARDS_LAYOUT, shard_dir, shard_records
+from slurmft.prepared import (
+    ORDER_FILE,
+    PLAN_DIR,
+    PLAN_LAYOUT,
+    PLAN_RECORD_VERSION,
+    SHARD_RECORD,
+    SHARDS_LAYOUT,
+    shard_dir,
+    shard_records,
+)
 from slurmft.rundir import atomic_write
 
 if TYPE_CHECKING:
@@ -208,11 +227,11 @@ def _last(parts: Path, tasks: int) -> bool:
 
 def pack_shards(run: Loaded, parts: Path, tasks: int, group: str, me: int) -> dict[str, Any]:
     """Every shard, memory-mapped and concatenated in task order, made ``prepared/`` with a record covering every
-    shard. Packed (``data.packing``): TRL's shuffle and one packing plan, the packed rows written once
-    (:func:`slurmft.job.prepare.save_prepared`), the shards removed after. Unpacked: no copy at all: the shards are
-    moved into ``prepared/`` as its own files and the record names them and the order (TRL's shuffle as indices,
-    ``order.npy``) the train job reads them in (:func:`slurmft.job.prepare.read_prepared`). ``me``: the task that
-    packs (its inputs are ``run.before``)."""
+    shard, without a copy: the shards are moved into ``prepared/`` as its own files, and the record names them and how
+    the train job reads them (:func:`slurmft.job.prepare.read_prepared`). Packed (``data.packing``): by the packing plan
+    over all of them, composed with TRL's shuffles (``plan/``, :func:`slurmft.job.prepare.finish_plan`); unpacked: in
+    the order TRL's shuffle puts them (``order.npy``), if it does. ``me``: the task that packs (its inputs are
+    ``run.before``)."""
     from datasets import concatenate_datasets
 
     from slurmft.slurm import own_job_id
@@ -234,36 +253,31 @@ def pack_shards(run: Loaded, parts: Path, tasks: int, group: str, me: int) -> di
                                      "tokens_per_s", "job_id", "host") if k in r} for r in records]
     extra = {"tasks": tasks, "array_job": group, "shards": shard_list, "pack_started": time.time(),
              "job_id": own_job_id(os.environ) or None}  # this task's, as <array>_<task>
-    if args.packing:
-        record = save_prepared(run, lambda _: finish(rows, args), time.time(),
-                               {**extra, "array_seconds": round(time.time() - started, 1)})
+    names = [shard_dir(parts, r["task"]).name for r in kept]
+    if args.packing:  # one plan over every shard, saved instead of the rows it makes (nothing gathered here)
+        plan = finish_plan(rows, args)
+        files: dict[str, Any] = {"version": PLAN_RECORD_VERSION, "layout": PLAN_LAYOUT, "shard_files": names,
+                                 "plan": PLAN_DIR, "packing_strategy": plan.strategy}
+        tokens, loss = packing.plan_counts(rows, plan)
+        count = result_counts(plan.rows, tokens, loss, args.max_length)
     else:
-        names = [shard_dir(parts, r["task"]).name for r in kept]
-        order = ORDER_FILE if args.shuffle_dataset else None
+        plan, count = None, None
+        files = {"layout": SHARDS_LAYOUT, "shard_files": names, "order": ORDER_FILE if args.shuffle_dataset else None}
 
-        def move(_: Any, staging: Path) -> None:
-            staging.mkdir(parents=True)
-            if order:  # TRL's shuffle (finish: rows.shuffle(seed)) as the permutation of the rows, not a copy of them
-                np.save(staging / order, shuffled_order(len(rows), args.seed))
-            for name in names:
-                os.replace(parts / name, staging / name)
+    def move(_: Any, staging: Path) -> None:
+        staging.mkdir(parents=True)
+        if plan is not None:
+            plan.save(staging / PLAN_DIR)
+        elif files["order"]:  # TRL's shuffle (finish: rows.shuffle(seed)) as the permutation of the rows, not a copy
+            np.save(staging / ORDER_FILE, shuffled_order(len(rows), args.seed))
+        for name in names:
+            os.replace(parts / name, staging / name)
 
-        record = save_prepared(run, lambda _: rows, time.time(),
-                               {**extra, "layout": SHARDS_LAYOUT, "shard_files": names, "order": order,
-                                "array_seconds": round(time.time() - started, 1)}, save=move)
+    record = save_prepared(run, lambda _: packing.gathered(rows, plan) if plan is not None else rows, time.time(),
+                           {**extra, **files, "array_seconds": round(time.time() - started, 1)}, save=move,
+                           count=None if count is None else lambda _: count)
     shutil.rmtree(parts, ignore_errors=True)
     return record
-
-
-def shuffled_order(rows: int, seed: int) -> Any:
-    """The order ``Dataset.shuffle(seed=seed)`` puts ``rows`` rows in (it depends on the number of rows and the seed
-    only), asked of datasets itself on a column of row numbers: the indices TRL's shuffle would map."""
-    from datasets import Dataset
-
-    numbers = Dataset.from_dict({"i": np.arange(rows, dtype=np.int64)})
-    # read as Arrow: one take through the indices (the numpy format took 22 s for 100k rows, this 0.2 s)
-    shuffled = numbers.shuffle(seed=seed, keep_in_memory=True).with_format("arrow")[:]
-    return shuffled["i"].to_numpy().astype(np.int64)
 
 
 def _alike(parts: Path, kept: list[dict[str, Any]]) -> list[Any]:

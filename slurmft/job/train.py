@@ -34,6 +34,7 @@ from slurmft.job import (
     elastic,
     grpo,
     loading,
+    packing,
     preemption,
     prepare,
     sampler,
@@ -118,6 +119,8 @@ def _run(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, t_start
     base = _base_model(cfg, inputs, ctx, candidates)  # LoRA and DPO read the base on every attempt: the same one
     dataset = _dataset(cfg, paths, inputs, ctx)
     args = distributed.guarded(ctx, "building the training options", lambda: training_args(cfg, paths, ctx))
+    if packing.gathers_when_read(dataset):  # a prepare array's plan: its one column (a packed row's number) is no model
+        args.remove_unused_columns = False  # input, the rows it returns are; the Trainer would drop the column first
     sharded = _sharded_model(cfg, inputs, ctx, candidates)
     reference = _reference_model(cfg, inputs, ctx)
     record = _record(cfg, env, ctx, sharded, reference, base)

@@ -58,3 +58,36 @@ def test_the_plan_of_each_strategy_on_trls_own_example() -> None:
     assert rows["wrapped"] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11]]
     with pytest.raises(ValueError, match="expected one of bfd, bfd_split, wrapped"):
         plan(np.array([3]), 4, "greedy")
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["in-order", "trl-shuffles"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_plan_gathered_when_read_is_the_packed_set(strategy: str, shuffle: bool, tmp_path) -> None:
+    """A prepare array's packed set is saved as its plan (slurmft.job.prepare.finish_plan) and gathered when read
+    (packing.gathered): row for row, in every access the trainer makes (one row, a batch of rows in the sampler's
+    order, the whole set), the rows and Python types finish() writes; counted without gathering, as counts() counts."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset, load_from_disk
+
+    from slurmft.job.packing import Plan, gathered, gathers_when_read, plan_counts
+    from slurmft.job.prepare import counts, finish, finish_plan
+
+    Dataset.from_dict(_rows(1300, 64, 5)).save_to_disk(str(tmp_path / "rows"))  # two map batches, memory-mapped
+    ds = load_from_disk(str(tmp_path / "rows"))
+    args = SimpleNamespace(shuffle_dataset=shuffle, seed=11, packing=True, max_length=64, packing_strategy=strategy,
+                           dataset_num_proc=None)
+    want = finish(ds, args)
+    finish_plan(ds, args).save(tmp_path / "plan")
+    saved = Plan.load(tmp_path / "plan", strategy)
+    got = gathered(ds, saved)
+    assert gathers_when_read(got) and not gathers_when_read(want)
+    assert len(got) == len(want) and got[:] == want[:]
+    assert got[3] == want[3] and {k: type(v) for k, v in got[3].items()} == {k: type(v) for k, v in want[3].items()}
+    picks = np.random.default_rng(0).permutation(len(want))[:40].tolist()
+    assert got.__getitems__(picks) == want.__getitems__(picks)  # the DataLoader's fetch of a sampled batch
+    assert next(iter(got)) == want[0]  # TRL's SFTTrainer reads the first row so
+    tokens, loss = plan_counts(ds, saved)
+    assert {"tokens": tokens, "loss_tokens": loss} == {k: counts(want, 64)[k] for k in ("tokens", "loss_tokens")}
+    assert sorted(p.name for p in (tmp_path / "plan").iterdir()) == sorted(
+        ["source.npy", "start.npy", "stop.npy", "offsets.npy", *(["order.npy"] if shuffle else [])])

@@ -62,7 +62,15 @@ def trained_rows(run: Path):
 
 
 def _same(a: Path, b: Path) -> None:
+    from slurmft.job.packing import gathers_when_read
+
     one, many = trained_rows(a), trained_rows(b)
+    if gathers_when_read(many):  # a packed array's plan: each row gathered when read, as the trainer reads them
+        assert len(many) == len(one) and many[:] == one[:]  # every token, label, length, in order
+        picks = list(range(len(one)))[::-3]
+        assert many.__getitems__(picks) == one.__getitems__(picks)  # a batch in a sampler's order (the DataLoader's)
+        assert {k: type(v[0]) for k, v in many[:1].items()} == {k: type(v[0]) for k, v in one[:1].items()}
+        return
     assert one.features == many.features
     assert one.with_format("arrow")[:].equals(many.with_format("arrow")[:])  # every token, label, length, in order
 
@@ -71,14 +79,16 @@ def _files(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
 
 
-@pytest.mark.parametrize("tasks,extra", [(3, []), (2, ["data.packing=false", "train.sft.shuffle_dataset=true"]),
-                                         (3, ["data.packing=false"])],
-                         ids=["packed-3-tasks", "unpacked-shuffled-2-tasks", "unpacked-3-tasks"])
+@pytest.mark.parametrize("tasks,extra", [
+    (3, []), (2, ["train.sft.shuffle_dataset=true", "train.sft.packing_strategy=bfd_split"]),
+    (2, ["data.packing=false", "train.sft.shuffle_dataset=true"]), (3, ["data.packing=false"])],
+    ids=["packed-3-tasks", "packed-bfd-split-shuffled-2-tasks", "unpacked-shuffled-2-tasks", "unpacked-3-tasks"])
 def test_array_prepares_what_one_job_prepares(tasks: int, extra: list[str], corpus: Path, tiny_model: Path,
                                               tmp_path: Path) -> None:
     one = _run(tmp_path, "one", tiny_model, corpus, extra)
     many = _run(tmp_path, "many", tiny_model, corpus, extra)
     single, array = _prepare(one, 1), _prepare(many, tasks)
+    written = _files(many)
     _same(one, many)
     assert array["result"] | {"seconds": 0} == single["result"] | {"seconds": 0}
     assert array["inputs"] == single["inputs"] and array["settings"]["sources"][0]["path"] == str(corpus / "*.txt")
@@ -90,20 +100,29 @@ def test_array_prepares_what_one_job_prepares(tasks: int, extra: list[str], corp
     assert not any("files" in s for s in array["shards"]), "two sources: every task reads the whole mixture"
     assert not list(many.glob(".prepared.*")), "the shards are removed once packed, or moved into prepared/"
     files = _files(many / "prepared")
-    if "data.packing=false" in extra:  # no concatenated copy: prepared/ holds the shards themselves and the order
-        shuffled = "train.sft.shuffle_dataset=true" in extra
-        names = [f"shard-{k:05d}" for k in range(tasks)]
-        assert array["layout"] == "shards" and array["shard_files"] == names
-        assert array["order"] == ("order.npy" if shuffled else None)
+    shuffled = "train.sft.shuffle_dataset=true" in extra
+    names = [f"shard-{k:05d}" for k in range(tasks)]
+    assert array["shard_files"] == names
+    if "data.packing=false" not in extra:  # no packed copy: prepared/ holds the shards, the plan and the record
+        assert array["layout"] == "plan" and array["version"] == 2
+        assert {f.split("/")[0] for f in files} == {*names, "plan", "slurmft-prepared.json"}
+        plan = {f: n for f, n in files.items() if f.startswith("plan/")}
+        assert sorted(plan) == sorted(f"plan/{a}.npy" for a in ("source", "start", "stop", "offsets",
+                                                                *(["order"] if shuffled else [])))
+        packed = sum(n for f, n in _files(one / "prepared").items() if f.endswith(".arrow"))
+        assert sum(plan.values()) < 0.25 * packed, (plan, packed)  # 8 bytes a piece's field, not 4 bytes a token
+        rows = trained_rows(many)
+        assert sum(len(r) for r in rows[:]["input_ids"]) == single["result"]["tokens"]  # read through, every row
+        assert _files(many) == written, "gathering the packed rows writes nothing (no cache, no index file)"
+    else:  # no concatenated copy: prepared/ holds the shards themselves and the order
+        assert array["layout"] == "shards" and array["order"] == ("order.npy" if shuffled else None)
         assert {f.split("/")[0] for f in files} == {*names, "slurmft-prepared.json", *(["order.npy"] if shuffled else [])}
         one_set = _files(one / "prepared")
         shard_bytes = sum(n for f, n in files.items() if f.endswith(".arrow"))
         assert shard_bytes <= 1.1 * sum(n for f, n in one_set.items() if f.endswith(".arrow"))  # the rows once
         rows = trained_rows(many)
         assert sum(len(r["input_ids"]) for r in rows) == single["result"]["tokens"]  # read through, every row
-        assert _files(many / "prepared") == files, "reading the shards writes nothing (no cache, no indices file)"
-    else:
-        assert "layout" not in array
+        assert _files(many) == written, "reading the shards writes nothing (no cache, no indices file)"
 
 
 @pytest.fixture(scope="module")
@@ -243,8 +262,8 @@ def test_the_local_executor_runs_the_tasks_one_after_another(tiny_model: Path, t
     twin = tmp_path / "twin"
     prepare_run(str(twin), cfg=load_config(LOCAL_EXAMPLE, [f"output_dir={twin}", f"model.name_or_path={tiny_model}",
                                                            *LOCAL_ARGS]))
-    ours, one = trained_rows(run), trained_rows(twin)
-    assert ours.with_format("arrow")[:].equals(one.with_format("arrow")[:])
+    assert record["layout"] == "plan"  # the local example packs: the array's plan over its shards
+    _same(twin, run)
 
 
 def test_more_tasks_than_documents_leave_empty_shares_out(tiny_model: Path, tmp_path: Path) -> None:
@@ -277,21 +296,24 @@ def _keep_until(run: Path, name: str, step: int) -> None:
 
 
 @pytest.mark.train
+@pytest.mark.parametrize("layout,data", [("shards", ["data.packing=false"]), ("plan", [])],
+                         ids=["unpacked", "packed"])
 def test_the_train_job_trains_on_the_shards_as_on_one_jobs_set_and_resumes_at_the_next_sequence(
-        corpus: Path, tiny_model: Path, tmp_path: Path, job_env: dict[str, str]) -> None:
-    """Unpacked, shuffled, 2 tasks: the 2-rank train job (gloo, FSDP2) reads the shards memory-mapped through the
-    recorded order; its steps' sequences (batches.jsonl's digests) and losses equal those of the run prepared by one
-    job. Then its last checkpoint is lost: the relaunch resumes from the one before and trains the very next
-    sequences, with the same losses."""
+        layout: str, data: list[str], corpus: Path, tiny_model: Path, tmp_path: Path, job_env: dict[str, str]) -> None:
+    """Shuffled (TRL's shuffle_dataset), 2 tasks, unpacked or packed (the product's default): the 2-rank train job
+    (gloo, FSDP2) reads the shards memory-mapped, through the recorded order (unpacked) or gathering each packed row
+    by the recorded plan (packed); its steps' sequences (batches.jsonl's digests) and losses equal those of the run
+    prepared by one job. Then its last checkpoint is lost: the relaunch resumes from the one before and trains the
+    very next sequences, with the same losses."""
     import shutil
 
     from .helpers import launch, launch_like_srun
 
-    extra = ["data.packing=false", "train.sft.shuffle_dataset=true", "train.max_steps=4", "checkpoint.every_steps=2",
+    extra = [*data, "train.sft.shuffle_dataset=true", "train.max_steps=4", "checkpoint.every_steps=2",
              "train.per_device_batch_size=2", "train.gradient_accumulation_steps=1", "train.warmup_ratio=0"]
     one, many = _run(tmp_path, "one", tiny_model, corpus, extra), _run(tmp_path, "many", tiny_model, corpus, extra)
     _prepare(one, 1)
-    assert _prepare(many, 2)["layout"] == "shards"
+    assert _prepare(many, 2)["layout"] == layout
     for run in (one, many):
         rc, out = launch(run, job_env).wait(timeout=300)
         assert rc == 0, out[-6000:]

@@ -2,8 +2,9 @@
 
 Two runs of one continued-pretraining config (a globbed .txt corpus, packed), submitted side by side: one prepared by
 a 2-task prepare array and preempted once by the warning signal, one prepared by one prepare job and left alone.
-They must end with bitwise-equal models. With the ``prepared/`` sets of the two also bitwise equal (asserted), the
-second run is the first one's uninterrupted twin as well: a 2-task twin would train on the very same bytes. So one
+They must end with bitwise-equal models. With the rows the train job reads from the two ``prepared/`` sets also equal
+(asserted: the array's packed rows gathered from its shards by the packing plan, as its train job read them), the
+second run is the first one's uninterrupted twin as well: a 2-task twin would train on the very same rows. So one
 pair of runs shows both: the array changes nothing that trains, and the preemption changes nothing either. A second
 pair, submitted with them, does the same unpacked (``data.packing: false``, TRL's shuffle on), where the array's
 shards stay as ``prepared/``'s files and both nodes read them memory-mapped through the recorded order.
@@ -75,7 +76,7 @@ def text_runs(slurm_cluster, tiny_model: Path, tmp_path_factory: pytest.TempPath
 
 def test_a_text_run_prepared_by_a_2_task_array_and_preempted_equals_one_prepared_by_one_job(
         text_runs: dict, slurm_cluster, slurmft) -> None:
-    from datasets import load_from_disk
+    from slurmft.job.prepare import read_prepared
 
     runs, started = text_runs["runs"], text_runs["jobs"]
     array = started["array"]["prepare"]
@@ -93,9 +94,12 @@ def test_a_text_run_prepared_by_a_2_task_array_and_preempted_equals_one_prepared
     assert {s["job_id"] for s in record["shards"]} == {f"{array}_0", f"{array}_1"}
     one = json.loads(RunPaths.of(runs["one"]).prepared_record.read_text())
     assert record["result"] | {"seconds": 0} == one["result"] | {"seconds": 0}
-    a, b = (load_from_disk(str(RunPaths.of(runs[n]).prepared)) for n in ("array", "one"))
-    assert a.with_format("arrow")[:].equals(b.with_format("arrow")[:])  # the packs, bitwise
-    assert not list(runs["array"].glob(".prepared.*"))  # the shards are gone once packed
+    assert record["layout"] == "plan" and record["shard_files"] == ["shard-00000", "shard-00001"]
+    a = read_prepared(RunPaths.of(runs["array"]).prepared, record)  # the shards, packed by the plan when read
+    b = read_prepared(RunPaths.of(runs["one"]).prepared, one)  # the packed rows one prepare job wrote
+    assert len(a) == len(b) and a[:] == b[:]  # the packs the train jobs read, row for row, in their order
+    assert not list(RunPaths.of(runs["array"]).prepared.glob("*.arrow"))  # no packed copy: the shards and the plan
+    assert not list(runs["array"].glob(".prepared.*"))  # the shards moved into prepared/
 
     steps = jobs.metrics(runs["array"])
     assert sorted(m["step"] for m in steps) == list(range(1, TRAIN["max_steps"] + 1))
