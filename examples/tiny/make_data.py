@@ -15,7 +15,12 @@ and the preference pairs of the tiny DPO example (``dpo.yaml``), made from ``lim
 and the prompts of the tiny GRPO example (``grpo.yaml``), made from ``lima.jsonl``:
 
 - ``data/prompts.jsonl``: TRL's prompt-only layout, ``{"prompt": ..., "answer": ...}``: a conversation's first
-  question and its answer (the ``answer`` column reaches the rewards: the built-in ``exact_match`` reads it).
+  question and its answer (the ``answer`` column reaches the rewards: the built-in ``exact_match`` reads it);
+
+and the plain-text corpus of the tiny continued-pretraining example (``text.yaml``, docs/text.md):
+
+- ``data/corpus/notes-0K.txt``: six files of documents between blank lines, each document a few answers' sentences
+  (no chat template, every token in the loss).
 
 Simple arithmetic, counting and greeting questions with templated answers, so a 5M-parameter model's
 loss drops visibly within a few dozen steps.
@@ -98,6 +103,15 @@ def choices(rng: random.Random) -> list[dict[str, object]]:
     return rows
 
 
+N_CORPUS_FILES, N_DOCUMENTS = 6, 40  # the plain-text corpus: files, and documents per file
+
+
+def corpus_file(rng: random.Random) -> str:
+    """One corpus file: documents of two to six answers' sentences, separated by blank lines."""
+    documents = [" ".join(qa(rng)[1] for _ in range(rng.randint(2, 6))) for _ in range(N_DOCUMENTS)]
+    return "\n\n".join(documents) + "\n"
+
+
 def main() -> None:
     out = Path(__file__).resolve().parent / "data"
     out.mkdir(exist_ok=True)
@@ -120,9 +134,13 @@ def main() -> None:
         f.writelines(json.dumps(p) + "\n" for p in prompts(lima))
     with open(out / "choices.jsonl", "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in choices(random.Random(99)))
+    (out / "corpus").mkdir(exist_ok=True)
+    text_rng = random.Random(4321)
+    for k in range(N_CORPUS_FILES):
+        (out / "corpus" / f"notes-{k:02d}.txt").write_text(corpus_file(text_rng))
     print(f"wrote {N_EXAMPLES} examples each to {out}/lima.jsonl and {out}/guanaco.jsonl, "
           f"{len(preference)} preference pairs to {out}/pairs.jsonl, {N_CHOICES} evaluation questions to "
-          f"{out}/choices.jsonl")
+          f"{out}/choices.jsonl, {N_CORPUS_FILES} files of {N_DOCUMENTS} documents to {out}/corpus/")
 
 
 if __name__ == "__main__":
