@@ -68,12 +68,12 @@ def detect_format(source: DatasetSource, columns: list[str], first: dict[str, An
         raise JobSetupError(str(exc)) from None
 
 
-def _load_files(source: DatasetSource, files: list[Path], where: str, share: bool = False):
-    """A local source's files (one, or a glob's; ``share``: the part of them a prepare array task reads), each checked
-    first when they are plain text."""
+def _load_files(source: DatasetSource, files: list[Path], where: str):
+    """A local source's files (one, a glob's, or the part of them a prepare array task reads), each checked first
+    when they are plain text."""
     from datasets import load_dataset
 
-    problems = sourcefiles.source_problems(source.path, source.format, where, files if share else None)
+    problems = sourcefiles.source_problems(source.path, source.format, where, files)
     if len(problems) == 1:
         raise JobSetupError(problems[0])
     if problems:
@@ -100,7 +100,7 @@ def _load_source(source: DatasetSource, where: str, files: list[Path] | None = N
     path = Path(source.path).expanduser()
     try:
         if files is not None:
-            return _load_files(source, files, where, share=True)
+            return _load_files(source, files, where)
         files = sourcefiles.files_of(source.path)
         if files:
             return _load_files(source, files, where)
