@@ -200,17 +200,10 @@ def run_task(run_dir: str, task: int, tasks: int, group: str, num_proc: int | No
     log.info("task %d of %d: %d sequences, %d tokens in %.1f s (%.0f tokens/s)", task, tasks, sequences, tokens,
              seconds, tokens / max(seconds, 1e-9))
     if _last(parts, tasks):
-        pack_shards(_whole(run, parts, tasks) if mine_files else run, parts, tasks, group, task)
+        pack_shards(run, parts, tasks, group, task)
     else:
         log.info("task %d of %d: done; the last task to finish packs the shards", task, tasks)
     return record
-
-
-def _whole(run: Loaded, parts: Path, tasks: int) -> Loaded:
-    """The packing task's run when the tasks shared the files: its ``mixed`` held its own files' rows; the record's
-    ``conversations`` (``len(mixed)``, all save_prepared reads of it) is every share's."""
-    rows = sum(r["rows"][1] - r["rows"][0] for r in shard_records(parts, tasks) if r is not None)
-    return replace(run, mixed=range(rows))
 
 
 def _last(parts: Path, tasks: int) -> bool:
@@ -243,6 +236,9 @@ def pack_shards(run: Loaded, parts: Path, tasks: int, group: str, me: int) -> di
             raise JobSetupError(f"data: the sources changed while the prepare array ran (task {r['task']} read other "
                                 f"inputs than task {me}, which packs): {'; '.join(changed)}; prepare again: "
                                 f"`slurmft prepare {run.paths.root}`")
+    # the record's conversations (len(run.mixed), all save_prepared reads of it): every share's rows, whichever kind of
+    # share (a task that read a share of the files holds its own rows only)
+    run = replace(run, mixed=range(sum(r["rows"][1] - r["rows"][0] for r in records)))
     kept = [r for r in records if r["rows"][1] > r["rows"][0]]  # an empty share saved no rows
     rows = concatenate_datasets(_alike(parts, kept))
     args = prepare_args(run.cfg, run.num_proc, parts)
