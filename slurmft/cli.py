@@ -470,9 +470,10 @@ def resume(run_dir: Path, overrides: tuple[str, ...], template_dir: str | None, 
     """Continue a run that died (failed, cancelled, time limit, node failure, requeue budget used up)
     from its newest complete checkpoint, and chain a new consolidation job.
 
-    Overrides may change only where and how it runs: cluster.*, preemption.*, consolidate.*,
-    checkpoint.keep_last, resources.* (another number of nodes or ranks keeps the global batch: accumulation
-    is recomputed; check it first with `slurmft estimate RUN_DIR/config.yaml resources...`).
+    Overrides may change only where and how it runs: cluster.*, preemption.*, consolidate.*, prepare.resources.*,
+    serve.*, eval.*, checkpoint.keep_last, checkpoint.every_steps, checkpoint.async, checkpoint.max_failed_saves,
+    train.logging_steps, resources.* and the batch keys (the global batch stays: accumulation is recomputed;
+    check it first with `slurmft estimate RUN_DIR/config.yaml resources...`).
     """
     from slurmft.rundir import is_sweep_dir
     from slurmft.submit.resume import Phase, resume_run
