@@ -10,6 +10,9 @@ data and profile snippets of docs/first-run.md are read by the code that reads u
 Every relative link of README.md and docs/*.md reaches a file, and its ``#anchor`` a heading of that file (as
 GitHub renders it); the README opens with the two commands, ``.ci/run`` runs its test command, it names every
 file of the run directory and links every doc; every figure of docs/benchmarks.md has its command and date.
+Every ``slurmft CMD`` the docs show as code names a command and only its options, and the README lists every
+command; every config key the docs' inline code names is in the schema; the keys a resume may change are named in
+docs/preemption.md and ``slurmft resume --help``; an example that quotes ``slurmft estimate`` quotes today's tables.
 """
 
 from __future__ import annotations
@@ -281,3 +284,119 @@ def test_every_benchmark_has_its_command_and_its_date() -> None:
                             section)
         assert command and (REPO / (command.group(1) or command.group(2))).is_file(), title
         assert re.search(r"\b20\d\d-\d\d-\d\d\b", section) or "not measured yet" in section, title
+
+
+def code_lines(path: Path) -> list[str]:
+    """What a Markdown file shows as code: its fenced blocks' lines (shell comments dropped) and its inline code."""
+    text = path.read_text()
+    lines = [re.sub(r"(^|\s)#.*", "", line) for block in fenced(path) for line in block.splitlines()]
+    return lines + re.findall(r"`([^`\n]+)`", FENCE.sub("", text))
+
+
+# Code spans that start with "slurmft WORD" and are not commands: the ranks' error lines (docs/grpo.md).
+NOT_COMMANDS = {"rank"}
+
+
+def test_every_slurmft_command_in_the_docs_exists_with_its_options() -> None:
+    """A command line the docs show (in a block or inline: `slurmft consolidate RUN_DIR --here`) names a command of
+    the CLI and only options that command has: a renamed or dropped flag fails here, not in a user's shell."""
+    from slurmft.cli import cli as group
+
+    wrong = []
+    for doc in DOCS:
+        for line in code_lines(doc):
+            for word, rest in re.findall(r"(?:^|\$ |&& |\| |; |\()\s*slurmft +([a-z][\w-]*)(.*?)(?=&&|\|\||;|$)",
+                                         line.strip()):
+                command = group.commands.get(word)
+                if command is None:
+                    if word not in NOT_COMMANDS:
+                        wrong.append(f"{doc.name}: `{line.strip()}`: no command {word!r}")
+                    continue
+                options = {o for p in command.params for o in p.opts + p.secondary_opts if o.startswith("-")}
+                wrong += [f"{doc.name}: `{line.strip()}`: `slurmft {word}` has no {flag}"
+                          for flag in re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", rest)
+                          if flag not in options | {"-h", "--help"}]
+    assert not wrong, wrong
+
+
+def test_the_readme_lists_every_command() -> None:
+    from slurmft.cli import cli as group
+
+    [commands] = [block for block in fenced(README) if block.startswith("slurmft render")]
+    listed = set(re.findall(r"^slurmft (\w+)", commands, flags=re.M))
+    assert listed == set(group.commands), "README's `## The commands` lists each command of `slurmft --help` once"
+
+
+# Dotted names in the docs' inline code that start like a config key but are not one, each with why.
+NOT_KEYS = {
+    "model.model.layers.0.self_attn.q_proj.weight": "a parameter name in a checkpoint (docs/consolidation.md)",
+    "model.lm_head.weight": "a parameter name in a checkpoint",
+    "model.embed_tokens.weight": "a tensor name in the consolidated files",
+    "model.load_weights": "vLLM's method (docs/grpo.md)",
+    "model._no_split_modules": "the transformers attribute (docs/training.md)",
+    "model.config._attn_implementation": "the transformers attribute",
+    "lora.adapter_bytes": "a term of the estimate's arithmetic (docs/estimate.md)",
+    "train.per_device_train_batch_size": "HF's spelling, shown with its did-you-mean (docs/first-run.md)",
+    "train.learnig_rate": "a misspelling, shown with its did-you-mean (docs/sweeps.md)",
+}
+
+
+FILE_NAME = r"\.(?:py|json|jsonl|md|yaml|txt|sh|safetensors|npy|png)$"  # `sweep.json`, `model.safetensors.index.json`
+
+
+def test_every_config_key_the_docs_name_exists() -> None:
+    """`section.key` (with `: value` or `=value`) in the docs' inline code is a field of the schema, a section of
+    it, `section.*`, or a key under a free-form mapping (`train.sft.*`, `cluster.env.*`): a renamed field leaves
+    no stale name behind."""
+    from slurmft.config import RunConfig
+    from slurmft.config_loading import all_fields
+
+    fields = {f.replace("[]", "") for f in all_fields()}
+    sections = {".".join(f.split(".")[:i]) for f in fields for i in range(1, f.count(".") + 1)}
+    top = "|".join(RunConfig.model_fields)
+    key = re.compile(rf"^((?:{top})(?:\.(?:[a-z_0-9]+|\*)(?:\[\d*\])?)+)(?:[:=].*)?$")
+    unknown = []
+    for doc in DOCS:
+        for span in re.findall(r"`([^`\n]+)`", FENCE.sub("", doc.read_text())):
+            found = key.match(span.strip())
+            if not found or found.group(1) in NOT_KEYS or re.search(FILE_NAME, found.group(1)):
+                continue
+            name = re.sub(r"\[\d*\]", "", found.group(1)).removesuffix(".*")
+            if not (name in fields or name in sections or any(name.startswith(f + ".") for f in fields)):
+                unknown.append(f"{doc.name}: `{span}`")
+    assert not unknown, unknown
+    assert not [k for k in NOT_KEYS if not any(f"`{k}" in doc.read_text() for doc in DOCS)], "a NOT_KEYS entry is unused"
+
+
+def test_the_keys_a_resume_may_change_are_the_documented_ones() -> None:
+    """docs/preemption.md and `slurmft resume --help` name every key `slurmft/submit/resume.py` accepts on a resume
+    (`resources.*` for the allocation's)."""
+    from slurmft.cli import cli as group
+    from slurmft.plan.elastic import BATCH_KEYS
+    from slurmft.submit.resume import ALLOWED_KEYS, ALLOWED_PREFIXES
+
+    doc = " ".join((REPO / "docs" / "preemption.md").read_text().split())
+    [paragraph] = [p for p in doc.split("Overrides may change only")[1:2]]
+    named = {*(p + "*" for p in ALLOWED_PREFIXES), *(k for k in ALLOWED_KEYS if not k.startswith("resources.")),
+             "resources.*"}
+    assert not [k for k in sorted(named) if f"`{k}`" not in paragraph.split("never what it computes")[0]]
+    help_text = " ".join(group.commands["resume"].help.split())
+    assert not [k for k in sorted(named - set(BATCH_KEYS)) if k not in help_text] and "batch keys" in help_text
+
+
+def estimate_rows(text: str) -> set[str]:
+    """The rows of `slurmft estimate`'s tables, cell by cell, whatever their width."""
+    return {" | ".join(cell.strip() for cell in line.split("│")[1:-1]) for line in text.splitlines() if "│" in line}
+
+
+@pytest.mark.parametrize("example", [p for p in EXAMPLES if "#   Per GPU" in p.read_text()], ids=lambda p: p.name)
+def test_the_estimate_an_example_quotes_is_the_estimate_now(example: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """An example whose comment quotes `slurmft estimate` on it quotes every row of today's tables and its verdict."""
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps nothing: the rows compare cell by cell
+    code, output = run(["estimate", str(example)], capsys)
+    assert code == 0, output
+    comment = "\n".join(line[1:] for line in example.read_text().splitlines() if line.startswith("#"))
+    assert estimate_rows(comment) == estimate_rows(output), "paste `slurmft estimate` again into the comment"
+    [verdict] = [line for line in output.splitlines() if line.startswith("fits: ")]
+    assert f"#   {verdict}" in example.read_text()
