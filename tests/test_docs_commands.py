@@ -11,7 +11,7 @@ Every relative link of README.md and docs/*.md reaches a file, and its ``#anchor
 GitHub renders it); the README opens with the two commands, ``.ci/run`` runs its test command, it names every
 file of the run directory and links every doc; every figure of docs/benchmarks.md has its command and date.
 Every ``slurmft CMD`` the docs show as code names a command and only its options, and the README lists every
-command; every config key the docs' inline code names is in the schema; the keys a resume may change are named in
+command; every config key the docs name (inline code, run-config YAML blocks) is in the schema; the keys a resume may change are named in
 docs/preemption.md and ``slurmft resume --help``; an example that quotes ``slurmft estimate`` quotes today's tables.
 """
 
@@ -344,10 +344,26 @@ NOT_KEYS = {
 FILE_NAME = r"\.(?:py|json|jsonl|md|yaml|txt|sh|safetensors|npy|png)$"  # `sweep.json`, `model.safetensors.index.json`
 
 
+def known(name: str, fields: set[str], sections: set[str]) -> bool:
+    """A field, a section, or a key under a free-form mapping field (`train.sft.packing_strategy`)."""
+    return name in fields or name in sections or any(name.startswith(f + ".") for f in fields)
+
+
+def yaml_keys(data: dict, prefix: str = "") -> list[str]:
+    """Every key of a YAML mapping as a dotted name, through nested mappings and lists of mappings."""
+    out = []
+    for key, value in data.items():
+        out.append(f"{prefix}{key}")
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, dict):
+                out += yaml_keys(item, f"{prefix}{key}.")
+    return out
+
+
 def test_every_config_key_the_docs_name_exists() -> None:
-    """`section.key` (with `: value` or `=value`) in the docs' inline code is a field of the schema, a section of
-    it, `section.*`, or a key under a free-form mapping (`train.sft.*`, `cluster.env.*`): a renamed field leaves
-    no stale name behind."""
+    """`section.key` (with `: value` or `=value`) in the docs' inline code, and every key of a run config's YAML
+    fragment, is a field of the schema, a section of it, `section.*`, or a key under a free-form mapping
+    (`train.sft.*`, `cluster.env.*`): a renamed field leaves no stale name behind."""
     from slurmft.config import RunConfig
     from slurmft.config_loading import all_fields
 
@@ -357,12 +373,15 @@ def test_every_config_key_the_docs_name_exists() -> None:
     key = re.compile(rf"^((?:{top})(?:\.(?:[a-z_0-9]+|\*)(?:\[\d*\])?)+)(?:[:=].*)?$")
     unknown = []
     for doc in DOCS:
+        for block in fenced(doc, "yaml"):  # a run config's fragment: every key in it, as a dotted name
+            data = yaml.safe_load(block)
+            if isinstance(data, dict) and set(data) <= set(RunConfig.model_fields):
+                unknown += [f"{doc.name}: yaml `{k}`" for k in yaml_keys(data) if not known(k, fields, sections)]
         for span in re.findall(r"`([^`\n]+)`", FENCE.sub("", doc.read_text())):
             found = key.match(span.strip())
             if not found or found.group(1) in NOT_KEYS or re.search(FILE_NAME, found.group(1)):
                 continue
-            name = re.sub(r"\[\d*\]", "", found.group(1)).removesuffix(".*")
-            if not (name in fields or name in sections or any(name.startswith(f + ".") for f in fields)):
+            if not known(re.sub(r"\[\d*\]", "", found.group(1)).removesuffix(".*"), fields, sections):
                 unknown.append(f"{doc.name}: `{span}`")
     assert not unknown, unknown
     assert not [k for k in NOT_KEYS if not any(f"`{k}" in doc.read_text() for doc in DOCS)], "a NOT_KEYS entry is unused"
