@@ -9,7 +9,7 @@ where it is (docs/serve-eval.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
@@ -52,12 +52,6 @@ class ModelJobResources(Section):
     partition: SlurmWord | None = Field(None, description="Partition (default: the train job's).")
 
 
-def _python_path(v: str | None) -> str | None:
-    if v is None:
-        return v
-    return check_value(PATH_RE, v, "interpreter path (no spaces, quotes or shell characters)")
-
-
 #: The discriminator's name for a mapping; error locations leave it out (slurmft.config_loading.format_loc).
 IMAGE_TAG = "image-section"
 
@@ -89,18 +83,36 @@ def _container_field(kind: str) -> Any:
         f"job's slurmft runs that image's python; {kind}.python is looked up inside it (docs/serve-eval.md).")
 
 
-def _container_value(v: Any, kind: str) -> Any:
-    """``true``/``"host"``/an image string are refused with what to write instead (pydantic alone would list two
-    type errors)."""
-    if v is None or v is False or isinstance(v, dict | ModelJobImage):
-        return v
-    raise ValueError(f"{v!r} is not a container: give a mapping ({{image: /shared/images/{kind}.sqsh}}: its own "
-                     "image, over the run's container), false (on the host), or leave it out (where the ranks run)")
+class ModelJobSection(Section):
+    """What the sections of the jobs after consolidation share: an interpreter path (``python``) and where the job
+    runs (``container``), checked alike; each subclass declares the two fields with its own words."""
+
+    KIND: ClassVar[str]
+
+    @field_validator("python", check_fields=False)
+    @classmethod
+    def _python(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        return check_value(PATH_RE, v, "interpreter path (no spaces, quotes or shell characters)")
+
+    @field_validator("container", mode="before", check_fields=False)
+    @classmethod
+    def _container(cls, v: Any) -> Any:
+        """``true``/``"host"``/an image string are refused with what to write instead (pydantic alone would list
+        two type errors)."""
+        if v is None or v is False or isinstance(v, dict | ModelJobImage):
+            return v
+        raise ValueError(f"{v!r} is not a container: give a mapping ({{image: /shared/images/{cls.KIND}.sqsh}}: its "
+                         "own image, over the run's container), false (on the host), or leave it out (where the ranks "
+                         "run)")
 
 
-class ServeConfig(Section):
+class ServeConfig(ModelJobSection):
     """After consolidation: start vLLM's engine on the model (and a LoRA run's adapter on the base) and check
     what a deployer needs against transformers on the same model and prompts (docs/serve-eval.md)."""
+
+    KIND = "serve"
 
     python: str | None = Field(
         None, description="Interpreter with vLLM installed (its own venv: vLLM pins its own transformers); default "
@@ -124,21 +136,12 @@ class ServeConfig(Section):
     resources: ModelJobResources = Field(default_factory=ModelJobResources)
     container: ModelJobContainer = _container_field("serve")
 
-    @field_validator("python")
-    @classmethod
-    def _python(cls, v: str | None) -> str | None:
-        return _python_path(v)
 
-    @field_validator("container", mode="before")
-    @classmethod
-    def _container(cls, v: Any) -> Any:
-        return _container_value(v, "serve")
-
-
-class EvalConfig(Section):
+class EvalConfig(ModelJobSection):
     """After consolidation: lm-eval-harness tasks on the model and, with compare_base, on the base model
     (docs/serve-eval.md)."""
 
+    KIND = "eval"
     tasks: list[str] = Field(..., min_length=1, description="lm-eval task names (its registry), or task YAML files / "
                              "directories of them (your own tasks, e.g. local data with dataset_path: json).")
     num_fewshot: int | None = Field(None, ge=0, description="Few-shot examples (default: each task's own).")
@@ -155,16 +158,6 @@ class EvalConfig(Section):
         "the job runs: the image's (eval.container / cluster.container python) in a container, else cluster.python.")
     resources: ModelJobResources = Field(default_factory=ModelJobResources)
     container: ModelJobContainer = _container_field("eval")
-
-    @field_validator("python")
-    @classmethod
-    def _python(cls, v: str | None) -> str | None:
-        return _python_path(v)
-
-    @field_validator("container", mode="before")
-    @classmethod
-    def _container(cls, v: Any) -> Any:
-        return _container_value(v, "eval")
 
     @field_validator("tasks")
     @classmethod
