@@ -61,6 +61,10 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"config file {str(p)!r} does not exist (give the path to your run.yaml)")
     try:
         data = load_yaml_text(p.read_text())
+    except UnicodeDecodeError as exc:  # a binary file, or text saved in another encoding
+        raise ConfigError(f"{p}: not UTF-8 text (byte {exc.start}); save it as UTF-8 YAML") from None
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read it: {exc.strerror}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -112,6 +112,14 @@ def test_unparseable_yaml(text: str, expect: str, tmp_path: Path, capsys: pytest
     assert code == 2 and expect in err and "Traceback" not in err
 
 
+def test_config_that_is_not_utf8(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A binary file (or one saved as Latin-1) is a config error naming the file, not a UnicodeDecodeError."""
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"name: caf\xe9\n")
+    code, err = run_cli(["validate", str(path)], capsys)
+    assert code == 2 and "not UTF-8 text" in err and "Traceback" not in err
+
+
 def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, err = run_cli(["submit", str(tmp_path / "nope.yaml")], capsys)
     assert code == 2 and "does not exist" in err
