@@ -390,11 +390,36 @@ def read_manifest(paths: RunPaths) -> dict[str, Any]:
             raise RunDirError(
                 f"{paths.root} has no manifest.json: it is not a slurmft run directory (or its submit failed)"
             )
-        return json.loads(paths.manifest.read_text())
+        manifest = json.loads(paths.manifest.read_text())
     except json.JSONDecodeError as exc:
         raise RunDirError(f"{paths.manifest} is corrupt: {exc}") from None
+    except UnicodeDecodeError as exc:  # a torn write of a disk that filled, or a file that is not ours
+        raise RunDirError(f"{paths.manifest} is corrupt: not UTF-8 text (byte {exc.start})") from None
     except PermissionError:
         raise unreadable(paths) from None
+    if problem := _manifest_problem(manifest):
+        raise RunDirError(f"{paths.manifest} is corrupt: {problem} (slurmft writes a mapping with name, executor "
+                          "and jobs, each job with its kind and job_id)")
+    return manifest
+
+
+def _manifest_problem(manifest: Any) -> str | None:
+    """What keeps ``manifest`` from being one :func:`new_manifest` and :func:`record_job` wrote (None: nothing), so a
+    hand-edited or foreign manifest.json is said once here instead of failing as a KeyError in whichever command
+    reads it."""
+    if not isinstance(manifest, dict):
+        return f"it holds {json.dumps(manifest)[:40]}, not a mapping"
+    for key in ("name", "executor"):
+        if not isinstance(manifest.get(key), str):
+            return f"{key!r} is missing or not a string"
+    jobs = manifest.get("jobs")
+    if not isinstance(jobs, list):
+        return "'jobs' is missing or not a list"
+    for i, job in enumerate(jobs):
+        if not (isinstance(job, dict) and isinstance(job.get("kind"), str)
+                and isinstance(job.get("job_id"), (str, int))):
+            return f"jobs[{i}] is not a job (a mapping with kind and job_id)"
+    return None
 
 
 def unreadable(paths: RunPaths) -> RunDirError:

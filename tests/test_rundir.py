@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+from cli_runner import cli
+
 from slurmft.rundir import RunPaths
 from slurmft.watch.runs import SKIP
 
@@ -90,3 +93,15 @@ def test_a_pid_carries_its_host_and_start(tmp_path: Path) -> None:
     assert process_here({**me, "pid_start": me["pid_start"] + 1})[0] is False  # the pid reused by another process
     assert process_here({"pid": os.getpid()}) == (True, socket.gethostname())  # an old manifest: this host's
     assert process_here({**me, "host": "login-9"}) == (None, "login-9")  # another host: cannot tell
+
+
+@pytest.mark.parametrize("content", [b"[]", b"null", b"\xff\xfe", b'{"version": 2}',
+                                     b'{"name": "x", "executor": "local", "jobs": [{"x": 1}]}'])
+def test_a_manifest_of_the_wrong_shape_is_said_by_every_command(
+        content: bytes, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A hand-edited, foreign or torn manifest.json: each command that reads it exits 2 with "is corrupt", never a
+    KeyError/AttributeError/UnicodeDecodeError traceback."""
+    (tmp_path / "manifest.json").write_bytes(content)
+    for command in ("status", "logs", "cancel", "resume", "consolidate"):
+        code, _, err = cli([command, str(tmp_path)], capsys)
+        assert code == 2 and "manifest.json is corrupt" in err and "Traceback" not in err, (command, err)
