@@ -399,7 +399,8 @@ def _filtered_logs(run_dir: Path, kind: str, follow: bool, lines: int, rank: int
 
 
 @cli.command()
-@click.argument("directory", type=click.Path(file_okay=False, path_type=Path), default=".", metavar="[DIR]")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path), default=".",
+                metavar="[DIR]")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def runs(directory: Path, as_json: bool) -> None:
     """Every run directory under DIR (default: here, 3 levels deep): state, step, last loss, age."""

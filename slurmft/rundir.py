@@ -381,11 +381,21 @@ def new_manifest(name: str, executor: str, run_id: str = "") -> dict[str, Any]:
             "owner": current_user().record(), "created": time.time(), "jobs": [], "attempts": []}
 
 
+def check_run_dir(paths: RunPaths) -> None:
+    """Raise the RunDirError for a RUN_DIR argument that is no directory at all: a typo, or a file given for the
+    directory (each command says the same, before it reads or writes anything there)."""
+    if paths.root.is_dir():
+        return
+    if paths.root.exists():
+        raise RunDirError(f"{paths.root} is a file, not a run directory (give the directory a submit made: the run's "
+                          "output_dir)")
+    raise RunDirError(f"run directory {str(paths.root)!r} does not exist")
+
+
 def read_manifest(paths: RunPaths) -> dict[str, Any]:
     """Read the manifest, or explain why there is none (or why we may not read it)."""
     try:
-        if not paths.root.is_dir():
-            raise RunDirError(f"run directory {str(paths.root)!r} does not exist")
+        check_run_dir(paths)
         if not paths.manifest.is_file():
             raise RunDirError(
                 f"{paths.root} has no manifest.json: it is not a slurmft run directory (or its submit failed)"

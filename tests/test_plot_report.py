@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from cli_runner import cli
 from runfixture import local_run, preempted_run, slurm_rows
 
 from slurmft.cli import main
@@ -65,6 +66,23 @@ def test_plot_without_metrics_says_why(tmp_path: Path) -> None:
     with pytest.raises(SlurmftError) as info:
         plot_run(run)
     assert "no metrics.jsonl yet" in info.value.render()
+
+
+def test_watch_commands_on_what_is_no_run_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A typo, a file and an empty directory given as RUN_DIR: each command says which (exit 2), none writes a report
+    or a plot into a directory that holds no run, none says "the job has not reached its first step"."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    expect = {"gone": "does not exist", "file": "is a file, not a run directory", "empty": "has no manifest.json"}
+    for name, words in expect.items():
+        for command in ("status", "plot", "report"):
+            if (command, name) == ("plot", "empty"):
+                continue  # an empty directory is a run before its first step for plot (test above)
+            code, _, err = cli([command, str(tmp_path / name)], capsys)
+            assert code == 2 and words in err and "Traceback" not in err, (command, name, err)
+    assert list((tmp_path / "empty").iterdir()) == []
+    code, _, err = cli(["runs", str(tmp_path / "gone")], capsys)
+    assert code == 2 and "does not exist" in err
 
 
 def test_report_numbers_match_the_metrics(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from slurmft.errors import SlurmftError
-from slurmft.rundir import RunPaths
+from slurmft.rundir import RunPaths, check_run_dir
 from slurmft.watch.progress import read_metrics, segments
 
 SIZE_INCHES = (9.0, 4.8)
@@ -75,6 +75,7 @@ def marker_steps(records: list[dict[str, Any]]) -> list[Marker]:
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Draw ``RUN/loss.png`` (or ``out``) from ``metrics.jsonl``; return the path written."""
     paths = RunPaths.of(run_dir)
+    check_run_dir(paths)
     metrics = read_metrics(paths.metrics)
     if not metrics.records:
         raise SlurmftError(f"nothing to plot for {paths.root}", metrics.problems or ["metrics.jsonl has no step"])

@@ -20,8 +20,7 @@ from typing import Any
 import yaml
 
 from slurmft import __version__
-from slurmft.errors import RunDirError
-from slurmft.rundir import RunPaths, atomic_write, is_sweep_dir, read_manifest, unreadable
+from slurmft.rundir import RunPaths, atomic_write, check_run_dir, is_sweep_dir, read_manifest, unreadable
 from slurmft.trackers import read_tracker, sync_command, tracker_lines
 from slurmft.units import binary_bytes, fmt_duration
 from slurmft.watch.model_results import result_lines
@@ -279,10 +278,11 @@ def write_report(run_dir: str | Path, slurm_rows: list[dict[str, Any]] | None = 
 
         return write_sweep_report(Path(run_dir))
     paths = RunPaths.of(run_dir)
-    if not paths.root.is_dir():
-        raise RunDirError(f"run directory {str(paths.root)!r} does not exist")
+    check_run_dir(paths)
     if not os.access(paths.root, os.R_OK | os.X_OK):  # nothing in it can be read: say whose it is and the fix
         raise unreadable(paths)
+    if not any(p.exists() for p in (paths.manifest, paths.config, paths.metrics)):
+        read_manifest(paths)  # nothing a run writes: not a run directory, said as every command says it
     s = summary(paths, slurm_rows)
     plot_name: str | None = None
     problem = None
