@@ -29,6 +29,7 @@ from slurmft.config_values import (
     mount_problem,
     no_control_chars,
     runtime_choice,
+    secret_in_line,
 )
 
 
@@ -124,7 +125,8 @@ class ClusterConfig(Section):
     setup: list[str] = Field(
         default_factory=list,
         description="Shell lines run before srun (module load, source venv). They are your own commands and "
-        "are written verbatim, one per line.",
+        "are written verbatim, one per line (so a line setting a secret such as HF_TOKEN to a literal value is "
+        "refused: export it in the shell that runs submit, or read it at run time).",
     )
     python: str | None = Field(
         None,
@@ -155,6 +157,11 @@ class ClusterConfig(Section):
     def _setup(cls, v: list[str]) -> list[str]:
         for line in v:
             no_control_chars(line, "a setup line")
+            if name := secret_in_line(line):
+                raise ValueError(
+                    f"{line!r} sets {name} to a secret; setup lines are written into the sbatch scripts as they are. "
+                    f"Export {name} in the shell that runs 'slurmft submit' instead (the job inherits it), or read "
+                    f"it at run time: export {name}=$(cat ~/.secrets/{name.lower()})")
         return v
 
     @field_validator("python")

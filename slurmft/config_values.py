@@ -33,6 +33,8 @@ MEM_RE = re.compile(r"^\d+[KMGT]?$")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 PATH_RE = re.compile(r"^[A-Za-z0-9._/~+@=,-]+$")  # no spaces, quotes, $, `, ;, |, &, <, >
 SECRET_KEY_RE = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|CREDENTIALS?)($|_)", re.I)
+#: ``NAME=value`` in a shell line (``export NAME=value``, ``NAME=value cmd``); the value is what follows the ``=``.
+ASSIGNMENT_RE = re.compile(r"(?:^|[\s;&|(])([A-Za-z_][A-Za-z0-9_]*)=(\S*)")
 #: The signals Slurm may send ahead of the end (preemption.signal), without SIG.
 SIGNALS = ("USR1", "USR2", "TERM", "INT", "URG")
 
@@ -132,6 +134,17 @@ def checked_env(v: dict[str, str]) -> dict[str, str]:
         if key == "GLOO_SOCKET_IFNAME" and (problem := gloo_ifname_problem(str(value))):
             raise ValueError(problem)
     return v
+
+
+def secret_in_line(line: str) -> str | None:
+    """The name of a secret a shell line sets to a literal value (``export HF_TOKEN=hf_...``), else None.
+
+    cluster.setup is written verbatim into every batch script, so such a value would sit in RUN_DIR/scripts/ for
+    anyone who can read the run. A value read at run time (``$HF_TOKEN``, ``$(cat ~/.hf_token)``) holds no secret."""
+    for name, value in ASSIGNMENT_RE.findall(line):
+        if SECRET_KEY_RE.search(name) and value.lstrip("\"'")[:1] not in ("$", ""):
+            return name
+    return None
 
 
 def slurm_time_seconds(slurm_time: str) -> int:

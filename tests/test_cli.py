@@ -64,6 +64,7 @@ CASES = [
     ("model-path-missing", "model.name_or_path", "/nonexistent/model", "model.name_or_path"),
     ("model-dir-not-a-model", "model.name_or_path", str(DATA), "model.name_or_path"),
     ("secret-in-env", "cluster.env", {"HF_TOKEN": "hf_x"}, "cluster.env"),
+    ("secret-in-setup", "cluster.setup", ["module load cuda; export HF_TOKEN=hf_x"], "cluster.setup"),
     ("env-bad-key", "cluster.env", {"BAD KEY": "x"}, "cluster.env"),
     ("epochs-and-max-steps", "train.epochs", 2, "train.epochs"),
     ("shard-size", "consolidate.max_shard_size", "huge", "consolidate.max_shard_size"),

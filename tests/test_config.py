@@ -206,3 +206,15 @@ def test_dpo_spellings_from_axolotl_llamafactory_and_trl_get_a_did_you_mean(wher
     with pytest.raises(ConfigError) as err:
         validate(data)
     assert f"did you mean {ours}?" in err.value.problems[0]
+
+
+def test_a_setup_line_may_read_a_secret_at_run_time_but_not_hold_one() -> None:
+    """cluster.setup is written verbatim into the scripts: a literal token there is refused, a token read at run time
+    (or any other variable) is the user's own command and passes."""
+    from slurmft.config_values import secret_in_line
+
+    for line in ("export HF_TOKEN=hf_abc", 'WANDB_API_KEY="k" python x.py', "module load a; export MY_PASSWORD='p'"):
+        assert secret_in_line(line), line
+    for line in ("export HF_TOKEN=$(cat ~/.hf_token)", 'export HF_TOKEN="$HF_TOKEN"', "export HF_HOME=/scratch/hf",
+                 "source /venv/bin/activate", "export PATH=/opt/bin:$PATH", "unset HF_TOKEN"):
+        assert secret_in_line(line) is None, line
