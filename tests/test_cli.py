@@ -61,6 +61,7 @@ CASES = [
     ("datasets-empty", "data.datasets", [], "data.datasets"),
     ("weight-zero", "data.datasets", [{"path": "org/x", "weight": 0}], "data.datasets[0].weight"),
     ("dataset-file-missing", "data.datasets", [{"path": "/nonexistent/data.jsonl"}], "data.datasets[0].path"),
+    ("dataset-is-a-directory", "data.datasets", [{"path": str(DATA)}], "is a directory; give one file, or a glob"),
     ("model-path-missing", "model.name_or_path", "/nonexistent/model", "model.name_or_path"),
     ("model-dir-not-a-model", "model.name_or_path", str(DATA), "model.name_or_path"),
     ("secret-in-env", "cluster.env", {"HF_TOKEN": "hf_x"}, "cluster.env"),

@@ -196,6 +196,11 @@ def check_data(cfg: RunConfig, report: Report) -> list[Sample]:
             report.skipped.append(f"data.datasets[{i}]: hub dataset {src.path!r}: its columns are checked in the job")
             continue
         files = sourcefiles.files_of(src.path)
+        if not files and Path(src.path).expanduser().is_dir():
+            d = src.path.rstrip("/")
+            report.problems.append(f"{where}: {src.path!r} is a directory; give one file, or a glob of its files "
+                                   f"(e.g. {d}/*.jsonl, or {d}/*.txt for a plain-text corpus)")
+            continue
         if not files:
             report.problems.append(
                 f"{where}: {src.path!r} matches no file (give a glob that matches your files)" if sourcefiles.is_glob(
