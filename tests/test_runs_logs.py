@@ -12,7 +12,7 @@ from runfixture import local_run, preempted_run
 
 from slurmft.cli import main
 from slurmft.errors import RunDirError
-from slurmft.watch.logs import log_attempts, rank_lines, select_lines, split_attempts
+from slurmft.watch.logs import log_attempts, log_files, rank_lines, select_lines, split_attempts
 from slurmft.watch.runs import find_runs, run_lines, run_word
 
 
@@ -115,3 +115,15 @@ def test_logs_rank_of_a_local_run_reads_that_rank_files(tmp_path: Path, capsys: 
     assert "slurmft rank 1: completed" in out and "rank 1 stderr" in out and "rank 0" not in out
     with pytest.raises(RunDirError, match="ran 2 rank"):
         select_lines(run, rank=2)
+
+
+@pytest.mark.parametrize(("kind", "why"), [("eval", "no eval: section"), ("serve", "no serve: section"),
+                                           ("consolidate", "consolidate.enabled was false"),
+                                           ("prepare", "prepare.enabled was false")])
+def test_logs_of_a_job_the_run_never_had_says_why_for_that_kind(kind: str, why: str, tmp_path: Path) -> None:
+    """Each kind's own reason, in both ways logs reads (newest job, --rank/--attempt), not 'was consolidation
+    disabled?' for every kind."""
+    run = local_run(tmp_path)
+    for read in (lambda: log_files(run, kind), lambda: log_attempts(run, kind)):
+        with pytest.raises(RunDirError, match=f"has no {kind} job .*{why}"):
+            read()

@@ -11,13 +11,28 @@ from pathlib import Path
 from slurmft.errors import RunDirError
 from slurmft.rundir import RunPaths, latest_jobs, read_manifest
 
+#: Why a run may have no job of a kind, and what makes one.
+_NO_JOB_WHY = {
+    "consolidate": "consolidate.enabled was false, or training has not finished: `slurmft consolidate RUN_DIR` submits "
+                   "one",
+    "prepare": "prepare.enabled was false, or the data was prepared before the submit",
+    "serve": "its config has no serve: section, or consolidation has not finished: `slurmft serve RUN_DIR` submits one",
+    "eval": "its config has no eval: section, or consolidation has not finished: `slurmft eval RUN_DIR` submits one",
+}
+
+
+def _no_job(paths: RunPaths, kind: str) -> RunDirError:
+    """The error for ``logs --job KIND`` on a run that never had such a job, with why that may be."""
+    why = _NO_JOB_WHY.get(kind, "it has not been submitted")
+    return RunDirError(f"run {paths.root} has no {kind} job ({why})")
+
 
 def log_files(run_dir: Path, kind: str) -> list[Path]:
     """Log files of the newest job of ``kind`` (one per rank for local runs, one for Slurm)."""
     paths = RunPaths.of(run_dir)
     job = latest_jobs(read_manifest(paths)).get(kind)
     if job is None:
-        raise RunDirError(f"run {paths.root} has no {kind} job (was consolidation disabled?)")
+        raise _no_job(paths, kind)
     files = [Path(p) for p in job.get("logs", [])] or [Path(job["log"])]
     return [f for out in files for f in (out, *_stderr_of(out))]
 
@@ -175,7 +190,7 @@ def log_attempts(run_dir: Path, kind: str = "train") -> list[LogAttempt]:
             attempt.files = [log]
             out.append(attempt)
     if not out:
-        raise RunDirError(f"run {paths.root} has no {kind} job (was consolidation disabled?)")
+        raise _no_job(paths, kind)
     return out
 
 
