@@ -264,7 +264,25 @@ def read_sweep_record(paths: SweepPaths) -> dict[str, Any]:
         raise RunDirError(f"{paths.record}: not a readable sweep record ({exc.__class__.__name__})") from None
     if not isinstance(record, dict) or record.get("version") != SWEEP_VERSION:
         raise RunDirError(f"{paths.record}: not a sweep record of this slurmft (version {SWEEP_VERSION})")
+    if problem := _sweep_record_problem(record):
+        raise RunDirError(f"{paths.record} is corrupt: {problem} (slurmft writes name, executor, select, jobs and "
+                          "points, each point with its name, dir and overrides)")
     return record
+
+
+def _sweep_record_problem(record: dict[str, Any]) -> str | None:
+    """What keeps ``record`` from being one ``submit/sweep.new_record`` wrote (None: nothing): said once here, not
+    as a KeyError in whichever command reads the sweep."""
+    for key, kind in (("name", str), ("executor", str), ("select", dict), ("jobs", list), ("points", list)):
+        if not isinstance(record.get(key), kind):
+            return f"{key!r} is missing or not a {kind.__name__}"
+    for i, point in enumerate(record["points"]):
+        if not (isinstance(point, dict) and isinstance(point.get("name"), str) and isinstance(point.get("dir"), str)
+                and isinstance(point.get("overrides"), dict)):
+            return f"points[{i}] is not a point (a mapping with name, dir and overrides)"
+    if not all(isinstance(job, dict) for job in record["jobs"]):
+        return "jobs holds something that is not a job"
+    return None
 
 
 def write_sweep_record(paths: SweepPaths, record: dict[str, Any]) -> None:

@@ -105,3 +105,16 @@ def test_a_manifest_of_the_wrong_shape_is_said_by_every_command(
     for command in ("status", "logs", "cancel", "resume", "consolidate"):
         code, _, err = cli([command, str(tmp_path)], capsys)
         assert code == 2 and "manifest.json is corrupt" in err and "Traceback" not in err, (command, err)
+
+
+@pytest.mark.parametrize("record", [{"version": 1}, {"version": 1, "name": "s", "executor": "local", "select": {},
+                                                     "jobs": [], "points": [{"name": "p"}]}])
+def test_a_sweep_record_of_the_wrong_shape_is_said_by_every_command(
+        record: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """sweep.json of this version but missing what submit wrote: 'is corrupt' and exit 2, not a KeyError."""
+    import json
+
+    (tmp_path / "sweep.json").write_text(json.dumps(record))
+    for command in ("status", "logs", "plot", "report", "cancel", "resume", "consolidate"):
+        code, _, err = cli([command, str(tmp_path)], capsys)
+        assert code == 2 and "sweep.json is corrupt" in err and "Traceback" not in err, (command, err)
