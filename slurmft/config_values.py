@@ -32,7 +32,10 @@ TIME_RE = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")  # [D-]HH[:MM[:SS]] or mi
 MEM_RE = re.compile(r"^\d+[KMGT]?$")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 PATH_RE = re.compile(r"^[A-Za-z0-9._/~+@=,-]+$")  # no spaces, quotes, $, `, ;, |, &, <, >
-SECRET_KEY_RE = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|CREDENTIALS?)($|_)", re.I)
+#: A variable that holds a secret (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY); one that names where a secret is
+#: kept (HF_TOKEN_PATH, ..._FILE, ..._DIR) holds a path and is not one.
+SECRET_KEY_RE = re.compile(
+    r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|CREDENTIALS?)($|_(?!(PATH|FILE|DIR)$))", re.I)
 #: ``NAME=value`` in a shell line (``export NAME=value``, ``NAME=value cmd``); the value is what follows the ``=``.
 ASSIGNMENT_RE = re.compile(r"(?:^|[\s;&|(])([A-Za-z_][A-Za-z0-9_]*)=(\S*)")
 #: The signals Slurm may send ahead of the end (preemption.signal), without SIG.

@@ -63,8 +63,13 @@ def test_secret_in_env_is_refused_with_the_fix() -> None:
     with pytest.raises(ConfigError) as info:
         validate(minimal(cluster={"env": {"HF_TOKEN": "hf_abc"}}))
     assert re.search(r"cluster.env: HF_TOKEN looks like a secret.*Export HF_TOKEN", info.value.render())
-    # a variable that merely contains the word is fine
+    # a variable that merely contains the word is fine, and so is one that says where a secret is kept
     assert validate(minimal(cluster={"env": {"TOKENIZERS_PARALLELISM": "false"}}))
+    assert validate(minimal(cluster={"env": {"HF_TOKEN_PATH": "/shared/.hf_token"}, "setup": [
+        "export HF_TOKEN_PATH=/shared/.hf_token"]}))
+    with pytest.raises(ConfigError) as info:  # _PATH/_FILE/_DIR at the end only
+        validate(minimal(cluster={"env": {"HF_TOKEN_SECRET": "x"}}))
+    assert "HF_TOKEN_SECRET looks like a secret" in info.value.render()
 
 
 def test_local_paths_are_resolved_against_the_config_file(tmp_path: Path) -> None:
