@@ -125,7 +125,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], base: Path | Non
                 if not isinstance(node, list):
                     raise ConfigError(f"override {text!r}: {format_loc(tuple(path[:depth]))} is not a list")
                 if part > len(node):
-                    raise ConfigError(f"override {text!r}: {where} does not exist (the list has {len(node)} items)")
+                    raise ConfigError(f"override {text!r}: {where} does not exist (the list has {len(node)} item{'' if len(node) == 1 else 's'})")
                 if part == len(node):  # one past the end appends
                     node.append({} if not last else None)
             elif not isinstance(node, dict):

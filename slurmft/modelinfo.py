@@ -124,7 +124,8 @@ def locate_model_config(name_or_path: str, revision: str | None = None) -> Path:
     if local.is_file() and local.suffix == ".json":
         return local
     if looks_like_path(name_or_path):
-        raise ConfigError(f"model.name_or_path: local path {name_or_path!r} does not exist")
+        raise ConfigError(f"model.name_or_path: local path {name_or_path!r} does not exist (give the directory of "
+                          "a saved Hugging Face model, or a hub id such as meta-llama/Llama-3.1-8B)")
     if name_or_path.count("/") == 1:
         cached = hub_snapshot(name_or_path, revision, "config.json")
         if cached:
