@@ -17,6 +17,8 @@ from slurmft.watch.progress import (
     lost_to_preemption,
     max_steps_of,
     model_info,
+    overview,
+    overview_lines,
     progress,
     rate,
     read_metrics,
@@ -271,3 +273,18 @@ def test_status_says_the_saves_from_metrics_save_lines(tmp_path: Path) -> None:
     text = "\n".join(overview_lines(ov))
     assert ("saves: 2 asynchronous (training waited 0.20 s, durable after 2.50 s, mean), 1 synchronous (training "
             "waited 0.90 s, durable after 0.90 s, mean); newest checkpoint-24 (sync, 8.0 KiB)") in text
+
+
+def test_a_run_whose_train_job_ended_early_has_no_eta(tmp_path: Path) -> None:
+    """Cancelled at step 36 of 100: status said "ETA ..." at the dead attempt's rate; only a live train job has one."""
+    paths = RunPaths.of(preempted_run(tmp_path))
+    manifest = json.loads(paths.manifest.read_text())
+    live = overview(paths, manifest, slurm_rows(state="RUNNING"), max_steps=100)
+    assert live["progress"]["eta_s"] > 0
+    assert ", ETA " in "\n".join(overview_lines(live))
+    for state in ("CANCELLED", "FAILED", "TIMEOUT"):
+        dead = overview(paths, manifest, slurm_rows(state=state), max_steps=100)
+        assert dead["progress"]["eta_s"] is None and dead["progress"]["step"] == 36
+        text = "\n".join(overview_lines(dead))
+        assert "progress: step 36/100, loss" in text and "ETA" not in text and ", done" not in text
+    assert overview(paths, manifest, slurm_rows(state="CANCELLED"), max_steps=36)["progress"]["eta_s"] == 0.0  # done

@@ -31,7 +31,7 @@ from slurmft.grpoopts import GRPO_METRICS, REWARD_METRIC
 from slurmft.lora import lora_scaling
 from slurmft.rundir import ADAPTER_CONFIG, SAVE_EVENT, RunPaths, planned_max_steps
 from slurmft.rundir import MODEL_INDEX as SAFE_INDEX_NAME  # what consolidation writes last
-from slurmft.slurm_states import State, is_live, parse, words
+from slurmft.slurm_states import State, is_live, is_unseen, parse, words
 from slurmft.trackers import read_tracker, tracker_lines
 from slurmft.units import binary_bytes, fmt_duration
 
@@ -596,12 +596,21 @@ def overview(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dict[st
     max_steps = max_steps_of(paths) if max_steps is None else max_steps
     metrics = read_metrics(paths.metrics)
     rows = attempts(manifest, metrics.records, slurm_rows, markers=requeue_markers(paths), max_steps=max_steps)
-    return {"progress": progress_of(metrics, max_steps), "checkpoint": checkpoint_info(paths), "attempts": rows,
+    prog = progress_of(metrics, max_steps)
+    if prog["eta_s"] and not training_may_go_on(slurm_rows):
+        prog["eta_s"] = None  # a cancelled or failed run goes on only when `slurmft resume` continues it
+    return {"progress": prog, "checkpoint": checkpoint_info(paths), "attempts": rows,
             "model": model_info(paths), "lost": lost_to_preemption(rows), "tracker": read_tracker(paths),
             "adapter": str(paths.adapter) if (paths.adapter / ADAPTER_CONFIG).is_file() else None,
             "merge": _merge_setting(paths),
             "lora": lora_info(paths), "saves": saves_info(metrics.saves),
             "prepared": prepare_info(paths, manifest, slurm_rows)}
+
+
+def training_may_go_on(slurm_rows: list[dict[str, Any]]) -> bool:
+    """Whether a train job of the run may still run by itself (or is one we cannot see): only then has the run an
+    ETA. A run cancelled at step 12 of 80 said "ETA 51s" at the rate of its dead attempt."""
+    return any(r["kind"] == "train" and (is_live(r["state"]) or is_unseen(r["state"])) for r in slurm_rows)
 
 
 def overview_lines(ov: dict[str, Any]) -> list[str]:
