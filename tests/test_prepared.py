@@ -143,6 +143,35 @@ def test_status_says_why_a_train_job_never_started() -> None:
     assert rows[1]["words"] == "cancelled"
 
 
+def test_status_does_not_repeat_the_next_step_for_a_job_a_later_one_replaced() -> None:
+    """Cancelled at step 12, then `slurmft resume`d: the first consolidation job (cancelled by Slurm before it started)
+    still said "`slurmft resume` continues training ..." beside the resumed run; the train row said the resume was
+    done."""
+    jobs = [{"kind": "prepare", "job_id": "11"}, {"kind": "train", "job_id": "12", "dependency": "afterok:11"},
+            {"kind": "consolidate", "job_id": "13", "dependency": "afterok:12"},
+            {"kind": "train", "job_id": "14"}, {"kind": "consolidate", "job_id": "15", "dependency": "afterok:14"}]
+    rows = [{"kind": "prepare", "job_id": "11", "state": "COMPLETED", "start": "2026-12-03T15:00:00", "words": "c"},
+            {"kind": "train", "job_id": "12", "state": "CANCELLED", "start": "2026-12-03T15:01:00", "words": "t"},
+            {"kind": "consolidate", "job_id": "13", "state": "CANCELLED", "start": "None", "words": "cancelled"}]
+    explain_dependency_failures(rows, jobs[:3], "/runs/x")
+    assert rows[2]["words"] == train_failed_words("12", "/runs/x")  # the newest: what to run next
+    rows += [{"kind": "train", "job_id": "14", "state": "RUNNING", "start": "2026-12-03T15:05:00", "words": "r"},
+             {"kind": "consolidate", "job_id": "15", "state": "PENDING", "start": "", "words": "w"}]
+    explain_dependency_failures(rows, jobs, "/runs/x")
+    assert rows[2]["words"] == ("cancelled by Slurm before it started: train job 12 did not succeed "
+                                "(DependencyNeverSatisfied); consolidate job 15 took its place")
+    # a train job that never started after a failed prepare, then resumed with a new prepare job
+    jobs = [{"kind": "prepare", "job_id": "21"}, {"kind": "train", "job_id": "22", "dependency": "afterok:21"},
+            {"kind": "prepare", "job_id": "23"}, {"kind": "train", "job_id": "24", "dependency": "afterok:23"}]
+    rows = [{"kind": "prepare", "job_id": "21", "state": "FAILED", "start": "2026-12-03T15:00:00", "words": "f"},
+            {"kind": "train", "job_id": "22", "state": "CANCELLED", "start": "None", "words": "cancelled"},
+            {"kind": "prepare", "job_id": "23", "state": "RUNNING", "start": "2026-12-03T15:05:00", "words": "r"},
+            {"kind": "train", "job_id": "24", "state": "PENDING", "start": "", "words": "w"}]
+    explain_dependency_failures(rows, jobs, "/runs/x")
+    assert rows[1]["words"].endswith("prepare job 21 did not succeed (DependencyNeverSatisfied); train job 24 took "
+                                     "its place") and "slurmft resume" not in rows[1]["words"]
+
+
 def test_status_reads_the_prepare_jobs_newest_progress_line() -> None:
     from slurmft.watch.progress import last_progress
 

@@ -198,25 +198,27 @@ TRAIN_REASON_WORDS = {
 }
 
 
+def _never_started(waited_on: str, job: str) -> str:
+    """Why a dependent job was cancelled before it started: the job it waited on (``afterok``) did not succeed."""
+    return f"cancelled by Slurm before it started: {waited_on} job {job} did not succeed (DependencyNeverSatisfied)"
+
+
 def prepare_failed_words(prepare_job: str, run_dir: str) -> str:
     """A train job Slurm cancelled before it started because its prepare job did not succeed."""
-    return (f"cancelled by Slurm before it started: prepare job {prepare_job} did not succeed "
-            f"(DependencyNeverSatisfied); see `slurmft logs {run_dir} --job prepare`, fix the data, then `slurmft "
-            f"resume {run_dir}` (it prepares again and chains the train job)")
+    return (f"{_never_started('prepare', prepare_job)}; see `slurmft logs {run_dir} --job prepare`, fix the data, "
+            f"then `slurmft resume {run_dir}` (it prepares again and chains the train job)")
 
 
 def train_failed_words(train_job: str, run_dir: str) -> str:
     """A consolidation job Slurm cancelled before it started because its train job did not succeed."""
-    return (f"cancelled by Slurm before it started: train job {train_job} did not succeed "
-            f"(DependencyNeverSatisfied); `slurmft resume {run_dir}` continues training from the newest complete "
-            "checkpoint and chains a new consolidation")
+    return (f"{_never_started('train', train_job)}; `slurmft resume {run_dir}` continues training from the newest "
+            "complete checkpoint and chains a new consolidation")
 
 
 def consolidation_failed_words(consolidate_job: str, run_dir: str) -> str:
     """A serve check or evaluation job Slurm cancelled before it started because its consolidation did not succeed."""
-    return (f"cancelled by Slurm before it started: consolidation job {consolidate_job} did not succeed "
-            f"(DependencyNeverSatisfied); `slurmft consolidate {run_dir}`, then `slurmft serve {run_dir}` / "
-            f"`slurmft eval {run_dir}`")
+    return (f"{_never_started('consolidation', consolidate_job)}; `slurmft consolidate {run_dir}`, then "
+            f"`slurmft serve {run_dir}` / `slurmft eval {run_dir}`")
 
 
 def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", newest_train: bool = False,
@@ -258,6 +260,8 @@ def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", 
 #: How a job that Slurm cancelled before it started, because the job it waited on did not succeed, is said.
 NEVER_STARTED_WORDS = {"train": prepare_failed_words, "consolidate": train_failed_words,
                        "serve": consolidation_failed_words, "eval": consolidation_failed_words}
+#: The kind of job each dependent kind waits on (``afterok``), in the words a superseded one is said with.
+WAITS_ON = {"train": "prepare", "consolidate": "train", "serve": "consolidation", "eval": "consolidation"}
 
 
 def explain_dependency_failures(rows: list[dict[str, Any]], jobs: list[dict[str, Any]], run_dir: str) -> None:
@@ -265,7 +269,7 @@ def explain_dependency_failures(rows: list[dict[str, Any]], jobs: list[dict[str,
     started whose train job failed (or was cancelled): say so (its own state says only CANCELLED). Slurm cancels
     them (--kill-on-invalid-dep=yes on every dependent job)."""
     by_id = {r["job_id"]: r for r in rows}
-    for job, row in zip(jobs, rows, strict=True):
+    for k, (job, row) in enumerate(zip(jobs, rows, strict=True)):
         dep = str(job.get("dependency") or "")
         if job["kind"] not in NEVER_STARTED_WORDS or not dep.startswith("afterok:"):
             continue
@@ -273,7 +277,10 @@ def explain_dependency_failures(rows: list[dict[str, Any]], jobs: list[dict[str,
         started = row.get("start") not in ("", "None", "Unknown", None)
         if (first and parse(row["state"]) == State.CANCELLED and not started
                 and parse(first["state"]) in RESUMABLE_ENDINGS - {State.UNKNOWN}):
-            row["words"] = NEVER_STARTED_WORDS[job["kind"]](first["job_id"], run_dir)
+            later = next((j["job_id"] for j in jobs[k + 1:] if j["kind"] == job["kind"]), None)
+            # once a later job of its kind took its place (a resume, a consolidate), the command to run is history
+            row["words"] = (f"{_never_started(WAITS_ON[job['kind']], first['job_id'])}; {job['kind']} job {later} "
+                            "took its place" if later else NEVER_STARTED_WORDS[job["kind"]](first["job_id"], run_dir))
 
 
 #: Why a pending job waits on a dependency that can never be satisfied (Slurm cancels slurmft's such jobs: every
