@@ -353,7 +353,7 @@ def status(run_dir: Path, as_json: bool) -> None:
 @RUN_DIR
 @click.option("--job", "kind", type=click.Choice(["train", "consolidate", "prepare", "serve", "eval"]), default="train",
               show_default=True)
-@click.option("-f", "--follow", is_flag=True, help="Keep printing as the log grows (Ctrl-C to stop).")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing as the log grows, until the job has ended (or Ctrl-C).")
 @click.option("-n", "--lines", type=click.IntRange(min=0), help="Lines of the end to show (default 50; a sweep's: "
               "10 per point).")
 @click.option("--rank", type=click.IntRange(min=0), help="Only this global rank's lines.")
@@ -365,7 +365,7 @@ def logs(run_dir: Path, kind: str, follow: bool, lines: int | None, rank: int | 
          point: str | None) -> None:
     """Show the log of the newest train (or consolidation, or prepare) job of a run, or of each point of a sweep."""
     from slurmft.rundir import is_sweep_dir
-    from slurmft.watch.logs import log_files, sweep_log_lines, tail
+    from slurmft.watch.logs import ended_words, log_files, sweep_log_lines, tail
     from slurmft.watch.sweep import point_dir
 
     if is_sweep_dir(run_dir) and point is None:
@@ -384,7 +384,7 @@ def logs(run_dir: Path, kind: str, follow: bool, lines: int | None, rank: int | 
         _filtered_logs(run_dir, kind, follow, lines, rank, attempt)
         return
     files = log_files(run_dir, kind)
-    tail(files, lines, follow, click.echo)
+    tail(files, lines, follow, click.echo, ended_words(run_dir, kind) if follow else None)
 
 
 def _filtered_logs(run_dir: Path, kind: str, follow: bool, lines: int, rank: int | None, attempt: int | None) -> None:

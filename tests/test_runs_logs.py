@@ -127,3 +127,41 @@ def test_logs_of_a_job_the_run_never_had_says_why_for_that_kind(kind: str, why: 
     for read in (lambda: log_files(run, kind), lambda: log_attempts(run, kind)):
         with pytest.raises(RunDirError, match=f"has no {kind} job .*{why}"):
             read()
+
+
+def test_logs_follow_ends_when_the_job_has_ended(tmp_path: Path) -> None:
+    """`logs -f` of a finished job printed its log and then waited for ever (first-run.md's smoke test ends with it);
+    now it says what became of the job and returns. While the job lives it keeps following."""
+    import json
+    import subprocess
+    import sys
+    import threading
+
+    from slurmft.watch.logs import ended_words, tail
+
+    done = local_run(tmp_path, "done", state="COMPLETED")
+    cmd = [sys.executable, "-c", "from slurmft.cli import main; main()", "logs", str(done), "-f"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "slurmft rank 0: completed at step 12" in out
+    assert out.splitlines()[-1].startswith("[slurmft logs] train job 4242 has ended: completed")
+
+    run = local_run(tmp_path, "live")
+    with subprocess.Popen(["sleep", "60"]) as job:
+        manifest = json.loads((run / "manifest.json").read_text())
+        manifest["jobs"][0].update(pid=job.pid, state=None)  # a local run still training: its process is alive
+        (run / "manifest.json").write_text(json.dumps(manifest))
+        seen: list[str] = []
+        follower = threading.Thread(target=tail, args=(log_files(run, "train"), 5, True, seen.append,
+                                                       ended_words(run, "train"), 0.2), daemon=True)
+        follower.start()
+        with open(log_files(run, "train")[0], "a") as f:
+            f.write("step 13\n")
+        for _ in range(100):
+            if "step 13" in seen:
+                break
+            follower.join(0.1)
+        assert "step 13" in seen and follower.is_alive()  # alive job: still following
+        job.kill()
+    follower.join(30)
+    assert not follower.is_alive()
+    assert seen[-1].startswith("[slurmft logs] train job 4242 has ended: ended without recording a state (killed")

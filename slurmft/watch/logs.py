@@ -85,8 +85,37 @@ def _stderr_of(out: Path) -> list[Path]:
     return [err] if out.name.endswith("_log.out") or err.exists() else []
 
 
-def tail(files: list[Path], lines: int, follow: bool, echo: Callable[[str], None]) -> None:
-    """Print the last ``lines`` lines of each file, then (with ``follow``) what is appended."""
+#: How often ``logs -f`` asks whether the followed job has ended (one squeue and one sacct call for a Slurm run).
+ENDED_POLL_S = 10.0
+
+
+def ended_words(run_dir: Path, kind: str) -> Callable[[], str | None]:
+    """For ``logs -f``: a function that says what became of the newest ``kind`` job once it has ended for good, and
+    None while it may still write to its log (queued, running, requeued, finishing), while we cannot see it, and while
+    squeue does not answer (a live job would look ended). Without it ``-f`` waited on a finished job's log for ever."""
+    from slurmft.slurm_states import is_live, is_unseen
+    from slurmft.watch.status import run_state
+
+    paths = RunPaths.of(run_dir)
+    job = latest_jobs(read_manifest(paths)).get(kind)
+    if job is None:
+        raise _no_job(paths, kind)
+    job_id = str(job["job_id"])
+
+    def check() -> str | None:
+        state = run_state(paths, adopt=False)
+        row = next((r for r in state.rows if str(r["job_id"]) == job_id), None)
+        if row is None or not state.squeue_answered or is_live(row["state"]) or is_unseen(row["state"]):
+            return None
+        return f"[slurmft logs] {kind} job {job_id} has ended: {row['words']} (the whole run: `slurmft status {paths.root}`)"
+
+    return check
+
+
+def tail(files: list[Path], lines: int, follow: bool, echo: Callable[[str], None],
+         ended: Callable[[], str | None] | None = None, poll_s: float = ENDED_POLL_S) -> None:
+    """Print the last ``lines`` lines of each file, then (with ``follow``) what is appended, until ``ended`` (asked
+    every ``poll_s`` seconds) says the job has ended: then the rest of its log and those words."""
     offsets: dict[Path, int] = {}
     for f in files:
         if not f.exists():
@@ -99,8 +128,13 @@ def tail(files: list[Path], lines: int, follow: bool, echo: Callable[[str], None
             echo(f"==> {f} <==")
         for line in data.decode(errors="replace").splitlines()[-lines:]:
             echo(line)
+    asked = time.monotonic()
+    message = ended() if follow and ended else None
     while follow:
-        time.sleep(0.5)
+        if message is None:
+            time.sleep(0.5)
+            if ended and time.monotonic() - asked >= poll_s:
+                asked, message = time.monotonic(), ended()
         for f in files:
             if not f.exists():
                 continue
@@ -112,6 +146,9 @@ def tail(files: list[Path], lines: int, follow: bool, echo: Callable[[str], None
                 offsets[f] = size
                 for line in chunk.decode(errors="replace").splitlines():
                     echo(line)
+        if message is not None:  # the log is read to its end after the job ended
+            echo(message)
+            return
 
 
 # --- one rank, one attempt -------------------------------------------------------------------------
