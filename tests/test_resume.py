@@ -503,3 +503,32 @@ def test_consolidate_refuses_a_torn_or_missing_checkpoint(tmp_path: Path, capsys
     paths.model.write_text("not a directory")
     code, _, err = cli(["consolidate", str(paths.root)], capsys)
     assert code == 2 and "is not a directory" in err
+
+
+def test_submit_into_an_ended_run_names_the_one_command_that_applies(tmp_path: Path) -> None:
+    """A second submit into a finished run said "To continue it ...: slurmft resume RUN", which then said "nothing to
+    resume"; a run stopped short of max_steps is the one `resume` continues, a trained one without a model is
+    `consolidate`'s."""
+    from runfixture import local_run, write_checkpoint
+
+    from slurmft.rundir import MODEL_INDEX
+    from slurmft.submit.dispatch import check_run_dir_free
+
+    run = local_run(tmp_path, "ended", state="CANCELLED", steps=36)
+    paths = RunPaths.of(run)
+
+    def refusal() -> str:
+        with pytest.raises(RunDirError) as err:
+            check_run_dir_free(paths)
+        return err.value.render()
+
+    assert f"a run that stopped before its first complete checkpoint: `slurmft resume {run}`" in refusal()
+    write_checkpoint(run, 20, complete=True)
+    assert f"a run that stopped at step 20 of 36: `slurmft resume {run}` continues it" in refusal()
+    write_checkpoint(run, 36, complete=True)
+    assert f"trained to step 36) without its model: `slurmft consolidate {run}`" in refusal()
+    (paths.model).mkdir()
+    (paths.model / MODEL_INDEX).write_text("{}")
+    text = refusal()
+    assert "already holds a finished run (trained to step 36 and consolidated)" in text and "resume" not in text
+    assert "another output_dir" in text

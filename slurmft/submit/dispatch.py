@@ -144,11 +144,10 @@ def check_run_dir_free(paths: RunPaths) -> None:
                 f"output_dir {paths.root} holds a run whose data `slurmft prepare` prepared (no train job yet); start "
                 f"its training with: slurmft resume {paths.root}"
             )
-        raise RunDirError(
-            f"output_dir {paths.root} already holds a finished run; refusing to overwrite it. "
-            f"To continue it from its newest complete checkpoint: slurmft resume {paths.root} ; "
-            "for a new run use another output_dir (e.g. output_dir=runs/NAME-2)."
-        )
+        from slurmft.submit.resume import ended_run_words
+
+        raise RunDirError(f"output_dir {paths.root} already holds {ended_run_words(paths)}; refusing to overwrite it. "
+                          "For a new run use another output_dir (e.g. output_dir=runs/NAME-2).")
     if paths.lock.exists():
         raise RunDirError(f"another `slurmft submit` is writing {paths.root} right now ({paths.lock} exists)")
     # prepared/ (and a staging dir a killed preparation left): `slurmft prepare run.yaml --here`

@@ -139,6 +139,27 @@ def model_ready(paths: RunPaths, final_checkpoint: Path | None, adapter_only: bo
     return index.stat().st_mtime >= (final_checkpoint / COMPLETE_MARKER).stat().st_mtime
 
 
+def ended_run_words(paths: RunPaths) -> str:
+    """What an ended run directory holds, with the one command that applies to it, for ``submit``'s refusal to
+    overwrite it: a finished run (nothing to run; ``resume`` of it does nothing), one trained but not consolidated
+    (``slurmft consolidate``), or one that stopped short of ``train.max_steps`` (``slurmft resume``)."""
+    from slurmft.watch.progress import max_steps_of
+
+    latest = latest_complete(paths.checkpoints)
+    step = step_of(latest) if latest else None
+    max_steps = max_steps_of(paths)
+    ready = model_ready(paths, latest) or model_ready(paths, latest, adapter_only=True)
+    phase = classify([], step, max_steps, ready)
+    if phase == Phase.FINISHED:
+        return f"a finished run (trained to step {step} and consolidated)"
+    if phase == Phase.TRAINED:
+        return (f"a finished run (trained to step {step}) without its model: `slurmft consolidate {paths.root}` "
+                "exports it")
+    at = f"at step {step} of {max_steps or '?'}" if step is not None else "before its first complete checkpoint"
+    return (f"a run that stopped {at}: `slurmft resume {paths.root}` continues it from its newest complete "
+            "checkpoint")
+
+
 def _shape(cfg: RunConfig) -> BatchShape:
     """The batch shape ``cfg`` trains with: its training ranks (a GRPO vLLM server's node holds none)."""
     return BatchShape(cfg.train_world_size, cfg.train.per_device_batch_size, cfg.train.gradient_accumulation_steps)
