@@ -415,8 +415,11 @@ def read_manifest(paths: RunPaths) -> dict[str, Any]:
     try:
         check_run_dir(paths)
         if not paths.manifest.is_file():
+            runs = [c.name for c in sorted(paths.root.iterdir()) if RunPaths.of(c).manifest.is_file()]
+            held = (f"; it holds run directories ({', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}): "
+                    f"`slurmft runs {paths.root}` lists them; give one (e.g. {paths.root / runs[0]})") if runs else ""
             raise RunDirError(
-                f"{paths.root} has no manifest.json: it is not a slurmft run directory (or its submit failed)"
+                f"{paths.root} has no manifest.json: it is not a slurmft run directory (or its submit failed){held}"
             )
         manifest = json.loads(paths.manifest.read_text())
     except json.JSONDecodeError as exc:

@@ -83,6 +83,13 @@ def test_watch_commands_on_what_is_no_run_directory(tmp_path: Path, capsys: pyte
     assert list((tmp_path / "empty").iterdir()) == []
     code, _, err = cli(["runs", str(tmp_path / "gone")], capsys)
     assert code == 2 and "does not exist" in err
+    # the folder the runs are in (status RUN_DIR's parent): said, with the command that lists them
+    preempted_run(tmp_path / "runs", "a")
+    preempted_run(tmp_path / "runs", "b")
+    code, _, err = cli(["status", str(tmp_path / "runs")], capsys)
+    assert code == 2 and f"it holds run directories (a, b): `slurmft runs {tmp_path / 'runs'}` lists them" in err
+    code, _, err = cli(["status", str(tmp_path / "empty")], capsys)
+    assert "holds run directories" not in err
 
 
 def test_report_numbers_match_the_metrics(tmp_path: Path) -> None:
