@@ -153,6 +153,11 @@ def test_status_does_not_repeat_the_next_step_for_a_job_a_later_one_replaced() -
     rows = [{"kind": "prepare", "job_id": "11", "state": "COMPLETED", "start": "2026-12-03T15:00:00", "words": "c"},
             {"kind": "train", "job_id": "12", "state": "CANCELLED", "start": "2026-12-03T15:01:00", "words": "t"},
             {"kind": "consolidate", "job_id": "13", "state": "CANCELLED", "start": "None", "words": "cancelled"}]
+    rows[1]["state"] = "COMPLETING"  # `slurmft cancel` a second ago: Slurm still ends the train job
+    explain_dependency_failures(rows, jobs[:3], "/runs/x")
+    assert rows[2]["words"] == ("cancelled before it started; train job 12 has not ended yet, it is finishing (Slurm "
+                                "is ending its processes); `slurmft status /runs/x` says what to run once it has")
+    rows[1]["state"] = "CANCELLED"
     explain_dependency_failures(rows, jobs[:3], "/runs/x")
     assert rows[2]["words"] == train_failed_words("12", "/runs/x")  # the newest: what to run next
     rows += [{"kind": "train", "job_id": "14", "state": "RUNNING", "start": "2026-12-03T15:05:00", "words": "r"},

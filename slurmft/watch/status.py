@@ -275,7 +275,13 @@ def explain_dependency_failures(rows: list[dict[str, Any]], jobs: list[dict[str,
             continue
         first = by_id.get(dep.removeprefix("afterok:"))
         started = row.get("start") not in ("", "None", "Unknown", None)
-        if (first and parse(row["state"]) == State.CANCELLED and not started
+        if first and parse(row["state"]) == State.CANCELLED and not started and is_live(first["state"]):
+            # `slurmft cancel`/scancel while the job it waits on still ends (COMPLETING): "redo it with `slurmft
+            # consolidate`" would export a half-trained model; what to run depends on how that job ends
+            row["words"] = (f"cancelled before it started; {WAITS_ON[job['kind']]} job {first['job_id']} has not "
+                            f"ended yet, it is {words(first['state'])}; `slurmft status {run_dir}` says what to run once "
+                            "it has")
+        elif (first and parse(row["state"]) == State.CANCELLED and not started
                 and parse(first["state"]) in RESUMABLE_ENDINGS - {State.UNKNOWN}):
             later = next((j["job_id"] for j in jobs[k + 1:] if j["kind"] == job["kind"]), None)
             # once a later job of its kind took its place (a resume, a consolidate), the command to run is history
