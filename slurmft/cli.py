@@ -28,9 +28,10 @@ def _load(config: Path, overrides: tuple[str, ...]):  # noqa: ANN202 - returns (
     cfg = load_config(config, list(overrides))
     profile = load_profile(cfg.cluster.profile)
     if "profile" not in cfg.cluster.model_fields_set:
-        _err(f"note: no cluster.profile given; assuming {profile.name!r}: {profile.gpu.type} GPUs "
-             f"({profile.gpu.memory_gb:g} GB), {profile.node_memory_gb:g} GB RAM per node (set cluster.profile to "
-             f"yours: `slurmft profiles`, or a path to your own profile .yaml)")
+        # a CPU run (the README's tiny example, the first command a newcomer runs) uses no GPU: its type is noise
+        gpus = f"{profile.gpu.type} GPUs ({profile.gpu.memory_gb:g} GB), " if cfg.resources.gpus_per_node else ""
+        _err(f"note: no cluster.profile given; assuming {profile.name!r}: {gpus}{profile.node_memory_gb:g} GB RAM "
+             f"per node (set cluster.profile to yours: `slurmft profiles`, or a path to your own profile .yaml)")
     return cfg, profile
 
 

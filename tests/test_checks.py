@@ -451,9 +451,13 @@ def test_validate_and_estimate_say_which_profile_they_assumed(tmp_path: Path, mo
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     path = write_run(tmp_path, model_dir, jsonl(tmp_path / "c.jsonl", [CHAT]), cluster=None)
     for command in ("validate", "estimate"):
-        code, _, err = cli([command, str(path)], capsys)
+        code, _, err = cli([command, str(path), "resources.gpus_per_node=8"], capsys)
         assert code == 0, err
-        assert "note: no cluster.profile given; assuming 'ethernet': A100-80GB GPUs (80 GB)" in err
+        assert "note: no cluster.profile given; assuming 'ethernet': A100-80GB GPUs (80 GB), 512 GB RAM" in err
+        # a CPU run (examples/tiny, the README's first command) is not told of GPUs it will not use
+        code, _, err = cli([command, str(path), "resources.gpus_per_node=0"], capsys)
+        assert code == 0, err
+        assert "note: no cluster.profile given; assuming 'ethernet': 512 GB RAM per node" in err and "GPU" not in err
 
 
 # ====================================================================== preference data (dpo:)
