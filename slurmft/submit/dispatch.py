@@ -144,7 +144,7 @@ def check_run_dir_free(paths: RunPaths) -> None:
                 f"output_dir {paths.root} holds a run whose data `slurmft prepare` prepared (no train job yet); start "
                 f"its training with: slurmft resume {paths.root}"
             )
-        from slurmft.submit.resume import ended_run_words
+        from slurmft.submit.phase import ended_run_words
 
         raise RunDirError(f"output_dir {paths.root} already holds {ended_run_words(paths)}; refusing to overwrite it. "
                           "For a new run use another output_dir (e.g. output_dir=runs/NAME-2).")

@@ -16,19 +16,18 @@ A resume may move the run to another allocation (``resources.nodes``, ``resource
 (:mod:`slurmft.plan.elastic`), so the data position and the schedule carry over; DCP reshards the model
 and optimizer at load.
 
-The decisions are pure functions (:func:`classify`, :func:`ended_how`, :func:`check_overrides`), the
+The decisions are pure functions (:func:`slurmft.submit.phase.classify`, :func:`ended_how`, :func:`check_overrides`), the
 effects live in :func:`resume_run`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from slurmft import prepared
-from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, read_marker, step_of
+from slurmft.checkpoints import latest_complete, read_marker, step_of
 from slurmft.config import Executor, RunConfig
 from slurmft.config_loading import apply_overrides, dump_config, parse_override, read_run_config, read_yaml
 from slurmft.errors import ConfigError, RunDirError, SubmissionError
@@ -36,8 +35,6 @@ from slurmft.job.requeue import EXIT_REQUEUE_REFUSED  # torch-free: the batch sh
 from slurmft.plan.elastic import ALLOCATION_KEYS, BATCH_KEYS, BatchShape, allocation, reshape
 from slurmft.prepared import needed as prepare_needed
 from slurmft.rundir import (
-    ADAPTER_CONFIG,
-    MODEL_INDEX,
     RunPaths,
     acquire_lock,
     atomic_write,
@@ -51,6 +48,7 @@ from slurmft.rundir import (
 )
 from slurmft.slurm import scancel
 from slurmft.slurm_states import State, parse, words
+from slurmft.submit.phase import Phase, classify, model_ready
 from slurmft.watch.status import KINDS, RunState, run_state
 
 # Keys a resume may change: where and how the job runs, how often it saves and logs, never what it computes (the
@@ -69,15 +67,6 @@ REFUSED_WHY = {
     "executor": "a run continues where it was started",
     "train.report_to": "the trackers' packages are checked in the job's Python only at submit",
 }
-
-
-class Phase(str, Enum):
-    """Where a run stands, as far as resuming goes."""
-
-    LIVE = "live"  # a train job may still run: queued, starting, running, suspended, requeued, held
-    FINISHED = "finished"  # trained to max_steps and consolidated
-    TRAINED = "trained"  # trained to max_steps, no consolidated model
-    RESUMABLE = "resumable"  # training stopped short of max_steps
 
 
 def check_overrides(overrides: list[str]) -> None:
@@ -104,16 +93,6 @@ def check_overrides(overrides: list[str]) -> None:
     raise ConfigError(f"resume cannot change {'; '.join(reasons)}", hints)
 
 
-def classify(live_train: list[str], trained_step: int | None, max_steps: int | None, model_ready: bool) -> Phase:
-    """The run's phase from its live train jobs, the newest complete checkpoint's step and the model
-    (``max_steps`` None: ``train.epochs`` not counted yet, so not finished)."""
-    if live_train:
-        return Phase.LIVE
-    if trained_step is not None and max_steps is not None and trained_step >= max_steps:
-        return Phase.FINISHED if model_ready else Phase.TRAINED
-    return Phase.RESUMABLE
-
-
 def ended_how(state: str, exit_code: str = "") -> str:
     """Why a train job ended, in words, from its Slurm state and exit code (``N:S``): the one table of
     :mod:`slurmft.slurm_states`, plus what resume knows (the exit code, who cancels, max_steps)."""
@@ -128,36 +107,6 @@ def ended_how(state: str, exit_code: str = "") -> str:
     extra = {State.CANCELLED: " (scancel)", State.PREEMPTED: " (not requeued)",
              State.COMPLETED: " before max_steps"}.get(known, "") if known else ""
     return words(state) + extra
-
-
-def model_ready(paths: RunPaths, final_checkpoint: Path | None, adapter_only: bool = False) -> bool:
-    """A consolidated model exists and is not older than the final checkpoint (``adapter_only``: a LoRA run
-    with ``consolidate.merge: false``, whose consolidation writes only ``adapter/``)."""
-    index = paths.adapter / ADAPTER_CONFIG if adapter_only else paths.model / MODEL_INDEX
-    if not index.is_file() or final_checkpoint is None:
-        return False
-    return index.stat().st_mtime >= (final_checkpoint / COMPLETE_MARKER).stat().st_mtime
-
-
-def ended_run_words(paths: RunPaths) -> str:
-    """What an ended run directory holds, with the one command that applies to it, for ``submit``'s refusal to
-    overwrite it: a finished run (nothing to run; ``resume`` of it does nothing), one trained but not consolidated
-    (``slurmft consolidate``), or one that stopped short of ``train.max_steps`` (``slurmft resume``)."""
-    from slurmft.watch.progress import max_steps_of
-
-    latest = latest_complete(paths.checkpoints)
-    step = step_of(latest) if latest else None
-    max_steps = max_steps_of(paths)
-    ready = model_ready(paths, latest) or model_ready(paths, latest, adapter_only=True)
-    phase = classify([], step, max_steps, ready)
-    if phase == Phase.FINISHED:
-        return f"a finished run (trained to step {step} and consolidated)"
-    if phase == Phase.TRAINED:
-        return (f"a finished run (trained to step {step}) without its model: `slurmft consolidate {paths.root}` "
-                "exports it")
-    at = f"at step {step} of {max_steps or '?'}" if step is not None else "before its first complete checkpoint"
-    return (f"a run that stopped {at}: `slurmft resume {paths.root}` continues it from its newest complete "
-            "checkpoint")
 
 
 def _shape(cfg: RunConfig) -> BatchShape:
