@@ -245,6 +245,35 @@ def scancel_answer(job_ids: list[str]) -> Answer:
     return call(["scancel", *job_ids])
 
 
+#: sbatch refusals a run config causes (lower-case words of Slurm's message), each with the field that fixes it.
+REFUSAL_FIXES = {
+    "invalid account": "set cluster.account to an account you may use (`sacctmgr show assoc user=$USER`)",
+    "time limit": "set cluster.time within the partition's MaxTime (`scontrol show partition`)",
+    "qos": "set cluster.qos to one your account may use (`sacctmgr show assoc user=$USER`)",
+    "node configuration is not available": "ask for what the partition's nodes have: resources.gpus_per_node, "
+                                           "resources.cpus_per_task, resources.mem, cluster.constraint (`sinfo -N -l`)",
+}
+DOCTOR_HINT = "`slurmft doctor run.yaml` checks the partition, time limit, GPUs and memory against the cluster first"
+
+
+def refusal_fixes(message: str) -> list[str]:
+    """The fix for an sbatch refusal of a slurmft job, by the field of ``run.yaml`` that caused it (sbatch says only
+    "invalid partition specified: gpu"); a partition that does not exist is answered with the ones that do."""
+    text = message.lower()
+    if "invalid partition" in text:
+        parts = call(["scontrol", "show", "partition"])
+        names = ", ".join(parse_partitions(parts.stdout)) if parts.ok else ""
+        return [f"set cluster.partition to one of: {names}" if names else
+                "set cluster.partition to a partition of this cluster (`sinfo -s`)", DOCTOR_HINT]
+    fixes = [fix for words, fix in REFUSAL_FIXES.items() if words in text]
+    return [*fixes, DOCTOR_HINT] if fixes else []
+
+
+def refused(what: str, exc: BaseException) -> SubmissionError:
+    """The error for sbatch's refusal of ``what`` (submitit's exception), with :func:`refusal_fixes`."""
+    return SubmissionError(f"sbatch refused the {what} ({str(exc).strip()})", refusal_fixes(str(exc)))
+
+
 # ------------------------------------------------------------------ scontrol
 def parse_show(text: str) -> dict[str, str]:
     """``Key=Value`` pairs of ``scontrol show job|node`` text (the first of a repeated key wins; a value

@@ -272,3 +272,19 @@ def test_a_byte_that_is_not_utf8_is_replaced_never_fatal(fake_bin: Path) -> None
     jobs = slurm.squeue_jobs()
     assert jobs["7"]["state"] == "RUNNING" and jobs["7"]["name"] == "caf\ufffd" and jobs["7"]["comment"] == "slurmft:abc"
     assert slurm.call(["squeue"]).stderr == "bad \ufffd\n"
+
+
+def test_an_sbatch_refusal_a_config_causes_names_the_field_that_fixes_it() -> None:
+    """sbatch says "Requested node configuration is not available" or "Invalid account ..."; the user's fix is a field
+    of run.yaml (sbatch refused the train job and said nothing more)."""
+    from slurmft.slurm import DOCTOR_HINT, refusal_fixes, refused
+
+    node = refusal_fixes("sbatch: error: Batch job submission failed: Requested node configuration is not available")
+    assert "resources.gpus_per_node" in node[0] and node[-1] == DOCTOR_HINT
+    assert "cluster.account" in refusal_fixes("Invalid account or account/partition combination specified")[0]
+    assert "cluster.time" in refusal_fixes("Requested time limit is invalid (missing or exceeds some limit)")[0]
+    assert "cluster.qos" in refusal_fixes("Invalid qos specification")[0]
+    assert refusal_fixes("sbatch: error: Slurm temporarily unable to accept job, sleeping and retrying") == []
+    partition = refused("prepare job", RuntimeError("sbatch: error: invalid partition specified: gpu"))
+    assert str(partition) == "sbatch refused the prepare job (sbatch: error: invalid partition specified: gpu)"
+    assert partition.problems[0].startswith("set cluster.partition to ") and partition.problems[1] == DOCTOR_HINT

@@ -307,7 +307,10 @@ def _submit_slurm(
         if first:
             cancelled = slurm.try_scancel([first])
             what = f"; cancelled prepare job {first}" if cancelled else f"; could NOT cancel prepare job {first}: run `scancel {first}`"
-        raise SubmissionError(f"sbatch refused the train job: {str(exc).strip()}{what}") from None
+            if cancelled:  # nothing of this attempt runs: a submit removes the run directory it wrote
+                result.jobs.pop("prepare", None)
+        raise SubmissionError(f"sbatch refused the train job: {str(exc).strip()}{what}",
+                              slurm.refusal_fixes(str(exc))) from None
     result.jobs["train"] = train.job_id
     attempt["train_job"] = train.job_id
     record_job(manifest, "train", train.job_id, run_attempt=attempt["attempt"], script=str(paths.script("train")),
@@ -376,7 +379,7 @@ def submit_consolidation(
         )
         cons = cex.submit(run_consolidate, str(paths.root), checkpoint, out)
     except (FailedJobError, OSError, RuntimeError) as exc:
-        raise SubmissionError(f"sbatch refused the consolidation job ({str(exc).strip()})") from None
+        raise slurm.refused("consolidation job", exc) from None
     record_job(manifest, "consolidate", cons.job_id, **_consolidation_fields(dependency, run_attempt, checkpoint, out),
                script=str(paths.script("consolidate")),
                log=str(paths.log_file("consolidate", cons.job_id)))
@@ -425,7 +428,7 @@ def submit_model_job(
                                  step_python_for(cfg, profile, kind))  # its own image's, when it has one
         job = ex.submit(function, str(paths.root), *args)
     except (FailedJobError, OSError, RuntimeError) as exc:
-        raise SubmissionError(f"sbatch refused the {MODEL_JOBS[kind]} job ({str(exc).strip()})") from None
+        raise slurm.refused(f"{MODEL_JOBS[kind]} job", exc) from None
     record_job(manifest, kind, job.job_id, **_model_job_fields(dependency, run_attempt, tasks),
                script=str(paths.script(kind)), log=str(paths.log_file(kind, job.job_id)))
     write_manifest(paths, manifest)
@@ -481,7 +484,7 @@ def submit_prepare(cfg: RunConfig, profile: Any, paths: RunPaths, manifest: dict
                                  rank_python_for(cfg, profile))
         job = ex.submit(run_prepare, str(paths.root))
     except (FailedJobError, OSError, RuntimeError) as exc:
-        raise SubmissionError(f"sbatch refused the prepare job ({str(exc).strip()})") from None
+        raise slurm.refused("prepare job", exc) from None
     record_job(manifest, "prepare", job.job_id, **_prepare_fields(run_attempt), script=str(paths.script("prepare")),
                log=str(paths.log_file("prepare", job.job_id)))
     write_manifest(paths, manifest)

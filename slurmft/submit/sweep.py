@@ -228,7 +228,7 @@ def _submit_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str, temp
                                      rank_python_for(first, profile))
             prep = str(ex.submit(run_prepare_each, _leaders(sweep, groups)).job_id)
         except (FailedJobError, OSError, RuntimeError) as exc:
-            raise SubmissionError(f"sbatch refused the prepare job ({str(exc).strip()})") from None
+            raise slurm.refused("prepare job", exc) from None
         result.jobs["prepare"] = prep
         record["jobs"].append({"kind": "prepare", "job_id": prep, "prepares": _leaders(sweep, groups),
                                "log": str(root.log_file("prepare", prep))})
