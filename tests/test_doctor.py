@@ -131,8 +131,11 @@ def test_time_and_gpus_beyond_the_partition() -> None:
 
 
 def test_a_partition_that_does_not_exist() -> None:
-    line = by_check(diagnose(facts("25.11"), run(partition="nope")))["partition"]
-    assert line.level is Level.PROBLEM and "gpu, lowprio" in line.fix
+    lines = by_check(diagnose(facts("25.11"), run(partition="nope")))
+    assert lines["partition"].level is Level.PROBLEM and "gpu, lowprio" in lines["partition"].fix
+    # nothing is said of a partition that does not exist (was: "ok  preemption: no preemption on nope ...")
+    assert not [line for line in lines.values() if "nope" in line.text and line.check != "partition"]
+    assert "preemption" not in lines
 
 
 def test_fields_this_slurm_does_not_print_are_said_so() -> None:

@@ -377,11 +377,12 @@ def check_save(facts: ClusterFacts, run: RunFacts | None, name: str | None, part
 def diagnose(facts: ClusterFacts, run: RunFacts | None) -> list[Line]:
     """Every login-side line, in the order a reader needs them: Slurm, accounting, partition, then the run."""
     name, part, part_lines = partition_fields(facts, run)
+    unknown = part is None and facts.partitions is not None  # no such partition: nothing to say of its preemption
     return [
         *check_versions(facts),
         *check_accounting(facts),
         *part_lines,
-        *check_preemption(facts, name, part),
+        *([] if unknown else check_preemption(facts, name, part)),
         *check_user_signal(facts, part),
         *check_requeue_delay(facts),
         *check_time_limit(run, name, part),
