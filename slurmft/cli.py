@@ -507,7 +507,7 @@ def consolidate(run_dir: Path, checkpoint: str | None, out: str | None, here: bo
     """Export a run's checkpoint as a Hugging Face model: rerun a failed consolidation, or export an
     intermediate checkpoint. Submits a consolidation job unless --here. A sweep's directory: every point with a
     complete checkpoint, no model and no live job, one job each."""
-    from slurmft.rundir import RunPaths, is_sweep_dir
+    from slurmft.rundir import RunPaths, is_sweep_dir, read_manifest
     from slurmft.submit import consolidation
 
     if is_sweep_dir(run_dir):
@@ -526,6 +526,8 @@ def consolidate(run_dir: Path, checkpoint: str | None, out: str | None, here: bo
         return
     job_id = consolidation.submit(paths, request, template_dir, _err)
     click.echo(f"consolidate job: {job_id}  ({request.checkpoint.name} -> {request.out})")
+    if read_manifest(paths).get("executor") != "local":  # a Slurm job (a local one has run to its end by now)
+        click.echo(f"follow with: slurmft logs {run_dir} --job consolidate -f")
 
 
 def _consolidate_sweep(root: Path, checkpoint: str | None, out: str | None, here: bool,

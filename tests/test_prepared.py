@@ -143,6 +143,19 @@ def test_status_says_why_a_train_job_never_started() -> None:
     assert rows[1]["words"] == "cancelled"
 
 
+def test_status_shows_no_reason_for_a_running_job() -> None:
+    """squeue's reason for a running job is the word None: the reason column leaves it empty (it showed "None");
+    a pending job keeps Slurm's reason and its words."""
+    from slurmft.watch.status import SlurmView, job_rows
+
+    row = {"state": "RUNNING", "reason": "None", "elapsed": "0:05", "restarts": "0", "name": "x-train", "comment": ""}
+    view = SlurmView(queued={"5": row, "6": {**row, "state": "PENDING", "reason": "Priority"}})
+    manifest = {"executor": "slurm", "jobs": [{"kind": "train", "job_id": "5"}, {"kind": "consolidate", "job_id": "6"}]}
+    running, pending = job_rows(manifest, "/runs/x", view)
+    assert (running["state"], running["reason"]) == ("RUNNING", "")
+    assert (pending["reason"], pending["words"]) == ("Priority", "waiting in the queue (priority)")
+
+
 def test_status_does_not_repeat_the_next_step_for_a_job_a_later_one_replaced() -> None:
     """Cancelled at step 12, then `slurmft resume`d: the first consolidation job (cancelled by Slurm before it started)
     still said "`slurmft resume` continues training ..." beside the resumed run; the train row said the resume was

@@ -42,7 +42,6 @@ REASON_WORDS = {
     "Resources": "waiting for free nodes",
     "JobHeldAdmin": "held by an administrator",
     "JobHeldUser": "held (scontrol release to continue)",
-    "None": "",
 }
 # Train-job endings that `slurmft resume` continues from the newest complete checkpoint.
 RESUMABLE_ENDINGS = frozenset({State.FAILED, State.CANCELLED, State.TIMEOUT, State.PREEMPTED, State.NODE_FAIL,
@@ -157,8 +156,8 @@ def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView
             unseen = ELSEWHERE_WORDS.format(host=host)
         else:
             q, a = view.queued.get(jid), view.acct.get(jid)
-            if q:  # slurmctld is current; accounting may lag by a second
-                state, reason, elapsed = q["state"], q["reason"], q["elapsed"]
+            if q:  # slurmctld is current; accounting may lag by a second. Its reason "None" (running) is no reason
+                state, reason, elapsed = q["state"], "" if q["reason"] == "None" else q["reason"], q["elapsed"]
             elif a:
                 state, reason, elapsed = a["state"], "", a["elapsed"]
             else:

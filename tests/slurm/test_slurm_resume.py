@@ -198,6 +198,7 @@ def test_budget_used_up_then_resume_then_failed_consolidation_redone(
     code, out, err = slurmft.cli(["consolidate", str(run)])
     assert code == 0, err
     job = out.split("consolidate job: ")[1].split()[0]
+    assert f"follow with: slurmft logs {run} --job consolidate -f" in out
     slurm_cluster.wait_state(job, "COMPLETED", timeout=240)
     slurmft.assert_same_model(run / "model", reference)
     assert any(j["job_id"] == job and j["kind"] == "consolidate" for j in read_manifest(RunPaths.of(run))["jobs"])
