@@ -119,7 +119,8 @@ class ServeConfig(ModelJobSection):
         "the interpreter of wherever the job runs: the image's (serve.container / cluster.container python) in a "
         "container, else cluster.python.")
     prompts: int = Field(3, ge=1, le=64, description="Prompts taken from the run's own data (the first rows, "
-                         "chat template applied as the tokenizer defines it).")
+                         "chat template applied as the tokenizer defines it; plain text: each document's first half, "
+                         "no template).")
     max_new_tokens: int = Field(16, ge=1, le=4096, description="Greedy tokens generated per prompt.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="The dtype vLLM and transformers load the model in; auto = the model's own "

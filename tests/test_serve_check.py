@@ -99,6 +99,25 @@ def test_a_grpo_runs_prompts_are_its_prompt_strings_as_user_turns(tiny_model: Pa
     assert len(texts) == 2 and texts[0] == want and first["answer"] not in texts[0]
 
 
+def test_a_text_runs_prompts_are_its_documents_beginnings_without_a_chat_template(tiny_model: Path) -> None:
+    """A plain-text run (continued pretraining) has no user turns: the serve check asks the model to continue each
+    document's first half, tokenized as training tokenized it (was: 'no prompt in data.datasets[0]', after the whole
+    run had trained)."""
+    from transformers import AutoTokenizer
+
+    from slurmft.job.serve_check import DOCUMENT_PROMPT_TOKENS, take_prompts
+
+    cfg = load_config(REPO / "examples" / "tiny" / "text.yaml", [f"model.name_or_path={tiny_model}"])
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    texts, ids = take_prompts(cfg, tok, 3)
+    corpus = REPO / "examples" / "tiny" / "data" / "corpus"
+    first = next(block for block in sorted(corpus.glob("*.txt"))[0].read_text().split("\n\n") if block.strip())
+    whole = tok(first)["input_ids"]
+    assert len(texts) == len(ids) == 3 and len(whole) > 2
+    assert ids[0] == whole[:min(len(whole) // 2, DOCUMENT_PROMPT_TOKENS)]  # a prefix of the training tokens
+    assert texts[0] == tok.decode(ids[0]) and "<|im_start|>" not in texts[0] and texts[0] != texts[1]
+
+
 def test_served_example_trains_what_run_yaml_trains() -> None:
     """serve-eval.yaml is run.yaml's fine-tune plus the two jobs after it: the shared local run (tests/conftest.py)
     stands for both, and test_resume_local compares run.yaml's resumed run with it."""

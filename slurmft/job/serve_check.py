@@ -3,8 +3,8 @@
 The job after consolidation (``serve`` section) proves what a deployer needs before the allocation is gone:
 
 1. the prompts: the first rows of the run's own data, up to the first assistant turn, with the chat template
-   applied as the tokenizer defines it (``add_generation_prompt``), tokenized once here so both engines see the
-   same ids;
+   applied as the tokenizer defines it (``add_generation_prompt``) -- a plain-text run's documents by their first
+   half instead, with no template -- tokenized once here so both engines see the same ids;
 2. transformers (the training stack) loads ``model/`` and reports missing, unexpected or mismatched weights, then
    gives each prompt's first-token log-probabilities and its greedy continuation (stopping where the generation
    config says);
@@ -45,6 +45,8 @@ log = logging.getLogger("slurmft.serve")
 FP32_LOGPROB_TOLERANCE = 1e-3
 #: The top-K log-probabilities vLLM returns for the first generated token.
 TOP_K = 5
+#: A plain-text document's prompt: its first half, at most this many tokens (the rest is what the model continues).
+DOCUMENT_PROMPT_TOKENS = 32
 SCRIPT = Path(__file__).with_name("serve_vllm.py")
 
 
@@ -63,13 +65,25 @@ def _prompt_turns(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     return out
 
 
+def _document_start(document: str, tokenizer: Any) -> list[int]:
+    """A plain-text document's first half (at most :data:`DOCUMENT_PROMPT_TOKENS` tokens), tokenized as the run
+    trained on it (TRL tokenizes a plain-text row with the tokenizer's special tokens; no chat template)."""
+    ids = tokenizer(document)["input_ids"]
+    return ids[:max(1, min(len(ids) // 2, DOCUMENT_PROMPT_TOKENS))]
+
+
 def take_prompts(cfg: RunConfig, tokenizer: Any, n: int) -> tuple[list[str], list[list[int]]]:
-    """The first ``n`` usable rows of the run's first data source as chat prompts: (texts, token ids)."""
+    """The first ``n`` usable rows of the run's first data source as prompts: (texts, token ids). Chat rows up to
+    their first reply, with the chat template; plain-text documents (continued pretraining: the model never saw a
+    chat template) by their beginning, which the model continues."""
     from slurmft.config import Method
-    from slurmft.job.data import load_source
+    from slurmft.job.data import TEXT, load_source
 
     with_prompt = cfg.method in (Method.DPO, Method.GRPO)  # a prompt column (a GRPO prompt may be a string)
     ds = load_source(cfg.data.datasets[0], 0, None, cfg.method.value)
+    if not with_prompt and TEXT in ds.column_names:
+        starts = [_document_start(doc, tokenizer) for doc in ds.select(range(min(len(ds), n)))[TEXT]]
+        return [tokenizer.decode(ids) for ids in starts], starts
     texts: list[str] = []
     for row in ds.select(range(min(len(ds), 4 * n))):
         prompt = row["prompt"] if with_prompt else None
