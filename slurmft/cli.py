@@ -598,15 +598,14 @@ def prepare(target: Path, overrides: tuple[str, ...], here: bool, template_dir: 
                       `slurmft status`, then train with `slurmft resume RUN_DIR`
     RUN.yaml --here   prepare a run not submitted yet into its output_dir; `slurmft submit` reuses it
     """
-    from slurmft.errors import RunDirError
     from slurmft.prepared import summary_line
+    from slurmft.rundir import no_manifest
     from slurmft.submit import prepare as prep
 
     paths = prep.run_dir_of(target)
     if paths is None:
         if target.is_dir():
-            raise RunDirError(f"{target} has no manifest.json: it is not a slurmft run directory (give RUN.yaml, "
-                              "or a run directory)")
+            raise no_manifest(target, "give RUN.yaml, or a run directory")
         if not here:
             from slurmft.submit.dispatch import check_prepares, submit_run
 

@@ -415,12 +415,7 @@ def read_manifest(paths: RunPaths) -> dict[str, Any]:
     try:
         check_run_dir(paths)
         if not paths.manifest.is_file():
-            runs = [c.name for c in sorted(paths.root.iterdir()) if RunPaths.of(c).manifest.is_file()]
-            held = (f"; it holds run directories ({', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}): "
-                    f"`slurmft runs {paths.root}` lists them; give one (e.g. {paths.root / runs[0]})") if runs else ""
-            raise RunDirError(
-                f"{paths.root} has no manifest.json: it is not a slurmft run directory (or its submit failed){held}"
-            )
+            raise no_manifest(paths.root, "or its submit failed")
         manifest = json.loads(paths.manifest.read_text())
     except json.JSONDecodeError as exc:
         raise RunDirError(f"{paths.manifest} is corrupt: {exc}") from None
@@ -451,6 +446,26 @@ def _manifest_problem(manifest: Any) -> str | None:
                 and isinstance(job.get("job_id"), (str, int))):
             return f"jobs[{i}] is not a job (a mapping with kind and job_id)"
     return None
+
+
+def no_manifest(root: Path, aside: str) -> RunDirError:
+    """Why ``root``, a directory without ``manifest.json``, is no run directory (``aside``: what else the user may
+    mean). A sweep's directory is said to be one, with its points' directories, which the command takes."""
+    if is_sweep_dir(root):
+        try:
+            names = [str(p["name"]) for p in read_sweep_record(SweepPaths(root)).get("points", [])]
+        except (RunDirError, KeyError, TypeError):
+            names = []
+        points = f" ({', '.join(names)})" if names else ""
+        return RunDirError(f"{root} is a sweep directory (sweep.json), not a run directory: this command takes one "
+                           f"point's directory, {root}/POINT{points}")
+    try:
+        runs = [c.name for c in sorted(root.iterdir()) if RunPaths.of(c).manifest.is_file()]
+    except OSError:  # a directory we may not list: no runs to name
+        runs = []
+    held = (f"; it holds run directories ({', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}): "
+            f"`slurmft runs {root}` lists them; give one (e.g. {root / runs[0]})") if runs else ""
+    return RunDirError(f"{root} has no manifest.json: it is not a slurmft run directory ({aside}){held}")
 
 
 def unreadable(paths: RunPaths) -> RunDirError:

@@ -231,6 +231,12 @@ def test_local_sweep_runs_the_points_one_after_another(tmp_path: Path, micro_mod
     assert code == 2 and "has no such point; did you mean learning_rate-0.003?" in err, err
     code, _, err = cli(["logs", str(root), "-f"], capsys)
     assert code == 2 and "add --point NAME" in err
+    # the commands that take one run only say the sweep's directory is one, and name its points (was: "has no
+    # manifest.json: it is not a slurmft run directory")
+    for command in (["serve"], ["eval"], ["prepare"]):
+        code, _, err = cli([*command, str(root)], capsys)
+        assert code == 2 and f"{root} is a sweep directory (sweep.json), not a run directory" in err, err
+        assert f"{root}/POINT ({first.name}, {second.name})" in err, err
     # consolidate SWEEP_DIR: the points with their model are left alone; one whose model is gone is consolidated
     # again (here: a local sweep), from its newest complete checkpoint, into the same model
     code, out, err = cli(["consolidate", str(root)], capsys)
