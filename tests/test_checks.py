@@ -375,6 +375,9 @@ def test_epochs_instead_of_max_steps(tmp_path: Path, model_dir: Path, capsys: py
         in out
     assert "optimizer steps per epoch" in out and "train.epochs 2 -> ~" in out
     assert load_config(path, ["train.max_steps=10"]).train.epochs is None  # the command line's smoke test wins
+    code, out, err = cli(["validate", str(path), "data.packing=false"], capsys)  # was: "(up to of 256 tokens)"
+    assert code == 0, err
+    assert "accumulation = 2 sequences (up to 256 tokens each) = 512 tokens at most per optimizer step" in out
     both = write_run(tmp_path, model_dir, tmp_path / "c.jsonl", train={"max_steps": 10, "epochs": 2})
     code, _, err = cli(["validate", str(both)], capsys)
     assert code == 2 and "train.epochs (2.0) and train.max_steps (10) are both set" in err

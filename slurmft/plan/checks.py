@@ -568,11 +568,11 @@ def batch_notes(cfg: RunConfig, samples: list[Sample], template: Template | None
     t, ws = cfg.train, cfg.train_world_size  # ws: a GRPO server's node does not train
     per_step = ws * t.per_device_batch_size * t.gradient_accumulation_steps
     packed = cfg.packed
-    unit = "packed sequences" if packed else "sequences (up to"
+    unit = (f"packed sequences of {cfg.data.max_seq_length} tokens" if packed
+            else f"sequences (up to {cfg.data.max_seq_length} tokens each)")
     tokens = f"{per_step * cfg.data.max_seq_length:,} tokens" + ("" if packed else " at most")
     lines = [f"batch: {ws} rank(s) x {t.per_device_batch_size} x {t.gradient_accumulation_steps} "
-             f"accumulation = {per_step} {unit} of {cfg.data.max_seq_length} tokens{')' if not packed else ''}"
-             f" = {tokens} per optimizer step"]
+             f"accumulation = {per_step} {unit} = {tokens} per optimizer step"]
     if cfg.dpo is not None:
         lines = [f"batch: {ws} rank(s) x {t.per_device_batch_size} x {t.gradient_accumulation_steps} "
                  f"accumulation = {per_step} preference pairs per optimizer step, each a chosen and a rejected "
