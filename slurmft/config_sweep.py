@@ -18,22 +18,23 @@ class SweepSelect(Section):
     """How the points are ranked."""
 
     metric: str | None = Field(
-        None, description="What ranks the points: loss = the final training loss (the last logged step's); eval = "
+        None, description="What ranks the points: loss = the final training loss (the last logged step's); reward = "
+        "a grpo run's mean reward at its last rollouts (GRPO's loss says nothing of how good the policy is); eval = "
         "the evaluation's headline score (the first task's acc_norm, acc or exact_match, as `slurmft runs` shows "
         "it); eval/TASK/METRIC = one score of the evaluation, named as lm-eval writes it and as W&B gets it "
         "(eval/hellaswag/acc_norm; a filter after a comma: eval/gsm8k/exact_match,strict-match). Default: eval when "
-        "the file has an eval section, else loss.")
+        "the file has an eval section, else reward for grpo, else loss.")
     mode: Literal["min", "max"] | None = Field(
         None, description="min: the lowest value is the best point; max: the highest. Default: min for loss, max "
-        "for an evaluation score (say min for a perplexity).")
+        "for a reward or an evaluation score (say min for a perplexity).")
 
     @field_validator("metric")
     @classmethod
     def _metric(cls, v: str | None) -> str | None:
-        if v is None or v in ("loss", "eval") or re.fullmatch(r"eval/[^/\s]+/[^/\s]+", v):
+        if v is None or v in ("loss", "reward", "eval") or re.fullmatch(r"eval/[^/\s]+/[^/\s]+", v):
             return v
-        raise ValueError(f"{v!r} is not a metric: give loss, eval (the evaluation's headline score) or "
-                         "eval/TASK/METRIC (e.g. eval/hellaswag/acc_norm)")
+        raise ValueError(f"{v!r} is not a metric: give loss, eval (the evaluation's headline score), "
+                         "eval/TASK/METRIC (e.g. eval/hellaswag/acc_norm) or reward (a grpo run's mean reward)")
 
 
 class SweepConfig(Section):

@@ -212,11 +212,12 @@ def _section_problems(points: list[Point], configs: list[RunConfig]) -> list[str
 
 # ------------------------------------------------------------------ the ranking
 def select_of(cfg: RunConfig) -> dict[str, str]:
-    """``sweep.select`` with its defaults said: the metric (eval when the file has an eval section, else loss) and
-    the mode (min for loss, max for an evaluation score). sweep.json records this; status ranks by it."""
+    """``sweep.select`` with its defaults said: the metric (eval when the file has an eval section, else reward for a
+    grpo run, whose loss does not measure the policy, else loss) and the mode (min for loss, max for a reward or an
+    evaluation score). sweep.json records this; status ranks by it."""
     assert cfg.sweep is not None
     chosen = cfg.sweep.select
-    metric = chosen.metric or ("eval" if cfg.eval is not None else "loss")
+    metric = chosen.metric or ("eval" if cfg.eval is not None else "reward" if cfg.grpo is not None else "loss")
     return {"metric": metric, "mode": chosen.mode or ("min" if metric == "loss" else "max")}
 
 
@@ -232,7 +233,12 @@ def select_problems(metric: str, configs: list[RunConfig]) -> list[str]:
         return []
     problems: list[str] = []
     for cfg in configs:
-        if cfg.eval is None:
+        if metric == "reward":
+            if cfg.grpo is not None:
+                continue
+            line = ("sweep.select.metric: reward is a grpo run's mean reward, but this run has no grpo section; rank "
+                    "by metric: loss (or an eval section's score)")
+        elif cfg.eval is None:
             line = (f"sweep.select.metric: {metric} is an evaluation score, but there is no eval section; add one "
                     "(eval.tasks) or rank by metric: loss")
         elif metric == "eval":

@@ -14,6 +14,7 @@ import yaml
 from cli_runner import cli
 
 from slurmft.config_loading import load_config
+from slurmft.errors import ConfigError
 from slurmft.profiles import load_profile
 from slurmft.sweep import FIXED, Sweep, load_sweep, point_name, points_of
 
@@ -296,3 +297,38 @@ def test_a_sweeps_shared_prepare_job_stays_one_job_with_prepare_tasks(tmp_path: 
     assert sweep is not None and sweep.configs[0].prepare.tasks == 4
     scripts = render_sweep_arrays(sweep, load_profile("local-test"), "run.yaml", None)
     assert "#SBATCH --array" not in scripts["prepare"] and "prepare-%j.out" in scripts["prepare"]
+
+
+def test_a_grpo_sweep_is_ranked_by_its_reward_not_its_loss(tmp_path: Path) -> None:
+    """GRPO's loss says nothing of how good the policy is (advantage-weighted, near 0 whatever the rewards): a grpo
+    sweep without an eval section ranks its points by the mean reward of their last rollouts, highest first (was:
+    by the final loss, lowest first, so `best` named a point by chance); reward is refused for a run without grpo."""
+    from slurmft.sweep import select_of, select_problems
+    from slurmft.watch.sweep import rank, score
+
+    grpo = {"num_generations": 2, "rewards": [{"function": "exact_match"}]}
+    sweep = load_sweep(write(tmp_path, grpo=grpo, data={"datasets": [{"path": "data/prompts.jsonl"}],
+                                                        "max_seq_length": 64}))
+    assert sweep is not None and select_of(sweep.cfg) == {"metric": "reward", "mode": "max"}
+    assert select_problems("reward", sweep.configs) == []
+    with pytest.raises(ConfigError) as refused:
+        load_sweep(write(tmp_path, {"grid": {"train.learning_rate": [1e-5, 3e-5]}, "select": {"metric": "reward"}}))
+    assert refused.value.problems == [
+        "sweep.select.metric: reward is a grpo run's mean reward, but this run has no grpo section; rank by metric: "
+        "loss (or an eval section's score)"]
+
+    def point(name: str, losses: list[float], rewards: dict[int, float]) -> dict:
+        """A point's metrics.jsonl as the job keeps TRL's GRPO metrics: the reward only on the steps that generated."""
+        run = tmp_path / name
+        run.mkdir()
+        records = [{"step": s, "loss": loss, **({"reward": rewards[s]} if s in rewards else {})}
+                   for s, loss in enumerate(losses, start=1)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        row = {"name": name, "step": len(losses), "max_steps": 4, "loss": losses[-1], "rank": None}
+        return {**row, "score": score(row, "reward", run)}
+
+    rows = [point("a", [0.0, -0.4, 0.0, -0.5], {1: 0.1, 3: 0.2}), point("b", [0.0, 0.3, 0.0, 0.4], {1: 0.1, 3: 0.9}),
+            point("c", [0.0, 0.1], {1: 0.95})]
+    assert [r["score"] for r in rows] == [0.2, 0.9, None]  # c is still training: no score yet
+    rank(rows, "max")
+    assert [r["rank"] for r in rows] == [2, 1, None]  # b: the higher reward, though a's final loss is the lowest

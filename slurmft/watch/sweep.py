@@ -4,9 +4,9 @@ ranked by ``sweep.select``, and ``SWEEP_DIR/best``, a link to the best point's m
 Each point is a run directory, so a row is what ``slurmft runs`` says of it (:func:`slurmft.watch.runs.run_lines`:
 one squeue call for all points, sacct for those squeue forgot). A point's score is what ``sweep.select.metric``
 names (sweep.json records it with its defaults said, :func:`slurmft.sweep.select_of`): its final training loss, the
-loss of the last logged step once the point has trained every step of its plan, or a score of its evaluation
-(RUN_DIR/eval/summary.json). A point without one yet (still training, not evaluated yet, died) is not ranked; ties
-keep the points' order. The link is refreshed by every ``status`` of the sweep and by each point's consolidation
+loss of the last logged step once the point has trained every step of its plan (a grpo point: the mean reward of its
+last rollouts then), or a score of its evaluation (RUN_DIR/eval/summary.json). A point without one yet (still
+training, not evaluated yet, died) is not ranked; ties keep the points' order. The link is refreshed by every ``status`` of the sweep and by each point's consolidation
 and evaluation job when it ends, so it names the best of the points whose models exist.
 """
 
@@ -19,21 +19,27 @@ from typing import Any
 
 from slurmft.eval_results import named_score, read_summary
 from slurmft.rundir import RunPaths, SweepPaths, read_sweep_record
-from slurmft.watch.progress import model_info
+from slurmft.watch.progress import model_info, read_metrics, rollouts_of
 from slurmft.watch.runs import run_lines
 
 Query = Callable[[list[str]], dict[str, dict[str, str]]]
 
 
 def score(row: dict[str, Any], metric: str, run_dir: str | os.PathLike[str] | None = None) -> float | None:
-    """The point's value of ``metric``, None until it has one: ``loss``, the final training loss (once it trained
-    every step of its plan); ``eval`` or ``eval/TASK/METRIC``, its fine-tuned model's score in
+    """The point's value of ``metric``, None until it has one: ``loss``, the final training loss, and ``reward``, a
+    grpo run's mean reward at its last rollouts (:func:`slurmft.watch.progress.rollouts_of`), once it trained every
+    step of its plan; ``eval`` or ``eval/TASK/METRIC``, its fine-tuned model's score in
     ``run_dir/eval/summary.json`` (slurmft.eval_results.named_score), once its evaluation wrote it."""
-    if metric != "loss":
+    if metric not in ("loss", "reward"):
         summary = read_summary(run_dir) if run_dir is not None else None
         return named_score(summary, metric) if summary else None
     done = row["step"] is not None and row["max_steps"] is not None and row["step"] >= row["max_steps"]
-    return float(row["loss"]) if done and isinstance(row["loss"], int | float) else None
+    if not done:
+        return None
+    if metric == "reward":
+        rollouts = rollouts_of(read_metrics(RunPaths.of(run_dir).metrics).records) if run_dir is not None else None
+        return float(rollouts["reward"]) if rollouts else None
+    return float(row["loss"]) if isinstance(row["loss"], int | float) else None
 
 
 def sweep_rows(root: Path, query: Query | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -156,7 +162,6 @@ def plot_sweep(root: Path, out: str | Path | None = None) -> Path:
     legend entry each (its name); a point without a step yet is left out. Returns the path written."""
     from slurmft.errors import SlurmftError
     from slurmft.watch.plot import DPI, SIZE_INCHES, series, smooth
-    from slurmft.watch.progress import read_metrics
 
     curves = []
     record = read_sweep_record(SweepPaths(root))
