@@ -230,3 +230,26 @@ def test_a_dpo_runs_own_metrics_are_in_status_plot_and_report(tmp_path: Path) ->
     assert "| DPO, final step | reward margin 0.3600, accuracy 1.00 (rewards: chosen 0.1800, rejected -0.1800) |" in text
     sft = write_report(preempted_run(tmp_path, "sft"), slurm_rows=slurm_rows()).read_text()
     assert "DPO" not in sft
+
+
+@pytest.mark.parametrize(("section", "objective", "packing"), [
+    ({"grpo": {"num_generations": 2, "beta": 0.04, "rewards": [{"function": "exact_match"}]}},
+     "GRPO (2 completions per prompt, beta 0.04)", False),
+    ({"dpo": {"beta": 0.2, "loss_type": ["sigmoid"], "reference": "auto"}},
+     "DPO (beta 0.2, loss sigmoid, reference auto)", False),
+    ({"data": {"datasets": [{"path": "/data/corpus/*.txt"}], "max_seq_length": 256, "packing": True}},
+     "continued pretraining on plain text (every token in the loss)", True),
+    ({}, "supervised fine-tuning", True),
+], ids=["grpo", "dpo", "text", "sft"])
+def test_the_report_names_what_the_run_optimised_and_packs_only_what_is_packed(tmp_path: Path, section: dict,
+                                                                                objective: str, packing: bool) -> None:
+    """The config table of a DPO or GRPO run did not say DPO or GRPO, and said 'packing True' (the config's
+    data.packing, which DPO and GRPO ignore): it names the objective and the packing the job used."""
+    import yaml
+
+    run = preempted_run(tmp_path)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    (run / "config.yaml").write_text(yaml.safe_dump({**config, **section}))
+    text = write_report(run, slurm_rows=slurm_rows()).read_text()
+    assert f"| objective | {objective} |\n| method | full fine-tuning (every weight trains) |" in text, text
+    assert f"max_seq_length 256, packing {packing} |" in text, text

@@ -55,6 +55,26 @@ def _config(paths: RunPaths) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def _objective(cfg: dict[str, Any]) -> tuple[str, bool | None]:
+    """What the run optimises, in words, and whether its data is packed, from the raw config mapping (the watching
+    commands never build the schema: tests/test_lazy_imports.py). The rules are ``RunConfig.method`` (a dpo: or grpo:
+    section selects it), ``packed`` (DPO and GRPO never pack, whatever data.packing says) and ``chat_data``."""
+    from slurmft.sourcefiles import is_text
+
+    dpo, grpo = cfg.get("dpo"), cfg.get("grpo")
+    packing = _get(cfg, "data.packing", None)
+    if isinstance(dpo, dict):  # config.yaml is the resolved config: every key is there
+        loss = dpo.get("loss_type", "-")
+        return (f"DPO (beta {dpo.get('beta', '-')}, loss {', '.join(loss) if isinstance(loss, list) else loss}, "
+                f"reference {dpo.get('reference', '-')})", False)
+    if isinstance(grpo, dict):
+        return f"GRPO ({grpo.get('num_generations', '-')} completions per prompt, beta {grpo.get('beta', '-')})", False
+    sources = [d for d in _get(cfg, "data.datasets", []) if isinstance(d, dict) and isinstance(d.get("path"), str)]
+    if sources and all(is_text(d["path"], str(d.get("format", "auto"))) for d in sources):
+        return "continued pretraining on plain text (every token in the loss)", packing
+    return "supervised fine-tuning", packing
+
+
 def _get(d: dict[str, Any], dotted: str, default: Any = "-") -> Any:
     for part in dotted.split("."):
         if not isinstance(d, dict) or part not in d:
@@ -150,6 +170,7 @@ def _nodes_by_attempt(paths: RunPaths) -> dict[tuple[str, int], str]:
 def render(s: dict[str, Any], plot_name: str | None) -> str:
     """The Markdown text of the report."""
     cfg = s["config"]
+    objective, packed = _objective(cfg)
     res = cfg.get("resources", {}) if isinstance(cfg.get("resources"), dict) else {}
     nodes, gpus = res.get("nodes", "-"), res.get("gpus_per_node", "-")
     ranks = res.get("tasks_per_node") or gpus or "-"
@@ -162,9 +183,10 @@ def render(s: dict[str, Any], plot_name: str | None) -> str:
         L += [f"> manifest: {s['manifest_problem']}", ""]
     L += ["## Config", "", "| field | value |", "|---|---|",
           f"| model | `{_get(cfg, 'model.name_or_path')}` ({_get(cfg, 'model.dtype')}) |",
+          f"| objective | {objective} |",
           f"| method | {lora_words(s.get('lora'))} |",
           f"| data | {datasets}; max_seq_length {_get(cfg, 'data.max_seq_length')}, "
-          f"packing {_get(cfg, 'data.packing')} |",
+          f"packing {_dash(packed)} |",
           f"| steps | {_get(cfg, 'train.max_steps')} × per-device batch {_get(cfg, 'train.per_device_batch_size')} "
           f"× gradient accumulation {_get(cfg, 'train.gradient_accumulation_steps')} |",
           f"| optimizer | lr {_get(cfg, 'train.learning_rate')}, {_get(cfg, 'train.lr_scheduler')} schedule, "
