@@ -277,6 +277,26 @@ def model_info(paths: RunPaths) -> str | None:
     return str(paths.model) if (paths.model / SAFE_INDEX_NAME).is_file() else None
 
 
+def adapter_info(paths: RunPaths) -> str | None:
+    """Path of a LoRA run's consolidated adapter once it is written (its config), else None."""
+    return str(paths.adapter) if (paths.adapter / ADAPTER_CONFIG).is_file() else None
+
+
+def result_lines(paths: RunPaths) -> list[str]:
+    """:func:`model_lines` of the run directory as it is now (what a local submit or resume prints at its end)."""
+    return model_lines(adapter_info(paths), model_info(paths), _merge_setting(paths))
+
+
+def model_lines(adapter: str | None, model: str | None, merge: bool | None) -> list[str]:
+    """Where the run's result is: its adapter (a LoRA run) and its model, or why there is no model (``merge``:
+    consolidate.merge; false writes the adapter alone)."""
+    lines = [f"adapter: {adapter}"] if adapter else []
+    if model:
+        return [*lines, f"model: {model}"]
+    return [*lines, "model: not written (consolidate.merge is false: the adapter is the result)"
+            if adapter and merge is False else "model: not consolidated yet"]
+
+
 def _json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -601,7 +621,7 @@ def overview(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dict[st
         prog["eta_s"] = None  # a cancelled or failed run goes on only when `slurmft resume` continues it
     return {"progress": prog, "checkpoint": checkpoint_info(paths), "attempts": rows,
             "model": model_info(paths), "lost": lost_to_preemption(rows), "tracker": read_tracker(paths),
-            "adapter": str(paths.adapter) if (paths.adapter / ADAPTER_CONFIG).is_file() else None,
+            "adapter": adapter_info(paths),
             "merge": _merge_setting(paths),
             "lora": lora_info(paths), "saves": saves_info(metrics.saves),
             "prepared": prepare_info(paths, manifest, slurm_rows)}
@@ -655,11 +675,4 @@ def overview_lines(ov: dict[str, Any]) -> list[str]:
     if lost.get("boundaries"):
         lines.append(f"lost to restarts: {lost['recomputed_steps']} step(s) again, "
                      f"{fmt_duration(lost['gap_s'])} between attempts")
-    if ov.get("adapter"):
-        lines.append(f"adapter: {ov['adapter']}")
-    if ov["model"]:
-        lines.append(f"model: {ov['model']}")
-    else:
-        lines.append("model: not written (consolidate.merge is false: the adapter is the result)"
-                     if ov.get("adapter") and ov.get("merge") is False else "model: not consolidated yet")
-    return lines + tracker_lines(ov.get("tracker"))
+    return lines + model_lines(ov.get("adapter"), ov["model"], ov.get("merge")) + tracker_lines(ov.get("tracker"))

@@ -221,7 +221,9 @@ def test_merge_streams_the_base_model_one_tensor_at_a_time(consolidated: dict[st
     assert "W + 4 * B @ A for 29 weights, 1 replaced by trained modules_to_save copies" in log  # rsLoRA: 8 / sqrt(4)
 
 
-def test_merge_false_writes_the_adapter_only(lora_run: Path, consolidated: dict[str, Any], tmp_path: Path) -> None:
+def test_merge_false_writes_the_adapter_only(lora_run: Path, consolidated: dict[str, Any], tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from slurmft.cli import _echo_jobs
     from slurmft.job.consolidate.job import consolidate_run
     from slurmft.rundir import RunPaths
     from slurmft.submit.resume import model_ready
@@ -245,6 +247,15 @@ def test_merge_false_writes_the_adapter_only(lora_run: Path, consolidated: dict[
     assert "no merged model" in log.getvalue() and str(paths.model) + " (" not in log.getvalue()
     assert _safetensors(paths.adapter).keys() == _safetensors(lora_run / "adapter").keys()
     assert model_info(paths) is None  # status and the report do not claim a model
+    capsys.readouterr()
+    _echo_jobs(run, "local", {"train": "1", "consolidate": "2"})  # the end of a local submit or resume
+    assert capsys.readouterr().out.splitlines()[-2:] == [  # was: "model: RUN/model  (... loads it)", no adapter
+        f"adapter: {paths.adapter}  (PeftModel.from_pretrained(base, adapter) loads it)",
+        "model: not written (consolidate.merge is false: the adapter is the result)"]
+    _echo_jobs(lora_run, "local", {"consolidate": "2"})  # merged: both, each with how to load it
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        f"adapter: {lora_run / 'adapter'}  (PeftModel.from_pretrained(base, adapter) loads it)",
+        f"model: {lora_run / 'model'}  (AutoModelForCausalLM.from_pretrained loads it)"]
     final = paths.checkpoints / "checkpoint-4"
     assert model_ready(paths, final, adapter_only=True) and not model_ready(paths, final)  # resume: finished
 
