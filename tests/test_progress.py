@@ -234,7 +234,7 @@ def test_a_lora_run_without_merge_names_its_adapter_as_the_result(tmp_path: Path
     import yaml
 
     from slurmft.rundir import ADAPTER_CONFIG
-    from slurmft.watch.progress import overview, overview_lines
+    from slurmft.watch.progress import overview, overview_lines, result_info
 
     paths = RunPaths.of(preempted_run(tmp_path))
     cfg = yaml.safe_load(paths.config.read_text())
@@ -243,11 +243,20 @@ def test_a_lora_run_without_merge_names_its_adapter_as_the_result(tmp_path: Path
     def text() -> str:
         return "\n".join(overview_lines(overview(paths, json.loads(paths.manifest.read_text()), slurm_rows())))
 
+    def state() -> str:  # `slurmft runs`, its jobs all COMPLETED
+        from slurmft.watch.runs import run_lines
+
+        return run_lines(tmp_path, query=lambda ids: {i: {"state": "COMPLETED", "reason": ""} for i in ids})[0]["state"]
+
     assert "model: not consolidated yet" in text() and "adapter:" not in text()
+    assert result_info(paths) is None and state() == "trained"
     paths.adapter.mkdir()
     (paths.adapter / ADAPTER_CONFIG).write_text("{}")
     assert f"adapter: {paths.adapter}" in text()
     assert "model: not written (consolidate.merge is false: the adapter is the result)" in text()
+    # the adapter is the result: the run is done (was 'trained' for ever), and a sweep point's `best` links to it
+    # (was: no best ever) while `slurmft consolidate SWEEP_DIR` leaves it alone (was: consolidated it every time)
+    assert result_info(paths) == str(paths.adapter) and state() == "done"
 
 
 def test_status_says_the_saves_from_metrics_save_lines(tmp_path: Path) -> None:

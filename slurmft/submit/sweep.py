@@ -442,15 +442,16 @@ def consolidate_sweep(root: Path, template_dir: str | None = None, say: Say = qu
     A point with its model is left alone (``consolidate POINT_DIR`` exports it again), as is a live one."""
     from slurmft.errors import CheckpointError, SlurmftError
     from slurmft.submit import consolidation
-    from slurmft.watch.progress import model_info
+    from slurmft.watch.progress import result_info
     from slurmft.watch.status import KINDS, run_state
 
     out = SweepConsolidation()
     with sweep_locked(root, "consolidate", say):
         for point in read_sweep_record(SweepPaths(root))["points"]:
             name, paths = point["name"], RunPaths.of(point["dir"])
-            if model_info(paths) is not None:
-                out.skipped[name] = f"has its model ({paths.model}; `slurmft consolidate {paths.root}` exports again)"
+            if (result := result_info(paths)) is not None:  # a LoRA point with consolidate.merge false: its adapter
+                what = "adapter" if result == str(paths.adapter) else "model"
+                out.skipped[name] = f"has its {what} ({result}; `slurmft consolidate {paths.root}` exports again)"
                 continue
             try:
                 if run_state(paths, adopt=False).may_run(KINDS):

@@ -282,6 +282,15 @@ def adapter_info(paths: RunPaths) -> str | None:
     return str(paths.adapter) if (paths.adapter / ADAPTER_CONFIG).is_file() else None
 
 
+def result_info(paths: RunPaths) -> str | None:
+    """Path of the run's result once consolidation wrote it: the model, or, for a LoRA run with consolidate.merge
+    false (no model is written), the adapter; else None. What makes a run done (runs) and a sweep point's `best`."""
+    model = model_info(paths)
+    if model is None and _merge_setting(paths) is False:
+        return adapter_info(paths)
+    return model
+
+
 def result_lines(paths: RunPaths) -> list[str]:
     """:func:`model_lines` of the run directory as it is now (what a local submit or resume prints at its end)."""
     return model_lines(adapter_info(paths), model_info(paths), _merge_setting(paths))

@@ -19,7 +19,7 @@ from slurmft.eval_results import headline_score, read_summary
 from slurmft.rundir import RunPaths, current_user, job_submitter, read_manifest, run_owner
 from slurmft.slurm_states import State, is_allocated, is_live, parse
 from slurmft.units import fmt_age
-from slurmft.watch.progress import max_steps_of, model_info, read_metrics
+from slurmft.watch.progress import max_steps_of, read_metrics, result_info
 from slurmft.watch.status import missing_state
 
 MAX_DEPTH = 3
@@ -134,7 +134,7 @@ def run_lines(root: Path, now: float | None = None,
             except OSError:
                 t_last = None
         rows.append({"path": str(paths.root), "name": (manifest or {}).get("name", paths.root.name),
-                     "state": "broken" if manifest is None else run_word(jobs, model_info(paths) is not None),
+                     "state": "broken" if manifest is None else run_word(jobs, result_info(paths) is not None),
                      "step": last.get("step"), "max_steps": max_steps_of(paths), "loss": last.get("loss"),
                      "age_s": round(now - t_last, 1) if t_last else None, "problem": problem,
                      "score": headline_score(read_summary(paths.root) or {})})

@@ -19,7 +19,7 @@ from typing import Any
 
 from slurmft.eval_results import named_score, read_summary
 from slurmft.rundir import RunPaths, SweepPaths, read_sweep_record
-from slurmft.watch.progress import model_info, read_metrics, rollouts_of
+from slurmft.watch.progress import read_metrics, result_info, rollouts_of
 from slurmft.watch.runs import run_lines
 
 Query = Callable[[list[str]], dict[str, dict[str, str]]]
@@ -57,7 +57,7 @@ def sweep_rows(root: Path, query: Query | None = None) -> tuple[dict[str, Any], 
         rows.append({"index": point["index"], "name": point["name"], "overrides": point["overrides"],
                      "dir": point["dir"], "state": row["state"], "step": row["step"], "max_steps": row["max_steps"],
                      "loss": row["loss"], "score": score(row, metric, point["dir"]), "rank": None,
-                     "model": str(paths.model) if model_info(paths) is not None else None})
+                     "model": result_info(paths)})
     rank(rows, mode)
     return record, rows
 
