@@ -257,6 +257,11 @@ def test_a_lora_run_without_merge_names_its_adapter_as_the_result(tmp_path: Path
     # the adapter is the result: the run is done (was 'trained' for ever), and a sweep point's `best` links to it
     # (was: no best ever) while `slurmft consolidate SWEEP_DIR` leaves it alone (was: consolidated it every time)
     assert result_info(paths) == str(paths.adapter) and state() == "done"
+    from slurmft.watch.report import write_report  # the report says so too (was: 'No consolidated model yet')
+
+    report = write_report(paths.root, slurm_rows=slurm_rows()).read_text()
+    assert (f"Adapter: `{paths.adapter}` (`PeftModel.from_pretrained(base, adapter)` loads it).\n\n"
+            "No merged model: consolidate.merge is false, the adapter is the result.") in report, report
 
 
 def test_status_says_the_saves_from_metrics_save_lines(tmp_path: Path) -> None:

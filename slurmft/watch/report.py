@@ -25,6 +25,7 @@ from slurmft.trackers import read_tracker, sync_command, tracker_lines
 from slurmft.units import binary_bytes, fmt_duration
 from slurmft.watch.model_results import result_lines
 from slurmft.watch.progress import (
+    adapter_info,
     allocation_words,
     attempts,
     checkpoint_info,
@@ -37,6 +38,7 @@ from slurmft.watch.progress import (
     progress_of,
     read_metrics,
     requeue_markers,
+    result_info,
     rollouts_words,
 )
 
@@ -135,6 +137,8 @@ def summary(paths: RunPaths, slurm_rows: list[dict[str, Any]] | None = None) -> 
         "ranks": rank_memory(paths),
         "checkpoint": checkpoint_info(paths),
         "model": model_info(paths),
+        "adapter": adapter_info(paths),
+        "result": result_info(paths),
         "nodes": _nodes_by_attempt(paths),
         "tracker": read_tracker(paths),
         "lora": lora_info(paths),
@@ -250,7 +254,10 @@ def render(s: dict[str, Any], plot_name: str | None) -> str:
     L += save_lines(s["saves"])
     ck = s["checkpoint"]
     L += ["## Model", "",
+          *([f"Adapter: `{s['adapter']}` (`PeftModel.from_pretrained(base, adapter)` loads it).", ""]
+            if s.get("adapter") else []),
           f"Consolidated model: `{s['model']}` (`AutoModelForCausalLM.from_pretrained` loads it)." if s["model"]
+          else "No merged model: consolidate.merge is false, the adapter is the result." if s.get("result")
           else "No consolidated model yet (`model/model.safetensors.index.json` is missing).", "",
           f"Newest complete checkpoint: `{ck['path']}` (step {ck['step']}, {binary_bytes(ck['bytes'])})." if ck
           else "No complete checkpoint.", ""]
