@@ -333,7 +333,8 @@ def sequences(cfg: RunConfig) -> int | None:
 
 
 def summary_line(record: dict[str, Any]) -> str:
-    """``1,000 conversations -> 120 sequences of <= 512 tokens, 51,234 tokens (83% of the packed slots), 12.3 s``."""
+    """``1,000 conversations -> 120 sequences of <= 512 tokens, 51,234 tokens (83% of the packed slots), 12.3 s``
+    (``documents`` for plain text, ``preference pairs`` for DPO: what the rows are)."""
     r = record.get("result", {})
     if not r:
         return "prepared (no counts recorded)"
@@ -341,8 +342,13 @@ def summary_line(record: dict[str, Any]) -> str:
     if record.get("settings", {}).get("method") == "grpo":  # prompts kept as they are (TRL tokenizes per generation)
         took = f", prepared in {r['seconds']:.1f} s" if isinstance(r.get("seconds"), int | float) else ""
         return f"{r.get('sequences', 0):,} prompts (not tokenized: GRPO renders them at every generation){took}"
-    parts = [f"{r.get('conversations', 0):,} conversations -> {r.get('sequences', 0):,} sequences of <= "
-             f"{record.get('settings', {}).get('max_seq_length')} tokens", f"{r.get('tokens', 0):,} tokens"]
+    settings = record.get("settings", {})
+    sources = [s for s in settings.get("sources") or [] if isinstance(s, dict)]
+    text = sum("documents" in s for s in sources)  # a plain-text source's settings say how it splits into documents
+    rows = ("preference pairs" if settings.get("method") == "dpo" else "documents" if text and text == len(sources)
+            else "documents and conversations" if text else "conversations")
+    parts = [f"{r.get('conversations', 0):,} {rows} -> {r.get('sequences', 0):,} sequences of <= "
+             f"{settings.get('max_seq_length')} tokens", f"{r.get('tokens', 0):,} tokens"]
     if isinstance(r.get("loss_tokens"), int):
         parts.append(f"{r['loss_tokens']:,} in the loss")
     if isinstance(fill, int | float) and record.get("settings", {}).get("packing"):

@@ -297,6 +297,26 @@ def test_a_grpo_preparation_is_summarised_as_prompts() -> None:
     assert summary_line(record) == "32 prompts (not tokenized: GRPO renders them at every generation), prepared in 6.9 s"
 
 
+def test_a_preparation_is_summarised_in_what_its_rows_are() -> None:
+    """Records as the prepare job writes them (the tiny examples'): a text run's rows are documents and a dpo run's
+    preference pairs (status said '240 conversations -> 37 sequences' and '63 conversations -> 63 sequences')."""
+    from slurmft.prepared import summary_line
+
+    corpus = {"path": "corpus/*.txt", "format": "auto", "documents": "blank_line"}
+    chat = {"path": "lima.jsonl", "format": "auto"}
+    counts = {"conversations": 240, "sequences": 37, "tokens": 9161, "loss_tokens": 9161, "fill": 0.9672}
+    text = {"settings": {"sources": [corpus], "max_seq_length": 256, "packing": True}, "result": counts}
+    assert summary_line(text).startswith("240 documents -> 37 sequences of <= 256 tokens, 9,161 tokens, 9,161 in the "
+                                         "loss, packing fills 97% of the slots")
+    both = {**text, "settings": {**text["settings"], "sources": [corpus, chat]}}
+    assert summary_line(both).startswith("240 documents and conversations -> 37 sequences")
+    assert summary_line({**text, "settings": {**text["settings"], "sources": [chat]}}).startswith(
+        "240 conversations -> 37 sequences")
+    dpo = {"settings": {"sources": [{"path": "pairs.jsonl"}], "max_seq_length": 128, "packing": True, "method": "dpo"},
+           "result": {"conversations": 63, "sequences": 63, "tokens": 3599, "loss_tokens": None, "fill": None}}
+    assert summary_line(dpo) == "63 preference pairs -> 63 sequences of <= 128 tokens, 3,599 tokens"
+
+
 def test_a_plan_layout_is_read_and_an_unknown_layout_is_refused_with_the_fix(run) -> None:  # noqa: ANN001
     """A packed prepare array's record (``layout: plan``) says version 2, so a slurmft that reads only version 1 finds
     no complete preparation (and prepares again) instead of opening the plan as a saved data set; this slurmft reads
