@@ -152,6 +152,13 @@ class RunPaths:
         """Where a preparation writes before it replaces ``prepared/`` (same file system: a rename)."""
         return self.root / f".prepared.{tag}.tmp"
 
+    def prepared_leftovers(self) -> list[Path]:
+        """Every ``.prepared.*`` entry: the shards of a prepare array (:meth:`prepared_parts`), a staging directory
+        (:meth:`prepared_staging`) or a replaced ``prepared/`` being removed. A preparation that ends normally
+        removes its own; one that was killed (time limit, SIGKILL, node failure) leaves them, up to the size of the
+        tokenized corpus, so the next complete preparation removes them (slurmft/job/prepare.py)."""
+        return sorted(self.root.glob(".prepared.*"))
+
     @property
     def batches(self) -> Path:
         """Per-step digest of the sequences each optimizer step trained on (JSONL, slurmft/job/batches.py)."""

@@ -413,6 +413,12 @@ def save_prepared(run: Loaded, make: Callable[[Path], Any], t_start: float, extr
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    for left in paths.prepared_leftovers():  # no other preparation of this run is live (submit's check_not_live)
+        log.info("removing %s (a preparation's temporary files: this one's shards, or an interrupted one's)", left)
+        if left.is_dir():
+            shutil.rmtree(left, ignore_errors=True)
+        else:
+            left.unlink(missing_ok=True)
     log.info("prepared data in %s: %s", paths.prepared, prepared.summary_line(prepared.read_record(paths) or {}))
     return prepared.read_record(paths) or {}
 

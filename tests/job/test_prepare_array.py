@@ -223,6 +223,13 @@ def test_array_refuses_shards_of_changed_inputs(corpus: Path, tiny_model: Path, 
     finally:
         os.utime(doc, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert not (run / "prepared").exists()
+    assert [p.name for p in run.glob(".prepared.*")] == [".prepared.array-9"]  # the failed array's shard 0
+    # the next preparation (here one job; an array's packing task does the same) removes what the failed one left
+    # (was: kept for ever, up to the size of the tokenized corpus, one more per interrupted array)
+    from slurmft.job.prepare import prepare_run
+
+    prepare_run(str(run), num_proc=1)
+    assert (run / "prepared").is_dir() and not list(run.glob(".prepared.*"))
 
 
 def test_shares_cover_the_rows_once() -> None:
