@@ -239,14 +239,8 @@ def _echo_jobs(run_dir: Path, executor: str, jobs: dict[str, str]) -> None:
     if executor == "slurm":
         click.echo(f"follow with: slurmft status {run_dir}   |   slurmft logs {run_dir} -f")
     elif "consolidate" in jobs:  # local: the jobs have run; say what they left (a LoRA run: an adapter, maybe no model)
-        from slurmft.rundir import RunPaths
         from slurmft.watch.progress import result_lines
-
-        for line in result_lines(RunPaths.of(run_dir)):
-            how = ("  (AutoModelForCausalLM.from_pretrained loads it)"
-                   if line.startswith("model: ") and not line.startswith("model: not ")
-                   else "  (PeftModel.from_pretrained(base, adapter) loads it)" if line.startswith("adapter: ") else "")
-            click.echo(line + how)
+        click.echo("\n".join(result_lines(run_dir)))
 
 
 def _estimate(cfg, profile) -> tuple[dict | None, str | None]:  # noqa: ANN001

@@ -291,9 +291,14 @@ def result_info(paths: RunPaths) -> str | None:
     return model
 
 
-def result_lines(paths: RunPaths) -> list[str]:
-    """:func:`model_lines` of the run directory as it is now (what a local submit or resume prints at its end)."""
-    return model_lines(adapter_info(paths), model_info(paths), _merge_setting(paths))
+def result_lines(run_dir: str | os.PathLike[str]) -> list[str]:
+    """:func:`model_lines` of the run directory as it is now, each result with how to load it (what a local submit
+    or resume prints at its end)."""
+    paths = RunPaths.of(run_dir)
+    adapter, model = adapter_info(paths), model_info(paths)
+    how = {f"adapter: {adapter}": "  (PeftModel.from_pretrained(base, adapter) loads it)",
+           f"model: {model}": "  (AutoModelForCausalLM.from_pretrained loads it)"}
+    return [line + how.get(line, "") for line in model_lines(adapter, model, _merge_setting(paths))]
 
 
 def model_lines(adapter: str | None, model: str | None, merge: bool | None) -> list[str]:
