@@ -607,10 +607,11 @@ def prepare(target: Path, overrides: tuple[str, ...], here: bool, template_dir: 
     if paths is None:
         if target.is_dir():
             raise no_manifest(target, "give RUN.yaml, or a run directory")
+        cfg, profile = _load(target, overrides)
+        prep.check_one_run(cfg, target)
         if not here:
             from slurmft.submit.dispatch import check_prepares, submit_run
 
-            cfg, profile = _load(target, overrides)
             check_prepares(cfg)
             _checks(cfg, target)
             result = submit_run(cfg, profile, str(target), template_dir, _err, prepare_only=True)
@@ -619,7 +620,6 @@ def prepare(target: Path, overrides: tuple[str, ...], here: bool, template_dir: 
             click.echo(f"then: slurmft status {result.run_dir}   (the counts, once prepared), and to train: "
                        f"slurmft resume {result.run_dir}")
             return
-        cfg, _ = _load(target, overrides)
         record = prep.prepare_config_here(cfg)
         click.echo(f"prepared: {summary_line(record)}")
         click.echo(f"data: {Path(cfg.output_dir) / 'prepared'}")

@@ -332,3 +332,15 @@ def test_a_grpo_sweep_is_ranked_by_its_reward_not_its_loss(tmp_path: Path) -> No
     assert [r["score"] for r in rows] == [0.2, 0.9, None]  # c is still training: no score yet
     rank(rows, "max")
     assert [r["rank"] for r in rows] == [2, 1, None]  # b: the higher reward, though a's final loss is the lowest
+
+
+def test_prepare_of_a_sweep_file_is_refused_and_writes_nothing(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """`slurmft prepare SWEEP.yaml` prepared one run's data into the sweep's directory (--here: a prepared/ that the
+    sweep's submit then ignored, preparing again; as a job: a manifest that made the sweep's directory a run's)."""
+    path = write(tmp_path)
+    for here in ([], ["--here"]):
+        code, _, err = cli(["prepare", str(path), *here], capsys)
+        assert code == 2 and f"sweep: {path} is a sweep; `slurmft prepare` prepares one run's data" in err, err
+        assert f"`slurmft submit {path}` prepares every distinct data set once" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from slurmft.config import RunConfig
-from slurmft.errors import RunDirError
+from slurmft.errors import ConfigError, RunDirError
 from slurmft.rundir import (
     RunPaths,
     check_owner,
@@ -41,6 +41,17 @@ def prepare_here(paths: RunPaths, say: Say) -> dict[str, Any]:
 
     with recorded_here(paths, "prepare", say, check=lambda: check_not_live(paths)):
         return prepare_run(str(paths.root))
+
+
+def check_one_run(cfg: RunConfig, config: Path) -> None:
+    """``slurmft prepare run.yaml`` prepares one run's data into its output_dir. A sweep's points read the sets its
+    own prepare job makes at submit (one per distinct data set, in the points' directories): a set prepared here,
+    in the sweep's directory, would never be read, and a prepare job would make that directory a run's."""
+    if cfg.sweep is not None:
+        raise ConfigError(f"sweep: {config} is a sweep; `slurmft prepare` prepares one run's data, which the sweep's "
+                          "points would never read (they read the sets the sweep's own prepare job makes at submit)",
+                          [f"`slurmft submit {config}` prepares every distinct data set once, before the points train",
+                           "or `slurmft validate` it first: it counts each point's data from the files"])
 
 
 def prepare_config_here(cfg: RunConfig) -> dict[str, Any]:
