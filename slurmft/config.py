@@ -155,7 +155,8 @@ class TrainConfig(Section):
         "with bf16 stochastic rounding of the weight update (train.precision=bf16-true only; needs torchao).",
     )
     seed: int = Field(42, ge=0, description="Random seed.")
-    logging_steps: int = Field(1, ge=1, description="Log metrics every N steps.")
+    logging_steps: int = Field(1, ge=1, description="Log metrics every N steps, and at the last step (the run's final "
+                               "loss, which status and a sweep's ranking read).")
     report_to: list[str] = Field(default_factory=list, description=(
         "Extra loggers: tensorboard (into RUN_DIR/tensorboard), wandb (one W&B run across every requeue and "
         "resume; docs/watching.md)."))

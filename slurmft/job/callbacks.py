@@ -102,6 +102,12 @@ class MetricsLog(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self._last = (time.time(), state.num_input_tokens_seen or 0)
 
+    def on_step_end(self, args, state, control, **kwargs):
+        # the last step is logged whatever train.logging_steps says (the Trainer logs multiples of it only): the run's
+        # final loss is that step's, and status, runs and a sweep's ranking count a run done at max_steps
+        if state.global_step >= state.max_steps:
+            control.should_log = True
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
         if "loss" not in logs:
