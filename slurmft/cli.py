@@ -125,7 +125,9 @@ def validate(config: Path, overrides: tuple[str, ...]) -> None:
     RUN_DIR/config.yaml with overrides: checks the run as `slurmft resume RUN_DIR OVERRIDES` would continue it."""
     cfg, profile = _load_plan(config, overrides)
     if cfg.sweep is not None:
-        _sweep_checked(config, overrides, profile, force=False)
+        from slurmft import cli_sweep
+
+        cli_sweep.checked(config, overrides, profile, force=False)
         return
     from slurmft.plan.elastic import allocation
     from slurmft.watch.progress import allocation_words
@@ -173,7 +175,9 @@ def submit(config: Path, overrides: tuple[str, ...], force: bool, template_dir: 
 
     cfg, profile = _load(config, overrides)
     if cfg.sweep is not None:
-        _submit_sweep(config, overrides, profile, force, template_dir)
+        from slurmft import cli_sweep
+
+        cli_sweep.submit(config, overrides, profile, force, template_dir)
         return
     check_submittable(cfg)
     _checks(cfg, config)
@@ -190,45 +194,7 @@ def submit(config: Path, overrides: tuple[str, ...], force: bool, template_dir: 
     _echo_jobs(submitted.run_dir, submitted.executor, submitted.jobs)
 
 
-def _sweep_checked(config: Path, overrides: tuple[str, ...], profile, force: bool):  # noqa: ANN001, ANN202
-    """RUN.yaml's sweep with every point checked (slurmft/plan/sweep_checks.py); says what it found."""
-    from slurmft.plan.sweep_checks import check_points
-    from slurmft.sweep import load_sweep, select_of
 
-    sweep = load_sweep(config, list(overrides))
-    assert sweep is not None
-    for line in check_points(sweep, profile, force):
-        _err(line)
-    click.echo(f"{config}: ok (sweep {sweep.cfg.name}: {len(sweep.points)} point(s), executor "
-               f"{sweep.cfg.resolved_executor.value}, profile {profile.name}, ranked by "
-               "{metric} ({mode}))".format(**select_of(sweep.cfg)))
-    for point in sweep.points:
-        click.echo(f"  {point.name}: {point.label()}")
-    return sweep
-
-
-def _submit_sweep(config: Path, overrides: tuple[str, ...], profile, force: bool,  # noqa: ANN001
-                  template_dir: str | None) -> None:
-    from slurmft.submit.sweep import submit_sweep
-
-    sweep = _sweep_checked(config, overrides, profile, force)
-    result = submit_sweep(sweep, profile, str(config.resolve()), template_dir, say=_err)
-    click.echo(f"sweep dir: {result.root}")
-    for kind, job_id in result.jobs.items():
-        click.echo(f"{kind} job: {job_id}")
-    click.echo(f"follow with: slurmft status {result.root}")
-    if result.failed:
-        raise SystemExit(1)
-
-
-def _resume_sweep(root: Path, overrides: tuple[str, ...], template_dir: str | None, force: bool) -> None:
-    from slurmft.submit.sweep import resume_sweep
-
-    done = resume_sweep(root, list(overrides), template_dir, say=_err, force=force)
-    for line in done.lines(root):
-        click.echo(line)
-    if done.refused:
-        raise SystemExit(1)
 
 
 def _echo_jobs(run_dir: Path, executor: str, jobs: dict[str, str]) -> None:
@@ -482,7 +448,9 @@ def resume(run_dir: Path, overrides: tuple[str, ...], template_dir: str | None, 
     from slurmft.submit.resume import Phase, resume_run
 
     if is_sweep_dir(run_dir):
-        _resume_sweep(run_dir, overrides, template_dir, force)
+        from slurmft import cli_sweep
+
+        cli_sweep.resume(run_dir, overrides, template_dir, force)
         return
     result = resume_run(run_dir, list(overrides), template_dir, say=_err, force=force)
     if result.phase == Phase.FINISHED:
@@ -512,7 +480,9 @@ def consolidate(run_dir: Path, checkpoint: str | None, out: str | None, here: bo
     from slurmft.submit import consolidation
 
     if is_sweep_dir(run_dir):
-        _consolidate_sweep(run_dir, checkpoint, out, here, template_dir)
+        from slurmft import cli_sweep
+
+        cli_sweep.consolidate(run_dir, checkpoint, out, here, template_dir)
         return
     paths = RunPaths.of(run_dir)
     request = consolidation.check_request(paths, checkpoint, out)
@@ -530,18 +500,6 @@ def consolidate(run_dir: Path, checkpoint: str | None, out: str | None, here: bo
     if read_manifest(paths).get("executor") != "local":  # a Slurm job (a local one has run to its end by now)
         click.echo(f"follow with: slurmft logs {run_dir} --job consolidate -f")
 
-
-def _consolidate_sweep(root: Path, checkpoint: str | None, out: str | None, here: bool,
-                       template_dir: str | None) -> None:
-    from slurmft.submit.sweep import consolidate_sweep
-
-    if checkpoint or out or here:
-        raise click.UsageError("--checkpoint, --out and --here take one run: give a point's directory (SWEEP_DIR/POINT)")
-    done = consolidate_sweep(root, template_dir, say=_err)
-    for line in done.lines():
-        click.echo(line)
-    if done.failed:
-        raise SystemExit(1)
 
 
 def _model_job(run_dir: Path, kind: str, tasks: str | None, here: bool, template_dir: str | None) -> None:
