@@ -193,15 +193,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     clusters, one user each; the 22.05 group alone is the longest piece of work, and a 24.11 group
     tied to it only made that worker's share longer). The CPU tests fill both workers around them.
     The local-executor tests share one uninterrupted run (``local_tiny_run``), and the tests of a module with a
-    module-scoped fixture stay on one worker, so its shared runs are made once.
+    module-scoped fixture stay on one worker, so its shared runs are made once; a Slurm test that needs no cluster
+    but shares such a fixture with its module's cluster tests joins their group (test_shared_rundir's ``teammate``
+    creates and deletes a user: built on both workers, one deleted it under the other, CI70).
     """
+    def version_of(item: pytest.Item) -> str | None:
+        callspec = getattr(item, "callspec", None)
+        return callspec.params.get("slurm_cluster") if callspec else None
+
+    cluster_group: dict[str, str] = {}  # a module's first Slurm version group
+    for item in items:
+        if item.get_closest_marker("slurm") and version_of(item):
+            cluster_group.setdefault(item.nodeid.split("::")[0], f"slurm{version_of(item)}")
     for item in items:
         if "slurm_cluster" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("slurm"):
             raise pytest.UsageError(f"{item.nodeid} uses slurm_cluster but is not marked slurm")
         if item.get_closest_marker("slurm"):
-            callspec = getattr(item, "callspec", None)
-            version = callspec.params.get("slurm_cluster") if callspec else None
-            item.add_marker(pytest.mark.xdist_group(f"slurm{version}" if version else "slurm"))
+            version = version_of(item)
+            module = item.nodeid.split("::")[0]
+            group = f"slurm{version}" if version else (
+                cluster_group.get(module, "slurm") if _uses_a_module_fixture(item) else "slurm")
+            item.add_marker(pytest.mark.xdist_group(group))
         elif "local_tiny_run" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("local-tiny"))
         elif _uses_a_module_fixture(item):
