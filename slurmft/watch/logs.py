@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from slurmft.errors import RunDirError
 from slurmft.rundir import RunPaths, latest_jobs, read_manifest
@@ -27,12 +28,17 @@ def _no_job(paths: RunPaths, kind: str) -> RunDirError:
     return RunDirError(f"run {paths.root} has no {kind} job ({why})")
 
 
-def log_files(run_dir: Path, kind: str) -> list[Path]:
-    """Log files of the newest job of ``kind`` (one per rank for local runs, one for Slurm)."""
-    paths = RunPaths.of(run_dir)
+def newest_job(paths: RunPaths, kind: str) -> dict[str, Any]:
+    """The manifest's newest job of ``kind``, or the error saying why the run has none."""
     job = latest_jobs(read_manifest(paths)).get(kind)
     if job is None:
         raise _no_job(paths, kind)
+    return job
+
+
+def log_files(run_dir: Path, kind: str) -> list[Path]:
+    """Log files of the newest job of ``kind`` (one per rank for local runs, one for Slurm)."""
+    job = newest_job(RunPaths.of(run_dir), kind)
     files = [Path(p) for p in job.get("logs", [])] or [Path(job["log"])]
     return [f for out in files for f in (out, *_stderr_of(out))]
 
@@ -97,10 +103,7 @@ def ended_words(run_dir: Path, kind: str) -> Callable[[], str | None]:
     from slurmft.watch.status import run_state
 
     paths = RunPaths.of(run_dir)
-    job = latest_jobs(read_manifest(paths)).get(kind)
-    if job is None:
-        raise _no_job(paths, kind)
-    job_id = str(job["job_id"])
+    job_id = str(newest_job(paths, kind)["job_id"])
 
     def check() -> str | None:
         state = run_state(paths, adopt=False)
