@@ -109,3 +109,19 @@ def test_tasks_is_eval_tasks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert json.loads(resolved[0].split("=", 1)[1]) == cfg.eval.tasks
     assert os.path.isabs(cfg.eval.tasks[0])
 
+
+def test_status_reads_an_eval_job_that_tasks_recorded_before_overrides(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``slurmft eval RUN_DIR --tasks x`` on a Slurm run recorded ``tasks: [x]`` in the manifest, the name an array's
+    task count has there: ``slurmft status`` then died of a TypeError. Such a manifest still reads; a new eval job
+    records its ``overrides`` instead."""
+    from runfixture import preempted_run
+
+    run = preempted_run(tmp_path)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["jobs"].append({"kind": "eval", "job_id": "991", "attempt": 1, "submitted": 1_700_000_500.0,
+                             "tasks": ["hellaswag"]})
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    code, out, err = cli(["status", str(run), "--json"], capsys)
+    assert code == 0, err
+    assert [j["job_id"] for j in json.loads(out)["jobs"] if j["kind"] == "eval"] == ["991"]
