@@ -502,42 +502,61 @@ def consolidate(run_dir: Path, checkpoint: str | None, out: str | None, here: bo
 
 
 
-def _model_job(run_dir: Path, kind: str, tasks: str | None, here: bool, template_dir: str | None) -> None:
-    """``slurmft serve`` / ``slurmft eval``: the checks of the section first, then the job (or here)."""
+def _model_job(run_dir: Path, kind: str, overrides: tuple[str, ...], here: bool, template_dir: str | None) -> None:
+    """``slurmft serve`` / ``slurmft eval``: the overrides and the checks of the section first, then the job (or
+    here); RUN_DIR/config.yaml is not written (slurmft/submit/model_checks.py says why)."""
     from slurmft.rundir import RunPaths
     from slurmft.submit import model_checks
 
     paths = RunPaths.of(run_dir)
-    task_list = [t.strip() for t in tasks.split(",") if t.strip()] if tasks else None
-    cfg = model_checks.checked_config(paths, kind, task_list)
+    cfg, resolved = model_checks.checked_config(paths, kind, list(overrides))
     problems = model_checks.problems_before(cfg, kind, _err)
     if problems:
-        raise SlurmftError(f"{paths.config}: {len(problems)} problem(s) found before running the {kind} job", problems)
+        given = f" with {' '.join(overrides)}" if overrides else ""
+        raise SlurmftError(f"{paths.config}{given}: {len(problems)} problem(s) found before running the {kind} job",
+                           problems)
     if here:
-        result = model_checks.run_here(paths, kind, task_list, _err)
+        result = model_checks.run_here(paths, kind, resolved, _err)
         click.echo(json.dumps(result, indent=2, default=str))
         return
-    job_id = model_checks.submit(paths, kind, task_list, template_dir, _err)
+    job_id = model_checks.submit(paths, kind, resolved, template_dir, _err)
     click.echo(f"{kind} job: {job_id}")
 
 
 @cli.command()
 @RUN_DIR
+@OVERRIDES
 @click.option("--here", is_flag=True, help="Run it in this process (needs the training stack), not as a job.")
 @click.option("--template-dir", type=click.Path(file_okay=False, exists=True), help="Your own templates first.")
-def serve(run_dir: Path, here: bool, template_dir: str | None) -> None:
-    """Check again that a run's model serves with vLLM as it trained (the serve section; RUN_DIR/serve/)."""
-    _model_job(run_dir, "serve", None, here, template_dir)
+def serve(run_dir: Path, overrides: tuple[str, ...], here: bool, template_dir: str | None) -> None:
+    """Check again that a run's model serves with vLLM as it trained (the serve section; RUN_DIR/serve/).
+
+    Overrides change this check's settings: serve.* and the cluster keys its script reads (cluster.partition,
+    account, qos, env, setup, python, container, profile), e.g. serve.max_new_tokens=32 serve.resources.time=30;
+    RUN_DIR/config.yaml stays as the run trained (docs/serve-eval.md)."""
+    _model_job(run_dir, "serve", overrides, here, template_dir)
 
 
 @cli.command(name="eval")
 @RUN_DIR
-@click.option("--tasks", help="Comma-separated lm-eval tasks instead of the config's eval.tasks (names or files).")
+@OVERRIDES
+@click.option("--tasks", help="Comma-separated lm-eval tasks instead of the config's (names or files): the same as "
+                              "eval.tasks=[a,b].")
 @click.option("--here", is_flag=True, help="Run it in this process (needs the training stack), not as a job.")
 @click.option("--template-dir", type=click.Path(file_okay=False, exists=True), help="Your own templates first.")
-def evaluate(run_dir: Path, tasks: str | None, here: bool, template_dir: str | None) -> None:
-    """Score a run's model (and the base) with lm-eval again, without retraining (the eval section; RUN_DIR/eval/)."""
-    _model_job(run_dir, "eval", tasks, here, template_dir)
+def evaluate(run_dir: Path, overrides: tuple[str, ...], tasks: str | None, here: bool, template_dir: str | None) -> None:
+    """Score a run's model (and the base) with lm-eval again, without retraining (the eval section; RUN_DIR/eval/).
+
+    Overrides change this evaluation's settings: eval.* and the cluster keys its script reads (cluster.partition,
+    account, qos, env, setup, python, container, profile), e.g. eval.tasks=[hellaswag] eval.limit=50; a run
+    submitted without an eval section gets one so. RUN_DIR/config.yaml stays as the run trained (docs/serve-eval.md)."""
+    if tasks is not None:
+        from slurmft.submit.model_checks import tasks_override
+
+        if any(o.split("=", 1)[0].strip().startswith("eval.tasks") for o in overrides):
+            raise click.UsageError("give the tasks once: --tasks a,b or eval.tasks=[a,b], not both")
+        overrides = (*overrides, tasks_override(tasks))
+    _model_job(run_dir, "eval", overrides, here, template_dir)
 
 
 @cli.command()

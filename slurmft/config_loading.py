@@ -8,6 +8,7 @@ the run directory's resolved ``config.yaml`` with :func:`read_run_config`).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import typing
@@ -148,6 +149,21 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], base: Path | Non
     for chosen, other in (("train.precision", ("model", "dtype")), ("model.dtype", ("train", "precision"))):
         if chosen in given and ".".join(other) not in given and isinstance(out.get(other[0]), dict):
             out[other[0]].pop(other[1], None)
+    return out
+
+
+def resolve_overrides(data: dict[str, Any], overrides: list[str], base: Path) -> list[str]:
+    """``overrides`` as ``key=JSON`` with the value they leave in ``data`` (a relative path made absolute against
+    ``base``): the same settings wherever they are read later, by a job in another directory with
+    :func:`read_run_config` (JSON is YAML), and readable where they are recorded (the manifest)."""
+    applied = apply_overrides(data, overrides, base=base)
+    out = []
+    for text in overrides:
+        path = parse_override(text)[0]
+        node: Any = applied
+        for part in path:
+            node = node[part]
+        out.append(f"{format_loc(tuple(path))}={json.dumps(node)}")
     return out
 
 

@@ -141,7 +141,7 @@ def test_a_failing_lm_eval_names_its_stderr_and_leaves_the_model(evaluated: tupl
     shutil.copytree(shared / "model", run / "model")
     model_files = sorted((p.name, p.stat().st_mtime_ns) for p in (run / "model").iterdir())
     with pytest.raises(EvalError) as err:
-        evaluate_run(str(run), tasks=["slurmft_no_such_task_xyz"], say=lambda line: None)
+        evaluate_run(str(run), ['eval.tasks=["slurmft_no_such_task_xyz"]'], say=lambda line: None)
     assert "lm-eval exited with" in str(err.value)
     assert any("slurmft_no_such_task_xyz" in p for p in err.value.problems)
     assert sorted((p.name, p.stat().st_mtime_ns) for p in (run / "model").iterdir()) == model_files

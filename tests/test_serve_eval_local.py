@@ -74,14 +74,39 @@ def test_a_model_that_does_not_serve_fails_the_check_naming_why_and_stays(served
     run = _copy_run(served, tmp_path / "no-tokenizer")
     (run / "model" / "tokenizer.json").unlink()
     before = sorted((p.name, p.stat().st_mtime_ns) for p in (run / "model").iterdir())
-    code, out = run_cli(["serve", str(run), "--here"], capsys)
+    code, out = run_cli(["serve", str(run), "--here", "serve.max_new_tokens=7"], capsys)
     assert code == 2 and "the tokenizer in" in out and "does not load" in out, out
     assert sorted((p.name, p.stat().st_mtime_ns) for p in (run / "model").iterdir()) == before  # the model stays
+    record = json.loads((run / "serve" / "result.json").read_text())  # what it ran with, beside what it found
+    assert record["settings"]["max_new_tokens"] == 7 and record["overrides"] == ["serve.max_new_tokens=7"]
     code, out = run_cli(["status", str(run)], capsys)
     assert "serve check FAILED: the tokenizer in" in out, out
     jobs = json.loads((run / "manifest.json").read_text())["jobs"]
     assert (jobs[-1]["kind"], jobs[-1]["state"]) == ("serve", "FAILED")
     # vLLM's own refusal, in its words: tests/slurm/test_slurm_resume.py (the micro model's head size on the cluster)
+
+
+def test_an_override_reaches_the_eval_job_and_config_yaml_stays(served: Path, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`slurmft eval RUN_DIR eval.limit=4 eval.compare_base=false` on a copy of the served run: its job (a local
+    process, the job function and the overrides pickled by submitit as for a Slurm job) scores 4 of the task's 32
+    examples on the fine-tuned model alone; config.yaml, the record of how the run trained, stays as it was; the
+    manifest, summary.json and status say what the scores were made with."""
+    run = _copy_run(served, tmp_path / "limited")
+    config = (run / "config.yaml").read_bytes()
+    code, out = run_cli(["eval", str(run), "eval.limit=4", "eval.compare_base=false"], capsys)
+    assert code == 0, out
+    summary = json.loads((run / "eval" / "summary.json").read_text())
+    assert (summary["settings"]["limit"], summary["settings"]["compare_base"], summary["models"]["base"]) == (
+        4, False, None)
+    assert summary["overrides"] == ["eval.limit=4", "eval.compare_base=false"]
+    results = json.loads((run / summary["results_files"]["finetuned"]).read_text())
+    assert results["n-samples"]["tiny_choice"] == {"original": 32, "effective": 4}  # lm-eval itself took 4
+    job = json.loads((run / "manifest.json").read_text())["jobs"][-1]
+    assert (job["kind"], job["overrides"]) == ("eval", ["eval.limit=4", "eval.compare_base=false"]), job
+    assert (run / "config.yaml").read_bytes() == config
+    code, out = run_cli(["status", str(run)], capsys)
+    assert "evaluation (lm-eval 0.4.13, hf backend; with eval.limit=4 eval.compare_base=false):" in out, out
 
 
 def test_bad_serve_and_eval_input_is_refused_before_anything_is_submitted(

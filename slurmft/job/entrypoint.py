@@ -174,16 +174,18 @@ def _after_model(run_dir: str, kind: str, body: str, *args: object) -> dict[str,
         write_report_safely(run_dir)  # report.md: the check's outcome, passed or not
 
 
-def run_serve(run_dir: str) -> dict[str, object]:
+def run_serve(run_dir: str, overrides: list[str] | None = None) -> dict[str, object]:
     """Serve check job body (one process): vLLM on ``RUN_DIR/model`` (and a LoRA run's adapter) against
-    transformers (:mod:`slurmft.job.serve_check`); ``RUN_DIR/serve/result.json``."""
-    return _after_model(run_dir, "serve", "slurmft.job.serve_check:serve_check_run")
+    transformers (:mod:`slurmft.job.serve_check`); ``RUN_DIR/serve/result.json``. ``overrides``: ``slurmft serve
+    RUN_DIR KEY=VALUE``'s (resolved), read onto RUN_DIR/config.yaml."""
+    return _after_model(run_dir, "serve", "slurmft.job.serve_check:serve_check_run", overrides)
 
 
-def run_eval(run_dir: str, tasks: list[str] | None = None) -> dict[str, object]:
+def run_eval(run_dir: str, overrides: list[str] | None = None) -> dict[str, object]:
     """Evaluation job body (one process): lm-eval on ``RUN_DIR/model`` and the base (:mod:`slurmft.job.evaluate`);
-    ``RUN_DIR/eval/``. ``tasks``: other tasks than the config's (``slurmft eval RUN_DIR --tasks``)."""
-    summary = _after_model(run_dir, "eval", "slurmft.job.evaluate:evaluate_run", tasks)
+    ``RUN_DIR/eval/``. ``overrides``: ``slurmft eval RUN_DIR KEY=VALUE``'s (resolved), read onto
+    RUN_DIR/config.yaml."""
+    summary = _after_model(run_dir, "eval", "slurmft.job.evaluate:evaluate_run", overrides)
     from slurmft.watch.sweep import refresh_best_safely
 
     refresh_best_safely(run_dir)  # a sweep's point ranked by its evaluation: SWEEP_DIR/best, now that it has a score

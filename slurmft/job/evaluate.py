@@ -8,7 +8,7 @@ samples). What the report and ``runs`` read is RUN_DIR/eval/summary.json (slurmf
 
     {"lm_eval_version", "backend", "backend_reason", "device", "tasks": {task: {metric: {"finetuned": v,
      "base": v or null}}}, "seconds": {"finetuned", "base", "total"}, "models": {"finetuned", "base"},
-     "results_files": {"finetuned", "base"}}
+     "results_files": {"finetuned", "base"}, "settings": {the eval section it ran with}, "overrides": [...]}
 
 Metric names are lm-eval's (``acc,none``); the ``_stderr`` entries stay in lm-eval's files only.
 
@@ -20,7 +20,7 @@ passed as lm-eval's ``--include_path`` (their folder) and their ``task:`` names;
 so a relative ``data_files`` resolves against the task file's folder. A failure raises ``EvalError`` with the
 last lines lm-eval wrote to stderr; RUN_DIR/model is only ever read.
 
-By hand: ``slurmft eval RUN_DIR [--tasks a,b] --here``.
+By hand: ``slurmft eval RUN_DIR [eval.tasks=[a,b] eval.limit=N ...] --here``.
 """
 
 from __future__ import annotations
@@ -208,18 +208,16 @@ def metrics_of(results: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     return table
 
 
-def evaluate_run(run_dir: str, tasks: list[str] | None = None, say: Say = print) -> dict[str, Any]:
-    """Score a consolidated run with lm-eval (``tasks`` replaces ``eval.tasks``) and write RUN_DIR/eval/summary.json;
-    returns the summary."""
+def evaluate_run(run_dir: str, overrides: list[str] | None = None, say: Say = print) -> dict[str, Any]:
+    """Score a consolidated run with lm-eval (the eval section of RUN_DIR/config.yaml with ``overrides``: ``slurmft
+    eval RUN_DIR KEY=VALUE``'s, resolved) and write RUN_DIR/eval/summary.json; returns the summary."""
     start = time.monotonic()
     paths = RunPaths.of(run_dir)
-    cfg = read_run_config(paths.config)
-    if cfg.eval is None and not tasks:
-        raise EvalError(f"{paths.config} has no eval: section; add one (eval.tasks) or pass --tasks")
+    cfg = read_run_config(paths.config, overrides)
     if cfg.eval is None:
-        ev = EvalConfig(tasks=tasks)
-    else:
-        ev = cfg.eval.model_copy(update={"tasks": tasks}) if tasks else cfg.eval
+        raise EvalError(f"{paths.config} has no eval: section: give one, e.g. `slurmft eval {paths.root} "
+                        "eval.tasks=[hellaswag]`")
+    ev = cfg.eval
     resolved = resolve_tasks(ev.tasks)
     if resolved.problems:
         raise EvalError("eval.tasks: the task files cannot be used", resolved.problems)
@@ -265,6 +263,8 @@ def evaluate_run(run_dir: str, tasks: list[str] | None = None, say: Say = print)
         "seconds": seconds,
         "models": {"finetuned": specs["finetuned"]["name"], "base": specs["base"]["name"] if "base" in specs else None},
         "results_files": {"finetuned": files.get("finetuned"), "base": files.get("base")},
+        "settings": ev.model_dump(mode="json"),  # the section it ran with: config.yaml's, or with the overrides
+        "overrides": list(overrides or []),
     }
     atomic_write(root / "summary.json", json.dumps(summary, indent=2) + "\n")
     say(f"eval: wrote {root / 'summary.json'} in {seconds['total']} s")

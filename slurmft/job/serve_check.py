@@ -247,18 +247,21 @@ def _loading_problems(loading: dict[str, list[str]]) -> list[str]:
             for k, v in loading.items() if k in names and v]
 
 
-def serve_check_run(run_dir: str) -> dict[str, Any]:
-    """The serve check of a run (``serve`` section): writes ``RUN_DIR/serve/result.json`` (passed or not), raises
-    :class:`ServeCheckError` when the model does not serve as trained; ``model/`` is only read."""
+def serve_check_run(run_dir: str, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The serve check of a run (the ``serve`` section of RUN_DIR/config.yaml with ``overrides``: ``slurmft serve
+    RUN_DIR KEY=VALUE``'s, resolved): writes ``RUN_DIR/serve/result.json`` (passed or not, with the section it ran
+    with), raises :class:`ServeCheckError` when the model does not serve as trained; ``model/`` is only read."""
     from slurmft.config_loading import read_run_config
 
     paths = RunPaths.of(run_dir)
-    cfg = read_run_config(paths.config)
+    cfg = read_run_config(paths.config, overrides)
     if cfg.serve is None:
-        raise ServeCheckError(f"{paths.config} has no serve section: nothing to check")
+        raise ServeCheckError(f"{paths.config} has no serve section: nothing to check (give one: `slurmft serve "
+                              f"{paths.root} serve.python=/path/to/vllm-venv/bin/python`)")
     out_dir = paths.root / "serve"
     out_dir.mkdir(exist_ok=True)
-    record: dict[str, Any] = {"ok": False, "engines": {}, "problems": []}
+    record: dict[str, Any] = {"ok": False, "engines": {}, "problems": [],
+                              "settings": cfg.serve.model_dump(mode="json"), "overrides": list(overrides or [])}
     try:
         _check(cfg, paths, out_dir, record)
     except ServeCheckError as exc:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from slurmft.config import RunConfig
+from slurmft.config_loading import format_loc, parse_override
 from slurmft.config_model_checks import MODEL_JOB_TOOLS
 from slurmft.errors import ConfigError
 from slurmft.eval_tasks import resolve_tasks
@@ -18,6 +19,38 @@ from slurmft.interpreter import MISSING, NOT_ON_PATH, NoAnswer, finds_modules, i
 from slurmft.profiles import ClusterProfile
 
 VLLM = MODEL_JOB_TOOLS["serve"]
+#: What a serve or eval job's batch script reads of the run's cluster section besides its own section
+#: (slurmft/plan/render.py ``_cpu_job_context``: the partition, account and QOS it is queued under, the profile's and
+#: the run's environment, setup lines and Python, the image it runs in): where and how that job runs, never what was
+#: trained, so ``slurmft serve|eval RUN_DIR KEY=VALUE`` may change them. cluster.time, constraint and master_addr
+#: are the train job's alone.
+MODEL_JOB_CLUSTER_KEYS = ("cluster.profile", "cluster.partition", "cluster.account", "cluster.qos", "cluster.env",
+                          "cluster.setup", "cluster.python", "cluster.container")
+
+
+def check_model_job_overrides(kind: str, overrides: list[str], run_dir: str) -> None:
+    """Refuse the ``key=value`` overrides the ``kind`` job (serve or eval) does not read, each with its fix: the other
+    job's section goes to the other command, anything else would not change the trained model (``model/`` stays
+    what the run trained) and belongs to a new run."""
+    other = "eval" if kind == "serve" else "serve"
+    allowed = (kind, *MODEL_JOB_CLUSTER_KEYS)
+    problems = []
+    for text in overrides:
+        key = format_loc(tuple(parse_override(text)[0]))
+        if any(key == k or key.startswith((k + ".", k + "[")) for k in allowed):
+            continue
+        if key == other or key.startswith(other + "."):
+            problems.append(f"{key}: the {kind} job does not read it; it is the {other} job's: "
+                            f"`slurmft {other} {run_dir} {text}`")
+        else:
+            problems.append(f"{key}: the {kind} job does not read it, and it would not change the trained model "
+                            f"({run_dir}/model stays as the run trained it): to train differently, `slurmft submit` "
+                            "a new run (another output_dir)")
+    if problems:
+        accepted = ", ".join([f"{kind}.*", *(k + (".*" if k in ("cluster.env", "cluster.container") else "")
+                                               for k in MODEL_JOB_CLUSTER_KEYS)])
+        raise ConfigError(f"slurmft {kind} {run_dir}: {len(problems)} override(s) it cannot take; it takes {accepted}",
+                          problems)
 
 
 def interpreter(python: str | None, cfg: RunConfig, kind: str) -> tuple[str, str]:

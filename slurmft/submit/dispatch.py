@@ -391,28 +391,30 @@ def submit_consolidation(
 MODEL_JOBS = {"serve": "serve check", "eval": "evaluation"}
 
 
-def _model_job_call(kind: str, tasks: list[str] | None) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+def _model_job_call(kind: str, overrides: list[str] | None) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """The job's function and its arguments after the run directory: the (resolved) overrides, when there are any."""
     from slurmft.job.entrypoint import run_eval, run_serve
 
-    return (run_serve, ()) if kind == "serve" else (run_eval, (tasks,))
+    return (run_serve if kind == "serve" else run_eval), ((list(overrides),) if overrides else ())
 
 
-def _model_job_fields(dependency: str | None, run_attempt: int | None, tasks: list[str] | None) -> dict[str, Any]:
+def _model_job_fields(dependency: str | None, run_attempt: int | None, overrides: list[str] | None) -> dict[str, Any]:
     fields: dict[str, Any] = {"dependency": f"afterok:{dependency}"} if dependency else {}
     if run_attempt is not None:
         fields["run_attempt"] = run_attempt
-    if tasks:
-        fields["tasks"] = list(tasks)
+    if overrides:
+        fields["overrides"] = list(overrides)
     return fields
 
 
 def submit_model_job(
     cfg: RunConfig, profile: ClusterProfile, paths: RunPaths, manifest: dict[str, Any], kind: str,
     config_path: str = "", template_dir: str | None = None, *, dependency: str | None = None,
-    run_attempt: int | None = None, tasks: list[str] | None = None,
+    run_attempt: int | None = None, overrides: list[str] | None = None,
 ) -> str:
     """sbatch one job after consolidation (``kind``: serve or eval; after ``dependency`` succeeds, if given);
-    record it; return its id."""
+    record it; return its id. ``cfg`` carries ``overrides`` already (the script is rendered from it); the job reads
+    them again onto RUN_DIR/config.yaml."""
     from submitit.core.utils import FailedJobError
 
     section = cfg.model_job(kind)
@@ -422,14 +424,14 @@ def submit_model_job(
         ctx = build_model_job_context(cfg, profile, paths, command, kind, config_path)
         return render(MODEL_JOB_TEMPLATES[kind], ctx, template_dir)
 
-    function, args = _model_job_call(kind, tasks)
+    function, args = _model_job_call(kind, overrides)
     try:
         ex = make_slurm_executor(paths, 1, time_minutes(section.resources.time), text, dependency,
                                  step_python_for(cfg, profile, kind))  # its own image's, when it has one
         job = ex.submit(function, str(paths.root), *args)
     except (FailedJobError, OSError, RuntimeError) as exc:
         raise slurm.refused(f"{MODEL_JOBS[kind]} job", exc) from None
-    record_job(manifest, kind, job.job_id, **_model_job_fields(dependency, run_attempt, tasks),
+    record_job(manifest, kind, job.job_id, **_model_job_fields(dependency, run_attempt, overrides),
                script=str(paths.script(kind)), log=str(paths.log_file(kind, job.job_id)))
     write_manifest(paths, manifest)
     return str(job.job_id)
@@ -437,7 +439,7 @@ def submit_model_job(
 
 def run_local_model_job(
     cfg: RunConfig, paths: RunPaths, manifest: dict[str, Any], kind: str, say: Say, *, dependency: str | None = None,
-    run_attempt: int | None = None, tasks: list[str] | None = None,
+    run_attempt: int | None = None, overrides: list[str] | None = None,
 ) -> str:
     """Run one job after consolidation here (a local process through submitit), recorded; returns its id. A failed
     check raises SubmissionError with the end of its log; the model stays."""
@@ -446,13 +448,13 @@ def run_local_model_job(
 
     section = cfg.model_job(kind)
     assert section is not None, kind
-    function, args = _model_job_call(kind, tasks)
+    function, args = _model_job_call(kind, overrides)
     ex = LocalExecutor(folder=paths.submitit, python=python_for(cfg))
     ex.update_parameters(tasks_per_node=1, nodes=1, timeout_min=time_minutes(section.resources.time),
                          gpus_per_node=section.resources.gpus)
     job = ex.submit(function, str(paths.root), *args)
     record_job(manifest, kind, job.job_id, **process_record(int(job.job_id)),
-               **_model_job_fields(dependency, run_attempt, tasks),
+               **_model_job_fields(dependency, run_attempt, overrides),
                logs=[str(JobPaths(paths.submitit, job.job_id, 0).stdout)])
     write_manifest(paths, manifest)
     say(f"{MODEL_JOBS[kind]} job {job.job_id} started here")

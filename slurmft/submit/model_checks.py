@@ -1,20 +1,26 @@
 """``slurmft serve RUN_DIR`` and ``slurmft eval RUN_DIR``: the jobs after consolidation, again, on the model there.
 
 The chained jobs run once, after the consolidation succeeds. These commands run them again without retraining:
-after a fix (a vLLM that refused the model, an eval Python without lm-eval), with other tasks (``--tasks``), or on
-a model consolidated by hand. As a job (Slurm, or a local process for a local run), or ``--here`` in this process.
-The model is only read: a check that fails says why and leaves it.
+after a fix (a vLLM that refused the model, an eval Python without lm-eval), with other settings (``key=value``
+overrides of the job's own section and of the cluster keys its batch script reads, as ``slurmft submit`` takes them;
+``--tasks`` is ``eval.tasks``), or on a model consolidated by hand. As a job (Slurm, or a local process for a local
+run), or ``--here`` in this process. The model is only read: a check that fails says why and leaves it.
+
+The overrides are not written into RUN_DIR/config.yaml, the record of how the run trained (and of what its chained
+jobs do when ``slurmft resume`` chains them again): they travel with the job (its argument and its manifest entry,
+``overrides``), and the job records the section it ran with beside its result (``RUN_DIR/serve/result.json``,
+``RUN_DIR/eval/summary.json``: ``settings``, ``overrides``), so the scores say what produced them.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from slurmft.config import RunConfig
-from slurmft.config_loading import read_run_config
-from slurmft.config_paths import absolutize
+from slurmft.config_loading import read_run_config, read_yaml, resolve_overrides
 from slurmft.errors import ConfigError, RunDirError
 from slurmft.rundir import (
     RunPaths,
@@ -28,24 +34,37 @@ Say = Callable[[str], None]
 WHAT = {"serve": "serve check (vLLM)", "eval": "evaluation (lm-eval)"}
 
 
-def checked_config(paths: RunPaths, kind: str, tasks: list[str] | None) -> RunConfig:
-    """The run's config with its ``kind`` section (refused without one) and a model to run it on."""
+def tasks_override(tasks: str) -> str:
+    """``--tasks a,b`` (comma-separated) as the override it stands for: ``eval.tasks=["a", "b"]``."""
+    return f"eval.tasks={json.dumps([t.strip() for t in tasks.split(',') if t.strip()])}"
+
+
+def checked_config(paths: RunPaths, kind: str, overrides: list[str]) -> tuple[RunConfig, list[str]]:
+    """The run's config with ``overrides`` (only keys the ``kind`` job reads), its ``kind`` section (refused without
+    one) and a model to run it on; with the overrides resolved (:func:`resolve_overrides`: a relative path on the
+    command line made absolute here) as the job will read them. RUN_DIR/config.yaml is not written."""
+    from slurmft.plan.model_job_checks import check_model_job_overrides
+
     read_manifest(paths)  # a run directory at all?
-    cfg = read_run_config(paths.config)
+    check_model_job_overrides(kind, overrides, str(paths.root))
+    cfg = read_run_config(paths.config)  # the run's config as it trained (a missing file said as such)
+    resolved = resolve_overrides(read_yaml(paths.config), overrides, Path.cwd()) if overrides else []
+    if resolved:
+        try:
+            cfg = read_run_config(paths.config, resolved)
+        except ConfigError as exc:  # the schema's did-you-mean, for the key the user typed
+            raise ConfigError(f"{' '.join(overrides)}: {len(exc.problems)} problem(s) in {paths.config} with them",
+                              exc.problems) from None
     if cfg.model_job(kind) is None:
-        example = "serve: {python: /path/to/vllm-venv/bin/python}" if kind == "serve" else (
-            "eval: {tasks: [hellaswag], python: /path/to/lm-eval-venv/bin/python}")
-        raise ConfigError(f"{paths.config} has no {kind} section: add one ({example}; docs/serve-eval.md), then run "
-                          f"`slurmft {kind} {paths.root}` again")
-    if tasks and cfg.eval is not None:  # a task file given on the command line is relative to the current directory
-        given = {"eval": {"tasks": list(tasks)}}
-        absolutize(given, Path.cwd(), "eval")
-        cfg.eval.tasks = given["eval"]["tasks"]
+        example = ("serve.python=/path/to/vllm-venv/bin/python" if kind == "serve" else
+                   "eval.tasks=[hellaswag] eval.python=/path/to/lm-eval-venv/bin/python")
+        raise ConfigError(f"{paths.config} has no {kind} section: give it on the command line, e.g. "
+                          f"`slurmft {kind} {paths.root} {example}` (docs/serve-eval.md)")
     has_model = (paths.model / "config.json").is_file() or (paths.adapter / "adapter_config.json").is_file()
     if not has_model:
         raise RunDirError(f"no consolidated model in {paths.root} (model/ has no config.json): consolidate first "
                           f"(`slurmft consolidate {paths.root}`)")
-    return cfg
+    return cfg, resolved
 
 
 def check_quiet(paths: RunPaths, kind: str) -> None:
@@ -67,27 +86,29 @@ def problems_before(cfg: RunConfig, kind: str, say: Say | None = None) -> list[s
     return problems
 
 
-def run_here(paths: RunPaths, kind: str, tasks: list[str] | None, say: Say) -> dict[str, Any]:
-    """Run the job in this process (needs the training stack), recorded in the manifest."""
+def run_here(paths: RunPaths, kind: str, overrides: list[str], say: Say) -> dict[str, Any]:
+    """Run the job in this process (needs the training stack), recorded in the manifest with its (resolved)
+    ``overrides``."""
     with recorded_here(paths, kind, say, check=lambda: check_quiet(paths, kind),
-                       **({"tasks": list(tasks)} if tasks else {})):
+                       **({"overrides": overrides} if overrides else {})):
         if kind == "serve":
             from slurmft.job.serve_check import serve_check_run
 
-            return serve_check_run(str(paths.root))
+            return serve_check_run(str(paths.root), overrides)
         from slurmft.job.evaluate import evaluate_run
 
-        return evaluate_run(str(paths.root), tasks)
+        return evaluate_run(str(paths.root), overrides)
 
 
-def submit(paths: RunPaths, kind: str, tasks: list[str] | None, template_dir: str | None, say: Say) -> str:
-    """Submit the job (no dependency) where the run ran: a Slurm job, or a local process; returns its id."""
+def submit(paths: RunPaths, kind: str, overrides: list[str], template_dir: str | None, say: Say) -> str:
+    """Submit the job (no dependency) where the run ran, its script rendered and the job run with the (resolved)
+    ``overrides``: a Slurm job, or a local process; returns its id."""
     from slurmft.submit.dispatch import run_local_model_job, submit_model_job
     from slurmft.submit.submitted import submitted_run
 
-    run = submitted_run(paths)
+    run = submitted_run(paths, overrides)
     with locked(paths, kind, say, check=lambda: check_quiet(paths, kind)) as manifest:
         if run.local:
-            return run_local_model_job(run.cfg, paths, manifest, kind, say, tasks=tasks)
+            return run_local_model_job(run.cfg, paths, manifest, kind, say, overrides=overrides)
         return submit_model_job(run.cfg, run.profile, paths, manifest, kind, str(paths.config), template_dir,
-                                tasks=tasks)
+                                overrides=overrides)

@@ -34,14 +34,15 @@ class SubmittedRun:
         return self.cfg.resolved_executor == Executor.LOCAL
 
 
-def submitted_run(paths: RunPaths) -> SubmittedRun:
-    """The run's config, executor and profile; refused when the executor cannot run here (Slurm without sbatch) or
-    the profile does not load."""
+def submitted_run(paths: RunPaths, overrides: list[str] | None = None) -> SubmittedRun:
+    """The run's config (with ``overrides``: ``slurmft serve|eval RUN_DIR KEY=VALUE``'s, checked and resolved),
+    executor and profile; refused when the executor cannot run here (Slurm without sbatch) or the profile does not
+    load."""
     from slurmft.profiles import load_profile
     from slurmft.submit.dispatch import check_executor
 
     manifest = read_manifest(paths)
-    cfg = read_run_config(paths.config)
+    cfg = read_run_config(paths.config, overrides)
     cfg.executor = Executor(manifest.get("executor", "slurm"))
     check_executor(cfg.resolved_executor)
     return SubmittedRun(cfg, load_profile(cfg.cluster.profile))

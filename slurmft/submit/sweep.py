@@ -280,7 +280,7 @@ def _call_of(kind: str) -> Callable[[RunConfig], tuple[Callable[..., Any], tuple
 
     if kind == "consolidate":
         return lambda c: (run_consolidate, (c.output_dir, None, None))
-    return lambda c: (run_serve, (c.output_dir,)) if kind == "serve" else (run_eval, (c.output_dir, None))
+    return lambda c: (run_serve, (c.output_dir,)) if kind == "serve" else (run_eval, (c.output_dir,))
 
 
 def _submit_after(sweep: Sweep, kind: str, after: str, sent: list[str], manifests: list[dict[str, Any]],

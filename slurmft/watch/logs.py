@@ -17,8 +17,10 @@ _NO_JOB_WHY = {
     "consolidate": "consolidate.enabled was false, or training has not finished: `slurmft consolidate RUN_DIR` submits "
                    "one",
     "prepare": "prepare.enabled was false, or the data was prepared before the submit",
-    "serve": "its config has no serve: section, or consolidation has not finished: `slurmft serve RUN_DIR` submits one",
-    "eval": "its config has no eval: section, or consolidation has not finished: `slurmft eval RUN_DIR` submits one",
+    "serve": "its config has no serve: section, or consolidation has not finished: `slurmft serve RUN_DIR "
+             "[serve.KEY=VALUE ...]` submits one",
+    "eval": "its config has no eval: section, or consolidation has not finished: `slurmft eval RUN_DIR "
+            "[eval.tasks=[...] ...]` submits one",
 }
 
 

@@ -40,13 +40,20 @@ def serve_lines(record: dict[str, Any] | None) -> list[str]:
         speed = f", {e['tokens_per_s']} tokens/s" if e.get("tokens_per_s") else ""
         verdict = "passed" if e.get("ok") else "FAILED"
         lines.append(f"serve check {verdict}: vLLM {e.get('vllm_version')} served {what}: {how}{gap}; engine start "
-                     f"{e.get('startup_s')} s{speed}")
+                     f"{e.get('startup_s')} s{speed}{_with(record)}")
         lines += [f"  - {p}" for p in e.get("problems", [])]
     if not record.get("ok") and record.get("problems") and not any(not e.get("ok") for e in
                                                                    record.get("engines", {}).values()):
         lines.append(f"serve check FAILED: {record['problems'][0]}")
         lines += [f"  - {p}" for p in record["problems"][1:]]
     return lines
+
+
+def _with(result: dict[str, Any]) -> str:
+    """The overrides a result was made with (``slurmft serve|eval RUN_DIR KEY=VALUE``): its settings are not
+    config.yaml's then."""
+    overrides = result.get("overrides")
+    return f"; with {' '.join(map(str, overrides))}" if isinstance(overrides, list) and overrides else ""
 
 
 def _number(value: Any) -> str:
@@ -58,7 +65,8 @@ def eval_lines(run_dir: Path) -> list[str]:
     summary = read_summary(run_dir)
     if not summary:
         return []
-    lines = [f"evaluation (lm-eval {summary.get('lm_eval_version', '?')}, {summary.get('backend', '?')} backend):"]
+    lines = [f"evaluation (lm-eval {summary.get('lm_eval_version', '?')}, {summary.get('backend', '?')} backend"
+             f"{_with(summary)}):"]
     for task, metric, base, tuned in score_rows(summary):
         lines.append(f"  {task} {metric}: {_number(base)} -> {_number(tuned)}" if base is not None
                      else f"  {task} {metric}: {_number(tuned)}")

@@ -34,6 +34,7 @@ from slurmft.rundir import MODEL_INDEX as SAFE_INDEX_NAME  # what consolidation 
 from slurmft.slurm_states import State, is_live, is_unseen, parse, words
 from slurmft.trackers import read_tracker, tracker_lines
 from slurmft.units import binary_bytes, fmt_duration
+from slurmft.watch.status import array_size
 
 # How many of the newest records the rate (steps/s, tokens/s) is measured over.
 RECENT = 20
@@ -613,8 +614,8 @@ def prepare_info(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dic
         except OSError:
             text = ""
         out["running"] = {"job_id": rows[-1]["job_id"], "progress": last_progress(text)}
-        if job.get("tasks", 1) > 1 and "pid" not in job:  # a prepare array: its shards so far, and the total
-            out["running"]["array"] = prepared.array_progress(paths.prepared_parts(job["job_id"]), job["tasks"])
+        if array_size(job) > 1:  # a prepare array: its shards so far, and the total
+            out["running"]["array"] = prepared.array_progress(paths.prepared_parts(job["job_id"]), array_size(job))
     return out or None
 
 

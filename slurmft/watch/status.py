@@ -79,13 +79,20 @@ class SlurmView:
     squeue_answered: bool = True
 
 
+def array_size(job: dict[str, Any]) -> int:
+    """The tasks of a Slurm job array the manifest records (a prepare array, a sweep's): 1 for a job alone. An eval
+    job that ``slurmft eval --tasks`` sent before overrides recorded its lm-eval tasks as a list under that name."""
+    tasks = job.get("tasks", 1)
+    return tasks if isinstance(tasks, int) and "pid" not in job else 1
+
+
 def slurm_view(manifest: dict[str, Any], job_tags: set[str] | frozenset[str] = frozenset()) -> SlurmView:
     """One squeue (every job we may see, whoever submitted it: the run's job ids, and tagged jobs the manifest
     missed) and one sacct."""
     view = SlurmView()
     known = {j["job_id"] for j in manifest.get("jobs", []) if "pid" not in j}  # not the processes run here
-    known |= {f"{j['job_id']}_{k}" for j in manifest.get("jobs", []) if "pid" not in j for k in range(j.get("tasks", 1))
-              if j.get("tasks", 1) > 1}  # a prepare array's tasks
+    known |= {f"{j['job_id']}_{k}" for j in manifest.get("jobs", []) for k in range(array_size(j))
+              if array_size(j) > 1}  # a prepare array's tasks
     queued = slurm.squeue_jobs()
     if queued is None:
         view.problems.append(SQUEUE_SILENT)
@@ -101,8 +108,8 @@ def slurm_view(manifest: dict[str, Any], job_tags: set[str] | frozenset[str] = f
         acct = {}
     view.acct = acct
     for job in manifest.get("jobs", []):
-        if job.get("tasks", 1) > 1 and "pid" not in job:  # a prepare array, recorded by the array's id
-            tasks = [f"{job['job_id']}_{k}" for k in range(job["tasks"])]
+        if array_size(job) > 1:  # a prepare array, recorded by the array's id
+            tasks = [f"{job['job_id']}_{k}" for k in range(array_size(job))]
             fold_array(view, job["job_id"], [queued.get(t) for t in tasks], [acct.get(t) for t in tasks])
     return view
 
