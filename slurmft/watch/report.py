@@ -33,6 +33,7 @@ from slurmft.watch.progress import (
     lora_words,
     lost_to_preemption,
     max_steps_of,
+    mean_tokens_per_s,
     model_info,
     preference_words,
     progress_of,
@@ -114,7 +115,6 @@ def summary(paths: RunPaths, slurm_rows: list[dict[str, Any]] | None = None) -> 
     max_steps = max_steps_of(paths)
     rows = attempts(manifest, records, slurm_rows, markers=requeue_markers(paths), max_steps=max_steps)
     losses = [r["loss"] for r in records if isinstance(r.get("loss"), (int, float))]
-    tokens = [r["tokens_per_s"] for r in records if isinstance(r.get("tokens_per_s"), (int, float))]
     rss = [r["peak_rss_mib"] for r in records if isinstance(r.get("peak_rss_mib"), (int, float))]
     gpu = [r["peak_gpu_mem_mib"] for r in records if isinstance(r.get("peak_gpu_mem_mib"), (int, float))]
     last = records[-1] if records else {}
@@ -129,7 +129,7 @@ def summary(paths: RunPaths, slurm_rows: list[dict[str, Any]] | None = None) -> 
         "final_loss": last.get("loss"),
         "final_step": last.get("step"),
         "mean_loss_last10": round(sum(losses[-10:]) / len(losses[-10:]), 4) if losses else None,
-        "tokens_per_s_mean": round(sum(tokens) / len(tokens), 2) if tokens else None,
+        "tokens_per_s_mean": round(tps, 2) if (tps := mean_tokens_per_s(records)) is not None else None,
         "tokens_seen": last.get("num_input_tokens_seen"),
         "logged_steps": len(records),
         "peak_rss_mib_worst_rank": max(rss) if rss else None,
@@ -228,7 +228,7 @@ def render(s: dict[str, Any], plot_name: str | None) -> str:
           f"| steps | {_dash(p['step'])} / {_dash(p['max_steps'])} ({s['logged_steps']} logged) |",
           f"| final loss | {_loss(s['final_loss'])} (step {_dash(s['final_step'])}); "
           f"mean of the last 10 logged: {_loss(s['mean_loss_last10'])} |",
-          f"| tokens/s | {_dash(s['tokens_per_s_mean'])} (mean over logged steps); "
+          f"| tokens/s | {_dash(s['tokens_per_s_mean'])} (tokens trained over the time of the logged steps); "
           f"{_dash(s['tokens_seen'])} tokens seen |"]
     if p.get("preference"):
         L.append(f"| DPO, final step | {preference_words(p['preference'])} |")
