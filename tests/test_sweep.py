@@ -190,6 +190,8 @@ def test_local_sweep_runs_the_points_one_after_another(tmp_path: Path, micro_mod
     for point in (first, second):
         assert (point / "model" / "config.json").is_file()
         assert load_config(point / "config.yaml").output_dir == str(point)
+        # what the point trains by, recorded by its submit for the watching commands (slurmft/methods.py)
+        assert json.loads((point / "manifest.json").read_text())["objective"] == {"method": "sft", "packed": True}
     a, b = ((p / "model" / "model-00001-of-00001.safetensors").read_bytes() for p in (first, second))
     assert a != b  # two learning rates, two models
     assert not (root / "scripts").exists()  # no arrays here

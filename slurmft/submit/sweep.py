@@ -182,7 +182,7 @@ def _write_points(sweep: Sweep, scripts: list[dict[str, str]], arrays: dict[str,
         point = RunPaths.of(cfg.output_dir)
         point.root.mkdir()
         _write_run_dir(point, cfg, texts)
-        write_manifest(point, new_manifest(cfg.name, cfg.resolved_executor.value, point.run_id))
+        write_manifest(point, new_manifest(cfg.name, cfg.resolved_executor.value, point.run_id, cfg.objective))
     write_sweep_record(sweep.paths, record)
 
 
@@ -215,7 +215,8 @@ def _submit_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str, temp
 
     root = RunPaths.of(sweep.paths.root)
     first = sweep.configs[0]
-    manifests = [new_manifest(c.name, Executor.SLURM.value, RunPaths.of(c.output_dir).run_id) for c in sweep.configs]
+    manifests = [new_manifest(c.name, Executor.SLURM.value, RunPaths.of(c.output_dir).run_id, c.objective)
+                 for c in sweep.configs]
     attempts = [start_attempt(m, "submit", **allocation(c)) for m, c in zip(manifests, sweep.configs, strict=True)]
     prep = None
     if groups:
@@ -332,7 +333,7 @@ def _run_points_here(sweep: Sweep, profile: ClusterProfile, config_path: str, te
     leaders = {g[0] for g in groups}
     for i, (p, cfg) in enumerate(zip(sweep.points, sweep.configs, strict=True)):
         point = RunPaths.of(cfg.output_dir)
-        manifest = new_manifest(cfg.name, Executor.LOCAL.value, point.run_id)
+        manifest = new_manifest(cfg.name, Executor.LOCAL.value, point.run_id, cfg.objective)
         attempt = start_attempt(manifest, "submit", **allocation(cfg))
         one = SubmitResult(point.root, Executor.LOCAL.value)
         result.points[p.name] = one

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from slurmft import __version__
+from slurmft.methods import recorded_objective
 from slurmft.rundir import RunPaths, atomic_write, check_run_dir, is_sweep_dir, read_manifest, unreadable
 from slurmft.trackers import read_tracker, sync_command, tracker_lines
 from slurmft.units import binary_bytes, fmt_duration
@@ -58,24 +59,21 @@ def _config(paths: RunPaths) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _objective(cfg: dict[str, Any]) -> tuple[str, bool | None]:
-    """What the run optimises, in words, and whether its data is packed, from the raw config mapping (the watching
-    commands never build the schema: tests/test_lazy_imports.py). The rules are ``RunConfig.method`` (a dpo: or grpo:
-    section selects it), ``packed`` (DPO and GRPO never pack, whatever data.packing says) and ``chat_data``."""
-    from slurmft.sourcefiles import is_text
-
-    dpo, grpo = cfg.get("dpo"), cfg.get("grpo")
-    packing = _get(cfg, "data.packing", None)
-    if isinstance(dpo, dict):  # config.yaml is the resolved config: every key is there
+def _objective(cfg: dict[str, Any], recorded: dict[str, Any]) -> str:
+    """What the run optimises, in words: the method its submit recorded (slurmft/methods.py), with its settings from
+    the raw config mapping (the watching commands never build the schema: tests/test_lazy_imports.py)."""
+    method = recorded.get("method")
+    if method == "dpo":  # config.yaml is the resolved config: every key is there
+        dpo = cfg.get("dpo") if isinstance(cfg.get("dpo"), dict) else {}
         loss = dpo.get("loss_type", "-")
         return (f"DPO (beta {dpo.get('beta', '-')}, loss {', '.join(loss) if isinstance(loss, list) else loss}, "
-                f"reference {dpo.get('reference', '-')})", False)
-    if isinstance(grpo, dict):
-        return f"GRPO ({grpo.get('num_generations', '-')} completions per prompt, beta {grpo.get('beta', '-')})", False
-    sources = [d for d in _get(cfg, "data.datasets", []) if isinstance(d, dict) and isinstance(d.get("path"), str)]
-    if sources and all(is_text(d["path"], str(d.get("format", "auto"))) for d in sources):
-        return "continued pretraining on plain text (every token in the loss)", packing
-    return "supervised fine-tuning", packing
+                f"reference {dpo.get('reference', '-')})")
+    if method == "grpo":
+        grpo = cfg.get("grpo") if isinstance(cfg.get("grpo"), dict) else {}
+        return f"GRPO ({grpo.get('num_generations', '-')} completions per prompt, beta {grpo.get('beta', '-')})"
+    if method == "text":
+        return "continued pretraining on plain text (every token in the loss)"
+    return "supervised fine-tuning"
 
 
 def _get(d: dict[str, Any], dotted: str, default: Any = "-") -> Any:
@@ -122,7 +120,8 @@ def summary(paths: RunPaths, slurm_rows: list[dict[str, Any]] | None = None) -> 
         "name": manifest.get("name") or paths.root.name,
         "executor": manifest.get("executor", "-"),
         "manifest_problem": manifest_problem,
-        "config": _config(paths),
+        "config": (config := _config(paths)),
+        "objective": recorded_objective(manifest, config),
         "progress": progress_of(metrics, max_steps),
         "attempts": rows,
         "lost": lost_to_preemption(rows),
@@ -174,7 +173,7 @@ def _nodes_by_attempt(paths: RunPaths) -> dict[tuple[str, int], str]:
 def render(s: dict[str, Any], plot_name: str | None) -> str:
     """The Markdown text of the report."""
     cfg = s["config"]
-    objective, packed = _objective(cfg)
+    objective, packed = _objective(cfg, s["objective"]), s["objective"].get("packed")
     res = cfg.get("resources", {}) if isinstance(cfg.get("resources"), dict) else {}
     nodes, gpus = res.get("nodes", "-"), res.get("gpus_per_node", "-")
     ranks = res.get("tasks_per_node") or gpus or "-"
