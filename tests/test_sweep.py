@@ -406,3 +406,28 @@ def test_validate_says_the_warning_and_passes(tmp_path: Path, capsys: pytest.Cap
     assert code == 0 and "ok (sweep sw: 2 point(s)" in out, err
     assert "warning: sweep.select.metric is loss, but the points' loss values are not one measure" in err, err
     assert "  dpo.beta differs between points (0.1, 0.5)" in err and "  fix: rank by an evaluation score" in err, err
+
+
+def test_the_ranking_warning_is_kept_in_sweep_json_and_said_by_status_and_report(tmp_path: Path) -> None:
+    """`best` follows the ranking whether or not the submit's warning was read: sweep.json keeps it, and the status
+    table (and --json) and report.md say it again beside the ranking."""
+    from slurmft.rundir import SweepPaths, write_sweep_record
+    from slurmft.submit.sweep import new_record
+    from slurmft.watch.sweep import format_table, status_lines, write_sweep_report
+
+    sweep = load_sweep(write(tmp_path, {"grid": {"data.max_seq_length": [64, 128]}}))
+    assert sweep is not None
+    record = new_record(sweep, "run.yaml")
+    assert record["select_warnings"][1].startswith("  data.max_seq_length differs between points (64, 128)")
+    root = tmp_path / "out"
+    root.mkdir()
+    write_sweep_record(SweepPaths(root), record)
+    table = format_table(record, [], None)
+    assert table[-1] == "best: none yet (no point has a score and a model)"
+    assert table[-1 - len(record["select_warnings"]):-1] == record["select_warnings"]
+    assert json.loads(status_lines(root, as_json=True)[0])["select_warnings"] == record["select_warnings"]
+    report = write_sweep_report(root).read_text()
+    assert "> warning: sweep.select.metric is loss, but the points' loss values are not one measure" in report
+    assert "> data.max_seq_length differs between points (64, 128)" in report
+    calm = new_record(load_sweep(write(tmp_path, {"grid": {"train.seed": [1, 2]}})), "run.yaml")
+    assert calm["select_warnings"] == [] and not any("warning" in line for line in format_table(calm, [], None))

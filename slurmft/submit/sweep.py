@@ -74,7 +74,7 @@ from slurmft.submit.dispatch import (
     make_slurm_executor,
     quiet,
 )
-from slurmft.sweep import Sweep, select_of
+from slurmft.sweep import Sweep, select_of, select_warnings
 
 
 @dataclass
@@ -99,10 +99,14 @@ def prepare_groups(configs: list[RunConfig]) -> list[list[int]]:
 
 
 def new_record(sweep: Sweep, config_path: str) -> dict[str, Any]:
-    """``sweep.json`` before any job: the points, their overrides and directories."""
+    """``sweep.json`` before any job: the points, their overrides and directories, how they are ranked and why that
+    ranking may compare unlike measures (``select_warnings``: what validate and submit said; status and report say
+    it again beside the ranking)."""
     assert sweep.cfg.sweep is not None
+    select = select_of(sweep.cfg)
     return {"version": SWEEP_VERSION, "name": sweep.cfg.name, "executor": sweep.cfg.resolved_executor.value,
-            "config": config_path, "select": select_of(sweep.cfg),
+            "config": config_path, "select": select,
+            "select_warnings": select_warnings(select["metric"], sweep.configs),
             "points": [{"index": p.index, "name": p.name, "dir": c.output_dir, "overrides": p.overrides}
                        for p, c in zip(sweep.points, sweep.configs, strict=True)],
             "jobs": []}
