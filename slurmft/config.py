@@ -29,6 +29,7 @@ from slurmft.config_model_checks import EvalConfig, ServeConfig
 from slurmft.config_sweep import SweepConfig
 from slurmft.config_values import NAME_RE, PATH_RE, Section, Size, check_value, slurm_time_seconds
 from slurmft.lora import ALL_LINEAR, lora_scaling
+from slurmft.methods import Method, method_of, objective, packs
 from slurmft.precision import PRECISIONS
 
 #: train.precision's choices: ``auto`` and the modes of slurmft/precision.py, listed once there.
@@ -391,14 +392,6 @@ class DPOConfig(Section):
         return v
 
 
-class Method(str, Enum):
-    """What the train job optimises: the section that selects it (none = sft)."""
-
-    SFT = "sft"
-    DPO = "dpo"
-    GRPO = "grpo"
-
-
 class RunConfig(Section):
     """A whole run: the contents of run.yaml."""
 
@@ -586,14 +579,19 @@ class RunConfig(Section):
 
     @property
     def method(self) -> Method:
-        """sft, or the method whose section is set (dpo, grpo)."""
-        return Method.DPO if self.dpo is not None else Method.GRPO if self.grpo is not None else Method.SFT
+        """sft, or the method whose section is set (dpo, grpo): slurmft/methods.py decides."""
+        return method_of(self.dpo is not None, self.grpo is not None)
 
     @property
     def packed(self) -> bool:
-        """data.packing where it applies: supervised fine-tuning. DPO trains on each pair, GRPO on each prompt and its
-        completions, padded, never packed."""
-        return self.data.packing and self.method == Method.SFT
+        """data.packing where it applies (slurmft/methods.py ``packs``: supervised fine-tuning only)."""
+        return packs(self.method, self.data.packing)
+
+    @property
+    def objective(self) -> dict[str, Any]:
+        """What ``submit`` records in the run's manifest, so that the watching commands need not decide it again:
+        ``{"method": sft|dpo|grpo|text, "packed": bool}`` (slurmft/methods.py)."""
+        return objective(self.method, self.data.packing, not self.chat_data)
 
     @property
     def assistant_masks(self) -> bool:

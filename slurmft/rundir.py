@@ -395,15 +395,17 @@ def planned_max_steps(paths: RunPaths, max_steps: int | None, epochs: float | No
         return None
 
 
-def new_manifest(name: str, executor: str, run_id: str = "") -> dict[str, Any]:
+def new_manifest(name: str, executor: str, run_id: str = "", objective: dict[str, Any] | None = None) -> dict[str, Any]:
     """An empty manifest for a new run.
 
     ``jobs`` lists every job ever submitted for the run (kind, job id, per-kind attempt number);
     ``attempts`` lists how the run was started and continued: one entry per ``submit`` or ``resume``
-    with its job ids, the checkpoint it resumed from and why the previous attempt ended.
+    with its job ids, the checkpoint it resumed from and why the previous attempt ended; ``objective``
+    (``RunConfig.objective``: method and packing) what it trains by (slurmft/methods.py).
     """
     return {"version": MANIFEST_VERSION, "name": name, "executor": executor, "run_id": run_id,
-            "owner": current_user().record(), "created": time.time(), "jobs": [], "attempts": []}
+            "owner": current_user().record(), "created": time.time(),
+            **({"objective": objective} if objective is not None else {}), "jobs": [], "attempts": []}
 
 
 def check_run_dir(paths: RunPaths) -> None:

@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -261,6 +262,72 @@ def select_problems(metric: str, configs: list[RunConfig]) -> list[str]:
         if line not in problems:
             problems.append(line)
     return problems
+
+
+#: What a ranking metric measures, setting by setting: points that differ in one of these are ranked on different
+#: measures, not on better and worse values of one. (name, the setting of a point's config, why it changes the measure)
+Measure = tuple[str, Callable[[RunConfig], Any], str]
+#: train.sft keys that change which tokens the SFT loss counts, or how
+SFT_LOSS_KEYS = ("loss_type", "completion_only_loss", "packing_strategy")
+LOSS_MEASURES: tuple[Measure, ...] = (
+    ("the method", lambda c: c.objective["method"], "each method (sft, dpo, grpo, plain text) has a loss of its own"),
+    ("model.tokenizer (model.name_or_path when unset)", lambda c: c.model.tokenizer or c.model.name_or_path,
+     "another tokenizer cuts the same text into other tokens: a loss per token of another vocabulary"),
+    ("data.datasets", lambda c: [d.model_dump(mode="json") for d in c.data.datasets],
+     "each loss is measured on other examples"),
+    ("data.max_seq_length", lambda c: c.data.max_seq_length, "sequences (and plain text's chunks) are cut at another "
+     "length: other tokens in each loss, and a longer context makes every token easier to predict"),
+    ("data.packing", lambda c: c.packed, "a packed step averages its loss over other sequences and tokens than a "
+     "padded one"),
+    ("data.assistant_only_loss", lambda c: c.assistant_masks, "the loss counts the replies only, or every token"),
+    (f"train.sft ({', '.join(SFT_LOSS_KEYS)})", lambda c: {k: c.train.sft[k] for k in SFT_LOSS_KEYS if k in c.train.sft},
+     "they change which tokens the loss counts, or its formula"),
+    ("dpo.beta", lambda c: c.dpo and c.dpo.beta, "the DPO loss is -log sigmoid(beta x the reward margin): its scale "
+     "follows beta (ln 2 at the first step whatever beta, then apart)"),
+    ("dpo.loss_type", lambda c: c.dpo and c.dpo.loss_type, "each loss type is another function of the margins"),
+    ("dpo.label_smoothing", lambda c: c.dpo and c.dpo.label_smoothing, "it mixes in the flipped labels' loss"),
+)
+REWARD_MEASURES: tuple[Measure, ...] = (
+    ("grpo.rewards", lambda c: c.grpo and [r.model_dump(mode="json") for r in c.grpo.rewards],
+     "other functions or weights score the completions"),
+    ("grpo.temperature", lambda c: c.grpo and c.grpo.temperature, "the rewarded completions are sampled otherwise, "
+     "whatever the policy"),
+    ("grpo.top_p", lambda c: c.grpo and c.grpo.top_p, "the rewarded completions are sampled otherwise, whatever the "
+     "policy"),
+    ("grpo.max_completion_length", lambda c: c.grpo and c.grpo.max_completion_length, "completions are cut at "
+     "another length before they are scored"),
+    ("data.datasets", lambda c: [d.model_dump(mode="json") for d in c.data.datasets], "the rewards are of other "
+     "prompts"),
+)
+EVAL_MEASURES: tuple[Measure, ...] = (
+    ("eval (tasks, num_fewshot, limit)", lambda c: c.eval and [c.eval.tasks, c.eval.num_fewshot, c.eval.limit],
+     "the points are scored by other evaluations"),
+)
+
+
+def select_warnings(metric: str, configs: list[RunConfig]) -> list[str]:
+    """Why ``metric`` does not rank these points on one measure (none when it does): the swept settings that change
+    what it measures, each with its values and why, then the fix. A warning, not a refusal: the sweep is valid, and
+    its points are worth training whatever ranks them; ``best`` just cannot be trusted until they are ranked by a
+    score that is one measure (an evaluation's), or by hand."""
+    if metric == "loss" and any(c.grpo is not None for c in configs):
+        return ["warning: sweep.select.metric is loss, but GRPO's loss (advantage-weighted, near 0 whatever the "
+                "rewards) says nothing of how good the policy is, so `best` would be chosen by chance; rank by "
+                "sweep.select.metric: reward (the default for grpo) or eval (with an eval: section)"]
+    measures = LOSS_MEASURES if metric == "loss" else REWARD_MEASURES if metric == "reward" else EVAL_MEASURES
+    lines = []
+    for name, setting, why in measures:
+        values = list(dict.fromkeys(json.dumps(setting(c), sort_keys=True, default=str) for c in configs))
+        if len(values) > 1:
+            shown = ", ".join(v if len(v) <= 40 else v[:37] + "..." for v in values[:4]) + (", ..." if values[4:] else "")
+            lines.append(f"  {name} differs between points ({shown}): {why}")
+    if not lines:
+        return []
+    fix = ("rank by an evaluation score, the same measure for every point: sweep.select.metric: eval (with an eval: "
+           "section) or eval/TASK/METRIC" if metric in ("loss", "reward") else "give every point the same eval section")
+    return [f"warning: sweep.select.metric is {metric}, but the points' {metric} values are not one measure, so "
+            "`best` would compare unlike things:", *lines, f"  fix: {fix}; or compare the points by hand "
+            "(`slurmft status`/`report` show each one's loss and score, `slurmft plot` their curves)"]
 
 
 def load_sweep(path: str | os.PathLike[str], overrides: list[str] | None = None) -> Sweep | None:

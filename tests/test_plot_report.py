@@ -102,7 +102,7 @@ def test_report_numbers_match_the_metrics(tmp_path: Path) -> None:
     final = records[-1]
     tokens = sum(r["tokens_per_s"] for r in records) / len(records)
     assert f"| final loss | {final['loss']:.4f} (step 36)" in text
-    assert f"| tokens/s | {round(tokens, 2)} (mean over logged steps)" in text
+    assert f"| tokens/s | {round(tokens, 2)} (tokens trained over the time of the logged steps)" in text
     assert f"| steps | 36 / 36 ({len(records)} logged) |" in text
     assert "5 step(s) computed again (≈ 5s) and 1m00s between attempts" in text  # 29.5 s + 30 s
     assert text.count("| 100 |") == 3  # three attempts

@@ -37,6 +37,18 @@ def test_progress_of_a_finished_run(tmp_path: Path) -> None:
     assert p["eta_s"] == 0.0 and p["problem"] is None
 
 
+def test_mean_tokens_per_s_is_the_tokens_over_the_time() -> None:
+    """Each line's rate weighed by the seconds it was measured over (a GRPO step that generates is slow, the one that
+    trains on its buffered completions quick: a plain mean of the two rates overstates the throughput); lines
+    without interval_s (an older slurmft's) are averaged plainly."""
+    from slurmft.watch.progress import mean_tokens_per_s
+
+    generated, reused = {"tokens_per_s": 100.0, "interval_s": 3.0}, {"tokens_per_s": 400.0, "interval_s": 1.0}
+    assert mean_tokens_per_s([generated, reused]) == (300 + 400) / 4
+    assert mean_tokens_per_s([{"tokens_per_s": 100.0}, {"tokens_per_s": 400.0}]) == 250.0
+    assert mean_tokens_per_s([{"loss": 1.0}]) is None
+
+
 def test_eta_is_at_the_recent_rate_of_the_running_attempt(tmp_path: Path) -> None:
     paths = RunPaths.of(tmp_path)
     slow = [record(s, T0 + 10 * s, "7", 0) for s in range(1, 11)]          # 10 s/step, long ago

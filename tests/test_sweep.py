@@ -190,6 +190,8 @@ def test_local_sweep_runs_the_points_one_after_another(tmp_path: Path, micro_mod
     for point in (first, second):
         assert (point / "model" / "config.json").is_file()
         assert load_config(point / "config.yaml").output_dir == str(point)
+        # what the point trains by, recorded by its submit for the watching commands (slurmft/methods.py)
+        assert json.loads((point / "manifest.json").read_text())["objective"] == {"method": "sft", "packed": True}
     a, b = ((p / "model" / "model-00001-of-00001.safetensors").read_bytes() for p in (first, second))
     assert a != b  # two learning rates, two models
     assert not (root / "scripts").exists()  # no arrays here
@@ -344,3 +346,88 @@ def test_prepare_of_a_sweep_file_is_refused_and_writes_nothing(tmp_path: Path,
         assert code == 2 and f"sweep: {path} is a sweep; `slurmft prepare` prepares one run's data" in err, err
         assert f"`slurmft submit {path}` prepares every distinct data set once" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
+
+
+GRPO = {"num_generations": 2, "rewards": [{"function": "exact_match"}]}
+PROMPTS = {"datasets": [{"path": "data/prompts.jsonl"}], "max_seq_length": 64}
+
+
+@pytest.mark.parametrize(("grid", "sections", "said"), [
+    ({"dpo.beta": [0.1, 0.5]}, {"dpo": {"beta": 0.1}}, "dpo.beta differs between points (0.1, 0.5): the DPO loss"),
+    ({"data.max_seq_length": [64, 128]}, {}, "data.max_seq_length differs between points (64, 128)"),
+    ({"data.packing": [True, False]}, {}, "data.packing differs between points (true, false)"),
+    ({"model.name_or_path": ["org/a", "org/b"]}, {},
+     'model.tokenizer (model.name_or_path when unset) differs between points ("org/a", "org/b")'),
+    ({"train.sft": [{}, {"loss_type": "dft"}]}, {}, "train.sft (loss_type, completion_only_loss, packing_strategy)"),
+    ({"grpo.temperature": [0.7, 1.0]}, {"grpo": GRPO, "data": PROMPTS},
+     "sweep.select.metric is reward, but the points' reward values are not one measure"),
+    ({"train.learning_rate": [1e-5, 3e-5]}, {"grpo": GRPO, "data": PROMPTS, "sweep_select": {"metric": "loss"}},
+     "GRPO's loss (advantage-weighted, near 0 whatever the rewards) says nothing of how good the policy is"),
+], ids=["dpo-beta", "max-seq-length", "packing", "tokenizer", "sft-loss-type", "grpo-temperature-by-reward",
+        "grpo-by-loss"])
+def test_a_ranking_metric_that_is_not_one_measure_over_the_points_is_warned_of(tmp_path: Path, grid: dict,
+                                                                               sections: dict, said: str) -> None:
+    """Ranking by the training loss compares unlike things when the swept key changes what the loss measures (the
+    DPO loss's scale follows beta, a longer max_seq_length predicts every token from more context, ...): the sweep is
+    valid, so it is a warning naming the axis, its values, why, and the fix (an evaluation score), not a refusal."""
+    from slurmft.sweep import select_of, select_warnings
+
+    select = sections.pop("sweep_select", None)
+    sweep = load_sweep(write(tmp_path, {"grid": grid, **({"select": select} if select else {})}, **sections))
+    assert sweep is not None
+    warned = "\n".join(select_warnings(select_of(sweep.cfg)["metric"], sweep.configs))
+    assert said in warned and warned.startswith("warning: sweep.select.metric is "), warned
+    assert "sweep.select.metric: reward" in warned if "GRPO's loss" in said else "fix: rank by an evaluation score" in warned
+
+
+@pytest.mark.parametrize(("grid", "sections"), [
+    ({"train.learning_rate": [1e-5, 3e-5], "train.seed": [1, 2], "lora.r": [8, 16]}, {"lora": {"r": 8}}),
+    ({"model.name_or_path": ["org/a", "org/b"]}, {"model": {"name_or_path": "org/a", "tokenizer": "org/tok"}}),
+    ({"dpo.beta": [0.1, 0.5]}, {"dpo": {"beta": 0.1}, "eval": {"tasks": ["hellaswag"]}}),
+    ({"grpo.beta": [0.0, 0.04], "train.learning_rate": [1e-5, 3e-5]}, {"grpo": GRPO, "data": PROMPTS}),
+], ids=["lr-seed-rank", "models-one-tokenizer", "dpo-beta-by-eval", "grpo-beta-by-reward"])
+def test_a_ranking_metric_that_is_one_measure_over_the_points_is_not_warned_of(tmp_path: Path, grid: dict,
+                                                                               sections: dict) -> None:
+    from slurmft.sweep import select_of, select_warnings
+
+    sweep = load_sweep(write(tmp_path, {"grid": grid}, **sections))
+    assert sweep is not None
+    assert select_warnings(select_of(sweep.cfg)["metric"], sweep.configs) == []
+
+
+def test_validate_says_the_warning_and_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`slurmft validate` (and `submit`, through the same checks: slurmft/cli_sweep.py ``checked``) prints it to
+    stderr and still says ok (exit 0)."""
+    (tmp_path / "data").mkdir()
+    shutil.copy(Path(__file__).parents[1] / "examples" / "tiny" / "data" / "pairs.jsonl", tmp_path / "data")
+    path = write(tmp_path, {"grid": {"dpo.beta": [0.1, 0.5]}}, dpo={"beta": 0.1},
+                 data={"datasets": [{"path": "data/pairs.jsonl"}], "max_seq_length": 64})
+    code, out, err = cli(["validate", str(path)], capsys)
+    assert code == 0 and "ok (sweep sw: 2 point(s)" in out, err
+    assert "warning: sweep.select.metric is loss, but the points' loss values are not one measure" in err, err
+    assert "  dpo.beta differs between points (0.1, 0.5)" in err and "  fix: rank by an evaluation score" in err, err
+
+
+def test_the_ranking_warning_is_kept_in_sweep_json_and_said_by_status_and_report(tmp_path: Path) -> None:
+    """`best` follows the ranking whether or not the submit's warning was read: sweep.json keeps it, and the status
+    table (and --json) and report.md say it again beside the ranking."""
+    from slurmft.rundir import SweepPaths, write_sweep_record
+    from slurmft.submit.sweep import new_record
+    from slurmft.watch.sweep import format_table, status_lines, write_sweep_report
+
+    sweep = load_sweep(write(tmp_path, {"grid": {"data.max_seq_length": [64, 128]}}))
+    assert sweep is not None
+    record = new_record(sweep, "run.yaml")
+    assert record["select_warnings"][1].startswith("  data.max_seq_length differs between points (64, 128)")
+    root = tmp_path / "out"
+    root.mkdir()
+    write_sweep_record(SweepPaths(root), record)
+    table = format_table(record, [], None)
+    assert table[-1] == "best: none yet (no point has a score and a model)"
+    assert table[-1 - len(record["select_warnings"]):-1] == record["select_warnings"]
+    assert json.loads(status_lines(root, as_json=True)[0])["select_warnings"] == record["select_warnings"]
+    report = write_sweep_report(root).read_text()
+    assert "> warning: sweep.select.metric is loss, but the points' loss values are not one measure" in report
+    assert "> data.max_seq_length differs between points (64, 128)" in report
+    calm = new_record(load_sweep(write(tmp_path, {"grid": {"train.seed": [1, 2]}})), "run.yaml")
+    assert calm["select_warnings"] == [] and not any("warning" in line for line in format_table(calm, [], None))

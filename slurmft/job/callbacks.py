@@ -91,7 +91,8 @@ def peak_rss_mib() -> float:
 
 
 class MetricsLog(TrainerCallback):
-    """Rank 0 appends one JSON line per logging step: loss, lr, grad norm, tokens/s, peak memory."""
+    """Rank 0 appends one JSON line per logging step: loss, lr, grad norm, tokens/s (the tokens trained since the
+    previous line, over the ``interval_s`` seconds since it), peak memory."""
 
     def __init__(self, ctx: DistContext, path: Path, info: dict[str, Any]) -> None:
         self.ctx = ctx
@@ -128,6 +129,8 @@ class MetricsLog(TrainerCallback):
             "learning_rate": logs.get("learning_rate"),
             "grad_norm": logs.get("grad_norm"),
             "tokens_per_s": round((tokens - last_tokens) / (now - last_t), 2) if now > last_t else None,
+            # what tokens_per_s is measured over: a mean over steps weighs each step by it (slurmft/watch/progress.py)
+            "interval_s": round(now - last_t, 3),
             "num_input_tokens_seen": tokens,
             "peak_rss_mib": round(float(peaks[0]), 1),
             "peak_gpu_mem_mib": round(float(peaks[1]), 1) if self.ctx.on_gpu else None,

@@ -25,6 +25,10 @@ What we do instead:
   micro-step count (``_step``) in memory only, so a checkpoint at a step inside a generation resumed into a new
   generation (other completions, the phase shifted). Every rank writes its share and the count beside its RNG
   state (``grpo_rollouts_<rank>.pt``); the next attempt continues the same rollouts at the same place;
+- **tokens counted where they are trained** (:func:`trained_tokens`): TRL adds a generation batch's tokens to
+  ``num_input_tokens_seen`` when it generates it, so with ``steps_per_generation`` above the accumulation the steps
+  that train on its buffered rest logged 0 tokens/s (and a mean over steps about half the truth with 2); each
+  micro-step adds the prompt and completion tokens it trains on instead;
 - the reference (``beta > 0``, full fine-tuning): the starting model built exactly as DPO's
   (slurmft/job/dpo.py ``reference_model``: meta device, sliced loading, FSDP2 per decoder layer, no gradients),
   handed to TRL in place of the copy it would load;
@@ -176,6 +180,16 @@ def generate_seeded(trainer: Any, prompt_ids: list[list[int]]) -> list[list[int]
     return kept
 
 
+def trained_tokens(trainer: Any, inputs: dict[str, Any]) -> int:
+    """The tokens one micro-step trains on, over every rank: each row's prompt and completion without padding (the
+    attention mask of TRL's forward). What ``tokens_per_s`` in metrics.jsonl counts for GRPO, step by step: TRL
+    counts the whole generation batch once, at the step that generates it, so with ``steps_per_generation`` above the
+    accumulation the steps that reuse its completions showed 0 tokens/s. One gather of one number per micro-step,
+    beside the several TRL's loss already makes for its metrics."""
+    local = (inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()).reshape(1)
+    return int(trainer.accelerator.gather(local).sum().item())
+
+
 ROLLOUTS_FILE = "grpo_rollouts_{rank}.pt"
 
 
@@ -225,6 +239,15 @@ def trainer_class() -> type:
 
                 return vllm_rollouts.generate(self, prompt_ids), None
             return generate_seeded(self, prompt_ids), None
+
+        def _prepare_inputs(self, generation_batch: Any) -> Any:
+            # TRL adds a whole generation batch to num_input_tokens_seen when it generates it, and nothing on the
+            # steps that train on its buffered rest: the tokens each micro-step trains on are counted instead
+            seen = self.state.num_input_tokens_seen
+            inputs = super()._prepare_inputs(generation_batch)
+            if self.model.training:
+                self.state.num_input_tokens_seen = seen + trained_tokens(self, inputs)
+            return inputs
 
         def _save_rng_state(self, output_dir: str) -> None:
             super()._save_rng_state(output_dir)

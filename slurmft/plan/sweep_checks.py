@@ -2,7 +2,7 @@
 
 The schema of each point was checked when the sweep was expanded (:mod:`slurmft.sweep`); here each point meets
 the checks that read files and the cluster profile (:func:`slurmft.plan.checks.run_checks`) and the memory
-estimate. The array's allocation is every point's, so the largest point decides whether the array fits: each
+estimate, and a ranking metric that is not one measure over the points is warned of (:func:`select_warnings`). The array's allocation is every point's, so the largest point decides whether the array fits: each
 point that does not is named with its overrides, and nothing is written.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from slurmft.errors import ConfigError, SlurmftError
 from slurmft.profiles import ClusterProfile
-from slurmft.sweep import Sweep
+from slurmft.sweep import Sweep, select_of, select_warnings
 
 
 def check_points(sweep: Sweep, profile: ClusterProfile, force: bool = False) -> list[str]:
@@ -22,7 +22,7 @@ def check_points(sweep: Sweep, profile: ClusterProfile, force: bool = False) -> 
     from slurmft.plan.estimate import estimate
 
     problems: list[str] = []
-    said: list[str] = []
+    said: list[str] = select_warnings(select_of(sweep.cfg)["metric"], sweep.configs)
     for point, cfg in zip(sweep.points, sweep.configs, strict=True):
         who = f"point {point.name} ({point.label()})"
         report = run_checks(cfg)

@@ -212,7 +212,7 @@ def submit_run(
     kept = frozenset({paths.prepared} if paths.prepared.is_dir() else ())  # prepared before the submit
     need_prepare = prepared.needed_for_new_run(paths, cfg, say)
     created = _lock_new_run_dir(paths, say)
-    manifest = new_manifest(cfg.name, executor.value, paths.run_id)
+    manifest = new_manifest(cfg.name, executor.value, paths.run_id, cfg.objective)
     result = SubmitResult(paths.root, executor.value, scripts={k: paths.script(k) for k in scripts})
     try:
         _write_run_dir(paths, cfg, scripts)

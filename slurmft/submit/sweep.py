@@ -74,7 +74,7 @@ from slurmft.submit.dispatch import (
     make_slurm_executor,
     quiet,
 )
-from slurmft.sweep import Sweep, select_of
+from slurmft.sweep import Sweep, select_of, select_warnings
 
 
 @dataclass
@@ -99,10 +99,14 @@ def prepare_groups(configs: list[RunConfig]) -> list[list[int]]:
 
 
 def new_record(sweep: Sweep, config_path: str) -> dict[str, Any]:
-    """``sweep.json`` before any job: the points, their overrides and directories."""
+    """``sweep.json`` before any job: the points, their overrides and directories, how they are ranked and why that
+    ranking may compare unlike measures (``select_warnings``: what validate and submit said; status and report say
+    it again beside the ranking)."""
     assert sweep.cfg.sweep is not None
+    select = select_of(sweep.cfg)
     return {"version": SWEEP_VERSION, "name": sweep.cfg.name, "executor": sweep.cfg.resolved_executor.value,
-            "config": config_path, "select": select_of(sweep.cfg),
+            "config": config_path, "select": select,
+            "select_warnings": select_warnings(select["metric"], sweep.configs),
             "points": [{"index": p.index, "name": p.name, "dir": c.output_dir, "overrides": p.overrides}
                        for p, c in zip(sweep.points, sweep.configs, strict=True)],
             "jobs": []}
@@ -182,7 +186,7 @@ def _write_points(sweep: Sweep, scripts: list[dict[str, str]], arrays: dict[str,
         point = RunPaths.of(cfg.output_dir)
         point.root.mkdir()
         _write_run_dir(point, cfg, texts)
-        write_manifest(point, new_manifest(cfg.name, cfg.resolved_executor.value, point.run_id))
+        write_manifest(point, new_manifest(cfg.name, cfg.resolved_executor.value, point.run_id, cfg.objective))
     write_sweep_record(sweep.paths, record)
 
 
@@ -215,7 +219,8 @@ def _submit_arrays(sweep: Sweep, profile: ClusterProfile, config_path: str, temp
 
     root = RunPaths.of(sweep.paths.root)
     first = sweep.configs[0]
-    manifests = [new_manifest(c.name, Executor.SLURM.value, RunPaths.of(c.output_dir).run_id) for c in sweep.configs]
+    manifests = [new_manifest(c.name, Executor.SLURM.value, RunPaths.of(c.output_dir).run_id, c.objective)
+                 for c in sweep.configs]
     attempts = [start_attempt(m, "submit", **allocation(c)) for m, c in zip(manifests, sweep.configs, strict=True)]
     prep = None
     if groups:
@@ -332,7 +337,7 @@ def _run_points_here(sweep: Sweep, profile: ClusterProfile, config_path: str, te
     leaders = {g[0] for g in groups}
     for i, (p, cfg) in enumerate(zip(sweep.points, sweep.configs, strict=True)):
         point = RunPaths.of(cfg.output_dir)
-        manifest = new_manifest(cfg.name, Executor.LOCAL.value, point.run_id)
+        manifest = new_manifest(cfg.name, Executor.LOCAL.value, point.run_id, cfg.objective)
         attempt = start_attempt(manifest, "submit", **allocation(cfg))
         one = SubmitResult(point.root, Executor.LOCAL.value)
         result.points[p.name] = one

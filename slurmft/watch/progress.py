@@ -118,6 +118,19 @@ def _segment_key(rec: dict[str, Any]) -> tuple[str, int]:
     return str(rec.get("job_id", "")), int(rec.get("restart") or 0)
 
 
+def mean_tokens_per_s(records: list[dict[str, Any]]) -> float | None:
+    """The tokens per second of ``records`` together: the tokens they trained over the seconds it took, each record's
+    ``tokens_per_s`` weighed by the ``interval_s`` it was measured over. A plain mean of the rates counts a quick
+    GRPO step that reuses buffered completions as much as the slow one that generated them, so it overstates the
+    throughput. Records without ``interval_s`` (written by an older slurmft) are averaged plainly. None: no rate."""
+    rated = [(v, _num(r.get("interval_s"))) for r in records if (v := _num(r.get("tokens_per_s"))) is not None]
+    if not rated:
+        return None
+    if all(w is not None and w > 0 for _, w in rated):
+        return sum(v * w for v, w in rated) / sum(w for _, w in rated)  # type: ignore[operator, misc]
+    return sum(v for v, _ in rated) / len(rated)
+
+
 def rate(records: list[dict[str, Any]], recent: int = RECENT) -> tuple[float | None, float | None]:
     """(steps/s, tokens/s) over the newest ``recent`` records of the newest attempt.
 
@@ -133,8 +146,7 @@ def rate(records: list[dict[str, Any]], recent: int = RECENT) -> tuple[float | N
             break
         tail.append(rec)
     tail.reverse()
-    tokens = [v for v in (_num(r.get("tokens_per_s")) for r in tail) if v is not None]
-    tokens_per_s = sum(tokens) / len(tokens) if tokens else None
+    tokens_per_s = mean_tokens_per_s(tail)
     t0, t1 = _num(tail[0].get("time")), _num(tail[-1].get("time"))
     steps = tail[-1]["step"] - tail[0]["step"]
     if t0 is None or t1 is None or t1 <= t0 or steps <= 0:

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from slurmft import __version__
+from slurmft.methods import recorded_objective
 from slurmft.rundir import RunPaths, atomic_write, check_run_dir, is_sweep_dir, read_manifest, unreadable
 from slurmft.trackers import read_tracker, sync_command, tracker_lines
 from slurmft.units import binary_bytes, fmt_duration
@@ -33,6 +34,7 @@ from slurmft.watch.progress import (
     lora_words,
     lost_to_preemption,
     max_steps_of,
+    mean_tokens_per_s,
     model_info,
     preference_words,
     progress_of,
@@ -57,24 +59,21 @@ def _config(paths: RunPaths) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _objective(cfg: dict[str, Any]) -> tuple[str, bool | None]:
-    """What the run optimises, in words, and whether its data is packed, from the raw config mapping (the watching
-    commands never build the schema: tests/test_lazy_imports.py). The rules are ``RunConfig.method`` (a dpo: or grpo:
-    section selects it), ``packed`` (DPO and GRPO never pack, whatever data.packing says) and ``chat_data``."""
-    from slurmft.sourcefiles import is_text
-
-    dpo, grpo = cfg.get("dpo"), cfg.get("grpo")
-    packing = _get(cfg, "data.packing", None)
-    if isinstance(dpo, dict):  # config.yaml is the resolved config: every key is there
+def _objective(cfg: dict[str, Any], recorded: dict[str, Any]) -> str:
+    """What the run optimises, in words: the method its submit recorded (slurmft/methods.py), with its settings from
+    the raw config mapping (the watching commands never build the schema: tests/test_lazy_imports.py)."""
+    method = recorded.get("method")
+    if method == "dpo":  # config.yaml is the resolved config: every key is there
+        dpo = cfg.get("dpo") if isinstance(cfg.get("dpo"), dict) else {}
         loss = dpo.get("loss_type", "-")
         return (f"DPO (beta {dpo.get('beta', '-')}, loss {', '.join(loss) if isinstance(loss, list) else loss}, "
-                f"reference {dpo.get('reference', '-')})", False)
-    if isinstance(grpo, dict):
-        return f"GRPO ({grpo.get('num_generations', '-')} completions per prompt, beta {grpo.get('beta', '-')})", False
-    sources = [d for d in _get(cfg, "data.datasets", []) if isinstance(d, dict) and isinstance(d.get("path"), str)]
-    if sources and all(is_text(d["path"], str(d.get("format", "auto"))) for d in sources):
-        return "continued pretraining on plain text (every token in the loss)", packing
-    return "supervised fine-tuning", packing
+                f"reference {dpo.get('reference', '-')})")
+    if method == "grpo":
+        grpo = cfg.get("grpo") if isinstance(cfg.get("grpo"), dict) else {}
+        return f"GRPO ({grpo.get('num_generations', '-')} completions per prompt, beta {grpo.get('beta', '-')})"
+    if method == "text":
+        return "continued pretraining on plain text (every token in the loss)"
+    return "supervised fine-tuning"
 
 
 def _get(d: dict[str, Any], dotted: str, default: Any = "-") -> Any:
@@ -114,7 +113,6 @@ def summary(paths: RunPaths, slurm_rows: list[dict[str, Any]] | None = None) -> 
     max_steps = max_steps_of(paths)
     rows = attempts(manifest, records, slurm_rows, markers=requeue_markers(paths), max_steps=max_steps)
     losses = [r["loss"] for r in records if isinstance(r.get("loss"), (int, float))]
-    tokens = [r["tokens_per_s"] for r in records if isinstance(r.get("tokens_per_s"), (int, float))]
     rss = [r["peak_rss_mib"] for r in records if isinstance(r.get("peak_rss_mib"), (int, float))]
     gpu = [r["peak_gpu_mem_mib"] for r in records if isinstance(r.get("peak_gpu_mem_mib"), (int, float))]
     last = records[-1] if records else {}
@@ -122,14 +120,15 @@ def summary(paths: RunPaths, slurm_rows: list[dict[str, Any]] | None = None) -> 
         "name": manifest.get("name") or paths.root.name,
         "executor": manifest.get("executor", "-"),
         "manifest_problem": manifest_problem,
-        "config": _config(paths),
+        "config": (config := _config(paths)),
+        "objective": recorded_objective(manifest, config),
         "progress": progress_of(metrics, max_steps),
         "attempts": rows,
         "lost": lost_to_preemption(rows),
         "final_loss": last.get("loss"),
         "final_step": last.get("step"),
         "mean_loss_last10": round(sum(losses[-10:]) / len(losses[-10:]), 4) if losses else None,
-        "tokens_per_s_mean": round(sum(tokens) / len(tokens), 2) if tokens else None,
+        "tokens_per_s_mean": round(tps, 2) if (tps := mean_tokens_per_s(records)) is not None else None,
         "tokens_seen": last.get("num_input_tokens_seen"),
         "logged_steps": len(records),
         "peak_rss_mib_worst_rank": max(rss) if rss else None,
@@ -174,7 +173,7 @@ def _nodes_by_attempt(paths: RunPaths) -> dict[tuple[str, int], str]:
 def render(s: dict[str, Any], plot_name: str | None) -> str:
     """The Markdown text of the report."""
     cfg = s["config"]
-    objective, packed = _objective(cfg)
+    objective, packed = _objective(cfg, s["objective"]), s["objective"].get("packed")
     res = cfg.get("resources", {}) if isinstance(cfg.get("resources"), dict) else {}
     nodes, gpus = res.get("nodes", "-"), res.get("gpus_per_node", "-")
     ranks = res.get("tasks_per_node") or gpus or "-"
@@ -228,7 +227,7 @@ def render(s: dict[str, Any], plot_name: str | None) -> str:
           f"| steps | {_dash(p['step'])} / {_dash(p['max_steps'])} ({s['logged_steps']} logged) |",
           f"| final loss | {_loss(s['final_loss'])} (step {_dash(s['final_step'])}); "
           f"mean of the last 10 logged: {_loss(s['mean_loss_last10'])} |",
-          f"| tokens/s | {_dash(s['tokens_per_s_mean'])} (mean over logged steps); "
+          f"| tokens/s | {_dash(s['tokens_per_s_mean'])} (tokens trained over the time of the logged steps); "
           f"{_dash(s['tokens_seen'])} tokens seen |"]
     if p.get("preference"):
         L.append(f"| DPO, final step | {preference_words(p['preference'])} |")

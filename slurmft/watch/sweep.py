@@ -6,7 +6,8 @@ one squeue call for all points, sacct for those squeue forgot). A point's score 
 names (sweep.json records it with its defaults said, :func:`slurmft.sweep.select_of`): its final training loss, the
 loss of the last logged step once the point has trained every step of its plan (a grpo point: the mean reward of its
 last rollouts then), or a score of its evaluation (RUN_DIR/eval/summary.json). A point without one yet (still
-training, not evaluated yet, died) is not ranked; ties keep the points' order. The link is refreshed by every ``status`` of the sweep and by each point's consolidation
+training, not evaluated yet, died) is not ranked; ties keep the points' order. A ranking that compares unlike
+measures (slurmft/sweep.py ``select_warnings``, kept in sweep.json at submit) is said again under the table. The link is refreshed by every ``status`` of the sweep and by each point's consolidation
 and evaluation job when it ends, so it names the best of the points whose models exist.
 """
 
@@ -137,11 +138,19 @@ def format_table(record: dict[str, Any], rows: list[dict[str, Any]], best: dict[
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = [f"sweep {record.get('name')} ({record.get('executor')}): {len(rows)} point(s)"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table]
+    lines += select_warnings_of(record)
     if best:
         lines.append(f"best: {best['name']} ({best['model']}; linked as best)")
     else:
         lines.append("best: none yet (no point has a score and a model)")
     return lines
+
+
+def select_warnings_of(record: dict[str, Any]) -> list[str]:
+    """What submit warned of the ranking (slurmft/sweep.py ``select_warnings``, kept in sweep.json): said again
+    wherever the ranking is shown, since ``best`` follows it whether or not the warning was read."""
+    warned = record.get("select_warnings")
+    return [str(line) for line in warned] if isinstance(warned, list) else []
 
 
 def status_lines(root: Path, as_json: bool = False) -> list[str]:
@@ -153,6 +162,7 @@ def status_lines(root: Path, as_json: bool = False) -> list[str]:
     best = update_best(root, rows)
     if as_json:
         return [json.dumps({"sweep": record["name"], "executor": record["executor"], "select": record["select"],
+                            "select_warnings": select_warnings_of(record),
                             "jobs": record["jobs"], "points": rows, "best": best and best["name"]}, indent=2)]
     return format_table(record, rows, best)
 
@@ -212,9 +222,11 @@ def write_sweep_report(root: Path) -> Path:
     except SlurmftError as exc:
         plot = f"(no plot: {exc})"
     ordered = sorted(rows, key=lambda r: (r["rank"] is None, r["rank"] or 0))
+    warned = select_warnings_of(record)
     lines = [f"# Sweep {record.get('name')}", "",
              f"{len(rows)} point(s), executor {record.get('executor')}, ranked by {select.get('metric', 'loss')} "
              f"({select.get('mode', 'min')}).", "",
+             *[f"> {line.strip()}  " for line in warned], *([""] if warned else []),
              f"**Best:** {best['name']} (`{best['model']}`, linked as `best`)" if best
              else "**Best:** none yet (no point has a score and a model)", "",
              "| rank | point | overrides | state | step | loss | score | model |",

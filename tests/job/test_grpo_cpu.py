@@ -275,3 +275,23 @@ def test_a_resume_on_one_rank_generates_the_same_completions_at_the_next_generat
     log = grpo_runs["elastic_log"]
     assert f"checkpoint-{EVERY} holds no rollouts for 1 ranks: the next step generates again" in log
     assert "resuming on 1 (1 x 2 x 2)" in log
+
+
+def test_tokens_per_s_counts_what_every_step_trains_on(grpo_runs: dict[str, Any]) -> None:
+    """TRL counts a generation batch's tokens at the step that generates it: with steps_per_generation 2 the steps
+    that train on the buffered rest logged 0 tokens/s, and the report's mean over steps was about half the truth.
+    Each step counts the prompt and completion tokens it trains on (slurmft/job/grpo.py ``trained_tokens``): with one
+    generation per step that is TRL's own count at every step (the single-process reference's ``num_tokens``); with
+    two, every step trains some; the report's tokens/s is the tokens trained over the time it took."""
+    from slurmft.rundir import RunPaths
+    from slurmft.watch.report import summary
+
+    runs = grpo_runs["runs"]
+    ours, theirs = read_metrics(runs["grpo"]), grpo_runs["trl"]
+    assert [m["num_input_tokens_seen"] for m in ours] == [int(t["num_tokens"]) for t in theirs]
+    spg2 = read_metrics(runs["spg2"])
+    seen = [m["num_input_tokens_seen"] for m in spg2]
+    assert all(after > before for before, after in zip([0, *seen[:-1]], seen, strict=True)), seen
+    assert all(m["tokens_per_s"] > 0 and m["interval_s"] > 0 for m in spg2), spg2
+    mean = summary(RunPaths.of(runs["spg2"]), slurm_rows=[])["tokens_per_s_mean"]
+    assert mean == pytest.approx(seen[-1] / sum(m["interval_s"] for m in spg2), rel=1e-3)

@@ -220,6 +220,9 @@ def test_cancel_of_the_sweep_directory_cancels_every_points_jobs(slurm_cluster, 
     cfg.update(name="sweepcancel", sweep={"grid": {"train.learning_rate": [1e-3, 2e-3]}})
     path.write_text(yaml.safe_dump(cfg))
     started = slurmft.started(["submit", str(path)])
+    for name in ("learning_rate-0.001", "learning_rate-0.002"):  # what each array point trains by, for its watchers
+        manifest = json.loads((tmp_path / "run" / name / "manifest.json").read_text())
+        assert manifest["objective"] == {"method": "sft", "packed": cfg["data"].get("packing", True)}, manifest
     code, out, err = slurmft.cli(["cancel", str(tmp_path / "run")])
     assert code == 0, err
     cancelled = set(out.removeprefix("cancelled: ").strip().split(", "))
