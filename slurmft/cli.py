@@ -205,7 +205,7 @@ def _echo_jobs(run_dir: Path, executor: str, jobs: dict[str, str]) -> None:
     if executor == "slurm":
         click.echo(f"follow with: slurmft status {run_dir}   |   slurmft logs {run_dir} -f")
     elif "consolidate" in jobs:  # local: the jobs have run; say what they left (a LoRA run: an adapter, maybe no model)
-        from slurmft.watch.progress import result_lines
+        from slurmft.watch.results import result_lines
         click.echo("\n".join(result_lines(run_dir)))
 
 

@@ -16,7 +16,6 @@ from slurmft.watch.progress import (
     checkpoint_info,
     lost_to_preemption,
     max_steps_of,
-    model_info,
     overview,
     overview_lines,
     progress,
@@ -24,6 +23,7 @@ from slurmft.watch.progress import (
     read_metrics,
     requeue_markers,
 )
+from slurmft.watch.results import model_info
 
 
 def test_progress_of_a_finished_run(tmp_path: Path) -> None:
@@ -208,7 +208,8 @@ def test_overview_lines_say_it_in_words(tmp_path: Path) -> None:
 def test_a_lora_run_says_so_from_its_checkpoint_marker_else_its_config(tmp_path: Path) -> None:
     import yaml
 
-    from slurmft.watch.progress import lora_info, lora_words, overview, overview_lines
+    from slurmft.watch.progress import overview, overview_lines
+    from slurmft.watch.results import lora_info, lora_words
 
     paths = RunPaths.of(preempted_run(tmp_path))
     assert lora_info(paths) is None and lora_words(None) == "full fine-tuning (every weight trains)"
@@ -246,7 +247,8 @@ def test_a_lora_run_without_merge_names_its_adapter_as_the_result(tmp_path: Path
     import yaml
 
     from slurmft.rundir import ADAPTER_CONFIG
-    from slurmft.watch.progress import overview, overview_lines, result_info
+    from slurmft.watch.progress import overview, overview_lines
+    from slurmft.watch.results import result_info
 
     paths = RunPaths.of(preempted_run(tmp_path))
     cfg = yaml.safe_load(paths.config.read_text())

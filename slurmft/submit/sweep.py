@@ -447,7 +447,7 @@ def consolidate_sweep(root: Path, template_dir: str | None = None, say: Say = qu
     A point with its model is left alone (``consolidate POINT_DIR`` exports it again), as is a live one."""
     from slurmft.errors import CheckpointError, SlurmftError
     from slurmft.submit import consolidation
-    from slurmft.watch.progress import result_info
+    from slurmft.watch.results import result_info
     from slurmft.watch.status import KINDS, run_state
 
     out = SweepConsolidation()

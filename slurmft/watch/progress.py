@@ -25,15 +25,14 @@ from typing import Any
 
 import yaml
 
-from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, read_marker, step_of
+from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, step_of
 from slurmft.dpoopts import PREFERENCE_METRICS
 from slurmft.grpoopts import GRPO_METRICS, REWARD_METRIC
-from slurmft.lora import lora_scaling
-from slurmft.rundir import ADAPTER_CONFIG, SAVE_EVENT, RunPaths, planned_max_steps
-from slurmft.rundir import MODEL_INDEX as SAFE_INDEX_NAME  # what consolidation writes last
+from slurmft.rundir import SAVE_EVENT, RunPaths, planned_max_steps
 from slurmft.slurm_states import State, is_live, is_unseen, parse, words
 from slurmft.trackers import read_tracker, tracker_lines
 from slurmft.units import binary_bytes, fmt_duration
+from slurmft.watch.results import adapter_info, lora_info, lora_words, merge_setting, model_info, model_lines
 from slurmft.watch.status import array_size
 
 # How many of the newest records the rate (steps/s, tokens/s) is measured over.
@@ -283,114 +282,6 @@ def checkpoint_info(paths: RunPaths, now: float | None = None) -> dict[str, Any]
     now = time.time() if now is None else now
     return {"step": step_of(ckpt), "path": str(ckpt), "age_s": round(max(0.0, now - saved), 1),
             "bytes": dir_bytes(ckpt)}
-
-
-def model_info(paths: RunPaths) -> str | None:
-    """Path of the consolidated model once consolidation finished (its index is written last), else None."""
-    return str(paths.model) if (paths.model / SAFE_INDEX_NAME).is_file() else None
-
-
-def adapter_info(paths: RunPaths) -> str | None:
-    """Path of a LoRA run's consolidated adapter once it is written (its config), else None."""
-    return str(paths.adapter) if (paths.adapter / ADAPTER_CONFIG).is_file() else None
-
-
-def result_info(paths: RunPaths) -> str | None:
-    """Path of the run's result once consolidation wrote it: the model, or, for a LoRA run with consolidate.merge
-    false (no model is written), the adapter; else None. What makes a run done (runs) and a sweep point's `best`."""
-    model = model_info(paths)
-    if model is None and _merge_setting(paths) is False:
-        return adapter_info(paths)
-    return model
-
-
-def result_lines(run_dir: str | os.PathLike[str]) -> list[str]:
-    """:func:`model_lines` of the run directory as it is now, each result with how to load it (what a local submit
-    or resume prints at its end)."""
-    paths = RunPaths.of(run_dir)
-    adapter, model = adapter_info(paths), model_info(paths)
-    how = {f"adapter: {adapter}": "  (PeftModel.from_pretrained(base, adapter) loads it)",
-           f"model: {model}": "  (AutoModelForCausalLM.from_pretrained loads it)"}
-    return [line + how.get(line, "") for line in model_lines(adapter, model, _merge_setting(paths))]
-
-
-def model_lines(adapter: str | None, model: str | None, merge: bool | None) -> list[str]:
-    """Where the run's result is: its adapter (a LoRA run) and its model, or why there is no model (``merge``:
-    consolidate.merge; false writes the adapter alone)."""
-    lines = [f"adapter: {adapter}"] if adapter else []
-    if model:
-        return [*lines, f"model: {model}"]
-    return [*lines, "model: not written (consolidate.merge is false: the adapter is the result)"
-            if adapter and merge is False else "model: not consolidated yet"]
-
-
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def lora_info(paths: RunPaths) -> dict[str, Any] | None:
-    """What the run's adapters are, or None for a full fine-tune.
-
-    The newest complete checkpoint's COMPLETE marker and ``fsdp_report/rank0.json`` carry what the job built
-    (resolved target names, trainable and total parameters); before either exists, the config's ``lora``
-    section says what was asked (``source: config``, no counts). Raw YAML on purpose, as :func:`max_steps_of`.
-    """
-    ckpt = latest_complete(paths.checkpoints)
-    for source, record in (("checkpoint", read_marker(ckpt) if ckpt else {}),
-                           ("fsdp_report", _json(paths.fsdp_report / "rank0.json"))):
-        lora = record.get("lora")
-        if isinstance(lora, dict):
-            return {**lora, "source": source}
-    try:
-        lora = (yaml.safe_load(paths.config.read_text()) or {}).get("lora")
-    except (OSError, yaml.YAMLError, AttributeError):
-        return None
-    if not isinstance(lora, dict):
-        return None
-    asked = {"r": lora.get("r", 16), "alpha": lora.get("alpha", 32.0), "dropout": lora.get("dropout", 0.0),
-             "target_modules": lora.get("target_modules", "all-linear"),
-             "modules_to_save": lora.get("modules_to_save") or [], "source": "config"}
-    return {**asked, "use_rslora": True} if lora.get("use_rslora") else asked
-
-
-def _merge_setting(paths: RunPaths) -> bool | None:
-    """``consolidate.merge`` of the run's config (raw YAML, as :func:`lora_info`); None when unreadable."""
-    try:
-        section = (yaml.safe_load(paths.config.read_text()) or {}).get("consolidate") or {}
-    except (OSError, yaml.YAMLError, AttributeError):
-        return None
-    value = section.get("merge", True) if isinstance(section, dict) else True
-    return value if isinstance(value, bool) else None
-
-
-def lora_words(info: dict[str, Any] | None) -> str:
-    """One line: ``LoRA r=16, alpha=32 (scaling 2), dropout 0 on q_proj, v_proj: 4.2M of 6.74B parameters train
-    (0.06 %)``, or ``full fine-tuning (every weight trains)``."""
-    if not info:
-        return "full fine-tuning (every weight trains)"
-    r, alpha = info.get("r"), info.get("alpha")
-    targets = info.get("target_modules")
-    targets = ", ".join(map(str, targets)) if isinstance(targets, list) else str(targets)
-    rslora = bool(info.get("use_rslora"))
-    scaling = (f" ({'rsLoRA, ' if rslora else ''}scaling {lora_scaling(alpha, r, rslora):g})"
-               if isinstance(r, int) and r and isinstance(alpha, (int, float)) else "")
-    out = f"LoRA r={r}, alpha={alpha:g}{scaling}" if isinstance(alpha, (int, float)) else f"LoRA r={r}, alpha={alpha}"
-    out += f", dropout {info.get('dropout', 0):g} on {targets}" if isinstance(info.get("dropout", 0), (int, float)) \
-        else f" on {targets}"
-    if info.get("modules_to_save"):
-        out += f", full copies of {', '.join(map(str, info['modules_to_save']))}"
-    trainable, total = info.get("trainable_params"), info.get("total_params")
-    if isinstance(trainable, int) and isinstance(total, int) and total:
-        out += f": {_count(trainable)} of {_count(total)} parameters train ({100 * trainable / total:.2f} %)"
-    return out
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
 
 
 def requeue_markers(paths: RunPaths) -> dict[tuple[str, int], dict[str, Any]]:
@@ -649,7 +540,7 @@ def overview(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dict[st
     return {"progress": prog, "checkpoint": checkpoint_info(paths), "attempts": rows,
             "model": model_info(paths), "lost": lost_to_preemption(rows), "tracker": read_tracker(paths),
             "adapter": adapter_info(paths),
-            "merge": _merge_setting(paths),
+            "merge": merge_setting(paths),
             "lora": lora_info(paths), "saves": saves_info(metrics.saves),
             "prepared": prepare_info(paths, manifest, slurm_rows)}
 

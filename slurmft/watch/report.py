@@ -26,23 +26,19 @@ from slurmft.trackers import read_tracker, sync_command, tracker_lines
 from slurmft.units import binary_bytes, fmt_duration
 from slurmft.watch.model_results import result_lines
 from slurmft.watch.progress import (
-    adapter_info,
     allocation_words,
     attempts,
     checkpoint_info,
-    lora_info,
-    lora_words,
     lost_to_preemption,
     max_steps_of,
     mean_tokens_per_s,
-    model_info,
     preference_words,
     progress_of,
     read_metrics,
     requeue_markers,
-    result_info,
     rollouts_words,
 )
+from slurmft.watch.results import adapter_info, lora_info, lora_words, model_info, result_info
 
 
 def fmt_time(t: float | None) -> str:

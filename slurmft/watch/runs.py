@@ -19,7 +19,8 @@ from slurmft.eval_results import headline_score, read_summary
 from slurmft.rundir import RunPaths, current_user, job_submitter, read_manifest, run_owner
 from slurmft.slurm_states import State, is_allocated, is_live, parse
 from slurmft.units import fmt_age
-from slurmft.watch.progress import max_steps_of, read_metrics, result_info
+from slurmft.watch.progress import max_steps_of, read_metrics
+from slurmft.watch.results import result_info
 from slurmft.watch.status import missing_state
 
 MAX_DEPTH = 3

@@ -20,7 +20,8 @@ from typing import Any
 
 from slurmft.eval_results import named_score, read_summary
 from slurmft.rundir import RunPaths, SweepPaths, read_sweep_record
-from slurmft.watch.progress import read_metrics, result_info, rollouts_of
+from slurmft.watch.progress import read_metrics, rollouts_of
+from slurmft.watch.results import result_info
 from slurmft.watch.runs import run_lines
 
 Query = Callable[[list[str]], dict[str, dict[str, str]]]

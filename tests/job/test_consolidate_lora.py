@@ -227,7 +227,7 @@ def test_merge_false_writes_the_adapter_only(lora_run: Path, consolidated: dict[
     from slurmft.job.consolidate.job import consolidate_run
     from slurmft.rundir import RunPaths
     from slurmft.submit.resume import model_ready
-    from slurmft.watch.progress import model_info
+    from slurmft.watch.results import model_info
 
     run = tmp_path / "run"
     run.mkdir()
