@@ -33,7 +33,7 @@ from slurmft.slurm_states import (
 )
 
 REASON_WORDS = {
-    "Dependency": "waiting for the train job to finish successfully",
+    "Dependency": "waiting for the {waits_on} job to finish successfully",
     "DependencyNeverSatisfied": "will never start: the train job did not succeed; Slurm cancels this job "
     "(--kill-on-invalid-dep; `slurmft resume {run}` cancels it if it is still queued, continues training from the "
     "newest complete checkpoint and chains a new consolidation)",
@@ -189,11 +189,17 @@ def _base(job: dict[str, Any]) -> dict[str, Any]:
     return base
 
 
-# A train job waits on the prepare job (prepare.enabled), not on a train job.
-TRAIN_REASON_WORDS = {
-    "Dependency": "waiting for the prepare job to finish successfully",
-    "DependencyNeverSatisfied": "will never start: the prepare job did not succeed; Slurm cancels this job "
+# What a pending job whose dependency can never be satisfied means, by the kind of job the one it waits on is: a
+# train job waits on the prepare job (prepare.enabled), a serve check or evaluation on the consolidation.
+NEVER_SATISFIED_WORDS = {
+    "train": "will never start: the prepare job did not succeed; Slurm cancels this job "
     "(--kill-on-invalid-dep); see `slurmft logs {run} --job prepare`, fix the data, then `slurmft resume {run}`",
+    "serve": "will never start: the consolidation job did not succeed; Slurm cancels this job "
+    "(--kill-on-invalid-dep); see `slurmft logs {run} --job consolidate`, then `slurmft consolidate {run}` and "
+    "`slurmft serve {run}`",
+    "eval": "will never start: the consolidation job did not succeed; Slurm cancels this job "
+    "(--kill-on-invalid-dep); see `slurmft logs {run} --job consolidate`, then `slurmft consolidate {run}` and "
+    "`slurmft eval {run}`",
 }
 
 
@@ -228,10 +234,11 @@ def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", 
     known = parse(state)
     if known in UNSEEN and unseen:
         return unseen
-    if known == State.PENDING and kind == "train" and reason in TRAIN_REASON_WORDS:
-        return TRAIN_REASON_WORDS[reason].format(run=run_dir)
+    if known == State.PENDING and reason == NEVER_SATISFIED and kind in NEVER_SATISFIED_WORDS:
+        return NEVER_SATISFIED_WORDS[kind].format(run=run_dir)
     if known == State.PENDING and REASON_WORDS.get(reason):
-        return REASON_WORDS[reason].format(run=run_dir)
+        # a dependent job waits on the job before it: a serve check on the consolidation, not on the train job
+        return REASON_WORDS[reason].format(run=run_dir, waits_on=WAITS_ON.get(kind, "train"))
     text = words(state)
     if known == State.FAILED:
         text += " (see `slurmft logs`)"
