@@ -46,6 +46,10 @@ def test_vllm_serves_the_consolidated_model_as_transformers_runs_it(served: Path
     sent = json.loads((served / "serve" / "model.request.json").read_text())
     assert sent["model"] == str(served / "model") and sent["lora"] is None and sent["max_new_tokens"] == 16
     assert sent["prompts"][0] == [int(t) for t in sent["prompts"][0]]  # token ids, one tokenization for both
+    # the job's log says the verdict, as status does (it said nothing of it: only vLLM's own lines)
+    jobs = json.loads((served / "manifest.json").read_text())["jobs"]
+    log = "".join(Path(f).read_text() for j in jobs if j["kind"] == "serve" for f in j["logs"])
+    assert "serve check passed: vLLM 0.32.0 served model/: greedy tokens equal transformers' on 3 prompt(s)" in log
 
 
 def test_status_runs_and_the_report_show_the_check_and_the_scores(served: Path,
