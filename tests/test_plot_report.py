@@ -111,6 +111,11 @@ def test_report_numbers_match_the_metrics(tmp_path: Path) -> None:
     assert f"RSS {max(r['peak_rss_mib'] for r in records):.1f} MiB" in text  # worst rank over the run
     assert f"`{run / 'model'}`" in text
     assert "2 node(s) × 1 rank(s)" in text and "job 100 restart 2: `n1,n2`" in text
+    assert "profile `local-test`, partition `debug`, time limit" in text
+    config = run / "config.yaml"  # no cluster.partition: sbatch gets none, the cluster's default takes the job
+    config.write_text(config.read_text().replace("partition: debug", "partition: null"))
+    assert "profile `local-test`, the cluster's default partition, time limit" in write_report(
+        run, slurm_rows=slurm_rows()).read_text()
     assert "![loss and learning rate](loss.png)" in text and (run / "loss.png").stat().st_size > 10_000
 
 
