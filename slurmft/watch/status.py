@@ -12,6 +12,7 @@ from slurmft.rundir import (
     JOB_TAG_PREFIX,
     RunPaths,
     User,
+    array_tasks,
     current_user,
     job_submitter,
     process_here,
@@ -84,8 +85,8 @@ def slurm_view(manifest: dict[str, Any], job_tags: set[str] | frozenset[str] = f
     missed) and one sacct."""
     view = SlurmView()
     known = {j["job_id"] for j in manifest.get("jobs", []) if "pid" not in j}  # not the processes run here
-    known |= {f"{j['job_id']}_{k}" for j in manifest.get("jobs", []) if "pid" not in j for k in range(j.get("tasks", 1))
-              if j.get("tasks", 1) > 1}  # a prepare array's tasks
+    known |= {f"{j['job_id']}_{k}" for j in manifest.get("jobs", []) for k in range(array_tasks(j))
+              if array_tasks(j) > 1}  # a prepare array's tasks
     queued = slurm.squeue_jobs()
     if queued is None:
         view.problems.append(SQUEUE_SILENT)
@@ -101,8 +102,8 @@ def slurm_view(manifest: dict[str, Any], job_tags: set[str] | frozenset[str] = f
         acct = {}
     view.acct = acct
     for job in manifest.get("jobs", []):
-        if job.get("tasks", 1) > 1 and "pid" not in job:  # a prepare array, recorded by the array's id
-            tasks = [f"{job['job_id']}_{k}" for k in range(job["tasks"])]
+        if array_tasks(job) > 1:  # a prepare array, recorded by the array's id
+            tasks = [f"{job['job_id']}_{k}" for k in range(array_tasks(job))]
             fold_array(view, job["job_id"], [queued.get(t) for t in tasks], [acct.get(t) for t in tasks])
     return view
 
