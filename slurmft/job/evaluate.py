@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -188,8 +189,25 @@ def run_lm_eval(cmd: list[str], cwd: Path, say: Say) -> list[str]:
         t.join()
     if rc != 0:
         raise EvalError(f"lm-eval exited with {rc} ({' '.join(cmd[:3])} ...); the last lines of its stderr:",
-                        list(tail) or ["(no output on stderr)"])
+                        (list(tail) or ["(no output on stderr)"]) + offline_hints(list(tail)))
     return list(tail)
+
+
+#: datasets' words for a data set it may not download: ``Couldn't reach 'Rowan/hellaswag' on the Hub
+#: (OfflineModeIsEnabled)`` (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set, as cluster profiles for offline nodes do).
+_OFFLINE = re.compile(r"Couldn't reach '([^']+)' on the Hub \(OfflineModeIsEnabled\)")
+
+
+def offline_hints(tail: list[str]) -> list[str]:
+    """The fix for a registry task whose data set is not in the cache of an offline job, said after lm-eval's own
+    lines (which end in datasets' ConnectionError and name no fix)."""
+    for line in reversed(tail):
+        if m := _OFFLINE.search(line):
+            return [f"the fix: the job runs offline (HF_HUB_OFFLINE=1) and {m.group(1)} is not in the datasets cache of "
+                    f"HF_HOME ({os.environ.get('HF_HOME', '~/.cache/huggingface')}): load it once where the network "
+                    f"is reachable, with the same HF_HOME and eval.python (`python -c \"import datasets; "
+                    f"datasets.load_dataset('{m.group(1)}')\"`), or give a task file of your own (docs/serve-eval.md)"]
+    return []
 
 
 def _newest_results(out: Path, before: set[Path]) -> Path:
