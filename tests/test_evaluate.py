@@ -159,6 +159,11 @@ def test_a_task_whose_data_an_offline_job_cannot_download_names_the_fix(tmp_path
                     lambda _: None)
     assert err.value.problems[0] == line
     assert "load_dataset('Rowan/hellaswag')" in err.value.problems[-1] and "HF_HUB_OFFLINE" in err.value.problems[-1]
+    unreached = line.replace("OfflineModeIsEnabled", "LocalEntryNotFoundError")  # no network, not told to be offline
+    with pytest.raises(EvalError) as err:
+        run_lm_eval([sys.executable, "-c", f"import sys; sys.stderr.write({unreached!r} + '\\n'); sys.exit(1)"],
+                    tmp_path, lambda _: None)
+    assert "cannot be reached" in err.value.problems[-1] and "load_dataset('Rowan/hellaswag')" in err.value.problems[-1]
     with pytest.raises(EvalError) as other:  # any other failure: lm-eval's lines alone
         run_lm_eval([sys.executable, "-c", "import sys; sys.stderr.write('KeyError: x\\n'); sys.exit(1)"], tmp_path,
                     lambda _: None)
