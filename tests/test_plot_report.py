@@ -190,6 +190,11 @@ def test_a_grpo_runs_rewards_kl_and_lengths_are_in_status_plot_and_report(tmp_pa
     assert f"  GRPO: {words}" in status, status
     assert f"| GRPO, last rollouts | {words} |" in write_report(run, slurm_rows=slurm_rows()).read_text()
     assert "GRPO" not in write_report(preempted_run(tmp_path, "sft"), slurm_rows=slurm_rows()).read_text()
+    from slurmft.watch.runs import run_lines
+
+    # runs: the reward is a GRPO run's score (its loss says nothing of the policy)
+    scores = {r["name"]: r["score"] for r in run_lines(tmp_path, query=lambda ids: {})}
+    assert scores == {"watch": ("reward", 0.5 + 0.01 * scored), "sft": None}, scores
 
     img = Image.open(plot_run(run))
     assert img.size[1] > int(SIZE_INCHES[1] * DPI * 1.5)  # a second panel under the loss
