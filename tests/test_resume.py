@@ -134,6 +134,8 @@ def test_a_pending_job_names_the_job_it_waits_on() -> None:
                      "serve": "waiting for the consolidation job to finish successfully",
                      "eval": "waiting for the consolidation job to finish successfully"}
     for kind in ("serve", "eval"):
+        failed = describe("FAILED", "", "/runs/x", kind)  # its log named once, with the job kind (it was said twice)
+        assert failed.count("slurmft logs") == 1 and f"`slurmft logs /runs/x --job {kind}`" in failed, failed
         never = describe("PENDING", "DependencyNeverSatisfied", "/runs/x", kind)
         assert "the consolidation job did not succeed" in never and f"`slurmft {kind} /runs/x`" in never, never
         assert "train job" not in never

@@ -241,7 +241,7 @@ def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", 
         # a dependent job waits on the job before it: a serve check on the consolidation, not on the train job
         return REASON_WORDS[reason].format(run=run_dir, waits_on=WAITS_ON.get(kind, "train"))
     text = words(state)
-    if known == State.FAILED:
+    if known == State.FAILED and kind not in MODEL_JOB_COMMANDS:  # a serve/eval job's words name its own log below
         text += " (see `slurmft logs`)"
     elif known == State.UNKNOWN:
         text += ("; neither squeue nor sacct has it (another cluster or SLURM_CONF? accounting off and the job "
