@@ -104,6 +104,12 @@ def test_bad_serve_and_eval_input_is_refused_before_anything_is_submitted(
         "no vLLM": ([f"serve.python={sys.executable}"], f"serve.python: {sys.executable} cannot import vllm"),
     }
     vllm, lm_eval = need_model_job_python("serve"), need_model_job_python("eval")
+    # `slurmft eval RUN --tasks NAME`: the registry's one slow listing is said, not waited through in silence
+    jobs_before = json.loads((served / "manifest.json").read_text())["jobs"]
+    code, out = run_cli(["eval", str(served), "--tasks", "hellaswagg"], capsys)
+    assert code == 2 and "listing lm-eval 0.4.13's task registry once (about half a minute" in out, out
+    assert "'hellaswagg' is not a task lm-eval 0.4.13 knows; did you mean hellaswag" in out, out
+    assert json.loads((served / "manifest.json").read_text())["jobs"] == jobs_before  # nothing run
     for name, (overrides, said) in cases.items():
         out_dir = tmp_path / name.replace(" ", "-")
         code, out = run_cli(["submit", str(SERVED_EXAMPLE), f"output_dir={out_dir}", f"model.name_or_path={tiny_model}",
