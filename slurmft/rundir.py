@@ -526,16 +526,6 @@ def record_job(manifest: dict[str, Any], kind: str, job_id: str, **extra: Any) -
     return entry
 
 
-def array_tasks(job: dict[str, Any]) -> int:
-    """How many tasks a Slurm job of the manifest has: a prepare array's count (recorded by the array's id, its
-    tasks ``<id>_<k>``), 1 for any other job. An evaluation run with ``slurmft eval --tasks`` records its lm-eval
-    task names under the same key, a list: that job is one task (counting the list crashed ``status``)."""
-    tasks = job.get("tasks", 1)
-    if "pid" in job or job.get("kind") != "prepare" or not isinstance(tasks, int) or isinstance(tasks, bool):
-        return 1
-    return max(1, tasks)
-
-
 def latest_jobs(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The newest job of each kind."""
     out: dict[str, dict[str, Any]] = {}

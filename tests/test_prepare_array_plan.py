@@ -74,8 +74,8 @@ def test_an_evaluation_with_its_own_tasks_is_one_job_not_an_array(tmp_path: Path
     for args in (["status", str(run)], ["status", str(run), "--json"]):
         code, out, err = cli(args, capsys)
         assert code == 0 and "102" in out, err
-    from slurmft.rundir import array_tasks
+    from slurmft.slurm import task_count
 
-    assert array_tasks({"kind": "prepare", "job_id": "7", "tasks": 3}) == 3
-    assert array_tasks({"kind": "eval", "job_id": "8", "tasks": ["hellaswag"]}) == 1
-    assert array_tasks({"kind": "prepare", "job_id": "9", "tasks": 3, "pid": 42}) == 1  # run here, one task at a time
+    assert task_count({"kind": "prepare", "job_id": "7", "tasks": 3}) == 3
+    assert task_count({"kind": "eval", "job_id": "8", "tasks": ["hellaswag"]}) == 1
+    assert task_count({"kind": "prepare", "job_id": "9", "tasks": 3, "pid": 42}) == 1  # run here, one task at a time

@@ -25,11 +25,12 @@ from typing import Any
 
 import yaml
 
+from slurmft import slurm
 from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, read_marker, step_of
 from slurmft.dpoopts import PREFERENCE_METRICS
 from slurmft.grpoopts import GRPO_METRICS, REWARD_METRIC
 from slurmft.lora import lora_scaling
-from slurmft.rundir import ADAPTER_CONFIG, SAVE_EVENT, RunPaths, array_tasks, planned_max_steps
+from slurmft.rundir import ADAPTER_CONFIG, SAVE_EVENT, RunPaths, planned_max_steps
 from slurmft.rundir import MODEL_INDEX as SAFE_INDEX_NAME  # what consolidation writes last
 from slurmft.slurm_states import State, is_live, is_unseen, parse, words
 from slurmft.trackers import read_tracker, tracker_lines
@@ -613,8 +614,8 @@ def prepare_info(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dic
         except OSError:
             text = ""
         out["running"] = {"job_id": rows[-1]["job_id"], "progress": last_progress(text)}
-        if array_tasks(job) > 1:  # a prepare array: its shards so far, and the total
-            out["running"]["array"] = prepared.array_progress(paths.prepared_parts(job["job_id"]), array_tasks(job))
+        if slurm.task_count(job) > 1:  # a prepare array: its shards so far, and the total
+            out["running"]["array"] = prepared.array_progress(paths.prepared_parts(job["job_id"]), slurm.task_count(job))
     return out or None
 
 

@@ -12,7 +12,6 @@ from slurmft.rundir import (
     JOB_TAG_PREFIX,
     RunPaths,
     User,
-    array_tasks,
     current_user,
     job_submitter,
     process_here,
@@ -85,8 +84,8 @@ def slurm_view(manifest: dict[str, Any], job_tags: set[str] | frozenset[str] = f
     missed) and one sacct."""
     view = SlurmView()
     known = {j["job_id"] for j in manifest.get("jobs", []) if "pid" not in j}  # not the processes run here
-    known |= {f"{j['job_id']}_{k}" for j in manifest.get("jobs", []) for k in range(array_tasks(j))
-              if array_tasks(j) > 1}  # a prepare array's tasks
+    known |= {f"{j['job_id']}_{k}" for j in manifest.get("jobs", []) for k in range(slurm.task_count(j))
+              if slurm.task_count(j) > 1}  # a prepare array's tasks
     queued = slurm.squeue_jobs()
     if queued is None:
         view.problems.append(SQUEUE_SILENT)
@@ -102,8 +101,8 @@ def slurm_view(manifest: dict[str, Any], job_tags: set[str] | frozenset[str] = f
         acct = {}
     view.acct = acct
     for job in manifest.get("jobs", []):
-        if array_tasks(job) > 1:  # a prepare array, recorded by the array's id
-            tasks = [f"{job['job_id']}_{k}" for k in range(array_tasks(job))]
+        if slurm.task_count(job) > 1:  # a prepare array, recorded by the array's id
+            tasks = [f"{job['job_id']}_{k}" for k in range(slurm.task_count(job))]
             fold_array(view, job["job_id"], [queued.get(t) for t in tasks], [acct.get(t) for t in tasks])
     return view
 
