@@ -95,8 +95,12 @@ class RewardSpec(Section):
         if not sep:
             if v in BUILTINS:
                 return v
-            raise ValueError(f"{v!r} is not a built-in reward ({', '.join(BUILTINS)}); name yours as "
-                             "module:function or path/file.py:function")
+            import difflib
+
+            close = difflib.get_close_matches(v, list(BUILTINS), n=1, cutoff=0.8)  # a typo of a built-in's name
+            raise ValueError(f"{v!r} is not a built-in reward ({', '.join(BUILTINS)})"
+                             + (f"; did you mean {close[0]}?" if close else "")
+                             + "; name yours as module:function or path/file.py:function")
         if not _NAME_RE.match(function):
             raise ValueError(f"{function!r} (after the colon) is not a function name; write module:function or "
                              "path/file.py:function")

@@ -132,7 +132,8 @@ class ServeConfig(ModelJobSection):
         "gap near 1 means a different model (wrong weights, a tied head lost, a wrong chat template).")
     enforce_eager: bool = Field(True, description="vLLM without CUDA graphs / torch.compile: starts in seconds "
                                 "instead of minutes; the check measures correctness, not peak speed.")
-    max_model_len: int | None = Field(None, ge=16, description="vLLM's context length (default: data.max_seq_length).")
+    max_model_len: int | None = Field(None, ge=16, description="vLLM's context length (default: data.max_seq_length "
+                                      "+ serve.max_new_tokens: a prompt of the run's longest sequence and its reply).")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM's share of each GPU's memory.")
     resources: ModelJobResources = Field(default_factory=ModelJobResources)
     container: ModelJobContainer = _container_field("serve")

@@ -8,7 +8,8 @@ reads as None, never an error: the report of a run that has not been evaluated s
 - :func:`read_summary`: the summary, or None;
 - :func:`score_rows`: ``(task, metric, base, finetuned)`` per task and metric, metric names as lm-eval writes
   them (``acc,none``), the base None without ``eval.compare_base``;
-- :func:`headline_score`: one number for the ``runs`` table: the first task's main metric.
+- :func:`headline_score`: one number for the ``runs`` table: the first task's main metric;
+- :func:`named_cell` / :func:`named_score`: a sweep's ranking metric, with the base's value beside it.
 """
 
 from __future__ import annotations
@@ -60,31 +61,44 @@ def metric_label(metric: str) -> str:
     return name if filt in ("", "none") else metric
 
 
-def headline_score(summary: dict[str, Any]) -> tuple[str, float] | None:
-    """``("<task> <metric>", fine-tuned value)`` of the first task: its acc_norm, acc or exact_match (the first
-    filter of each), else its first metric; None when the summary has no fine-tuned score."""
-    rows = [(t, m, ft) for t, m, _, ft in score_rows(summary) if ft is not None]
+def _headline(summary: dict[str, Any]) -> tuple[str, str, float | None, float] | None:
+    """``(task, metric, base, fine-tuned)`` of the first task's main metric: its acc_norm, acc or exact_match (the
+    first filter of each), else its first metric; None when the summary has no fine-tuned score."""
+    rows = [(t, m, b, ft) for t, m, b, ft in score_rows(summary) if ft is not None]
     if not rows:
         return None
     first = rows[0][0]
-    candidates = [(m, v) for t, m, v in rows if t == first]
+    candidates = [row for row in rows if row[0] == first]
     for preferred in HEADLINE_METRICS:
-        for metric, value in candidates:
-            if metric.split(",", 1)[0] == preferred:
-                return f"{first} {metric_label(metric)}", value
-    metric, value = candidates[0]
-    return f"{first} {metric_label(metric)}", value
+        for row in candidates:
+            if row[1].split(",", 1)[0] == preferred:
+                return row
+    return candidates[0]
+
+
+def headline_score(summary: dict[str, Any]) -> tuple[str, float] | None:
+    """``("<task> <metric>", fine-tuned value)`` of the first task: its acc_norm, acc or exact_match (the first
+    filter of each), else its first metric; None when the summary has no fine-tuned score."""
+    head = _headline(summary)
+    return (f"{head[0]} {metric_label(head[1])}", head[3]) if head else None
+
+
+def named_cell(summary: dict[str, Any], metric: str) -> tuple[str, float | None, float | None] | None:
+    """``("<task> <metric>", base, fine-tuned)`` of a sweep's ranking metric (slurmft.config_sweep.SweepSelect):
+    ``eval`` is :func:`headline_score`'s; ``eval/TASK/METRIC`` is that task's metric as lm-eval names it (``acc``
+    stands for ``acc,none``, as in W&B's ``eval/TASK/METRIC`` keys). None while the summary has no such score. The
+    base beside it says whether a point got better at all, which its rank among the points does not."""
+    if metric == "eval":
+        head = _headline(summary)
+        return (f"{head[0]} {metric_label(head[1])}", head[2], head[3]) if head else None
+    _, task, name = metric.split("/", 2)
+    for t, m, base, finetuned in score_rows(summary):
+        if t == task and m in (name, f"{name},none"):
+            return f"{t} {metric_label(m)}", base, finetuned
+    return None
 
 
 def named_score(summary: dict[str, Any], metric: str) -> float | None:
-    """The fine-tuned model's value of a sweep's ranking metric (slurmft.config_sweep.SweepSelect): ``eval`` is
-    :func:`headline_score`'s; ``eval/TASK/METRIC`` is that task's metric as lm-eval names it (``acc`` stands for
-    ``acc,none``, as in W&B's ``eval/TASK/METRIC`` keys). None while the summary has no such score."""
-    if metric == "eval":
-        head = headline_score(summary)
-        return head[1] if head else None
-    _, task, name = metric.split("/", 2)
-    for t, m, _, finetuned in score_rows(summary):
-        if t == task and m in (name, f"{name},none"):
-            return finetuned
-    return None
+    """The fine-tuned model's value of a sweep's ranking metric (:func:`named_cell`); None while it has none."""
+    cell = named_cell(summary, metric)
+    return cell[2] if cell else None

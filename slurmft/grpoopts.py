@@ -66,6 +66,18 @@ GRPO_METRICS = ("reward", "reward_std", "kl", "completions/mean_length", "clip_r
 REWARD_METRIC = re.compile(r"^rewards/[^/]+/mean$")
 
 
+def reward_words(logs: dict[str, Any]) -> str | None:
+    """``reward 0.1000 ± 0.1069`` for a step's log (TRL's log dict, or its metrics.jsonl record) that holds GRPO's
+    reward, else None: the line a GRPO run's log prints per step, beside a loss that says nothing of how good the
+    policy is (advantage-weighted, near 0 whatever the rewards). TRL logs the rewards only at the steps that
+    generate, so the other steps' lines have none."""
+    reward = logs.get("reward")
+    if not isinstance(reward, int | float) or isinstance(reward, bool):
+        return None
+    spread = logs.get("reward_std")
+    return f"reward {reward:.4f}" + (f" ± {spread:.4f}" if isinstance(spread, int | float) else "")
+
+
 @functools.cache
 def grpo_loss_types() -> tuple[tuple[str, ...] | None, str]:
     """(the loss types the installed GRPOTrainer computes; TRL's version), or (None, why not)."""

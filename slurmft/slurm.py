@@ -61,6 +61,7 @@ import shutil
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from slurmft.errors import SubmissionError
 
@@ -313,6 +314,16 @@ def own_job_id(environ: Mapping[str, str]) -> str:
     The ranks' requeue markers and metrics and the batch shell's requeue decision all name the job so."""
     array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
     return f"{array}_{task}" if array and task else environ.get("SLURM_JOB_ID", "")
+
+
+def task_count(job: dict[str, Any]) -> int:
+    """How many tasks a Slurm job of the manifest has: a prepare array's count (recorded by the array's id, its
+    tasks ``<id>_<k>``), 1 for any other job. An evaluation run with ``slurmft eval --tasks`` records its lm-eval
+    task names under the same key, a list: that job is one task (counting the list crashed ``status``)."""
+    tasks = job.get("tasks", 1)
+    if "pid" in job or job.get("kind") != "prepare" or not isinstance(tasks, int) or isinstance(tasks, bool):
+        return 1
+    return max(1, tasks)
 
 
 def sbatch_array(script: str, dependency: str | None = None) -> Answer:

@@ -22,6 +22,9 @@ def test_every_step_once_in_order_and_a_partial_line_waits(tmp_path: Path) -> No
                 + json.dumps({**rec, "step": 5}) + "\n")
     assert [line.split()[1] for line in follow.new_lines()] == ["3", "4", "5"]
     assert step_line(rec) == "step 1 loss=2.5 learning_rate=0.0001 grad_norm=0.5"
+    # a GRPO step that generated: the reward beside the loss (which says nothing of the policy's quality)
+    assert step_line({**rec, "reward": 0.1, "reward_std": 0.10690450668334961}) == (
+        "step 1 loss=2.5 learning_rate=0.0001 grad_norm=0.5 reward=0.1 reward_std=0.1069")
 
 
 def test_a_save_line_is_said_as_a_save_not_as_a_second_step(tmp_path: Path) -> None:

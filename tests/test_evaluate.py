@@ -147,6 +147,29 @@ def test_a_failing_lm_eval_names_its_stderr_and_leaves_the_model(evaluated: tupl
     assert sorted((p.name, p.stat().st_mtime_ns) for p in (run / "model").iterdir()) == model_files
 
 
+def test_a_task_whose_data_an_offline_job_cannot_download_names_the_fix(tmp_path: Path) -> None:
+    """`slurmft eval RUN --tasks hellaswag` on offline nodes (the local-test profile sets HF_HUB_OFFLINE=1): lm-eval's
+    stderr ends in datasets' ConnectionError, which names no fix; the error adds it. A process that fails as lm-eval
+    failed on the tour's cluster run (its last line, verbatim)."""
+    from slurmft.job.evaluate import run_lm_eval
+
+    line = "ConnectionError: Couldn't reach 'Rowan/hellaswag' on the Hub (OfflineModeIsEnabled)"
+    with pytest.raises(EvalError) as err:
+        run_lm_eval([sys.executable, "-c", f"import sys; sys.stderr.write({line!r} + '\\n'); sys.exit(1)"], tmp_path,
+                    lambda _: None)
+    assert err.value.problems[0] == line
+    assert "load_dataset('Rowan/hellaswag')" in err.value.problems[-1] and "HF_HUB_OFFLINE" in err.value.problems[-1]
+    unreached = line.replace("OfflineModeIsEnabled", "LocalEntryNotFoundError")  # no network, not told to be offline
+    with pytest.raises(EvalError) as err:
+        run_lm_eval([sys.executable, "-c", f"import sys; sys.stderr.write({unreached!r} + '\\n'); sys.exit(1)"],
+                    tmp_path, lambda _: None)
+    assert "cannot be reached" in err.value.problems[-1] and "load_dataset('Rowan/hellaswag')" in err.value.problems[-1]
+    with pytest.raises(EvalError) as other:  # any other failure: lm-eval's lines alone
+        run_lm_eval([sys.executable, "-c", "import sys; sys.stderr.write('KeyError: x\\n'); sys.exit(1)"], tmp_path,
+                    lambda _: None)
+    assert other.value.problems == ["KeyError: x"]
+
+
 def test_auto_backend_is_hf_without_vllm(eval_python: str) -> None:
     from slurmft.job.evaluate import choose_backend
 

@@ -130,7 +130,9 @@ def test_a_reward_reading_a_column_the_data_lacks_is_refused(tmp_path: Path, mod
 
 def test_a_bad_reward_name_is_refused_by_the_schema(tmp_path: Path, model_dir: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    for spec, expected in (("accuracy", "is not a built-in reward (exact_match, think_format)"),
+    for spec, expected in (("accuracy", "is not a built-in reward (exact_match, think_format); name yours as"),
+                           ("exact_mach", "is not a built-in reward (exact_match, think_format); did you mean "
+                                          "exact_match?"),
                            ("my rewards:f", "is neither a module name"), ("mod:1f", "is not a function name")):
         code, text = validate(tmp_path, model_dir, capsys, grpo={**GRPO, "rewards": [{"function": spec}]})
         assert code == 2 and expected in text, text

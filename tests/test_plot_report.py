@@ -111,6 +111,11 @@ def test_report_numbers_match_the_metrics(tmp_path: Path) -> None:
     assert f"RSS {max(r['peak_rss_mib'] for r in records):.1f} MiB" in text  # worst rank over the run
     assert f"`{run / 'model'}`" in text
     assert "2 node(s) × 1 rank(s)" in text and "job 100 restart 2: `n1,n2`" in text
+    assert "profile `local-test`, partition `debug`, time limit" in text
+    config = run / "config.yaml"  # no cluster.partition: sbatch gets none, the cluster's default takes the job
+    config.write_text(config.read_text().replace("partition: debug", "partition: null"))
+    assert "profile `local-test`, the cluster's default partition, time limit" in write_report(
+        run, slurm_rows=slurm_rows()).read_text()
     assert "![loss and learning rate](loss.png)" in text and (run / "loss.png").stat().st_size > 10_000
 
 
@@ -185,6 +190,11 @@ def test_a_grpo_runs_rewards_kl_and_lengths_are_in_status_plot_and_report(tmp_pa
     assert f"  GRPO: {words}" in status, status
     assert f"| GRPO, last rollouts | {words} |" in write_report(run, slurm_rows=slurm_rows()).read_text()
     assert "GRPO" not in write_report(preempted_run(tmp_path, "sft"), slurm_rows=slurm_rows()).read_text()
+    from slurmft.watch.runs import run_lines
+
+    # runs: the reward is a GRPO run's score (its loss says nothing of the policy)
+    scores = {r["name"]: r["score"] for r in run_lines(tmp_path, query=lambda ids: {})}
+    assert scores == {"watch": ("reward", 0.5 + 0.01 * scored), "sft": None}, scores
 
     img = Image.open(plot_run(run))
     assert img.size[1] > int(SIZE_INCHES[1] * DPI * 1.5)  # a second panel under the loss

@@ -57,3 +57,25 @@ def test_status_totals_the_shards_done_so_far(tmp_path: Path) -> None:
         shard_dir(tmp_path, k).mkdir()
         (shard_dir(tmp_path, k) / SHARD_RECORD).write_text(json.dumps({"tokens": tokens, "tokens_per_s": 50_000}))
     assert array_progress(tmp_path, 3) == "2 of 3 tasks done: 3,500,000 tokens (100,000 tokens/s together)"
+
+
+def test_an_evaluation_with_its_own_tasks_is_one_job_not_an_array(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """`slurmft eval RUN --tasks hellaswag` records its lm-eval tasks under the manifest's ``tasks`` key, where a
+    prepare array records its task count: status counted the list and crashed (TypeError, a traceback) on every
+    later call. Only a prepare array's count makes array tasks."""
+    from cli_runner import cli
+    from runfixture import preempted_run
+
+    run = preempted_run(tmp_path)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["jobs"].append({"kind": "eval", "job_id": "102", "attempt": 1, "tasks": ["hellaswag", "arc_easy"]})
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    for args in (["status", str(run)], ["status", str(run), "--json"]):
+        code, out, err = cli(args, capsys)
+        assert code == 0 and "102" in out, err
+    from slurmft.slurm import task_count
+
+    assert task_count({"kind": "prepare", "job_id": "7", "tasks": 3}) == 3
+    assert task_count({"kind": "eval", "job_id": "8", "tasks": ["hellaswag"]}) == 1
+    assert task_count({"kind": "prepare", "job_id": "9", "tasks": 3, "pid": 42}) == 1  # run here, one task at a time

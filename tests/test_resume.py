@@ -126,6 +126,21 @@ def test_words_point_to_resume_and_consolidate() -> None:
     assert describe("CANCELLED", "DependencyNeverSatisfied", "/runs/x", "consolidate").startswith("cancelled")
 
 
+def test_a_pending_job_names_the_job_it_waits_on() -> None:
+    # each job waits on the one before it: serve and eval on the consolidation (they said "the train job")
+    waits = {kind: describe("PENDING", "Dependency", "/runs/x", kind) for kind in ("train", "consolidate", "serve", "eval")}
+    assert waits == {"train": "waiting for the prepare job to finish successfully",
+                     "consolidate": "waiting for the train job to finish successfully",
+                     "serve": "waiting for the consolidation job to finish successfully",
+                     "eval": "waiting for the consolidation job to finish successfully"}
+    for kind in ("serve", "eval"):
+        failed = describe("FAILED", "", "/runs/x", kind)  # its log named once, with the job kind (it was said twice)
+        assert failed.count("slurmft logs") == 1 and f"`slurmft logs /runs/x --job {kind}`" in failed, failed
+        never = describe("PENDING", "DependencyNeverSatisfied", "/runs/x", kind)
+        assert "the consolidation job did not succeed" in never and f"`slurmft {kind} /runs/x`" in never, never
+        assert "train job" not in never
+
+
 def test_words_of_a_suspended_or_held_job_say_what_continues_it() -> None:
     words = describe("SUSPENDED", "None", "/runs/x", "train", newest_train=True, job_id="7")
     assert words.startswith("suspended") and "`scontrol resume 7`" in words and "`slurmft cancel /runs/x`" in words

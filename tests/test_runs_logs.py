@@ -144,6 +144,16 @@ def test_logs_follow_ends_when_the_job_has_ended(tmp_path: Path) -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
     assert "slurmft rank 0: completed at step 12" in out
     assert out.splitlines()[-1].startswith("[slurmft logs] train job 4242 has ended: completed")
+    assert "next:" not in out.splitlines()[-1]  # nothing after it
+
+    with subprocess.Popen(["sleep", "60"]) as later:  # its consolidation still runs: -f names where to look next
+        manifest = json.loads((done / "manifest.json").read_text())
+        manifest["jobs"].append({**manifest["jobs"][0], "kind": "consolidate", "job_id": "4243", "pid": later.pid,
+                                 "state": None})
+        (done / "manifest.json").write_text(json.dumps(manifest))
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
+        later.kill()
+    assert f"; next: consolidate job 4243, running: `slurmft logs {done} --job consolidate -f`" in out.splitlines()[-1]
 
     run = local_run(tmp_path, "live")
     with subprocess.Popen(["sleep", "60"]) as job:

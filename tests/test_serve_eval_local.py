@@ -46,6 +46,10 @@ def test_vllm_serves_the_consolidated_model_as_transformers_runs_it(served: Path
     sent = json.loads((served / "serve" / "model.request.json").read_text())
     assert sent["model"] == str(served / "model") and sent["lora"] is None and sent["max_new_tokens"] == 16
     assert sent["prompts"][0] == [int(t) for t in sent["prompts"][0]]  # token ids, one tokenization for both
+    # the job's log says the verdict, as status does (it said nothing of it: only vLLM's own lines)
+    jobs = json.loads((served / "manifest.json").read_text())["jobs"]
+    log = "".join(Path(f).read_text() for j in jobs if j["kind"] == "serve" for f in j["logs"])
+    assert "serve check passed: vLLM 0.32.0 served model/: greedy tokens equal transformers' on 3 prompt(s)" in log
 
 
 def test_status_runs_and_the_report_show_the_check_and_the_scores(served: Path,
@@ -125,6 +129,12 @@ def test_bad_serve_and_eval_input_is_refused_before_anything_is_submitted(
         "no vLLM": ([f"serve.python={sys.executable}"], f"serve.python: {sys.executable} cannot import vllm"),
     }
     vllm, lm_eval = need_model_job_python("serve"), need_model_job_python("eval")
+    # `slurmft eval RUN --tasks NAME`: the registry's one slow listing is said, not waited through in silence
+    jobs_before = json.loads((served / "manifest.json").read_text())["jobs"]
+    code, out = run_cli(["eval", str(served), "--tasks", "hellaswagg"], capsys)
+    assert code == 2 and "listing lm-eval 0.4.13's task registry once (about half a minute" in out, out
+    assert "'hellaswagg' is not a task lm-eval 0.4.13 knows; did you mean hellaswag" in out, out
+    assert json.loads((served / "manifest.json").read_text())["jobs"] == jobs_before  # nothing run
     for name, (overrides, said) in cases.items():
         out_dir = tmp_path / name.replace(" ", "-")
         code, out = run_cli(["submit", str(SERVED_EXAMPLE), f"output_dir={out_dir}", f"model.name_or_path={tiny_model}",

@@ -11,6 +11,7 @@ import pytest
 from test_sweep import check_array_script, refusals, write
 
 from slurmft.profiles import load_profile
+from slurmft.rundir import SWEEP_VERSION
 from slurmft.sweep import FIXED, load_sweep, select_of
 from tests.conftest import REPO_ROOT
 
@@ -106,3 +107,35 @@ def test_points_are_ranked_by_their_evaluation_scores(tmp_path: Path) -> None:
     assert update_best(tmp_path, rows)["name"] == "b"
     rank(rows, "min")
     assert [r["rank"] for r in rows] == [1, 3, 2, None]
+
+
+def test_the_table_names_the_score_eval_stands_for_and_the_bases_value_beside_it(tmp_path: Path) -> None:
+    """`eval (max)` named no score (which task, which metric?), and a rank among points said nothing of whether a
+    point beat the base model: the header names the headline score and a base column shows the base's value."""
+    from slurmft.eval_results import named_cell, read_summary
+    from slurmft.watch.sweep import format_table, write_sweep_report
+
+    _summary(tmp_path / "a", 0.5, 0.4)
+    summary = read_summary(tmp_path / "a")
+    assert summary is not None
+    assert named_cell(summary, "eval") == ("tiny_choice acc_norm", 0.25, 0.4)
+    assert named_cell(summary, "eval/tiny_choice/acc") == ("tiny_choice acc", 0.25, 0.5)
+    record = {"name": "s", "executor": "slurm", "select": {"metric": "eval", "mode": "max"}}
+    rows = [{"name": "a", "overrides": {"train.seed": 1}, "state": "done", "step": 4, "max_steps": 4, "loss": 1.0,
+             "score": 0.4, "rank": 1, "score_name": "tiny_choice acc_norm", "base": 0.25, "model": None},
+            {"name": "b", "overrides": {"train.seed": 2}, "state": "training", "step": 2, "max_steps": 4, "loss": 2.0,
+             "score": None, "rank": None, "score_name": None, "base": None, "model": None}]
+    lines = format_table(record, rows, None)
+    assert lines[1].split()[-5:] == ["eval:", "tiny_choice", "acc_norm", "(max)", "base"], lines
+    assert lines[2].split()[-3:] == ["0.4000", "(#1)", "0.2500"] and lines[3].split()[-2:] == ["-", "-"], lines
+    # without a base (compare_base: false, or ranked by loss) there is no base column
+    no_base = format_table({**record, "select": {"metric": "loss", "mode": "min"}},
+                           [{**r, "base": None, "score_name": None} for r in rows], None)
+    assert no_base[1].split()[-2:] == ["loss", "(min)"], no_base
+
+    sweep = tmp_path / "sweep"  # the report says the same
+    _summary(sweep / "a", 0.5, 0.4)
+    (sweep / "sweep.json").write_text(json.dumps({**record, "version": SWEEP_VERSION, "jobs": [], "points": [
+        {"index": 0, "name": "a", "dir": str(sweep / "a"), "overrides": {"train.seed": 1}}]}))
+    report = write_sweep_report(sweep).read_text()
+    assert "ranked by eval: tiny_choice acc_norm (max)." in report and "| score | base | model |" in report, report

@@ -22,7 +22,7 @@ from transformers import TrainerCallback
 
 from slurmft.checkpoints import latest_complete, step_of
 from slurmft.dpoopts import PREFERENCE_METRICS
-from slurmft.grpoopts import GRPO_METRICS, REWARD_METRIC
+from slurmft.grpoopts import GRPO_METRICS, REWARD_METRIC, reward_words
 from slurmft.job import preemption
 from slurmft.job.distributed import DistContext, any_rank
 from slurmft.units import MiB, peak_rss_bytes
@@ -151,6 +151,8 @@ def step_line(logs: dict[str, Any], step: int, max_steps: int) -> str:
             parts.append(f"lr {logs['learning_rate']:.2e}")
         if logs.get("grad_norm") is not None:
             parts.append(f"grad_norm {float(logs['grad_norm']):.3f}")
+        if reward := reward_words(logs):  # GRPO: what the loss does not say
+            parts.append(reward)
         if logs.get("epoch") is not None:
             parts.append(f"epoch {logs['epoch']:.2f}")
         return "  ".join(parts)

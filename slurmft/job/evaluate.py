@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -188,8 +189,28 @@ def run_lm_eval(cmd: list[str], cwd: Path, say: Say) -> list[str]:
         t.join()
     if rc != 0:
         raise EvalError(f"lm-eval exited with {rc} ({' '.join(cmd[:3])} ...); the last lines of its stderr:",
-                        list(tail) or ["(no output on stderr)"])
+                        (list(tail) or ["(no output on stderr)"]) + offline_hints(list(tail)))
     return list(tail)
+
+
+#: datasets' words for a data set it could not download: ``Couldn't reach 'Rowan/hellaswag' on the Hub
+#: (OfflineModeIsEnabled)`` (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set, as cluster profiles for offline nodes do), or
+#: ``(LocalEntryNotFoundError)`` and the like where the Hub cannot be reached.
+_UNREACHED = re.compile(r"Couldn't reach '([^']+)' on the Hub \((\w+)\)")
+
+
+def offline_hints(tail: list[str]) -> list[str]:
+    """The fix for a registry task whose data set is not in the cache of a job that cannot download it, said after
+    lm-eval's own lines (which end in datasets' ConnectionError and name no fix)."""
+    for line in reversed(tail):
+        if m := _UNREACHED.search(line):
+            why = ("the job runs offline (HF_HUB_OFFLINE=1)" if m.group(2) == "OfflineModeIsEnabled"
+                   else f"the Hub cannot be reached from where the job runs ({m.group(2)})")
+            return [f"the fix: {why} and {m.group(1)} is not in the datasets cache of HF_HOME "
+                    f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}): load it once where the network is "
+                    f"reachable, with the same HF_HOME and eval.python (`python -c \"import datasets; "
+                    f"datasets.load_dataset('{m.group(1)}')\"`), or give a task file of your own (docs/serve-eval.md)"]
+    return []
 
 
 def _newest_results(out: Path, before: set[Path]) -> Path:

@@ -269,6 +269,10 @@ def serve_check_run(run_dir: str, overrides: list[str] | None = None) -> dict[st
         raise
     finally:
         atomic_write(out_dir / "result.json", json.dumps(record, indent=1, default=str))
+    from slurmft.watch.model_results import serve_lines
+
+    for line in serve_lines(record):  # the job's log says the verdict as status does (a failure: the error says it)
+        print(line, flush=True)
     return {"ok": True, "engines": {k: {"agree": [p["agree"] for p in v["prompts"]], "startup_s": v["startup_s"]}
                                     for k, v in record["engines"].items()}}
 

@@ -692,7 +692,7 @@ def save_line(rec: dict[str, Any]) -> str:
 def step_line(rec: dict[str, Any]) -> str:
     """``step 7 loss=2.31 learning_rate=1e-05 ...``: what the local console prints for one step."""
     parts = [f"step {rec.get('step')}"]
-    for key in ("loss", "learning_rate", "grad_norm", "tokens_per_s"):
+    for key in ("loss", "learning_rate", "grad_norm", "tokens_per_s", "reward", "reward_std"):  # reward: GRPO's
         if isinstance(rec.get(key), int | float):
             parts.append(f"{key}={rec[key]:.4g}")
     return " ".join(parts)

@@ -76,10 +76,11 @@ def check_quiet(paths: RunPaths, kind: str) -> None:
 
 def problems_before(cfg: RunConfig, kind: str, say: Say | None = None) -> list[str]:
     """The login-side checks of the section (its Python imports what it needs, the tasks exist); what cannot be
-    checked here (an interpreter in an image) is said through ``say``."""
+    checked here (an interpreter in an image) is said through ``say``, and so is the one slow step (listing lm-eval's
+    registry for a task name, ~30 s once per interpreter: it was silent)."""
     from slurmft.plan.model_job_checks import check_model_job
 
-    problems, skipped = check_model_job(cfg, kind)
+    problems, skipped = check_model_job(cfg, kind, say)
     for line in skipped:
         if say is not None:
             say(f"not checked: {line}")

@@ -112,7 +112,12 @@ def ended_words(run_dir: Path, kind: str) -> Callable[[], str | None]:
         row = next((r for r in state.rows if str(r["job_id"]) == job_id), None)
         if row is None or not state.squeue_answered or is_live(row["state"]) or is_unseen(row["state"]):
             return None
-        return f"[slurmft logs] {kind} job {job_id} has ended: {row['words']} (the whole run: `slurmft status {paths.root}`)"
+        # a job after it that still runs or waits (the consolidation, the serve check, the evaluation): where to look
+        later = next((r for r in state.rows[state.rows.index(row) + 1:] if is_live(r["state"])), None)
+        nxt = (f"; next: {later['kind']} job {later['job_id']}, {later['words']}: `slurmft logs {paths.root} --job "
+               f"{later['kind']} -f`" if later else "")
+        return (f"[slurmft logs] {kind} job {job_id} has ended: {row['words']}{nxt} (the whole run: `slurmft status "
+                f"{paths.root}`)")
 
     return check
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from slurmft import slurm
 from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, step_of
 from slurmft.dpoopts import PREFERENCE_METRICS
 from slurmft.grpoopts import GRPO_METRICS, REWARD_METRIC
@@ -33,7 +34,6 @@ from slurmft.slurm_states import State, is_live, is_unseen, parse, words
 from slurmft.trackers import read_tracker, tracker_lines
 from slurmft.units import binary_bytes, fmt_duration
 from slurmft.watch.results import adapter_info, lora_info, lora_words, merge_setting, model_info, model_lines
-from slurmft.watch.status import array_size
 
 # How many of the newest records the rate (steps/s, tokens/s) is measured over.
 RECENT = 20
@@ -517,8 +517,8 @@ def prepare_info(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dic
         except OSError:
             text = ""
         out["running"] = {"job_id": rows[-1]["job_id"], "progress": last_progress(text)}
-        if array_size(job) > 1:  # a prepare array: its shards so far, and the total
-            out["running"]["array"] = prepared.array_progress(paths.prepared_parts(job["job_id"]), array_size(job))
+        if slurm.task_count(job) > 1:  # a prepare array: its shards so far, and the total
+            out["running"]["array"] = prepared.array_progress(paths.prepared_parts(job["job_id"]), slurm.task_count(job))
     return out or None
 
 

@@ -72,6 +72,13 @@ def _objective(cfg: dict[str, Any], recorded: dict[str, Any]) -> str:
     return "supervised fine-tuning"
 
 
+def partition_words(cfg: dict[str, Any]) -> str:
+    """``partition `gpu```, or the cluster's default partition where ``cluster.partition`` is unset (null: sbatch
+    gets no --partition; the report said ``partition `None```)."""
+    partition = _get(cfg, "cluster.partition", None)
+    return f"partition `{partition}`" if partition else "the cluster's default partition"
+
+
 def _get(d: dict[str, Any], dotted: str, default: Any = "-") -> Any:
     for part in dotted.split("."):
         if not isinstance(d, dict) or part not in d:
@@ -194,8 +201,8 @@ def render(s: dict[str, Any], plot_name: str | None) -> str:
           f"| preemption | signal {_get(cfg, 'preemption.signal')} {_get(cfg, 'preemption.lead_time_s')} s before the end, "
           f"max {_get(cfg, 'preemption.max_requeues')} requeues |", ""]
     L += ["## Allocation", "",
-          f"{s['executor']} executor, profile `{_get(cfg, 'cluster.profile')}`, partition "
-          f"`{_get(cfg, 'cluster.partition')}`, time limit {_get(cfg, 'cluster.time')}: "
+          f"{s['executor']} executor, profile `{_get(cfg, 'cluster.profile')}`, {partition_words(cfg)}, "
+          f"time limit {_get(cfg, 'cluster.time')}: "
           f"{nodes} node(s) × {ranks} rank(s), {gpus} GPU(s) per node.", ""]
     if s["nodes"]:
         L += ["Nodes per attempt: " + "; ".join(f"job {j} restart {r}: `{n}`"

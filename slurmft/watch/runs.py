@@ -19,7 +19,7 @@ from slurmft.eval_results import headline_score, read_summary
 from slurmft.rundir import RunPaths, current_user, job_submitter, read_manifest, run_owner
 from slurmft.slurm_states import State, is_allocated, is_live, parse
 from slurmft.units import fmt_age
-from slurmft.watch.progress import max_steps_of, read_metrics
+from slurmft.watch.progress import max_steps_of, read_metrics, rollouts_of
 from slurmft.watch.results import result_info
 from slurmft.watch.status import missing_state
 
@@ -138,8 +138,16 @@ def run_lines(root: Path, now: float | None = None,
                      "state": "broken" if manifest is None else run_word(jobs, result_info(paths) is not None),
                      "step": last.get("step"), "max_steps": max_steps_of(paths), "loss": last.get("loss"),
                      "age_s": round(now - t_last, 1) if t_last else None, "problem": problem,
-                     "score": headline_score(read_summary(paths.root) or {})})
+                     "score": headline_score(read_summary(paths.root) or {}) or reward_score(metrics.records)})
     return rows
+
+
+def reward_score(records: list[dict[str, Any]]) -> tuple[str, float] | None:
+    """``("reward", mean reward of the last rollouts)`` for a GRPO run (its loss, advantage-weighted, is near 0 whatever
+    the rewards, so the score column is what says how it goes), None for any other run; an evaluation's score
+    comes first where the run has one."""
+    rollouts = rollouts_of(records)
+    return ("reward", float(rollouts["reward"])) if rollouts else None
 
 
 def slurm_states(job_ids: list[str]) -> dict[str, dict[str, str]]:

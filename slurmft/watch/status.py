@@ -33,7 +33,7 @@ from slurmft.slurm_states import (
 )
 
 REASON_WORDS = {
-    "Dependency": "waiting for the train job to finish successfully",
+    "Dependency": "waiting for the {waits_on} job to finish successfully",
     "DependencyNeverSatisfied": "will never start: the train job did not succeed; Slurm cancels this job "
     "(--kill-on-invalid-dep; `slurmft resume {run}` cancels it if it is still queued, continues training from the "
     "newest complete checkpoint and chains a new consolidation)",
@@ -79,20 +79,13 @@ class SlurmView:
     squeue_answered: bool = True
 
 
-def array_size(job: dict[str, Any]) -> int:
-    """The tasks of a Slurm job array the manifest records (a prepare array, a sweep's): 1 for a job alone. An eval
-    job that ``slurmft eval --tasks`` sent before overrides recorded its lm-eval tasks as a list under that name."""
-    tasks = job.get("tasks", 1)
-    return tasks if isinstance(tasks, int) and "pid" not in job else 1
-
-
 def slurm_view(manifest: dict[str, Any], job_tags: set[str] | frozenset[str] = frozenset()) -> SlurmView:
     """One squeue (every job we may see, whoever submitted it: the run's job ids, and tagged jobs the manifest
     missed) and one sacct."""
     view = SlurmView()
     known = {j["job_id"] for j in manifest.get("jobs", []) if "pid" not in j}  # not the processes run here
-    known |= {f"{j['job_id']}_{k}" for j in manifest.get("jobs", []) for k in range(array_size(j))
-              if array_size(j) > 1}  # a prepare array's tasks
+    known |= {f"{j['job_id']}_{k}" for j in manifest.get("jobs", []) for k in range(slurm.task_count(j))
+              if slurm.task_count(j) > 1}  # a prepare array's tasks
     queued = slurm.squeue_jobs()
     if queued is None:
         view.problems.append(SQUEUE_SILENT)
@@ -108,8 +101,8 @@ def slurm_view(manifest: dict[str, Any], job_tags: set[str] | frozenset[str] = f
         acct = {}
     view.acct = acct
     for job in manifest.get("jobs", []):
-        if array_size(job) > 1:  # a prepare array, recorded by the array's id
-            tasks = [f"{job['job_id']}_{k}" for k in range(array_size(job))]
+        if slurm.task_count(job) > 1:  # a prepare array, recorded by the array's id
+            tasks = [f"{job['job_id']}_{k}" for k in range(slurm.task_count(job))]
             fold_array(view, job["job_id"], [queued.get(t) for t in tasks], [acct.get(t) for t in tasks])
     return view
 
@@ -196,11 +189,17 @@ def _base(job: dict[str, Any]) -> dict[str, Any]:
     return base
 
 
-# A train job waits on the prepare job (prepare.enabled), not on a train job.
-TRAIN_REASON_WORDS = {
-    "Dependency": "waiting for the prepare job to finish successfully",
-    "DependencyNeverSatisfied": "will never start: the prepare job did not succeed; Slurm cancels this job "
+# What a pending job whose dependency can never be satisfied means, by the kind of job the one it waits on is: a
+# train job waits on the prepare job (prepare.enabled), a serve check or evaluation on the consolidation.
+NEVER_SATISFIED_WORDS = {
+    "train": "will never start: the prepare job did not succeed; Slurm cancels this job "
     "(--kill-on-invalid-dep); see `slurmft logs {run} --job prepare`, fix the data, then `slurmft resume {run}`",
+    "serve": "will never start: the consolidation job did not succeed; Slurm cancels this job "
+    "(--kill-on-invalid-dep); see `slurmft logs {run} --job consolidate`, then `slurmft consolidate {run}` and "
+    "`slurmft serve {run}`",
+    "eval": "will never start: the consolidation job did not succeed; Slurm cancels this job "
+    "(--kill-on-invalid-dep); see `slurmft logs {run} --job consolidate`, then `slurmft consolidate {run}` and "
+    "`slurmft eval {run}`",
 }
 
 
@@ -235,12 +234,13 @@ def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", 
     known = parse(state)
     if known in UNSEEN and unseen:
         return unseen
-    if known == State.PENDING and kind == "train" and reason in TRAIN_REASON_WORDS:
-        return TRAIN_REASON_WORDS[reason].format(run=run_dir)
+    if known == State.PENDING and reason == NEVER_SATISFIED and kind in NEVER_SATISFIED_WORDS:
+        return NEVER_SATISFIED_WORDS[kind].format(run=run_dir)
     if known == State.PENDING and REASON_WORDS.get(reason):
-        return REASON_WORDS[reason].format(run=run_dir)
+        # a dependent job waits on the job before it: a serve check on the consolidation, not on the train job
+        return REASON_WORDS[reason].format(run=run_dir, waits_on=WAITS_ON.get(kind, "train"))
     text = words(state)
-    if known == State.FAILED:
+    if known == State.FAILED and kind not in MODEL_JOB_COMMANDS:  # a serve/eval job's words name its own log below
         text += " (see `slurmft logs`)"
     elif known == State.UNKNOWN:
         text += ("; neither squeue nor sacct has it (another cluster or SLURM_CONF? accounting off and the job "

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slurmft.eval_results import named_score, read_summary
+from slurmft.eval_results import named_cell, named_score, read_summary
 from slurmft.rundir import RunPaths, SweepPaths, read_sweep_record
 from slurmft.watch.progress import read_metrics, rollouts_of
 from slurmft.watch.results import result_info
@@ -56,10 +56,13 @@ def sweep_rows(root: Path, query: Query | None = None) -> tuple[dict[str, Any], 
         row = by_path.get(str(Path(point["dir"])), {"state": "missing", "step": None, "max_steps": None,
                                                      "loss": None})
         paths = RunPaths.of(point["dir"])
+        summary = read_summary(point["dir"]) if metric.startswith("eval") else None
+        cell = named_cell(summary, metric) if summary else None  # which score, and the base's: did it get better?
         rows.append({"index": point["index"], "name": point["name"], "overrides": point["overrides"],
                      "dir": point["dir"], "state": row["state"], "step": row["step"], "max_steps": row["max_steps"],
                      "loss": row["loss"], "score": score(row, metric, point["dir"]), "rank": None,
-                     "model": result_info(paths)})
+                     "model": result_info(paths), "score_name": cell[0] if cell else None,
+                     "base": cell[1] if cell else None})
     rank(rows, mode)
     return record, rows
 
@@ -126,16 +129,30 @@ def refresh_best_safely(run_dir: str | os.PathLike[str]) -> None:
         print(f"[slurmft] {root}/best not updated: {exc}", flush=True)
 
 
-def format_table(record: dict[str, Any], rows: list[dict[str, Any]], best: dict[str, Any] | None) -> list[str]:
-    """Aligned lines: point, overrides, state, step/max, last loss, score (rank), then the best point."""
+def ranked_by(record: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """``eval: tiny_choice acc_norm (max)``: the ranking metric, the score ``eval`` stands for once a point has one
+    (the first task's headline metric), and the direction."""
     select = record.get("select") or {}
-    table = [("point", "overrides", "state", "step", "loss", f"{select.get('metric', 'loss')} ({select.get('mode', 'min')})")]
+    metric = select.get("metric", "loss")
+    named = next((r["score_name"] for r in rows if r.get("score_name")), None) if metric == "eval" else None
+    return f"{metric}{f': {named}' if named else ''} ({select.get('mode', 'min')})"
+
+
+def _number(value: Any) -> str:  # noqa: ANN401 - a score, a loss or None
+    return f"{value:.4f}" if isinstance(value, int | float) else "-"
+
+
+def format_table(record: dict[str, Any], rows: list[dict[str, Any]], best: dict[str, Any] | None) -> list[str]:
+    """Aligned lines: point, overrides, state, step/max, last loss, score (rank), the base model's score when the
+    evaluation scored it (``eval.compare_base``), then the best point."""
+    with_base = any(r.get("base") is not None for r in rows)
+    table = [("point", "overrides", "state", "step", "loss", ranked_by(record, rows)) + (("base",) if with_base else ())]
     for r in rows:
         step = f"{'-' if r['step'] is None else r['step']}/{'?' if r['max_steps'] is None else r['max_steps']}"
-        loss = f"{r['loss']:.4f}" if isinstance(r["loss"], int | float) else "-"
         shown = f"{r['score']:.4f} (#{r['rank']})" if r["score"] is not None else "-"
         overrides = " ".join(f"{k}={v}" for k, v in r["overrides"].items()) or "(as written)"
-        table.append((r["name"], overrides, r["state"], step, loss, shown))
+        table.append((r["name"], overrides, r["state"], step, _number(r["loss"]), shown)
+                     + ((_number(r.get("base")),) if with_base else ()))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = [f"sweep {record.get('name')} ({record.get('executor')}): {len(rows)} point(s)"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table]
@@ -217,28 +234,26 @@ def write_sweep_report(root: Path) -> Path:
 
     record, rows = sweep_rows(root)
     best = update_best(root, rows)
-    select = record.get("select") or {}
     try:
         plot = f"![loss by step]({plot_sweep(root).name})"
     except SlurmftError as exc:
         plot = f"(no plot: {exc})"
     ordered = sorted(rows, key=lambda r: (r["rank"] is None, r["rank"] or 0))
     warned = select_warnings_of(record)
+    with_base = any(r.get("base") is not None for r in rows)
     lines = [f"# Sweep {record.get('name')}", "",
-             f"{len(rows)} point(s), executor {record.get('executor')}, ranked by {select.get('metric', 'loss')} "
-             f"({select.get('mode', 'min')}).", "",
+             f"{len(rows)} point(s), executor {record.get('executor')}, ranked by {ranked_by(record, rows)}.", "",
              *[f"> {line.strip()}  " for line in warned], *([""] if warned else []),
              f"**Best:** {best['name']} (`{best['model']}`, linked as `best`)" if best
              else "**Best:** none yet (no point has a score and a model)", "",
-             "| rank | point | overrides | state | step | loss | score | model |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| rank | point | overrides | state | step | loss | score |" + (" base |" if with_base else "") + " model |",
+             "|---|---|---|---|---|---|---|" + ("---|" if with_base else "") + "---|"]
     for r in ordered:
         overrides = " ".join(f"`{k}={v}`" for k, v in r["overrides"].items()) or "(as written)"
         step = f"{'-' if r['step'] is None else r['step']}/{'?' if r['max_steps'] is None else r['max_steps']}"
-        loss = f"{r['loss']:.4f}" if isinstance(r["loss"], int | float) else "-"
-        score = f"{r['score']:.4f}" if r["score"] is not None else "-"
-        lines.append(f"| {r['rank'] or '-'} | {r['name']} | {overrides} | {r['state']} | {step} | {loss} | {score} | "
-                     f"{r['model'] or '-'} |")
+        base = f" {_number(r.get('base'))} |" if with_base else ""
+        lines.append(f"| {r['rank'] or '-'} | {r['name']} | {overrides} | {r['state']} | {step} | {_number(r['loss'])} | "
+                     f"{_number(r['score'])} |{base} {r['model'] or '-'} |")
     lines += ["", plot, ""]
     target = Path(root) / "report.md"
     atomic_write(target, "\n".join(lines))

@@ -50,3 +50,15 @@ def test_only_global_rank_0_logs_the_steps_one_line_each(tiny_model: Path, job_e
     assert "{'loss'" not in rank0  # not the Trainer's raw dict as well
     assert "loss" not in rank1, rank1[-3000:]  # the other node's local rank 0 prints no step
     assert "slurmft rank 1: completed at step 4" in rank1
+
+
+def test_a_grpo_step_line_says_the_reward_beside_the_loss() -> None:
+    # GRPO's loss is advantage-weighted, near 0 whatever the rewards: the line a user follows (`slurmft logs -f`)
+    # must say the reward at the steps that generated (TRL logs it there only)
+    from slurmft.job.callbacks import step_line
+
+    logs = {"loss": 0.0, "learning_rate": 1e-5, "grad_norm": 5.1668, "reward": 0.1, "reward_std": 0.1069, "kl": 0.0,
+            "epoch": 0.03}
+    assert step_line(logs, 1, 8) == "step 1/8  loss 0.0000  lr 1.00e-05  grad_norm 5.167  reward 0.1000 ± 0.1069  epoch 0.03"
+    no_rollout = {k: v for k, v in logs.items() if not k.startswith("reward")}
+    assert "reward" not in step_line(no_rollout, 2, 8)
