@@ -82,6 +82,10 @@ def make_slurm_executor(
     class TemplatedSlurmExecutor(SlurmExecutor):
         """submitit keeps pickles, job ids and sacct state; we own the script text."""
 
+        def _submit_command(self, command: str) -> Any:
+            with slurm.refusal_said_once():
+                return super()._submit_command(command)
+
         def _make_submission_file_text(self, command: str, uid: str) -> str:
             return make_text(command)
 

@@ -138,9 +138,12 @@ def test_sbatch_refusal_is_reported_and_leaves_no_run_dir(slurm_cluster, tiny_mo
     assert code == 2 and "sbatch refused the train job" in err and "partition" in err.lower(), err
     assert "Traceback" not in err and not (tmp_path / "run").exists()
     assert "set cluster.partition to one of: debug, wide" in err  # the fix, from the cluster's partitions
+    # sbatch's own words once, inside slurmft's error (submitit printed them above it too)
+    assert err.count("invalid partition specified") == 1 and err.startswith("error: sbatch refused"), err
     # with a prepare job (the default) accepted before the train job is refused: the prepare job is cancelled and the
     # run directory removed too (it was left with the cancelled prepare job, and a second submit said `slurmft resume`)
     path = slurmft.write_config(tmp_path, tiny_model, chat_data, resources={"gpus_per_node": 9})
     code, _, err = slurmft.cli(["submit", str(path)])
     assert code == 2 and "sbatch refused the train job" in err and "cancelled prepare job" in err, err
     assert "resources.gpus_per_node" in err and not (tmp_path / "run").exists()
+    assert err.lower().count("node configuration is not available") == 1, err
