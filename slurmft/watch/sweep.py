@@ -17,10 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from slurmft import locks
 from slurmft.eval_results import named_score, read_summary
 from slurmft.rundir import RunPaths, SweepPaths, read_sweep_record
 from slurmft.watch.progress import read_metrics, result_info, rollouts_of
-from slurmft.watch.runs import run_lines
+from slurmft.watch.runs import NOT_STARTED, run_lines
 
 Query = Callable[[list[str]], dict[str, dict[str, str]]]
 
@@ -50,16 +51,37 @@ def sweep_rows(root: Path, query: Query | None = None) -> tuple[dict[str, Any], 
     select = record.get("select") or {}
     metric, mode = select.get("metric", "loss"), select.get("mode", "min")
     rows = []
+    # a point not started while a command of the sweep holds its lock (a local submit or resume runs the points one
+    # after another) waits its turn; with no such command, nothing will start it but `slurmft resume`
+    running = any(r["state"] == NOT_STARTED for r in by_path.values()) and locks.live_holder(RunPaths.of(root).lock)
     for point in record["points"]:
         row = by_path.get(str(Path(point["dir"])), {"state": "missing", "step": None, "max_steps": None,
                                                      "loss": None})
         paths = RunPaths.of(point["dir"])
+        state = WAITING if row["state"] == NOT_STARTED and running else row["state"]
         rows.append({"index": point["index"], "name": point["name"], "overrides": point["overrides"],
-                     "dir": point["dir"], "state": row["state"], "step": row["step"], "max_steps": row["max_steps"],
+                     "dir": point["dir"], "state": state, "step": row["step"], "max_steps": row["max_steps"],
                      "loss": row["loss"], "score": score(row, metric, point["dir"]), "rank": None,
                      "model": result_info(paths)})
     rank(rows, mode)
     return record, rows
+
+
+#: A point not started yet while the sweep's own command (its local ``submit``, a ``resume``) runs the points.
+WAITING = "waiting its turn"
+
+
+def not_started_lines(root: Path, rows: list[dict[str, Any]]) -> list[str]:
+    """What the points without a job mean and what starts them: a local sweep runs its points one after another, so
+    a killed one leaves the points after it with no job at all (status said "unknown")."""
+    lines = []
+    for state, words in ((WAITING, "the sweep runs its points here one after another"),
+                         (NOT_STARTED, f"the sweep stopped before them; `slurmft resume {root}` runs them, and "
+                                       "continues the points that stopped")):
+        names = [r["name"] for r in rows if r["state"] == state]
+        if names:
+            lines.append(f"{state}: {', '.join(names)}: {words}")
+    return lines
 
 
 def rank(rows: list[dict[str, Any]], mode: str) -> None:
@@ -124,8 +146,10 @@ def refresh_best_safely(run_dir: str | os.PathLike[str]) -> None:
         print(f"[slurmft] {root}/best not updated: {exc}", flush=True)
 
 
-def format_table(record: dict[str, Any], rows: list[dict[str, Any]], best: dict[str, Any] | None) -> list[str]:
-    """Aligned lines: point, overrides, state, step/max, last loss, score (rank), then the best point."""
+def format_table(root: Path, record: dict[str, Any], rows: list[dict[str, Any]], best: dict[str, Any] | None
+                 ) -> list[str]:
+    """Aligned lines: point, overrides, state, step/max, last loss, score (rank), then the best point and what starts
+    the points not started."""
     select = record.get("select") or {}
     table = [("point", "overrides", "state", "step", "loss", f"{select.get('metric', 'loss')} ({select.get('mode', 'min')})")]
     for r in rows:
@@ -141,7 +165,7 @@ def format_table(record: dict[str, Any], rows: list[dict[str, Any]], best: dict[
         lines.append(f"best: {best['name']} ({best['model']}; linked as best)")
     else:
         lines.append("best: none yet (no point has a score and a model)")
-    return lines
+    return lines + not_started_lines(root, rows)
 
 
 def status_lines(root: Path, as_json: bool = False) -> list[str]:
@@ -154,7 +178,7 @@ def status_lines(root: Path, as_json: bool = False) -> list[str]:
     if as_json:
         return [json.dumps({"sweep": record["name"], "executor": record["executor"], "select": record["select"],
                             "jobs": record["jobs"], "points": rows, "best": best and best["name"]}, indent=2)]
-    return format_table(record, rows, best)
+    return format_table(root, record, rows, best)
 
 
 def plot_sweep(root: Path, out: str | Path | None = None) -> Path:
@@ -226,7 +250,8 @@ def write_sweep_report(root: Path) -> Path:
         score = f"{r['score']:.4f}" if r["score"] is not None else "-"
         lines.append(f"| {r['rank'] or '-'} | {r['name']} | {overrides} | {r['state']} | {step} | {loss} | {score} | "
                      f"{r['model'] or '-'} |")
-    lines += ["", plot, ""]
+    waiting = [f"{line}  " for line in not_started_lines(root, rows)]  # a markdown line break after each
+    lines += ["", *waiting, *([""] if waiting else []), plot, ""]
     target = Path(root) / "report.md"
     atomic_write(target, "\n".join(lines))
     return target
