@@ -134,6 +134,15 @@ def test_status_says_why_a_train_job_never_started() -> None:
     rows[2].update(state="CANCELLED", start="None")  # then Slurm cancels the consolidation too (issue 47)
     explain_dependency_failures(rows, jobs, "/runs/x")
     assert rows[2]["words"] == train_failed_words("12", "/runs/x") and "train job 12 did not succeed" in rows[2]["words"]
+    # Slurm 22.05's sacct gives a pending job scancel cancelled its End as its Start: no start; and `slurmft cancel`
+    # cancelled it (cancels.jsonl), not Slurm
+    by = "cancelled by `slurmft cancel` (ann, 2026-12-03 15:02:00)"
+    rows[2].update(words="cancelled", start="2026-12-03T15:02:00", end="2026-12-03T15:02:00", cancelled_by=by)
+    explain_dependency_failures(rows, jobs, "/runs/x")
+    assert rows[2]["words"] == train_failed_words("12", "/runs/x", by) == (
+        f"{by} before it started (it waited on train job 12); `slurmft resume /runs/x` continues training from the "
+        "newest complete checkpoint and chains a new consolidation")
+    del rows[2]["cancelled_by"]
     # a train job cancelled by the user after it started, or one whose prepare job succeeded: its own words
     rows[1].update(words="cancelled", start="2026-12-03T15:01:00")
     explain_dependency_failures(rows, jobs, "/runs/x")

@@ -249,10 +249,12 @@ def test_local_sweep_runs_the_points_one_after_another(tmp_path: Path, micro_mod
     assert (second / "model" / "model-00001-of-00001.safetensors").read_bytes() == b
 
 
-def test_a_killed_local_sweeps_points_not_started_say_so_and_what_starts_them(
-        tmp_path: Path, micro_model: Path, chat_data: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A local sweep runs its points one after another: killed during its first point's prepare job, the second point
-    has no job at all; status said 'unknown' for both. While the sweep's submit lives, the second waits its turn."""
+@pytest.mark.parametrize("how", ["killed", "cancelled"])
+def test_a_stopped_local_sweeps_points_not_started_say_so_and_what_starts_them(
+        how: str, tmp_path: Path, micro_model: Path, chat_data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A local sweep runs its points one after another: killed (or `slurmft cancel`led) during its first point's
+    prepare job, the second point has no job at all; status said 'unknown' for both. While the sweep's submit lives,
+    the second waits its turn; a cancelled one starts no further point (it went on to the next)."""
     import signal
     import sys
     import time
@@ -265,7 +267,7 @@ def test_a_killed_local_sweeps_points_not_started_say_so_and_what_starts_them(
     root = tmp_path / "out"
     first, second = root / "learning_rate-0.001", root / "learning_rate-0.003"
     submit = subprocess.Popen([sys.executable, "-m", "slurmft.cli", "submit", str(path)], start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while not (first / "manifest.json").is_file() or not json.loads((first / "manifest.json").read_text())["jobs"]:
@@ -274,13 +276,20 @@ def test_a_killed_local_sweeps_points_not_started_say_so_and_what_starts_them(
         code, out, err = cli(["status", str(root), "--json"], capsys)  # the submit still runs: the second waits
         assert code == 0, err
         assert [r["state"] for r in json.loads(out)["points"]] == ["preparing", "waiting its turn"]
+        if how == "cancelled":
+            code, out, err = cli(["cancel", str(root)], capsys)
+            assert code == 0 and out.startswith("cancelled: "), err
+            _, err = submit.communicate(timeout=60)
+            assert submit.returncode == 2 and "prepare job" in err and "cancelled by `slurmft cancel` (" in err, err
+            assert "point 2/2" not in err  # the next point is not started
     finally:
-        os.killpg(submit.pid, signal.SIGKILL)  # the submit and the prepare job it started
-        submit.wait()
+        if submit.poll() is None:
+            os.killpg(submit.pid, signal.SIGKILL)  # the submit and the prepare job it started
+            submit.wait()
     code, out, err = cli(["status", str(root)], capsys)
     assert code == 0, err
     states = {line.split()[0]: line.split()[2:4] for line in out.splitlines()[2:4]}
-    assert states == {first.name: ["prepare", "killed"], second.name: ["not", "started"]}, out
+    assert states == {first.name: ["prepare", how], second.name: ["not", "started"]}, out
     assert (f"not started: {second.name}: the sweep stopped before them; `slurmft resume {root}` runs them, and "
             "continues the points that stopped") in out
     code, out, err = cli(["report", str(root)], capsys)

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slurmft import prepared, slurm
+from slurmft import cancels, prepared, slurm
 from slurmft.config import Executor, RunConfig
 from slurmft.config_loading import dump_config
 from slurmft.config_values import time_minutes
-from slurmft.errors import ConfigError, RunDirError, SubmissionError
+from slurmft.errors import Cancelled, ConfigError, RunDirError, SubmissionError
 from slurmft.plan.elastic import allocation
 from slurmft.plan.render import (
     CONSOLIDATE_TEMPLATE,
@@ -228,8 +228,8 @@ def submit_run(
             attempt = start_attempt(manifest, "submit", **allocation(cfg))
             dispatch_attempt(cfg, profile, paths, config_path, template_dir, manifest, attempt, result, say,
                              need_prepare=need_prepare)
-    except BaseException:
-        if not result.jobs:
+    except BaseException as exc:
+        if not result.jobs and not isinstance(exc, Cancelled):  # a cancelled run ran a job: kept for `resume`
             _cleanup(paths, created, kept)
         raise
     finally:
@@ -617,6 +617,12 @@ def _wait_local(job: Any, kind: str, paths: RunPaths, manifest: dict[str, Any], 
         write_manifest(paths, manifest)
         say(f"{kind} job {job.job_id} cancelled (Ctrl-C); complete checkpoints stay in {paths.checkpoints}")
         raise
+    by = cancels.read(paths).get(str(job.job_id))  # `slurmft cancel` wrote it before its signal
+    if by:  # not job.results(): it waits 15 s for the result a cancelled job never writes
+        manifest["jobs"][-1]["state"] = "CANCELLED"
+        write_manifest(paths, manifest)
+        raise Cancelled(f"{kind} job {job.job_id} {cancels.words(by)}; complete checkpoints stay in "
+                        f"{paths.checkpoints}: `slurmft resume {paths.root}` continues")
     state = "COMPLETED"
     try:
         job.results()

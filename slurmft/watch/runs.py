@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slurmft import slurm
+from slurmft import cancels, slurm
 from slurmft.eval_results import headline_score, read_summary
 from slurmft.rundir import RunPaths, current_user, job_submitter, read_manifest, run_owner
 from slurmft.slurm_states import State, is_allocated, is_live, parse
@@ -130,7 +130,8 @@ def run_lines(root: Path, now: float | None = None,
         if manifest and manifest.get("executor") == "local":  # the manifest (and pids) alone, no Slurm
             from slurmft.watch.status import job_rows
 
-            jobs = [{"kind": r["kind"], "state": r["state"], "reason": ""} for r in job_rows(manifest)]
+            jobs = [{"kind": r["kind"], "state": r["state"], "reason": ""}
+                    for r in job_rows(manifest, cancelled=cancels.read(paths))]
         else:
             owner = owners.get(str(paths.root), me)
             jobs = [{"kind": j["kind"], **states.get(str(j["job_id"]), {

@@ -108,6 +108,13 @@ def test_cancel_cancels_both_and_refuses_a_second_submit(slurm_cluster, tiny_mod
     assert code == 0 and jobs["train"] in out and jobs["consolidate"] in out
     slurm_cluster.wait_state(jobs["train"], "CANCELLED", timeout=60)
     slurm_cluster.wait_state(jobs["consolidate"], "CANCELLED", timeout=60)
+    # who cancelled them: `slurmft cancel`, not Slurm (the consolidation said "cancelled by Slurm before it started:
+    # train job T did not succeed (DependencyNeverSatisfied)"); what to run next stays `slurmft resume`
+    rows = slurmft.status_json(tmp_path / "run")
+    for kind in ("train", "consolidate"):
+        assert rows[kind]["words"].startswith("cancelled by `slurmft cancel` ("), rows[kind]
+        assert f"`slurmft resume {tmp_path / 'run'}`" in rows[kind]["words"] and "Slurm" not in rows[kind]["words"]
+    assert f"before it started (it waited on train job {jobs['train']})" in rows["consolidate"]["words"]
     code, out, _ = slurmft.cli(["cancel", str(tmp_path / "run")])
     assert code == 0 and "no live jobs" in out
 
