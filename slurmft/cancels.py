@@ -18,19 +18,24 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from slurmft.rundir import RunPaths, current_user, this_host
 from slurmft.units import fmt_time
 
 
-def record(paths: RunPaths, job_ids: list[str]) -> None:
-    """Append that this user cancels ``job_ids`` of the run now (nothing for none)."""
+def record(paths: RunPaths, job_ids: list[str], say: Callable[[str], None] = lambda _: None) -> None:
+    """Append that this user cancels ``job_ids`` of the run now (nothing for none). A run directory this user may not
+    write to does not stop the cancel: it is said (``say``), and ``status`` then says only "cancelled"."""
     if not job_ids:
         return
     entry = {"jobs": [str(j) for j in job_ids], "time": time.time(), **current_user().record(), "host": this_host()}
-    with open(paths.cancels, "a") as f:  # the user's umask and the directory's group, as every file of the run
-        f.write(json.dumps(entry) + "\n")
+    try:
+        with open(paths.cancels, "a") as f:  # the user's umask and the directory's group, as every file of the run
+            f.write(json.dumps(entry) + "\n")
+    except OSError as exc:
+        say(f"could not record who cancelled in {paths.cancels} ({exc.strerror}): status says only 'cancelled'")
 
 
 def read(paths: RunPaths) -> dict[str, dict[str, Any]]:

@@ -56,7 +56,7 @@ def cancel_run(run_dir: Path, force: bool = False, say=lambda _: None) -> Cancel
                                            if r["job_id"] in pids])
         live = state.live(include_completing=False)
         here = [j for j in live if j in pids]
-        cancels.record(paths, here)  # before the signal: the run's process reads it when it sees the job end
+        cancels.record(paths, here, say)  # before the signal: the run's process reads it when it sees the job end
         for job_id in here:
             with contextlib.suppress(ProcessLookupError):  # live means alive on this host (process_here): it ended
                 os.kill(pids[job_id], signal.SIGTERM)
@@ -76,7 +76,7 @@ def cancel_run(run_dir: Path, force: bool = False, say=lambda _: None) -> Cancel
                 result.not_touched.append(
                     f"{row['kind']} job {row['job_id']} is {who}'s (submitted by {who}); Slurm refused to cancel it "
                     f"for you ({answer.problem}): ask {who} to run `slurmft cancel {paths.root}`, or an administrator")
-        cancels.record(paths, [j for j in result.cancelled if j not in here])
+        cancels.record(paths, [j for j in result.cancelled if j not in here], say)
         return result
     finally:
         if locked:
@@ -110,5 +110,5 @@ def cancel_sweep(root: Path, force: bool = False, say=lambda _: None) -> CancelR
         scancel(live)
         result.cancelled += live
     for paths, ids in of_point.items():
-        cancels.record(paths, ids)
+        cancels.record(paths, ids, say)
     return result
