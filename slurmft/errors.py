@@ -29,6 +29,11 @@ class SubmissionError(SlurmftError):
     """sbatch/submitit refused the job, or the run directory is busy."""
 
 
+class Cancelled(SubmissionError):
+    """A job this process ran here (the local executor) was cancelled with ``slurmft cancel``: a local sweep's
+    ``submit`` or ``resume`` starts no further point."""
+
+
 class RunDirError(SlurmftError):
     """The run directory is missing, locked by a live run, or malformed."""
 

@@ -299,15 +299,13 @@ def acquire(path: Path, what: str, say: Callable[[str], None] | None = None, wai
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
         except FileExistsError:
             try:
-                seen, raw = os.stat(path), path.read_text(errors="replace")
+                seen, raw, held, stale = _look(path)
             except FileNotFoundError:
                 continue  # released in between
             except PermissionError:  # a holder whose umask leaves its lock unreadable to us (077)
                 raise LockError(f"{target} is locked ({path} exists, and you may not read who holds it); cannot "
                                 f"{what} now: wait for it, or ask the run's owner (the team needs read access to "
                                 "the run directory: umask 002)") from None
-            held = parse_holder(raw)
-            stale = judge(held, seen.st_mtime, time.time(), socket.gethostname(), pid_alive, _flock_held(path))
             if stale:
                 if _break(path, seen) and say:
                     say(f"cleared a stale lock {path} ({stale})")
@@ -354,6 +352,28 @@ def release(path: Path) -> None:
         pass
     finally:
         os.close(held.fd)
+
+
+def live_holder(path: Path) -> Holder | None:
+    """Who holds the lock at ``path`` while they may still be alive (:func:`judge`), without taking it: None when it
+    is free or stale. For a command that only reads (``status`` of a local sweep whose ``submit`` still runs its
+    points one after another); a lock we may not read, or one whose holder it does not name yet, counts as held."""
+    try:
+        _, _, holder, stale = _look(path)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return Holder("", None)
+    return None if stale else holder or Holder("", None)
+
+
+def _look(path: Path) -> tuple[os.stat_result, str, Holder | None, str | None]:
+    """The lock file's stat and text, its holder, and why it is stale (None: the holder may be alive); an OSError
+    (gone, unreadable) passes through."""
+    seen, raw = os.stat(path), path.read_text(errors="replace")
+    holder = parse_holder(raw)
+    return seen, raw, holder, judge(holder, seen.st_mtime, time.time(), socket.gethostname(), pid_alive,
+                                    _flock_held(path))
 
 
 def holds(path: Path) -> bool:

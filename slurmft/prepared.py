@@ -347,8 +347,10 @@ def summary_line(record: dict[str, Any]) -> str:
     text = sum("documents" in s for s in sources)  # a plain-text source's settings say how it splits into documents
     rows = ("preference pairs" if settings.get("method") == "dpo" else "documents" if text and text == len(sources)
             else "documents and conversations" if text else "conversations")
-    parts = [f"{r.get('conversations', 0):,} {rows} -> {r.get('sequences', 0):,} sequences of <= "
-             f"{settings.get('max_seq_length')} tokens", f"{r.get('tokens', 0):,} tokens"]
+    made = (f"(each a chosen and a rejected sequence of <= {settings.get('max_seq_length')} tokens)"
+            if settings.get("method") == "dpo" else  # a pair is one row of the data set, scored as two sequences
+            f"-> {r.get('sequences', 0):,} sequences of <= {settings.get('max_seq_length')} tokens")
+    parts = [f"{r.get('conversations', 0):,} {rows} {made}", f"{r.get('tokens', 0):,} tokens"]
     if isinstance(r.get("loss_tokens"), int):
         parts.append(f"{r['loss_tokens']:,} in the loss")
     if isinstance(fill, int | float) and record.get("settings", {}).get("packing"):

@@ -79,6 +79,11 @@ class RunPaths:
         return self.root / ".submit.lock"
 
     @property
+    def cancels(self) -> Path:
+        """Who cancelled which jobs with ``slurmft cancel``, and when (JSON lines: :mod:`slurmft.cancels`)."""
+        return self.root / "cancels.jsonl"
+
+    @property
     def scripts(self) -> Path:
         """Rendered sbatch scripts."""
         return self.root / "scripts"

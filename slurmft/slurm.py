@@ -55,11 +55,14 @@ batch shell before anything heavy is imported.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -273,6 +276,25 @@ def refusal_fixes(message: str) -> list[str]:
 def refused(what: str, exc: BaseException) -> SubmissionError:
     """The error for sbatch's refusal of ``what`` (submitit's exception), with :func:`refusal_fixes`."""
     return SubmissionError(f"sbatch refused the {what} ({str(exc).strip()})", refusal_fixes(str(exc)))
+
+
+@contextlib.contextmanager
+def refusal_said_once() -> Iterator[None]:
+    """Around submitit's sbatch call: submitit prints sbatch's stderr when sbatch refuses a job, then raises it
+    (``FailedJobError``), which slurmft says inside its own error with the field that fixes it (:func:`refused`), so
+    the user read the refusal twice, the first copy above the error. That print is dropped; anything else written to
+    stderr meanwhile (a warning) is passed on."""
+    from submitit.core.utils import FailedJobError
+
+    said, printed = io.StringIO(), ""
+    try:
+        with contextlib.redirect_stderr(said):
+            yield
+    except FailedJobError as exc:
+        printed = f"{exc}\n"  # submitit's print(stderr, file=sys.stderr); the exception holds the same text
+        raise
+    finally:
+        sys.stderr.write(said.getvalue().replace(printed, "", 1))
 
 
 # ------------------------------------------------------------------ scontrol

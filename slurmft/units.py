@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import resource
+import time
 from pathlib import Path
 
 GB = 10**9
@@ -90,6 +91,11 @@ def fmt_duration(seconds: float | None) -> str:
     if s >= 60:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s}s"
+
+
+def fmt_time(t: float | None) -> str:
+    """Local wall-clock time of a unix timestamp; ``-`` for None."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
 def fmt_age(seconds: float | None) -> str:

@@ -483,6 +483,7 @@ def test_preference_layouts_validate_under_dpo(rows: list[dict], tmp_path: Path,
     code, out, err = cli(["validate", str(path)], capsys)
     assert code == 0, err
     assert "preference pairs" in err + out and "data.packing: does not apply to DPO" in err + out
+    assert "~3 preference pairs per epoch" in out and "sequences per epoch" not in out  # an epoch is its pairs
 
 
 def test_sft_data_under_dpo_and_preference_data_without_it_are_refused_naming_the_columns(

@@ -134,6 +134,15 @@ def test_status_says_why_a_train_job_never_started() -> None:
     rows[2].update(state="CANCELLED", start="None")  # then Slurm cancels the consolidation too (issue 47)
     explain_dependency_failures(rows, jobs, "/runs/x")
     assert rows[2]["words"] == train_failed_words("12", "/runs/x") and "train job 12 did not succeed" in rows[2]["words"]
+    # Slurm 22.05's sacct gives a pending job scancel cancelled its End as its Start: no start; and `slurmft cancel`
+    # cancelled it (cancels.jsonl), not Slurm
+    by = "cancelled by `slurmft cancel` (ann, 2026-12-03 15:02:00)"
+    rows[2].update(words="cancelled", start="2026-12-03T15:02:00", end="2026-12-03T15:02:00", cancelled_by=by)
+    explain_dependency_failures(rows, jobs, "/runs/x")
+    assert rows[2]["words"] == train_failed_words("12", "/runs/x", by) == (
+        f"{by} before it started (it waited on train job 12); `slurmft resume /runs/x` continues training from the "
+        "newest complete checkpoint and chains a new consolidation")
+    del rows[2]["cancelled_by"]
     # a train job cancelled by the user after it started, or one whose prepare job succeeded: its own words
     rows[1].update(words="cancelled", start="2026-12-03T15:01:00")
     explain_dependency_failures(rows, jobs, "/runs/x")
@@ -235,6 +244,18 @@ def test_the_prepared_count_is_the_exact_one_and_a_stale_or_missing_one_is_none(
     assert "(prepared, exact)" not in "\n".join(batch_notes(epochs, [], None))
 
 
+def test_a_dpo_runs_prepared_count_is_said_in_preference_pairs(run) -> None:  # noqa: ANN001
+    """A DPO run's epoch is its pairs (the prepared count is the data set's rows; each is two sequences): validate
+    said 'data: 63 sequences per epoch' of the tiny DPO example."""
+    from slurmft.plan.checks import batch_notes
+
+    _, _, tok, paths = run
+    dpo = load_config(REPO / "examples" / "tiny" / "dpo.yaml", [f"model.name_or_path={tok}", f"output_dir={paths.root}"])
+    _prepare(paths, dpo)  # 3 pairs
+    notes = "\n".join(batch_notes(dpo, [], None))
+    assert "data: 3 preference pairs per epoch (prepared, exact)" in notes and "sequences per epoch" not in notes
+
+
 def test_prepare_run_yaml_as_a_job_refuses_a_config_whose_train_job_would_not_read_it(
         run, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
     import yaml
@@ -314,7 +335,8 @@ def test_a_preparation_is_summarised_in_what_its_rows_are() -> None:
         "240 conversations -> 37 sequences")
     dpo = {"settings": {"sources": [{"path": "pairs.jsonl"}], "max_seq_length": 128, "packing": True, "method": "dpo"},
            "result": {"conversations": 63, "sequences": 63, "tokens": 3599, "loss_tokens": None, "fill": None}}
-    assert summary_line(dpo) == "63 preference pairs -> 63 sequences of <= 128 tokens, 3,599 tokens"
+    assert summary_line(dpo) == ("63 preference pairs (each a chosen and a rejected sequence of <= 128 tokens), 3,599 "
+                                 "tokens")  # not '63 pairs -> 63 sequences': each pair is two
 
 
 def test_a_plan_layout_is_read_and_an_unknown_layout_is_refused_with_the_fix(run) -> None:  # noqa: ANN001

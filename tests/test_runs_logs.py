@@ -48,6 +48,10 @@ def test_run_word() -> None:
     assert run_word(jobs("STAGE_OUT", "PENDING", "Dependency"), False) == "training"
     assert run_word(jobs("FROBNICATED", "PENDING", "Dependency"), False) == "training"  # unknown: live
     assert run_word(jobs("COMPLETED", "SUSPENDED"), False) == "consolidation suspended"
+    assert run_word([], False) == "not started"  # a sweep's point its local sweep never reached (was "unknown")
+    prepare = [{"kind": "prepare", "state": "COMPLETED", "reason": ""}]
+    assert run_word(prepare, False) == "prepared"  # `slurmft prepare run.yaml`: no train job yet (was "unknown")
+    assert run_word([{**prepare[0], "state": "KILLED"}], False) == "prepare killed"
 
 
 def test_runs_without_an_answer_from_slurm_still_lists_every_run(tmp_path: Path) -> None:

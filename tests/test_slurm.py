@@ -288,3 +288,16 @@ def test_an_sbatch_refusal_a_config_causes_names_the_field_that_fixes_it() -> No
     partition = refused("prepare job", RuntimeError("sbatch: error: invalid partition specified: gpu"))
     assert str(partition) == "sbatch refused the prepare job (sbatch: error: invalid partition specified: gpu)"
     assert partition.problems[0].startswith("set cluster.partition to ") and partition.problems[1] == DOCTOR_HINT
+
+
+def test_sbatch_refusal_is_said_once_and_other_stderr_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    """submitit's own command runner printed a refused sbatch's stderr, then raised it: the print is dropped (the
+    error says it, tests/slurm/test_submit.py on the real cluster), a warning written meanwhile is not."""
+    import sys
+
+    from submitit.core.utils import CommandFunction, FailedJobError
+
+    with pytest.raises(FailedJobError, match="sbatch: error: no"), slurm.refusal_said_once():
+        print("a warning", file=sys.stderr)
+        CommandFunction(["sh", "-c", "echo 'sbatch: error: no' >&2; exit 1"], verbose=False)()
+    assert capsys.readouterr().err == "a warning\n"

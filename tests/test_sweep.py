@@ -251,6 +251,53 @@ def test_local_sweep_runs_the_points_one_after_another(tmp_path: Path, micro_mod
     assert (second / "model" / "model-00001-of-00001.safetensors").read_bytes() == b
 
 
+@pytest.mark.parametrize("how", ["killed", "cancelled"])
+def test_a_stopped_local_sweeps_points_not_started_say_so_and_what_starts_them(
+        how: str, tmp_path: Path, micro_model: Path, chat_data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A local sweep runs its points one after another: killed (or `slurmft cancel`led) during its first point's
+    prepare job, the second point has no job at all; status said 'unknown' for both. While the sweep's submit lives,
+    the second waits its turn; a cancelled one starts no further point (it went on to the next)."""
+    import signal
+    import sys
+    import time
+
+    path = write(tmp_path, {"grid": {"train.learning_rate": [1e-3, 3e-3]}}, executor="local",
+                 resources={"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 0, "cpus_per_task": 1},
+                 model={"name_or_path": str(micro_model), "dtype": "float32", "attn_implementation": "sdpa"},
+                 data={"datasets": [{"path": str(chat_data)}], "max_seq_length": 64},
+                 train={"max_steps": 2, "per_device_batch_size": 2, "warmup_ratio": 0.0})
+    root = tmp_path / "out"
+    first, second = root / "learning_rate-0.001", root / "learning_rate-0.003"
+    submit = subprocess.Popen([sys.executable, "-m", "slurmft.cli", "submit", str(path)], start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (first / "manifest.json").is_file() or not json.loads((first / "manifest.json").read_text())["jobs"]:
+            assert submit.poll() is None and time.monotonic() < deadline, "the sweep's first job never started"
+            time.sleep(0.2)
+        code, out, err = cli(["status", str(root), "--json"], capsys)  # the submit still runs: the second waits
+        assert code == 0, err
+        assert [r["state"] for r in json.loads(out)["points"]] == ["preparing", "waiting its turn"]
+        if how == "cancelled":
+            code, out, err = cli(["cancel", str(root)], capsys)
+            assert code == 0 and out.startswith("cancelled: "), err
+            _, err = submit.communicate(timeout=60)
+            assert submit.returncode == 2 and "prepare job" in err and "cancelled by `slurmft cancel` (" in err, err
+            assert "point 2/2" not in err  # the next point is not started
+    finally:
+        if submit.poll() is None:
+            os.killpg(submit.pid, signal.SIGKILL)  # the submit and the prepare job it started
+            submit.wait()
+    code, out, err = cli(["status", str(root)], capsys)
+    assert code == 0, err
+    states = {line.split()[0]: line.split()[2:4] for line in out.splitlines()[2:4]}
+    assert states == {first.name: ["prepare", how], second.name: ["not", "started"]}, out
+    assert (f"not started: {second.name}: the sweep stopped before them; `slurmft resume {root}` runs them, and "
+            "continues the points that stopped") in out
+    code, out, err = cli(["report", str(root)], capsys)
+    assert code == 0 and f"| {second.name} | `train.learning_rate=0.003` | not started |" in (root / "report.md").read_text()
+
+
 def test_the_best_point_is_the_best_scored_one_with_a_model(tmp_path: Path) -> None:
     from slurmft.watch.sweep import best_point, score, update_best
 
@@ -422,7 +469,7 @@ def test_the_ranking_warning_is_kept_in_sweep_json_and_said_by_status_and_report
     root = tmp_path / "out"
     root.mkdir()
     write_sweep_record(SweepPaths(root), record)
-    table = format_table(record, [], None)
+    table = format_table(root, record, [], None)
     assert table[-1] == "best: none yet (no point has a score and a model)"
     assert table[-1 - len(record["select_warnings"]):-1] == record["select_warnings"]
     assert json.loads(status_lines(root, as_json=True)[0])["select_warnings"] == record["select_warnings"]
@@ -430,4 +477,4 @@ def test_the_ranking_warning_is_kept_in_sweep_json_and_said_by_status_and_report
     assert "> warning: sweep.select.metric is loss, but the points' loss values are not one measure" in report
     assert "> data.max_seq_length differs between points (64, 128)" in report
     calm = new_record(load_sweep(write(tmp_path, {"grid": {"train.seed": [1, 2]}})), "run.yaml")
-    assert calm["select_warnings"] == [] and not any("warning" in line for line in format_table(calm, [], None))
+    assert calm["select_warnings"] == [] and not any("warning" in line for line in format_table(root, calm, [], None))

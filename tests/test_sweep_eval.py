@@ -125,11 +125,11 @@ def test_the_table_names_the_score_eval_stands_for_and_the_bases_value_beside_it
              "score": 0.4, "rank": 1, "score_name": "tiny_choice acc_norm", "base": 0.25, "model": None},
             {"name": "b", "overrides": {"train.seed": 2}, "state": "training", "step": 2, "max_steps": 4, "loss": 2.0,
              "score": None, "rank": None, "score_name": None, "base": None, "model": None}]
-    lines = format_table(record, rows, None)
+    lines = format_table(tmp_path, record, rows, None)
     assert lines[1].split()[-5:] == ["eval:", "tiny_choice", "acc_norm", "(max)", "base"], lines
     assert lines[2].split()[-3:] == ["0.4000", "(#1)", "0.2500"] and lines[3].split()[-2:] == ["-", "-"], lines
     # without a base (compare_base: false, or ranked by loss) there is no base column
-    no_base = format_table({**record, "select": {"metric": "loss", "mode": "min"}},
+    no_base = format_table(tmp_path, {**record, "select": {"metric": "loss", "mode": "min"}},
                            [{**r, "base": None, "score_name": None} for r in rows], None)
     assert no_base[1].split()[-2:] == ["loss", "(min)"], no_base
 

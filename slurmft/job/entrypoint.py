@@ -76,6 +76,12 @@ def load_the_stack(run_dir: str, job: str) -> None:
                 gc.enable()
 
 
+def _begin(run_dir: str, job: str) -> None:
+    """What every job body does first: a local job ends on SIGTERM (``slurmft cancel``), then its stack loads."""
+    preemption.end_local_job_on_term()
+    load_the_stack(run_dir, job)
+
+
 def run_train(run_dir: str, signal_name: str = "USR2") -> dict[str, object]:
     """Train job body, run by every rank: FSDP2 supervised fine-tune of the run directory's config.
 
@@ -85,7 +91,7 @@ def run_train(run_dir: str, signal_name: str = "USR2") -> dict[str, object]:
     # Under Slurm the launcher (slurmft.job.launch) installed these before submitit ran; again here for
     # runs started otherwise (the local executor: warning signal only, SIGTERM still ends the process).
     preemption.install(signal_name, term="SLURM_JOB_ID" in os.environ)
-    load_the_stack(run_dir, "train")
+    _begin(run_dir, "train")
     from slurmft.errors import SlurmftError
     from slurmft.job.train import train
 
@@ -103,7 +109,7 @@ def run_prepare(run_dir: str) -> dict[str, object]:
 
     Bad input (a row TRL cannot prepare, a missing source) is printed without a traceback, exit status 2.
     """
-    load_the_stack(run_dir, "prepare")
+    _begin(run_dir, "prepare")
     from slurmft.errors import SlurmftError
     from slurmft.job.prepare import prepare_run
 
@@ -120,7 +126,7 @@ def run_prepare_task(run_dir: str, task: int, tasks: int, group: str) -> dict[st
     """Prepare array task body (``prepare.tasks``): task ``task`` of array ``group`` tokenizes its share of the mixture
     into its shard; the last task to finish packs them all into ``RUN_DIR/prepared`` (slurmft/job/prepare_array.py).
     Bad input as in :func:`run_prepare`."""
-    load_the_stack(run_dir, "prepare")
+    _begin(run_dir, "prepare")
     from slurmft.errors import SlurmftError
     from slurmft.job.prepare_array import run_task
 
@@ -142,7 +148,7 @@ def run_prepare_each(run_dirs: list[str]) -> dict[str, object]:
 def run_consolidate(run_dir: str, checkpoint: str | None = None, out: str | None = None) -> dict[str, object]:
     """Consolidation job body (single process): the newest complete checkpoint (or ``checkpoint``) into
     ``RUN_DIR/model`` (or ``out``)."""
-    load_the_stack(run_dir, "consolidate")
+    _begin(run_dir, "consolidate")
     from slurmft.job.consolidate.job import consolidate_run
     from slurmft.watch.report import write_report_safely
 
@@ -159,7 +165,7 @@ def _after_model(run_dir: str, kind: str, body: str, *args: object) -> dict[str,
     serve, lm-eval failed) is printed without a traceback and ends the job with exit status 2, the model kept."""
     import importlib
 
-    load_the_stack(run_dir, kind)
+    _begin(run_dir, kind)
     from slurmft.errors import SlurmftError
     from slurmft.watch.report import write_report_safely
 

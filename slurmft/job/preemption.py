@@ -9,6 +9,7 @@ flag; the ranks agree on it at a step boundary (slurmft/job/callbacks.py) and sa
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -35,6 +36,16 @@ def install(signal_name: str = "USR2", term: bool = True) -> None:
     """
     for sig in signals_for(signal_name, term):
         signal.signal(sig, _handler)
+
+
+def end_local_job_on_term() -> None:
+    """A job the local executor started ends on SIGTERM: it is how ``slurmft cancel`` stops a local run's jobs (it
+    signals the job's process; submitit's local controller passes the signal to its tasks). submitit's job
+    processing points SIGTERM at a handler that ignores it (docs/design-notes.md: under Slurm, SIGKILL follows after
+    KillWait; here nothing does), so ``cancel`` said "cancelled" and the local train job trained on. A Slurm job
+    keeps what it has."""
+    if os.environ.get("SUBMITIT_EXECUTOR") == "local":
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def installed(signal_name: str = "USR2", term: bool = True) -> bool:

@@ -588,11 +588,12 @@ def batch_notes(cfg: RunConfig, samples: list[Sample], template: Template | None
         return lines  # steps per epoch: TRL's sampler repeats each prompt; train.max_steps counts the steps
     if cfg.dpo is not None and cfg.data.packing:
         lines.append("data.packing: does not apply to DPO (each pair is scored as its own padded sequences); ignored")
+    rows = "preference pairs" if cfg.dpo is not None else "packed sequences" if packed else "sequences"  # per_step's
     counts = prepared.counted(cfg)
     if counts is not None:  # counted by the prepare job: the job's own figure, not an estimate
         exact = counts["sequences"]
         steps = steps_per_epoch(exact, ws, t.per_device_batch_size, t.gradient_accumulation_steps)
-        lines.append(f"data: {exact:,} {'packed ' if packed else ''}sequences per epoch (prepared, "
+        lines.append(f"data: {exact:,} {rows} per epoch (prepared, "
                      f"exact) -> {steps} optimizer steps per epoch")
         if counts.get("tokens"):
             lines.append(f"data: {counts['tokens']:,} tokens per epoch (prepared, exact), "
@@ -609,7 +610,7 @@ def batch_notes(cfg: RunConfig, samples: list[Sample], template: Template | None
             lines.append(f"train.epochs {t.epochs:g}: the job computes the steps from the packed data at start")
         return lines
     steps = max(1, math.ceil(per_epoch / per_step))
-    lines.append(f"data: ~{per_epoch:,} {'packed ' if packed else ''}sequences per epoch -> ~{steps} "
+    lines.append(f"data: ~{per_epoch:,} {rows} per epoch -> ~{steps} "
                  "optimizer steps per epoch (estimated from the files; `slurmft prepare` counts them exactly)")
     if tokens:
         lines.append(f"data: ~{tokens:,} tokens per epoch (estimated from the files)")

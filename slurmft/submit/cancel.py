@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from slurmft import cancels
 from slurmft.rundir import (
     COMMAND_LOCK_WAIT_S,
     RunPaths,
@@ -53,8 +55,11 @@ def cancel_run(run_dir: Path, force: bool = False, say=lambda _: None) -> Cancel
         result = CancelResult(not_touched=[f"{r['kind']} job {r['job_id']}: {r['words']}" for r in state.unseen()
                                            if r["job_id"] in pids])
         live = state.live(include_completing=False)
-        for job_id in [j for j in live if j in pids]:
-            os.kill(pids[job_id], signal.SIGTERM)  # live means alive on this host (process_here)
+        here = [j for j in live if j in pids]
+        cancels.record(paths, here, say)  # before the signal: the run's process reads it when it sees the job end
+        for job_id in here:
+            with contextlib.suppress(ProcessLookupError):  # live means alive on this host (process_here): it ended
+                os.kill(pids[job_id], signal.SIGTERM)
         unseen = {r["job_id"] for r in state.unseen()}
         theirs = [r for r in state.rows if r["job_id"] not in pids and (r["job_id"] in live or r["job_id"] in unseen)
                   and unseen_means_hidden(job_submitter(entries.get(r["job_id"], {}), owner), me)]
@@ -71,6 +76,7 @@ def cancel_run(run_dir: Path, force: bool = False, say=lambda _: None) -> Cancel
                 result.not_touched.append(
                     f"{row['kind']} job {row['job_id']} is {who}'s (submitted by {who}); Slurm refused to cancel it "
                     f"for you ({answer.problem}): ask {who} to run `slurmft cancel {paths.root}`, or an administrator")
+        cancels.record(paths, [j for j in result.cancelled if j not in here], say)
         return result
     finally:
         if locked:
@@ -89,6 +95,7 @@ def cancel_sweep(root: Path, force: bool = False, say=lambda _: None) -> CancelR
         check_owner(paths, manifest, "cancel", force)
     result = CancelResult()
     live: list[str] = []
+    of_point: dict[RunPaths, list[str]] = {}
     for paths, manifest in manifests.items():
         if manifest.get("executor") == "local":
             one = cancel_run(paths.root, force, say)
@@ -97,8 +104,11 @@ def cancel_sweep(root: Path, force: bool = False, say=lambda _: None) -> CancelR
             continue
         state = run_state(paths, adopt=False)
         result.not_touched += [f"{paths.root.name}: {r['kind']} job {r['job_id']}: {r['words']}" for r in state.unseen()]
-        live += [j for j in state.live(include_completing=False) if j not in live]
+        of_point[paths] = state.live(include_completing=False)  # a shared prepare job: in each point that read it
+        live += [j for j in of_point[paths] if j not in live]
     if live:
         scancel(live)
         result.cancelled += live
+    for paths, ids in of_point.items():
+        cancels.record(paths, ids, say)
     return result

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slurmft import prepared, slurm
+from slurmft import cancels, prepared, slurm
 from slurmft.config import Executor, RunConfig
 from slurmft.config_loading import dump_config
 from slurmft.config_values import time_minutes
-from slurmft.errors import ConfigError, RunDirError, SubmissionError
+from slurmft.errors import Cancelled, ConfigError, RunDirError, SubmissionError
 from slurmft.plan.elastic import allocation
 from slurmft.plan.render import (
     CONSOLIDATE_TEMPLATE,
@@ -40,7 +40,6 @@ from slurmft.plan.render import (
 )
 from slurmft.profiles import ClusterProfile
 from slurmft.rundir import (
-    SAVE_EVENT,
     RunPaths,
     acquire_lock,
     atomic_write,
@@ -52,7 +51,7 @@ from slurmft.rundir import (
     start_attempt,
     write_manifest,
 )
-from slurmft.units import binary_bytes
+from slurmft.submit.console import MetricsFollower
 from slurmft.watch.progress import allocation_words
 
 Say = Callable[[str], None]
@@ -81,6 +80,10 @@ def make_slurm_executor(
 
     class TemplatedSlurmExecutor(SlurmExecutor):
         """submitit keeps pickles, job ids and sacct state; we own the script text."""
+
+        def _submit_command(self, command: str) -> Any:
+            with slurm.refusal_said_once():
+                return super()._submit_command(command)
 
         def _make_submission_file_text(self, command: str, uid: str) -> str:
             return make_text(command)
@@ -224,8 +227,8 @@ def submit_run(
             attempt = start_attempt(manifest, "submit", **allocation(cfg))
             dispatch_attempt(cfg, profile, paths, config_path, template_dir, manifest, attempt, result, say,
                              need_prepare=need_prepare)
-    except BaseException:
-        if not result.jobs:
+    except BaseException as exc:
+        if not result.jobs and not isinstance(exc, Cancelled):  # a cancelled run ran a job: kept for `resume`
             _cleanup(paths, created, kept)
         raise
     finally:
@@ -615,6 +618,12 @@ def _wait_local(job: Any, kind: str, paths: RunPaths, manifest: dict[str, Any], 
         write_manifest(paths, manifest)
         say(f"{kind} job {job.job_id} cancelled (Ctrl-C); complete checkpoints stay in {paths.checkpoints}")
         raise
+    by = cancels.read(paths).get(str(job.job_id))  # `slurmft cancel` wrote it before its signal
+    if by:  # not job.results(): it waits 15 s for the result a cancelled job never writes
+        manifest["jobs"][-1]["state"] = "CANCELLED"
+        write_manifest(paths, manifest)
+        raise Cancelled(f"{kind} job {job.job_id} {cancels.words(by)}; complete checkpoints stay in "
+                        f"{paths.checkpoints}: `slurmft resume {paths.root}` continues")
     state = "COMPLETED"
     try:
         job.results()
@@ -643,56 +652,3 @@ def _log_tail(logs: list[str], lines: int = 8) -> list[str]:
                 if text:
                     return text[-lines:]
     return []
-
-
-class MetricsFollower:
-    """Every step rank 0 appends to ``metrics.jsonl``, one line each, in order (a console that printed
-    only the newest record each second dropped the steps logged in between)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-
-    def new_lines(self) -> list[str]:
-        """One line per record completed since the last call; a partly written last line waits."""
-        import json
-
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except OSError:
-            return []
-        complete = data[: data.rfind(b"\n") + 1]
-        self.offset += len(complete)
-        lines = []
-        for raw in complete.decode(errors="replace").splitlines():
-            try:
-                rec = json.loads(raw)
-            except ValueError:
-                continue
-            if isinstance(rec, dict) and rec.get("event") == SAVE_EVENT:
-                lines.append(save_line(rec))
-            elif isinstance(rec, dict) and "step" in rec:
-                lines.append(step_line(rec))
-        return lines
-
-
-def save_line(rec: dict[str, Any]) -> str:
-    """``saved checkpoint-6 (async: training waited 0.12 s, durable after 0.9 s, 64.0 MiB)``: a save line of
-    metrics.jsonl (written once the checkpoint is complete), not a step of its own."""
-    how = [f"training waited {rec['blocked_s']:.2f} s" if isinstance(rec.get("blocked_s"), int | float) else "",
-           f"durable after {rec['durable_s']:.1f} s" if isinstance(rec.get("durable_s"), int | float) else "",
-           binary_bytes(rec["bytes"]) if isinstance(rec.get("bytes"), int) else ""]
-    detail = ", ".join(part for part in how if part)
-    mode = f"{rec['mode']}: " if rec.get("mode") and detail else str(rec.get("mode") or "")
-    return f"saved checkpoint-{rec.get('step')}" + (f" ({mode}{detail})" if mode or detail else "")
-
-
-def step_line(rec: dict[str, Any]) -> str:
-    """``step 7 loss=2.31 learning_rate=1e-05 ...``: what the local console prints for one step."""
-    parts = [f"step {rec.get('step')}"]
-    for key in ("loss", "learning_rate", "grad_norm", "tokens_per_s", "reward", "reward_std"):  # reward: GRPO's
-        if isinstance(rec.get(key), int | float):
-            parts.append(f"{key}={rec[key]:.4g}")
-    return " ".join(parts)

@@ -285,8 +285,10 @@ def _resume_locked(paths: RunPaths, overrides: list[str], template_dir: str | No
     write_manifest(paths, manifest)
     if latest:
         say(f"resuming {paths.root} from {latest.name} (step {step})")
-    elif result.previous is None:  # `slurmft prepare run.yaml` made the run directory: its first train job
-        say(f"starting {paths.root}'s training (no train job before: its data was prepared by `slurmft prepare`)")
+    elif result.previous is None:  # its first train job: `slurmft prepare run.yaml` made the run directory, or a
+        # local sweep stopped before this point
+        ready = ": its data is prepared" if cfg.prepare.enabled and not need_prepare else ""
+        say(f"starting {paths.root}'s training (no train job before{ready})")
     else:
         say(f"resuming {paths.root}: no complete checkpoint, training starts again at step 0")
     for note in notes:

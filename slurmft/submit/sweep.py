@@ -33,7 +33,7 @@ from typing import Any
 from slurmft import prepared, slurm
 from slurmft.config import Executor, RunConfig
 from slurmft.config_values import time_minutes
-from slurmft.errors import ConfigError, RunDirError, SubmissionError
+from slurmft.errors import Cancelled, ConfigError, RunDirError, SubmissionError
 from slurmft.plan.elastic import allocation
 from slurmft.plan.render import (
     PREPARE_TEMPLATE,
@@ -142,8 +142,8 @@ def submit_sweep(sweep: Sweep, profile: ClusterProfile, config_path: str = "", t
             _submit_arrays(sweep, profile, config_path, template_dir, groups, record, result, say)
         else:
             _run_points_here(sweep, profile, config_path, template_dir, groups, record, result, say)
-    except BaseException:
-        if not result.jobs and created:
+    except BaseException as exc:
+        if not result.jobs and created and not isinstance(exc, Cancelled):  # cancelled: it ran a job, `resume` goes on
             import shutil
 
             shutil.rmtree(paths.root, ignore_errors=True)
@@ -342,15 +342,20 @@ def _run_points_here(sweep: Sweep, profile: ClusterProfile, config_path: str, te
         one = SubmitResult(point.root, Executor.LOCAL.value)
         result.points[p.name] = one
         say(f"point {i + 1}/{len(sweep.points)}: {p.name} ({p.label()})")
+        cancelled: Cancelled | None = None
         try:
             dispatch_attempt(cfg, profile, point, config_path, template_dir, manifest, attempt, one, say,
                              need_prepare=i in leaders and prepared.needed(point, cfg))
+        except Cancelled as exc:  # `slurmft cancel` of the sweep: the points after this one are not started
+            cancelled = exc
         except (SubmissionError, RunDirError) as exc:
             result.failed[p.name] = str(exc)
             say(f"point {p.name} failed: {exc}")
         result.jobs.update({f"{p.name}:{k}": v for k, v in one.jobs.items()})
         record["points"][i]["jobs"] = dict(one.jobs)
         write_sweep_record(sweep.paths, record)
+        if cancelled is not None:
+            raise cancelled
 
 
 # ------------------------------------------------------------------ resume: the points that died
@@ -396,29 +401,33 @@ def _resume_sweep_locked(root: Path, overrides: list[str], template_dir: str | N
     paths = SweepPaths(root)
     record = read_sweep_record(paths)
     out = SweepResume()
-    for point in record["points"]:
-        name = point["name"]
-        if run_state(RunPaths.of(point["dir"]), adopt=False).may_run(KINDS):
-            out.live.append(name)
-            continue
-        prepared_link = RunPaths.of(point["dir"]).prepared
-        if prepared_link.is_symlink() and not prepared_link.exists():  # the sweep's prepare job never made it
-            prepared_link.unlink()  # this point's resume prepares its own (a prepare job writes a directory here)
-            say(f"point {name}: the prepared set it shared was never made; its resume prepares it again")
-        try:
-            result = resume_run(point["dir"], overrides, template_dir, say=say, force=force)
-        except SlurmftError as exc:
-            out.refused[name] = exc.render()
-            say(f"point {name}: not resumed: {exc.render()}")
-            continue
-        if result.phase == Phase.FINISHED:
-            out.finished.append(name)
-            continue
-        out.resumed[name] = result
-        point.setdefault("resumed", []).append(dict(result.jobs))
-    if out.resumed:
-        record["jobs"].append({"kind": "resume", "points": {n: dict(r.jobs) for n, r in out.resumed.items()}})
-        write_sweep_record(paths, record)
+    try:
+        for point in record["points"]:
+            name = point["name"]
+            if run_state(RunPaths.of(point["dir"]), adopt=False).may_run(KINDS):
+                out.live.append(name)
+                continue
+            prepared_link = RunPaths.of(point["dir"]).prepared
+            if prepared_link.is_symlink() and not prepared_link.exists():  # the sweep's prepare job never made it
+                prepared_link.unlink()  # this point's resume prepares its own (a prepare job writes a directory here)
+                say(f"point {name}: the prepared set it shared was never made; its resume prepares it again")
+            try:
+                result = resume_run(point["dir"], overrides, template_dir, say=say, force=force)
+            except Cancelled:  # `slurmft cancel` of a local sweep this resume runs: no further point
+                raise
+            except SlurmftError as exc:
+                out.refused[name] = exc.render()
+                say(f"point {name}: not resumed: {exc.render()}")
+                continue
+            if result.phase == Phase.FINISHED:
+                out.finished.append(name)
+                continue
+            out.resumed[name] = result
+            point.setdefault("resumed", []).append(dict(result.jobs))
+    finally:
+        if out.resumed:
+            record["jobs"].append({"kind": "resume", "points": {n: dict(r.jobs) for n, r in out.resumed.items()}})
+            write_sweep_record(paths, record)
     return out
 
 

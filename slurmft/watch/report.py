@@ -23,7 +23,7 @@ from slurmft import __version__
 from slurmft.methods import recorded_objective
 from slurmft.rundir import RunPaths, atomic_write, check_run_dir, is_sweep_dir, read_manifest, unreadable
 from slurmft.trackers import read_tracker, sync_command, tracker_lines
-from slurmft.units import binary_bytes, fmt_duration
+from slurmft.units import binary_bytes, fmt_duration, fmt_time
 from slurmft.watch.model_results import result_lines
 from slurmft.watch.progress import (
     allocation_words,
@@ -39,11 +39,6 @@ from slurmft.watch.progress import (
     rollouts_words,
 )
 from slurmft.watch.results import adapter_info, lora_info, lora_words, model_info, result_info
-
-
-def fmt_time(t: float | None) -> str:
-    """Local wall-clock time of a unix timestamp."""
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
 def _config(paths: RunPaths) -> dict[str, Any]:
@@ -154,10 +149,12 @@ def _rows(manifest: dict[str, Any], paths: RunPaths | None = None) -> list[dict[
     against the run's owner for entries that name no submitter); on any failure (no Slurm here, a busy controller)
     none."""
     try:
+        from slurmft import cancels
         from slurmft.rundir import run_owner
         from slurmft.watch.status import job_rows
 
-        return job_rows(manifest, owner=run_owner(paths, manifest) if paths else None)
+        return job_rows(manifest, owner=run_owner(paths, manifest) if paths else None,
+                        cancelled=cancels.read(paths) if paths else None)
     except Exception:  # noqa: BLE001 - the report falls back to the run directory alone
         return []
 

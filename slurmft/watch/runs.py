@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slurmft import slurm
+from slurmft import cancels, slurm
 from slurmft.eval_results import headline_score, read_summary
 from slurmft.rundir import RunPaths, current_user, job_submitter, read_manifest, run_owner
 from slurmft.slurm_states import State, is_allocated, is_live, parse
@@ -31,6 +31,8 @@ TRAIN_WORD = {State.PENDING: "queued", State.CONFIGURING: "starting", State.REQU
 # A prepare job that ended so (its train job then never starts).
 PREPARE_FAILED = frozenset({State.FAILED, State.TIMEOUT, State.NODE_FAIL, State.OUT_OF_MEMORY,
                             State.BOOT_FAIL, State.PREEMPTED, State.DEADLINE})
+#: A run directory whose manifest holds no job yet: a sweep's point its local sweep has not run.
+NOT_STARTED = "not started"
 # Folders inside a run directory that never hold another run (and can be large).
 SKIP = RunPaths(Path(".")).folders | {"__pycache__", "node_modules"}
 
@@ -88,9 +90,16 @@ def run_word(jobs: list[dict[str, Any]], has_model: bool) -> str:
         return "done (a check failed)"
     if has_model:
         return "done"
-    if t is None:
-        return "unknown"
-    return {"COMPLETED": "trained", "UNKNOWN": "unknown", "HIDDEN": "cannot tell"}.get(t["state"], t["state"].lower())
+    if not jobs:  # a sweep's point the local sweep never reached (killed, or still on an earlier point)
+        return NOT_STARTED
+    if t is None:  # `slurmft prepare run.yaml`, or a local sweep's point stopped during its preparation
+        return _ended(prep[-1]["state"], "prepared", "prepare ") if prep else "unknown"
+    return _ended(t["state"], "trained")
+
+
+def _ended(state: str, completed: str, what: str = "") -> str:
+    """The word for a run whose newest job (of kind ``what``) ended in ``state``: ``completed`` when it completed."""
+    return {"COMPLETED": completed, "UNKNOWN": "unknown", "HIDDEN": "cannot tell"}.get(state, what + state.lower())
 
 
 def run_lines(root: Path, now: float | None = None,
@@ -122,7 +131,8 @@ def run_lines(root: Path, now: float | None = None,
         if manifest and manifest.get("executor") == "local":  # the manifest (and pids) alone, no Slurm
             from slurmft.watch.status import job_rows
 
-            jobs = [{"kind": r["kind"], "state": r["state"], "reason": ""} for r in job_rows(manifest)]
+            jobs = [{"kind": r["kind"], "state": r["state"], "reason": ""}
+                    for r in job_rows(manifest, cancelled=cancels.read(paths))]
         else:
             owner = owners.get(str(paths.root), me)
             jobs = [{"kind": j["kind"], **states.get(str(j["job_id"]), {

@@ -6,7 +6,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from slurmft import locks, slurm
+from slurmft import cancels, locks, slurm
 from slurmft.errors import RunDirError
 from slurmft.rundir import (
     JOB_TAG_PREFIX,
@@ -134,11 +134,15 @@ def adopt_tagged(manifest: dict[str, Any], view: SlurmView) -> list[dict[str, An
 
 
 def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView | None = None,
-             owner: User | None = None, me: User | None = None) -> list[dict[str, Any]]:
+             owner: User | None = None, me: User | None = None,
+             cancelled: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """One row per job of the run (oldest first), with state and what it means in words. A job another user
     submitted that Slurm does not show us, and a process recorded on another host, are ``HIDDEN`` (cannot tell),
-    never UNKNOWN (which counts as ended)."""
+    never UNKNOWN (which counts as ended). ``cancelled``: the jobs ``slurmft cancel`` cancelled
+    (:func:`slurmft.cancels.read`), said so (``cancelled_by``); a process of them gone without a recorded state is
+    CANCELLED."""
     jobs = manifest.get("jobs", [])
+    cancelled = cancelled or {}
     rows: list[dict[str, Any]] = []
     newest_train = next((j["job_id"] for j in reversed(jobs) if j["kind"] == "train"), None)
     me = me or current_user()
@@ -149,8 +153,8 @@ def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView
         jid, base, submitter = job["job_id"], _base(job), job_submitter(job, owner)
         if "pid" in job:  # a process: a local run, or `slurmft consolidate --here`
             alive, host = process_here(job)
-            state = job.get("state") or (State.HIDDEN.value if alive is None else
-                                         State.RUNNING.value if alive else State.KILLED.value)
+            state = job.get("state") or (State.HIDDEN.value if alive is None else State.RUNNING.value if alive
+                                         else State.CANCELLED.value if jid in cancelled else State.KILLED.value)
             row = {**base, "state": state, "reason": "", "elapsed": str(job.get("elapsed_s", "")), "exit_code": "",
                    "restarts": 0, "start": "", "end": "", "host": host}
             unseen = ELSEWHERE_WORDS.format(host=host)
@@ -167,7 +171,10 @@ def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView
                    "exit_code": (a or {}).get("exit_code", ""), "restarts": int(restarts),
                    "start": (a or {}).get("start", ""), "end": (a or {}).get("end", "")}
             unseen = HIDDEN_WORDS.format(submitter=submitter.name)
-        row["words"] = describe(state, row["reason"], run_dir, job["kind"], jid == newest_train, jid, unseen)
+        if jid in cancelled and parse(state) == State.CANCELLED:  # (a job that completed as cancel came: not so)
+            row["cancelled_by"] = cancels.words(cancelled[jid])
+        row["words"] = describe(state, row["reason"], run_dir, job["kind"], jid == newest_train, jid, unseen,
+                                row.get("cancelled_by", ""))
         rows.append(row)
     explain_dependency_failures(rows, jobs, run_dir)
     return rows
@@ -203,34 +210,39 @@ NEVER_SATISFIED_WORDS = {
 }
 
 
-def _never_started(waited_on: str, job: str) -> str:
-    """Why a dependent job was cancelled before it started: the job it waited on (``afterok``) did not succeed."""
+def _never_started(waited_on: str, job: str, by: str = "") -> str:
+    """Why a dependent job was cancelled before it started: the job it waited on (``afterok``) did not succeed, and
+    Slurm cancelled it; or ``by``, ``slurmft cancel`` (:func:`slurmft.cancels.words`), cancelled both."""
+    if by:
+        return f"{by} before it started (it waited on {waited_on} job {job})"
     return f"cancelled by Slurm before it started: {waited_on} job {job} did not succeed (DependencyNeverSatisfied)"
 
 
-def prepare_failed_words(prepare_job: str, run_dir: str) -> str:
-    """A train job Slurm cancelled before it started because its prepare job did not succeed."""
-    return (f"{_never_started('prepare', prepare_job)}; see `slurmft logs {run_dir} --job prepare`, fix the data, "
-            f"then `slurmft resume {run_dir}` (it prepares again and chains the train job)")
+def prepare_failed_words(prepare_job: str, run_dir: str, by: str = "") -> str:
+    """A train job cancelled before it started because its prepare job did not succeed (``by``: the user cancelled
+    both, the data is not at fault)."""
+    fix = "" if by else f"see `slurmft logs {run_dir} --job prepare`, fix the data, then "
+    return (f"{_never_started('prepare', prepare_job, by)}; {fix}`slurmft resume {run_dir}` (it prepares again and "
+            "chains the train job)")
 
 
-def train_failed_words(train_job: str, run_dir: str) -> str:
-    """A consolidation job Slurm cancelled before it started because its train job did not succeed."""
-    return (f"{_never_started('train', train_job)}; `slurmft resume {run_dir}` continues training from the newest "
+def train_failed_words(train_job: str, run_dir: str, by: str = "") -> str:
+    """A consolidation job cancelled before it started because its train job did not succeed."""
+    return (f"{_never_started('train', train_job, by)}; `slurmft resume {run_dir}` continues training from the newest "
             "complete checkpoint and chains a new consolidation")
 
 
-def consolidation_failed_words(consolidate_job: str, run_dir: str) -> str:
-    """A serve check or evaluation job Slurm cancelled before it started because its consolidation did not succeed."""
-    return (f"{_never_started('consolidation', consolidate_job)}; `slurmft consolidate {run_dir}`, then "
+def consolidation_failed_words(consolidate_job: str, run_dir: str, by: str = "") -> str:
+    """A serve check or evaluation job cancelled before it started because its consolidation did not succeed."""
+    return (f"{_never_started('consolidation', consolidate_job, by)}; `slurmft consolidate {run_dir}`, then "
             f"`slurmft serve {run_dir}` / `slurmft eval {run_dir}`")
 
 
 def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", newest_train: bool = False,
-             job_id: str = "JOB", unseen: str = "") -> str:
+             job_id: str = "JOB", unseen: str = "", by: str = "") -> str:
     """The state in words a user can act on: :data:`slurmft.slurm_states.WORDS`, plus what to do next. ``unseen``:
     what to say instead of a state we cannot see (:data:`slurmft.slurm_states.UNSEEN`): who submitted the job, or
-    where its process runs."""
+    where its process runs. ``by``: who cancelled it (:func:`slurmft.cancels.words`), said for "cancelled"."""
     known = parse(state)
     if known in UNSEEN and unseen:
         return unseen
@@ -239,7 +251,7 @@ def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", 
     if known == State.PENDING and REASON_WORDS.get(reason):
         # a dependent job waits on the job before it: a serve check on the consolidation, not on the train job
         return REASON_WORDS[reason].format(run=run_dir, waits_on=WAITS_ON.get(kind, "train"))
-    text = words(state)
+    text = by if known == State.CANCELLED and by else words(state)
     if known == State.FAILED and kind not in MODEL_JOB_COMMANDS:  # a serve/eval job's words name its own log below
         text += " (see `slurmft logs`)"
     elif known == State.UNKNOWN:
@@ -273,26 +285,32 @@ WAITS_ON = {"train": "prepare", "consolidate": "train", "serve": "consolidation"
 def explain_dependency_failures(rows: list[dict[str, Any]], jobs: list[dict[str, Any]], run_dir: str) -> None:
     """A train job cancelled before it started whose prepare job failed, a consolidation job cancelled before it
     started whose train job failed (or was cancelled): say so (its own state says only CANCELLED). Slurm cancels
-    them (--kill-on-invalid-dep=yes on every dependent job)."""
+    them (--kill-on-invalid-dep=yes on every dependent job), unless ``slurmft cancel`` did first (the row's
+    ``cancelled_by``: a consolidation pending on its train job is live, so cancel cancels both)."""
     by_id = {r["job_id"]: r for r in rows}
     for k, (job, row) in enumerate(zip(jobs, rows, strict=True)):
         dep = str(job.get("dependency") or "")
         if job["kind"] not in NEVER_STARTED_WORDS or not dep.startswith("afterok:"):
             continue
         first = by_id.get(dep.removeprefix("afterok:"))
-        started = row.get("start") not in ("", "None", "Unknown", None)
+        # Slurm 22.05 gives a pending job that scancel cancelled the cancel's time as its Start, and its End (its
+        # NodeList "None assigned"): a Start equal to the End is no start (the status after `slurmft cancel` said
+        # "redo it with `slurmft consolidate`" of a consolidation that had waited on the cancelled train job)
+        started = row.get("start") not in ("", "None", "Unknown", None, row.get("end"))
+        by = row.get("cancelled_by", "")
         if first and parse(row["state"]) == State.CANCELLED and not started and is_live(first["state"]):
             # `slurmft cancel`/scancel while the job it waits on still ends (COMPLETING): "redo it with `slurmft
             # consolidate`" would export a half-trained model; what to run depends on how that job ends
-            row["words"] = (f"cancelled before it started; {WAITS_ON[job['kind']]} job {first['job_id']} has not "
-                            f"ended yet, it is {words(first['state'])}; `slurmft status {run_dir}` says what to run once "
-                            "it has")
+            row["words"] = (f"{by or 'cancelled'} before it started; {WAITS_ON[job['kind']]} job {first['job_id']} "
+                            f"has not ended yet, it is {words(first['state'])}; `slurmft status {run_dir}` says what to "
+                            "run once it has")
         elif (first and parse(row["state"]) == State.CANCELLED and not started
                 and parse(first["state"]) in RESUMABLE_ENDINGS - {State.UNKNOWN}):
             later = next((j["job_id"] for j in jobs[k + 1:] if j["kind"] == job["kind"]), None)
             # once a later job of its kind took its place (a resume, a consolidate), the command to run is history
-            row["words"] = (f"{_never_started(WAITS_ON[job['kind']], first['job_id'])}; {job['kind']} job {later} "
-                            "took its place" if later else NEVER_STARTED_WORDS[job["kind"]](first["job_id"], run_dir))
+            row["words"] = (f"{_never_started(WAITS_ON[job['kind']], first['job_id'], by)}; {job['kind']} job "
+                            f"{later} took its place" if later
+                            else NEVER_STARTED_WORDS[job["kind"]](first["job_id"], run_dir, by))
 
 
 #: Why a pending job waits on a dependency that can never be satisfied (Slurm cancels slurmft's such jobs: every
@@ -392,5 +410,5 @@ def run_state(paths: RunPaths, adopt: bool = True) -> RunState:
                     write_manifest(paths, manifest)
                 except OSError as exc:  # a teammate without write access still gets the status
                     problems.append(f"could not record the adopted job(s) in {paths.manifest}: {exc.strerror}")
-    rows = job_rows(manifest, str(paths.root), view, owner, me)
+    rows = job_rows(manifest, str(paths.root), view, owner, me, cancels.read(paths))
     return RunState(paths, manifest, rows, adopted, problems, view.squeue_answered if view else True, owner)

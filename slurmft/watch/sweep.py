@@ -18,11 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from slurmft import locks
 from slurmft.eval_results import named_cell, named_score, read_summary
 from slurmft.rundir import RunPaths, SweepPaths, read_sweep_record
 from slurmft.watch.progress import read_metrics, rollouts_of
 from slurmft.watch.results import result_info
-from slurmft.watch.runs import run_lines
+from slurmft.watch.runs import NOT_STARTED, run_lines
 
 Query = Callable[[list[str]], dict[str, dict[str, str]]]
 
@@ -52,19 +53,40 @@ def sweep_rows(root: Path, query: Query | None = None) -> tuple[dict[str, Any], 
     select = record.get("select") or {}
     metric, mode = select.get("metric", "loss"), select.get("mode", "min")
     rows = []
+    # a point not started while a command of the sweep holds its lock (a local submit or resume runs the points one
+    # after another) waits its turn; with no such command, nothing will start it but `slurmft resume`
+    running = any(r["state"] == NOT_STARTED for r in by_path.values()) and locks.live_holder(RunPaths.of(root).lock)
     for point in record["points"]:
         row = by_path.get(str(Path(point["dir"])), {"state": "missing", "step": None, "max_steps": None,
                                                      "loss": None})
         paths = RunPaths.of(point["dir"])
         summary = read_summary(point["dir"]) if metric.startswith("eval") else None
         cell = named_cell(summary, metric) if summary else None  # which score, and the base's: did it get better?
+        state = WAITING if row["state"] == NOT_STARTED and running else row["state"]
         rows.append({"index": point["index"], "name": point["name"], "overrides": point["overrides"],
-                     "dir": point["dir"], "state": row["state"], "step": row["step"], "max_steps": row["max_steps"],
+                     "dir": point["dir"], "state": state, "step": row["step"], "max_steps": row["max_steps"],
                      "loss": row["loss"], "score": score(row, metric, point["dir"]), "rank": None,
                      "model": result_info(paths), "score_name": cell[0] if cell else None,
                      "base": cell[1] if cell else None})
     rank(rows, mode)
     return record, rows
+
+
+#: A point not started yet while the sweep's own command (its local ``submit``, a ``resume``) runs the points.
+WAITING = "waiting its turn"
+
+
+def not_started_lines(root: Path, rows: list[dict[str, Any]]) -> list[str]:
+    """What the points without a job mean and what starts them: a local sweep runs its points one after another, so
+    a killed one leaves the points after it with no job at all (status said "unknown")."""
+    lines = []
+    for state, words in ((WAITING, "the sweep runs its points here one after another"),
+                         (NOT_STARTED, f"the sweep stopped before them; `slurmft resume {root}` runs them, and "
+                                       "continues the points that stopped")):
+        names = [r["name"] for r in rows if r["state"] == state]
+        if names:
+            lines.append(f"{state}: {', '.join(names)}: {words}")
+    return lines
 
 
 def rank(rows: list[dict[str, Any]], mode: str) -> None:
@@ -142,9 +164,10 @@ def _number(value: Any) -> str:  # noqa: ANN401 - a score, a loss or None
     return f"{value:.4f}" if isinstance(value, int | float) else "-"
 
 
-def format_table(record: dict[str, Any], rows: list[dict[str, Any]], best: dict[str, Any] | None) -> list[str]:
+def format_table(root: Path, record: dict[str, Any], rows: list[dict[str, Any]], best: dict[str, Any] | None
+                 ) -> list[str]:
     """Aligned lines: point, overrides, state, step/max, last loss, score (rank), the base model's score when the
-    evaluation scored it (``eval.compare_base``), then the best point."""
+    evaluation scored it (``eval.compare_base``), then the best point and what starts the points not started."""
     with_base = any(r.get("base") is not None for r in rows)
     table = [("point", "overrides", "state", "step", "loss", ranked_by(record, rows)) + (("base",) if with_base else ())]
     for r in rows:
@@ -161,7 +184,7 @@ def format_table(record: dict[str, Any], rows: list[dict[str, Any]], best: dict[
         lines.append(f"best: {best['name']} ({best['model']}; linked as best)")
     else:
         lines.append("best: none yet (no point has a score and a model)")
-    return lines
+    return lines + not_started_lines(root, rows)
 
 
 def select_warnings_of(record: dict[str, Any]) -> list[str]:
@@ -182,7 +205,7 @@ def status_lines(root: Path, as_json: bool = False) -> list[str]:
         return [json.dumps({"sweep": record["name"], "executor": record["executor"], "select": record["select"],
                             "select_warnings": select_warnings_of(record),
                             "jobs": record["jobs"], "points": rows, "best": best and best["name"]}, indent=2)]
-    return format_table(record, rows, best)
+    return format_table(root, record, rows, best)
 
 
 def plot_sweep(root: Path, out: str | Path | None = None) -> Path:
@@ -254,7 +277,8 @@ def write_sweep_report(root: Path) -> Path:
         base = f" {_number(r.get('base'))} |" if with_base else ""
         lines.append(f"| {r['rank'] or '-'} | {r['name']} | {overrides} | {r['state']} | {step} | {_number(r['loss'])} | "
                      f"{_number(r['score'])} |{base} {r['model'] or '-'} |")
-    lines += ["", plot, ""]
+    waiting = [f"{line}  " for line in not_started_lines(root, rows)]  # a markdown line break after each
+    lines += ["", *waiting, *([""] if waiting else []), plot, ""]
     target = Path(root) / "report.md"
     atomic_write(target, "\n".join(lines))
     return target

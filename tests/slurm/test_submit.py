@@ -108,6 +108,13 @@ def test_cancel_cancels_both_and_refuses_a_second_submit(slurm_cluster, tiny_mod
     assert code == 0 and jobs["train"] in out and jobs["consolidate"] in out
     slurm_cluster.wait_state(jobs["train"], "CANCELLED", timeout=60)
     slurm_cluster.wait_state(jobs["consolidate"], "CANCELLED", timeout=60)
+    # who cancelled them: `slurmft cancel`, not Slurm (the consolidation said "cancelled by Slurm before it started:
+    # train job T did not succeed (DependencyNeverSatisfied)"); what to run next stays `slurmft resume`
+    rows = slurmft.status_json(tmp_path / "run")
+    for kind in ("train", "consolidate"):
+        assert rows[kind]["words"].startswith("cancelled by `slurmft cancel` ("), rows[kind]
+        assert f"`slurmft resume {tmp_path / 'run'}`" in rows[kind]["words"] and "Slurm" not in rows[kind]["words"]
+    assert f"before it started (it waited on train job {jobs['train']})" in rows["consolidate"]["words"]
     code, out, _ = slurmft.cli(["cancel", str(tmp_path / "run")])
     assert code == 0 and "no live jobs" in out
 
@@ -138,9 +145,12 @@ def test_sbatch_refusal_is_reported_and_leaves_no_run_dir(slurm_cluster, tiny_mo
     assert code == 2 and "sbatch refused the train job" in err and "partition" in err.lower(), err
     assert "Traceback" not in err and not (tmp_path / "run").exists()
     assert "set cluster.partition to one of: debug, wide" in err  # the fix, from the cluster's partitions
+    # sbatch's own words once, inside slurmft's error (submitit printed them above it too)
+    assert err.count("invalid partition specified") == 1 and err.startswith("error: sbatch refused"), err
     # with a prepare job (the default) accepted before the train job is refused: the prepare job is cancelled and the
     # run directory removed too (it was left with the cancelled prepare job, and a second submit said `slurmft resume`)
     path = slurmft.write_config(tmp_path, tiny_model, chat_data, resources={"gpus_per_node": 9})
     code, _, err = slurmft.cli(["submit", str(path)])
     assert code == 2 and "sbatch refused the train job" in err and "cancelled prepare job" in err, err
     assert "resources.gpus_per_node" in err and not (tmp_path / "run").exists()
+    assert err.lower().count("node configuration is not available") == 1, err

@@ -234,6 +234,8 @@ def test_cancel_of_the_sweep_directory_cancels_every_points_jobs(slurm_cluster, 
         s := [r["state"] for r in json.loads(slurmft.cli(["status", str(tmp_path / "run"), "--json"])[1])["points"]]
     ) == ["cancelled", "cancelled"] and s, timeout=60, poll=2)
     assert states == ["cancelled", "cancelled"]
+    train = slurmft.status_json(tmp_path / "run" / "learning_rate-0.002")["train"]  # who: slurmft cancel, not Slurm
+    assert train["words"].startswith("cancelled by `slurmft cancel` (") and "Slurm" not in train["words"], train
     # resumed: each point its own chain; the second point's link to the prepared set that was never made is dropped,
     # so it prepares its own (the run alone's prepare job then writes a directory there)
     code, out, err = slurmft.cli(["resume", str(tmp_path / "run")])

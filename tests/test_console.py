@@ -1,11 +1,11 @@
-"""slurmft.submit.dispatch: the local executor's console follows metrics.jsonl one line per step."""
+"""slurmft.submit.console: the local executor's console follows metrics.jsonl one line per step."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from slurmft.submit.dispatch import MetricsFollower, step_line
+from slurmft.submit.console import MetricsFollower, step_line
 
 
 def test_every_step_once_in_order_and_a_partial_line_waits(tmp_path: Path) -> None:
