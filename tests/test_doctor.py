@@ -306,7 +306,7 @@ def test_probe_holds_a_job_in_its_own_image_to_what_its_step_there_found(tmp_pat
     import subprocess
     import sys
 
-    from slurmft.rundir import ProbePaths
+    from slurmft.probe_paths import ProbePaths
     from tests.conftest import model_job_python
 
     ranks, batch = probe_files()

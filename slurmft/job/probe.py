@@ -7,7 +7,7 @@ every node, whether ``scontrol`` answers from the batch script (the requeue need
 ``MASTER_ADDR`` reaches every node, and whether Slurm's warning signal reaches the ranks: each of these
 failed a real run only after its queue wait. The probe asks them in about a minute.
 
-Two sides, each writing one JSON file into the probe directory (slurmft.rundir.ProbePaths):
+Two sides, each writing one JSON file into the probe directory (slurmft.probe_paths.ProbePaths):
 
 - ``rank``: started by ``srun`` on every rank. Its first statements point the warning signal and SIGTERM
   at the train job's own flag-only handler (slurmft.job.preemption), so the probe tests that handler.
@@ -55,8 +55,8 @@ AFTER_BATCH_S = 5
 READY_WAIT_S = 240
 
 
-def _paths(root: str) -> Any:  # noqa: ANN401 - slurmft.rundir.ProbePaths; imported late (rundir is light anyway)
-    from slurmft.rundir import ProbePaths
+def _paths(root: str) -> Any:  # noqa: ANN401 - slurmft.probe_paths.ProbePaths; imported late (rundir is light anyway)
+    from slurmft.probe_paths import ProbePaths
 
     return ProbePaths(Path(root))
 
@@ -110,7 +110,7 @@ def _has_efa() -> bool | None:
 
 def _token_write(directory: Path, job_id: str, node: str, make: bool) -> dict[str, Any]:
     """Write this node's token into ``directory``; its path, free bytes, or the error."""
-    from slurmft.rundir import ProbePaths
+    from slurmft.probe_paths import ProbePaths
 
     fact: dict[str, Any] = {"path": str(directory)}
     try:
@@ -124,7 +124,7 @@ def _token_write(directory: Path, job_id: str, node: str, make: bool) -> dict[st
 
 
 def _token_read(fact: dict[str, Any], job_id: str, nodes: list[str]) -> None:
-    from slurmft.rundir import ProbePaths
+    from slurmft.probe_paths import ProbePaths
 
     directory = Path(fact["path"])
     fact["saw"] = sorted(n for n in nodes if ProbePaths.token(directory, job_id, n).is_file())
@@ -235,7 +235,7 @@ def rank_main(args: argparse.Namespace) -> int:
         dist.barrier()  # every node has read before anyone removes its token
         dist.destroy_process_group()
         if local == 0:  # without that barrier the tokens stay; the login side removes those it can see
-            from slurmft.rundir import ProbePaths
+            from slurmft.probe_paths import ProbePaths
 
             for key in ("run_dir", "hf_home"):
                 ProbePaths.token(Path(report[key]["path"]), job_id, node).unlink(missing_ok=True)

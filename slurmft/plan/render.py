@@ -472,7 +472,7 @@ def build_probe_context(
     """Everything the probe template places, already quoted: the run's nodes, ranks, GPUs, profile
     variables, setup and Python, the train script's own ``--signal``, and a time limit a few minutes past
     its lead time (the probe shortens it once its ranks are ready; slurmft/job/probe.py)."""
-    from slurmft.rundir import ProbePaths
+    from slurmft.probe_paths import ProbePaths
 
     probe = ProbePaths(probe_root)
     directives = [_flag("job-name", f"{cfg.name}-doctor"), *_allocation(cfg, profile, signal.lead_s // 60 + 3),

@@ -20,8 +20,9 @@ from slurmft import slurm, slurm_states
 from slurmft.config import RunConfig
 from slurmft.plan.doctor import Level, Line, exit_code, probe_expect, probe_lines
 from slurmft.plan.render import PROBE_TEMPLATE, build_probe_context, render, render_scripts, signal_directive
+from slurmft.probe_paths import ProbePaths
 from slurmft.profiles import ClusterProfile
-from slurmft.rundir import ProbePaths, RunPaths, atomic_write
+from slurmft.rundir import RunPaths, atomic_write
 
 #: Seconds to wait for the probe to start and end (a busy queue may hold it longer: then it is cancelled).
 PROBE_WAIT_S = 1800
