@@ -208,7 +208,7 @@ def test_a_cancelled_task_is_resumed_alone_and_the_sweep_ranks_four_models(sweep
     assert (sweep_run["root"] / "best").resolve() == (Path(best["dir"]) / "model").resolve()
     code, out, err = slurmft.cli(["status", str(sweep_run["root"])])
     assert code == 0 and f"best: {best['name']}" in out and "train.learning_rate=0.002 train.seed=7" in out
-    assert "eval (max)" in out.splitlines()[1], out
+    assert "eval: tiny_choice acc_norm (max)" in out.splitlines()[1], out  # the score eval stands for, named
 
 
 @pytest.mark.every_slurm  # what squeue and sacct say of an array's never-started tasks is version-bound: both versions
