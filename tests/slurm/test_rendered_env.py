@@ -13,7 +13,7 @@ import pytest
 
 from tests.test_render import GOLDEN_CFG, scripts_for
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.every_slurm]  # what srun inherits from sbatch differs by version
 
 
 def test_exports_reach_every_task_under_export_none(slurm_cluster, tmp_path: Path) -> None:
