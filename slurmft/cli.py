@@ -225,7 +225,7 @@ def _warn_lead_time(result: dict | None, cfg, profile) -> None:  # noqa: ANN001
 
     if result is None:
         return  # submit already said why there is no estimate; validate stays quiet about it
-    warning = lead_time_warning(result, cfg.resources.nodes, profile.checkpoint_write_gb_per_s)
+    warning = lead_time_warning(result)
     if warning:
         _err(f"warning: {warning}")
 

@@ -57,6 +57,13 @@ class ClusterProfile(BaseModel):
         "checkpoint bytes / (nodes x this); validate/submit warn when preemption.lead_time_s is shorter. Default "
         f"{DEFAULT_CHECKPOINT_WRITE_GB_PER_S:g}: a conservative shared-filesystem figure; measure your checkpoint filesystem's write speed.",
     )
+    checkpoint_write_gb_per_s_total: float | None = Field(
+        None, gt=0,
+        description="GB/s the checkpoint filesystem takes from all nodes together (10^9 bytes): a shared "
+        "filesystem's aggregate (e.g. FSx for Lustre's provisioned throughput) caps a many-node save, whose projected "
+        "time is then checkpoint bytes / min(nodes x checkpoint_write_gb_per_s, this). Unset: no cap, the projected "
+        "save shrinks with every node added (64 nodes at the default: 64 GB/s).",
+    )
     env: dict[str, EnvVar] = Field(default_factory=dict)
     container: ContainerConfig | None = Field(
         None, description="The site's container defaults (runtime, image, mounts, ...): every run on this profile "

@@ -18,7 +18,8 @@ Assumptions:
 * Inter-node bytes: NCCL's ring algorithms, each ring entering and leaving every node once; FSDP over all
   ranks all-gathers and reduce-scatters across nodes, HSDP only all-reduces the gradients across them; one
   node, or no FSDP, sends nothing across (DDP across nodes is not modelled).
-* Save time: every node writes its ranks' shards in parallel at the profile's ``checkpoint_write_gb_per_s``.
+* Save time: every node writes its ranks' shards in parallel at the profile's ``checkpoint_write_gb_per_s``, all of
+  them together at most at ``checkpoint_write_gb_per_s_total`` (the filesystem's aggregate) when the profile sets it.
 """
 
 from __future__ import annotations
@@ -106,6 +107,14 @@ def inter_node_bytes(n_params: int, k: Settings, trained: int | None = None) -> 
     return math.ceil((w - 1) / w * (gathered * gathers * compute + grads * reductions * reduce))
 
 
-def projected_save(checkpoint_bytes: int, nodes: int, gb_per_s_per_node: float) -> float:
-    """Seconds to write one sharded checkpoint: every node writes its ranks' shards in parallel."""
-    return checkpoint_bytes / (nodes * gb_per_s_per_node * 1e9)
+def checkpoint_write(nodes: int, gb_per_s_per_node: float, gb_per_s_total: float | None) -> dict[str, Any]:
+    """How fast a sharded save writes (GB/s, 10^9 bytes): every node in parallel, capped by the filesystem's
+    aggregate when known; with the facts it came from, for the words that explain the projected save."""
+    parallel = nodes * gb_per_s_per_node
+    return {"nodes": nodes, "per_node": gb_per_s_per_node, "total": gb_per_s_total,
+            "gb_per_s": parallel if gb_per_s_total is None else min(parallel, gb_per_s_total)}
+
+
+def projected_save(checkpoint_bytes: int, write: dict[str, Any]) -> float:
+    """Seconds to write one sharded checkpoint at ``write`` (:func:`checkpoint_write`)."""
+    return checkpoint_bytes / (write["gb_per_s"] * 1e9)

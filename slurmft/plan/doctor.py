@@ -90,8 +90,7 @@ def run_facts(cfg: RunConfig, profile: ClusterProfile, estimate: dict[str, Any] 
         every_steps=cfg.checkpoint.every_steps,
         save_s=None if estimate is None else float(estimate["checkpoint_save_s"]),
         save_why=why,
-        lead_warning=None if estimate is None else lead_time_warning(
-            estimate, cfg.resources.nodes, profile.checkpoint_write_gb_per_s),
+        lead_warning=None if estimate is None else lead_time_warning(estimate),
         asynchronous=cfg.checkpoint.asynchronous,
         cpu_ram_bytes=None if estimate is None else max(estimate["cpu_ram_per_node"]["slurmft"],
                                                         estimate["cpu_ram_per_node"]["training"]),

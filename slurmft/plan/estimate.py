@@ -81,6 +81,7 @@ from slurmft.epochs import steps_per_epoch
 from slurmft.errors import ConfigError
 from slurmft.modelinfo import locate_model_config, read_model_config, seq_length_problem
 from slurmft.plan.communication import (
+    checkpoint_write,
     gradient_reductions_per_step,
     inter_node_bytes,
     lora_reduce_scatter_units,
@@ -593,6 +594,7 @@ def estimate(
     grpo = grpo_facts(cfg, shape, knobs)
     merged = lora is None or lora["merge"]  # a LoRA run without merge writes only the adapter
 
+    write = checkpoint_write(knobs.nodes, profile.checkpoint_write_gb_per_s, profile.checkpoint_write_gb_per_s_total)
     result: dict[str, Any] = {
         "model": _model_facts(cfg, source, shape),
         "parameters": n_params,
@@ -602,7 +604,8 @@ def estimate(
         "activations": activations,
         "cpu_ram_per_node": cpu,
         "checkpoint_bytes": checkpoint_bytes,
-        "checkpoint_save_s": projected_save(checkpoint_bytes, knobs.nodes, profile.checkpoint_write_gb_per_s),
+        "checkpoint_save_s": projected_save(checkpoint_bytes, write),
+        "checkpoint_write": write,
         "lead_time_s": cfg.preemption.lead_time_s,
         "checkpoint_async": cfg.checkpoint.asynchronous,
         "schedule": schedule(cfg),

@@ -265,7 +265,16 @@ def stop_save_s(save_s: float, asynchronous: bool) -> float:
     return save_s * 2 if asynchronous else save_s
 
 
-def lead_time_warning(result: dict[str, Any], nodes: int, gb_per_s_per_node: float) -> str | None:
+def write_rule(write: dict[str, Any]) -> str:
+    """The projected save's bandwidth in words: nodes x per node, and the filesystem's cap when it binds."""
+    parallel = (f"{write['nodes']} node(s) x {write['per_node']:g} GB/s per node, cluster profile "
+                "checkpoint_write_gb_per_s")
+    if write["total"] is not None and write["total"] < write["nodes"] * write["per_node"]:
+        return f"{write['total']:g} GB/s, the checkpoint filesystem's cap (checkpoint_write_gb_per_s_total), not {parallel}"
+    return parallel
+
+
+def lead_time_warning(result: dict[str, Any]) -> str | None:
     """A warning (with the numbers) when the warning signal would not leave time for the stop's save(s)."""
     save, lead = result["checkpoint_save_s"], result["lead_time_s"]
     asynchronous = bool(result.get("checkpoint_async"))
@@ -276,8 +285,7 @@ def lead_time_warning(result: dict[str, Any], nodes: int, gb_per_s_per_node: flo
             f"save in flight, then saves its own step; each save ~{save:.0f} s" if asynchronous else
             f"the projected checkpoint save time {save:.0f} s (")
     return (f"preemption.lead_time_s {lead} s is below {what}{'; ' if asynchronous else ''}"
-            f"{decimal_gb(result['checkpoint_bytes'])} / ({nodes} node(s) x {gb_per_s_per_node:g} GB/s per node, "
-            f"cluster profile checkpoint_write_gb_per_s)): a preemption or time limit would kill the save. Raise "
+            f"{decimal_gb(result['checkpoint_bytes'])} / ({write_rule(result['checkpoint_write'])})): a preemption or time limit would kill the save. Raise "
             f"preemption.lead_time_s to at least {lead_time_needed(save)} (twice the save, plus start-up of a step)")
 
 
@@ -424,6 +432,8 @@ def render_table(result: dict[str, Any]) -> RenderableType:
               "sharded checkpoint (model + optimizer), each", decimal_gb(result["checkpoint_bytes"]))
     d.add_row(f"projected save time (preemption.lead_time_s {result['lead_time_s']} s)",
               f"{result['checkpoint_save_s']:.1f} s")
+    d.add_row(f"  written at ({write_rule(result['checkpoint_write'])})",
+              f"{result['checkpoint_write']['gb_per_s']:g} GB/s")
     plan = result.get("schedule")
     if plan and plan["periodic_saves"]:
         d.add_row(f"{plan['periodic_saves']} periodic saves over {plan['max_steps']} steps (prepared data: "
