@@ -252,8 +252,9 @@ def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", 
         # a dependent job waits on the job before it: a serve check on the consolidation, not on the train job
         return REASON_WORDS[reason].format(run=run_dir, waits_on=WAITS_ON.get(kind, "train"))
     text = by if known == State.CANCELLED and by else words(state)
-    if known == State.FAILED and kind not in MODEL_JOB_COMMANDS:  # a serve/eval job's words name its own log below
-        text += " (see `slurmft logs`)"
+    if known == State.FAILED and kind not in MODEL_JOB_COMMANDS and kind != "prepare":  # theirs name it below
+        # `slurmft logs RUN_DIR` alone shows the train job's log: a failed consolidation's is behind --job
+        text += f" (see `slurmft logs {run_dir}{f' --job {kind}' if kind and kind != 'train' else ''}`)"
     elif known == State.UNKNOWN:
         text += ("; neither squeue nor sacct has it (another cluster or SLURM_CONF? accounting off and the job "
                  "older than MinJobAge?)")
