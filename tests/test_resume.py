@@ -125,6 +125,9 @@ def test_words_point_to_resume_and_consolidate() -> None:
     assert "(see `slurmft logs /runs/x --job consolidate`)" in describe("FAILED", "", "/runs/x", "consolidate")
     assert "(see `slurmft logs /runs/x`)" in describe("FAILED", "", "/runs/x", "train", newest_train=True)
     assert describe("FAILED", "", "/runs/x", "prepare").count("slurmft logs") == 1
+    # redone since (`slurmft consolidate` after the failure): the failed one no longer says to redo it
+    redone = describe("FAILED", "", "/runs/x", "consolidate", superseded=True)
+    assert "redo it" not in redone and "a later consolidate job of the run follows it" in redone
     assert "resume" not in describe("COMPLETED", "", "/runs/x", "train", newest_train=True)
     # a reason only explains a pending job: a cancelled one that slurmctld still lists keeps its state
     assert describe("CANCELLED", "DependencyNeverSatisfied", "/runs/x", "consolidate").startswith("cancelled")
