@@ -305,11 +305,13 @@ EVAL_MEASURES: tuple[Measure, ...] = (
 )
 
 
-def select_warnings(metric: str, configs: list[RunConfig]) -> list[str]:
+def select_warnings(metric: str, configs: list[RunConfig], mode: str | None = None) -> list[str]:
     """Why ``metric`` does not rank these points on one measure (none when it does): the swept settings that change
     what it measures, each with its values and why, then the fix. A warning, not a refusal: the sweep is valid, and
     its points are worth training whatever ranks them; ``best`` just cannot be trusted until they are ranked by a
-    score that is one measure (an evaluation's), or by hand."""
+    score that is one measure (an evaluation's), or by hand. ``mode`` is the one the file says (``sweep.select.mode``,
+    None when unset): the fix names ``mode: max`` when it says min (``select: {metric: loss, mode: min}``), since
+    changing only the metric would then rank an accuracy lowest first, the worst point as ``best``."""
     if metric == "loss" and any(c.grpo is not None for c in configs):
         return ["warning: sweep.select.metric is loss, but GRPO's loss (advantage-weighted, near 0 whatever the "
                 "rewards) says nothing of how good the policy is, so `best` would be chosen by chance; rank by "
@@ -325,6 +327,9 @@ def select_warnings(metric: str, configs: list[RunConfig]) -> list[str]:
         return []
     fix = ("rank by an evaluation score, the same measure for every point: sweep.select.metric: eval (with an eval: "
            "section) or eval/TASK/METRIC" if metric in ("loss", "reward") else "give every point the same eval section")
+    if metric in ("loss", "reward") and mode == "min":
+        fix += (", and sweep.select.mode: max (a score ranks highest first; mode: min would make the worst point "
+                "`best`; keep min only for a perplexity)")
     return [f"warning: sweep.select.metric is {metric}, but the points' {metric} values are not one measure, so "
             "`best` would compare unlike things:", *lines, f"  fix: {fix}; or compare the points by hand "
             "(`slurmft status`/`report` show each one's loss and score, `slurmft plot` their curves)"]

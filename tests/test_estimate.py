@@ -796,6 +796,21 @@ def test_lora_table_says_what_trains():
     assert "sharded checkpoint (adapters + optimizer, no base), each" in text and "merged model/ (bfloat16)" in text
 
 
+def test_dpo_inter_node_bytes_count_the_reference_forwards_all_gather():
+    """Each DPO micro-batch forwards the reference too (the FSDP2 copy; with LoRA the policy, adapters disabled): one
+    more all-gather of the parameters across the nodes, which FSDP's bytes left out (HSDP's stay inside a node)."""
+    sft = E.estimate(eight_b(), profile())
+    n = sft["parameters"]
+    for extra, (dpo, lora) in ((1, ({"beta": 0.1}, None)), (1, ({"beta": 0.1}, {"r": 16})),
+                               (0, ({"reference": "precomputed"}, None))):
+        r = E.estimate(eight_b(dpo=dpo, **({"lora": lora} if lora else {})), profile())
+        t = r["lora"]["trainable_params"] if lora else n
+        gathered = n + t if lora else n
+        assert r["layouts"]["fsdp"]["inter_node_bytes_per_step"] == math.ceil(
+            15 / 16 * (gathered * (2 + extra) * 2 + t * 4)), (dpo, lora)
+        assert r["layouts"]["hsdp"]["inter_node_bytes_per_step"] == math.ceil(t * 4)
+
+
 def test_dpo_counts_the_reference_copy_and_two_sequences_per_example():
     sft = E.estimate(seed_config(), profile())
     dpo = E.estimate(seed_config(dpo={}), profile())

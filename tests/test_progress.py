@@ -316,3 +316,24 @@ def test_a_run_whose_train_job_ended_early_has_no_eta(tmp_path: Path) -> None:
         text = "\n".join(overview_lines(dead))
         assert "progress: step 36/100, loss" in text and "ETA" not in text and ", done" not in text
     assert overview(paths, manifest, slurm_rows(state="CANCELLED"), max_steps=36)["progress"]["eta_s"] == 0.0  # done
+
+
+def test_an_attempt_cancelled_by_slurmft_cancel_says_so_not_scancel(tmp_path: Path) -> None:
+    """`slurmft cancel` mid-training: the ranks save and the job ends CANCELLED. The job's line named who
+    (cancels.jsonl) while the attempt's said "cancelled (scancel) after saving": the attempt now says it as the job
+    does; without cancels.jsonl (a plain scancel) it stays "cancelled (scancel)"."""
+    from slurmft import cancels
+
+    paths = RunPaths.of(preempted_run(tmp_path))
+    manifest = json.loads(paths.manifest.read_text())
+    records = [r for r in read_metrics(paths.metrics).records if r["restart"] < 2]
+    (paths.requeue_marker_dir / "100-2").unlink(missing_ok=True)
+    (paths.requeue_marker_dir / "100-1").write_text(json.dumps({"step": 24, "job_id": "100", "restart": 1,
+                                                               "saved": True, "ended": "cancelled"}))
+    rows = slurm_rows(state="CANCELLED", restarts=1)
+    plain = attempts(manifest, records, rows, markers=requeue_markers(paths))[-1]["reason"]
+    assert plain.startswith("cancelled (scancel) after saving")
+    cancels.record(paths, ["100"])
+    said = attempts(manifest, records, rows, markers=requeue_markers(paths), cancelled=cancels.read(paths))[-1]
+    assert said["reason"].startswith("cancelled by `slurmft cancel` (") and "after saving" in said["reason"], said
+    assert "scancel" not in said["reason"]

@@ -121,6 +121,13 @@ def test_words_point_to_resume_and_consolidate() -> None:
     assert "slurmft resume /runs/x" in describe("CANCELLED", "", "/runs/x", "train", newest_train=True)
     assert "later `slurmft resume`" in describe("FAILED", "", "/runs/x", "train", newest_train=False)
     assert "slurmft consolidate /runs/x" in describe("FAILED", "", "/runs/x", "consolidate")
+    # the log to read: `slurmft logs RUN_DIR` alone shows the train job's, not the failed consolidation's
+    assert "(see `slurmft logs /runs/x --job consolidate`)" in describe("FAILED", "", "/runs/x", "consolidate")
+    assert "(see `slurmft logs /runs/x`)" in describe("FAILED", "", "/runs/x", "train", newest_train=True)
+    assert describe("FAILED", "", "/runs/x", "prepare").count("slurmft logs") == 1
+    # redone since (`slurmft consolidate` after the failure): the failed one no longer says to redo it
+    redone = describe("FAILED", "", "/runs/x", "consolidate", superseded=True)
+    assert "redo it" not in redone and "a later consolidate job of the run follows it" in redone
     assert "resume" not in describe("COMPLETED", "", "/runs/x", "train", newest_train=True)
     # a reason only explains a pending job: a cancelled one that slurmctld still lists keeps its state
     assert describe("CANCELLED", "DependencyNeverSatisfied", "/runs/x", "consolidate").startswith("cancelled")

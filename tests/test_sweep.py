@@ -455,6 +455,20 @@ def test_validate_says_the_warning_and_passes(tmp_path: Path, capsys: pytest.Cap
     assert "  dpo.beta differs between points (0.1, 0.5)" in err and "  fix: rank by an evaluation score" in err, err
 
 
+def test_the_fix_names_mode_max_when_the_file_ranks_lowest_first(tmp_path: Path) -> None:
+    """`select: {metric: loss, mode: min}` followed by the fix's `sweep.select.metric: eval` alone keeps mode min: the
+    lowest accuracy would be `best`. The fix says to set mode: max with it (and sweep.json keeps that); without an
+    explicit mode it does not (eval's default is max already)."""
+    from slurmft.submit.sweep import new_record
+
+    grid = {"dpo.beta": [0.1, 0.5]}
+    for select, said in (({"metric": "loss", "mode": "min"}, True), ({"metric": "loss"}, False)):
+        sweep = load_sweep(write(tmp_path, {"grid": grid, "select": select}, dpo={"beta": 0.1}))
+        assert sweep is not None
+        fix = new_record(sweep, "run.yaml")["select_warnings"][-1]
+        assert fix.startswith("  fix: rank by an evaluation score") and ("sweep.select.mode: max" in fix) is said, fix
+
+
 def test_the_ranking_warning_is_kept_in_sweep_json_and_said_by_status_and_report(tmp_path: Path) -> None:
     """`best` follows the ranking whether or not the submit's warning was read: sweep.json keeps it, and the status
     table (and --json) and report.md say it again beside the ranking."""

@@ -169,7 +169,15 @@ class StepLog(TrainerCallback):
 
     def __init__(self, ctx: DistContext) -> None:
         self.ctx = ctx
+        self.resumed_at = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.resumed_at = state.global_step  # the checkpoint's step once a requeue or resume loaded it; else 0
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.ctx.is_main and logs:
-            log.info("%s", step_line(logs, state.global_step, state.max_steps))
+            line = step_line(logs, state.global_step, state.max_steps)
+            if "train_loss" in logs and self.resumed_at:  # transformers' summary covers this attempt's steps only
+                line += (f"  (this attempt only: steps {self.resumed_at + 1}-{state.global_step}; every step is in "
+                         "metrics.jsonl)")
+            log.info("%s", line)

@@ -188,7 +188,8 @@ def assumptions(k: Settings, counted: Counted, capacity_note: str | None) -> lis
     if k.fsdp and k.nodes > 1:
         lines.append(
             "inter-node bytes per node per optimizer step, NCCL rings: FSDP (W-1)/W x (parameter all-gathers in the "
-            "compute dtype, x2 with reshard_after_forward, every micro-batch + the gradient reduce-scatter); HSDP "
+            "compute dtype, x2 with reshard_after_forward, +1 for DPO's reference forward, every micro-batch + the "
+            "gradient reduce-scatter); HSDP "
             "2(N-1)/N x the gradient all-reduce; gradients reduced "
             f"{counted.reductions_per_step}x per step"
         )

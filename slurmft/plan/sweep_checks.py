@@ -22,7 +22,8 @@ def check_points(sweep: Sweep, profile: ClusterProfile, force: bool = False) -> 
     from slurmft.plan.estimate import estimate
 
     problems: list[str] = []
-    said: list[str] = select_warnings(select_of(sweep.cfg)["metric"], sweep.configs)
+    assert sweep.cfg.sweep is not None
+    said: list[str] = select_warnings(select_of(sweep.cfg)["metric"], sweep.configs, sweep.cfg.sweep.select.mode)
     for point, cfg in zip(sweep.points, sweep.configs, strict=True):
         who = f"point {point.name} ({point.label()})"
         report = run_checks(cfg)

@@ -106,7 +106,7 @@ def new_record(sweep: Sweep, config_path: str) -> dict[str, Any]:
     select = select_of(sweep.cfg)
     return {"version": SWEEP_VERSION, "name": sweep.cfg.name, "executor": sweep.cfg.resolved_executor.value,
             "config": config_path, "select": select,
-            "select_warnings": select_warnings(select["metric"], sweep.configs),
+            "select_warnings": select_warnings(select["metric"], sweep.configs, sweep.cfg.sweep.select.mode),
             "points": [{"index": p.index, "name": p.name, "dir": c.output_dir, "overrides": p.overrides}
                        for p, c in zip(sweep.points, sweep.configs, strict=True)],
             "jobs": []}

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from slurmft import slurm
+from slurmft import cancels, slurm
 from slurmft.checkpoints import COMPLETE_MARKER, latest_complete, step_of
 from slurmft.dpoopts import PREFERENCE_METRICS
 from slurmft.grpoopts import GRPO_METRICS, REWARD_METRIC
@@ -344,7 +344,7 @@ def allocation_words(row: dict[str, Any]) -> str:
 
 def attempts(manifest: dict[str, Any], metrics_records: list[dict[str, Any]], slurm_rows: list[dict[str, Any]],
              markers: dict[tuple[str, int], dict[str, Any]] | None = None,
-             max_steps: int | None = None) -> list[dict[str, Any]]:
+             max_steps: int | None = None, cancelled: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """One row per (train job id, Slurm restart), oldest first, saying how each attempt ended.
 
     Rows: ``{job_id, restart, how, state, reason, start, end, first_step, last_step, resumed_from_step,
@@ -356,6 +356,8 @@ def attempts(manifest: dict[str, Any], metrics_records: list[dict[str, Any]], sl
     manifest's ``resumed_from_step`` when known, else the step before its first logged step.
     ``markers`` are :func:`requeue_markers` (a marker means "saved after a warning signal"); with
     ``max_steps``, an attempt whose Slurm state is unknown but that logged the last step is completed.
+    ``cancelled`` (:func:`slurmft.cancels.read`) names who cancelled a job with ``slurmft cancel``, so the attempt
+    it ended says so as the job's line does, not "scancel".
     """
     markers = markers or {}
     rows_by_id = {r["job_id"]: r for r in slurm_rows if r.get("kind") == "train"}
@@ -395,7 +397,7 @@ def attempts(manifest: dict[str, Any], metrics_records: list[dict[str, Any]], sl
                 state = _final_state(job, row, manifest, jid, later_job)
                 if state in ("", "UNKNOWN") and max_steps is not None and last is not None and last >= max_steps:
                     state = "COMPLETED"
-                reason = _ended_words(state, marker is not None, marker)
+                reason = _ended_words(state, marker is not None, marker, (cancelled or {}).get(jid))
                 live = is_live(state)
                 if later_job:
                     reason = f"{reason}, {RESUMED_BY_HAND}" if reason else RESUMED_BY_HAND
@@ -444,9 +446,10 @@ def _requeued_words(marker: dict[str, Any] | None) -> str:
         str(marker.get("ended")), PREEMPTED_REQUEUED)
 
 
-def _ended_words(state: str, saved_for_requeue: bool, marker: dict[str, Any] | None = None) -> str:
+def _ended_words(state: str, saved_for_requeue: bool, marker: dict[str, Any] | None = None,
+                 cancel: dict[str, Any] | None = None) -> str:
     if marker is not None and state == "CANCELLED" and marker.get("ended") == "cancelled" and marker.get("saved"):
-        return CANCELLED_SAVED
+        return CANCELLED_SAVED.replace("cancelled (scancel)", cancels.words(cancel)) if cancel else CANCELLED_SAVED
     if saved_for_requeue and parse(state) == State.FAILED:
         return REQUEUE_REFUSED
     return words(state)
@@ -533,7 +536,8 @@ def overview(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dict[st
     """
     max_steps = max_steps_of(paths) if max_steps is None else max_steps
     metrics = read_metrics(paths.metrics)
-    rows = attempts(manifest, metrics.records, slurm_rows, markers=requeue_markers(paths), max_steps=max_steps)
+    rows = attempts(manifest, metrics.records, slurm_rows, markers=requeue_markers(paths), max_steps=max_steps,
+                    cancelled=cancels.read(paths))
     prog = progress_of(metrics, max_steps)
     if prog["eta_s"] and not training_may_go_on(slurm_rows):
         prog["eta_s"] = None  # a cancelled or failed run goes on only when `slurmft resume` continues it

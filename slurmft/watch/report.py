@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from slurmft import __version__
+from slurmft import __version__, cancels
 from slurmft.methods import recorded_objective
 from slurmft.rundir import RunPaths, atomic_write, check_run_dir, is_sweep_dir, read_manifest, unreadable
 from slurmft.trackers import read_tracker, sync_command, tracker_lines
@@ -109,7 +109,8 @@ def summary(paths: RunPaths, slurm_rows: list[dict[str, Any]] | None = None) -> 
     metrics = read_metrics(paths.metrics)
     records = metrics.records
     max_steps = max_steps_of(paths)
-    rows = attempts(manifest, records, slurm_rows, markers=requeue_markers(paths), max_steps=max_steps)
+    rows = attempts(manifest, records, slurm_rows, markers=requeue_markers(paths), max_steps=max_steps,
+                    cancelled=cancels.read(paths))
     losses = [r["loss"] for r in records if isinstance(r.get("loss"), (int, float))]
     rss = [r["peak_rss_mib"] for r in records if isinstance(r.get("peak_rss_mib"), (int, float))]
     gpu = [r["peak_gpu_mem_mib"] for r in records if isinstance(r.get("peak_gpu_mem_mib"), (int, float))]
@@ -149,7 +150,6 @@ def _rows(manifest: dict[str, Any], paths: RunPaths | None = None) -> list[dict[
     against the run's owner for entries that name no submitter); on any failure (no Slurm here, a busy controller)
     none."""
     try:
-        from slurmft import cancels
         from slurmft.rundir import run_owner
         from slurmft.watch.status import job_rows
 

@@ -145,6 +145,7 @@ def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView
     cancelled = cancelled or {}
     rows: list[dict[str, Any]] = []
     newest_train = next((j["job_id"] for j in reversed(jobs) if j["kind"] == "train"), None)
+    newest = {j["kind"]: j["job_id"] for j in jobs}  # of each kind: an older failed one's redo is behind it
     me = me or current_user()
     owner = owner or me
     if view is None:
@@ -174,7 +175,7 @@ def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView
         if jid in cancelled and parse(state) == State.CANCELLED:  # (a job that completed as cancel came: not so)
             row["cancelled_by"] = cancels.words(cancelled[jid])
         row["words"] = describe(state, row["reason"], run_dir, job["kind"], jid == newest_train, jid, unseen,
-                                row.get("cancelled_by", ""))
+                                row.get("cancelled_by", ""), superseded=jid != newest[job["kind"]])
         rows.append(row)
     explain_dependency_failures(rows, jobs, run_dir)
     return rows
@@ -239,10 +240,12 @@ def consolidation_failed_words(consolidate_job: str, run_dir: str, by: str = "")
 
 
 def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", newest_train: bool = False,
-             job_id: str = "JOB", unseen: str = "", by: str = "") -> str:
+             job_id: str = "JOB", unseen: str = "", by: str = "", superseded: bool = False) -> str:
     """The state in words a user can act on: :data:`slurmft.slurm_states.WORDS`, plus what to do next. ``unseen``:
     what to say instead of a state we cannot see (:data:`slurmft.slurm_states.UNSEEN`): who submitted the job, or
-    where its process runs. ``by``: who cancelled it (:func:`slurmft.cancels.words`), said for "cancelled"."""
+    where its process runs. ``by``: who cancelled it (:func:`slurmft.cancels.words`), said for "cancelled".
+    ``superseded``: a later job of the same kind is in the run (a consolidation, serve check or evaluation run
+    again): an ended one no longer says to run it again."""
     known = parse(state)
     if known in UNSEEN and unseen:
         return unseen
@@ -252,8 +255,9 @@ def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", 
         # a dependent job waits on the job before it: a serve check on the consolidation, not on the train job
         return REASON_WORDS[reason].format(run=run_dir, waits_on=WAITS_ON.get(kind, "train"))
     text = by if known == State.CANCELLED and by else words(state)
-    if known == State.FAILED and kind not in MODEL_JOB_COMMANDS:  # a serve/eval job's words name its own log below
-        text += " (see `slurmft logs`)"
+    if known == State.FAILED and kind not in MODEL_JOB_COMMANDS and kind != "prepare":  # theirs name it below
+        # `slurmft logs RUN_DIR` alone shows the train job's log: a failed consolidation's is behind --job
+        text += f" (see `slurmft logs {run_dir}{f' --job {kind}' if kind and kind != 'train' else ''}`)"
     elif known == State.UNKNOWN:
         text += ("; neither squeue nor sacct has it (another cluster or SLURM_CONF? accounting off and the job "
                  "older than MinJobAge?)")
@@ -264,6 +268,8 @@ def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", 
     if kind == "train" and known in RESUMABLE_ENDINGS:
         text += (f"; continue from the newest complete checkpoint with `slurmft resume {run_dir}`" if newest_train
                  else "; a later `slurmft resume` continued the run")
+    elif kind in ("consolidate", *MODEL_JOB_COMMANDS) and superseded and known in RESUMABLE_ENDINGS:
+        text += f"; a later {kind} job of the run follows it"
     elif kind == "consolidate" and known in RESUMABLE_ENDINGS - {State.UNKNOWN}:
         text += f"; redo it with `slurmft consolidate {run_dir}`"
     elif kind in MODEL_JOB_COMMANDS and known in RESUMABLE_ENDINGS - {State.UNKNOWN}:

@@ -361,3 +361,26 @@ def test_a_trained_update_the_merged_model_has_no_tensor_for_is_refused() -> Non
         plan_merge(layout, lora, entries, Metadata(state_dict_metadata={}), torch.float32)
     assert ("lm_head.weight: the adapters trained an update of it, but the merged model has no such tensor (it is "
             "model.embed_tokens.weight, tied") in err.value.render()
+
+
+def test_consolidate_of_the_run_writes_its_adapter_into_adapter_dir(lora_run: Path, consolidated: dict[str, Any],
+                                                                    tmp_path: Path) -> None:
+    """`slurmft consolidate RUN_DIR` (redoing a failed consolidation) gives the job out=RUN_DIR/model explicitly; the
+    adapter went to RUN_DIR/model-adapter, where status, serve and eval never look. It goes to RUN_DIR/adapter, as the
+    chained job's does; only another --out gets OUT-adapter beside it."""
+    from slurmft.job.consolidate.job import consolidate_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = yaml.safe_load((lora_run / "config.yaml").read_text())
+    cfg["output_dir"] = str(run)
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    shutil.copytree(lora_run / "checkpoints", run / "checkpoints")
+    with contextlib.redirect_stdout(io.StringIO()):
+        summary = consolidate_run(str(run), out=str(run / "model"))
+        consolidate_run(str(run), out=str(tmp_path / "elsewhere"))
+    assert sorted(p.name for p in run.iterdir() if not p.name.startswith(".")) == [
+        "adapter", "checkpoints", "config.yaml", "model"]
+    assert summary["adapter"]["output"] == str(run / "adapter")
+    assert _safetensors(run / "adapter").keys() == _safetensors(lora_run / "adapter").keys()
+    assert (tmp_path / "elsewhere-adapter" / "adapter_config.json").is_file()

@@ -6,6 +6,7 @@ nodes each step appeared twice; slurmft replaces it with one readable line from 
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
@@ -62,3 +63,23 @@ def test_a_grpo_step_line_says_the_reward_beside_the_loss() -> None:
     assert step_line(logs, 1, 8) == "step 1/8  loss 0.0000  lr 1.00e-05  grad_norm 5.167  reward 0.1000 ± 0.1069  epoch 0.03"
     no_rollout = {k: v for k, v in logs.items() if not k.startswith("reward")}
     assert "reward" not in step_line(no_rollout, 2, 8)
+
+
+def test_the_final_summary_of_a_resumed_attempt_says_it_covers_that_attempt_only(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """transformers' end-of-training summary (train_loss, train_runtime, ...) is over the steps this attempt ran: after
+    a requeue at step 15 of 30 its train_loss was the mean of steps 16-30 alone, printed as if of the run."""
+    from types import SimpleNamespace
+
+    from slurmft.job.callbacks import StepLog
+
+    summary = {"train_runtime": 6.19, "train_loss": 0.6051, "epoch": 1.875}
+    for resumed_at, said in ((15, "(this attempt only: steps 16-30; every step is in metrics.jsonl)"), (0, None)):
+        callback = StepLog(SimpleNamespace(is_main=True))
+        callback.on_train_begin(None, SimpleNamespace(global_step=resumed_at), None)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="slurmft.job"):
+            callback.on_log(None, SimpleNamespace(global_step=30, max_steps=30), None, logs=summary)
+        line = caplog.messages[-1]
+        assert line.startswith("step 30/30  train_runtime=6.19 train_loss=0.6051")
+        assert (said in line) if said else "this attempt" not in line, line

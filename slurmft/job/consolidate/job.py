@@ -150,7 +150,10 @@ def plan_run(cfg: RunConfig, paths: RunPaths, ckpt: Path, out: str | None) -> Ex
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"output {out_dir} exists and is not a directory")
     lora = lora_of(ckpt)
-    adapter_dir = out_dir.with_name(out_dir.name + "-adapter") if out else paths.adapter
+    # `slurmft consolidate RUN_DIR` (job or --here) passes the run's own model/ as out: its adapter is the run's
+    # adapter/ (status, serve and eval read it there), not model-adapter/ beside it
+    default = out_dir == paths.model.expanduser().resolve()
+    adapter_dir = paths.adapter if default else out_dir.with_name(out_dir.name + "-adapter")
     max_shard_bytes = parse_size(cfg.consolidate.max_shard_size)
     reader = open_model_checkpoint(ckpt)
     config, config_source = config_for_export(cfg, ckpt)
