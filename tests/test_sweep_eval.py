@@ -243,3 +243,27 @@ def test_the_base_key_changes_with_what_the_bases_lm_eval_run_depends_on(tmp_pat
     assert hub != key() and key("org/other") != hub
     ref.write_text("b" * 40)  # main moved to another commit
     assert key("org/base") != hub
+
+
+def test_a_base_record_is_kept_whole_first_writer_first_and_only_for_sweep_points(tmp_path: Path) -> None:
+    """Two points that scored the base at once: the first record stays whole, the second is not written over it; a
+    torn or foreign record reads as none (the point scores the base itself); a run alone has no place for one."""
+    from slurmft.job.base_eval import keep_record, read_record, records_dir
+
+    sweep = tmp_path / "sweep"
+    (sweep / "p1").mkdir(parents=True)
+    (sweep / "sweep.json").write_text("{}")
+    (tmp_path / "alone").mkdir()
+    assert records_dir(tmp_path / "alone") is None and records_dir(sweep) is None
+    folder = records_dir(sweep / "p1")
+    assert folder == sweep.resolve() / "base-eval"
+    path = folder / "k1" / "record.json"
+    results = {"results": {"tiny_choice": {"acc,none": 0.25}}}
+    assert keep_record(path, "k1", {"command": []}, "p1", 3.0, results)
+    assert not keep_record(path, "k1", {"command": []}, "p2", 4.0, {"results": {}})
+    record = read_record(path, "k1")
+    assert record is not None and record["point"] == "p1" and record["results"] == results
+    assert [p.name for p in path.parent.iterdir()] == ["record.json"]  # no temporary file left behind
+    assert read_record(path, "k2") is None
+    path.write_text(path.read_text()[:40])  # torn (not something keep_record writes; read as none all the same)
+    assert read_record(path, "k1") is None
