@@ -110,6 +110,7 @@ def test_summary_has_both_models_scores_as_lm_eval_writes_them(evaluated: tuple[
         assert written.is_relative_to(run / "eval" / which) and written.name.startswith("results_")
         assert list(written.parent.glob(f"samples_{EXAMPLE_TASK}_*.jsonl"))
     assert set(summary["seconds"]) == {"finetuned", "base", "total"}
+    assert "base_eval" not in summary  # a run alone scores its own base, as before sweeps kept one (docs/sweeps.md)
     # its output streamed into the job log
     assert any("Running loglikelihood requests" in line for line in log)
     # the same scores as lm-eval run by hand, with the same arguments, on the same two models

@@ -139,3 +139,131 @@ def test_the_table_names_the_score_eval_stands_for_and_the_bases_value_beside_it
         {"index": 0, "name": "a", "dir": str(sweep / "a"), "overrides": {"train.seed": 1}}]}))
     report = write_sweep_report(sweep).read_text()
     assert "ranked by eval: tiny_choice acc_norm (max)." in report and "| score | base | model |" in report, report
+
+
+@pytest.mark.train
+def test_a_local_sweeps_base_is_scored_once_and_every_point_holds_its_scores(
+        tmp_path: Path, micro_model: Path, chat_data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two points with the default eval.compare_base: the first point's evaluation scores the base and keeps it in
+    SWEEP_DIR/base-eval/KEY/record.json, the second's reads it from there (one lm-eval run fewer); both summaries hold
+    the same base scores, and status shows them as before."""
+    from cli_runner import cli
+
+    from slurmft.eval_results import read_summary
+    from tests.conftest import need_model_job_python
+
+    path = write(tmp_path, {"grid": {"train.learning_rate": [1e-3, 3e-3]}, "select": {"metric": "loss"}},
+                 executor="local",
+                 resources={"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 0, "cpus_per_task": 1},
+                 model={"name_or_path": str(micro_model), "dtype": "float32", "attn_implementation": "sdpa"},
+                 data={"datasets": [{"path": str(chat_data)}], "max_seq_length": 64},
+                 train={"max_steps": 1, "per_device_batch_size": 2, "warmup_ratio": 0.0},
+                 consolidate={"dtype": "float32"},
+                 eval={"python": need_model_job_python("eval"), "tasks": [str(TINY_TASK)], "backend": "hf", "limit": 4,
+                       "resources": {"gpus": 0}})
+    code, _, err = cli(["submit", str(path)], capsys)
+    assert code == 0, err[-3000:]
+    root = tmp_path / "out"
+    first, second = root / "learning_rate-0.001", root / "learning_rate-0.003"
+    records = sorted((root / "base-eval").glob("*/record.json"))
+    assert len(records) == 1, records
+    record = json.loads(records[0].read_text())
+    assert record["point"] == first.name and record["key"] == records[0].parent.name
+    assert record["inputs"]["lm_eval_version"] == "0.4.13" and record["inputs"]["model"]  # the micro model's files
+
+    summaries = [read_summary(p) for p in (first, second)]
+    assert all(s is not None for s in summaries)
+    bases = [{t: {m: c["base"] for m, c in ms.items()} for t, ms in s["tasks"].items()} for s in summaries]
+    assert bases[0] == bases[1] and bases[0]["tiny_choice"]["acc,none"] is not None, bases
+    assert bases[0]["tiny_choice"]["acc,none"] == record["results"]["results"]["tiny_choice"]["acc,none"]
+    assert summaries[0]["base_eval"] == {"reused": False, "kept_in": str(records[0]), "key": record["key"]}
+    assert summaries[1]["base_eval"] == {"reused": True, "from": str(records[0]), "point": first.name,
+                                         "key": record["key"], "seconds": record["seconds"]}
+    assert summaries[0]["seconds"]["base"] > 0 and summaries[1]["seconds"]["base"] == 0.0
+    assert summaries[1]["models"]["base"] == str(micro_model)
+
+    def eval_log(point: Path) -> str:
+        jobs = json.loads((point / "manifest.json").read_text())["jobs"]
+        return "".join(Path(f).read_text() for j in jobs if j["kind"] == "eval" for f in j["logs"])
+
+    logs = [eval_log(p) for p in (first, second)]
+    # lm-eval ran twice for the first point (fine-tuned, base), once for the second (fine-tuned)
+    assert [log.count("lm-eval: ") for log in logs] == [2, 1], logs[1][-3000:]
+    assert f"eval: base: scored here; kept in {records[0]} for the sweep's other points" in logs[0]
+    assert f"eval: base: reused from {records[0]} (scored by point {first.name}); lm-eval not run" in logs[1]
+    assert (first / "eval" / "base").is_dir() and not (second / "eval" / "base").exists()
+    code, out, err = cli(["status", str(root), "--json"], capsys)
+    assert code == 0, err
+    assert [r["name"] for r in json.loads(out)["points"]] == [first.name, second.name]
+
+
+def test_the_base_key_changes_with_what_the_bases_lm_eval_run_depends_on(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task file's content, eval.limit, the base model (a local directory's files; a Hub id's cached commit) each
+    change the key; the output path (each point's own) does not."""
+    import shutil
+    import sys
+
+    from slurmft.config_model_checks import EvalConfig
+    from slurmft.job.base_eval import base_inputs, base_key
+    from slurmft.job.evaluate import LM_EVAL_ENV, LM_EVAL_RUN, lm_eval_command
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    shutil.copy(TINY_TASK, tasks / TINY_TASK.name)
+    (tasks / "data.jsonl").write_text('{"q": 1}\n')
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    ref = tmp_path / "hub" / "models--org--base" / "refs" / "main"
+    ref.parent.mkdir(parents=True)
+    ref.write_text("a" * 40)
+
+    def key(name: str = str(model), out: str = "run-a/eval/base", **ev: object) -> str:
+        cfg = EvalConfig(tasks=[str(tasks / TINY_TASK.name)], **ev)
+        args = {"pretrained": name, "dtype": "float32"}
+        cmd = lm_eval_command(sys.executable, "hf", f"pretrained={name},dtype=float32", ["tiny_choice"], str(tasks),
+                              cfg, tmp_path / out, "cpu")
+        return base_key(base_inputs(cmd, tmp_path / out, str(tasks), LM_EVAL_ENV, sys.executable, args, LM_EVAL_RUN))
+
+    before = key()
+    assert key(out="run-b/eval/base") == before  # another point's output folder: the same evaluation
+    assert key(limit=4) != before and key(limit=4) == key(limit=4.0) and key(limit=8) != key(limit=4)
+    assert key(num_fewshot=1) != before and key(batch_size=4) != before
+    (tasks / "data.jsonl").write_text('{"q": 2}\n')  # the task's data, same size
+    assert key() != before
+    before = key()
+    (tasks / TINY_TASK.name).write_text((tasks / TINY_TASK.name).read_text().replace("acc_norm", "acc"))
+    assert key() != before
+    before = key()
+    (model / "model.safetensors").write_bytes(b"0" * 8)  # the base's files changed
+    assert key() != before
+    hub = key("org/base")
+    assert hub != key() and key("org/other") != hub
+    ref.write_text("b" * 40)  # main moved to another commit
+    assert key("org/base") != hub
+
+
+def test_a_base_record_is_kept_whole_first_writer_first_and_only_for_sweep_points(tmp_path: Path) -> None:
+    """Two points that scored the base at once: the first record stays whole, the second is not written over it; a
+    torn or foreign record reads as none (the point scores the base itself); a run alone has no place for one."""
+    from slurmft.job.base_eval import keep_record, read_record, records_dir
+
+    sweep = tmp_path / "sweep"
+    (sweep / "p1").mkdir(parents=True)
+    (sweep / "sweep.json").write_text("{}")
+    (tmp_path / "alone").mkdir()
+    assert records_dir(tmp_path / "alone") is None and records_dir(sweep) is None
+    folder = records_dir(sweep / "p1")
+    assert folder == sweep.resolve() / "base-eval"
+    path = folder / "k1" / "record.json"
+    results = {"results": {"tiny_choice": {"acc,none": 0.25}}}
+    assert keep_record(path, "k1", {"command": []}, "p1", 3.0, results)
+    assert not keep_record(path, "k1", {"command": []}, "p2", 4.0, {"results": {}})
+    record = read_record(path, "k1")
+    assert record is not None and record["point"] == "p1" and record["results"] == results
+    assert [p.name for p in path.parent.iterdir()] == ["record.json"]  # no temporary file left behind
+    assert read_record(path, "k2") is None
+    path.write_text(path.read_text()[:40])  # torn (not something keep_record writes; read as none all the same)
+    assert read_record(path, "k1") is None

@@ -8,7 +8,8 @@ samples). What the report and ``runs`` read is RUN_DIR/eval/summary.json (slurmf
 
     {"lm_eval_version", "backend", "backend_reason", "device", "tasks": {task: {metric: {"finetuned": v,
      "base": v or null}}}, "seconds": {"finetuned", "base", "total"}, "models": {"finetuned", "base"},
-     "results_files": {"finetuned", "base"}, "settings": {the eval section it ran with}, "overrides": [...]}
+     "results_files": {"finetuned", "base"}, "settings": {the eval section it ran with}, "overrides": [...],
+     "base_eval": {a sweep point's only: where its base scores went, or came from}}
 
 Metric names are lm-eval's (``acc,none``); the ``_stderr`` entries stay in lm-eval's files only.
 
@@ -19,6 +20,10 @@ Which model: RUN_DIR/model (a full run, or a LoRA run merged by consolidation); 
 passed as lm-eval's ``--include_path`` (their folder) and their ``task:`` names; lm-eval runs in that folder,
 so a relative ``data_files`` resolves against the task file's folder. A failure raises ``EvalError`` with the
 last lines lm-eval wrote to stderr; RUN_DIR/model is only ever read.
+
+A sweep point scores its base once per sweep: the first point keeps the base's results in
+``SWEEP_DIR/base-eval/KEY/record.json`` and a later point whose base evaluation is identical (the same KEY: what its
+lm-eval command and task files are, slurmft.job.base_eval) reads them there instead of running lm-eval again.
 
 By hand: ``slurmft eval RUN_DIR [eval.tasks=[a,b] eval.limit=N ...] --here``.
 """
@@ -41,6 +46,7 @@ from slurmft.config_loading import read_run_config
 from slurmft.config_model_checks import EvalConfig
 from slurmft.errors import EvalError
 from slurmft.eval_tasks import resolve_tasks
+from slurmft.job import base_eval
 from slurmft.job.lm_eval_run import ONLY_INCLUDED
 from slurmft.rundir import ADAPTER_CONFIG, RunPaths, atomic_write
 
@@ -229,6 +235,18 @@ def metrics_of(results: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     return table
 
 
+def _shared_base(paths: RunPaths, cmd: list[str], out: Path, include_path: str | None, python: str,
+                 args: dict[str, Any]) -> tuple[Path, str, dict[str, Any]] | None:
+    """``(record path, key, key inputs)`` of a sweep point's base evaluation (slurmft.job.base_eval), None for a run
+    alone (nothing computed for it)."""
+    folder = base_eval.records_dir(paths.root)
+    if folder is None:
+        return None
+    inputs = base_eval.base_inputs(cmd, out, include_path, LM_EVAL_ENV, python, args, LM_EVAL_RUN)
+    key = base_eval.base_key(inputs)
+    return folder / key / base_eval.RECORD, key, inputs
+
+
 def evaluate_run(run_dir: str, overrides: list[str] | None = None, say: Say = print) -> dict[str, Any]:
     """Score a consolidated run with lm-eval (the eval section of RUN_DIR/config.yaml with ``overrides``: ``slurmft
     eval RUN_DIR KEY=VALUE``'s, resolved) and write RUN_DIR/eval/summary.json; returns the summary."""
@@ -256,19 +274,32 @@ def evaluate_run(run_dir: str, overrides: list[str] | None = None, say: Say = pr
     seconds: dict[str, float] = {}
     files: dict[str, str] = {}
     version: str | None = None
+    base_eval_note: dict[str, Any] | None = None  # a sweep point's: where its base scores come from or went
     for which, spec in specs.items():
         out = root / which
-        out.mkdir(parents=True, exist_ok=True)
-        before = set(out.rglob("results_*.json"))
         cmd = lm_eval_command(python, backend, _model_args(spec["args"]), resolved.names, resolved.include_path, ev,
                               out, device, only_included=not resolved.registry_names)
-        t0 = time.monotonic()
         say(f"eval: {which} model {spec['name']}")
-        run_lm_eval(cmd, cwd, say)
-        seconds[which] = round(time.monotonic() - t0, 1)
-        result_file = _newest_results(out, before)
-        files[which] = str(result_file.relative_to(paths.root))
-        data = json.loads(result_file.read_text())
+        shared = _shared_base(paths, cmd, out, resolved.include_path, python, spec["args"]) if which == "base" else None
+        if shared and (record := base_eval.read_record(shared[0], shared[1])):
+            base_eval_note = {"reused": True, "from": str(shared[0]), "point": record["point"], "key": shared[1],
+                              "seconds": record["seconds"]}
+            say(f"eval: base: reused from {shared[0]} (scored by point {record['point']}); lm-eval not run")
+            seconds[which], files[which], data = 0.0, str(shared[0]), record["results"]
+        else:
+            out.mkdir(parents=True, exist_ok=True)
+            before = set(out.rglob("results_*.json"))
+            t0 = time.monotonic()
+            run_lm_eval(cmd, cwd, say)
+            seconds[which] = round(time.monotonic() - t0, 1)
+            result_file = _newest_results(out, before)
+            files[which] = str(result_file.relative_to(paths.root))
+            data = json.loads(result_file.read_text())
+            if shared:
+                kept = base_eval.keep_record(shared[0], shared[1], shared[2], paths.root.name, seconds[which], data)
+                base_eval_note = {"reused": False, "kept_in": str(shared[0]), "key": shared[1]}
+                say("eval: base: scored here; " + (f"kept in {shared[0]} for the sweep's other points" if kept
+                                                      else f"{shared[0]} was written meanwhile by another point"))
         version = version or data.get("lm_eval_version")
         for task, metrics in metrics_of(data).items():
             for metric, value in metrics.items():
@@ -287,6 +318,8 @@ def evaluate_run(run_dir: str, overrides: list[str] | None = None, say: Say = pr
         "settings": ev.model_dump(mode="json"),  # the section it ran with: config.yaml's, or with the overrides
         "overrides": list(overrides or []),
     }
+    if base_eval_note is not None:
+        summary["base_eval"] = base_eval_note
     atomic_write(root / "summary.json", json.dumps(summary, indent=2) + "\n")
     say(f"eval: wrote {root / 'summary.json'} in {seconds['total']} s")
     if "wandb" in cfg.train.report_to:
