@@ -354,3 +354,19 @@ def test_a_plan_layout_is_read_and_an_unknown_layout_is_refused_with_the_fix(run
     assert "newer slurmft (layout 'tiles'" in exc.value.render() and "slurmft prepare" in exc.value.render()
     prepared.write_record(paths.prepared_record, {**record, "version": 3})
     assert prepared.check(paths, cfg()) is None  # a version this slurmft does not know: no preparation it can read
+
+
+def test_the_elapsed_column_says_every_job_s_time_in_one_format() -> None:
+    """squeue's ``0:08``, sacct's ``00:00:08`` and a local process's ``8.3`` seconds were shown as they came, mixed in
+    one column: one format now (slurmft.units.fmt_duration), a day included."""
+    from slurmft.watch.status import SlurmView, job_rows
+
+    queued = {"state": "RUNNING", "reason": "None", "elapsed": "0:08", "restarts": "0", "name": "x", "comment": ""}
+    acct = {"state": "COMPLETED", "elapsed": "00:00:08", "exit_code": "0:0", "start": "", "end": ""}
+    view = SlurmView(queued={"5": queued}, acct={"6": acct, "7": {**acct, "elapsed": "1-02:03:04"}})
+    manifest = {"executor": "slurm", "jobs": [{"kind": "prepare", "job_id": "6"}, {"kind": "train", "job_id": "5"},
+                                              {"kind": "consolidate", "job_id": "7"}]}
+    assert [r["elapsed"] for r in job_rows(manifest, "/runs/x", view)] == ["8s", "8s", "26h03m"]
+    local = {"executor": "local", "jobs": [{"kind": "train", "job_id": "9", "pid": 1, "host": "elsewhere",
+                                            "state": "COMPLETED", "elapsed_s": 8.3}]}
+    assert job_rows(local, "/runs/x")[0]["elapsed"] == "8s"
