@@ -9,7 +9,6 @@ from typing import Any
 from slurmft import cancels, locks, slurm
 from slurmft.config_values import slurm_time_seconds
 from slurmft.errors import RunDirError
-from slurmft.units import fmt_duration
 from slurmft.rundir import (
     JOB_TAG_PREFIX,
     RunPaths,
@@ -33,6 +32,7 @@ from slurmft.slurm_states import (
     parse,
     words,
 )
+from slurmft.units import fmt_duration
 
 REASON_WORDS = {
     "Dependency": "waiting for the {waits_on} job to finish successfully",
