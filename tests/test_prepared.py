@@ -256,6 +256,27 @@ def test_a_dpo_runs_prepared_count_is_said_in_preference_pairs(run) -> None:  # 
     assert "data: 3 preference pairs per epoch (prepared, exact)" in notes and "sequences per epoch" not in notes
 
 
+@pytest.mark.parametrize("example, rows", [("dpo", "preference pairs"), ("grpo", "prompts"), ("run", "packed sequences")])
+def test_estimate_says_what_the_prepared_rows_are(run, example: str, rows: str) -> None:  # noqa: ANN001
+    """estimate's disk table said 'prepared data: 3 sequences' of a DPO run's pairs and a GRPO run's prompts."""
+    from rich.console import Console
+    from test_estimate import MID, profile
+
+    from slurmft.plan import estimate as E
+    from slurmft.plan import estimate_text as T
+
+    _, _, tok, paths = run
+    cfg = load_config(REPO / "examples" / "tiny" / f"{example}.yaml",
+                      [f"model.name_or_path={tok}", f"output_dir={paths.root}", "prepare.enabled=true",
+                       "checkpoint.every_steps=1", "train.max_steps=2"])
+    _prepare(paths, cfg)  # 3 rows
+    result = E.estimate(cfg, profile(), model_cfg=MID)
+    assert result["schedule"]["rows"] == rows
+    console = Console(record=True, width=300)
+    console.print(T.render_table(result))
+    assert f"(prepared data: 3 {rows}, " in console.export_text()
+
+
 def test_prepare_run_yaml_as_a_job_refuses_a_config_whose_train_job_would_not_read_it(
         run, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
     import yaml
