@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slurmft import cancels, locks, slurm
-from slurmft.config_values import slurm_time_seconds
 from slurmft.errors import RunDirError
 from slurmft.rundir import (
     JOB_TAG_PREFIX,
@@ -32,7 +31,7 @@ from slurmft.slurm_states import (
     parse,
     words,
 )
-from slurmft.units import fmt_duration
+from slurmft.units import fmt_duration, slurm_time_seconds
 
 REASON_WORDS = {
     "Dependency": "waiting for the {waits_on} job to finish successfully",
