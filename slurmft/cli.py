@@ -310,7 +310,7 @@ def status(run_dir: Path, as_json: bool) -> None:
         click.echo(line)
     from slurmft.watch.model_results import result_lines
 
-    for line in result_lines(paths.root):
+    for line in result_lines(paths.root, rows):
         click.echo(line)
     for job in state.adopted:
         click.echo(f"note: {job['kind']} job {job['job_id']} carries this run's tag but was missing from the "

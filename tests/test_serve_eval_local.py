@@ -135,6 +135,31 @@ def test_here_says_the_verdict_and_the_scores_not_a_json_dict(served: Path, tmp_
     assert not any(line.startswith(("{", "}")) for line in lines) and '"tasks"' not in out, out
 
 
+def test_status_says_which_eval_job_wrote_the_scores_and_a_newer_one(served: Path, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """status showed the previous evaluation's scores while a newer eval job ran, or after it failed, without a word."""
+    import os
+
+    from slurmft.rundir import RunPaths, read_manifest, this_host, write_manifest
+
+    run = _copy_run(served, tmp_path / "newer")
+    shutil.copytree(served / "eval", run / "eval")
+    paths = RunPaths.of(run)
+    manifest = read_manifest(paths)
+    scored = next(j["job_id"] for j in reversed(manifest["jobs"]) if j["kind"] == "eval")
+    code, out = run_cli(["status", str(run)], capsys)
+    assert code == 0 and "  (written 20" in out and f" by eval job {scored})" in out, out
+    # a newer eval job running (this process stands for it: alive on this host)
+    manifest["jobs"].append({"kind": "eval", "job_id": "424242", "attempt": 1, "pid": os.getpid(), "host": this_host()})
+    write_manifest(paths, manifest)
+    code, out = run_cli(["status", str(run)], capsys)
+    assert f" by eval job {scored}; eval job 424242 is running: these are the previous scores)" in out, out
+    manifest["jobs"][-1]["state"] = "FAILED"
+    write_manifest(paths, manifest)
+    code, out = run_cli(["status", str(run)], capsys)
+    assert f" by eval job {scored}; the newer eval job 424242 ended FAILED: these are the previous scores)" in out, out
+
+
 def test_bad_serve_and_eval_input_is_refused_before_anything_is_submitted(
         served: Path, tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
