@@ -203,7 +203,9 @@ def _echo_jobs(run_dir: Path, executor: str, jobs: dict[str, str]) -> None:
     for kind, job_id in jobs.items():
         click.echo(f"{kind} job: {job_id}")
     if executor == "slurm":
-        click.echo(f"follow with: slurmft status {run_dir}   |   slurmft logs {run_dir} -f")
+        from slurmft.cli_model import follow_line
+
+        click.echo(follow_line(run_dir))
     elif "consolidate" in jobs:  # local: the jobs have run; say what they left (a LoRA run: an adapter, maybe no model)
         from slurmft.watch.results import result_lines
         click.echo("\n".join(result_lines(run_dir)))
@@ -308,7 +310,7 @@ def status(run_dir: Path, as_json: bool) -> None:
         click.echo(line)
     from slurmft.watch.model_results import result_lines
 
-    for line in result_lines(paths.root):
+    for line in result_lines(paths.root, rows):
         click.echo(line)
     for job in state.adopted:
         click.echo(f"note: {job['kind']} job {job['job_id']} carries this run's tag but was missing from the "
@@ -498,29 +500,10 @@ def consolidate(run_dir: Path, checkpoint: str | None, out: str | None, here: bo
     job_id = consolidation.submit(paths, request, template_dir, _err)
     click.echo(f"consolidate job: {job_id}  ({request.checkpoint.name} -> {request.out})")
     if read_manifest(paths).get("executor") != "local":  # a Slurm job (a local one has run to its end by now)
-        click.echo(f"follow with: slurmft logs {run_dir} --job consolidate -f")
+        from slurmft.cli_model import follow_line
 
+        click.echo(follow_line(run_dir, "consolidate"))
 
-
-def _model_job(run_dir: Path, kind: str, overrides: tuple[str, ...], here: bool, template_dir: str | None) -> None:
-    """``slurmft serve`` / ``slurmft eval``: the overrides and the checks of the section first, then the job (or
-    here); RUN_DIR/config.yaml is not written (slurmft/submit/model_checks.py says why)."""
-    from slurmft.rundir import RunPaths
-    from slurmft.submit import model_checks
-
-    paths = RunPaths.of(run_dir)
-    cfg, resolved = model_checks.checked_config(paths, kind, list(overrides))
-    problems = model_checks.problems_before(cfg, kind, _err)
-    if problems:
-        given = f" with {' '.join(overrides)}" if overrides else ""
-        raise SlurmftError(f"{paths.config}{given}: {len(problems)} problem(s) found before running the {kind} job",
-                           problems)
-    if here:
-        result = model_checks.run_here(paths, kind, resolved, _err)
-        click.echo(json.dumps(result, indent=2, default=str))
-        return
-    job_id = model_checks.submit(paths, kind, resolved, template_dir, _err)
-    click.echo(f"{kind} job: {job_id}")
 
 
 @cli.command()
@@ -534,7 +517,9 @@ def serve(run_dir: Path, overrides: tuple[str, ...], here: bool, template_dir: s
     Overrides change this check's settings: serve.* and the cluster keys its script reads (cluster.partition,
     account, qos, env, setup, python, container, profile), e.g. serve.max_new_tokens=32 serve.resources.time=30;
     RUN_DIR/config.yaml stays as the run trained (docs/serve-eval.md)."""
-    _model_job(run_dir, "serve", overrides, here, template_dir)
+    from slurmft.cli_model import model_job
+
+    model_job(run_dir, "serve", overrides, here, template_dir)
 
 
 @cli.command(name="eval")
@@ -550,13 +535,17 @@ def evaluate(run_dir: Path, overrides: tuple[str, ...], tasks: str | None, here:
     Overrides change this evaluation's settings: eval.* and the cluster keys its script reads (cluster.partition,
     account, qos, env, setup, python, container, profile), e.g. eval.tasks=[hellaswag] eval.limit=50; a run
     submitted without an eval section gets one so. RUN_DIR/config.yaml stays as the run trained (docs/serve-eval.md)."""
+    from slurmft.cli_model import model_job
+
+    said = {}
     if tasks is not None:
         from slurmft.submit.model_checks import tasks_override
 
         if any(o.split("=", 1)[0].strip().startswith("eval.tasks") for o in overrides):
             raise click.UsageError("give the tasks once: --tasks a,b or eval.tasks=[a,b], not both")
-        overrides = (*overrides, tasks_override(tasks))
-    _model_job(run_dir, "eval", overrides, here, template_dir)
+        said = {tasks_override(tasks): f"--tasks {tasks}"}
+        overrides = (*overrides, *said)
+    model_job(run_dir, "eval", overrides, here, template_dir, said)
 
 
 @cli.command()

@@ -37,8 +37,10 @@ def submit(config: Path, overrides: tuple[str, ...], profile, force: bool,  # no
     sweep = checked(config, overrides, profile, force)
     result = submit_sweep(sweep, profile, str(config.resolve()), template_dir, say=err)
     click.echo(f"sweep dir: {result.root}")
-    for kind, job_id in result.jobs.items():
-        click.echo(f"{kind} job: {job_id}")
+    n = len(sweep.points)
+    for kind, job_id in result.jobs.items():  # on Slurm each job but the shared prepare job is an array of the points
+        click.echo(f"{kind} job: {job_id}" if kind == "prepare" or result.executor != "slurm" else
+                   f"{kind} jobs: array {job_id} ({n} points, {min(n, sweep.cfg.sweep.parallel or n)} at a time)")
     click.echo(f"follow with: slurmft status {result.root}")
     if result.failed:
         raise SystemExit(1)

@@ -14,7 +14,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict
 
-from slurmft.units import SIZE_RE
+from slurmft.units import SIZE_RE, slurm_time_seconds
 
 
 class Section(BaseModel):
@@ -150,20 +150,8 @@ def secret_in_line(line: str) -> str | None:
     return None
 
 
-def slurm_time_seconds(slurm_time: str) -> int:
-    """Seconds in a Slurm time limit (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S)."""
-    days, _, rest = slurm_time.rpartition("-")
-    parts = [int(p) for p in rest.split(":")]
-    if days:
-        h, m, s = (parts + [0, 0])[:3]
-    elif len(parts) == 3:
-        h, m, s = parts
-    else:
-        h, (m, s) = 0, (parts + [0])[:2]
-    return int(days or 0) * 86400 + h * 3600 + m * 60 + s
 
 
 def time_minutes(slurm_time: str) -> int:
     """Minutes in a Slurm time limit, rounded up (submitit's ``timeout_min``)."""
     return -(-slurm_time_seconds(slurm_time) // 60)
-

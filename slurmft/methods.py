@@ -38,6 +38,16 @@ def packs(method: Method, packing: bool) -> bool:
     return packing and method == Method.SFT
 
 
+def epoch_rows(method: Method, packing: bool) -> str:
+    """What one row of the prepared data (its count: an epoch) is: a DPO pair is one row scored as two sequences,
+    a GRPO prompt one row completed at every generation; only SFT's rows are (packed) sequences."""
+    if method == Method.DPO:
+        return "preference pairs"
+    if method == Method.GRPO:
+        return "prompts"
+    return "packed sequences" if packs(method, packing) else "sequences"
+
+
 def objective(method: Method, packing: bool, text_only: bool) -> dict[str, Any]:
     """The manifest's record: ``{"method": sft|dpo|grpo|text, "packed": bool}`` (``text_only``: every data source
     is plain text; ``packing``: data.packing)."""

@@ -81,6 +81,20 @@ def binary_bytes(n: float | None) -> str:
     return f"{n:.1f} TiB"  # not reached: the loop returns at TiB
 
 
+def slurm_time_seconds(slurm_time: str) -> int:
+    """Seconds in a Slurm time limit or elapsed time (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S); here, not in config_values,
+    so that the watching commands read squeue's elapsed times without the config schema (pydantic)."""
+    days, _, rest = slurm_time.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:
+        h, m, s = (parts + [0, 0])[:3]
+    elif len(parts) == 3:
+        h, m, s = parts
+    else:
+        h, (m, s) = 0, (parts + [0])[:2]
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + s
+
+
 def fmt_duration(seconds: float | None) -> str:
     """How long something took or will take: ``1h02m``, ``3m05s``, ``12s`` (rounded); ``-`` for None."""
     if seconds is None:

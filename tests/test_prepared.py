@@ -256,6 +256,27 @@ def test_a_dpo_runs_prepared_count_is_said_in_preference_pairs(run) -> None:  # 
     assert "data: 3 preference pairs per epoch (prepared, exact)" in notes and "sequences per epoch" not in notes
 
 
+@pytest.mark.parametrize("example, rows", [("dpo", "preference pairs"), ("grpo", "prompts"), ("run", "packed sequences")])
+def test_estimate_says_what_the_prepared_rows_are(run, example: str, rows: str) -> None:  # noqa: ANN001
+    """estimate's disk table said 'prepared data: 3 sequences' of a DPO run's pairs and a GRPO run's prompts."""
+    from rich.console import Console
+    from test_estimate import MID, profile
+
+    from slurmft.plan import estimate as E
+    from slurmft.plan import estimate_text as T
+
+    _, _, tok, paths = run
+    cfg = load_config(REPO / "examples" / "tiny" / f"{example}.yaml",
+                      [f"model.name_or_path={tok}", f"output_dir={paths.root}", "prepare.enabled=true",
+                       "checkpoint.every_steps=1", "train.max_steps=2"])
+    _prepare(paths, cfg)  # 3 rows
+    result = E.estimate(cfg, profile(), model_cfg=MID)
+    assert result["schedule"]["rows"] == rows
+    console = Console(record=True, width=300)
+    console.print(T.render_table(result))
+    assert f"(prepared data: 3 {rows}, " in console.export_text()
+
+
 def test_prepare_run_yaml_as_a_job_refuses_a_config_whose_train_job_would_not_read_it(
         run, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
     import yaml
@@ -354,3 +375,19 @@ def test_a_plan_layout_is_read_and_an_unknown_layout_is_refused_with_the_fix(run
     assert "newer slurmft (layout 'tiles'" in exc.value.render() and "slurmft prepare" in exc.value.render()
     prepared.write_record(paths.prepared_record, {**record, "version": 3})
     assert prepared.check(paths, cfg()) is None  # a version this slurmft does not know: no preparation it can read
+
+
+def test_the_elapsed_column_says_every_job_s_time_in_one_format() -> None:
+    """squeue's ``0:08``, sacct's ``00:00:08`` and a local process's ``8.3`` seconds were shown as they came, mixed in
+    one column: one format now (slurmft.units.fmt_duration), a day included."""
+    from slurmft.watch.status import SlurmView, job_rows
+
+    queued = {"state": "RUNNING", "reason": "None", "elapsed": "0:08", "restarts": "0", "name": "x", "comment": ""}
+    acct = {"state": "COMPLETED", "elapsed": "00:00:08", "exit_code": "0:0", "start": "", "end": ""}
+    view = SlurmView(queued={"5": queued}, acct={"6": acct, "7": {**acct, "elapsed": "1-02:03:04"}})
+    manifest = {"executor": "slurm", "jobs": [{"kind": "prepare", "job_id": "6"}, {"kind": "train", "job_id": "5"},
+                                              {"kind": "consolidate", "job_id": "7"}]}
+    assert [r["elapsed"] for r in job_rows(manifest, "/runs/x", view)] == ["8s", "8s", "26h03m"]
+    local = {"executor": "local", "jobs": [{"kind": "train", "job_id": "9", "pid": 1, "host": "elsewhere",
+                                            "state": "COMPLETED", "elapsed_s": 8.3}]}
+    assert job_rows(local, "/runs/x")[0]["elapsed"] == "8s"

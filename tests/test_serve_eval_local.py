@@ -98,8 +98,12 @@ def test_an_override_reaches_the_eval_job_and_config_yaml_stays(served: Path, tm
     manifest, summary.json and status say what the scores were made with."""
     run = _copy_run(served, tmp_path / "limited")
     config = (run / "config.yaml").read_bytes()
-    code, out = run_cli(["eval", str(run), "eval.limit=4", "eval.compare_base=false"], capsys)
-    assert code == 0, out
+    code, out, err = cli(["eval", str(run), "eval.limit=4", "eval.compare_base=false"], capsys)
+    assert code == 0, out + err
+    # a local run's job has ended when the command returns: its scores are said, as status says them (it said
+    # only "eval job: N")
+    assert out.startswith("eval job: ") and "\nevaluation (lm-eval 0.4.13, hf backend; with eval.limit=4 " in out, out
+    assert "  tiny_choice acc_norm,none: " in out, out
     summary = json.loads((run / "eval" / "summary.json").read_text())
     assert (summary["settings"]["limit"], summary["settings"]["compare_base"], summary["models"]["base"]) == (
         4, False, None)
@@ -111,6 +115,49 @@ def test_an_override_reaches_the_eval_job_and_config_yaml_stays(served: Path, tm
     assert (run / "config.yaml").read_bytes() == config
     code, out = run_cli(["status", str(run)], capsys)
     assert "evaluation (lm-eval 0.4.13, hf backend; with eval.limit=4 eval.compare_base=false):" in out, out
+
+
+def test_here_says_the_verdict_and_the_scores_not_a_json_dict(served: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`slurmft serve|eval RUN_DIR --here` printed the job function's return value as JSON (`"agree": [4, 8, 13]`):
+    now what status says, the serve check's verdict and the scores."""
+    run = _copy_run(served, tmp_path / "here")
+    code, out, err = cli(["serve", str(run), "--here", "serve.prompts=1", "serve.max_new_tokens=4"], capsys)
+    assert code == 0, err
+    # (vLLM's own log lines come through too)
+    assert "\nserve check passed: vLLM 0.32.0 served model/: greedy tokens equal transformers' on 1 prompt(s) " \
+           "(float32)" in f"\n{out}" and '"agree"' not in out and not out.rstrip().endswith("}"), out
+    code, out, err = cli(["eval", str(run), "--here", "eval.limit=2", "eval.compare_base=false"], capsys)
+    assert code == 0, err
+    lines = out.splitlines()  # (after the evaluation's own progress lines)
+    header = lines.index("evaluation (lm-eval 0.4.13, hf backend; with eval.limit=2 eval.compare_base=false):")
+    assert lines[header + 1].startswith("  tiny_choice acc"), out
+    assert not any(line.startswith(("{", "}")) for line in lines) and '"tasks"' not in out, out
+
+
+def test_status_says_which_eval_job_wrote_the_scores_and_a_newer_one(served: Path, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """status showed the previous evaluation's scores while a newer eval job ran, or after it failed, without a word."""
+    import os
+
+    from slurmft.rundir import RunPaths, read_manifest, this_host, write_manifest
+
+    run = _copy_run(served, tmp_path / "newer")
+    shutil.copytree(served / "eval", run / "eval")
+    paths = RunPaths.of(run)
+    manifest = read_manifest(paths)
+    scored = next(j["job_id"] for j in reversed(manifest["jobs"]) if j["kind"] == "eval")
+    code, out = run_cli(["status", str(run)], capsys)
+    assert code == 0 and "  (written 20" in out and f" by eval job {scored})" in out, out
+    # a newer eval job running (this process stands for it: alive on this host)
+    manifest["jobs"].append({"kind": "eval", "job_id": "424242", "attempt": 1, "pid": os.getpid(), "host": this_host()})
+    write_manifest(paths, manifest)
+    code, out = run_cli(["status", str(run)], capsys)
+    assert f" by eval job {scored}; eval job 424242 is running: these are the previous scores)" in out, out
+    manifest["jobs"][-1]["state"] = "FAILED"
+    write_manifest(paths, manifest)
+    code, out = run_cli(["status", str(run)], capsys)
+    assert f" by eval job {scored}; the newer eval job 424242 ended FAILED: these are the previous scores)" in out, out
 
 
 def test_bad_serve_and_eval_input_is_refused_before_anything_is_submitted(
@@ -134,6 +181,11 @@ def test_bad_serve_and_eval_input_is_refused_before_anything_is_submitted(
     code, out = run_cli(["eval", str(served), "--tasks", "hellaswagg"], capsys)
     assert code == 2 and "listing lm-eval 0.4.13's task registry once (about half a minute" in out, out
     assert "'hellaswagg' is not a task lm-eval 0.4.13 knows; did you mean hellaswag" in out, out
+    # the bad value came from the command line: said so, not as config.yaml's
+    assert "the command line (--tasks hellaswagg): 1 problem(s) found before running the eval job" in out, out
+    assert "--tasks hellaswagg (eval.tasks[0]: 'hellaswagg' is not a task" in out and "config.yaml" not in out, out
+    code, out = run_cli(["eval", str(served), "eval.limt=4"], capsys)  # the schema's, for a key given so
+    assert code == 2 and "the command line (eval.limt=4): 1 problem(s)" in out and "eval.limt=4 (eval.limt" in out, out
     assert json.loads((served / "manifest.json").read_text())["jobs"] == jobs_before  # nothing run
     for name, (overrides, said) in cases.items():
         out_dir = tmp_path / name.replace(" ", "-")

@@ -249,6 +249,39 @@ def test_local_sweep_runs_the_points_one_after_another(tmp_path: Path, micro_mod
     assert code == 0, err
     assert f"point {second.name}: consolidate job: " in out and f"point {first.name}: not consolidated" in out
     assert (second / "model" / "model-00001-of-00001.safetensors").read_bytes() == b
+    # `slurmft cancel SWEEP_DIR` while a local consolidate SWEEP_DIR consolidates its first point: it stops there
+    # (it went on to the next point's consolidation)
+    _cancel_a_local_sweeps_consolidation(root, first, second, capsys)
+
+
+def _cancel_a_local_sweeps_consolidation(root: Path, first: Path, second: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import signal
+    import sys
+    import time
+
+    for point in (first, second):
+        shutil.rmtree(point / "model")
+    jobs = len(json.loads((first / "manifest.json").read_text())["jobs"])
+    second_jobs = json.loads((second / "manifest.json").read_text())["jobs"]
+    proc = subprocess.Popen([sys.executable, "-m", "slurmft.cli", "consolidate", str(root)], start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(json.loads((first / "manifest.json").read_text())["jobs"]) == jobs:
+            assert proc.poll() is None and time.monotonic() < deadline, "the first point's consolidation never started"
+            time.sleep(0.1)
+        code, out, err = cli(["cancel", str(root)], capsys)
+        assert code == 0 and out.startswith("cancelled: "), out + err
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 2 and "cancelled by `slurmft cancel` (" in err, out + err
+    assert f"not started: {second.name}; `slurmft consolidate {root}` consolidates" in err, err
+    assert not (second / "model").exists()  # the next point was not consolidated: no job of it
+    assert json.loads((second / "manifest.json").read_text())["jobs"] == second_jobs
 
 
 @pytest.mark.parametrize("how", ["killed", "cancelled"])

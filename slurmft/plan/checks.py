@@ -53,6 +53,7 @@ from slurmft.epochs import steps_per_epoch
 from slurmft.errors import ConfigError
 from slurmft.interpreter import MISSING, NOT_ON_PATH, NoAnswer, finds_modules, in_words, locate
 from slurmft.lora import ALL_LINEAR, EMBEDDING_MODULES, tied_target_problem
+from slurmft.methods import epoch_rows
 from slurmft.modelinfo import find_tokenizer, read_model_config, seq_length_problem
 from slurmft.profiles import runs_on_gpu
 from slurmft.sftopts import REPORTERS, sft_field_kinds, sft_problems
@@ -588,7 +589,7 @@ def batch_notes(cfg: RunConfig, samples: list[Sample], template: Template | None
         return lines  # steps per epoch: TRL's sampler repeats each prompt; train.max_steps counts the steps
     if cfg.dpo is not None and cfg.data.packing:
         lines.append("data.packing: does not apply to DPO (each pair is scored as its own padded sequences); ignored")
-    rows = "preference pairs" if cfg.dpo is not None else "packed sequences" if packed else "sequences"  # per_step's
+    rows = epoch_rows(cfg.method, cfg.data.packing)  # per_step's
     counts = prepared.counted(cfg)
     if counts is not None:  # counted by the prepare job: the job's own figure, not an estimate
         exact = counts["sequences"]

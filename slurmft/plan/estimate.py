@@ -79,6 +79,7 @@ from typing import TYPE_CHECKING, Any
 
 from slurmft.epochs import steps_per_epoch
 from slurmft.errors import ConfigError
+from slurmft.methods import epoch_rows
 from slurmft.modelinfo import locate_model_config, read_model_config, seq_length_problem
 from slurmft.plan.communication import (
     checkpoint_write,
@@ -637,7 +638,8 @@ def schedule(cfg: RunConfig) -> dict[str, Any] | None:
     t = cfg.train  # the training ranks: a GRPO vLLM server's node holds none
     per_epoch = steps_per_epoch(sequences, cfg.train_world_size, t.per_device_batch_size, t.gradient_accumulation_steps)
     max_steps = math.ceil(t.epochs * per_epoch) if t.epochs is not None else t.max_steps
-    return {"sequences_per_epoch": sequences, "tokens_per_epoch": counts.get("tokens"), "steps_per_epoch": per_epoch,
+    return {"sequences_per_epoch": sequences, "rows": epoch_rows(cfg.method, cfg.data.packing),  # what they are
+            "tokens_per_epoch": counts.get("tokens"), "steps_per_epoch": per_epoch,
             "max_steps": max_steps,
             "periodic_saves": max_steps // cfg.checkpoint.every_steps if max_steps else None}
 

@@ -438,7 +438,7 @@ def render_table(result: dict[str, Any]) -> RenderableType:
     plan = result.get("schedule")
     if plan and plan["periodic_saves"]:
         d.add_row(f"{plan['periodic_saves']} periodic saves over {plan['max_steps']} steps (prepared data: "
-                  f"{plan['sequences_per_epoch']:,} sequences{_tokens(plan)}, {plan['steps_per_epoch']} steps per "
+                  f"{plan['sequences_per_epoch']:,} {plan['rows']}{_tokens(plan)}, {plan['steps_per_epoch']} steps per "
                   "epoch), written",
                   decimal_gb(plan["periodic_saves"] * result["checkpoint_bytes"]))
     if lora:

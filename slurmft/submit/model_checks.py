@@ -39,10 +39,28 @@ def tasks_override(tasks: str) -> str:
     return f"eval.tasks={json.dumps([t.strip() for t in tasks.split(',') if t.strip()])}"
 
 
-def checked_config(paths: RunPaths, kind: str, overrides: list[str]) -> tuple[RunConfig, list[str]]:
+def from_command_line(problems: list[str], given: dict[str, str]) -> tuple[list[str], bool]:
+    """The problems found in keys the command line set (``given``: each override -> how the user gave it, ``--tasks
+    a,b`` or ``eval.tasks=[a,b]``) said as the command line's, not as RUN_DIR/config.yaml's; and whether every problem
+    is. A problem starts with the key it is about (``eval.tasks[0]: ...``, the schema's and the checks' form)."""
+    from slurmft.config_loading import format_loc, parse_override
+
+    keys = {format_loc(tuple(parse_override(o)[0])): said for o, said in given.items()}
+    out, all_given = [], True
+    for problem in problems:
+        key = problem.split(":", 1)[0].strip()
+        said = next((s for k, s in keys.items() if key == k or key.startswith((k + ".", k + "["))), None)
+        out.append(f"{said} ({problem})" if said else problem)
+        all_given = all_given and said is not None
+    return out, all_given
+
+
+def checked_config(paths: RunPaths, kind: str, overrides: list[str],
+                   said: dict[str, str] | None = None) -> tuple[RunConfig, list[str]]:
     """The run's config with ``overrides`` (only keys the ``kind`` job reads), its ``kind`` section (refused without
     one) and a model to run it on; with the overrides resolved (:func:`resolve_overrides`: a relative path on the
-    command line made absolute here) as the job will read them. RUN_DIR/config.yaml is not written."""
+    command line made absolute here) as the job will read them. RUN_DIR/config.yaml is not written. ``said``: an
+    override the command built from an option (``--tasks``) -> how the user gave it, for the errors."""
     from slurmft.plan.model_job_checks import check_model_job_overrides
 
     read_manifest(paths)  # a run directory at all?
@@ -52,9 +70,10 @@ def checked_config(paths: RunPaths, kind: str, overrides: list[str]) -> tuple[Ru
     if resolved:
         try:
             cfg = read_run_config(paths.config, resolved)
-        except ConfigError as exc:  # the schema's did-you-mean, for the key the user typed
-            raise ConfigError(f"{' '.join(overrides)}: {len(exc.problems)} problem(s) in {paths.config} with them",
-                              exc.problems) from None
+        except ConfigError as exc:  # the schema's did-you-mean, for the key the user typed (config.yaml itself read)
+            given = {o: (said or {}).get(o, o) for o in overrides}
+            raise ConfigError(f"the command line ({' '.join(given.values())}): {len(exc.problems)} problem(s) with "
+                              f"{paths.config}", from_command_line(exc.problems, given)[0]) from None
     if cfg.model_job(kind) is None:
         example = ("serve.python=/path/to/vllm-venv/bin/python" if kind == "serve" else
                    "eval.tasks=[hellaswag] eval.python=/path/to/lm-eval-venv/bin/python")

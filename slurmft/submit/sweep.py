@@ -461,7 +461,8 @@ def consolidate_sweep(root: Path, template_dir: str | None = None, say: Say = qu
 
     out = SweepConsolidation()
     with sweep_locked(root, "consolidate", say):
-        for point in read_sweep_record(SweepPaths(root))["points"]:
+        points = read_sweep_record(SweepPaths(root))["points"]
+        for i, point in enumerate(points):
             name, paths = point["name"], RunPaths.of(point["dir"])
             if (result := result_info(paths)) is not None:  # a LoRA point with consolidate.merge false: its adapter
                 what = "adapter" if result == str(paths.adapter) else "model"
@@ -475,6 +476,10 @@ def consolidate_sweep(root: Path, template_dir: str | None = None, say: Say = qu
                 out.jobs[name] = consolidation.submit(paths, request, template_dir, say)
             except CheckpointError as exc:
                 out.skipped[name] = str(exc)
+            except Cancelled as exc:  # `slurmft cancel` of the sweep while a local point consolidated: no further one
+                rest = [p["name"] for p in points[i + 1:]]
+                raise Cancelled(f"{exc}; {'not started: ' + ', '.join(rest) + '; ' if rest else ''}`slurmft "
+                                f"consolidate {root}` consolidates the points without a model") from None
             except SlurmftError as exc:
                 out.failed[name] = exc.render()
             else:

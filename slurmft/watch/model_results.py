@@ -11,7 +11,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from slurmft.eval_results import read_summary, score_rows
+from slurmft.eval_results import SUMMARY, read_summary, score_rows
+from slurmft.slurm_states import State, is_live, parse, words
+from slurmft.units import fmt_time
 
 
 def read_serve(run_dir: Path) -> dict[str, Any] | None:
@@ -73,6 +75,36 @@ def eval_lines(run_dir: Path) -> list[str]:
     return lines
 
 
-def result_lines(run_dir: Path) -> list[str]:
-    """Both, for ``status`` and the report."""
-    return serve_lines(read_serve(run_dir)) + eval_lines(run_dir)
+def from_job(path: Path, kind: str, rows: list[dict[str, Any]] | None) -> list[str]:
+    """When the shown result was written and, for the scores, by which eval job (only a completed one writes
+    summary.json; a failed serve check writes its own verdict); and, when a newer job of ``kind`` runs or ended
+    without writing, that the result is the previous one. ``status`` showed the previous scores beside a newer eval
+    job, running or failed, without a word. ``rows``: status's job rows, oldest first (None: nothing said)."""
+    try:
+        written = path.stat().st_mtime
+    except OSError:
+        return []
+    if rows is None:
+        return []
+    mine = [r for r in rows if r.get("kind") == kind]
+    done = [r for r in mine if parse(r.get("state")) == State.COMPLETED]
+    by = f" by {kind} job {done[-1]['job_id']}" if kind == "eval" and done else ""
+    line = f"  (written {fmt_time(written)}{by}"
+    newest = mine[-1] if mine else None
+    what = "scores" if kind == "eval" else "verdict"
+    if newest is not None and (not done or newest is not done[-1]):
+        if is_live(newest.get("state")):
+            line += f"; {kind} job {newest['job_id']} is {words(newest.get('state')).split(' (')[0]}: these are the " \
+                    f"previous {what}"
+        elif kind == "eval":  # it ended without writing: the scores are an earlier job's
+            line += f"; the newer {kind} job {newest['job_id']} ended {newest.get('state')}: these are the previous scores"
+    return [line + ")"]
+
+
+def result_lines(run_dir: Path, rows: list[dict[str, Any]] | None = None) -> list[str]:
+    """Both, for ``status`` (with its job ``rows``: which job wrote them, a newer one running or failed) and the
+    report."""
+    serve = serve_lines(read_serve(run_dir))
+    scores = eval_lines(run_dir)
+    return (serve + (from_job(run_dir / "serve" / "result.json", "serve", rows) if serve else [])
+            + scores + (from_job(run_dir / SUMMARY, "eval", rows) if scores else []))

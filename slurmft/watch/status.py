@@ -31,6 +31,7 @@ from slurmft.slurm_states import (
     parse,
     words,
 )
+from slurmft.units import fmt_duration, slurm_time_seconds
 
 REASON_WORDS = {
     "Dependency": "waiting for the {waits_on} job to finish successfully",
@@ -156,7 +157,7 @@ def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView
             alive, host = process_here(job)
             state = job.get("state") or (State.HIDDEN.value if alive is None else State.RUNNING.value if alive
                                          else State.CANCELLED.value if jid in cancelled else State.KILLED.value)
-            row = {**base, "state": state, "reason": "", "elapsed": str(job.get("elapsed_s", "")), "exit_code": "",
+            row = {**base, "state": state, "reason": "", "elapsed": elapsed_words(job.get("elapsed_s")), "exit_code": "",
                    "restarts": 0, "start": "", "end": "", "host": host}
             unseen = ELSEWHERE_WORDS.format(host=host)
         else:
@@ -168,7 +169,7 @@ def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView
             else:
                 state, reason, elapsed = missing_state(submitter, me), "", ""
             restarts = q["restarts"] if q and q["restarts"].isdigit() else "0"
-            row = {**base, "state": state, "reason": reason, "elapsed": elapsed,
+            row = {**base, "state": state, "reason": reason, "elapsed": elapsed_words(elapsed),
                    "exit_code": (a or {}).get("exit_code", ""), "restarts": int(restarts),
                    "start": (a or {}).get("start", ""), "end": (a or {}).get("end", "")}
             unseen = HIDDEN_WORDS.format(submitter=submitter.name)
@@ -179,6 +180,20 @@ def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView
         rows.append(row)
     explain_dependency_failures(rows, jobs, run_dir)
     return rows
+
+
+def elapsed_words(elapsed: str | float | None) -> str:
+    """A job's elapsed time in one format (:func:`slurmft.units.fmt_duration`: ``8s``, ``3m05s``, ``1h02m``) whoever
+    measured it: squeue says ``0:08``, sacct ``00:00:08`` (``1-02:03:04`` past a day), a local process's record
+    ``8.3`` seconds; the column mixed them. Empty when unknown."""
+    if elapsed is None or elapsed == "":
+        return ""
+    if isinstance(elapsed, int | float):
+        return fmt_duration(elapsed)
+    try:
+        return fmt_duration(slurm_time_seconds(elapsed))
+    except ValueError:  # not a time Slurm writes: shown as it came
+        return elapsed
 
 
 def missing_state(submitter: User, me: User) -> str:

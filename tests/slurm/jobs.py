@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -93,8 +94,11 @@ def started_here(args: list[str]) -> dict[str, str]:
 
 
 def started_jobs(out: str) -> dict[str, str]:
-    """{kind: job id} from what submit, resume or prepare printed (``train job: 12``)."""
-    return dict(line.split(" job: ") for line in out.splitlines() if " job: " in line)
+    """{kind: job id} from what submit, resume or prepare printed (``train job: 12``; a sweep's array: ``train jobs:
+    array 12 (4 points, 2 at a time)``)."""
+    arrays = (re.match(r"(\S+) jobs: array (\S+) \(", line) for line in out.splitlines())
+    return {**dict(line.split(" job: ") for line in out.splitlines() if " job: " in line),
+            **{m.group(1): m.group(2) for m in arrays if m}}
 
 
 def sacct_fields(job_ids: list[str], fields: str) -> dict[str, list[str]]:

@@ -118,7 +118,8 @@ def test_prepare_run_yaml_as_a_job_gives_exact_counts_before_any_train_job(
     assert f"train.epochs 2 -> {2 * per_epoch} steps" in out
     code, out, err = slurmft.cli(["estimate", str(run / "config.yaml"), "--json"])
     assert code == 0, err
-    assert json.loads(out)["schedule"] == {"sequences_per_epoch": sequences, "tokens_per_epoch": tokens,
+    assert json.loads(out)["schedule"] == {"sequences_per_epoch": sequences, "rows": "packed sequences",
+                                           "tokens_per_epoch": tokens,
                                            "steps_per_epoch": per_epoch, "max_steps": 2 * per_epoch,
                                            "periodic_saves": 2 * per_epoch // 2}
     code, out, err = slurmft.cli(["submit", str(path)])  # the run exists: its training starts with resume

@@ -219,7 +219,12 @@ def test_cancel_of_the_sweep_directory_cancels_every_points_jobs(slurm_cluster, 
     cfg = yaml.safe_load(path.read_text())
     cfg.update(name="sweepcancel", sweep={"grid": {"train.learning_rate": [1e-3, 2e-3]}})
     path.write_text(yaml.safe_dump(cfg))
-    started = slurmft.started(["submit", str(path)])
+    code, out, err = slurmft.cli(["submit", str(path)])
+    assert code == 0, err
+    started = jobs.started_jobs(out)
+    # each array said as one, with its points (it said "train job: 11" of a 2-point array)
+    assert f"train jobs: array {started['train']} (2 points, 2 at a time)" in out, out
+    assert f"prepare job: {started['prepare']}\n" in out, out
     for name in ("learning_rate-0.001", "learning_rate-0.002"):  # what each array point trains by, for its watchers
         manifest = json.loads((tmp_path / "run" / name / "manifest.json").read_text())
         assert manifest["objective"] == {"method": "sft", "packed": cfg["data"].get("packing", True)}, manifest
