@@ -130,7 +130,7 @@ class MetricsLog(TrainerCallback):
             "grad_norm": logs.get("grad_norm"),
             "tokens_per_s": round((tokens - last_tokens) / (now - last_t), 2) if now > last_t else None,
             # what tokens_per_s is measured over: a mean over steps weighs each step by it (slurmft/watch/progress.py)
-            "interval_s": round(now - last_t, 3),
+            "interval_s": round(now - last_t, 6),  # 1 ms of rounding was 0.2 % of a 0.3 s step
             "num_input_tokens_seen": tokens,
             "peak_rss_mib": round(float(peaks[0]), 1),
             "peak_gpu_mem_mib": round(float(peaks[1]), 1) if self.ctx.on_gpu else None,
