@@ -388,3 +388,14 @@ def test_the_estimates_cpu_ram_against_the_nodes_real_memory() -> None:
     unknown = by_check(diagnose(facts("22.05"), run(cpu_ram_bytes=10**9)))["node memory"]
     assert unknown.level is Level.WARNING and "sinfo -o %m" in unknown.text
     assert "node memory" not in by_check(diagnose(nodes, run()))  # no estimate: nothing to compare
+
+
+def test_too_little_room_names_the_fix_of_the_directory_that_lacks_it() -> None:
+    """HF_HOME without room for the model was told to 'lower checkpoint.keep_last' (the run directory's fix: HF_HOME
+    holds no checkpoint); each directory now says its own (CI73 met it on a nearly full disk)."""
+    ranks, batch = probe_files()
+    lines = probe_by_check(ranks, batch, expect(run_dir_bytes=10**16, model_bytes=10**16))
+    hf, run = lines["HF_HOME [n1]"], lines["run dir [n1]"]
+    assert hf.level is Level.PROBLEM and run.level is Level.PROBLEM, (hf, run)
+    assert "checkpoint.keep_last" not in hf.fix and "set HF_HOME (cluster.env) to a directory with room" in hf.fix
+    assert "lower checkpoint.keep_last" in run.fix

@@ -568,9 +568,9 @@ def _probe_vars(ranks: dict[int, dict[str, Any]], expect: ProbeExpect) -> list[L
 
 
 def _probe_shared(nodes: dict[str, dict[str, Any]], key: str, label: str, need: tuple[int | None, str],
-                  level_unshared: Level, fix: str) -> list[Line]:
+                  level_unshared: Level, fix: str, space_fix: str) -> list[Line]:
     """Each node's token in ``key``'s directory, read by the others, and its free space against ``need``
-    (bytes, and what they are for)."""
+    (bytes, and what they are for); ``space_fix`` (``{path}`` in it) says what to do when it has too little."""
     names = sorted(nodes)
     lines = []
     for node, r in nodes.items():
@@ -588,7 +588,7 @@ def _probe_shared(nodes: dict[str, dict[str, Any]], key: str, label: str, need: 
                               f"filesystem ({space})", fix))
         elif need[0] and free is not None and free < need[0]:
             lines.append(Line(f"{label} [{node}]", Level.PROBLEM, f"{path}: {space}",
-                              f"free space on {path}, or lower checkpoint.keep_last"))
+                              space_fix.format(path=path)))
         else:
             shared = "shared by every node" if len(names) > 1 else "one node: sharing not tested"
             lines.append(Line(f"{label} [{node}]", Level.OK, f"{path}: {shared}; {space}"))
@@ -650,9 +650,11 @@ def probe_lines(ranks: dict[int, dict[str, Any]], batch: dict[str, Any] | None, 
                           + " or put its lib directory on LD_LIBRARY_PATH"))
     lines += _probe_vars(ranks, expect)
     lines += _probe_shared(nodes, "run_dir", "run dir", (expect.run_dir_bytes, "checkpoints and model need"), Level.PROBLEM,
-                           "set output_dir to a path on a filesystem every node shares (not /tmp or a node-local disk)")
+                           "set output_dir to a path on a filesystem every node shares (not /tmp or a node-local disk)",
+                           "free space on {path}, or lower checkpoint.keep_last")
     lines += _probe_shared(nodes, "hf_home", "HF_HOME", (expect.model_bytes, "the model needs"), Level.WARNING,
-                           "set HF_HOME (cluster.env) to a shared directory, or every node downloads on its own")
+                           "set HF_HOME (cluster.env) to a shared directory, or every node downloads on its own",
+                           "free space on {path}, or set HF_HOME (cluster.env) to a directory with room for the model")
     sc = (batch or {}).get("scontrol")
     if sc is None:
         lines.append(Line("scontrol in batch", Level.WARNING, "the batch side did not report (see the log)"))
