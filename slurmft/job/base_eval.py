@@ -24,11 +24,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
+from slurmft.interpreter import NoAnswer, finds_modules
 from slurmft.modelinfo import hub_cache_dir
 from slurmft.prepared import sha256_file
 from slurmft.rundir import atomic_write, sweep_root
@@ -46,11 +46,9 @@ _SKIPPED_DIRS = {"__pycache__", ".git"}
 def lm_eval_version(python: str) -> str | None:
     """lm-eval's installed version in ``python`` (its package metadata: lm_eval itself is not imported), or None."""
     try:
-        probe = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('lm_eval'))"],
-                               capture_output=True, text=True, timeout=VERSION_PROBE_S, check=False)
-    except (OSError, subprocess.TimeoutExpired):
+        return finds_modules(python, (), ("lm_eval",), timeout=VERSION_PROBE_S).versions.get("lm_eval")
+    except NoAnswer:
         return None
-    return (probe.stdout.strip() or None) if probe.returncode == 0 else None
 
 
 def _files(folder: Path) -> list[Path]:
