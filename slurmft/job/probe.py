@@ -43,6 +43,7 @@ from typing import Any
 
 from slurmft.job import preemption
 from slurmft.job.rendezvous import JobEnv
+from slurmft.probe_paths import ProbePaths
 
 #: Packages whose versions each node reports (None when not installed).
 STACK = ("torch", "transformers", "accelerate", "trl", "datasets", "flash-attn", "safetensors", "peft")
@@ -55,9 +56,7 @@ AFTER_BATCH_S = 5
 READY_WAIT_S = 240
 
 
-def _paths(root: str) -> Any:  # noqa: ANN401 - slurmft.probe_paths.ProbePaths; imported late (rundir is light anyway)
-    from slurmft.probe_paths import ProbePaths
-
+def _paths(root: str) -> ProbePaths:
     return ProbePaths(Path(root))
 
 
@@ -110,7 +109,6 @@ def _has_efa() -> bool | None:
 
 def _token_write(directory: Path, job_id: str, node: str, make: bool) -> dict[str, Any]:
     """Write this node's token into ``directory``; its path, free bytes, or the error."""
-    from slurmft.probe_paths import ProbePaths
 
     fact: dict[str, Any] = {"path": str(directory)}
     try:
@@ -124,7 +122,6 @@ def _token_write(directory: Path, job_id: str, node: str, make: bool) -> dict[st
 
 
 def _token_read(fact: dict[str, Any], job_id: str, nodes: list[str]) -> None:
-    from slurmft.probe_paths import ProbePaths
 
     directory = Path(fact["path"])
     fact["saw"] = sorted(n for n in nodes if ProbePaths.token(directory, job_id, n).is_file())
@@ -235,7 +232,6 @@ def rank_main(args: argparse.Namespace) -> int:
         dist.barrier()  # every node has read before anyone removes its token
         dist.destroy_process_group()
         if local == 0:  # without that barrier the tokens stay; the login side removes those it can see
-            from slurmft.probe_paths import ProbePaths
 
             for key in ("run_dir", "hf_home"):
                 ProbePaths.token(Path(report[key]["path"]), job_id, node).unlink(missing_ok=True)
