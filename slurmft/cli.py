@@ -329,19 +329,23 @@ def status(run_dir: Path, as_json: bool) -> None:
 @click.option("--rank", type=click.IntRange(min=0), help="Only this global rank's lines.")
 @click.option("--attempt", type=click.IntRange(min=1),
               help="Only the K-th attempt (1 = first; requeues and resumes each count), all of it.")
+@click.option("--job-id", metavar="ID", help="This job's log, of any kind (an older consolidation a later one "
+              "superseded; `slurmft status RUN_DIR` lists the ids).")
 @click.option("--point", help="A sweep's directory: this point's logs (as its own directory's; the other options "
               "apply). Without it: the end of every point's log.")
 def logs(run_dir: Path, kind: str, follow: bool, lines: int | None, rank: int | None, attempt: int | None,
-         point: str | None) -> None:
-    """Show the log of the newest train (or consolidation, or prepare) job of a run, or of each point of a sweep."""
+         job_id: str | None, point: str | None) -> None:
+    """Show the log of the newest train (or consolidation, or prepare) job of a run, or of one job by its id, or of
+    each point of a sweep."""
+    from slurmft.cli_logs import filtered, kind_of_job
     from slurmft.rundir import is_sweep_dir
     from slurmft.watch.logs import ended_words, log_files, sweep_log_lines, tail
     from slurmft.watch.sweep import point_dir
 
     if is_sweep_dir(run_dir) and point is None:
-        if follow or rank is not None or attempt is not None:
-            raise click.UsageError("-f, --rank and --attempt read one point's log: add --point NAME (`slurmft "
-                                   "status SWEEP_DIR` names the points)")
+        if follow or rank is not None or attempt is not None or job_id is not None:
+            raise click.UsageError("-f, --rank, --attempt and --job-id read one point's log: add --point NAME "
+                                   "(`slurmft status SWEEP_DIR` names the points)")
         for line in sweep_log_lines(run_dir, kind, 10 if lines is None else lines):
             click.echo(line)
         return
@@ -349,23 +353,14 @@ def logs(run_dir: Path, kind: str, follow: bool, lines: int | None, rank: int | 
         if not is_sweep_dir(run_dir):
             raise click.UsageError(f"--point: {run_dir} is not a sweep's directory (it has no sweep.json)")
         run_dir = point_dir(run_dir, point)
+    if job_id is not None:
+        kind = kind_of_job(run_dir, job_id, kind)
     lines = 50 if lines is None else lines
     if rank is not None or attempt is not None:
-        _filtered_logs(run_dir, kind, follow, lines, rank, attempt)
+        filtered(run_dir, kind, follow, lines, rank, attempt, job_id)
         return
-    files = log_files(run_dir, kind)
-    tail(files, lines, follow, click.echo, ended_words(run_dir, kind) if follow else None)
-
-
-def _filtered_logs(run_dir: Path, kind: str, follow: bool, lines: int, rank: int | None, attempt: int | None) -> None:
-    """``logs --rank/--attempt``: one attempt whole, or the last ``lines`` of one rank's lines."""
-    from slurmft.watch.logs import select_lines
-
-    if follow:
-        raise click.UsageError("-f cannot be combined with --rank or --attempt (they show a snapshot)")
-    out = select_lines(run_dir, kind, rank=rank, attempt=attempt)
-    for line in out if attempt is not None else out[-lines:]:
-        click.echo(line)
+    files = log_files(run_dir, kind, job_id)
+    tail(files, lines, follow, click.echo, ended_words(run_dir, kind, job_id) if follow else None)
 
 
 @cli.command()

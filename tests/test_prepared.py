@@ -199,6 +199,47 @@ def test_status_does_not_repeat_the_next_step_for_a_job_a_later_one_replaced() -
                                      "its place") and "slurmft resume" not in rows[1]["words"]
 
 
+def test_a_job_never_started_after_the_job_it_waited_on_was_run_again() -> None:
+    """The job it waited on failed and was run again since (`slurmft prepare`, `slurmft consolidate`, a resume that
+    chained no consolidation), but no later job of its own kind: the words named `logs --job prepare`, which shows the
+    new prepare job's log, not the failed one's, and told to run again what had been run."""
+    jobs = [{"kind": "prepare", "job_id": "31"}, {"kind": "train", "job_id": "32", "dependency": "afterok:31"},
+            {"kind": "consolidate", "job_id": "33", "dependency": "afterok:32"},
+            {"kind": "serve", "job_id": "34", "dependency": "afterok:33"}]
+    rows = [{"kind": "prepare", "job_id": "31", "state": "FAILED", "start": "2026-12-03T15:00:00", "words": "f"},
+            *({"kind": j["kind"], "job_id": j["job_id"], "state": "CANCELLED", "start": "None", "words": "c"}
+              for j in jobs[1:])]
+    explain_dependency_failures(rows, jobs, "/runs/x")
+    assert "see `slurmft logs /runs/x --job prepare`" in rows[1]["words"]  # 31 is the newest prepare job
+    assert "`slurmft consolidate /runs/x`, then `slurmft serve /runs/x`" in rows[3]["words"]
+    jobs.append({"kind": "prepare", "job_id": "35"})  # `slurmft prepare /runs/x`
+    rows.append({"kind": "prepare", "job_id": "35", "state": "COMPLETED", "start": "2026-12-03T15:09:00", "words": ""})
+    explain_dependency_failures(rows, jobs, "/runs/x")
+    assert rows[1]["words"] == prepare_failed_words("31", "/runs/x", redone=True)
+    assert "see `slurmft logs /runs/x --job-id 31`, fix the data, then `slurmft resume /runs/x`" in rows[1]["words"]
+    # a consolidation failed, `slurmft consolidate` ran another: the serve check waits for that one only
+    rows[1:3] = [{**rows[1], "state": "COMPLETED", "start": "2026-12-03T15:01:00"},
+                 {**rows[2], "state": "FAILED", "start": "2026-12-03T15:02:00"}]
+    jobs.append({"kind": "consolidate", "job_id": "36"})
+    rows.append({"kind": "consolidate", "job_id": "36", "state": "RUNNING", "start": "2026-12-03T15:10:00",
+                 "words": ""})
+    explain_dependency_failures(rows, jobs, "/runs/x")
+    assert "slurmft consolidate /runs/x" not in rows[3]["words"], rows[3]["words"]
+    assert rows[3]["words"].endswith("a later consolidation job of the run follows it: once it has succeeded, "
+                                     "`slurmft serve /runs/x` / `slurmft eval /runs/x`")
+    # a train job failed and a resume trained again without a consolidation: its cancelled one says so
+    jobs = [{"kind": "train", "job_id": "42"}, {"kind": "consolidate", "job_id": "43", "dependency": "afterok:42"},
+            {"kind": "train", "job_id": "44"}]
+    rows = [{"kind": "train", "job_id": "42", "state": "FAILED", "start": "2026-12-03T15:00:00", "words": "f"},
+            {"kind": "consolidate", "job_id": "43", "state": "CANCELLED", "start": "None", "words": "c"},
+            {"kind": "train", "job_id": "44", "state": "RUNNING", "start": "2026-12-03T15:11:00", "words": ""}]
+    explain_dependency_failures(rows[:2], jobs[:2], "/runs/x")
+    assert rows[1]["words"] == train_failed_words("42", "/runs/x")
+    explain_dependency_failures(rows, jobs, "/runs/x")
+    assert rows[1]["words"] == ("cancelled by Slurm before it started: train job 42 did not succeed "
+                                "(DependencyNeverSatisfied); a later `slurmft resume` continued the run")
+
+
 def test_status_reads_the_prepare_jobs_newest_progress_line() -> None:
     from slurmft.watch.progress import last_progress
 

@@ -126,8 +126,16 @@ def test_words_point_to_resume_and_consolidate() -> None:
     assert "(see `slurmft logs /runs/x`)" in describe("FAILED", "", "/runs/x", "train", newest_train=True)
     assert describe("FAILED", "", "/runs/x", "prepare").count("slurmft logs") == 1
     # redone since (`slurmft consolidate` after the failure): the failed one no longer says to redo it
-    redone = describe("FAILED", "", "/runs/x", "consolidate", superseded=True)
+    redone = describe("FAILED", "", "/runs/x", "consolidate", job_id="8", superseded=True)
     assert "redo it" not in redone and "a later consolidate job of the run follows it" in redone
+    # and its log is the one named: `--job consolidate` shows the newest consolidation's (tests/test_runs_logs.py
+    # runs the command named); the same for an older train, serve, eval or prepare job
+    assert "(see `slurmft logs /runs/x --job-id 8`)" in redone and "--job consolidate" not in redone
+    for kind in ("train", "serve", "eval", "prepare"):
+        older = describe("FAILED", "", "/runs/x", kind, job_id="8", superseded=True)
+        assert older.count("slurmft logs") == 1 and "(see `slurmft logs /runs/x --job-id 8`)" in older, older
+        assert "slurmft resume" not in older or "a later `slurmft resume`" in older, older
+    assert "a later prepare job of the run follows it" in describe("FAILED", "", "/runs/x", "prepare", superseded=True)
     assert "resume" not in describe("COMPLETED", "", "/runs/x", "train", newest_train=True)
     # a reason only explains a pending job: a cancelled one that slurmctld still lists keeps its state
     assert describe("CANCELLED", "DependencyNeverSatisfied", "/runs/x", "consolidate").startswith("cancelled")

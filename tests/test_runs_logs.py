@@ -179,3 +179,102 @@ def test_logs_follow_ends_when_the_job_has_ended(tmp_path: Path) -> None:
     follower.join(30)
     assert not follower.is_alive()
     assert seen[-1].startswith("[slurmft logs] train job 4242 has ended: ended without recording a state (killed")
+
+
+def _consolidated_twice(root: Path) -> Path:
+    """A local run whose first consolidation failed and whose `slurmft consolidate RUN_DIR` then succeeded: two
+    consolidate jobs in the manifest, each with its submitit logs (stdout, and the stderr beside it)."""
+    import json
+
+    run = local_run(root, "twice")
+    manifest = json.loads((run / "manifest.json").read_text())
+    for jid, state, said in (("5001", "FAILED", "OSError: [Errno 28] No space left on device"),
+                             ("5002", "COMPLETED", "wrote model/ (2 shards)")):
+        out = run / "submitit" / f"{jid}_0_log.out"
+        out.write_text(f"consolidate {jid} stdout\n")
+        out.with_suffix(".err").write_text(f"[slurmft consolidate {jid}] {said}\n")
+        manifest["jobs"].append({"kind": "consolidate", "job_id": jid, "attempt": len(manifest["jobs"]),
+                                 "submitted": 0.0, "pid": int(jid), "state": state, "logs": [str(out)]})
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    return run
+
+
+def test_logs_job_id_shows_an_older_job_that_status_points_at(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`logs --job consolidate` shows the newest consolidation only; the first, failed one was out of reach, and
+    status told the user to read it with that very command. Status now names its id, and the command it names shows
+    that job's log (followed with -f: it has ended, so -f returns with what became of it)."""
+    import shlex
+
+    from slurmft.rundir import RunPaths
+    from slurmft.watch.status import run_state
+
+    run = _consolidated_twice(tmp_path)
+    main(["logs", str(run), "--job", "consolidate"])
+    assert "[slurmft consolidate 5002] wrote model/" in capsys.readouterr().out  # the newest, as before
+    words = {r["job_id"]: r["words"] for r in run_state(RunPaths.of(run), adopt=False).rows}
+    assert f"(see `slurmft logs {run} --job-id 5001`)" in words["5001"], words["5001"]
+    assert "a later consolidate job of the run follows it" in words["5001"]
+    shown = words["5001"].split("(see `")[1].split("`")[0]
+    main(shlex.split(shown)[1:])
+    out = capsys.readouterr().out
+    assert "No space left on device" in out and "consolidate 5001 stdout" in out and "5002" not in out
+    main([*shlex.split(shown)[1:], "-f"])
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("[slurmft logs] consolidate job 5001 has ended: failed"), last
+    main(["logs", str(run), "--job-id", "5001", "--rank", "0"])  # the other options apply to that job
+    assert "No space left on device" in capsys.readouterr().out
+    main(["logs", str(run), "--job", "consolidate", "--job-id", "5001"])  # a --job that agrees is no mistake
+    assert "No space left on device" in capsys.readouterr().out
+
+
+def test_logs_job_id_that_the_run_does_not_have_names_the_ids_it_has(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    run = _consolidated_twice(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["logs", str(run), "--job-id", "5003"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert "Invalid value for '--job-id'" in err and "no job 5003; its jobs: train 4242; consolidate 5001, 5002" in err
+    with pytest.raises(SystemExit) as exit_:  # --job of another kind than the id's: which did the user mean?
+        main(["logs", str(run), "--job", "train", "--job-id", "5001"])
+    assert exit_.value.code == 2 and "job 5001 is the run's consolidate job" in capsys.readouterr().err
+
+
+def test_logs_job_id_keeps_the_run_wide_attempt_numbers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Slurm run (one log per job, cut at each restart): --job-id shows one job's attempts under the numbers
+    --attempt counts them by across the run, and --attempt of another job's attempt is refused naming the job's."""
+    import json
+
+    run = preempted_run(tmp_path)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["jobs"].append({"kind": "train", "job_id": "104", "attempt": 2, "submitted": 0.0})  # a resume
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    (run / "logs" / "train-104.out").write_text("[slurmft] job=104 restart=0 nodes=n3 master=127.0.0.1:20100\n"
+                                                "0: resumed from checkpoint-36\n")
+    main(["logs", str(run), "--job-id", "104"])
+    assert capsys.readouterr().out.splitlines() == ["[slurmft] job=104 restart=0 nodes=n3 master=127.0.0.1:20100",
+                                                    "0: resumed from checkpoint-36"]
+    main(["logs", str(run), "--job-id", "104", "--rank", "0"])
+    assert capsys.readouterr().out.splitlines()[0] == "==> attempt 4: job 104 restart 0 <=="
+    main(["logs", str(run), "--job-id", "100", "--attempt", "2"])
+    out = capsys.readouterr().out
+    assert "==> attempt 2: job 100 restart 1 <==" in out and "resumed" not in out
+    with pytest.raises(RunDirError, match=r"--attempt 2: the run has 4 train attempt\(s\) in its logs \(job 104's: "
+                                          r"attempt 4\)"):
+        select_lines(run, attempt=2, job_id="104")
+
+
+def test_logs_of_a_job_run_in_a_terminal_says_where_its_output_went(tmp_path: Path) -> None:
+    """`slurmft consolidate --here` records a job without a log file: logs said KeyError: 'log'."""
+    import json
+
+    run = preempted_run(tmp_path)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["jobs"].append({"kind": "consolidate", "job_id": "here-7-8", "attempt": 2, "here": True, "pid": 7,
+                             "state": "FAILED"})
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    for read in (lambda: log_files(run, "consolidate"), lambda: log_files(run, "train", "here-7-8")):
+        with pytest.raises(RunDirError, match="ran in the terminal that started it .`slurmft consolidate --here`."):
+            read()
+    assert "ran in the terminal" in select_lines(run, "consolidate", attempt=2)[-1]

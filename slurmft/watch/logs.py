@@ -38,11 +38,47 @@ def newest_job(paths: RunPaths, kind: str) -> dict[str, Any]:
     return job
 
 
-def log_files(run_dir: Path, kind: str) -> list[Path]:
-    """Log files of the newest job of ``kind`` (one per rank for local runs, one for Slurm)."""
-    job = newest_job(RunPaths.of(run_dir), kind)
-    files = [Path(p) for p in job.get("logs", [])] or [Path(job["log"])]
-    return [f for out in files for f in (out, *_stderr_of(out))]
+class UnknownJobId(RunDirError):
+    """``logs --job-id ID`` of an id the run's manifest does not record (the message names those it does)."""
+
+
+def job_with_id(paths: RunPaths, job_id: str) -> dict[str, Any]:
+    """The manifest's job with this id, of whatever kind (``logs --job-id``: an older consolidation a later one
+    superseded, the first of two evaluations), or the error naming the run's ids, by kind."""
+    jobs = read_manifest(paths).get("jobs", [])
+    job = next((j for j in jobs if str(j["job_id"]) == job_id), None)
+    if job is None:
+        ids: dict[str, list[str]] = {}
+        for j in jobs:
+            ids.setdefault(j["kind"], []).append(str(j["job_id"]))
+        have = "; ".join(f"{kind} {', '.join(these)}" for kind, these in ids.items()) or "none yet"
+        raise UnknownJobId(f"run {paths.root} has no job {job_id}; its jobs: {have} (`slurmft status {paths.root}` "
+                           "lists them)")
+    return job
+
+
+def the_job(paths: RunPaths, kind: str, job_id: str | None = None) -> dict[str, Any]:
+    """The job ``logs`` reads: the one with ``job_id`` when given, else the newest of ``kind``."""
+    return newest_job(paths, kind) if job_id is None else job_with_id(paths, job_id)
+
+
+def job_outputs(paths: RunPaths, job: dict[str, Any]) -> list[Path]:
+    """Where one job of the manifest writes its stdout: a local process's one file per rank (submitit's
+    ``submitit/ID_RANK_log.out``, recorded as ``logs``), a Slurm job's one file (``logs/KIND-ID.out``, recorded as
+    ``log``; an adopted job has no record of it and wrote there too). A job run in a terminal (``--here``) wrote to
+    that terminal, to no file: the error says so (it was a KeyError)."""
+    if job.get("here"):
+        raise RunDirError(f"{job['kind']} job {job['job_id']} ran in the terminal that started it (`slurmft "
+                          f"{job['kind']} --here`): its output went there, to no log file")
+    return [Path(p) for p in job.get("logs", [])] or [Path(job.get("log") or paths.log_file(job["kind"],
+                                                                                             str(job["job_id"])))]
+
+
+def log_files(run_dir: Path, kind: str, job_id: str | None = None) -> list[Path]:
+    """Log files of the newest job of ``kind``, or of the job ``job_id`` (one per rank for local runs, one for Slurm;
+    a local run's stderr files beside its stdout files)."""
+    paths = RunPaths.of(run_dir)
+    return [f for out in job_outputs(paths, the_job(paths, kind, job_id)) for f in (out, *_stderr_of(out))]
 
 
 def sweep_log_lines(root: Path, kind: str, lines: int) -> list[str]:
@@ -97,15 +133,16 @@ def _stderr_of(out: Path) -> list[Path]:
 ENDED_POLL_S = 10.0
 
 
-def ended_words(run_dir: Path, kind: str) -> Callable[[], str | None]:
-    """For ``logs -f``: a function that says what became of the newest ``kind`` job once it has ended for good, and
-    None while it may still write to its log (queued, running, requeued, finishing), while we cannot see it, and while
-    squeue does not answer (a live job would look ended). Without it ``-f`` waited on a finished job's log for ever."""
+def ended_words(run_dir: Path, kind: str, job_id: str | None = None) -> Callable[[], str | None]:
+    """For ``logs -f``: a function that says what became of the newest ``kind`` job (or the job ``job_id``) once it
+    has ended for good, and None while it may still write to its log (queued, running, requeued, finishing), while we
+    cannot see it, and while squeue does not answer (a live job would look ended). Without it ``-f`` waited on a
+    finished job's log for ever."""
     from slurmft.slurm_states import is_live, is_unseen
     from slurmft.watch.status import run_state
 
     paths = RunPaths.of(run_dir)
-    job_id = str(newest_job(paths, kind)["job_id"])
+    job_id = str(the_job(paths, kind, job_id)["job_id"])
 
     def check() -> str | None:
         state = run_state(paths, adopt=False)
@@ -179,6 +216,7 @@ class LogAttempt:
     lines: list[str] = field(default_factory=list)
     nodes: str | None = None
     per_rank_files: bool = False  # local runs: file i holds rank i (no labels)
+    job: str = ""  # the manifest's id of its job (an array task's ``123_4``; ``job_id`` is what its log says)
 
 
 def split_attempts(lines: list[str], job_id: str) -> list[LogAttempt]:
@@ -220,6 +258,7 @@ def log_attempts(run_dir: Path, kind: str = "train") -> list[LogAttempt]:
 
     Slurm runs: one log per job id, cut at the batch script's ``[slurmft] job=... restart=...`` lines.
     Local runs: one attempt per job, one file per rank (stdout; stderr beside it as ``.err``).
+    A job run in a terminal (``--here``): one attempt, one line saying where its output went.
     """
     paths = RunPaths.of(run_dir)
     manifest = read_manifest(paths)
@@ -228,13 +267,16 @@ def log_attempts(run_dir: Path, kind: str = "train") -> list[LogAttempt]:
         if job.get("kind") != kind:
             continue
         jid = str(job["job_id"])
-        if job.get("logs"):  # local: per-rank files
-            files = [Path(p) for p in job["logs"]]
-            out.append(LogAttempt(jid, 0, files, per_rank_files=True))
+        try:
+            files = job_outputs(paths, job)
+        except RunDirError as exc:  # --here: no file; it still counts as an attempt
+            out.append(LogAttempt(jid, None, [], [f"({exc})"], job=jid))
             continue
-        log = Path(job.get("log") or paths.log_file(kind, jid))
-        for attempt in split_attempts(_read_lines(log), jid):
-            attempt.files = [log]
+        if job.get("logs"):  # local: per-rank files
+            out.append(LogAttempt(jid, 0, files, per_rank_files=True, job=jid))
+            continue
+        for attempt in split_attempts(_read_lines(files[0]), jid):
+            attempt.files, attempt.job = files, jid
             out.append(attempt)
     if not out:
         raise _no_job(paths, kind)
@@ -242,19 +284,24 @@ def log_attempts(run_dir: Path, kind: str = "train") -> list[LogAttempt]:
 
 
 def select_lines(run_dir: Path, kind: str = "train", rank: int | None = None,
-                 attempt: int | None = None) -> list[str]:
-    """The log lines of one attempt (1 = the first; default: all) and/or one rank (default: all)."""
-    found = log_attempts(run_dir, kind)
+                 attempt: int | None = None, job_id: str | None = None) -> list[str]:
+    """The log lines of one attempt (1 = the first; default: all) and/or one rank (default: all), of the run's
+    ``kind`` jobs or of the one job ``job_id`` (its attempts keep their numbers among the run's)."""
+    if job_id is not None:
+        kind = the_job(RunPaths.of(run_dir), kind, job_id)["kind"]
+    every = log_attempts(run_dir, kind)
+    found = [(k, a) for k, a in enumerate(every, start=1) if job_id is None or a.job == job_id]
     if attempt is not None:
-        if not 1 <= attempt <= len(found):
-            raise RunDirError(f"--attempt {attempt}: the run has {len(found)} {kind} attempt(s) in its logs "
-                              f"(1..{len(found)})")
-        found = [found[attempt - 1]]
+        ks = [k for k, _ in found]
+        if attempt not in ks:
+            whose = f"job {job_id}'s: {_span(ks)}" if job_id is not None else f"1..{len(every)}"
+            raise RunDirError(f"--attempt {attempt}: the run has {len(every)} {kind} attempt(s) in its logs ({whose})")
+        found = [found[ks.index(attempt)]]
     out: list[str] = []
-    for k, att in enumerate(found, start=1):
-        if len(found) > 1 or attempt is not None:
+    for k, att in found:
+        if len(every) > 1 or attempt is not None:
             restart = "" if att.restart is None else f" restart {att.restart}"
-            out.append(f"==> attempt {attempt or k}: job {att.job_id}{restart} <==")
+            out.append(f"==> attempt {k}: job {att.job_id}{restart} <==")
         if att.per_rank_files:
             ranks = range(len(att.files)) if rank is None else [rank]
             for r in ranks:
@@ -267,7 +314,13 @@ def select_lines(run_dir: Path, kind: str = "train", rank: int | None = None,
                             out.append(f"--- rank {r}: {f} ---")
                         out.extend(_read_lines(f))
             continue
-        if not att.files[0].exists():
+        if att.files and not att.files[0].exists():
             out.append(f"(no log yet: {att.files[0]} — the job may still be pending)")
-        out.extend(att.lines if rank is None else rank_lines(att.lines, rank))
+        out.extend(rank_lines(att.lines, rank) if rank is not None and att.files else att.lines)
     return out
+
+
+def _span(numbers: list[int]) -> str:
+    """``attempt 4`` or ``attempts 4..6``: the run-wide numbers of one job's attempts (consecutive: a job's attempts
+    follow each other)."""
+    return f"attempt {numbers[0]}" if len(numbers) == 1 else f"attempts {numbers[0]}..{numbers[-1]}"

@@ -234,24 +234,32 @@ def _never_started(waited_on: str, job: str, by: str = "") -> str:
     return f"cancelled by Slurm before it started: {waited_on} job {job} did not succeed (DependencyNeverSatisfied)"
 
 
-def prepare_failed_words(prepare_job: str, run_dir: str, by: str = "") -> str:
+def prepare_failed_words(prepare_job: str, run_dir: str, by: str = "", redone: bool = False) -> str:
     """A train job cancelled before it started because its prepare job did not succeed (``by``: the user cancelled
-    both, the data is not at fault)."""
-    fix = "" if by else f"see `slurmft logs {run_dir} --job prepare`, fix the data, then "
+    both, the data is not at fault). ``redone``: a later prepare job is in the run (`slurmft prepare RUN_DIR`), so
+    ``--job prepare`` would show that one's log, not the failed one's."""
+    log = logs_command(run_dir, "prepare", prepare_job, superseded=redone)
+    fix = "" if by else f"see `{log}`, fix the data, then "
     return (f"{_never_started('prepare', prepare_job, by)}; {fix}`slurmft resume {run_dir}` (it prepares again and "
             "chains the train job)")
 
 
-def train_failed_words(train_job: str, run_dir: str, by: str = "") -> str:
-    """A consolidation job cancelled before it started because its train job did not succeed."""
+def train_failed_words(train_job: str, run_dir: str, by: str = "", redone: bool = False) -> str:
+    """A consolidation job cancelled before it started because its train job did not succeed. ``redone``: a later
+    train job is in the run (a resume that chained no consolidation): the resume is history."""
+    if redone:
+        return f"{_never_started('train', train_job, by)}; a later `slurmft resume` continued the run"
     return (f"{_never_started('train', train_job, by)}; `slurmft resume {run_dir}` continues training from the newest "
             "complete checkpoint and chains a new consolidation")
 
 
-def consolidation_failed_words(consolidate_job: str, run_dir: str, by: str = "") -> str:
-    """A serve check or evaluation job cancelled before it started because its consolidation did not succeed."""
-    return (f"{_never_started('consolidation', consolidate_job, by)}; `slurmft consolidate {run_dir}`, then "
-            f"`slurmft serve {run_dir}` / `slurmft eval {run_dir}`")
+def consolidation_failed_words(consolidate_job: str, run_dir: str, by: str = "", redone: bool = False) -> str:
+    """A serve check or evaluation job cancelled before it started because its consolidation did not succeed.
+    ``redone``: a later consolidation is in the run (`slurmft consolidate RUN_DIR`): only the serve/eval is left."""
+    again = ("a later consolidation job of the run follows it: once it has succeeded, " if redone
+             else f"`slurmft consolidate {run_dir}`, then ")
+    return (f"{_never_started('consolidation', consolidate_job, by)}; {again}`slurmft serve {run_dir}` / "
+            f"`slurmft eval {run_dir}`")
 
 
 def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", newest_train: bool = False,
@@ -270,9 +278,9 @@ def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", 
         # a dependent job waits on the job before it: a serve check on the consolidation, not on the train job
         return REASON_WORDS[reason].format(run=run_dir, waits_on=WAITS_ON.get(kind, "train"))
     text = by if known == State.CANCELLED and by else words(state)
-    if known == State.FAILED and kind not in MODEL_JOB_COMMANDS and kind != "prepare":  # theirs name it below
-        # `slurmft logs RUN_DIR` alone shows the train job's log: a failed consolidation's is behind --job
-        text += f" (see `slurmft logs {run_dir}{f' --job {kind}' if kind and kind != 'train' else ''}`)"
+    log = logs_command(run_dir, kind, job_id, superseded)
+    if known == State.FAILED and (superseded or kind not in MODEL_JOB_COMMANDS and kind != "prepare"):
+        text += f" (see `{log}`)"  # the newest serve, eval and prepare jobs name it below
     elif known == State.UNKNOWN:
         text += ("; neither squeue nor sacct has it (another cluster or SLURM_CONF? accounting off and the job "
                  "older than MinJobAge?)")
@@ -283,17 +291,24 @@ def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", 
     if kind == "train" and known in RESUMABLE_ENDINGS:
         text += (f"; continue from the newest complete checkpoint with `slurmft resume {run_dir}`" if newest_train
                  else "; a later `slurmft resume` continued the run")
-    elif kind in ("consolidate", *MODEL_JOB_COMMANDS) and superseded and known in RESUMABLE_ENDINGS:
+    elif kind in ("consolidate", "prepare", *MODEL_JOB_COMMANDS) and superseded and known in RESUMABLE_ENDINGS:
         text += f"; a later {kind} job of the run follows it"
     elif kind == "consolidate" and known in RESUMABLE_ENDINGS - {State.UNKNOWN}:
         text += f"; redo it with `slurmft consolidate {run_dir}`"
     elif kind in MODEL_JOB_COMMANDS and known in RESUMABLE_ENDINGS - {State.UNKNOWN}:
-        text += (f"; the model stays; see why with `slurmft logs {run_dir} --job {kind}`, run it again with "
-                 f"`{MODEL_JOB_COMMANDS[kind]} {run_dir}`")
+        text += f"; the model stays; see why with `{log}`, run it again with `{MODEL_JOB_COMMANDS[kind]} {run_dir}`"
     elif kind == "prepare" and known in RESUMABLE_ENDINGS - {State.UNKNOWN}:
-        text += (f"; no train job starts without it: fix what its log says (`slurmft logs {run_dir} --job prepare`), "
-                 f"then `slurmft resume {run_dir}` (or `slurmft prepare {run_dir}`)")
+        text += (f"; no train job starts without it: fix what its log says (`{log}`), then `slurmft resume {run_dir}` "
+                 f"(or `slurmft prepare {run_dir}`)")
     return text
+
+
+def logs_command(run_dir: str, kind: str, job_id: str, superseded: bool = False) -> str:
+    """The command that shows this job's log. ``slurmft logs RUN_DIR`` alone shows the newest train job's, ``--job
+    KIND`` the newest of a kind; an older one (``superseded``: a failed consolidation redone since) only by its id."""
+    if superseded:
+        return f"slurmft logs {run_dir} --job-id {job_id}"
+    return f"slurmft logs {run_dir}{f' --job {kind}' if kind and kind != 'train' else ''}"
 
 
 #: How a job that Slurm cancelled before it started, because the job it waited on did not succeed, is said.
@@ -309,6 +324,7 @@ def explain_dependency_failures(rows: list[dict[str, Any]], jobs: list[dict[str,
     them (--kill-on-invalid-dep=yes on every dependent job), unless ``slurmft cancel`` did first (the row's
     ``cancelled_by``: a consolidation pending on its train job is live, so cancel cancels both)."""
     by_id = {r["job_id"]: r for r in rows}
+    position = {j["job_id"]: i for i, j in enumerate(jobs)}
     for k, (job, row) in enumerate(zip(jobs, rows, strict=True)):
         dep = str(job.get("dependency") or "")
         if job["kind"] not in NEVER_STARTED_WORDS or not dep.startswith("afterok:"):
@@ -329,9 +345,11 @@ def explain_dependency_failures(rows: list[dict[str, Any]], jobs: list[dict[str,
                 and parse(first["state"]) in RESUMABLE_ENDINGS - {State.UNKNOWN}):
             later = next((j["job_id"] for j in jobs[k + 1:] if j["kind"] == job["kind"]), None)
             # once a later job of its kind took its place (a resume, a consolidate), the command to run is history
+            # and once the job it waited on was run again (`slurmft prepare`, `resume`, `consolidate`), that one's
+            redone = any(j["kind"] == first["kind"] for j in jobs[position[first["job_id"]] + 1:])
             row["words"] = (f"{_never_started(WAITS_ON[job['kind']], first['job_id'], by)}; {job['kind']} job "
                             f"{later} took its place" if later
-                            else NEVER_STARTED_WORDS[job["kind"]](first["job_id"], run_dir, by))
+                            else NEVER_STARTED_WORDS[job["kind"]](first["job_id"], run_dir, by, redone))
 
 
 #: Why a pending job waits on a dependency that can never be satisfied (Slurm cancels slurmft's such jobs: every
