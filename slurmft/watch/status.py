@@ -345,7 +345,8 @@ def explain_dependency_failures(rows: list[dict[str, Any]], jobs: list[dict[str,
                 and parse(first["state"]) in RESUMABLE_ENDINGS - {State.UNKNOWN}):
             later = next((j["job_id"] for j in jobs[k + 1:] if j["kind"] == job["kind"]), None)
             # once a later job of its kind took its place (a resume, a consolidate), the command to run is history
-            # and once the job it waited on was run again (`slurmft prepare`, `resume`, `consolidate`), that one's
+            # and once the job it waited on was run again (`slurmft prepare`, `resume`, `consolidate`), its words
+            # name the failed one's log by id and no longer say to run it again
             redone = any(j["kind"] == first["kind"] for j in jobs[position[first["job_id"]] + 1:])
             row["words"] = (f"{_never_started(WAITS_ON[job['kind']], first['job_id'], by)}; {job['kind']} job "
                             f"{later} took its place" if later
