@@ -811,6 +811,33 @@ def test_dpo_inter_node_bytes_count_the_reference_forwards_all_gather():
         assert r["layouts"]["hsdp"]["inter_node_bytes_per_step"] == math.ceil(t * 4)
 
 
+def test_grpo_inter_node_bytes_count_the_kl_references_forward_all_gather():
+    """GRPO with beta > 0 forwards the reference over every generation batch (TRL's ref_per_token_logps, in
+    steps_per_generation chunks of the micro-batch: one per micro-batch on average), the sharded copy or with LoRA the
+    policy with its adapters disabled: one more all-gather across the nodes, as DPO's; beta 0 none."""
+    n = E.estimate(eight_b(), profile())["parameters"]
+    rewards = [{"function": "exact_match"}]
+    for extra, beta, lora, spg in ((1, 0.04, None, None), (1, 0.04, {"r": 16}, None), (0, 0.0, None, None),
+                                   (1, 0.04, None, 4)):
+        grpo = {"beta": beta, "rewards": rewards, **({"steps_per_generation": spg} if spg else {})}
+        r = E.estimate(eight_b(grpo=grpo, train__gradient_accumulation_steps=2, **({"lora": lora} if lora else {})),
+                       profile())
+        t = r["lora"]["trainable_params"] if lora else n
+        gathered = n + t if lora else n
+        assert r["layouts"]["fsdp"]["inter_node_bytes_per_step"] == math.ceil(
+            15 / 16 * (gathered * 2 * (2 + extra) * 2 + 2 * t * 4)), (beta, lora, spg)
+        assert r["layouts"]["hsdp"]["inter_node_bytes_per_step"] == math.ceil(2 * t * 4)  # the gathers stay inside
+        line = next(a for a in r["assumptions"] if a.startswith("inter-node bytes"))
+        assert ("x2 with reshard_after_forward, +1 for the reference's forward, every micro-batch" in line) is bool(
+            extra), line
+    # what the bytes leave out is said where they cross the nodes only
+    grpo = {"beta": 0.04, "rewards": rewards}
+    for dotted, said in (({}, True), ({"fsdp__replicate_across_nodes": True}, False), ({"resources__nodes": 1}, False)):
+        line = next(a for a in E.estimate(eight_b(grpo=grpo, **dotted), profile())["assumptions"]
+                    if a.startswith("GRPO:"))
+        assert ("inter-node bytes leave out the generation's all-gathers" in line) is said, (dotted, line)
+
+
 def test_dpo_counts_the_reference_copy_and_two_sequences_per_example():
     sft = E.estimate(seed_config(), profile())
     dpo = E.estimate(seed_config(dpo={}), profile())

@@ -186,9 +186,11 @@ def assumptions(k: Settings, counted: Counted, capacity_note: str | None) -> lis
     if k.cpu_offload and k.fsdp:
         lines.append("fsdp.cpu_offload: sharded weights, gradients and optimizer states live in CPU RAM")
     if k.fsdp and k.nodes > 1:
+        # DPO's reference, or GRPO's KL term's (beta > 0): its forward gathers the parameters once more
+        reference = ", +1 for the reference's forward" if k.reference_forwards else ""
         lines.append(
             "inter-node bytes per node per optimizer step, NCCL rings: FSDP (W-1)/W x (parameter all-gathers in the "
-            "compute dtype, x2 with reshard_after_forward, +1 for DPO's reference forward, every micro-batch + the "
+            f"compute dtype, x2 with reshard_after_forward{reference}, every micro-batch + the "
             "gradient reduce-scatter); HSDP "
             "2(N-1)/N x the gradient all-reduce; gradients reduced "
             f"{counted.reductions_per_step}x per step"

@@ -93,6 +93,15 @@ class Settings:
         return self.dpo_reference or self.grpo_reference
 
     @property
+    def reference_forwards(self) -> int:
+        """Forwards of a frozen reference per micro-batch, each one more all-gather of the parameters under FSDP:
+        DPO's (unless ``dpo.reference: precomputed``) and GRPO's KL term's (``beta > 0``), whether the reference is
+        the sharded copy or, with LoRA, the policy itself with its adapters disabled. GRPO's comes once per
+        generation batch (TRL's ``ref_per_token_logps``, ``steps_per_generation`` chunks of the micro-batch), so one
+        per micro-batch on average."""
+        return int((self.dpo and not self.dpo_precomputed) or self.grpo_kl)
+
+    @property
     def sequences(self) -> int:
         """Sequences in one forward per rank: the micro-batch, twice for DPO (chosen and rejected together)."""
         return self.micro_batch * (2 if self.dpo else 1)
