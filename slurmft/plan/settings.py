@@ -73,6 +73,7 @@ class Settings:
     grpo: bool = False  # a grpo: section: completions generated and trained on (slurmft/plan/estimate_grpo.py)
     grpo_reference: bool = False  # grpo.beta > 0 (full fine-tuning): the same frozen, sharded copy as DPO's
     grpo_kl: bool = False  # grpo.beta > 0: a KL term (with LoRA its reference is the base, adapters disabled)
+    grpo_old_policy: bool = False  # TRL forwards the policy over each generation batch for old log-probs (no grad)
     grpo_rollouts: str = ""  # grpo.rollouts: transformers (a KV cache per rank), colocate (vLLM's share), server
     generation_sequences: int = 0  # completions one rank generates at once: per_device_batch_size x steps_per_generation
     vllm_share: float = 0.0  # grpo.vllm_gpu_memory_utilization (colocate)
@@ -100,6 +101,13 @@ class Settings:
         generation batch (TRL's ``ref_per_token_logps``, ``steps_per_generation`` chunks of the micro-batch), so one
         per micro-batch on average."""
         return int((self.dpo and not self.dpo_precomputed) or self.grpo_kl)
+
+    @property
+    def extra_forwards(self) -> int:
+        """Forwards without gradients per micro-batch besides the training's, each one more all-gather of the parameters:
+        the reference's (:attr:`reference_forwards`) and GRPO's old-policy log-probabilities (``grpo_old_policy``, once
+        per generation batch in ``steps_per_generation`` chunks: one per micro-batch on average)."""
+        return self.reference_forwards + int(self.grpo_old_policy)
 
     @property
     def sequences(self) -> int:
