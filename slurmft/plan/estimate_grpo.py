@@ -129,10 +129,10 @@ def grpo_assumption(k: Settings) -> str:
         reference = ", no reference model (beta 0)"
     # FSDP over the nodes: the reference's and the old policy's forwards are in the inter-node bytes (communication.py),
     # the rollouts' traffic is not
-    rollouts = {"transformers": "the generation's all-gathers (one forward per generated token)",
-                "colocate": "vLLM's weight sync (an all-gather of every parameter after each optimizer step)",
-                "server": "vLLM's weight sync (an all-gather of every parameter after each optimizer step, then the "
-                          "model sent to the server node)"}[k.grpo_rollouts]
+    rollouts = {"transformers": "the generation's all-gathers, one forward of the sharded policy per generated token",
+                "colocate": "vLLM's weight sync, an all-gather of every parameter after each optimizer step",
+                "server": "vLLM's weight sync, an all-gather of every parameter after each optimizer step and the "
+                          "model sent to the server node"}[k.grpo_rollouts]
     traffic = (f"; inter-node bytes leave out {rollouts} (docs/grpo.md)" if k.fsdp and k.nodes > 1 and not k.hsdp
                else "")
     return ("GRPO: each rank's training forward counted as train.per_device_batch_size sequences of "
