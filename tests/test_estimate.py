@@ -758,6 +758,19 @@ def test_full_finetune_that_does_not_fit_offers_lora_with_its_figures():
     assert "add a lora: section" in r["verdict"]
 
 
+def test_a_grpo_kl_run_that_does_not_fit_is_offered_lora_without_the_reference_copy():
+    """GRPO with beta > 0 on a full fine-tune holds a reference copy; with LoRA the reference is the base with the
+    adapters disabled (no copy): the LoRA fix's figure is what the estimate of the same run with a lora: section says,
+    and that run's full fine-tune comparison counts the copy again."""
+    grpo = {"beta": 0.04, "rewards": [{"function": "exact_match"}]}
+    full = E.estimate(seed_config(resources__nodes=1, grpo=grpo), profile())
+    lora = E.estimate(seed_config(resources__nodes=1, grpo=grpo, lora={}), profile())
+    assert not full["fits"] and lora["per_gpu"]["reference_weights"] == 0
+    (offer,) = [x for x in full["remedies"] if x.startswith("add a lora: section")]
+    assert f"{lora['per_gpu']['total'] / 1e9:.1f} GB per GPU" in offer, (offer, lora["per_gpu"]["total"])
+    assert lora["lora"]["full_finetune"]["per_gpu_total"] == full["per_gpu"]["total"]
+
+
 def test_lora_without_merge_writes_no_model_and_lists_are_counted():
     r = E.estimate(seed_config(lora={"r": 8, "target_modules": ["q_proj", "v_proj"]}, consolidate__merge=False),
                    profile())

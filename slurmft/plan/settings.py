@@ -71,7 +71,6 @@ class Settings:
     dpo: bool = False  # a dpo: section: chosen and rejected in one forward (two sequences per example)
     dpo_precomputed: bool = False  # dpo.reference: precomputed: no reference model while training
     grpo: bool = False  # a grpo: section: completions generated and trained on (slurmft/plan/estimate_grpo.py)
-    grpo_reference: bool = False  # grpo.beta > 0 (full fine-tuning): the same frozen, sharded copy as DPO's
     grpo_kl: bool = False  # grpo.beta > 0: a KL term (with LoRA its reference is the base, adapters disabled)
     grpo_old_policy: bool = False  # TRL forwards the policy over each generation batch for old log-probs (no grad)
     grpo_rollouts: str = ""  # grpo.rollouts: transformers (a KV cache per rank), colocate (vLLM's share), server
@@ -86,6 +85,13 @@ class Settings:
         base with the adapters disabled (so the LoRA remedy of a DPO run that does not fit drops the copy too), and
         precomputed reference log-probabilities need no model at all."""
         return self.dpo and self.lora is None and not self.dpo_precomputed
+
+    @property
+    def grpo_reference(self) -> bool:
+        """GRPO's KL term (``beta > 0``) on a full fine-tune: the same frozen, sharded copy as DPO's; with LoRA the
+        reference is the base with the adapters disabled (slurmft/job/grpo.py ``uses_reference_copy``), so the LoRA
+        remedy of a GRPO run that does not fit drops the copy too."""
+        return self.grpo_kl and self.lora is None
 
     @property
     def reference_copy(self) -> bool:
