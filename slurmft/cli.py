@@ -534,7 +534,7 @@ def evaluate(run_dir: Path, overrides: tuple[str, ...], tasks: str | None, here:
 
     said = {}
     if tasks is not None:
-        from slurmft.submit.model_checks import tasks_override
+        from slurmft.eval_tasks import tasks_override
 
         if any(o.split("=", 1)[0].strip().startswith("eval.tasks") for o in overrides):
             raise click.UsageError("give the tasks once: --tasks a,b or eval.tasks=[a,b], not both")

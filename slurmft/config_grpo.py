@@ -194,3 +194,12 @@ class GRPOConfig(Section):
     def generations_per_step(self, gradient_accumulation_steps: int) -> int:
         """steps_per_generation as TRL resolves it."""
         return self.steps_per_generation or gradient_accumulation_steps
+
+    def old_policy_forward(self, gradient_accumulation_steps: int) -> bool:
+        """Whether TRL's GRPOTrainer forwards the policy once more over each generation batch, without gradients, for
+        the old policy's log-probabilities (``old_per_token_logps``): when a generation does not end with an optimizer
+        step (the accumulation is not a multiple of ``steps_per_generation``; slurmft leaves ``num_iterations`` at 1),
+        or with vLLM's importance-sampling correction, which TRL turns on by default and slurmft keeps for
+        ``rollouts: server`` (``colocate`` turns it off: slurmft/job/grpo.py)."""
+        return (gradient_accumulation_steps % self.generations_per_step(gradient_accumulation_steps) != 0
+                or self.rollouts == Rollouts.SERVER)

@@ -12,13 +12,14 @@ and keeps its text, since only ``task:``/``group:`` matter. lm-eval indexes ``*.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from slurmft.config_paths import is_task_path
+from slurmft.config_paths import absolutize, is_task_path
 
 
 class _AnyTagLoader(yaml.SafeLoader):
@@ -105,6 +106,26 @@ def _names_in_file(path: Path, tasks: EvalTasks, label: str) -> list[str]:
                               "'task: <name>'")
         return []
     return [name]
+
+
+def tasks_override(tasks: str | list[str]) -> str:
+    """``--tasks a,b`` (comma-separated), or the task list a queued job of an earlier release carries, as the override
+    it stands for: ``eval.tasks=["a", "b"]``."""
+    names = tasks.split(",") if isinstance(tasks, str) else tasks
+    return f"eval.tasks={json.dumps([t.strip() for t in names if t.strip()])}"
+
+
+def queued_task_list(args: list[str] | None) -> list[str] | None:
+    """The evaluation job's argument as overrides: an eval job ``slurmft eval RUN_DIR --tasks a,b`` queued before
+    7ee2498 (its pickle, run by the release installed when it starts) carries the task names themselves, where a job
+    queued since carries overrides. Every override has an '=' (KEY=VALUE) and no task name or file does, so a list
+    without one is read as the override ``--tasks`` stands for now, a relative task file made absolute against the
+    job's working directory (where that release read it; the command line now does so before submitting)."""
+    if args and not any("=" in a for a in args):
+        given = {"eval": {"tasks": list(args)}}
+        absolutize(given, Path.cwd(), "eval")
+        return [tasks_override(given["eval"]["tasks"])]
+    return args
 
 
 def resolve_tasks(entries: list[str], field_name: str = "eval.tasks") -> EvalTasks:

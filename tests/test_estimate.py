@@ -758,6 +758,19 @@ def test_full_finetune_that_does_not_fit_offers_lora_with_its_figures():
     assert "add a lora: section" in r["verdict"]
 
 
+def test_a_grpo_kl_run_that_does_not_fit_is_offered_lora_without_the_reference_copy():
+    """GRPO with beta > 0 on a full fine-tune holds a reference copy; with LoRA the reference is the base with the
+    adapters disabled (no copy): the LoRA fix's figure is what the estimate of the same run with a lora: section says,
+    and that run's full fine-tune comparison counts the copy again."""
+    grpo = {"beta": 0.04, "rewards": [{"function": "exact_match"}]}
+    full = E.estimate(seed_config(resources__nodes=1, grpo=grpo), profile())
+    lora = E.estimate(seed_config(resources__nodes=1, grpo=grpo, lora={}), profile())
+    assert not full["fits"] and lora["per_gpu"]["reference_weights"] == 0
+    (offer,) = [x for x in full["remedies"] if x.startswith("add a lora: section")]
+    assert f"{lora['per_gpu']['total'] / 1e9:.1f} GB per GPU" in offer, (offer, lora["per_gpu"]["total"])
+    assert lora["lora"]["full_finetune"]["per_gpu_total"] == full["per_gpu"]["total"]
+
+
 def test_lora_without_merge_writes_no_model_and_lists_are_counted():
     r = E.estimate(seed_config(lora={"r": 8, "target_modules": ["q_proj", "v_proj"]}, consolidate__merge=False),
                    profile())
@@ -809,6 +822,41 @@ def test_dpo_inter_node_bytes_count_the_reference_forwards_all_gather():
         assert r["layouts"]["fsdp"]["inter_node_bytes_per_step"] == math.ceil(
             15 / 16 * (gathered * (2 + extra) * 2 + t * 4)), (dpo, lora)
         assert r["layouts"]["hsdp"]["inter_node_bytes_per_step"] == math.ceil(t * 4)
+
+
+def test_grpo_inter_node_bytes_count_the_reference_and_old_policy_forwards_all_gathers():
+    """GRPO with beta > 0 forwards the reference over every generation batch (TRL's ref_per_token_logps, in
+    steps_per_generation chunks of the micro-batch: one per micro-batch on average), the sharded copy or with LoRA the
+    policy with its adapters disabled: one more all-gather across the nodes, as DPO's; beta 0 none. The old policy's
+    log-probabilities are one more forward where TRL computes them: accumulation not a multiple of
+    steps_per_generation, or rollouts: server (its importance-sampling correction)."""
+    n = E.estimate(eight_b(), profile())["parameters"]
+    rewards = [{"function": "exact_match"}]
+    # (reference forward, old-policy forward), beta, lora, steps_per_generation, the rest; accumulation 2
+    for (ref, old), beta, lora, spg, more in (
+            ((1, 0), 0.04, None, None, {}), ((1, 0), 0.04, {"r": 16}, None, {}), ((0, 0), 0.0, None, None, {}),
+            ((1, 1), 0.04, None, 4, {}), ((0, 1), 0.0, None, 4, {}), ((0, 0), 0.0, None, 1, {}),
+            ((0, 1), 0.0, None, None, {"resources__nodes": 3, "rollouts": "server"})):
+        grpo = {"beta": beta, "rewards": rewards, **({"steps_per_generation": spg} if spg else {}),
+                **({"rollouts": more["rollouts"]} if "rollouts" in more else {})}
+        dotted = {k: v for k, v in more.items() if k != "rollouts"} | ({"lora": lora} if lora else {})
+        r = E.estimate(eight_b(grpo=grpo, train__gradient_accumulation_steps=2, **dotted), profile())
+        assert r["setup"]["world_size"] == 16  # a server's node does not train
+        t = r["lora"]["trainable_params"] if lora else n
+        gathered = n + t if lora else n
+        case = (beta, lora, spg, more)
+        assert r["layouts"]["fsdp"]["inter_node_bytes_per_step"] == math.ceil(
+            15 / 16 * (gathered * 2 * (2 + ref + old) * 2 + 2 * t * 4)), case
+        assert r["layouts"]["hsdp"]["inter_node_bytes_per_step"] == math.ceil(2 * t * 4)  # the gathers stay inside
+        line = next(a for a in r["assumptions"] if a.startswith("inter-node bytes"))
+        assert ("+1 for the reference's forward" in line) is bool(ref), (case, line)
+        assert ("+1 for the old policy's log-probabilities (GRPO)" in line) is bool(old), (case, line)
+    # what the bytes leave out is said where they cross the nodes only
+    grpo = {"beta": 0.04, "rewards": rewards}
+    for dotted, said in (({}, True), ({"fsdp__replicate_across_nodes": True}, False), ({"resources__nodes": 1}, False)):
+        line = next(a for a in E.estimate(eight_b(grpo=grpo, **dotted), profile())["assumptions"]
+                    if a.startswith("GRPO:"))
+        assert ("inter-node bytes leave out the generation's all-gathers" in line) is said, (dotted, line)
 
 
 def test_dpo_counts_the_reference_copy_and_two_sequences_per_example():

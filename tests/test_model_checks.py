@@ -97,7 +97,7 @@ def test_a_bad_override_is_refused_with_the_fix_and_nothing_changes(case: str, t
 
 def test_tasks_is_eval_tasks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--tasks a,b`` is ``eval.tasks=[a,b]``: a task file relative to where it is typed, names as they are."""
-    from slurmft.submit.model_checks import tasks_override
+    from slurmft.eval_tasks import tasks_override
 
     run = finished(tmp_path)
     monkeypatch.chdir(REPO)
@@ -108,6 +108,33 @@ def test_tasks_is_eval_tasks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert cfg.eval.tasks == [str(REPO / "examples" / "tiny" / "tasks" / "tiny_choice.yaml"), "hellaswag"]
     assert json.loads(resolved[0].split("=", 1)[1]) == cfg.eval.tasks
     assert os.path.isabs(cfg.eval.tasks[0])
+
+
+def test_an_eval_job_queued_before_overrides_reads_its_task_list_as_eval_tasks(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """An eval job ``slurmft eval RUN_DIR --tasks a,b`` queued by the release before the overrides carries
+    ``run_eval(RUN_DIR, [a, b])`` in its pickle (the task names, not KEY=VALUE): starting after an upgrade, the job
+    reads them as eval.tasks, a relative task file against its working directory as that release did; a job queued
+    since still passes overrides. Run as submitit runs it: the job function called with the pickled arguments, in a
+    process of its own (the job's stack loads there). A task file that is not there stops it before lm-eval, naming
+    the file where the list went; without the fix it stopped on the task names as malformed overrides."""
+    import subprocess
+    import sys
+
+    from slurmft.eval_tasks import queued_task_list
+
+    monkeypatch.chdir(tmp_path)
+    assert queued_task_list(["./tasks/mine.yaml", "hellaswag"]) == [
+        f'eval.tasks=["{tmp_path / "tasks" / "mine.yaml"}", "hellaswag"]']
+    assert queued_task_list(['eval.tasks=["hellaswag"]', "eval.limit=4"]) == ['eval.tasks=["hellaswag"]', "eval.limit=4"]
+    assert queued_task_list(None) is None and queued_task_list([]) == []
+    run = finished(tmp_path)
+    old_call = f"from slurmft.job.entrypoint import run_eval; run_eval({str(run)!r}, ['./tasks/gone.yaml', 'hellaswag'])"
+    done = subprocess.run([sys.executable, "-c", old_call], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "SUBMITIT_EXECUTOR"})
+    assert done.returncode == 2, done.stderr
+    assert f"eval.tasks[0]: {tmp_path / 'tasks' / 'gone.yaml'} does not exist" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_status_reads_an_eval_job_that_tasks_recorded_before_overrides(tmp_path: Path,

@@ -190,8 +190,11 @@ def run_serve(run_dir: str, overrides: list[str] | None = None) -> dict[str, obj
 def run_eval(run_dir: str, overrides: list[str] | None = None) -> dict[str, object]:
     """Evaluation job body (one process): lm-eval on ``RUN_DIR/model`` and the base (:mod:`slurmft.job.evaluate`);
     ``RUN_DIR/eval/``. ``overrides``: ``slurmft eval RUN_DIR KEY=VALUE``'s (resolved), read onto
-    RUN_DIR/config.yaml."""
-    summary = _after_model(run_dir, "eval", "slurmft.job.evaluate:evaluate_run", overrides)
+    RUN_DIR/config.yaml; a job queued by an earlier release passes ``--tasks``'s names here instead, read as the
+    override they stand for (:func:`slurmft.eval_tasks.queued_task_list`)."""
+    from slurmft.eval_tasks import queued_task_list
+
+    summary = _after_model(run_dir, "eval", "slurmft.job.evaluate:evaluate_run", queued_task_list(overrides))
     from slurmft.watch.sweep import refresh_best_safely
 
     refresh_best_safely(run_dir)  # a sweep's point ranked by its evaluation: SWEEP_DIR/best, now that it has a score

@@ -92,9 +92,10 @@ def inter_node_bytes(n_params: int, k: Settings, trained: int | None = None) -> 
     * One node, or no FSDP inside one node: nothing crosses (DDP across nodes is not modelled).
 
     ``trained``: the parameters that have gradients (LoRA: the adapters; None: all ``n_params``). The base is
-    still all-gathered; only trainable gradients are reduced. DPO gathers once more per micro-batch for its
-    reference forward (a full fine-tune's reference copy has exactly the policy's parameters; LoRA's is the
-    policy with the adapters disabled), unless ``dpo.reference: precomputed``.
+    still all-gathered; only trainable gradients are reduced. A reference forward (DPO's, unless
+    ``dpo.reference: precomputed``; GRPO's with ``beta > 0``) gathers once more per micro-batch (a full fine-tune's
+    reference copy has exactly the policy's parameters; LoRA's is the policy with the adapters disabled), and so does
+    GRPO's old-policy forward where TRL makes one (:attr:`Settings.extra_forwards`).
     """
     if k.nodes == 1 or not k.fsdp:
         return 0
@@ -103,9 +104,7 @@ def inter_node_bytes(n_params: int, k: Settings, trained: int | None = None) -> 
     grads = n_params if trained is None else trained
     if k.hsdp:
         return math.ceil(reductions * 2 * (k.nodes - 1) / k.nodes * grads * reduce)
-    # DPO's reference forward gathers every unit once more per micro-batch (the FSDP2 copy, or with LoRA the policy
-    # itself with its adapters disabled); precomputed reference log-probabilities need none
-    gathers = k.accumulation * ((2 if k.reshard_after_forward else 1) + (k.dpo and not k.dpo_precomputed))
+    gathers = k.accumulation * ((2 if k.reshard_after_forward else 1) + k.extra_forwards)
     w = k.world_size
     gathered = n_params if trained is None else n_params + trained  # the adapters are gathered with the base
     return math.ceil((w - 1) / w * (gathered * gathers * compute + grads * reductions * reduce))

@@ -417,8 +417,8 @@ def _knobs(cfg: RunConfig, profile: ClusterProfile) -> tuple[Settings, str | Non
         dpo=cfg.dpo is not None,
         dpo_precomputed=cfg.dpo is not None and cfg.dpo.precomputed,
         grpo=cfg.grpo is not None,
-        grpo_reference=cfg.grpo is not None and cfg.grpo.beta > 0 and cfg.lora is None,
         grpo_kl=cfg.grpo is not None and cfg.grpo.beta > 0,
+        grpo_old_policy=grpo.old_policy_forward(cfg.train.gradient_accumulation_steps) if grpo else False,
         grpo_rollouts=grpo.rollouts.value if grpo else "",
         generation_sequences=(cfg.train.per_device_batch_size * grpo.generations_per_step(
             cfg.train.gradient_accumulation_steps)) if grpo else 0,

@@ -127,7 +127,15 @@ def grpo_assumption(k: Settings) -> str:
         reference = ", no reference copy: the KL term's reference is the base with the LoRA adapters disabled"
     else:
         reference = ", no reference model (beta 0)"
+    # FSDP over the nodes: the reference's and the old policy's forwards are in the inter-node bytes (communication.py),
+    # the rollouts' traffic is not
+    rollouts = {"transformers": "the generation's all-gathers, one forward of the sharded policy per generated token",
+                "colocate": "vLLM's weight sync, an all-gather of every parameter after each optimizer step",
+                "server": "vLLM's weight sync, an all-gather of every parameter after each optimizer step and the "
+                          "model sent to the server node"}[k.grpo_rollouts]
+    traffic = (f"; inter-node bytes leave out {rollouts} (docs/grpo.md)" if k.fsdp and k.nodes > 1 and not k.hsdp
+               else "")
     return ("GRPO: each rank's training forward counted as train.per_device_batch_size sequences of "
             f"data.max_seq_length ({k.seq_len}) tokens (prompt + completion: set it to your longest prompt plus "
             "grpo.max_completion_length)"
-            + reference + f"; {where}")
+            + reference + f"; {where}" + traffic)

@@ -186,9 +186,12 @@ def assumptions(k: Settings, counted: Counted, capacity_note: str | None) -> lis
     if k.cpu_offload and k.fsdp:
         lines.append("fsdp.cpu_offload: sharded weights, gradients and optimizer states live in CPU RAM")
     if k.fsdp and k.nodes > 1:
+        # DPO's reference, or GRPO's KL term's (beta > 0), and GRPO's old policy: each forward gathers once more
+        extra = (", +1 for the reference's forward" if k.reference_forwards else "") + (
+            ", +1 for the old policy's log-probabilities (GRPO)" if k.grpo_old_policy else "")
         lines.append(
             "inter-node bytes per node per optimizer step, NCCL rings: FSDP (W-1)/W x (parameter all-gathers in the "
-            "compute dtype, x2 with reshard_after_forward, +1 for DPO's reference forward, every micro-batch + the "
+            f"compute dtype, x2 with reshard_after_forward{extra}, every micro-batch + the "
             "gradient reduce-scatter); HSDP "
             "2(N-1)/N x the gradient all-reduce; gradients reduced "
             f"{counted.reductions_per_step}x per step"

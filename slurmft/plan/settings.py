@@ -71,8 +71,8 @@ class Settings:
     dpo: bool = False  # a dpo: section: chosen and rejected in one forward (two sequences per example)
     dpo_precomputed: bool = False  # dpo.reference: precomputed: no reference model while training
     grpo: bool = False  # a grpo: section: completions generated and trained on (slurmft/plan/estimate_grpo.py)
-    grpo_reference: bool = False  # grpo.beta > 0 (full fine-tuning): the same frozen, sharded copy as DPO's
     grpo_kl: bool = False  # grpo.beta > 0: a KL term (with LoRA its reference is the base, adapters disabled)
+    grpo_old_policy: bool = False  # TRL forwards the policy over each generation batch for old log-probs (no grad)
     grpo_rollouts: str = ""  # grpo.rollouts: transformers (a KV cache per rank), colocate (vLLM's share), server
     generation_sequences: int = 0  # completions one rank generates at once: per_device_batch_size x steps_per_generation
     vllm_share: float = 0.0  # grpo.vllm_gpu_memory_utilization (colocate)
@@ -87,10 +87,33 @@ class Settings:
         return self.dpo and self.lora is None and not self.dpo_precomputed
 
     @property
+    def grpo_reference(self) -> bool:
+        """GRPO's KL term (``beta > 0``) on a full fine-tune: the same frozen, sharded copy as DPO's; with LoRA the
+        reference is the base with the adapters disabled (slurmft/job/grpo.py ``uses_reference_copy``), so the LoRA
+        remedy of a GRPO run that does not fit drops the copy too."""
+        return self.grpo_kl and self.lora is None
+
+    @property
     def reference_copy(self) -> bool:
         """A frozen, sharded copy of the model in the compute dtype beside the policy: DPO's (above), or GRPO's
         reference for the KL term (``beta > 0``)."""
         return self.dpo_reference or self.grpo_reference
+
+    @property
+    def reference_forwards(self) -> int:
+        """Forwards of a frozen reference per micro-batch, each one more all-gather of the parameters under FSDP:
+        DPO's (unless ``dpo.reference: precomputed``) and GRPO's KL term's (``beta > 0``), whether the reference is
+        the sharded copy or, with LoRA, the policy itself with its adapters disabled. GRPO's comes once per
+        generation batch (TRL's ``ref_per_token_logps``, ``steps_per_generation`` chunks of the micro-batch), so one
+        per micro-batch on average."""
+        return int((self.dpo and not self.dpo_precomputed) or self.grpo_kl)
+
+    @property
+    def extra_forwards(self) -> int:
+        """Forwards without gradients per micro-batch besides the training's, each one more all-gather of the parameters:
+        the reference's (:attr:`reference_forwards`) and GRPO's old-policy log-probabilities (``grpo_old_policy``, once
+        per generation batch in ``steps_per_generation`` chunks: one per micro-batch on average)."""
+        return self.reference_forwards + int(self.grpo_old_policy)
 
     @property
     def sequences(self) -> int:

@@ -14,7 +14,6 @@ jobs do when ``slurmft resume`` chains them again): they travel with the job (it
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,11 +31,6 @@ from slurmft.rundir import (
 Say = Callable[[str], None]
 #: What each job needs in the run's config, and how its result is written.
 WHAT = {"serve": "serve check (vLLM)", "eval": "evaluation (lm-eval)"}
-
-
-def tasks_override(tasks: str) -> str:
-    """``--tasks a,b`` (comma-separated) as the override it stands for: ``eval.tasks=["a", "b"]``."""
-    return f"eval.tasks={json.dumps([t.strip() for t in tasks.split(',') if t.strip()])}"
 
 
 def from_command_line(problems: list[str], given: dict[str, str]) -> tuple[list[str], bool]:
