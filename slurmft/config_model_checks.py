@@ -154,7 +154,8 @@ class EvalConfig(ModelJobSection):
         "auto", description="lm-eval's model backend: vllm, hf (transformers), or auto = vllm where the eval Python "
         "imports it, else hf.")
     compare_base: bool = Field(True, description="Also score the base model (model.name_or_path), so the report "
-                               "shows base -> fine-tuned per task and metric.")
+                               "shows base -> fine-tuned per task and metric, and whether the fine-tune beats the "
+                               "base (a sweep's best line too).")
     python: str | None = Field(
         None, description="Interpreter with lm-eval installed (its own venv); default the interpreter of wherever "
         "the job runs: the image's (eval.container / cluster.container python) in a container, else cluster.python.")

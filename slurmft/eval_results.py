@@ -9,7 +9,12 @@ reads as None, never an error: the report of a run that has not been evaluated s
 - :func:`score_rows`: ``(task, metric, base, finetuned)`` per task and metric, metric names as lm-eval writes
   them (``acc,none``), the base None without ``eval.compare_base``;
 - :func:`headline_score`: one number for the ``runs`` table: the first task's main metric;
-- :func:`named_cell` / :func:`named_score`: a sweep's ranking metric, with the base's value beside it.
+- :func:`named_cell` / :func:`named_score`: a sweep's ranking metric, with the base's value beside it;
+- :func:`beats`: whether one score is better than another under a mode (``max``/``min``), the one home of that
+  question: a sweep's ranking, its best point against the base model, and a run's scores against its base;
+- :func:`metric_mode`: a metric's direction as lm-eval declares it (the summary's ``higher_is_better``), for a run
+  alone, which has no ``sweep.select.mode``;
+- :func:`base_words`: ``beats the base model by +0.0200`` / ``does not beat the base model (-0.0200)``.
 """
 
 from __future__ import annotations
@@ -102,3 +107,27 @@ def named_score(summary: dict[str, Any], metric: str) -> float | None:
     """The fine-tuned model's value of a sweep's ranking metric (:func:`named_cell`); None while it has none."""
     cell = named_cell(summary, metric)
     return cell[2] if cell else None
+
+
+def beats(score: float, other: float, mode: str) -> bool:
+    """Whether ``score`` is better than ``other`` under ``mode``: higher with ``max``, lower with ``min``. A tie is not
+    better: a fine-tune that only equals its base did not get better. The sweep's ranking orders by it too."""
+    return score > other if mode == "max" else score < other
+
+
+def metric_mode(summary: dict[str, Any], task: str, metric: str) -> str | None:
+    """``max`` or ``min`` for ``task``'s ``metric`` (lm-eval's name, ``acc,none``) as lm-eval declares its direction
+    (its results' ``higher_is_better``, which the evaluation job keeps in the summary); None when unknown (a summary
+    written before it kept them, a metric lm-eval gave no direction)."""
+    directions = summary.get("higher_is_better")
+    task_directions = directions.get(task) if isinstance(directions, dict) else None
+    higher = task_directions.get(metric.split(",", 1)[0]) if isinstance(task_directions, dict) else None
+    return ("max" if higher else "min") if isinstance(higher, bool) else None
+
+
+def base_words(score: float, base: float, mode: str) -> str:
+    """Whether a fine-tuned ``score`` beat its ``base`` under ``mode``, with the difference (fine-tuned minus base):
+    ``beats the base model by +0.0200`` or ``does not beat the base model (-0.0200)``. The same words for a run and
+    for a sweep's best point."""
+    diff = f"{score - base:+.4f}"
+    return f"beats the base model by {diff}" if beats(score, base, mode) else f"does not beat the base model ({diff})"

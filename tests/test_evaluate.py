@@ -110,6 +110,10 @@ def test_summary_has_both_models_scores_as_lm_eval_writes_them(evaluated: tuple[
         assert written.is_relative_to(run / "eval" / which) and written.name.startswith("results_")
         assert list(written.parent.glob(f"samples_{EXAMPLE_TASK}_*.jsonl"))
     assert set(summary["seconds"]) == {"finetuned", "base", "total"}
+    # lm-eval's own directions of the metrics, so the login side can say whether the fine-tune beat the base
+    finetuned_results = json.loads((run / summary["results_files"]["finetuned"]).read_text())
+    assert summary["higher_is_better"] == {EXAMPLE_TASK: {"acc": True, "acc_norm": True}}
+    assert summary["higher_is_better"] == {EXAMPLE_TASK: finetuned_results["higher_is_better"][EXAMPLE_TASK]}
     assert "base_eval" not in summary  # a run alone scores its own base, as before sweeps kept one (docs/sweeps.md)
     # its output streamed into the job log
     assert any("Running loglikelihood requests" in line for line in log)
@@ -220,6 +224,36 @@ def test_headline_prefers_acc_norm_then_acc_then_exact_match() -> None:
         "t exact_match,strict-match", 0.3)
     assert eval_results.headline_score(summary({"bleu,none": 0.2})) == ("t bleu", 0.2)
     assert eval_results.headline_score({"tasks": {}}) is None
+
+
+def test_a_runs_scores_say_whether_the_fine_tune_beats_the_base(tmp_path: Path) -> None:
+    """`base -> fine-tuned` alone left the reader to know each metric's direction: each line with both scores says
+    whether the fine-tune beats the base (by lm-eval's higher_is_better, which the summary keeps; a tie does not),
+    in the words of a sweep's best line; nothing is said where the direction or the base is unknown."""
+    from slurmft.job.evaluate import directions_of
+    from slurmft.watch.model_results import eval_lines
+
+    results = {"higher_is_better": {"t": {"acc": True, "word_perplexity": False, "bleu": None}, "u": None}}
+    assert directions_of(results) == {"t": {"acc": True, "word_perplexity": False}}
+    assert directions_of({"results": {}}) == {}
+    tasks = {"t": {"acc,none": {"finetuned": 0.5, "base": 0.25}, "acc_norm,none": {"finetuned": 0.5, "base": 0.25},
+                   "word_perplexity,none": {"finetuned": 12.0, "base": 15.0}, "bleu,none": {"finetuned": 1.0,
+                                                                                             "base": 2.0}},
+             "u": {"acc,none": {"finetuned": 0.3, "base": 0.3}, "f1,none": {"finetuned": 0.2, "base": None}}}
+    directions = {"t": {"acc": True, "word_perplexity": False}, "u": {"acc": True, "f1": True}}
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "summary.json").write_text(json.dumps({"tasks": tasks, "higher_is_better": directions}))
+    assert eval_lines(tmp_path)[1:] == [
+        "  t acc,none: 0.25 -> 0.5: beats the base model by +0.2500",
+        "  t acc_norm,none: 0.25 -> 0.5",  # no direction for it: nothing said
+        "  t word_perplexity,none: 15 -> 12: beats the base model by -3.0000 (lower is better)",
+        "  t bleu,none: 2 -> 1",
+        "  u acc,none: 0.3 -> 0.3: does not beat the base model (+0.0000)",
+        "  u f1,none: 0.2"]
+    assert eval_results.metric_mode({"tasks": tasks}, "t", "acc,none") is None  # a summary from before: unknown
+    worse = {"t": {"acc,none": {"finetuned": 0.2, "base": 0.25}}}
+    (tmp_path / "eval" / "summary.json").write_text(json.dumps({"tasks": worse, "higher_is_better": directions}))
+    assert eval_lines(tmp_path)[1:] == ["  t acc,none: 0.25 -> 0.2: does not beat the base model (-0.0500)"]
 
 
 def test_read_summary_missing_or_broken(tmp_path: Path) -> None:

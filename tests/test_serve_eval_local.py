@@ -7,6 +7,7 @@ before anything is submitted."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -58,6 +59,8 @@ def test_status_runs_and_the_report_show_the_check_and_the_scores(served: Path,
     assert code == 0, out
     assert "serve check passed: vLLM 0.32.0 served model/: greedy tokens equal transformers' on 3 prompt(s)" in out
     assert "evaluation (lm-eval 0.4.13, hf backend):" in out and "tiny_choice acc_norm,none: " in out
+    # tests/test_evaluate.py: the fine-tuned model's acc is above the base's, and status says so
+    assert re.search(r"\n  tiny_choice acc,none: [0-9.]+ -> [0-9.]+: beats the base model by \+0\.\d{4}\n", out), out
     code, out, _ = cli(["status", str(served), "--json"], capsys)
     status = json.loads(out)
     assert status["serve"]["ok"] and set(status["eval"]["tasks"]) == {"tiny_choice"}

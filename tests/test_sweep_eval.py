@@ -141,6 +141,77 @@ def test_the_table_names_the_score_eval_stands_for_and_the_bases_value_beside_it
     assert "ranked by eval: tiny_choice acc_norm (max)." in report and "| score | base | model |" in report, report
 
 
+def _scored_sweep(root: Path, select: dict, points: dict[str, tuple[float, float | None]]) -> Path:
+    """A sweep directory as its evaluation jobs leave it: sweep.json, and per point (name: (acc, base acc)) a
+    consolidated model (its index) and eval/summary.json (base None: evaluated with compare_base false)."""
+    from slurmft.rundir import MODEL_INDEX
+
+    entries = []
+    for index, (name, (acc, base)) in enumerate(points.items()):
+        (root / name / "model").mkdir(parents=True)
+        (root / name / "model" / MODEL_INDEX).write_text("{}")
+        (root / name / "eval").mkdir()
+        (root / name / "eval" / "summary.json").write_text(json.dumps(
+            {"tasks": {"tiny_choice": {"acc,none": {"finetuned": acc, "base": base}}}}))
+        entries.append({"index": index, "name": name, "dir": str(root / name), "overrides": {"train.seed": index}})
+    (root / "sweep.json").write_text(json.dumps({"name": "s", "executor": "slurm", "select": select, "jobs": [],
+                                                 "version": SWEEP_VERSION, "points": entries}))
+    return root
+
+
+ACC_MAX = {"metric": "eval/tiny_choice/acc", "mode": "max"}
+ACC_MIN = {"metric": "eval/tiny_choice/acc", "mode": "min"}
+#: (sweep.select, points: (acc, base acc), the best point, what its line says after `linked as best)`, best_beats_base)
+VERSUS_BASE = [
+    (ACC_MAX, {"a": (0.5, 0.25), "b": (0.75, 0.25)}, "b",
+     "; it beats the base model by +0.5000 (base 0.2500, b 0.7500 on tiny_choice acc, max)", True),
+    (ACC_MAX, {"a": (0.5, 0.8), "b": (0.75, 0.8)}, "b",
+     " — but no point beats the base model (base 0.8000, b 0.7500 on tiny_choice acc, max)", False),
+    (ACC_MIN, {"a": (0.5, 0.6), "b": (0.75, 0.6)}, "a",
+     "; it beats the base model by -0.1000 (base 0.6000, a 0.5000 on tiny_choice acc, min)", True),
+    (ACC_MIN, {"a": (0.5, 0.4), "b": (0.75, 0.4)}, "a",
+     " — but no point beats the base model (base 0.4000, a 0.5000 on tiny_choice acc, min)", False),
+    (ACC_MAX, {"a": (0.5, 0.75), "b": (0.75, 0.75)}, "b",  # a tie is not better
+     " — but no point beats the base model (base 0.7500, b 0.7500 on tiny_choice acc, max)", False),
+    (ACC_MAX, {"a": (0.5, None), "b": (0.75, None)}, "b", "", None),  # compare_base false: nothing is known
+    (ACC_MAX, {"a": (0.5, 0.25), "b": (0.75, None)}, "b", "", None),  # the best's own base unknown: nothing said
+    (ACC_MAX, {"a": (0.5, 0.25), "b": (0.75, 0.9), "c": (0.6, 0.9)}, "b",  # points of other base models
+     " — but it does not beat its base model (base 0.9000, b 0.7500 on tiny_choice acc, max); a beat their own (the "
+     "points' base models differ)", False),
+    (ACC_MAX, {"a": (0.5, 0.6), "b": (0.75, 0.9)}, "b",
+     " — but no point beats its base model (the points' base models differ; base 0.9000, b 0.7500 on tiny_choice "
+     "acc, max)", False),
+]
+
+
+@pytest.mark.parametrize(("select", "points", "best", "words", "beats"), VERSUS_BASE,
+                         ids=["max-beats", "max-worse", "min-beats", "min-worse", "tie", "no-base", "best-no-base",
+                              "bases-differ", "bases-differ-none-beats"])
+def test_the_best_line_says_whether_the_best_point_beats_the_base_model(
+        tmp_path: Path, select: dict, points: dict, best: str, words: str, beats: bool | None) -> None:
+    """`best: b (...; linked as best)` beside a base column read as "it got better" even when the base scored higher:
+    status, --json and report.md say whether the best point beats its base model (by sweep.select.mode; a tie does
+    not), and by how much, only where both values are known. `best` is linked either way: it is the ranking's best."""
+    from slurmft.watch.sweep import status_lines, write_sweep_report
+
+    root = _scored_sweep(tmp_path / "sweep", select, points)
+    lines = status_lines(root)
+    assert f"best: {best} ({root / best / 'model'}; linked as best){words}" in lines, lines
+    assert (root / "best").resolve() == (root / best / "model").resolve()
+    data = json.loads(status_lines(root, as_json=True)[0])
+    assert data["best"] == best and data["best_beats_base"] is beats, data
+    assert [p["beats_base"] for p in data["points"]] == [
+        None if base is None else (acc < base if select["mode"] == "min" else acc > base) for acc, base in points.values()]
+    if beats is not None:
+        acc, base = points[best]
+        assert data["best_vs_base"]["base"] == base and data["best_vs_base"]["score"] == acc
+        assert data["best_vs_base"]["by"] == pytest.approx(acc - base)
+    else:
+        assert data["best_vs_base"] is None
+    report = write_sweep_report(root).read_text()
+    assert f"**Best:** {best} (`{root / best / 'model'}`, linked as `best`){words}\n" in report, report
+
+
 @pytest.mark.train
 def test_a_local_sweeps_base_is_scored_once_and_every_point_holds_its_scores(
         tmp_path: Path, micro_model: Path, chat_data: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,7 +7,8 @@ output streams into the job log line by line, and its own files stay as it write
 samples). What the report and ``runs`` read is RUN_DIR/eval/summary.json (slurmft.eval_results):
 
     {"lm_eval_version", "backend", "backend_reason", "device", "tasks": {task: {metric: {"finetuned": v,
-     "base": v or null}}}, "seconds": {"finetuned", "base", "total"}, "models": {"finetuned", "base"},
+     "base": v or null}}}, "higher_is_better": {task: {metric: bool}} (lm-eval's directions),
+     "seconds": {"finetuned", "base", "total"}, "models": {"finetuned", "base"},
      "results_files": {"finetuned", "base"}, "settings": {the eval section it ran with}, "overrides": [...],
      "base_eval": {a sweep point's only: where its base scores went, or came from}}
 
@@ -235,6 +236,17 @@ def metrics_of(results: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     return table
 
 
+def directions_of(results: dict[str, Any]) -> dict[str, dict[str, bool]]:
+    """``{task: {metric: higher is better}}`` from an lm-eval results JSON (its ``higher_is_better``, metric names
+    without the filter); a direction lm-eval left undecided (None: a group whose tasks disagree) is left out. Kept in
+    the summary so the login side can say whether the fine-tune beat the base without knowing every metric."""
+    declared = results.get("higher_is_better")
+    if not isinstance(declared, dict):
+        return {}
+    return {task: {m: h for m, h in metrics.items() if isinstance(h, bool)} for task, metrics in declared.items()
+            if isinstance(metrics, dict)}
+
+
 def _shared_base(paths: RunPaths, cmd: list[str], out: Path, include_path: str | None, python: str,
                  args: dict[str, Any]) -> tuple[Path, str, dict[str, Any]] | None:
     """``(record path, key, key inputs)`` of a sweep point's base evaluation (slurmft.job.base_eval), None for a run
@@ -271,6 +283,7 @@ def evaluate_run(run_dir: str, overrides: list[str] | None = None, say: Say = pr
     root = paths.root / "eval"
     cwd = Path(resolved.include_path) if resolved.include_path else root
     scores: dict[str, dict[str, dict[str, float | None]]] = {}
+    directions: dict[str, dict[str, bool]] = {}
     seconds: dict[str, float] = {}
     files: dict[str, str] = {}
     version: str | None = None
@@ -301,6 +314,8 @@ def evaluate_run(run_dir: str, overrides: list[str] | None = None, say: Say = pr
                 say("eval: base: scored here; " + (f"kept in {shared[0]} for the sweep's other points" if kept
                                                       else f"{shared[0]} was written meanwhile by another point"))
         version = version or data.get("lm_eval_version")
+        for task, declared in directions_of(data).items():  # the fine-tuned run's first; the base's fill its gaps
+            directions[task] = {**declared, **directions.get(task, {})}
         for task, metrics in metrics_of(data).items():
             for metric, value in metrics.items():
                 cell = scores.setdefault(task, {}).setdefault(metric, {"finetuned": None, "base": None})
@@ -312,6 +327,7 @@ def evaluate_run(run_dir: str, overrides: list[str] | None = None, say: Say = pr
         "backend_reason": why,
         "device": device or "auto",
         "tasks": scores,
+        "higher_is_better": {task: directions[task] for task in scores if task in directions},
         "seconds": seconds,
         "models": {"finetuned": specs["finetuned"]["name"], "base": specs["base"]["name"] if "base" in specs else None},
         "results_files": {"finetuned": files.get("finetuned"), "base": files.get("base")},

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from slurmft.eval_results import SUMMARY, read_summary, score_rows
+from slurmft.eval_results import SUMMARY, base_words, metric_mode, read_summary, score_rows
 from slurmft.slurm_states import State, is_live, parse, words
 from slurmft.units import fmt_time
 
@@ -63,15 +63,22 @@ def _number(value: Any) -> str:
 
 
 def eval_lines(run_dir: Path) -> list[str]:
-    """One line per task and metric: base -> fine-tuned."""
+    """One line per task and metric: base -> fine-tuned, and whether the fine-tune beat the base (by the metric's
+    direction as lm-eval declares it; nothing said where that or a score is unknown): the arrow alone left the
+    reader to know that a lower perplexity, but a higher accuracy, is better."""
     summary = read_summary(run_dir)
     if not summary:
         return []
     lines = [f"evaluation (lm-eval {summary.get('lm_eval_version', '?')}, {summary.get('backend', '?')} backend"
              f"{_with(summary)}):"]
     for task, metric, base, tuned in score_rows(summary):
-        lines.append(f"  {task} {metric}: {_number(base)} -> {_number(tuned)}" if base is not None
-                     else f"  {task} {metric}: {_number(tuned)}")
+        if base is None:
+            lines.append(f"  {task} {metric}: {_number(tuned)}")
+            continue
+        mode = metric_mode(summary, task, metric)
+        verdict = (f": {base_words(tuned, base, mode)}{' (lower is better)' if mode == 'min' else ''}"
+                   if mode and tuned is not None else "")
+        lines.append(f"  {task} {metric}: {_number(base)} -> {_number(tuned)}{verdict}")
     return lines
 
 

@@ -9,23 +9,34 @@ last rollouts then), or a score of its evaluation (RUN_DIR/eval/summary.json). A
 training, not evaluated yet, died) is not ranked; ties keep the points' order. A ranking that compares unlike
 measures (slurmft/sweep.py ``select_warnings``, kept in sweep.json at submit) is said again under the table. The link is refreshed by every ``status`` of the sweep and by each point's consolidation
 and evaluation job when it ends, so it names the best of the points whose models exist.
+
+With ``eval.compare_base`` a point's summary holds its base model's value of the ranking score too, and the best line
+says whether the best point beat it (:func:`versus_base`): the best of the ranking can be worse than the model the
+sweep started from, and a ``best`` named without a word would read as "it got better". The link is made all the same
+(it is the ranking's best, which is what ``best`` means; the words carry the warning).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from functools import cmp_to_key
 from pathlib import Path
 from typing import Any
 
 from slurmft import locks
-from slurmft.eval_results import named_cell, named_score, read_summary
+from slurmft.eval_results import base_words, beats, named_cell, named_score, read_summary
 from slurmft.rundir import RunPaths, SweepPaths, read_sweep_record
 from slurmft.watch.progress import read_metrics, rollouts_of
 from slurmft.watch.results import result_info
 from slurmft.watch.runs import NOT_STARTED, run_lines
 
 Query = Callable[[list[str]], dict[str, dict[str, str]]]
+
+
+def _mode(record: dict[str, Any]) -> str:
+    """sweep.json's ``select.mode`` (``min`` where a record from before it kept one has none, as loss ranks)."""
+    return (record.get("select") or {}).get("mode", "min")
 
 
 def score(row: dict[str, Any], metric: str, run_dir: str | os.PathLike[str] | None = None) -> float | None:
@@ -47,11 +58,12 @@ def score(row: dict[str, Any], metric: str, run_dir: str | os.PathLike[str] | No
 
 def sweep_rows(root: Path, query: Query | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(sweep.json, one row per point in point order: index, name, overrides, dir, state, step, max_steps, loss,
-    score, rank (1 = best; None without a score), model (its directory when it has one))."""
+    score, rank (1 = best; None without a score), model (its directory when it has one), score_name and base (the
+    ranking score's name and its base model's value, with ``eval.compare_base``), beats_base (None unless both the
+    score and the base are known))."""
     record = read_sweep_record(SweepPaths(root))
     by_path = {row["path"]: row for row in run_lines(root, query=query)}
-    select = record.get("select") or {}
-    metric, mode = select.get("metric", "loss"), select.get("mode", "min")
+    metric, mode = (record.get("select") or {}).get("metric", "loss"), _mode(record)
     rows = []
     # a point not started while a command of the sweep holds its lock (a local submit or resume runs the points one
     # after another) waits its turn; with no such command, nothing will start it but `slurmft resume`
@@ -68,6 +80,7 @@ def sweep_rows(root: Path, query: Query | None = None) -> tuple[dict[str, Any], 
                      "loss": row["loss"], "score": score(row, metric, point["dir"]), "rank": None,
                      "model": result_info(paths), "score_name": cell[0] if cell else None,
                      "base": cell[1] if cell else None})
+        rows[-1]["beats_base"] = _beats_base(rows[-1], mode)
     rank(rows, mode)
     return record, rows
 
@@ -92,7 +105,10 @@ def not_started_lines(root: Path, rows: list[dict[str, Any]]) -> list[str]:
 def rank(rows: list[dict[str, Any]], mode: str) -> None:
     """Each scored row's ``rank`` (1 = best: the lowest score with ``min``, the highest with ``max``); ties keep the
     rows' order (the earlier point ranks first); a row without a score keeps None."""
-    scored = sorted((r for r in rows if r["score"] is not None), key=lambda r: -r["score"] if mode == "max" else r["score"])
+    def order(a: dict[str, Any], b: dict[str, Any]) -> int:
+        return -1 if beats(a["score"], b["score"], mode) else 1 if beats(b["score"], a["score"], mode) else 0
+
+    scored = sorted((r for r in rows if r["score"] is not None), key=cmp_to_key(order))
     for place, r in enumerate(scored, 1):
         r["rank"] = place
 
@@ -118,6 +134,45 @@ def best_point(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The best-ranked point that has a model directory."""
     ranked = sorted((r for r in rows if r["rank"] is not None and r["model"]), key=lambda r: r["rank"])
     return ranked[0] if ranked else None
+
+
+def _beats_base(row: dict[str, Any], mode: str) -> bool | None:
+    """Whether the row's score beats its own base model's value of it; None when either is unknown."""
+    if row.get("score") is None or row.get("base") is None:
+        return None
+    return beats(row["score"], row["base"], mode)
+
+
+def versus_base(rows: list[dict[str, Any]], best: dict[str, Any] | None, mode: str) -> dict[str, Any] | None:
+    """The best point against its base model, where both values are known (``eval.compare_base`` and a ranking by an
+    evaluation score), else None (nothing is said): ``beats`` (a tie does not), ``base``, ``score``, ``by``
+    (score - base), ``metric``, ``mode``, ``one_base`` (every point with both values has the best's base value: a
+    sweep varying no ``model.*`` or ``eval.*`` scores one base once, SWEEP_DIR/base-eval/) and ``others`` (the other
+    points that beat their own base: with bases that differ, the best's verdict is not the sweep's)."""
+    if best is None or _beats_base(best, mode) is None:
+        return None
+    known = [r for r in rows if _beats_base(r, mode) is not None]
+    return {"beats": _beats_base(best, mode), "base": best["base"], "score": best["score"],
+            "by": best["score"] - best["base"], "metric": best.get("score_name"), "mode": mode,
+            "one_base": all(r["base"] == best["base"] for r in known),
+            "others": [r["name"] for r in known if r is not best and _beats_base(r, mode)]}
+
+
+def versus_base_words(best: dict[str, Any], versus: dict[str, Any] | None) -> str:
+    """What follows the best line's ``linked as best)``: whether the best point beats the base model, in
+    :func:`slurmft.eval_results.base_words`' words, with both values, the score and the mode; "" when unknown."""
+    if versus is None:
+        return ""
+    values = (f"base {_number(versus['base'])}, {best['name']} {_number(versus['score'])} on "
+              f"{versus['metric'] or 'the score'}, {versus['mode']}")
+    if versus["beats"]:
+        return f"; it {base_words(versus['score'], versus['base'], versus['mode'])} ({values})"
+    if versus["others"]:
+        return (f" — but it does not beat its base model ({values}); {', '.join(versus['others'])} beat their own "
+                "(the points' base models differ)")
+    if versus["one_base"]:
+        return f" — but no point beats the base model ({values})"
+    return f" — but no point beats its base model (the points' base models differ; {values})"
 
 
 def update_best(root: Path, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -157,7 +212,7 @@ def ranked_by(record: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     select = record.get("select") or {}
     metric = select.get("metric", "loss")
     named = next((r["score_name"] for r in rows if r.get("score_name")), None) if metric == "eval" else None
-    return f"{metric}{f': {named}' if named else ''} ({select.get('mode', 'min')})"
+    return f"{metric}{f': {named}' if named else ''} ({_mode(record)})"
 
 
 def _number(value: Any) -> str:  # noqa: ANN401 - a score, a loss or None
@@ -167,7 +222,8 @@ def _number(value: Any) -> str:  # noqa: ANN401 - a score, a loss or None
 def format_table(root: Path, record: dict[str, Any], rows: list[dict[str, Any]], best: dict[str, Any] | None
                  ) -> list[str]:
     """Aligned lines: point, overrides, state, step/max, last loss, score (rank), the base model's score when the
-    evaluation scored it (``eval.compare_base``), then the best point and what starts the points not started."""
+    evaluation scored it (``eval.compare_base``), then the best point (and whether it beats the base model) and
+    what starts the points not started."""
     with_base = any(r.get("base") is not None for r in rows)
     table = [("point", "overrides", "state", "step", "loss", ranked_by(record, rows)) + (("base",) if with_base else ())]
     for r in rows:
@@ -181,7 +237,8 @@ def format_table(root: Path, record: dict[str, Any], rows: list[dict[str, Any]],
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table]
     lines += select_warnings_of(record)
     if best:
-        lines.append(f"best: {best['name']} ({best['model']}; linked as best)")
+        lines.append(f"best: {best['name']} ({best['model']}; linked as best)"
+                     f"{versus_base_words(best, versus_base(rows, best, _mode(record)))}")
     else:
         lines.append("best: none yet (no point has a score and a model)")
     return lines + not_started_lines(root, rows)
@@ -196,15 +253,18 @@ def select_warnings_of(record: dict[str, Any]) -> list[str]:
 
 def status_lines(root: Path, as_json: bool = False) -> list[str]:
     """``slurmft status SWEEP_DIR``: the table (or, ``as_json``, the sweep, its jobs, the rows and the best point as
-    one JSON document); ``best`` refreshed first."""
+    one JSON document, with ``best_beats_base`` (true, false, or null when unknown) and ``best_vs_base``
+    (:func:`versus_base`)); ``best`` refreshed first."""
     import json
 
     record, rows = sweep_rows(root)
     best = update_best(root, rows)
     if as_json:
+        versus = versus_base(rows, best, _mode(record))
         return [json.dumps({"sweep": record["name"], "executor": record["executor"], "select": record["select"],
                             "select_warnings": select_warnings_of(record),
-                            "jobs": record["jobs"], "points": rows, "best": best and best["name"]}, indent=2)]
+                            "jobs": record["jobs"], "points": rows, "best": best and best["name"],
+                            "best_beats_base": versus and versus["beats"], "best_vs_base": versus}, indent=2)]
     return format_table(root, record, rows, best)
 
 
@@ -251,7 +311,8 @@ def plot_sweep(root: Path, out: str | Path | None = None) -> Path:
 def write_sweep_report(root: Path) -> Path:
     """``slurmft report SWEEP_DIR``: ``SWEEP_DIR/report.md``, the points ranked by ``sweep.select`` (best first, the
     unranked after in the file's order) with each one's overrides, state, steps, last loss, score and model, the best
-    point named; ``loss.png`` beside it (a plot that cannot be drawn is said, not raised). ``best`` refreshed first."""
+    point named (and whether it beats the base model); ``loss.png`` beside it (a plot that cannot be drawn is said,
+    not raised). ``best`` refreshed first."""
     from slurmft.errors import SlurmftError
     from slurmft.rundir import atomic_write
 
@@ -267,7 +328,8 @@ def write_sweep_report(root: Path) -> Path:
     lines = [f"# Sweep {record.get('name')}", "",
              f"{len(rows)} point(s), executor {record.get('executor')}, ranked by {ranked_by(record, rows)}.", "",
              *[f"> {line.strip()}  " for line in warned], *([""] if warned else []),
-             f"**Best:** {best['name']} (`{best['model']}`, linked as `best`)" if best
+             f"**Best:** {best['name']} (`{best['model']}`, linked as `best`)"
+             f"{versus_base_words(best, versus_base(rows, best, _mode(record)))}" if best
              else "**Best:** none yet (no point has a score and a model)", "",
              "| rank | point | overrides | state | step | loss | score |" + (" base |" if with_base else "") + " model |",
              "|---|---|---|---|---|---|---|" + ("---|" if with_base else "") + "---|"]
