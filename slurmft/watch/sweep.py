@@ -153,7 +153,7 @@ def versus_base(rows: list[dict[str, Any]], best: dict[str, Any] | None, mode: s
         return None
     known = [r for r in rows if _beats_base(r, mode) is not None]
     return {"beats": _beats_base(best, mode), "base": best["base"], "score": best["score"],
-            "by": best["score"] - best["base"], "metric": best.get("score_name"), "mode": mode,
+            "by": round(best["score"] - best["base"], 10), "metric": best.get("score_name"), "mode": mode,
             "one_base": all(r["base"] == best["base"] for r in known),
             "others": [r["name"] for r in known if r is not best and _beats_base(r, mode)]}
 
