@@ -96,6 +96,9 @@ def test_killed_local_run_resumes_to_the_same_model(tiny_model: Path, local_tiny
     assert end["run"]["train_attempts"] == 2 and end["run"]["train_runtime"] == end["train_runtime"]
     log = (killed / "submitit" / f"{resumed['train_job']}_0_log.err").read_text()  # rank 0's, local executor
     assert "train_runtime leaves out job " in log and "killed before its end" in log
+    report = (killed / "report.md").read_text()  # written by the consolidation job
+    assert f"| train loss, whole run | {end['run']['train_loss']:.4f} over 18 of 18 steps " in report
+    assert "> whole-run figures: train_runtime leaves out job " in report
     assert f"train_loss={end['run']['train_loss']:.4g} train_loss_steps=18 " in log
     assert f"last_attempt/train_loss={end['train_loss']:.4g} " in log
 

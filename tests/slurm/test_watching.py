@@ -152,6 +152,7 @@ def test_preempted_twice_status_plot_report_logs_wandb(slurm_cluster, tiny_model
     assert summary["last_attempt/train_runtime"] == ends[-1]["train_runtime"] < summary["train_runtime"]
     assert offline[0]["summary"]["last_attempt/train_loss"] == pytest.approx(
         sum(loss[s] for s in range(1, stops[0] + 1)) / stops[0], rel=1e-6)
+    assert f"| train loss, whole run | {summary['train_loss']:.4f} over 40 of 40 steps " in report
     assert re.search(rf"step 40/40  train_loss={summary['train_loss']:.4g} train_loss_steps=40 .* train_attempts=3 "
                      rf"last_attempt/train_loss={summary['last_attempt/train_loss']:.4g} ", log)
     code, out, _ = slurmft.cli(["status", str(run)])
