@@ -121,6 +121,13 @@ class RunPaths:
         return self.root / "metrics.jsonl"
 
     @property
+    def train_summary(self) -> Path:
+        """One JSON line per attempt whose training loop ended (finished, or stopped by the warning signal):
+        transformers' end-of-training figures of that attempt alone, and the whole run's up to then
+        (slurmft/watch/run_totals.py); an attempt killed outright writes none."""
+        return self.root / "train_summary.jsonl"
+
+    @property
     def model(self) -> Path:
         """The consolidated Hugging Face model."""
         return self.root / "model"

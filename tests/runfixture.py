@@ -2,8 +2,8 @@
 
 ``preempted_run`` is what a Slurm run of 36 steps leaves after two preemptions, written the way
 the job writes it: job 100, restart 0 saved at step 12 after a warning signal (requeue marker
-``100-0``); restart 1 was killed hard at step 25 (Slurm requeued it, no marker) and restart 2
-resumed from the periodic checkpoint-20 and finished. One logged step per second, 30 s of queue and
+``100-0``); restart 1 was killed hard at step 25 (Slurm requeued it, no marker, no end line in ``train_summary.jsonl``)
+and restart 2 resumed from the periodic checkpoint-20 and finished. One logged step per second, 30 s of queue and
 start-up between attempts. ``metrics.jsonl`` lines carry ``job_id``/``restart`` as MetricsLog writes them.
 """
 
@@ -34,7 +34,7 @@ CONFIG = {
 def record(step: int, t: float, job: str, restart: int, loss: float | None = None) -> dict[str, Any]:
     """One metrics.jsonl line as MetricsLog writes it."""
     return {"step": step, "time": t, "epoch": step / 40, "loss": 3.0 - step * 0.05 if loss is None else loss,
-            "learning_rate": 1e-3 * (1 - step / (MAX_STEPS + 1)), "grad_norm": 1.5, "tokens_per_s": 1000.0 + step,
+            "loss_steps": 1, "learning_rate": 1e-3 * (1 - step / (MAX_STEPS + 1)), "grad_norm": 1.5, "tokens_per_s": 1000.0 + step,
             "num_input_tokens_seen": 512 * step, "peak_rss_mib": 500.0 + step, "peak_gpu_mem_mib": None,
             "job_id": job, "restart": restart}
 
@@ -75,6 +75,12 @@ def preempted_run(root: Path, name: str = "watch") -> Path:
     a1 = attempt_records("100", 1, range(13, 26), T0 + 41)      # 30 s later; steps 13..25, ends T0+53
     a2 = attempt_records("100", 2, range(21, 37), T0 + 83)      # resumed from checkpoint-20; ends T0+98
     write_metrics(run, a0 + a1 + a2)
+    # each attempt whose training loop ended (not restart 1: killed) wrote transformers' figures of its own steps
+    ends = [{"step": 12, "from_step": 0, "train_runtime": 11.5, "train_loss": 2.5, "train_samples_per_second": 4.2,
+             "job_id": "100", "restart": 0},
+            {"step": 36, "from_step": 20, "train_runtime": 15.5, "train_loss": 1.5, "train_samples_per_second": 4.1,
+             "job_id": "100", "restart": 2}]
+    (run / "train_summary.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ends))
     (run / "requeue" / "100-0").write_text(json.dumps({"step": 12, "job_id": "100", "restart": 0,
                                                       "t": T0 + 11.5}) + "\n")
     write_checkpoint(run, 30, complete=True, payload=1000, t=T0 + 92)

@@ -103,6 +103,13 @@ def test_report_numbers_match_the_metrics(tmp_path: Path) -> None:
     tokens = sum(r["tokens_per_s"] for r in records) / len(records)
     assert f"| final loss | {final['loss']:.4f} (step 36)" in text
     assert f"| tokens/s | {round(tokens, 2)} (tokens trained over the time of the logged steps)" in text
+    # the whole run's loss from each step's newest value (21-25 were trained again by restart 2); restart 1 was
+    # killed, so its time is not in the training time, and the report says so
+    newest = {r["step"]: r["loss"] for r in records}
+    assert (f"| train loss, whole run | {sum(newest.values()) / 36:.4f} over 36 of 36 steps (the step-weighted mean "
+            "of the logged losses, 3 attempt(s)) |") in text
+    assert "| training time | 27s in the training loops of the attempts, added up |" in text
+    assert "> whole-run figures: train_runtime leaves out job 100 restart 1: killed before its end" in text
     assert f"| steps | 36 / 36 ({len(records)} logged) |" in text
     assert "5 step(s) computed again (≈ 5s) and 1m00s between attempts" in text  # 29.5 s + 30 s
     assert text.count("| 100 |") == 3  # three attempts

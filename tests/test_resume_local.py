@@ -16,6 +16,7 @@ import pytest
 
 from slurmft.cli import main
 from slurmft.rundir import RunPaths, pid_alive, read_manifest
+from slurmft.watch.run_totals import read_summaries
 from tests.conftest import LOCAL_ARGS
 from tests.export_check import assert_same_model
 
@@ -77,3 +78,31 @@ def test_killed_local_run_resumes_to_the_same_model(tiny_model: Path, local_tiny
     assert resumed["overrides"] == overrides
 
     assert_same_model(killed / "model", local_tiny_run / "model")
+
+    # The run's end-of-training figures cover both attempts (transformers' own cover the resumed call alone): its
+    # train_loss is the uninterrupted run's (same steps, same losses), which we compute here from that run's per-step
+    # losses; the killed attempt recorded no end, so its seconds are missing from train_runtime, and the log says so
+    per_step = {m["step"]: m["loss"] for m in steps_of(local_tiny_run)}
+    assert sorted(per_step) == list(range(1, 19))  # logged every step: each record is one step's loss
+    whole = sum(per_step.values()) / 18
+    [uninterrupted] = read_summaries(RunPaths.of(local_tiny_run).train_summary)
+    assert uninterrupted["train_loss"] == pytest.approx(whole, rel=1e-9)  # one attempt: transformers' own figure
+    assert uninterrupted["run"]["train_loss"] == pytest.approx(whole, rel=1e-9)
+    [end] = read_summaries(RunPaths.of(killed).train_summary)
+    assert (end["job_id"], end["from_step"], end["step"]) == (resumed["train_job"], resumed["resumed_from_step"], 18)
+    own = [per_step[s] for s in range(resumed["resumed_from_step"] + 1, 19)]
+    assert end["train_loss"] == pytest.approx(sum(own) / len(own), rel=1e-6)  # the resumed attempt's alone
+    assert end["run"]["train_loss"] == pytest.approx(whole, rel=1e-6) and end["run"]["train_loss_steps"] == 18
+    assert end["run"]["train_attempts"] == 2 and end["run"]["train_runtime"] == end["train_runtime"]
+    log = (killed / "submitit" / f"{resumed['train_job']}_0_log.err").read_text()  # rank 0's, local executor
+    assert "train_runtime leaves out job " in log and "killed before its end" in log
+    report = (killed / "report.md").read_text()  # written by the consolidation job
+    assert f"| train loss, whole run | {end['run']['train_loss']:.4f} over 18 of 18 steps " in report
+    assert "> whole-run figures: train_runtime leaves out job " in report
+    assert f"train_loss={end['run']['train_loss']:.4g} train_loss_steps=18 " in log
+    assert f"last_attempt/train_loss={end['train_loss']:.4g} " in log
+
+
+def steps_of(run: Path) -> list[dict]:
+    """The logged steps of a run's metrics.jsonl (save lines apart)."""
+    return [m for line in (run / "metrics.jsonl").read_text().splitlines() if "event" not in (m := json.loads(line))]

@@ -16,8 +16,9 @@ WANDB_HOME = ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")
 def wandb_offline_runs(run: Path) -> list[dict]:
     """Every offline W&B run directory under ``RUN/wandb`` (oldest first: the names start with the time), read
     with wandb's own reader (``wandb leet inspect --json``, one record per line): ``{"dir", "id", "resume",
-    "rows"}``, ``rows`` being the history rows in the order they were written (``id`` None: no run record,
-    the W&B service was killed before it wrote one)."""
+    "rows", "summary"}``, ``rows`` being the history rows in the order they were written, ``summary`` the run
+    summary as that attempt left it (its updates in order; ``id`` None: no run record, the W&B service was killed
+    before it wrote one)."""
     out = []
     for folder in sorted((run / "wandb").glob("offline-run-*")):
         [log] = folder.glob("run-*.wandb")
@@ -27,8 +28,12 @@ def wandb_offline_runs(run: Path) -> list[dict]:
         records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         heads = [r["run"] for r in records if r.get("type") == "run"]  # none: the service died before writing it
         rows = [r["history"]["item"] for r in records if r.get("type") == "history"]
+        summary: dict = {}
+        for r in records:
+            if r.get("type") == "summary":
+                summary.update(r["summary"].get("update", {}))
         out.append({"dir": folder, "id": heads[0]["run_id"] if heads else None,
-                    "resume": heads[0].get("resume", False) if heads else None, "rows": rows})
+                    "resume": heads[0].get("resume", False) if heads else None, "rows": rows, "summary": summary})
     return out
 
 

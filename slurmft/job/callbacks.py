@@ -26,6 +26,8 @@ from slurmft.grpoopts import GRPO_METRICS, REWARD_METRIC, reward_words
 from slurmft.job import preemption
 from slurmft.job.distributed import DistContext, any_rank
 from slurmft.units import MiB, peak_rss_bytes
+from slurmft.watch import run_totals
+from slurmft.watch.progress import read_metrics
 
 log = logging.getLogger("slurmft.job")
 
@@ -91,28 +93,42 @@ def peak_rss_mib() -> float:
 
 
 class MetricsLog(TrainerCallback):
-    """Rank 0 appends one JSON line per logging step: loss, lr, grad norm, tokens/s (the tokens trained since the
-    previous line, over the ``interval_s`` seconds since it), peak memory."""
+    """Rank 0 appends one JSON line per logging step: loss (and the ``loss_steps`` it is the mean of), lr, grad
+    norm, tokens/s (the tokens trained since the previous line, over the ``interval_s`` seconds since it), peak
+    memory; and at the end of the attempt's training loop, one line of ``train_summary.jsonl``: transformers'
+    figures for this attempt, and the whole run's (slurmft/watch/run_totals.py), which then replace the plain
+    names in the log dict every later callback gets (the step log, TensorBoard, W&B's summary)."""
 
-    def __init__(self, ctx: DistContext, path: Path, info: dict[str, Any]) -> None:
+    def __init__(self, ctx: DistContext, path: Path, info: dict[str, Any], summary: Path) -> None:
         self.ctx = ctx
         self.path = path
+        self.summary = summary
         self.info = info
         self._last: tuple[float, int] | None = None
+        self._from_step = 0  # the step this attempt started at (the checkpoint's)
+        self._logged_step = 0  # the step of this attempt's previous logged loss
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._last = (time.time(), state.num_input_tokens_seen or 0)
+        self._from_step = self._logged_step = state.global_step
 
     def on_step_end(self, args, state, control, **kwargs):
         # the last step is logged whatever train.logging_steps says (the Trainer logs multiples of it only): the run's
-        # final loss is that step's, and status, runs and a sweep's ranking count a run done at max_steps
-        if state.global_step >= state.max_steps:
+        # final loss is that step's, and status, runs and a sweep's ranking count a run done at max_steps. A save or
+        # a stop is logged too: a resume then starts right after a logged step, so every step the run keeps has its
+        # loss in metrics.jsonl, in a mean of its own attempt's steps (the run's train_loss, run_totals.py)
+        if state.global_step >= state.max_steps or control.should_save or control.should_training_stop:
             control.should_log = True
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "train_loss" in logs:  # transformers' end-of-training figures, of this attempt alone
+            if self.ctx.is_main:
+                self._end(state, logs)
+            return
         logs = logs or {}
         if "loss" not in logs:
             return
+        loss_steps, self._logged_step = state.global_step - self._logged_step, state.global_step
         gpu = torch.cuda.max_memory_allocated(self.ctx.device) / 2**20 if self.ctx.on_gpu else 0.0
         peaks = torch.tensor([peak_rss_mib(), gpu], dtype=torch.float64, device=self.ctx.device)
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)  # the worst rank is what sizes a node
@@ -126,6 +142,7 @@ class MetricsLog(TrainerCallback):
             "time": round(now, 3),
             "epoch": logs.get("epoch"),
             "loss": logs.get("loss"),
+            "loss_steps": loss_steps,  # the optimizer steps the loss is the mean of (transformers' divisor)
             "learning_rate": logs.get("learning_rate"),
             "grad_norm": logs.get("grad_norm"),
             "tokens_per_s": round((tokens - last_tokens) / (now - last_t), 2) if now > last_t else None,
@@ -141,6 +158,17 @@ class MetricsLog(TrainerCallback):
         }
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+    def _end(self, state: Any, logs: dict[str, Any]) -> None:
+        """Record this attempt's end-of-training figures and the run's, then relabel ``logs`` (rank 0)."""
+        end = {"step": state.global_step, "from_step": self._from_step, "time": round(time.time(), 3),
+               **{k: logs[k] for k in run_totals.ATTEMPT_KEYS if k in logs}, **self.info}
+        run = run_totals.totals(read_metrics(self.path).records, [*run_totals.read_summaries(self.summary), end])
+        with open(self.summary, "a") as f:
+            f.write(json.dumps({**end, "run": run.figures()}) + "\n")
+        run_totals.relabel(logs, run)
+        for gap in run.gaps():
+            log.warning("whole-run figures: %s", gap)
 
 
 def step_line(logs: dict[str, Any], step: int, max_steps: int) -> str:
@@ -177,7 +205,8 @@ class StepLog(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.ctx.is_main and logs:
             line = step_line(logs, state.global_step, state.max_steps)
-            if "train_loss" in logs and self.resumed_at:  # transformers' summary covers this attempt's steps only
-                line += (f"  (this attempt only: steps {self.resumed_at + 1}-{state.global_step}; every step is in "
-                         "metrics.jsonl)")
+            if any(k.startswith(run_totals.LAST_ATTEMPT) for k in logs):  # relabelled by MetricsLog
+                line += (f"  (train_*: the whole run, {logs.get('train_attempts')} attempt(s), train_loss the "
+                         f"step-weighted mean of the logged losses; {run_totals.LAST_ATTEMPT}*: this attempt alone, "
+                         f"steps {self.resumed_at + 1}-{state.global_step})")
             log.info("%s", line)

@@ -41,13 +41,15 @@ from transformers.integrations.integration_utils import rewrite_logs
 from slurmft.rundir import RunPaths
 from slurmft.trackers import record_wandb_run, recorded_wandb_id
 from slurmft.trackers import use_one_wandb_run as use_one_wandb_run  # train.py's call, here with the callback
+from slurmft.watch import run_totals
 from slurmft.watch.progress import read_metrics
 
 log = logging.getLogger("slurmft.job")
 
-#: Trainer log keys that are one value per run (W&B's summary, not a point of the curve), as transformers sends them.
-SUMMARY_KEYS = frozenset({"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss",
-                          "total_flos"})
+#: Trainer log keys that are one value per run (W&B's summary, not a point of the curve): at the end of training the
+#: whole run's under transformers' names and the attempt's own under ``last_attempt/`` (``MetricsLog`` relabels them
+#: before this callback gets them; slurmft/watch/run_totals.py)
+SUMMARY_KEYS = run_totals.SUMMARY_KEYS
 
 
 def last_logged_step(paths: RunPaths) -> int:

@@ -455,7 +455,8 @@ def _callbacks(cfg: RunConfig, paths: RunPaths, env: JobEnv, ctx: DistContext, c
                                     asynchronous=cfg.checkpoint.asynchronous,
                                     max_failed_saves=cfg.checkpoint.max_failed_saves)
     batches = BatchDigest(ctx, paths.batches, record.info)
-    ordered = [*saving, preempt, MetricsLog(ctx, paths.metrics, record.info),  # saving before preempt: its on_save first
+    ordered = [*saving, preempt,  # saving before preempt: its on_save first
+               MetricsLog(ctx, paths.metrics, record.info, paths.train_summary),
                FsdpReport(ctx, paths.fsdp_report, record.report), batches]
     # after MetricsLog: a step is in metrics.jsonl before W&B gets it (what the next attempt skips)
     wandb_run = tracking.OneWandbRun(paths, record.info) if "wandb" in cfg.train.report_to else None

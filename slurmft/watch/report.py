@@ -39,6 +39,7 @@ from slurmft.watch.progress import (
     rollouts_words,
 )
 from slurmft.watch.results import adapter_info, lora_info, lora_words, model_info, result_info
+from slurmft.watch.run_totals import read_summaries, totals
 
 
 def _config(paths: RunPaths) -> dict[str, Any]:
@@ -127,6 +128,7 @@ def summary(paths: RunPaths, slurm_rows: list[dict[str, Any]] | None = None) -> 
         "final_loss": last.get("loss"),
         "final_step": last.get("step"),
         "mean_loss_last10": round(sum(losses[-10:]) / len(losses[-10:]), 4) if losses else None,
+        "whole_run": whole_run(records, paths),
         "tokens_per_s_mean": round(tps, 2) if (tps := mean_tokens_per_s(records)) is not None else None,
         "tokens_seen": last.get("num_input_tokens_seen"),
         "logged_steps": len(records),
@@ -227,6 +229,7 @@ def render(s: dict[str, Any], plot_name: str | None) -> str:
           f"| steps | {_dash(p['step'])} / {_dash(p['max_steps'])} ({s['logged_steps']} logged) |",
           f"| final loss | {_loss(s['final_loss'])} (step {_dash(s['final_step'])}); "
           f"mean of the last 10 logged: {_loss(s['mean_loss_last10'])} |",
+          *whole_run_rows(s["whole_run"]),
           f"| tokens/s | {_dash(s['tokens_per_s_mean'])} (tokens trained over the time of the logged steps); "
           f"{_dash(s['tokens_seen'])} tokens seen |"]
     if p.get("preference"):
@@ -236,6 +239,7 @@ def render(s: dict[str, Any], plot_name: str | None) -> str:
     L.append("")
     if p["problem"]:
         L += [f"> metrics: {p['problem']}", ""]
+    L += [f"> whole-run figures: {gap}" for gap in s["whole_run"]["gaps"]] + ([""] if s["whole_run"]["gaps"] else [])
     if s["tracker"]:
         L += [tracker_lines(s["tracker"])[0], ""]
         sync = sync_command(s["tracker"])
@@ -281,6 +285,21 @@ def save_lines(saves: list[dict[str, Any]]) -> list[str]:
         L.append(f"| {r['step']} | {r.get('mode', '-')} | {_dash(r.get('blocked_s'))} s | {_dash(r.get('durable_s'))} s "
                  f"| {size} | {_dash(r.get('job_id'))} | {_dash(r.get('restart'))} |")
     return [*L, ""]
+
+
+def whole_run(records: list[dict[str, Any]], paths: RunPaths) -> dict[str, Any]:
+    """The run's train_loss and train_runtime over every attempt (slurmft/watch/run_totals.py), what they leave out."""
+    run = totals(records, read_summaries(paths.train_summary))
+    return {**run.figures(), "of_steps": run.last_step, "gaps": run.gaps()}
+
+
+def whole_run_rows(w: dict[str, Any]) -> list[str]:
+    """The report's rows of :func:`whole_run`."""
+    loss = (f"{_loss(w['train_loss'])} over {w['train_loss_steps']} of {w['of_steps']} steps (the step-weighted mean "
+            f"of the logged losses, {w['train_attempts']} attempt(s))" if "train_loss" in w else "-")
+    runtime = (f"{fmt_duration(w['train_runtime'])} in the training loops of the attempts, added up"
+               if "train_runtime" in w else "- (no attempt recorded its end)")
+    return [f"| train loss, whole run | {loss} |", f"| training time | {runtime} |"]
 
 
 def _dash(v: Any) -> str:

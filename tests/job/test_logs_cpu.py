@@ -6,6 +6,7 @@ nodes each step appeared twice; slurmft replaces it with one readable line from 
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import subprocess
@@ -65,21 +66,42 @@ def test_a_grpo_step_line_says_the_reward_beside_the_loss() -> None:
     assert "reward" not in step_line(no_rollout, 2, 8)
 
 
-def test_the_final_summary_of_a_resumed_attempt_says_it_covers_that_attempt_only(
-        caplog: pytest.LogCaptureFixture) -> None:
+def test_the_final_summary_gives_the_whole_run_and_labels_the_attempts_own(
+        caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     """transformers' end-of-training summary (train_loss, train_runtime, ...) is over the steps this attempt ran: after
-    a requeue at step 15 of 30 its train_loss was the mean of steps 16-30 alone, printed as if of the run."""
+    a requeue at step 15 of 30 its train_loss was the mean of steps 16-30 alone, printed and sent to W&B as the run's.
+    MetricsLog records it as the attempt's, puts the whole run's under the plain names, and the step log says which
+    is which (the real resumed runs: tests/test_resume_local.py, tests/slurm/test_watching.py)."""
     from types import SimpleNamespace
 
-    from slurmft.job.callbacks import StepLog
+    from slurmft.job.callbacks import MetricsLog, StepLog
+    from slurmft.rundir import RunPaths
 
-    summary = {"train_runtime": 6.19, "train_loss": 0.6051, "epoch": 1.875}
-    for resumed_at, said in ((15, "(this attempt only: steps 16-30; every step is in metrics.jsonl)"), (0, None)):
-        callback = StepLog(SimpleNamespace(is_main=True))
-        callback.on_train_begin(None, SimpleNamespace(global_step=resumed_at), None)
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="slurmft.job"):
-            callback.on_log(None, SimpleNamespace(global_step=30, max_steps=30), None, logs=summary)
-        line = caplog.messages[-1]
-        assert line.startswith("step 30/30  train_runtime=6.19 train_loss=0.6051")
-        assert (said in line) if said else "this attempt" not in line, line
+    paths = RunPaths.of(tmp_path)
+    ctx = SimpleNamespace(is_main=True)
+    lines = [{"step": s, "loss": 1.0 if s <= 15 else 0.5, "loss_steps": 1, "job_id": "9", "restart": int(s > 15)}
+             for s in range(1, 31)]
+    paths.metrics.write_text("".join(json.dumps(m) + "\n" for m in lines))
+    paths.train_summary.write_text(json.dumps({"step": 15, "from_step": 0, "train_runtime": 12.0, "train_loss": 1.0,
+                                               "train_samples_per_second": 4.0, "job_id": "9", "restart": 0}) + "\n")
+    metrics, steps = MetricsLog(ctx, paths.metrics, {"job_id": "9", "restart": 1}, paths.train_summary), StepLog(ctx)
+    for callback in (metrics, steps):
+        callback.on_train_begin(None, SimpleNamespace(global_step=15, num_input_tokens_seen=0), None)
+    logs = {"train_runtime": 6.0, "train_samples_per_second": 8.0, "train_steps_per_second": 2.5, "train_loss": 0.5,
+            "epoch": 1.875}
+    state = SimpleNamespace(global_step=30, max_steps=30)
+    with caplog.at_level(logging.INFO, logger="slurmft.job"):
+        for callback in (metrics, steps):  # their order in the Trainer
+            callback.on_log(None, state, None, logs=logs)
+    end = json.loads(paths.train_summary.read_text().splitlines()[-1])
+    assert end["from_step"] == 15 and end["train_loss"] == 0.5 and end["train_runtime"] == 6.0  # the attempt's own
+    assert end["run"] == {"train_loss": 0.75, "train_loss_steps": 30, "train_runtime": 18.0,
+                          "train_steps_per_second": round(30 / 18, 3), "train_samples_per_second": round(96 / 18, 3),
+                          "train_attempts": 2}
+    assert logs["train_loss"] == 0.75 and logs["last_attempt/train_loss"] == 0.5  # what TensorBoard and W&B get
+    line = caplog.messages[-1]
+    assert line.startswith("step 30/30  train_loss=0.75 train_loss_steps=30 train_runtime=18 train_steps_per_second="
+                           "1.667 train_samples_per_second=5.333 train_attempts=2 last_attempt/train_loss=0.5 "
+                           "last_attempt/train_runtime=6 "), line
+    assert line.endswith("(train_*: the whole run, 2 attempt(s), train_loss the step-weighted mean of the logged "
+                         "losses; last_attempt/*: this attempt alone, steps 16-30)"), line

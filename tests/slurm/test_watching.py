@@ -24,6 +24,7 @@ import pytest
 from runfixture import local_run
 
 from slurmft.rundir import RunPaths, read_manifest
+from slurmft.watch.run_totals import read_summaries
 from tests.export_check import assert_export_matches_checkpoint
 from tests.slurm.conftest import IN_ALLOCATION
 from tests.slurm.jobs import metrics, rank_pid, wait_for
@@ -137,6 +138,23 @@ def test_preempted_twice_status_plot_report_logs_wandb(slurm_cluster, tiny_model
     loss = {m["step"]: m["loss"] for m in rows}
     assert {row["_step"]: row["train/loss"] for o in offline for row in o["rows"]} == loss
     assert status["tracker"]["wandb"]["id"] == wandb_id
+    # W&B's summary gives the whole run (transformers' figures cover one attempt: after the second stop, the mean
+    # loss of the last steps alone), computed here from metrics.jsonl's per-step losses (one line per step); each
+    # attempt's own figures stay, labelled last_attempt/; the runtime is the three attempts' added up
+    summary = offline[-1]["summary"]
+    assert summary["train_loss"] == pytest.approx(sum(loss.values()) / 40, rel=1e-9)
+    ends = read_summaries(RunPaths.of(run).train_summary)
+    assert [(e["restart"], e["from_step"], e["step"]) for e in ends] == [(0, 0, stops[0]), (1, *stops), (2, stops[1], 40)]
+    assert summary["train_loss_steps"] == 40 and summary["train_attempts"] == 3
+    assert summary["last_attempt/train_loss"] == pytest.approx(sum(loss[s] for s in range(stops[1] + 1, 41))
+                                                               / (40 - stops[1]), rel=1e-6)
+    assert summary["train_runtime"] == pytest.approx(sum(e["train_runtime"] for e in ends), abs=1e-3)
+    assert summary["last_attempt/train_runtime"] == ends[-1]["train_runtime"] < summary["train_runtime"]
+    assert offline[0]["summary"]["last_attempt/train_loss"] == pytest.approx(
+        sum(loss[s] for s in range(1, stops[0] + 1)) / stops[0], rel=1e-6)
+    assert f"| train loss, whole run | {summary['train_loss']:.4f} over 40 of 40 steps " in report
+    assert re.search(rf"step 40/40  train_loss={summary['train_loss']:.4g} train_loss_steps=40 .* train_attempts=3 "
+                     rf"last_attempt/train_loss={summary['last_attempt/train_loss']:.4g} ", log)
     code, out, _ = slurmft.cli(["status", str(run)])
     assert code == 0 and f"W&B: run {wandb_id} in huggingface (3 attempt(s), 3 offline)" in out
     assert f"wandb sync {run / 'wandb'}/offline-run-*-{wandb_id}" in out
