@@ -301,7 +301,8 @@ def status(run_dir: Path, as_json: bool) -> None:
     for r in rows:
         by = r.get("submitter") or {}
         theirs = f" ({by.get('user')}'s)" if state.owner and by.get("uid", state.owner.uid) != state.owner.uid else ""
-        table.add_row(r["kind"], r["job_id"] + (" (adopted)" if r.get("adopted") else "") + theirs,
+        kind = r["kind"] + (f" {r['task'] + 1}/{r['tasks']}" if "task" in r else "")  # the array task
+        table.add_row(kind, r["job_id"] + (" (adopted)" if r.get("adopted") else "") + theirs,
                       str(r["attempt"]), r["state"], r["reason"], str(r["restarts"]), r["elapsed"])
     Console().print(table)
     for r in rows:  # what each state means, one unwrapped line per job

@@ -179,3 +179,27 @@ def test_logs_follow_ends_when_the_job_has_ended(tmp_path: Path) -> None:
     follower.join(30)
     assert not follower.is_alive()
     assert seen[-1].startswith("[slurmft logs] train job 4242 has ended: ended without recording a state (killed")
+
+
+def test_status_says_a_local_prepare_arrays_tasks_as_tasks_not_attempts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The local executor runs a prepare array (``prepare.tasks: 2``, examples/tiny/text.yaml) as one local job per
+    task, each recorded as slurmft/submit/arrays.py records it. ``status`` once showed the second task as the prepare
+    job's attempt 2 (a retry, to a reader); a later preparation (a resume's) is the prepare job's attempt 2."""
+    from slurmft.rundir import RunPaths, read_manifest, record_job, write_manifest
+
+    run = local_run(tmp_path)
+    paths = RunPaths.of(run)
+    manifest = read_manifest(paths)
+    manifest["jobs"] = []
+    for k, job_id in enumerate(("100", "101")):  # as run_local_array records them
+        record_job(manifest, "prepare", job_id, task=k, tasks=2, state="COMPLETED", elapsed_s=5.0)
+    record_job(manifest, "train", "4242", state="COMPLETED", pid=4242, elapsed_s=17.0)
+    again = record_job(manifest, "prepare", "102", state="COMPLETED", elapsed_s=5.0)
+    write_manifest(paths, manifest)
+    assert [j["attempt"] for j in manifest["jobs"]] == [1, 1, 1, 2] and again["attempt"] == 2
+    main(["status", str(run)])
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    cells = [[c.strip() for c in line.strip("│").split("│")][:3] for line in table]
+    assert cells[:2] == [["prepare 1/2", "100", "1"], ["prepare 2/2", "101", "1"]], table
+    assert ["prepare", "102", "2"] in cells, table

@@ -204,6 +204,8 @@ def missing_state(submitter: User, me: User) -> str:
 
 def _base(job: dict[str, Any]) -> dict[str, Any]:
     base = {"kind": job["kind"], "job_id": job["job_id"], "attempt": job.get("attempt", 1)}
+    if "task" in job:  # a task of a prepare array run here, one local job each: said as the task, not as an attempt
+        base.update(task=job["task"], tasks=job.get("tasks"))
     for key in ("submitter", "dependency"):
         if job.get(key):
             base[key] = job[key]
