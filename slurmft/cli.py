@@ -22,16 +22,19 @@ def _err(text: str) -> None:
 
 
 def _load(config: Path, overrides: tuple[str, ...]):  # noqa: ANN202 - returns (RunConfig, ClusterProfile)
+    from slurmft.config import Executor
     from slurmft.config_loading import load_config
-    from slurmft.profiles import load_profile
+    from slurmft.profiles import profile_for_run
 
     cfg = load_config(config, list(overrides))
-    profile = load_profile(cfg.cluster.profile)
+    profile = profile_for_run(cfg)
     if "profile" not in cfg.cluster.model_fields_set:
         # a CPU run (the README's tiny example, the first command a newcomer runs) uses no GPU: its type is noise
         gpus = f"{profile.gpu.type} GPUs ({profile.gpu.memory_gb:g} GB), " if cfg.resources.gpus_per_node else ""
-        _err(f"note: no cluster.profile given; assuming {profile.name!r}: {gpus}{profile.node_memory_gb:g} GB RAM "
-             f"per node (set cluster.profile to yours: `slurmft profiles`, or a path to your own profile .yaml)")
+        ram = (f"this machine's {profile.node_memory_gb:g} GB RAM, where the local executor runs the ranks"
+               if cfg.resolved_executor == Executor.LOCAL else f"{profile.node_memory_gb:g} GB RAM per node")
+        _err(f"note: no cluster.profile given; assuming {profile.name!r}: {gpus}{ram} (set cluster.profile to "
+             f"yours: `slurmft profiles`, or a path to your own profile .yaml)")
     return cfg, profile
 
 
@@ -45,14 +48,14 @@ def _load_plan(config: Path, overrides: tuple[str, ...]):  # noqa: ANN202 - retu
     if config.name != paths.config.name or not paths.manifest.is_file():
         return _load(config, overrides)
     from slurmft.checkpoints import latest_complete
-    from slurmft.profiles import load_profile
+    from slurmft.profiles import profile_for_run
     from slurmft.rundir import read_manifest
     from slurmft.submit.resume import check_overrides, resume_config
 
     check_overrides(list(overrides))
     cfg = resume_config(paths, list(overrides), read_manifest(paths).get("executor", "slurm"),
                         latest_complete(paths.checkpoints), lambda note: _err(f"note: {note}"))
-    return cfg, load_profile(cfg.cluster.profile)
+    return cfg, profile_for_run(cfg)
 
 
 def _checks(cfg, config: Path):  # noqa: ANN001, ANN202 - returns slurmft.plan.checks.Report
