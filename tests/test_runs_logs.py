@@ -203,3 +203,24 @@ def test_status_says_a_local_prepare_arrays_tasks_as_tasks_not_attempts(
     cells = [[c.strip() for c in line.strip("│").split("│")][:3] for line in table]
     assert cells[:2] == [["prepare 1/2", "100", "1"], ["prepare 2/2", "101", "1"]], table
     assert ["prepare", "102", "2"] in cells, table
+
+
+def test_status_says_how_long_a_running_local_job_has_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A local job's elapsed time is written when it ends; while it runs, status said nothing in the elapsed column
+    (seen on examples/tiny/text.yaml's train job): now the time since it started. This process stands in for it."""
+    import json
+    import os
+    import time
+
+    from slurmft.rundir import RunPaths, process_record, read_manifest, write_manifest
+
+    run = local_run(tmp_path)
+    paths = RunPaths.of(run)
+    manifest = read_manifest(paths)
+    job = manifest["jobs"][0]
+    job.pop("state")
+    job.update(process_record(os.getpid()), submitted=time.time() - 125)
+    write_manifest(paths, manifest)
+    main(["status", str(run), "--json"])
+    row = json.loads(capsys.readouterr().out)["jobs"][0]
+    assert row["state"] == "RUNNING" and row["elapsed"] in ("2m05s", "2m06s", "2m07s"), row
