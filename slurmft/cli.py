@@ -149,6 +149,10 @@ def validate(config: Path, overrides: tuple[str, ...]) -> None:
     for line in report.notes:
         click.echo(f"  {line}")
     _prepared_note(cfg)
+    from slurmft.submit.dispatch import run_dir_refusal
+
+    if config.resolve().parent != Path(cfg.output_dir).resolve() and (why := run_dir_refusal(cfg)):
+        click.echo(f"  note: `slurmft submit` would refuse this output_dir: {why}")  # RUN_DIR/config.yaml: a resume
 
 
 def _prepared_note(cfg) -> None:  # noqa: ANN001

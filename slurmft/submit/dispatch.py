@@ -127,6 +127,16 @@ def check_prepares(cfg: RunConfig) -> None:
                                                      "or add --here to only see the counts, in this process"])
 
 
+def run_dir_refusal(cfg: RunConfig) -> str | None:
+    """Why ``submit`` would refuse ``cfg.output_dir`` (:func:`check_run_dir_free`), for ``validate`` to say before
+    the user's ``submit`` meets it; None when it is free."""
+    try:
+        check_run_dir_free(RunPaths.of(cfg.output_dir))
+    except RunDirError as exc:
+        return str(exc)
+    return None
+
+
 def check_run_dir_free(paths: RunPaths) -> None:
     """Refuse a run directory that already holds a run (live or finished) or foreign files."""
     if not paths.root.exists():
