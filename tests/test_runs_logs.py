@@ -52,6 +52,14 @@ def test_run_word() -> None:
     prepare = [{"kind": "prepare", "state": "COMPLETED", "reason": ""}]
     assert run_word(prepare, False) == "prepared"  # `slurmft prepare run.yaml`: no train job yet (was "unknown")
     assert run_word([{**prepare[0], "state": "KILLED"}], False) == "prepare killed"
+    # after consolidation: which check runs or failed (was "checking model" / "done (a check failed)" for both)
+    checked = jobs("COMPLETED", "COMPLETED")
+    assert run_word([*checked, {"kind": "eval", "state": "RUNNING", "reason": ""}], True) == "evaluating"
+    assert run_word([*checked, {"kind": "serve", "state": "PENDING", "reason": ""}], True) == "serve check"
+    assert run_word([*checked, {"kind": "serve", "state": "COMPLETED", "reason": ""},
+                     {"kind": "eval", "state": "FAILED", "reason": ""}], True) == "done (the evaluation failed)"
+    assert run_word([*checked, {"kind": "serve", "state": "FAILED", "reason": ""},
+                     {"kind": "eval", "state": "COMPLETED", "reason": ""}], True) == "done (the serve check failed)"
 
 
 def test_runs_without_an_answer_from_slurm_still_lists_every_run(tmp_path: Path) -> None:
