@@ -111,6 +111,9 @@ def render(config: Path, overrides: tuple[str, ...], out: Path | None, template_
                 point_cfg, profile, RunPaths.of(point_cfg.output_dir), str(config.resolve()), template_dir).items()}
     else:
         scripts = render_scripts(cfg, profile, RunPaths.of(cfg.output_dir), str(config.resolve()), template_dir)
+    if cfg.resolved_executor.value == "local":
+        _err("note: executor local: `slurmft submit` runs these jobs here as processes, not these sbatch scripts; they "
+             "are what executor=slurm would submit (and what the run directory's scripts/ keeps)")
     for kind, text in scripts.items():
         if out:
             atomic_write(out / f"{kind}.sbatch", text)
