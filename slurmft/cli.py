@@ -600,7 +600,10 @@ def prepare(target: Path, overrides: tuple[str, ...], here: bool, template_dir: 
         record = prep.prepare_config_here(cfg)
         click.echo(f"prepared: {summary_line(record)}")
         click.echo(f"data: {Path(cfg.output_dir) / 'prepared'}")
-        click.echo(f"`slurmft submit {target}` reuses it" if cfg.prepare.enabled else
+        import shlex
+
+        again = " ".join(shlex.quote(str(a)) for a in (target, *overrides))  # an output_dir=... given here included
+        click.echo(f"`slurmft submit {again}` reuses it" if cfg.prepare.enabled else
                    "note: prepare.enabled is false in this config, so `slurmft submit` would prepare in the train "
                    "job instead; set prepare.enabled: true to reuse this")
         return

@@ -119,9 +119,12 @@ def test_changed_source_is_refused_by_resume_and_the_train_job_until_prepared_ag
     config.write_text(yaml.safe_dump(raw))
 
     # before any GPU: the counts, from the run.yaml, into output_dir/prepared only
-    proc = _cli("prepare", str(config), "--here")
+    proc = _cli("prepare", str(config), "--here", "train.max_steps=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "60 conversations -> " in proc.stdout and "packing fills" in proc.stdout
+    # the submit that reuses it is given the same overrides (it said `slurmft submit run.yaml` of one prepared with
+    # output_dir=..., whose submit would not have found it)
+    assert f"`slurmft submit {config} train.max_steps=2` reuses it" in proc.stdout, proc.stdout
     assert sorted(p.name for p in run.iterdir()) == ["prepared"]
     proc = _cli("validate", str(config))  # validate sees the counts
     assert proc.returncode == 0 and "prepared data: 60 conversations -> " in proc.stdout, proc.stdout + proc.stderr
