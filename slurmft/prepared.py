@@ -375,9 +375,13 @@ def needed(paths: RunPaths, cfg: RunConfig) -> bool:
 
 def needed_for_new_run(paths: RunPaths, cfg: RunConfig, say: Callable[[str], None]) -> bool:
     """:func:`needed` for a new run: a ``prepared/`` left by ``slurmft prepare run.yaml --here`` that does not
-    match is prepared again by the prepare job (no training has read it), and said so."""
+    match is prepared again by the prepare job (no training has read it), and said so; one that matches is reused,
+    and said so too (else the submit's output would just lack its prepare job, without a word why)."""
     try:
-        return needed(paths, cfg)
+        need = needed(paths, cfg)
     except RunDirError as exc:
         say(f"note: {exc.problems[0] if exc.problems else exc}; the prepare job prepares the data again")
         return True
+    if not need and cfg.prepare.enabled and (record := check(paths, cfg)) is not None:  # said: no prepare job runs
+        say(f"prepared data reused (no prepare job): {summary_line(record)}")
+    return need
