@@ -223,7 +223,7 @@ def submit_run(
     scripts = render_scripts(cfg, profile, paths, config_path, template_dir)  # render errors before any write
     check_executor(executor)
     kept = frozenset({paths.prepared} if paths.prepared.is_dir() else ())  # prepared before the submit
-    need_prepare = prepared.needed_for_new_run(paths, cfg, say)
+    need_prepare = prepare_only or prepared.needed_for_new_run(paths, cfg, say)  # prepare_only prepares anyway
     created = _lock_new_run_dir(paths, say)
     manifest = new_manifest(cfg.name, executor.value, paths.run_id, cfg.objective)
     result = SubmitResult(paths.root, executor.value, scripts={k: paths.script(k) for k in scripts})
