@@ -232,3 +232,26 @@ def test_status_says_how_long_a_running_local_job_has_run(tmp_path: Path, capsys
     main(["status", str(run), "--json"])
     row = json.loads(capsys.readouterr().out)["jobs"][0]
     assert row["state"] == "RUNNING" and row["elapsed"] in ("2m05s", "2m06s", "2m07s"), row
+
+
+def test_logs_of_a_job_run_with_here_say_it_kept_no_log_file(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`slurmft logs RUN_DIR --job eval` after `slurmft eval RUN_DIR --here` (and --job consolidate after
+    `consolidate --here`) died with a KeyError traceback: such a job printed to its terminal and recorded no log
+    file. Said now, exit 2; --attempt counts only the jobs that have a log."""
+    from cli_runner import cli
+
+    from slurmft.rundir import RunPaths, read_manifest, record_job, write_manifest
+
+    run = local_run(tmp_path)
+    paths = RunPaths.of(run)
+    manifest = read_manifest(paths)
+    record_job(manifest, "eval", "here-1-2", here=True, state="COMPLETED")
+    write_manifest(paths, manifest)
+    for extra in ([], ["-f"], ["--rank", "0"], ["--attempt", "1"]):
+        code, out, err = cli(["logs", str(run), "--job", "eval", *extra], capsys)
+        assert code == 2 and "Traceback" not in err, (extra, err)
+        assert f"the newest eval job of {run}, here-1-2, ran in a terminal (`slurmft eval --here`), which keeps no " \
+            "log file" in err, (extra, err)
+    code, out, err = cli(["logs", str(run), "--job", "train", "--attempt", "1"], capsys)
+    assert code == 0 and "rank 1: completed" in out, err

@@ -38,9 +38,23 @@ def newest_job(paths: RunPaths, kind: str) -> dict[str, Any]:
     return job
 
 
+def _in_a_terminal(job: dict[str, Any]) -> bool:
+    """A job ``slurmft consolidate/serve/eval --here`` ran in its own process: it printed to the terminal and
+    recorded no log file (a Slurm job's log path is known from its id)."""
+    return bool(job.get("here")) and not job.get("logs") and not job.get("log")
+
+
+def _terminal_error(run_dir: Path, kind: str, job: dict[str, Any]) -> RunDirError:
+    return RunDirError(f"the newest {kind} job of {run_dir}, {job['job_id']}, ran in a terminal (`slurmft {kind} "
+                       f"--here`), which keeps no log file: what it printed there is its log; its result: "
+                       f"`slurmft status {run_dir}`")
+
+
 def log_files(run_dir: Path, kind: str) -> list[Path]:
     """Log files of the newest job of ``kind`` (one per rank for local runs, one for Slurm)."""
     job = newest_job(RunPaths.of(run_dir), kind)
+    if _in_a_terminal(job):
+        raise _terminal_error(run_dir, kind, job)
     files = [Path(p) for p in job.get("logs", [])] or [Path(job["log"])]
     return [f for out in files for f in (out, *_stderr_of(out))]
 
@@ -227,6 +241,8 @@ def log_attempts(run_dir: Path, kind: str = "train") -> list[LogAttempt]:
     for job in manifest.get("jobs", []):
         if job.get("kind") != kind:
             continue
+        if _in_a_terminal(job):  # no file: not an attempt `--attempt K` can show
+            continue
         jid = str(job["job_id"])
         if job.get("logs"):  # local: per-rank files
             files = [Path(p) for p in job["logs"]]
@@ -237,7 +253,8 @@ def log_attempts(run_dir: Path, kind: str = "train") -> list[LogAttempt]:
             attempt.files = [log]
             out.append(attempt)
     if not out:
-        raise _no_job(paths, kind)
+        terminal = [j for j in manifest.get("jobs", []) if j.get("kind") == kind and _in_a_terminal(j)]
+        raise _terminal_error(run_dir, kind, terminal[-1]) if terminal else _no_job(paths, kind)
     return out
 
 
