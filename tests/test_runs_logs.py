@@ -255,3 +255,31 @@ def test_logs_of_a_job_run_with_here_say_it_kept_no_log_file(tmp_path: Path,
             "log file" in err, (extra, err)
     code, out, err = cli(["logs", str(run), "--job", "train", "--attempt", "1"], capsys)
     assert code == 0 and "rank 1: completed" in out, err
+
+
+def test_status_of_a_local_prepare_shows_its_progress_from_the_err_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A local prepare job's datasets progress bars go to submitit's ``<id>_0_log.err`` (its stderr), and status
+    read only the ``.out``: `preparing (job J): starting` for the whole preparation. This process stands in for the
+    live job; the bar is one datasets writes."""
+    import json
+    import os
+    import time
+
+    from slurmft.rundir import RunPaths, process_record, read_manifest, record_job, write_manifest
+
+    run = local_run(tmp_path)
+    paths = RunPaths.of(run)
+    manifest = read_manifest(paths)
+    manifest["jobs"] = []
+    out = run / "submitit" / "77_0_log.out"
+    out.write_text("submitit INFO - Starting\n")
+    out.with_suffix(".err").write_text(
+        "[slurmft prepare 12:00:00] loaded 809 conversations\n"
+        "Tokenizing train dataset (num_proc=1):  49%|████▉     | 400/809 [00:10<00:10, 40.10 examples/s]\r")
+    record_job(manifest, "prepare", "77", **process_record(os.getpid()), submitted=time.time(), logs=[str(out)])
+    write_manifest(paths, manifest)
+    main(["status", str(run), "--json"])
+    running = json.loads(capsys.readouterr().out)["prepared"]["running"]
+    assert running == {"job_id": "77", "progress": "Tokenizing train dataset (num_proc=1): 400/809 rows, "
+                                                   "40.10 examples/s, ETA 00:10"}, running
