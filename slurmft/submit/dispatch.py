@@ -609,16 +609,30 @@ def run_local_consolidation(
     return str(cons.job_id)
 
 
+#: How often a local prepare job's newest progress line (datasets' rows/s and ETA) is said while it runs: a corpus
+#: takes minutes to hours, and its bars go to the job's log, not to the terminal that waits.
+PREPARE_PROGRESS_EVERY_S = 30.0
+
+
 def _wait_local(job: Any, kind: str, paths: RunPaths, manifest: dict[str, Any], say: Say) -> None:
-    """Wait for a local job, showing progress from metrics.jsonl; record its final state."""
-    t0 = time.time()
+    """Wait for a local job, showing progress from metrics.jsonl (a prepare job: its log's progress line, every
+    :data:`PREPARE_PROGRESS_EVERY_S`); record its final state."""
+    from slurmft.watch.progress import log_progress
+
+    t0 = shown_at = time.time()
     steps = MetricsFollower(paths.metrics)
+    logs, shown = manifest["jobs"][-1].get("logs") or [], None
     try:
         while not job.done():
             time.sleep(1.0)
             if kind == "train":
                 for line in steps.new_lines():
                     say(f"  {line}")
+            elif kind == "prepare" and logs and time.time() - shown_at >= PREPARE_PROGRESS_EVERY_S:
+                shown_at, line = time.time(), log_progress(Path(logs[0]))
+                if line and line != shown:
+                    say(f"  {line}")
+                    shown = line
         if kind == "train":
             for line in steps.new_lines():  # the steps logged in the last second
                 say(f"  {line}")
