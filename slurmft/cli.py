@@ -22,16 +22,19 @@ def _err(text: str) -> None:
 
 
 def _load(config: Path, overrides: tuple[str, ...]):  # noqa: ANN202 - returns (RunConfig, ClusterProfile)
+    from slurmft.config import Executor
     from slurmft.config_loading import load_config
-    from slurmft.profiles import load_profile
+    from slurmft.profiles import profile_for_run
 
     cfg = load_config(config, list(overrides))
-    profile = load_profile(cfg.cluster.profile)
+    profile = profile_for_run(cfg)
     if "profile" not in cfg.cluster.model_fields_set:
         # a CPU run (the README's tiny example, the first command a newcomer runs) uses no GPU: its type is noise
         gpus = f"{profile.gpu.type} GPUs ({profile.gpu.memory_gb:g} GB), " if cfg.resources.gpus_per_node else ""
-        _err(f"note: no cluster.profile given; assuming {profile.name!r}: {gpus}{profile.node_memory_gb:g} GB RAM "
-             f"per node (set cluster.profile to yours: `slurmft profiles`, or a path to your own profile .yaml)")
+        ram = (f"this machine's {profile.node_memory_gb:g} GB RAM, where the local executor runs the ranks"
+               if cfg.resolved_executor == Executor.LOCAL else f"{profile.node_memory_gb:g} GB RAM per node")
+        _err(f"note: no cluster.profile given; assuming {profile.name!r}: {gpus}{ram} (set cluster.profile to "
+             f"yours: `slurmft profiles`, or a path to your own profile .yaml)")
     return cfg, profile
 
 
@@ -45,14 +48,14 @@ def _load_plan(config: Path, overrides: tuple[str, ...]):  # noqa: ANN202 - retu
     if config.name != paths.config.name or not paths.manifest.is_file():
         return _load(config, overrides)
     from slurmft.checkpoints import latest_complete
-    from slurmft.profiles import load_profile
+    from slurmft.profiles import profile_for_run
     from slurmft.rundir import read_manifest
     from slurmft.submit.resume import check_overrides, resume_config
 
     check_overrides(list(overrides))
     cfg = resume_config(paths, list(overrides), read_manifest(paths).get("executor", "slurm"),
                         latest_complete(paths.checkpoints), lambda note: _err(f"note: {note}"))
-    return cfg, load_profile(cfg.cluster.profile)
+    return cfg, profile_for_run(cfg)
 
 
 def _checks(cfg, config: Path):  # noqa: ANN001, ANN202 - returns slurmft.plan.checks.Report
@@ -108,6 +111,9 @@ def render(config: Path, overrides: tuple[str, ...], out: Path | None, template_
                 point_cfg, profile, RunPaths.of(point_cfg.output_dir), str(config.resolve()), template_dir).items()}
     else:
         scripts = render_scripts(cfg, profile, RunPaths.of(cfg.output_dir), str(config.resolve()), template_dir)
+    if cfg.resolved_executor.value == "local":
+        _err("note: executor local: `slurmft submit` runs these jobs here as processes, not these sbatch scripts; they "
+             "are what executor=slurm would submit (and what the run directory's scripts/ keeps)")
     for kind, text in scripts.items():
         if out:
             atomic_write(out / f"{kind}.sbatch", text)
@@ -146,6 +152,10 @@ def validate(config: Path, overrides: tuple[str, ...]) -> None:
     for line in report.notes:
         click.echo(f"  {line}")
     _prepared_note(cfg)
+    from slurmft.submit.dispatch import run_dir_refusal
+
+    if config.resolve().parent != Path(cfg.output_dir).resolve() and (why := run_dir_refusal(cfg)):
+        click.echo(f"  note: `slurmft submit` would refuse this output_dir: {why}")  # RUN_DIR/config.yaml: a resume
 
 
 def _prepared_note(cfg) -> None:  # noqa: ANN001
@@ -301,7 +311,8 @@ def status(run_dir: Path, as_json: bool) -> None:
     for r in rows:
         by = r.get("submitter") or {}
         theirs = f" ({by.get('user')}'s)" if state.owner and by.get("uid", state.owner.uid) != state.owner.uid else ""
-        table.add_row(r["kind"], r["job_id"] + (" (adopted)" if r.get("adopted") else "") + theirs,
+        kind = r["kind"] + (f" {r['task'] + 1}/{r['tasks']}" if "task" in r else "")  # the array task
+        table.add_row(kind, r["job_id"] + (" (adopted)" if r.get("adopted") else "") + theirs,
                       str(r["attempt"]), r["state"], r["reason"], str(r["restarts"]), r["elapsed"])
     Console().print(table)
     for r in rows:  # what each state means, one unwrapped line per job
@@ -584,7 +595,10 @@ def prepare(target: Path, overrides: tuple[str, ...], here: bool, template_dir: 
         record = prep.prepare_config_here(cfg)
         click.echo(f"prepared: {summary_line(record)}")
         click.echo(f"data: {Path(cfg.output_dir) / 'prepared'}")
-        click.echo(f"`slurmft submit {target}` reuses it" if cfg.prepare.enabled else
+        import shlex
+
+        again = " ".join(shlex.quote(str(a)) for a in (target, *overrides))  # an output_dir=... given here included
+        click.echo(f"`slurmft submit {again}` reuses it" if cfg.prepare.enabled else
                    "note: prepare.enabled is false in this config, so `slurmft submit` would prepare in the train "
                    "job instead; set prepare.enabled: true to reuse this")
         return

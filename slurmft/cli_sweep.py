@@ -41,18 +41,33 @@ def submit(config: Path, overrides: tuple[str, ...], profile, force: bool,  # no
     for kind, job_id in result.jobs.items():  # on Slurm each job but the shared prepare job is an array of the points
         click.echo(f"{kind} job: {job_id}" if kind == "prepare" or result.executor != "slurm" else
                    f"{kind} jobs: array {job_id} ({n} points, {min(n, sweep.cfg.sweep.parallel or n)} at a time)")
-    click.echo(f"follow with: slurmft status {result.root}")
+    ending(result.root, result.executor)
     if result.failed:
         raise SystemExit(1)
 
 
+def ending(root: Path, executor: str) -> None:
+    """A Slurm sweep's jobs have only been queued: how to follow them. A local sweep's points have all run by now
+    (a point that failed included): its ranking and best point, as ``slurmft status SWEEP_DIR`` says them, not a
+    'follow with' that suggests something still runs."""
+    if executor == "slurm":
+        click.echo(f"follow with: slurmft status {root}")
+        return
+    from slurmft.watch.sweep import status_lines
+
+    for line in status_lines(root):
+        click.echo(line)
+
+
 def resume(root: Path, overrides: tuple[str, ...], template_dir: str | None, force: bool) -> None:
     """``slurmft resume SWEEP_DIR``: each point that can go on; exits 1 when one was refused."""
+    from slurmft.rundir import SweepPaths, read_sweep_record
     from slurmft.submit.sweep import resume_sweep
 
     done = resume_sweep(root, list(overrides), template_dir, say=err, force=force)
     for line in done.lines(root):
         click.echo(line)
+    ending(root, read_sweep_record(SweepPaths(root))["executor"])
     if done.refused:
         raise SystemExit(1)
 

@@ -332,6 +332,16 @@ def sequences(cfg: RunConfig) -> int | None:
     return result["sequences"] if result else None
 
 
+def row_words(settings: dict[str, Any]) -> str:
+    """What the rows of a preparation with these ``settings`` (its record's) are, in words: the summary line and the
+    prepare job's log both say them, so a plain-text corpus is never called conversations."""
+    sources = [s for s in settings.get("sources") or [] if isinstance(s, dict)]
+    text = sum("documents" in s for s in sources)  # a plain-text source's settings say how it splits into documents
+    return ("preference pairs" if settings.get("method") == "dpo" else "prompts" if settings.get("method") == "grpo"
+            else "documents" if text and text == len(sources) else "documents and conversations" if text
+            else "conversations")
+
+
 def summary_line(record: dict[str, Any]) -> str:
     """``1,000 conversations -> 120 sequences of <= 512 tokens, 51,234 tokens (83% of the packed slots), 12.3 s``
     (``documents`` for plain text, ``preference pairs`` for DPO: what the rows are)."""
@@ -343,10 +353,7 @@ def summary_line(record: dict[str, Any]) -> str:
         took = f", prepared in {r['seconds']:.1f} s" if isinstance(r.get("seconds"), int | float) else ""
         return f"{r.get('sequences', 0):,} prompts (not tokenized: GRPO renders them at every generation){took}"
     settings = record.get("settings", {})
-    sources = [s for s in settings.get("sources") or [] if isinstance(s, dict)]
-    text = sum("documents" in s for s in sources)  # a plain-text source's settings say how it splits into documents
-    rows = ("preference pairs" if settings.get("method") == "dpo" else "documents" if text and text == len(sources)
-            else "documents and conversations" if text else "conversations")
+    rows = row_words(settings)
     made = (f"(each a chosen and a rejected sequence of <= {settings.get('max_seq_length')} tokens)"
             if settings.get("method") == "dpo" else  # a pair is one row of the data set, scored as two sequences
             f"-> {r.get('sequences', 0):,} sequences of <= {settings.get('max_seq_length')} tokens")
@@ -368,9 +375,13 @@ def needed(paths: RunPaths, cfg: RunConfig) -> bool:
 
 def needed_for_new_run(paths: RunPaths, cfg: RunConfig, say: Callable[[str], None]) -> bool:
     """:func:`needed` for a new run: a ``prepared/`` left by ``slurmft prepare run.yaml --here`` that does not
-    match is prepared again by the prepare job (no training has read it), and said so."""
+    match is prepared again by the prepare job (no training has read it), and said so; one that matches is reused,
+    and said so too (else the submit's output would just lack its prepare job, without a word why)."""
     try:
-        return needed(paths, cfg)
+        need = needed(paths, cfg)
     except RunDirError as exc:
         say(f"note: {exc.problems[0] if exc.problems else exc}; the prepare job prepares the data again")
         return True
+    if not need and cfg.prepare.enabled and (record := check(paths, cfg)) is not None:  # said: no prepare job runs
+        say(f"prepared data reused (no prepare job): {summary_line(record)}")
+    return need

@@ -96,6 +96,26 @@ def load_profile(name_or_path: str) -> ClusterProfile:
         raise ConfigError(f"cluster.profile: {path} is not a valid profile", format_validation_error(err)) from None
 
 
+def machine_memory_gb() -> float:
+    """This machine's physical memory in GB (10^9 bytes, as ``node_memory_gb``)."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+
+
+def profile_for_run(cfg: RunConfig) -> ClusterProfile:
+    """``cfg``'s cluster profile. A local run (``executor: local``, or ``auto`` without sbatch) that names no profile
+    runs its ranks on this machine: the default profile's 512 GB node would have ``estimate`` and ``validate`` judge
+    a run that needs more RAM than this machine has as fitting, so its ``node_memory_gb`` is this machine's. A
+    profile the config names is taken as written (a local rehearsal of a cluster's run)."""
+    from slurmft.config import Executor
+
+    profile = load_profile(cfg.cluster.profile)
+    if "profile" in cfg.cluster.model_fields_set or cfg.resolved_executor != Executor.LOCAL:
+        return profile
+    return profile.model_copy(update={"node_memory_gb": round(machine_memory_gb(), 1)})
+
+
 def _profile_data(name_or_path: str) -> tuple[Path, dict[str, object]]:
     """The profile file and its mapping, on top of its ``base:`` profile's (a shipped name or a path), on top of that
     one's base, and so on: the base's variables stay unless the file sets them again, every other key of the file

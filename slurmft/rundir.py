@@ -484,7 +484,11 @@ def record_job(manifest: dict[str, Any], kind: str, job_id: str, **extra: Any) -
     """Append one job (prepare, train or consolidate) to the manifest and return its entry, with who submitted it
     (``submitter``: this process's real uid and name; a teammate's ``resume --force`` submits under the teammate's
     uid, and under ``PrivateData=jobs`` the run's owner cannot see that job: :func:`job_submitter`)."""
-    attempt = 1 + sum(1 for j in manifest["jobs"] if j["kind"] == kind)
+    same = [j for j in manifest["jobs"] if j["kind"] == kind]
+    if extra.get("task"):  # a later task of a local prepare array (slurmft/submit/arrays.py): the array's attempt
+        attempt = same[-1]["attempt"] if same else 1
+    else:  # an array run here counts once (its task 0), as a Slurm array's one entry does
+        attempt = 1 + sum(1 for j in same if not j.get("task"))
     entry = {"kind": kind, "job_id": str(job_id), "attempt": attempt, "submitted": time.time(),
              "submitter": current_user().record(), **extra}
     manifest["jobs"].append(entry)

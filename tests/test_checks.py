@@ -463,6 +463,44 @@ def test_validate_and_estimate_say_which_profile_they_assumed(tmp_path: Path, mo
         assert "note: no cluster.profile given; assuming 'ethernet': 512 GB RAM per node" in err and "GPU" not in err
 
 
+def test_validate_says_when_submit_would_refuse_the_output_dir(tmp_path: Path, model_dir: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`validate run.yaml` said ok of a config whose output_dir holds a finished run, and `submit` then refused it
+    (seen re-running examples/tiny/text.yaml): validate says so beforehand. RUN_DIR/config.yaml is a resume's check
+    and a free output_dir says nothing."""
+    from runfixture import local_run
+
+    path = write_run(tmp_path, model_dir, jsonl(tmp_path / "c.jsonl", [CHAT]))
+    code, out, err = cli(["validate", str(path)], capsys)
+    assert code == 0 and "would refuse" not in out, err
+    run = local_run(tmp_path, "run")  # write_run's output_dir, now a finished run
+    code, out, err = cli(["validate", str(path)], capsys)
+    assert code == 0, err
+    assert f"note: `slurmft submit` would refuse this output_dir: output_dir {run} already holds a " in out, out
+    code, out, err = cli(["submit", str(path)], capsys)
+    assert code == 2 and f"output_dir {run} already holds a " in err
+
+
+def test_a_local_run_without_a_profile_is_estimated_with_this_machines_ram(
+        tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A local run's ranks run here: `estimate` (and validate/submit's fit check) counts this machine's RAM, not the
+    default profile's 512 GB node (examples/tiny/text.yaml on a 25 GB machine was said to have 256 GB per rank)."""
+    import os
+
+    path = write_run(tmp_path, model_dir, jsonl(tmp_path / "c.jsonl", [CHAT]), cluster=None)
+    here = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1)
+    for executor, node_gb in (("local", here), ("slurm", 512)):
+        code, out, err = cli(["estimate", str(path), f"executor={executor}", "--json"], capsys)
+        assert code == 0, err
+        assert json.loads(out)["cpu_ram_per_node"]["capacity"] == int(node_gb * 1e9)
+        assert json.loads(out)["per_gpu"]["capacity"] == int(node_gb * 1e9) // 2  # 2 ranks share the node
+        assert (f"this machine's {here:g} GB RAM, where the local executor runs the ranks" in err) == \
+            (executor == "local"), err
+    # a profile the config names is taken as written, locally too
+    code, out, err = cli(["estimate", str(path), "executor=local", "cluster.profile=ethernet", "--json"], capsys)
+    assert code == 0 and json.loads(out)["cpu_ram_per_node"]["capacity"] == 512 * 10**9 and "note:" not in err
+
+
 # ====================================================================== preference data (dpo:)
 PAIR = {"prompt": "What is 2 plus 2?", "chosen": "4.", "rejected": "5."}
 HH = {"chosen": "\n\nHuman: What is 2 plus 2?\n\nAssistant: 4.", "rejected": "\n\nHuman: What is 2 plus 2?\n\nAssistant: 5."}

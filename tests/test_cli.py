@@ -151,3 +151,22 @@ def test_existing_run_dir_is_never_clobbered(tmp_path: Path, capsys: pytest.Capt
     code, err = run_cli(["submit", str(path)], capsys)
     assert code == 2 and "not empty" in err
     assert (run / "precious.txt").read_text() == "keep me" and sorted(p.name for p in run.iterdir()) == ["precious.txt"]
+
+
+def test_render_of_a_local_config_says_its_scripts_are_not_what_runs(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """`slurmft render examples/tiny/text.yaml` printed sbatch scripts (--mem=32G, srun, SUBMITIT_EXECUTOR=slurm) with
+    nothing saying the local executor never runs them: it says so now; a Slurm config is not told."""
+    (tmp_path / "d.jsonl").write_text('{"text": "### Human: hi### Assistant: yo"}\n')
+    path = tmp_path / "run.yaml"
+    path.write_text(f"name: r\noutput_dir: {tmp_path / 'out'}\nmodel: {{name_or_path: gpt2}}\n"
+                    "data: {datasets: [{path: ./d.jsonl}]}\n")
+    from cli_runner import cli
+
+    local = ["executor=local", "resources.nodes=1", "resources.gpus_per_node=0", "resources.tasks_per_node=2"]
+    code, _, err = cli(["render", str(path), *local], capsys)
+    assert code == 0 and "note: executor local: `slurmft submit` runs these jobs here as processes, not these " \
+        "sbatch scripts" in err, err
+    code, _, err = cli(["render", str(path), "executor=slurm"], capsys)
+    assert code == 0 and "executor local" not in err, err
+    assert not (tmp_path / "out").exists()

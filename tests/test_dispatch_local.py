@@ -58,3 +58,32 @@ def test_tiny_example_trains_and_consolidates_locally(local_tiny_run: Path, tiny
     rows = json.loads(capsys.readouterr().out)["jobs"]
     assert [(r["kind"], r["state"]) for r in rows] == [("prepare", "COMPLETED"), ("train", "COMPLETED"),
                                                        ("consolidate", "COMPLETED"), *after]
+
+
+def test_a_local_prepare_job_says_its_progress_while_submit_waits(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`slurmft submit` of a local run said `prepare job J started here` and nothing more until the preparation
+    ended: its progress bars go to the job's log. The wait now says the newest progress line now and then. A real
+    submitit local job stands in for the prepare job: it writes one bar of datasets' form to its stderr, as
+    `datasets` does, and lives 4 s."""
+    import subprocess
+
+    from submitit import LocalExecutor
+    from submitit.core.utils import JobPaths
+
+    from slurmft.rundir import new_manifest, record_job
+    from slurmft.submit import dispatch
+
+    monkeypatch.setattr(dispatch, "PREPARE_PROGRESS_EVERY_S", 1.0, raising=False)
+    paths = RunPaths.of(tmp_path / "run")
+    (paths.root / "submitit").mkdir(parents=True)
+    bar = "Tokenizing train dataset (num_proc=1):  49%|####9     | 400/809 [00:10<00:10, 40.10 examples/s]"
+    ex = LocalExecutor(folder=paths.submitit)
+    ex.update_parameters(timeout_min=2)
+    job = ex.submit(subprocess.run, ["sh", "-c", "printf '%s\\r' \"$0\" >&2; sleep 4", bar], check=True)
+    manifest = new_manifest("r", "local")
+    record_job(manifest, "prepare", job.job_id, logs=[str(JobPaths(paths.submitit, job.job_id, 0).stdout)])
+    said: list[str] = []
+    dispatch._wait_local(job, "prepare", paths, manifest, said.append)
+    assert said[0] == "  Tokenizing train dataset (num_proc=1): 400/809 rows, 40.10 examples/s, ETA 00:10", said
+    assert said.count(said[0]) == 1 and said[-1].startswith(f"prepare job {job.job_id} completed in "), said

@@ -795,6 +795,13 @@ def test_grpo_counts_the_reference_copy_only_when_beta_is_positive():
     assert any("the generation (transformers' generate, one call over the rank's 1 completions) as its KV cache" in a
                for a in kl["assumptions"])  # counted: tests/test_estimate_grpo.py
     assert not any("GRPO" in a for a in sft["assumptions"])
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(T.render_table(kl))
+    text = console.export_text()  # GRPO's KL reference is not DPO's: a GRPO table once said "+ DPO reference"
+    weights = next(line for line in text.splitlines() if "│ weights" in line)
+    assert "+ GRPO KL reference" in weights and "DPO" not in weights, weights
 
 
 def test_lora_table_says_what_trains():

@@ -126,6 +126,14 @@ def test_report_numbers_match_the_metrics(tmp_path: Path) -> None:
     assert "![loss and learning rate](loss.png)" in text and (run / "loss.png").stat().st_size > 10_000
 
 
+def test_a_local_runs_report_names_no_partition(tmp_path: Path) -> None:
+    """A local run's report said 'local executor, profile `ethernet`, the cluster's default partition' (seen on
+    examples/tiny/text.yaml): it ran on this machine, in no partition."""
+    text = write_report(local_run(tmp_path)).read_text()
+    assert "local executor, on this machine (no partition, no profile's network), time limit" in text, text
+    assert "partition`" not in text and "default partition" not in text
+
+
 def test_report_cli_and_a_report_failure_never_raises(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = local_run(tmp_path)
     main(["report", str(run)])

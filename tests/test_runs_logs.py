@@ -52,6 +52,14 @@ def test_run_word() -> None:
     prepare = [{"kind": "prepare", "state": "COMPLETED", "reason": ""}]
     assert run_word(prepare, False) == "prepared"  # `slurmft prepare run.yaml`: no train job yet (was "unknown")
     assert run_word([{**prepare[0], "state": "KILLED"}], False) == "prepare killed"
+    # after consolidation: which check runs or failed (was "checking model" / "done (a check failed)" for both)
+    checked = jobs("COMPLETED", "COMPLETED")
+    assert run_word([*checked, {"kind": "eval", "state": "RUNNING", "reason": ""}], True) == "evaluating"
+    assert run_word([*checked, {"kind": "serve", "state": "PENDING", "reason": ""}], True) == "serve check"
+    assert run_word([*checked, {"kind": "serve", "state": "COMPLETED", "reason": ""},
+                     {"kind": "eval", "state": "FAILED", "reason": ""}], True) == "done (the evaluation failed)"
+    assert run_word([*checked, {"kind": "serve", "state": "FAILED", "reason": ""},
+                     {"kind": "eval", "state": "COMPLETED", "reason": ""}], True) == "done (the serve check failed)"
 
 
 def test_runs_without_an_answer_from_slurm_still_lists_every_run(tmp_path: Path) -> None:
@@ -278,3 +286,103 @@ def test_logs_of_a_job_run_in_a_terminal_says_where_its_output_went(tmp_path: Pa
         with pytest.raises(RunDirError, match="ran in the terminal that started it .`slurmft consolidate --here`."):
             read()
     assert "ran in the terminal" in select_lines(run, "consolidate", attempt=2)[-1]
+
+
+def test_status_says_a_local_prepare_arrays_tasks_as_tasks_not_attempts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The local executor runs a prepare array (``prepare.tasks: 2``, examples/tiny/text.yaml) as one local job per
+    task, each recorded as slurmft/submit/arrays.py records it. ``status`` once showed the second task as the prepare
+    job's attempt 2 (a retry, to a reader); a later preparation (a resume's) is the prepare job's attempt 2."""
+    from slurmft.rundir import RunPaths, read_manifest, record_job, write_manifest
+
+    run = local_run(tmp_path)
+    paths = RunPaths.of(run)
+    manifest = read_manifest(paths)
+    manifest["jobs"] = []
+    for k, job_id in enumerate(("100", "101")):  # as run_local_array records them
+        record_job(manifest, "prepare", job_id, task=k, tasks=2, state="COMPLETED", elapsed_s=5.0)
+    record_job(manifest, "train", "4242", state="COMPLETED", pid=4242, elapsed_s=17.0)
+    again = record_job(manifest, "prepare", "102", state="COMPLETED", elapsed_s=5.0)
+    write_manifest(paths, manifest)
+    assert [j["attempt"] for j in manifest["jobs"]] == [1, 1, 1, 2] and again["attempt"] == 2
+    main(["status", str(run)])
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    cells = [[c.strip() for c in line.strip("│").split("│")][:3] for line in table]
+    assert cells[:2] == [["prepare 1/2", "100", "1"], ["prepare 2/2", "101", "1"]], table
+    assert ["prepare", "102", "2"] in cells, table
+
+
+def test_status_says_how_long_a_running_local_job_has_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A local job's elapsed time is written when it ends; while it runs, status said nothing in the elapsed column
+    (seen on examples/tiny/text.yaml's train job): now the time since it started. This process stands in for it."""
+    import json
+    import os
+    import time
+
+    from slurmft.rundir import RunPaths, process_record, read_manifest, write_manifest
+
+    run = local_run(tmp_path)
+    paths = RunPaths.of(run)
+    manifest = read_manifest(paths)
+    job = manifest["jobs"][0]
+    job.pop("state")
+    job.update(process_record(os.getpid()), submitted=time.time() - 125)
+    write_manifest(paths, manifest)
+    main(["status", str(run), "--json"])
+    row = json.loads(capsys.readouterr().out)["jobs"][0]
+    assert row["state"] == "RUNNING" and row["elapsed"] in ("2m05s", "2m06s", "2m07s"), row
+
+
+def test_logs_of_a_job_run_with_here_say_it_kept_no_log_file(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`slurmft logs RUN_DIR --job eval` after `slurmft eval RUN_DIR --here` (and --job consolidate after
+    `consolidate --here`) died with a KeyError traceback: such a job printed to its terminal and recorded no log
+    file. Said now, exit 2; --rank and --attempt show the same words as that attempt's."""
+    from cli_runner import cli
+
+    from slurmft.rundir import RunPaths, read_manifest, record_job, write_manifest
+
+    run = local_run(tmp_path)
+    paths = RunPaths.of(run)
+    manifest = read_manifest(paths)
+    record_job(manifest, "eval", "here-1-2", here=True, state="COMPLETED")
+    write_manifest(paths, manifest)
+    said = (f"eval job here-1-2 of {run} ran in the terminal that started it (`slurmft eval --here`), which keeps "
+            "no log file")
+    for extra in ([], ["-f"]):
+        code, out, err = cli(["logs", str(run), "--job", "eval", *extra], capsys)
+        assert code == 2 and "Traceback" not in err, (extra, err)
+        assert said in err, (extra, err)
+    for extra in (["--rank", "0"], ["--attempt", "1"]):  # a snapshot of the attempts: this one's is these words
+        code, out, err = cli(["logs", str(run), "--job", "eval", *extra], capsys)
+        assert code == 0 and said in out and "Traceback" not in err, (extra, out, err)
+    code, out, err = cli(["logs", str(run), "--job", "train", "--attempt", "1"], capsys)
+    assert code == 0 and "rank 1: completed" in out, err
+
+
+def test_status_of_a_local_prepare_shows_its_progress_from_the_err_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A local prepare job's datasets progress bars go to submitit's ``<id>_0_log.err`` (its stderr), and status
+    read only the ``.out``: `preparing (job J): starting` for the whole preparation. This process stands in for the
+    live job; the bar is one datasets writes."""
+    import json
+    import os
+    import time
+
+    from slurmft.rundir import RunPaths, process_record, read_manifest, record_job, write_manifest
+
+    run = local_run(tmp_path)
+    paths = RunPaths.of(run)
+    manifest = read_manifest(paths)
+    manifest["jobs"] = []
+    out = run / "submitit" / "77_0_log.out"
+    out.write_text("submitit INFO - Starting\n")
+    out.with_suffix(".err").write_text(
+        "[slurmft prepare 12:00:00] loaded 809 conversations\n"
+        "Tokenizing train dataset (num_proc=1):  49%|████▉     | 400/809 [00:10<00:10, 40.10 examples/s]\r")
+    record_job(manifest, "prepare", "77", **process_record(os.getpid()), submitted=time.time(), logs=[str(out)])
+    write_manifest(paths, manifest)
+    main(["status", str(run), "--json"])
+    running = json.loads(capsys.readouterr().out)["prepared"]["running"]
+    assert running == {"job_id": "77", "progress": "Tokenizing train dataset (num_proc=1): 400/809 rows, "
+                                                   "40.10 examples/s, ETA 00:10"}, running

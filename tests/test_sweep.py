@@ -178,6 +178,8 @@ def test_local_sweep_runs_the_points_one_after_another(tmp_path: Path, micro_mod
     code, out, err = cli(["submit", str(path)], capsys)
     assert code == 0, err
     assert "point(s), executor local, profile local-test, ranked by loss (min))" in out  # no eval section
+    # every point has run: submit ends with the ranking status shows, not a 'follow with' (as if jobs were queued)
+    assert "follow with" not in out and "best: learning_rate-0.00" in out and "(#1)" in out, out
     root = tmp_path / "out"
     first, second = root / "learning_rate-0.001", root / "learning_rate-0.003"
     assert err.count("prepare job") == 2  # started + completed: one prepare job for both points
@@ -207,6 +209,7 @@ def test_local_sweep_runs_the_points_one_after_another(tmp_path: Path, micro_mod
     assert os.readlink(root / "best") == f"{best['name']}/model"
     code, out, _ = cli(["resume", str(root)], capsys)
     assert code == 0 and f"finished: {first.name}, {second.name}" in out  # nothing died: nothing re-submitted
+    assert "follow with" not in out and f"best: {best['name']} (" in out, out
     code, _, err = cli(["submit", str(path)], capsys)
     assert code == 2 and "already holds a sweep" in err
     code, out, err = cli(["plot", str(root)], capsys)  # every point's loss on one picture

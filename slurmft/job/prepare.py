@@ -363,8 +363,8 @@ def load_run(run_dir: str, num_proc: int | None = None, cfg: RunConfig | None = 
                               cfg.train.seed, tokenizer, method=cfg.method.value,
                               files=files(cfg, before) if files else None)
     t_loaded = time.time()
-    log.info("loaded %d conversations in %.1f s (%.0f rows/s); TRL's preparation next (%s, max_length %d, "
-             "num_proc %s)", len(mixed), t_loaded - t0, len(mixed) / max(t_loaded - t0, 1e-9),
+    log.info("loaded %d %s in %.1f s (%.0f rows/s); TRL's preparation next (%s, max_length %d, "
+             "num_proc %s)", len(mixed), prepared.row_words(before.get("settings", {})), t_loaded - t0, len(mixed) / max(t_loaded - t0, 1e-9),
              "DPO pairs" if cfg.dpo else "GRPO prompts, not tokenized" if cfg.grpo else "packing" if cfg.data.packing else "no packing", cfg.data.max_seq_length,
              num_proc or 1)
     return Loaded(paths, cfg, tokenizer, mixed, before, num_proc, t0)
@@ -394,8 +394,8 @@ def save_prepared(run: Loaded, make: Callable[[Path], Any], t_start: float, extr
     try:
         ready = make(staging)
         t_ready = time.time()
-        log.info("TRL prepared %d conversations into %d sequences in %.1f s (%.0f rows/s)", len(mixed), len(ready),
-                 t_ready - t_start, len(mixed) / max(t_ready - t_start, 1e-9))
+        log.info("TRL prepared %d %s into %d sequences in %.1f s (%.0f rows/s)", len(mixed),
+                 prepared.row_words(run.before.get("settings", {})), len(ready), t_ready - t_start, len(mixed) / max(t_ready - t_start, 1e-9))
         result = {"conversations": len(mixed),
                   **(count(ready) if count is not None else dpo_counts(ready) if cfg.dpo is not None
                      else {"sequences": len(ready), "tokens": 0, "loss_tokens": None, "fill": None} if cfg.grpo

@@ -387,7 +387,8 @@ def render_table(result: dict[str, Any]) -> RenderableType:
         ("weights", g["weights"], ("sharded" if s["fsdp"] else "full copy")
          + (f", frozen base {lora['base_dtype']} + adapters fp32" if lora
             else ", bf16" if s["precision"] == "bf16-true" else ", fp32")
-         + (f", + DPO reference {decimal_gb(g['reference_weights'])}" if g.get("reference_weights") else "")),
+         + (f", + {'GRPO KL' if result.get('grpo') else 'DPO'} reference {decimal_gb(g['reference_weights'])}"
+            if g.get("reference_weights") else "")),
         ("gradients", g["gradients"], "adapters only, fp32" if lora else
          "bf16" if s["precision"] == "bf16-true" else "fp32"),
         ("optimizer (AdamW)", g["optimizer"], "adapters only, 2 fp32 states" if lora else

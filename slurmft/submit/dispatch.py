@@ -127,6 +127,16 @@ def check_prepares(cfg: RunConfig) -> None:
                                                      "or add --here to only see the counts, in this process"])
 
 
+def run_dir_refusal(cfg: RunConfig) -> str | None:
+    """Why ``submit`` would refuse ``cfg.output_dir`` (:func:`check_run_dir_free`), for ``validate`` to say before
+    the user's ``submit`` meets it; None when it is free."""
+    try:
+        check_run_dir_free(RunPaths.of(cfg.output_dir))
+    except RunDirError as exc:
+        return str(exc)
+    return None
+
+
 def check_run_dir_free(paths: RunPaths) -> None:
     """Refuse a run directory that already holds a run (live or finished) or foreign files."""
     if not paths.root.exists():
@@ -213,7 +223,7 @@ def submit_run(
     scripts = render_scripts(cfg, profile, paths, config_path, template_dir)  # render errors before any write
     check_executor(executor)
     kept = frozenset({paths.prepared} if paths.prepared.is_dir() else ())  # prepared before the submit
-    need_prepare = prepared.needed_for_new_run(paths, cfg, say)
+    need_prepare = prepare_only or prepared.needed_for_new_run(paths, cfg, say)  # prepare_only prepares anyway
     created = _lock_new_run_dir(paths, say)
     manifest = new_manifest(cfg.name, executor.value, paths.run_id, cfg.objective)
     result = SubmitResult(paths.root, executor.value, scripts={k: paths.script(k) for k in scripts})
@@ -599,16 +609,30 @@ def run_local_consolidation(
     return str(cons.job_id)
 
 
+#: How often a local prepare job's newest progress line (datasets' rows/s and ETA) is said while it runs: a corpus
+#: takes minutes to hours, and its bars go to the job's log, not to the terminal that waits.
+PREPARE_PROGRESS_EVERY_S = 30.0
+
+
 def _wait_local(job: Any, kind: str, paths: RunPaths, manifest: dict[str, Any], say: Say) -> None:
-    """Wait for a local job, showing progress from metrics.jsonl; record its final state."""
-    t0 = time.time()
+    """Wait for a local job, showing progress from metrics.jsonl (a prepare job: its log's progress line, every
+    :data:`PREPARE_PROGRESS_EVERY_S`); record its final state."""
+    from slurmft.watch.progress import log_progress
+
+    t0 = shown_at = time.time()
     steps = MetricsFollower(paths.metrics)
+    logs, shown = manifest["jobs"][-1].get("logs") or [], None
     try:
         while not job.done():
             time.sleep(1.0)
             if kind == "train":
                 for line in steps.new_lines():
                     say(f"  {line}")
+            elif kind == "prepare" and logs and time.time() - shown_at >= PREPARE_PROGRESS_EVERY_S:
+                shown_at, line = time.time(), log_progress(Path(logs[0]))
+                if line and line != shown:
+                    say(f"  {line}")
+                    shown = line
         if kind == "train":
             for line in steps.new_lines():  # the steps logged in the last second
                 say(f"  {line}")

@@ -369,14 +369,15 @@ class SweepResume:
     refused: dict[str, str] = field(default_factory=dict)  # name -> why it was not resumed
 
     def lines(self, root: Path) -> list[str]:
-        """What ``resume SWEEP_DIR`` prints: each resumed point's jobs (``point NAME: KIND job: ID``), the others."""
+        """What ``resume SWEEP_DIR`` prints: each resumed point's jobs (``point NAME: KIND job: ID``), the others
+        (then :func:`slurmft.cli_sweep.ending`: how to follow them, or a local sweep's ranking)."""
         out = [f"point {name}: {kind} job: {job_id}" for name, result in self.resumed.items()
                for kind, job_id in result.jobs.items()]
         out += [f"{what}: {', '.join(names)}" for what, names in (("finished", self.finished),
                                                                   ("still queued or running", self.live)) if names]
         if not self.resumed and not self.refused:
             out.append(f"{root}: no point to resume")
-        return [*out, f"follow with: slurmft status {root}"]
+        return out
 
 
 def resume_sweep(root: Path, overrides: list[str], template_dir: str | None = None, say: Say = quiet,

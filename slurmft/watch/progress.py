@@ -499,6 +499,21 @@ def last_progress(log_text: str) -> str | None:
             f"ETA {found['eta']}")
 
 
+def log_progress(log: Path) -> str | None:
+    """The newest progress line of a prepare job's log (:func:`last_progress`) from the end of its file and, for a
+    local job's ``<id>_0_log.out``, of the ``.err`` beside it, where submitit puts the job's stderr and so datasets'
+    progress bars (reading the ``.out`` alone, ``status`` of a local run never showed one)."""
+    text = ""
+    for path in (log, log.with_suffix(".err")) if log.name.endswith("_log.out") else (log,):
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, path.stat().st_size - 65536))
+                text += f.read().decode(errors="replace") + "\n"
+        except OSError:
+            continue
+    return last_progress(text)
+
+
 def prepare_info(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """``prepared/``'s counts (:func:`slurmft.prepared.summary_line`), and while the newest prepare job is live, its
     newest progress line; None for a run without either."""
@@ -513,13 +528,7 @@ def prepare_info(paths: RunPaths, manifest: dict[str, Any], slurm_rows: list[dic
     if rows and is_live(rows[-1]["state"]):
         job = jobs.get(rows[-1]["job_id"], {})
         log = Path(job.get("log") or (job.get("logs") or [""])[0] or paths.log_file("prepare", rows[-1]["job_id"]))
-        try:
-            with open(log, "rb") as f:
-                f.seek(max(0, log.stat().st_size - 65536))
-                text = f.read().decode(errors="replace")
-        except OSError:
-            text = ""
-        out["running"] = {"job_id": rows[-1]["job_id"], "progress": last_progress(text)}
+        out["running"] = {"job_id": rows[-1]["job_id"], "progress": log_progress(log)}
         if slurm.task_count(job) > 1:  # a prepare array: its shards so far, and the total
             out["running"]["array"] = prepared.array_progress(paths.prepared_parts(job["job_id"]), slurm.task_count(job))
     return out or None

@@ -200,8 +200,9 @@ def render(s: dict[str, Any], plot_name: str | None) -> str:
           f"| preemption | signal {_get(cfg, 'preemption.signal')} {_get(cfg, 'preemption.lead_time_s')} s before the end, "
           f"max {_get(cfg, 'preemption.max_requeues')} requeues |", ""]
     L += ["## Allocation", "",
-          f"{s['executor']} executor, profile `{_get(cfg, 'cluster.profile')}`, {partition_words(cfg)}, "
-          f"time limit {_get(cfg, 'cluster.time')}: "
+          ("local executor, on this machine (no partition, no profile's network)" if s["executor"] == "local" else
+           f"{s['executor']} executor, profile `{_get(cfg, 'cluster.profile')}`, {partition_words(cfg)}")
+          + f", time limit {_get(cfg, 'cluster.time')}: "
           f"{nodes} node(s) × {ranks} rank(s), {gpus} GPU(s) per node.", ""]
     if s["nodes"]:
         L += ["Nodes per attempt: " + "; ".join(f"job {j} restart {r}: `{n}`"

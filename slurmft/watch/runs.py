@@ -84,10 +84,12 @@ def run_word(jobs: list[dict[str, Any]], has_model: bool) -> str:
             return "consolidation suspended"
         return "consolidating" if is_allocated(cons[-1]["state"]) else "consolidation queued"
     after = [j for j in jobs if j["kind"] in ("serve", "eval")]
-    if has_model and any(is_live(j["state"]) for j in after):
-        return "checking model"
-    if has_model and any(parse(j["state"]) in PREPARE_FAILED for j in after[-2:]):
-        return "done (a check failed)"
+    live = [j["kind"] for j in after if is_live(j["state"])]  # which: an evaluation takes minutes, a serve check less
+    if has_model and live:
+        return "evaluating" if live[-1] == "eval" else "serve check"
+    failed = [j["kind"] for j in after[-2:] if parse(j["state"]) in PREPARE_FAILED]
+    if has_model and failed:
+        return f"done ({'the evaluation' if failed[-1] == 'eval' else 'the serve check'} failed)"
     if has_model:
         return "done"
     if not jobs:  # a sweep's point the local sweep never reached (killed, or still on an earlier point)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,7 +158,10 @@ def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView
             alive, host = process_here(job)
             state = job.get("state") or (State.HIDDEN.value if alive is None else State.RUNNING.value if alive
                                          else State.CANCELLED.value if jid in cancelled else State.KILLED.value)
-            row = {**base, "state": state, "reason": "", "elapsed": elapsed_words(job.get("elapsed_s")), "exit_code": "",
+            took = job.get("elapsed_s")  # written when the process ends; while it runs, the time since its start
+            if took is None and state == State.RUNNING.value and isinstance(job.get("submitted"), int | float):
+                took = max(0.0, time.time() - job["submitted"])
+            row = {**base, "state": state, "reason": "", "elapsed": elapsed_words(took), "exit_code": "",
                    "restarts": 0, "start": "", "end": "", "host": host}
             unseen = ELSEWHERE_WORDS.format(host=host)
         else:
@@ -204,6 +208,8 @@ def missing_state(submitter: User, me: User) -> str:
 
 def _base(job: dict[str, Any]) -> dict[str, Any]:
     base = {"kind": job["kind"], "job_id": job["job_id"], "attempt": job.get("attempt", 1)}
+    if "task" in job:  # a task of a prepare array run here, one local job each: said as the task, not as an attempt
+        base.update(task=job["task"], tasks=job.get("tasks"))
     for key in ("submitter", "dependency"):
         if job.get(key):
             base[key] = job[key]

@@ -103,6 +103,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_changed_source_is_refused_by_resume_and_the_train_job_until_prepared_again(
         tiny_model: Path, tmp_path: Path, job_env: dict[str, str]) -> None:
     from slurmft.config_loading import dump_config, load_config
+    from slurmft.prepared import needed_for_new_run
     from slurmft.rundir import RunPaths, new_manifest, record_job, start_attempt, write_manifest
 
     data = tmp_path / "chat.jsonl"
@@ -119,9 +120,15 @@ def test_changed_source_is_refused_by_resume_and_the_train_job_until_prepared_ag
     config.write_text(yaml.safe_dump(raw))
 
     # before any GPU: the counts, from the run.yaml, into output_dir/prepared only
-    proc = _cli("prepare", str(config), "--here")
+    proc = _cli("prepare", str(config), "--here", "train.max_steps=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "60 conversations -> " in proc.stdout and "packing fills" in proc.stdout
+    # the submit that reuses it is given the same overrides (it said `slurmft submit run.yaml` of one prepared with
+    # output_dir=..., whose submit would not have found it)
+    assert f"`slurmft submit {config} train.max_steps=2` reuses it" in proc.stdout, proc.stdout
+    said: list[str] = []  # and that submit says it reuses it (the prepare job was missing without a word)
+    assert not needed_for_new_run(RunPaths.of(run), load_config(config), said.append)
+    assert said == [f"prepared data reused (no prepare job): {proc.stdout.splitlines()[0].removeprefix('prepared: ')}"]
     assert sorted(p.name for p in run.iterdir()) == ["prepared"]
     proc = _cli("validate", str(config))  # validate sees the counts
     assert proc.returncode == 0 and "prepared data: 60 conversations -> " in proc.stdout, proc.stdout + proc.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import random
 from collections import Counter
 from pathlib import Path
@@ -203,9 +204,11 @@ def test_a_mixture_keeps_its_order_and_each_kind_is_trls_own_preparation(prepare
         TrlPreparation(tok, args, mixed[0])._with_text(mixed, args)
 
 
-def test_a_jsonl_zst_corpus_is_prepared_document_by_document(tiny_model: Path, tmp_path: Path) -> None:
+def test_a_jsonl_zst_corpus_is_prepared_document_by_document(tiny_model: Path, tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
     """``.jsonl.zst`` files (zstandard-compressed JSON lines, ``format: text``): datasets decompresses them in the job;
-    every document's tokens are in the prepared set."""
+    every document's tokens are in the prepared set. The prepare job's log calls them documents (it said
+    'TRL prepared 4 conversations into ...' of a plain-text corpus)."""
     import zstandard
     from datasets import load_from_disk
     from transformers import AutoTokenizer
@@ -222,8 +225,12 @@ def test_a_jsonl_zst_corpus_is_prepared_document_by_document(tiny_model: Path, t
     sources = [{"path": str(tmp_path / "*.jsonl.zst"), "format": "text"}]
     run = write_run(tmp_path / "run", tiny_model, [f"data.max_seq_length={SEQ}"],
                     edit=lambda d: d["data"].update(datasets=sources))
-    record = prepare_run(str(run), num_proc=1, cfg=read_config(RunPaths.of(run)))
+    with caplog.at_level(logging.INFO, logger="slurmft.job"):
+        record = prepare_run(str(run), num_proc=1, cfg=read_config(RunPaths.of(run)))
     assert record["result"]["conversations"] == len(docs)
+    said = "\n".join(r.getMessage() for r in caplog.records if r.name == "slurmft.job")
+    assert f"loaded {len(docs)} documents in" in said and f"TRL prepared {len(docs)} documents into" in said, said
+    assert "conversations" not in said, said
     tok = AutoTokenizer.from_pretrained(tiny_model)
     sequences = Counter(tuple(ids) for ids, _ in _sequences(load_from_disk(str(run / "prepared"))))
     for doc in docs:
