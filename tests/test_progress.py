@@ -337,3 +337,21 @@ def test_an_attempt_cancelled_by_slurmft_cancel_says_so_not_scancel(tmp_path: Pa
     said = attempts(manifest, records, rows, markers=requeue_markers(paths), cancelled=cancels.read(paths))[-1]
     assert said["reason"].startswith("cancelled by `slurmft cancel` (") and "after saving" in said["reason"], said
     assert "scancel" not in said["reason"]
+    assert said["reason"].endswith("`slurmft resume` continues from that step"), said
+
+
+def test_an_attempt_cancelled_after_saving_and_resumed_no_longer_says_to_resume(tmp_path: Path) -> None:
+    """`slurmft cancel` mid-training, then `slurmft resume`: the cancelled attempt said "... after saving; `slurmft
+    resume` continues from that step, resumed by hand", a command already run. Once resumed it says what happened."""
+    paths = RunPaths.of(preempted_run(tmp_path))
+    manifest = json.loads(paths.manifest.read_text())
+    records = [r for r in read_metrics(paths.metrics).records if r["restart"] < 2]
+    (paths.requeue_marker_dir / "100-2").unlink(missing_ok=True)
+    (paths.requeue_marker_dir / "100-1").write_text(json.dumps({"step": 24, "job_id": "100", "restart": 1,
+                                                               "saved": True, "ended": "cancelled"}))
+    manifest["jobs"].append({"kind": "train", "job_id": "200", "attempt": 2, "submitted": T0 + 200})
+    manifest["attempts"].append({"attempt": 2, "how": "resume", "time": T0 + 200, "train_job": "200",
+                                 "resumed_from_step": 24})
+    rows = slurm_rows(state="CANCELLED", restarts=1)
+    cancelled = [r for r in attempts(manifest, records, rows, markers=requeue_markers(paths)) if r["job_id"] == "100"]
+    assert cancelled[-1]["reason"] == "cancelled (scancel) after saving, resumed by hand", cancelled[-1]

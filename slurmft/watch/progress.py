@@ -45,7 +45,8 @@ REQUEUE_REFUSED = "preempted (warning signal), not requeued: preemption.max_requ
 STARTUP_REQUEUED = "stopped during start-up (no save), requeued"
 TIME_LIMIT_REQUEUED = "time limit: saved, requeued"
 SLURM_REQUEUED_SAVED = "saved, then requeued by Slurm (scontrol requeue or preemption)"
-CANCELLED_SAVED = "cancelled (scancel) after saving; `slurmft resume` continues from that step"
+CANCELLED_SAVED = "cancelled (scancel) after saving"
+RESUME_FROM_SAVE = "; `slurmft resume` continues from that step"  # said until a later resume has done so
 RESUMED_BY_HAND = "resumed by hand"
 
 
@@ -397,7 +398,7 @@ def attempts(manifest: dict[str, Any], metrics_records: list[dict[str, Any]], sl
                 state = _final_state(job, row, manifest, jid, later_job)
                 if state in ("", "UNKNOWN") and max_steps is not None and last is not None and last >= max_steps:
                     state = "COMPLETED"
-                reason = _ended_words(state, marker is not None, marker, (cancelled or {}).get(jid))
+                reason = _ended_words(state, marker is not None, marker, (cancelled or {}).get(jid), later_job)
                 live = is_live(state)
                 if later_job:
                     reason = f"{reason}, {RESUMED_BY_HAND}" if reason else RESUMED_BY_HAND
@@ -447,9 +448,12 @@ def _requeued_words(marker: dict[str, Any] | None) -> str:
 
 
 def _ended_words(state: str, saved_for_requeue: bool, marker: dict[str, Any] | None = None,
-                 cancel: dict[str, Any] | None = None) -> str:
+                 cancel: dict[str, Any] | None = None, resumed: bool = False) -> str:
+    """How an attempt ended. ``resumed``: a later train job continued the run, so an attempt cancelled after its
+    save no longer says to run `slurmft resume` (it said so beside "resumed by hand")."""
     if marker is not None and state == "CANCELLED" and marker.get("ended") == "cancelled" and marker.get("saved"):
-        return CANCELLED_SAVED.replace("cancelled (scancel)", cancels.words(cancel)) if cancel else CANCELLED_SAVED
+        said = CANCELLED_SAVED.replace("cancelled (scancel)", cancels.words(cancel)) if cancel else CANCELLED_SAVED
+        return said if resumed else said + RESUME_FROM_SAVE
     if saved_for_requeue and parse(state) == State.FAILED:
         return REQUEUE_REFUSED
     return words(state)
