@@ -278,3 +278,19 @@ def test_logs_of_a_job_run_in_a_terminal_says_where_its_output_went(tmp_path: Pa
         with pytest.raises(RunDirError, match="ran in the terminal that started it .`slurmft consolidate --here`."):
             read()
     assert "ran in the terminal" in select_lines(run, "consolidate", attempt=2)[-1]
+
+
+def test_every_run_word_is_in_the_docs() -> None:
+    """`slurmft runs` showed `checking model` (a serve check or evaluation running) and `done (a check failed)`,
+    words docs/watching.md's list of states did not have: every fixed word run_word returns is listed there."""
+    import ast
+    import inspect
+
+    from slurmft.watch import runs
+
+    tree = ast.parse(inspect.getsource(runs.run_word))
+    said = {n.value.value for n in ast.walk(tree) if isinstance(n, ast.Return) and isinstance(n.value, ast.Constant)}
+    said |= set(runs.TRAIN_WORD.values()) | {runs.NOT_STARTED}
+    assert {"checking model", "done (a check failed)", "stuck", "queued"} <= said
+    docs = (Path(__file__).parents[1] / "docs" / "watching.md").read_text()
+    assert [w for w in sorted(said) if f"`{w}`" not in docs] == []
