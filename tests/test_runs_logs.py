@@ -294,3 +294,17 @@ def test_every_run_word_is_in_the_docs() -> None:
     assert {"checking model", "done (a check failed)", "stuck", "queued"} <= said
     docs = (Path(__file__).parents[1] / "docs" / "watching.md").read_text()
     assert [w for w in sorted(said) if f"`{w}`" not in docs] == []
+
+
+def test_the_help_names_every_kind_of_job_logs_shows() -> None:
+    """`slurmft logs --help` said "the newest train (or consolidation, or prepare) job", and `slurmft --help`'s summary
+    "submit train + consolidation jobs", on a run whose serve check and evaluation `--job serve|eval` shows."""
+    from slurmft.cli import cli, logs
+
+    kinds = next(p for p in logs.params if p.name == "kind").type.choices
+    assert {"serve", "eval"} <= set(kinds)
+    first = (logs.help or "").split("\n\n")[0]
+    assert [k for k in kinds if k not in first] == [], first
+    summary = cli.help or ""
+    assert "slurmft logs RUN_DIR" in summary and "slurmft cancel RUN_DIR" in summary
+    assert "(-> serve, eval)" in summary and "slurmft serve|eval RUN_DIR" in summary
