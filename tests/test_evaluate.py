@@ -117,6 +117,9 @@ def test_summary_has_both_models_scores_as_lm_eval_writes_them(evaluated: tuple[
     assert "base_eval" not in summary  # a run alone scores its own base, as before sweeps kept one (docs/sweeps.md)
     # its output streamed into the job log
     assert any("Running loglikelihood requests" in line for line in log)
+    # and it ends with the scores as status says them (it ended with the summary's path)
+    assert "evaluation (lm-eval 0.4.13, hf backend):" in log
+    assert any(line.startswith("  tiny_choice acc,none: ") and "base model" in line for line in log), log[-5:]
     # the same scores as lm-eval run by hand, with the same arguments, on the same two models
     by_hand = _by_hand(eval_python, [run / "model", tiny_model])
     for which, model in (("finetuned", run / "model"), ("base", tiny_model)):

@@ -355,3 +355,16 @@ def test_an_attempt_cancelled_after_saving_and_resumed_no_longer_says_to_resume(
     rows = slurm_rows(state="CANCELLED", restarts=1)
     cancelled = [r for r in attempts(manifest, records, rows, markers=requeue_markers(paths)) if r["job_id"] == "100"]
     assert cancelled[-1]["reason"] == "cancelled (scancel) after saving, resumed by hand", cancelled[-1]
+
+
+def test_an_attempt_waiting_on_its_prepare_job_says_so_not_the_queue(tmp_path: Path) -> None:
+    """A train job pending on its prepare job (reason Dependency): its job line said "waiting for the prepare job to
+    finish successfully" and its attempt line "waiting in the queue"; both say the first now."""
+    paths = RunPaths.of(preempted_run(tmp_path))
+    manifest = json.loads(paths.manifest.read_text())
+    rows = slurm_rows(state="PENDING", restarts=0)
+    rows[0].update(reason="Dependency", words="waiting for the prepare job to finish successfully")
+    row = attempts(manifest, [], rows, markers={})[-1]
+    assert (row["state"], row["reason"]) == ("PENDING", "waiting for the prepare job to finish successfully")
+    rows[0].update(reason="", words="waiting in the queue")
+    assert attempts(manifest, [], rows, markers={})[-1]["reason"] == "waiting in the queue"

@@ -51,6 +51,8 @@ def test_vllm_serves_the_consolidated_model_as_transformers_runs_it(served: Path
     jobs = json.loads((served / "manifest.json").read_text())["jobs"]
     log = "".join(Path(f).read_text() for j in jobs if j["kind"] == "serve" for f in j["logs"])
     assert "serve check passed: vLLM 0.32.0 served model/: greedy tokens equal transformers' on 3 prompt(s)" in log
+    # and what it was doing meanwhile (a logger no handler printed said it: nothing came out)
+    assert "serve check (model): vLLM in " in log and "now transformers on " in log, log[-3000:]
 
 
 def test_status_runs_and_the_report_show_the_check_and_the_scores(served: Path,

@@ -338,6 +338,10 @@ def evaluate_run(run_dir: str, overrides: list[str] | None = None, say: Say = pr
         summary["base_eval"] = base_eval_note
     atomic_write(root / "summary.json", json.dumps(summary, indent=2) + "\n")
     say(f"eval: wrote {root / 'summary.json'} in {seconds['total']} s")
+    from slurmft.watch.model_results import eval_lines
+
+    for line in eval_lines(paths.root):  # the job's log ends with the scores as status says them (it did not)
+        say(line)
     if "wandb" in cfg.train.report_to:
         send_to_wandb(paths, cfg.name, summary, say)
     return summary

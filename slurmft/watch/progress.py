@@ -400,6 +400,8 @@ def attempts(manifest: dict[str, Any], metrics_records: list[dict[str, Any]], sl
                     state = "COMPLETED"
                 reason = _ended_words(state, marker is not None, marker, (cancelled or {}).get(jid), later_job)
                 live = is_live(state)
+                if parse(state) == State.PENDING and row.get("reason") and row.get("words"):
+                    reason = row["words"]  # why it waits, as its job's line says: on its prepare job, not "the queue"
                 if later_job:
                     reason = f"{reason}, {RESUMED_BY_HAND}" if reason else RESUMED_BY_HAND
             out.append({"job_id": jid, "restart": restart, "how": how, "state": state or "UNKNOWN",
