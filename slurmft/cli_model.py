@@ -45,10 +45,8 @@ def model_job(run_dir: Path, kind: str, overrides: tuple[str, ...], here: bool, 
             where = f"the command line ({' '.join(given.values())})"
         raise ConfigError(f"{where}: {len(problems)} problem(s) found before running the {kind} job on {paths.root}",
                           problems)
-    if here:  # the serve check says its verdict itself, as in its job's log
+    if here:  # the serve check says its verdict itself, and the evaluation its scores, as in their jobs' logs
         model_checks.run_here(paths, kind, resolved, err)
-        if kind == "eval":
-            _echo_result(paths.root, kind)
         return
     job_id = model_checks.submit(paths, kind, resolved, template_dir, err)
     click.echo(f"{kind} job: {job_id}")

@@ -368,3 +368,23 @@ def test_the_scores_go_into_the_runs_one_wandb_run(tmp_path: Path, monkeypatch: 
     record = read_tracker(paths) or {}
     assert record["wandb"]["attempts"][-1]["job"] == "eval" and record["wandb"]["attempts"][-1]["offline"]
     assert "the-train-jobs-run" in (sync_command(record) or "")
+
+
+def test_eval_tasks_naming_the_runs_own_task_file_read_as_that_file(tmp_path: Path) -> None:
+    """`slurmft eval RUN_DIR --tasks tiny_choice`, the name status shows the run's scores under, was refused: "not a
+    task lm-eval knows; did you mean multiple_choice?" (lm-eval finds a file's task only through its folder). A name of
+    one of the run's own task files now reads as that file; other names stay names."""
+    from slurmft.eval_tasks import own_task_files, tasks_override
+    from slurmft.submit.model_checks import checked_config
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    task_file = str(EXAMPLE_TASKS / f"{EXAMPLE_TASK}.yaml")
+    run = _run_dir(tmp_path, model, sys.executable, [task_file])
+    (run / "manifest.json").write_text(json.dumps({"name": "tiny", "executor": "slurm", "jobs": []}))
+    cfg, resolved = checked_config(RunPaths.of(run), "eval", [tasks_override(f"{EXAMPLE_TASK},hellaswag")])
+    assert resolved == [f"eval.tasks={json.dumps([task_file, 'hellaswag'])}"]
+    assert cfg.eval is not None and cfg.eval.tasks == [task_file, "hellaswag"]
+    assert own_task_files('eval.tasks=["hellaswag"]', {EXAMPLE_TASK: task_file}) == 'eval.tasks=["hellaswag"]'
+    assert own_task_files("eval.limit=4", {EXAMPLE_TASK: task_file}) == "eval.limit=4"

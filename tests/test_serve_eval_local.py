@@ -137,6 +137,7 @@ def test_here_says_the_verdict_and_the_scores_not_a_json_dict(served: Path, tmp_
     lines = out.splitlines()  # (after the evaluation's own progress lines)
     header = lines.index("evaluation (lm-eval 0.4.13, hf backend; with eval.limit=2 eval.compare_base=false):")
     assert lines[header + 1].startswith("  tiny_choice acc"), out
+    assert lines.count(lines[header]) == 1, out  # said once: by the evaluation, not again by the command
     assert not any(line.startswith(("{", "}")) for line in lines) and '"tasks"' not in out, out
 
 

@@ -61,6 +61,11 @@ def checked_config(paths: RunPaths, kind: str, overrides: list[str],
     check_model_job_overrides(kind, overrides, str(paths.root))
     cfg = read_run_config(paths.config)  # the run's config as it trained (a missing file said as such)
     resolved = resolve_overrides(read_yaml(paths.config), overrides, Path.cwd()) if overrides else []
+    if kind == "eval" and cfg.eval is not None and resolved:  # a name of the run's own task files: that file
+        from slurmft.eval_tasks import own_task_files, resolve_tasks
+
+        own = resolve_tasks(cfg.eval.tasks).from_files
+        resolved = [own_task_files(o, own) for o in resolved]
     if resolved:
         try:
             cfg = read_run_config(paths.config, resolved)
