@@ -342,7 +342,7 @@ def logs(run_dir: Path, kind: str, follow: bool, lines: int | None, rank: int | 
     default), or of one job by its id, or of each point of a sweep."""
     from slurmft.cli_logs import filtered, kind_of_job
     from slurmft.rundir import is_sweep_dir
-    from slurmft.watch.logs import ended_words, log_files, sweep_log_lines, tail
+    from slurmft.watch.logs import ended_words, job_now, log_files, sweep_log_lines, tail
     from slurmft.watch.sweep import point_dir
 
     if is_sweep_dir(run_dir) and point is None:
@@ -363,7 +363,8 @@ def logs(run_dir: Path, kind: str, follow: bool, lines: int | None, rank: int | 
         filtered(run_dir, kind, follow, lines, rank, attempt, job_id)
         return
     files = log_files(run_dir, kind, job_id)
-    tail(files, lines, follow, click.echo, ended_words(run_dir, kind, job_id) if follow else None)
+    tail(files, lines, follow, click.echo, ended_words(run_dir, kind, job_id) if follow else None,
+         why_no_log=job_now(run_dir, kind, job_id))
 
 
 @cli.command()

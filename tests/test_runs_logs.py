@@ -308,3 +308,18 @@ def test_the_help_names_every_kind_of_job_logs_shows() -> None:
     summary = cli.help or ""
     assert "slurmft logs RUN_DIR" in summary and "slurmft cancel RUN_DIR" in summary
     assert "(-> serve, eval)" in summary and "slurmft serve|eval RUN_DIR" in summary
+
+
+def test_logs_of_a_job_without_a_log_yet_says_what_it_waits_for(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """`slurmft logs RUN_DIR -f` on a train job queued behind its prepare job said "(no log yet: ... — the job may
+    still be pending)" and then nothing for as long as it waited: it now says what status says of the job."""
+    from slurmft.watch.logs import job_now
+
+    run = local_run(tmp_path, state="PENDING")
+    for f in (run / "submitit").glob("4242_*"):
+        f.unlink()
+    assert job_now(run, "train")() == "train job 4242: waiting in the queue"
+    main(["logs", str(run)])
+    out = capsys.readouterr().out
+    assert f"(no log yet: {run / 'submitit' / '4242_0_log.out'} — train job 4242: waiting in the queue)" in out, out
