@@ -211,7 +211,9 @@ def test_a_job_never_started_after_the_job_it_waited_on_was_run_again() -> None:
               for j in jobs[1:])]
     explain_dependency_failures(rows, jobs, "/runs/x")
     assert "see `slurmft logs /runs/x --job prepare`" in rows[1]["words"]  # 31 is the newest prepare job
-    assert "`slurmft consolidate /runs/x`, then `slurmft serve /runs/x`" in rows[3]["words"]
+    # its consolidation never ran either (nothing trained): resume, not `slurmft consolidate` (an untrained model)
+    assert rows[3]["words"].endswith("which never ran (its train job did not finish); `slurmft resume /runs/x` "
+                                     "continues training and chains a new consolidation and serve job"), rows[3]
     jobs.append({"kind": "prepare", "job_id": "35"})  # `slurmft prepare /runs/x`
     rows.append({"kind": "prepare", "job_id": "35", "state": "COMPLETED", "start": "2026-12-03T15:09:00", "words": ""})
     explain_dependency_failures(rows, jobs, "/runs/x")

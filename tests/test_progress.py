@@ -368,3 +368,18 @@ def test_an_attempt_waiting_on_its_prepare_job_says_so_not_the_queue(tmp_path: P
     assert (row["state"], row["reason"]) == ("PENDING", "waiting for the prepare job to finish successfully")
     rows[0].update(reason="", words="waiting in the queue")
     assert attempts(manifest, [], rows, markers={})[-1]["reason"] == "waiting in the queue"
+
+
+def test_an_attempt_without_a_step_leaves_out_what_it_does_not_have() -> None:
+    """A train job not started yet said `(submit, from step -): no step on 1 node x 2 ranks, - .. -: waiting in the
+    queue`: placeholders for what it has not got."""
+    from slurmft.watch.progress import attempt_line
+
+    waiting = {"job_id": "11", "restart": 0, "how": "submit", "state": "PENDING", "reason": "waiting in the queue",
+               "start": None, "end": None, "first_step": None, "last_step": None, "resumed_from_step": None,
+               "nodes": 1, "ranks_per_node": 2}
+    line = attempt_line(1, waiting)
+    assert line == "  1. job 11 restart 0 (submit): no step yet on 1 node x 2 ranks: waiting in the queue", line
+    ended = {**waiting, "state": "FAILED", "reason": "failed", "end": T0, "resumed_from_step": 0}
+    assert attempt_line(1, ended).startswith("  1. job 11 restart 0 (submit, from step 0): no step on 1 node x 2 "
+                                             "ranks, - .. ")

@@ -413,6 +413,22 @@ def attempts(manifest: dict[str, Any], metrics_records: list[dict[str, Any]], sl
     return out
 
 
+def attempt_line(k: int, a: dict[str, Any]) -> str:
+    """One attempt in ``status``'s words. An attempt that has not logged a step leaves out what it does not have: it
+    said ``(submit, from step -): no step on 1 node x 2 ranks, - .. -: waiting in the queue``."""
+    fmt = "%m-%d %H:%M:%S"
+    since = f", from step {a['resumed_from_step']}" if a["resumed_from_step"] is not None else ""
+    if a["first_step"] is not None:
+        steps = f"steps {a['first_step']}-{a['last_step']}"
+    else:
+        steps = "no step yet" if is_live(a["state"]) else "no step"
+    start = time.strftime(fmt, time.localtime(a["start"])) if a["start"] else "-"
+    end = time.strftime(fmt, time.localtime(a["end"])) if a["end"] else "-"
+    when = f", {start} .. {end}" if a["start"] or a["end"] else ""
+    return (f"  {k}. job {a['job_id']} restart {a['restart']} ({a['how']}{since}): {steps}{allocation_words(a)}{when}: "
+            f"{a['reason']}")
+
+
 def _resumed_from(jid: str, restart: int, how: str, record: dict[str, Any],
                   markers: dict[tuple[str, int], dict[str, Any]], first: int | None) -> int | None:
     if restart > 0 and isinstance(markers.get((jid, restart - 1), {}).get("step"), int):
@@ -592,13 +608,7 @@ def overview_lines(ov: dict[str, Any]) -> list[str]:
     if line := saves_line(ov.get("saves")):
         lines.append(line)
     lines.append("attempts:")
-    for k, a in enumerate(ov["attempts"], start=1):
-        steps = f"steps {a['first_step']}-{a['last_step']}" if a["first_step"] is not None else "no step"
-        start = time.strftime("%m-%d %H:%M:%S", time.localtime(a["start"])) if a["start"] else "-"
-        end = time.strftime("%m-%d %H:%M:%S", time.localtime(a["end"])) if a["end"] else "-"
-        lines.append(f"  {k}. job {a['job_id']} restart {a['restart']} ({a['how']}, from step "
-                     f"{a['resumed_from_step'] if a['resumed_from_step'] is not None else '-'}): {steps}"
-                     f"{allocation_words(a)}, {start} .. {end}: {a['reason']}")
+    lines += [attempt_line(k, a) for k, a in enumerate(ov["attempts"], start=1)]
     lost = ov.get("lost") or {}
     if lost.get("boundaries"):
         lines.append(f"lost to restarts: {lost['recomputed_steps']} step(s) again, "
