@@ -456,6 +456,14 @@ def test_status_says_to_resume_not_consolidate_for_a_serve_check_whose_train_job
         assert row["words"] == (f"{by} before it started (it waited on consolidation job 13), which never ran (its "
                                 f"train job did not finish); `slurmft resume /runs/x` continues training and chains a "
                                 f"new consolidation and {row['kind']} job")
+    # a second before: Slurm has not cancelled the serve job yet (pending, DependencyNeverSatisfied)
+    rows[2].update(state="PENDING", reason="DependencyNeverSatisfied", words="w", start="", end="")
+    explain_dependency_failures(rows, jobs, "/runs/x")
+    assert "slurmft consolidate" not in rows[2]["words"] and rows[2]["words"].startswith(
+        "will never start: its consolidation job 13 never ran"), rows[2]["words"]
+    assert rows[2]["words"].endswith("`slurmft resume /runs/x` continues training and chains a new consolidation and "
+                                     "serve job")
+    rows[2].update(cancelled, words="c")
     rows[0]["state"] = "COMPLETED"
     explain_dependency_failures(rows, jobs, "/runs/x")
     assert rows[2]["words"] == consolidation_failed_words("13", "/runs/x", by)

@@ -341,6 +341,14 @@ def explain_dependency_failures(rows: list[dict[str, Any]], jobs: list[dict[str,
             row["words"] = (f"{by or 'cancelled'} before it started; {WAITS_ON[job['kind']]} job {first['job_id']} "
                             f"has not ended yet, it is {words(first['state'])}; `slurmft status {run_dir}` says what to "
                             "run once it has")
+        elif (first and job["kind"] in MODEL_JOB_COMMANDS and parse(row["state"]) == State.PENDING
+                and row.get("reason") == NEVER_SATISFIED and not _started(first)
+                and not _trained(jobs[position[first["job_id"]]], by_id)):
+            # until Slurm cancels it: its consolidation never ran (nothing to `slurmft consolidate` but a part-trained
+            # checkpoint), as for the cancelled one below
+            row["words"] = (f"will never start: its consolidation job {first['job_id']} never ran (its train job did "
+                            f"not finish); Slurm cancels this job (--kill-on-invalid-dep); `slurmft resume {run_dir}` "
+                            f"continues training and chains a new consolidation and {job['kind']} job")
         elif (first and parse(row["state"]) == State.CANCELLED and not started
                 and parse(first["state"]) in RESUMABLE_ENDINGS - {State.UNKNOWN}):
             later = next((j["job_id"] for j in jobs[k + 1:] if j["kind"] == job["kind"]), None)
