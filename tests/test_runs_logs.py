@@ -323,3 +323,24 @@ def test_logs_of_a_job_without_a_log_yet_says_what_it_waits_for(tmp_path: Path,
     main(["logs", str(run)])
     out = capsys.readouterr().out
     assert f"(no log yet: {run / 'submitit' / '4242_0_log.out'} — train job 4242: waiting in the queue)" in out, out
+
+
+def test_a_result_a_newer_job_replaces_is_kept(tmp_path: Path) -> None:
+    """`slurmft eval RUN_DIR eval.limit=4 eval.compare_base=false` replaced eval/summary.json, the run's whole
+    evaluation (and its base comparison) with it: the evaluation and the serve check keep the file they replace."""
+    import os
+
+    from slurmft.job import evaluate, serve_check
+    from slurmft.rundir import keep_previous
+
+    summary = tmp_path / "eval" / "summary.json"
+    assert keep_previous(summary) is None
+    summary.parent.mkdir()
+    summary.write_text('{"tasks": {"t": {"acc": {"finetuned": 0.5, "base": 0.25}}}}\n')
+    os.utime(summary, (1_800_000_000, 1_800_000_000))
+    kept = keep_previous(summary)
+    assert kept == tmp_path / "eval" / "previous" / "summary-20270115-080000.json"
+    assert kept.read_text() == summary.read_text()
+    # both jobs call it before they write their result (the jobs themselves run lm-eval and vLLM)
+    assert "keep_previous(root / \"summary.json\")" in Path(evaluate.__file__).read_text()
+    assert "keep_previous(out_dir / \"result.json\")" in Path(serve_check.__file__).read_text()

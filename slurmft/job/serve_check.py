@@ -35,7 +35,7 @@ from typing import Any
 
 from slurmft.config import RunConfig
 from slurmft.errors import SlurmftError
-from slurmft.rundir import RunPaths, atomic_write
+from slurmft.rundir import RunPaths, atomic_write, keep_previous
 
 
 def say(line: str) -> None:
@@ -270,6 +270,7 @@ def serve_check_run(run_dir: str, overrides: list[str] | None = None) -> dict[st
         record["problems"] = [str(exc), *exc.problems]
         raise
     finally:
+        keep_previous(out_dir / "result.json")  # the verdict it replaces stays readable
         atomic_write(out_dir / "result.json", json.dumps(record, indent=1, default=str))
     from slurmft.watch.model_results import serve_lines
 
