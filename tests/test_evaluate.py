@@ -324,6 +324,21 @@ def test_check_eval_bad_file(eval_python: str, tiny_model: Path, tmp_path: Path)
     assert check_eval(_cfg(tmp_path, tiny_model, eval_python, [str(EXAMPLE_TASKS / "tiny_choice.yaml")])) == []
 
 
+def test_a_misspelt_task_of_the_runs_own_is_offered_that_task(eval_python: str, tiny_model: Path,
+                                                              tmp_path: Path) -> None:
+    """`slurmft eval RUN_DIR --tasks tiny_choise`: "did you mean multiple_choice?" (lm-eval's registry's nearest),
+    where the run's own task file defines tiny_choice. The run's own tasks come first (lm-eval's registry is listed
+    for real, cached)."""
+    from slurmft.plan.eval_checks import check_eval
+
+    mine = str(EXAMPLE_TASKS / "tiny_choice.yaml")
+    cfg = _cfg(tmp_path, tiny_model, eval_python, ["tiny_choise"])
+    assert "did you mean multiple_choice" in check_eval(cfg)[0]  # without the run's own tasks
+    problems = check_eval(cfg, own={EXAMPLE_TASK: mine})
+    assert problems == [f"eval.tasks[0]: 'tiny_choise' is not a task lm-eval 0.4.13 knows; did you mean tiny_choice, "
+                        f"this run's task ({mine})? (or give your own task YAML file)"], problems
+
+
 def test_check_eval_python_without_lm_eval(tiny_model: Path, tmp_path: Path) -> None:
     from slurmft.plan.eval_checks import check_eval
 
