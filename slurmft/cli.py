@@ -76,12 +76,15 @@ def cli() -> None:
 
     \b
     slurmft render run.yaml            write and print the sbatch scripts, submit nothing
-    slurmft submit run.yaml            validate, submit train + consolidation jobs (+ prepare before)
+    slurmft submit run.yaml            validate, submit prepare -> train -> consolidation (-> serve, eval)
     slurmft prepare RUN_DIR|run.yaml   tokenize and pack the data once, on CPUs (--here: right here)
-    slurmft status RUN_DIR             state of every job of a run
+    slurmft status RUN_DIR             state of every job of a run, the serve check and the scores
+    slurmft logs RUN_DIR [--job KIND]  the newest job's log (train, consolidate, prepare, serve, eval)
+    slurmft cancel RUN_DIR             cancel every live job of a run
     slurmft runs [DIR]                 every run under DIR: state, step, loss, age
     slurmft resume RUN_DIR             continue a run that died, from its newest checkpoint
     slurmft consolidate RUN_DIR        (re)export a checkpoint as a Hugging Face model
+    slurmft serve|eval RUN_DIR         the serve check (vLLM) or the evaluation (lm-eval) again
     slurmft estimate run.yaml          will it fit? GPU and CPU memory per rank
     slurmft doctor [run.yaml]          can this run survive on this cluster? (--job: probe the nodes)
 
@@ -346,11 +349,11 @@ def status(run_dir: Path, as_json: bool) -> None:
               "apply). Without it: the end of every point's log.")
 def logs(run_dir: Path, kind: str, follow: bool, lines: int | None, rank: int | None, attempt: int | None,
          job_id: str | None, point: str | None) -> None:
-    """Show the log of the newest train (or consolidation, or prepare) job of a run, or of one job by its id, or of
-    each point of a sweep."""
+    """Show the log of the newest job of a kind of a run (--job train, consolidate, prepare, serve or eval; train by
+    default), or of one job by its id, or of each point of a sweep."""
     from slurmft.cli_logs import filtered, kind_of_job
     from slurmft.rundir import is_sweep_dir
-    from slurmft.watch.logs import ended_words, log_files, sweep_log_lines, tail
+    from slurmft.watch.logs import ended_words, job_now, log_files, sweep_log_lines, tail
     from slurmft.watch.sweep import point_dir
 
     if is_sweep_dir(run_dir) and point is None:
@@ -371,7 +374,8 @@ def logs(run_dir: Path, kind: str, follow: bool, lines: int | None, rank: int | 
         filtered(run_dir, kind, follow, lines, rank, attempt, job_id)
         return
     files = log_files(run_dir, kind, job_id)
-    tail(files, lines, follow, click.echo, ended_words(run_dir, kind, job_id) if follow else None)
+    tail(files, lines, follow, click.echo, ended_words(run_dir, kind, job_id) if follow else None,
+         why_no_log=job_now(run_dir, kind, job_id))
 
 
 @cli.command()
@@ -427,8 +431,8 @@ FORCE_OTHERS = click.option("--force", is_flag=True,
 @RUN_DIR
 @FORCE_OTHERS
 def cancel(run_dir: Path, force: bool) -> None:
-    """Cancel every live job of a run (train and consolidation, and tagged jobs the manifest missed); of every point
-    of a sweep's directory."""
+    """Cancel every live job of a run (prepare, train, consolidation, serve check, evaluation, and tagged jobs the
+    manifest missed); of every point of a sweep's directory."""
     from slurmft.rundir import is_sweep_dir
     from slurmft.submit.cancel import cancel_run, cancel_sweep
 

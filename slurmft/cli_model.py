@@ -31,13 +31,15 @@ def model_job(run_dir: Path, kind: str, overrides: tuple[str, ...], here: bool, 
     """``slurmft serve`` / ``slurmft eval``: the overrides and the checks of the section first, then the job (or
     here); RUN_DIR/config.yaml is not written (slurmft/submit/model_checks.py says why). ``said``: an override the
     command built from an option (``--tasks``) -> how the user gave it, so that a problem in it names the option."""
+    from slurmft.config_loading import read_run_config
     from slurmft.rundir import RunPaths, read_manifest
     from slurmft.submit import model_checks
 
     paths = RunPaths.of(run_dir)
     given = {o: (said or {}).get(o, o) for o in overrides}
     cfg, resolved = model_checks.checked_config(paths, kind, list(overrides), said)
-    problems = model_checks.problems_before(cfg, kind, err)
+    own = model_checks.own_tasks(read_run_config(paths.config)) if kind == "eval" and overrides else None
+    problems = model_checks.problems_before(cfg, kind, err, own)
     if problems:
         where = f"{paths.config}{' with ' + ' '.join(given.values()) if given else ''}"
         problems, all_given = model_checks.from_command_line(problems, given)
@@ -45,10 +47,8 @@ def model_job(run_dir: Path, kind: str, overrides: tuple[str, ...], here: bool, 
             where = f"the command line ({' '.join(given.values())})"
         raise ConfigError(f"{where}: {len(problems)} problem(s) found before running the {kind} job on {paths.root}",
                           problems)
-    if here:  # the serve check says its verdict itself, as in its job's log
+    if here:  # the serve check says its verdict itself, and the evaluation its scores, as in their jobs' logs
         model_checks.run_here(paths, kind, resolved, err)
-        if kind == "eval":
-            _echo_result(paths.root, kind)
         return
     job_id = model_checks.submit(paths, kind, resolved, template_dir, err)
     click.echo(f"{kind} job: {job_id}")

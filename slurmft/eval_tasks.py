@@ -115,6 +115,21 @@ def tasks_override(tasks: str | list[str]) -> str:
     return f"eval.tasks={json.dumps([t.strip() for t in names if t.strip()])}"
 
 
+def own_task_files(override: str, own: dict[str, str]) -> str:
+    """An ``eval.tasks=[...]`` override (resolved: JSON) with each name of one of the run's own task files (``own``:
+    name -> file, :attr:`EvalTasks.from_files` of config.yaml's eval.tasks) read as that file. `slurmft eval RUN_DIR
+    --tasks tiny_choice`, the name status shows the scores under, was refused as "not a task lm-eval knows; did you
+    mean multiple_choice?": lm-eval only finds a file's task with the file's folder as its include path."""
+    key, _, value = override.partition("=")
+    if key != "eval.tasks" or not own:
+        return override
+    tasks = json.loads(value)
+    if not isinstance(tasks, list):
+        return override
+    named = [own.get(t, t) if isinstance(t, str) and not is_task_path(t) else t for t in tasks]
+    return override if named == tasks else f"eval.tasks={json.dumps(named)}"
+
+
 def queued_task_list(args: list[str] | None) -> list[str] | None:
     """The evaluation job's argument as overrides: an eval job ``slurmft eval RUN_DIR --tasks a,b`` queued before
     7ee2498 (its pickle, run by the release installed when it starts) carries the task names themselves, where a job

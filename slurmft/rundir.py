@@ -328,6 +328,19 @@ def umask() -> int:
 _UMASK: int | None = None
 
 
+def keep_previous(path: Path) -> Path | None:
+    """Copy a result file a newer job is about to replace into ``previous/`` beside it, named by when it was written
+    (UTC): ``slurmft eval RUN_DIR eval.limit=4 eval.compare_base=false`` replaced the run's whole evaluation, its base
+    comparison with it, and nothing kept it. Returns the copy (None: there was no file)."""
+    if not path.is_file():
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(path.stat().st_mtime))
+    dest = path.parent / "previous" / f"{path.stem}-{stamp}{path.suffix}"
+    dest.parent.mkdir(exist_ok=True)
+    atomic_write(dest, path.read_bytes())
+    return dest
+
+
 def atomic_write(path: Path, text: str | bytes, executable: bool = False) -> None:
     """Write ``text`` (or bytes) to ``path`` via a temporary file and rename (readers never see half a file).
 

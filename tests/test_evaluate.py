@@ -117,6 +117,9 @@ def test_summary_has_both_models_scores_as_lm_eval_writes_them(evaluated: tuple[
     assert "base_eval" not in summary  # a run alone scores its own base, as before sweeps kept one (docs/sweeps.md)
     # its output streamed into the job log
     assert any("Running loglikelihood requests" in line for line in log)
+    # and it ends with the scores as status says them (it ended with the summary's path)
+    assert "evaluation (lm-eval 0.4.13, hf backend):" in log
+    assert any(line.startswith("  tiny_choice acc,none: ") and "base model" in line for line in log), log[-5:]
     # the same scores as lm-eval run by hand, with the same arguments, on the same two models
     by_hand = _by_hand(eval_python, [run / "model", tiny_model])
     for which, model in (("finetuned", run / "model"), ("base", tiny_model)):
@@ -321,6 +324,21 @@ def test_check_eval_bad_file(eval_python: str, tiny_model: Path, tmp_path: Path)
     assert check_eval(_cfg(tmp_path, tiny_model, eval_python, [str(EXAMPLE_TASKS / "tiny_choice.yaml")])) == []
 
 
+def test_a_misspelt_task_of_the_runs_own_is_offered_that_task(eval_python: str, tiny_model: Path,
+                                                              tmp_path: Path) -> None:
+    """`slurmft eval RUN_DIR --tasks tiny_choise`: "did you mean multiple_choice?" (lm-eval's registry's nearest),
+    where the run's own task file defines tiny_choice. The run's own tasks come first (lm-eval's registry is listed
+    for real, cached)."""
+    from slurmft.plan.eval_checks import check_eval
+
+    mine = str(EXAMPLE_TASKS / "tiny_choice.yaml")
+    cfg = _cfg(tmp_path, tiny_model, eval_python, ["tiny_choise"])
+    assert "did you mean multiple_choice" in check_eval(cfg)[0]  # without the run's own tasks
+    problems = check_eval(cfg, own={EXAMPLE_TASK: mine})
+    assert problems == [f"eval.tasks[0]: 'tiny_choise' is not a task lm-eval 0.4.13 knows; did you mean tiny_choice, "
+                        f"this run's task ({mine})? (or give your own task YAML file)"], problems
+
+
 def test_check_eval_python_without_lm_eval(tiny_model: Path, tmp_path: Path) -> None:
     from slurmft.plan.eval_checks import check_eval
 
@@ -365,3 +383,23 @@ def test_the_scores_go_into_the_runs_one_wandb_run(tmp_path: Path, monkeypatch: 
     record = read_tracker(paths) or {}
     assert record["wandb"]["attempts"][-1]["job"] == "eval" and record["wandb"]["attempts"][-1]["offline"]
     assert "the-train-jobs-run" in (sync_command(record) or "")
+
+
+def test_eval_tasks_naming_the_runs_own_task_file_read_as_that_file(tmp_path: Path) -> None:
+    """`slurmft eval RUN_DIR --tasks tiny_choice`, the name status shows the run's scores under, was refused: "not a
+    task lm-eval knows; did you mean multiple_choice?" (lm-eval finds a file's task only through its folder). A name of
+    one of the run's own task files now reads as that file; other names stay names."""
+    from slurmft.eval_tasks import own_task_files, tasks_override
+    from slurmft.submit.model_checks import checked_config
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    task_file = str(EXAMPLE_TASKS / f"{EXAMPLE_TASK}.yaml")
+    run = _run_dir(tmp_path, model, sys.executable, [task_file])
+    (run / "manifest.json").write_text(json.dumps({"name": "tiny", "executor": "slurm", "jobs": []}))
+    cfg, resolved = checked_config(RunPaths.of(run), "eval", [tasks_override(f"{EXAMPLE_TASK},hellaswag")])
+    assert resolved == [f"eval.tasks={json.dumps([task_file, 'hellaswag'])}"]
+    assert cfg.eval is not None and cfg.eval.tasks == [task_file, "hellaswag"]
+    assert own_task_files('eval.tasks=["hellaswag"]', {EXAMPLE_TASK: task_file}) == 'eval.tasks=["hellaswag"]'
+    assert own_task_files("eval.limit=4", {EXAMPLE_TASK: task_file}) == "eval.limit=4"

@@ -140,6 +140,8 @@ def test_report_cli_and_a_report_failure_never_raises(tmp_path: Path, capsys: py
     assert "wrote" in capsys.readouterr().out
     text = (run / "report.md").read_text()
     assert "None: the run trained in one attempt." in text and "No consolidated model yet" in text
+    # not "to preemption": a cancel or failure resumed by hand is counted there too
+    assert "## Time lost to restarts" in text and "preemption" not in text.split("## Time lost")[1].split("##")[0]
 
     assert write_report_safely(tmp_path / "gone") is None
     assert "could not be written (the model is fine)" in capsys.readouterr().err

@@ -211,7 +211,9 @@ def test_a_job_never_started_after_the_job_it_waited_on_was_run_again() -> None:
               for j in jobs[1:])]
     explain_dependency_failures(rows, jobs, "/runs/x")
     assert "see `slurmft logs /runs/x --job prepare`" in rows[1]["words"]  # 31 is the newest prepare job
-    assert "`slurmft consolidate /runs/x`, then `slurmft serve /runs/x`" in rows[3]["words"]
+    # its consolidation never ran either (nothing trained): resume, not `slurmft consolidate` (an untrained model)
+    assert rows[3]["words"].endswith("which never ran (its train job did not finish); `slurmft resume /runs/x` "
+                                     "continues training and chains a new consolidation and serve job"), rows[3]
     jobs.append({"kind": "prepare", "job_id": "35"})  # `slurmft prepare /runs/x`
     rows.append({"kind": "prepare", "job_id": "35", "state": "COMPLETED", "start": "2026-12-03T15:09:00", "words": ""})
     explain_dependency_failures(rows, jobs, "/runs/x")
@@ -432,3 +434,36 @@ def test_the_elapsed_column_says_every_job_s_time_in_one_format() -> None:
     local = {"executor": "local", "jobs": [{"kind": "train", "job_id": "9", "pid": 1, "host": "elsewhere",
                                             "state": "COMPLETED", "elapsed_s": 8.3}]}
     assert job_rows(local, "/runs/x")[0]["elapsed"] == "8s"
+
+
+def test_status_says_to_resume_not_consolidate_for_a_serve_check_whose_train_job_was_cancelled() -> None:
+    """`slurmft cancel` mid-training on a run with serve: and eval:: the serve and eval rows said "`slurmft consolidate
+    RUN_DIR`, then `slurmft serve` / `slurmft eval`", which would export the half-trained checkpoint as the model.
+    Their consolidation never ran: `slurmft resume` chains all three again. After a completed train job whose
+    consolidation was cancelled, `slurmft consolidate` stays the advice."""
+    from slurmft.watch.status import consolidation_failed_words
+
+    jobs = [{"kind": "train", "job_id": "12"}, {"kind": "consolidate", "job_id": "13", "dependency": "afterok:12"},
+            {"kind": "serve", "job_id": "14", "dependency": "afterok:13"},
+            {"kind": "eval", "job_id": "15", "dependency": "afterok:13"}]
+    by = "cancelled by `slurmft cancel` (ann, 2026-12-03 15:02:00)"
+    cancelled = {"state": "CANCELLED", "start": "2026-12-03T15:02:00", "end": "2026-12-03T15:02:00", "cancelled_by": by}
+    rows = [{"kind": "train", "job_id": "12", "state": "CANCELLED", "start": "2026-12-03T15:01:00", "words": "t"},
+            *({"kind": j["kind"], "job_id": j["job_id"], "words": "c", **cancelled} for j in jobs[1:])]
+    explain_dependency_failures(rows, jobs, "/runs/x")
+    for row in rows[2:]:
+        assert "slurmft consolidate" not in row["words"], row["words"]
+        assert row["words"] == (f"{by} before it started (it waited on consolidation job 13), which never ran (its "
+                                f"train job did not finish); `slurmft resume /runs/x` continues training and chains a "
+                                f"new consolidation and {row['kind']} job")
+    # a second before: Slurm has not cancelled the serve job yet (pending, DependencyNeverSatisfied)
+    rows[2].update(state="PENDING", reason="DependencyNeverSatisfied", words="w", start="", end="")
+    explain_dependency_failures(rows, jobs, "/runs/x")
+    assert "slurmft consolidate" not in rows[2]["words"] and rows[2]["words"].startswith(
+        "will never start: its consolidation job 13 never ran"), rows[2]["words"]
+    assert rows[2]["words"].endswith("`slurmft resume /runs/x` continues training and chains a new consolidation and "
+                                     "serve job")
+    rows[2].update(cancelled, words="c")
+    rows[0]["state"] = "COMPLETED"
+    explain_dependency_failures(rows, jobs, "/runs/x")
+    assert rows[2]["words"] == consolidation_failed_words("13", "/runs/x", by)

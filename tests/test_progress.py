@@ -337,3 +337,49 @@ def test_an_attempt_cancelled_by_slurmft_cancel_says_so_not_scancel(tmp_path: Pa
     said = attempts(manifest, records, rows, markers=requeue_markers(paths), cancelled=cancels.read(paths))[-1]
     assert said["reason"].startswith("cancelled by `slurmft cancel` (") and "after saving" in said["reason"], said
     assert "scancel" not in said["reason"]
+    assert said["reason"].endswith("`slurmft resume` continues from that step"), said
+
+
+def test_an_attempt_cancelled_after_saving_and_resumed_no_longer_says_to_resume(tmp_path: Path) -> None:
+    """`slurmft cancel` mid-training, then `slurmft resume`: the cancelled attempt said "... after saving; `slurmft
+    resume` continues from that step, resumed by hand", a command already run. Once resumed it says what happened."""
+    paths = RunPaths.of(preempted_run(tmp_path))
+    manifest = json.loads(paths.manifest.read_text())
+    records = [r for r in read_metrics(paths.metrics).records if r["restart"] < 2]
+    (paths.requeue_marker_dir / "100-2").unlink(missing_ok=True)
+    (paths.requeue_marker_dir / "100-1").write_text(json.dumps({"step": 24, "job_id": "100", "restart": 1,
+                                                               "saved": True, "ended": "cancelled"}))
+    manifest["jobs"].append({"kind": "train", "job_id": "200", "attempt": 2, "submitted": T0 + 200})
+    manifest["attempts"].append({"attempt": 2, "how": "resume", "time": T0 + 200, "train_job": "200",
+                                 "resumed_from_step": 24})
+    rows = slurm_rows(state="CANCELLED", restarts=1)
+    cancelled = [r for r in attempts(manifest, records, rows, markers=requeue_markers(paths)) if r["job_id"] == "100"]
+    assert cancelled[-1]["reason"] == "cancelled (scancel) after saving, resumed by hand", cancelled[-1]
+
+
+def test_an_attempt_waiting_on_its_prepare_job_says_so_not_the_queue(tmp_path: Path) -> None:
+    """A train job pending on its prepare job (reason Dependency): its job line said "waiting for the prepare job to
+    finish successfully" and its attempt line "waiting in the queue"; both say the first now."""
+    paths = RunPaths.of(preempted_run(tmp_path))
+    manifest = json.loads(paths.manifest.read_text())
+    rows = slurm_rows(state="PENDING", restarts=0)
+    rows[0].update(reason="Dependency", words="waiting for the prepare job to finish successfully")
+    row = attempts(manifest, [], rows, markers={})[-1]
+    assert (row["state"], row["reason"]) == ("PENDING", "waiting for the prepare job to finish successfully")
+    rows[0].update(reason="", words="waiting in the queue")
+    assert attempts(manifest, [], rows, markers={})[-1]["reason"] == "waiting in the queue"
+
+
+def test_an_attempt_without_a_step_leaves_out_what_it_does_not_have() -> None:
+    """A train job not started yet said `(submit, from step -): no step on 1 node x 2 ranks, - .. -: waiting in the
+    queue`: placeholders for what it has not got."""
+    from slurmft.watch.progress import attempt_line
+
+    waiting = {"job_id": "11", "restart": 0, "how": "submit", "state": "PENDING", "reason": "waiting in the queue",
+               "start": None, "end": None, "first_step": None, "last_step": None, "resumed_from_step": None,
+               "nodes": 1, "ranks_per_node": 2}
+    line = attempt_line(1, waiting)
+    assert line == "  1. job 11 restart 0 (submit): no step yet on 1 node x 2 ranks: waiting in the queue", line
+    ended = {**waiting, "state": "FAILED", "reason": "failed", "end": T0, "resumed_from_step": 0}
+    assert attempt_line(1, ended).startswith("  1. job 11 restart 0 (submit, from step 0): no step on 1 node x 2 "
+                                             "ranks, - .. ")

@@ -562,3 +562,7 @@ def test_submit_into_an_ended_run_names_the_one_command_that_applies(tmp_path: P
     text = refusal()
     assert "already holds a finished run (trained to step 36 and consolidated)" in text and "resume" not in text
     assert "another output_dir" in text
+    # a name to use as it is, not the placeholder `output_dir=runs/NAME-2`
+    assert f"(e.g. output_dir={run.parent / (run.name + '-2')})" in text, text
+    (run.parent / (run.name + "-2")).mkdir()
+    assert f"(e.g. output_dir={run.parent / (run.name + '-3')})" in refusal()

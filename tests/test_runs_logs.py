@@ -386,3 +386,73 @@ def test_status_of_a_local_prepare_shows_its_progress_from_the_err_file(
     running = json.loads(capsys.readouterr().out)["prepared"]["running"]
     assert running == {"job_id": "77", "progress": "Tokenizing train dataset (num_proc=1): 400/809 rows, "
                                                    "40.10 examples/s, ETA 00:10"}, running
+
+
+def test_every_run_word_is_in_the_docs() -> None:
+    """`slurmft runs` showed `checking model` (a serve check or evaluation running) and `done (a check failed)`,
+    words docs/watching.md's list of states did not have (now `evaluating`, `serve check`, `done (the evaluation
+    failed)`...): every fixed word run_word returns is listed there."""
+    import ast
+    import inspect
+
+    from slurmft.watch import runs
+
+    tree = ast.parse(inspect.getsource(runs.run_word))
+    returned = [n.value for n in ast.walk(tree) if isinstance(n, ast.Return)]  # a word, or `a if ... else b`
+    said = {v.value for r in returned for v in ([r.body, r.orelse] if isinstance(r, ast.IfExp) else [r])
+            if isinstance(v, ast.Constant)}
+    said |= set(runs.TRAIN_WORD.values()) | {runs.NOT_STARTED}
+    assert {"evaluating", "serve check", "done (the evaluation failed)", "done (the serve check failed)", "stuck",
+            "queued"} <= said
+    docs = (Path(__file__).parents[1] / "docs" / "watching.md").read_text()
+    assert [w for w in sorted(said) if f"`{w}`" not in docs] == []
+
+
+def test_the_help_names_every_kind_of_job_logs_shows() -> None:
+    """`slurmft logs --help` said "the newest train (or consolidation, or prepare) job", and `slurmft --help`'s summary
+    "submit train + consolidation jobs", on a run whose serve check and evaluation `--job serve|eval` shows."""
+    from slurmft.cli import cli, logs
+
+    kinds = next(p for p in logs.params if p.name == "kind").type.choices
+    assert {"serve", "eval"} <= set(kinds)
+    first = (logs.help or "").split("\n\n")[0]
+    assert [k for k in kinds if k not in first] == [], first
+    summary = cli.help or ""
+    assert "slurmft logs RUN_DIR" in summary and "slurmft cancel RUN_DIR" in summary
+    assert "(-> serve, eval)" in summary and "slurmft serve|eval RUN_DIR" in summary
+
+
+def test_logs_of_a_job_without_a_log_yet_says_what_it_waits_for(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """`slurmft logs RUN_DIR -f` on a train job queued behind its prepare job said "(no log yet: ... — the job may
+    still be pending)" and then nothing for as long as it waited: it now says what status says of the job."""
+    from slurmft.watch.logs import job_now
+
+    run = local_run(tmp_path, state="PENDING")
+    for f in (run / "submitit").glob("4242_*"):
+        f.unlink()
+    assert job_now(run, "train")() == "train job 4242: waiting in the queue"
+    main(["logs", str(run)])
+    out = capsys.readouterr().out
+    assert f"(no log yet: {run / 'submitit' / '4242_0_log.out'} — train job 4242: waiting in the queue)" in out, out
+
+
+def test_a_result_a_newer_job_replaces_is_kept(tmp_path: Path) -> None:
+    """`slurmft eval RUN_DIR eval.limit=4 eval.compare_base=false` replaced eval/summary.json, the run's whole
+    evaluation (and its base comparison) with it: the evaluation and the serve check keep the file they replace."""
+    import os
+
+    from slurmft.job import evaluate, serve_check
+    from slurmft.rundir import keep_previous
+
+    summary = tmp_path / "eval" / "summary.json"
+    assert keep_previous(summary) is None
+    summary.parent.mkdir()
+    summary.write_text('{"tasks": {"t": {"acc": {"finetuned": 0.5, "base": 0.25}}}}\n')
+    os.utime(summary, (1_800_000_000, 1_800_000_000))
+    kept = keep_previous(summary)
+    assert kept == tmp_path / "eval" / "previous" / "summary-20270115-080000.json"
+    assert kept.read_text() == summary.read_text()
+    # both jobs call it before they write their result (the jobs themselves run lm-eval and vLLM)
+    assert "keep_previous(root / \"summary.json\")" in Path(evaluate.__file__).read_text()
+    assert "keep_previous(out_dir / \"result.json\")" in Path(serve_check.__file__).read_text()

@@ -51,6 +51,8 @@ def test_vllm_serves_the_consolidated_model_as_transformers_runs_it(served: Path
     jobs = json.loads((served / "manifest.json").read_text())["jobs"]
     log = "".join(Path(f).read_text() for j in jobs if j["kind"] == "serve" for f in j["logs"])
     assert "serve check passed: vLLM 0.32.0 served model/: greedy tokens equal transformers' on 3 prompt(s)" in log
+    # and what it was doing meanwhile (a logger no handler printed said it: nothing came out)
+    assert "serve check (model): vLLM in " in log and "now transformers on " in log, log[-3000:]
 
 
 def test_status_runs_and_the_report_show_the_check_and_the_scores(served: Path,
@@ -135,6 +137,7 @@ def test_here_says_the_verdict_and_the_scores_not_a_json_dict(served: Path, tmp_
     lines = out.splitlines()  # (after the evaluation's own progress lines)
     header = lines.index("evaluation (lm-eval 0.4.13, hf backend; with eval.limit=2 eval.compare_base=false):")
     assert lines[header + 1].startswith("  tiny_choice acc"), out
+    assert lines.count(lines[header]) == 1, out  # said once: by the evaluation, not again by the command
     assert not any(line.startswith(("{", "}")) for line in lines) and '"tasks"' not in out, out
 
 

@@ -49,7 +49,7 @@ from slurmft.errors import EvalError
 from slurmft.eval_tasks import resolve_tasks
 from slurmft.job import base_eval
 from slurmft.job.lm_eval_run import ONLY_INCLUDED
-from slurmft.rundir import ADAPTER_CONFIG, RunPaths, atomic_write
+from slurmft.rundir import ADAPTER_CONFIG, RunPaths, atomic_write, keep_previous
 
 if TYPE_CHECKING:
     from slurmft.config import RunConfig
@@ -336,8 +336,14 @@ def evaluate_run(run_dir: str, overrides: list[str] | None = None, say: Say = pr
     }
     if base_eval_note is not None:
         summary["base_eval"] = base_eval_note
+    if kept := keep_previous(root / "summary.json"):  # the scores it replaces stay readable
+        say(f"eval: the previous summary is kept as {kept}")
     atomic_write(root / "summary.json", json.dumps(summary, indent=2) + "\n")
     say(f"eval: wrote {root / 'summary.json'} in {seconds['total']} s")
+    from slurmft.watch.model_results import eval_lines
+
+    for line in eval_lines(paths.root):  # the job's log ends with the scores as status says them (it did not)
+        say(line)
     if "wandb" in cfg.train.report_to:
         send_to_wandb(paths, cfg.name, summary, say)
     return summary

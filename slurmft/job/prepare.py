@@ -60,10 +60,15 @@ def prepare_args(cfg: RunConfig, num_proc: int | None, workdir: Path) -> Any:
     """TRL's SFTConfig with what its dataset preparation reads, as the train job's ``sft_config`` sets it."""
     from trl import SFTConfig
 
+    from slurmft.job.versions import no_trainer_checkpointing
+
     kwargs: dict[str, Any] = {
         "output_dir": str(workdir), "report_to": "none", "use_cpu": True, "seed": cfg.train.seed,
         "max_length": cfg.data.max_seq_length, "packing": cfg.data.packing,
         "assistant_only_loss": cfg.assistant_masks, "dataset_num_proc": num_proc,
+        # TRL's default (gradient_checkpointing=True) made every prepare log warn "`gradient_checkpointing` is
+        # deprecated ... Use `activation_checkpointing`", of an option no preparation reads: off, as the train job sets it
+        **no_trainer_checkpointing(SFTConfig),
     }
     kwargs.update({k: cfg.train.sft[k] for k in prepared.PREPARE_SFT_KEYS if k in cfg.train.sft})
     try:
@@ -221,9 +226,12 @@ def dpo_prepare_args(cfg: RunConfig, num_proc: int | None, workdir: Path) -> Any
     """TRL's DPOConfig with what its dataset preparation reads, as the train job's ``dpo.dpo_config`` sets it."""
     from trl import DPOConfig
 
+    from slurmft.job.versions import no_trainer_checkpointing
+
     try:
         return DPOConfig(output_dir=str(workdir), report_to="none", use_cpu=True, seed=cfg.train.seed,
-                         max_length=cfg.data.max_seq_length, dataset_num_proc=num_proc)
+                         max_length=cfg.data.max_seq_length, dataset_num_proc=num_proc,
+                         **no_trainer_checkpointing(DPOConfig))  # no deprecation warning in the log (prepare_args)
     except (TypeError, ValueError) as exc:
         raise JobSetupError(f"dpo: TRL rejected the preparation options: {exc}") from None
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import json
-import logging
 import os
 import re
 import subprocess
@@ -36,9 +35,13 @@ from typing import Any
 
 from slurmft.config import RunConfig
 from slurmft.errors import SlurmftError
-from slurmft.rundir import RunPaths, atomic_write
+from slurmft.rundir import RunPaths, atomic_write, keep_previous
 
-log = logging.getLogger("slurmft.serve")
+
+def say(line: str) -> None:
+    """A line of the job's own in its log (stdout, where vLLM's output streams too), in order with vLLM's."""
+    print(line, flush=True)
+
 
 #: float32: the first-token log-probabilities of the two engines agree to this (nats); their greedy tokens must be
 #: equal. Summation order differs between vLLM's kernels and torch's, so bit equality is not asked for.
@@ -171,7 +174,6 @@ def run_vllm(python: str, request: dict[str, Any], workdir: Path, label: str, ti
     env = dict(os.environ)
     if not request.get("gpu"):
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU: a check, not a server
-    log.info("serve check (%s): starting vLLM in %s", label, python)
     sys.stdout.flush()
     tail: collections.deque[str] = collections.deque(maxlen=400)
     try:
@@ -268,11 +270,12 @@ def serve_check_run(run_dir: str, overrides: list[str] | None = None) -> dict[st
         record["problems"] = [str(exc), *exc.problems]
         raise
     finally:
+        keep_previous(out_dir / "result.json")  # the verdict it replaces stays readable
         atomic_write(out_dir / "result.json", json.dumps(record, indent=1, default=str))
     from slurmft.watch.model_results import serve_lines
 
     for line in serve_lines(record):  # the job's log says the verdict as status does (a failure: the error says it)
-        print(line, flush=True)
+        say(line)
     return {"ok": True, "engines": {k: {"agree": [p["agree"] for p in v["prompts"]], "startup_s": v["startup_s"]}
                                     for k, v in record["engines"].items()}}
 
@@ -326,11 +329,15 @@ def _check(cfg: RunConfig, paths: RunPaths, out_dir: Path, record: dict[str, Any
             "lora": {"path": str(adapter), "rank": cfg.lora.r} if adapter is not None and cfg.lora else None,
         }
         t0 = time.perf_counter()
+        # the job's log said nothing of its own between the prompts and the verdict (a logger no handler printed)
+        say(f"serve check ({label}): vLLM in {python} on {model_dir}{f' + {adapter}' if adapter else ''}, "
+            f"{len(prompts)} prompt(s), {dtype}; at most {timeout_s:.0f} s")
         served = run_vllm(python, request, out_dir, label, timeout_s)
-        log.info("serve check (%s): vLLM %s started in %.1f s, %s tokens/s", label, served["vllm_version"],
-                 served["startup_s"], served.get("tokens_per_s"))
         # the adapter served on the base must equal the merged model (model/) where there is one
         ref_dir, ref_adapter = (paths.model, None) if merged else (model_dir, adapter)
+        say(f"serve check ({label}): vLLM {served['vllm_version']} started in {served['startup_s']:.1f} s, "
+            f"{served.get('tokens_per_s')} tokens/s; now transformers on {ref_dir}"
+            f"{f' + {ref_adapter}' if ref_adapter else ''}")
         ref = reference(ref_dir, dtype, prompts, serve.max_new_tokens, ref_adapter)
         exact = dtype == "float32"
         verdict = compare(ref, served, exact, serve.logprob_tolerance, eos)

@@ -81,9 +81,11 @@ def _python_problem(cfg: RunConfig) -> tuple[str, str, str | None]:
     return field, python, f"{field}: {in_words(python, where)}; {chmod}{fix}"
 
 
-def check_eval(cfg: RunConfig, say: Callable[[str], None] | None = None) -> list[str]:
+def check_eval(cfg: RunConfig, say: Callable[[str], None] | None = None, own: dict[str, str] | None = None) -> list[str]:
     """Every problem of ``cfg.eval`` (none without an eval section), each naming its field and the fix. Task files
-    are read here; task names are looked up in lm-eval's registry (:func:`registry_names`, cached)."""
+    are read here; task names are looked up in lm-eval's registry (:func:`registry_names`, cached). ``own``: the
+    tasks of the run's own task files (name -> file; `slurmft eval RUN_DIR --tasks NAME`): a misspelt one was offered
+    lm-eval's registry's nearest names only ("tiny_choise": "did you mean multiple_choice?")."""
     if cfg.eval is None:
         return []
     tasks = resolve_tasks(cfg.eval.tasks)
@@ -113,8 +115,10 @@ def check_eval(cfg: RunConfig, say: Callable[[str], None] | None = None) -> list
     for name in tasks.registry_names:
         if name in registered:
             continue
+        mine = difflib.get_close_matches(name, list(own or {}), n=1)
         close = difflib.get_close_matches(name, known, n=3)
-        hint = f"did you mean {' or '.join(close)}?" if close else "`lm-eval ls tasks` lists them"
+        hint = (f"did you mean {mine[0]}, this run's task ({(own or {})[mine[0]]})?" if mine
+                else f"did you mean {' or '.join(close)}?" if close else "`lm-eval ls tasks` lists them")
         problems.append(f"eval.tasks[{tasks.entry_of.get(name, 0)}]: {name!r} is not a task lm-eval "
                         f"{version} knows; {hint} (or give your own task YAML file)")
     return problems

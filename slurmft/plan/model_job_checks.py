@@ -59,7 +59,8 @@ def interpreter(python: str | None, cfg: RunConfig, kind: str) -> tuple[str, str
     return cfg.model_job_python(kind, cfg.cluster.job_python), "" if python else " (not set: the job's Python)"
 
 
-def check_model_job(cfg: RunConfig, kind: str, say: Callable[[str], None] | None = None) -> tuple[list[str], list[str]]:
+def check_model_job(cfg: RunConfig, kind: str, say: Callable[[str], None] | None = None,
+                    own: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
     """``(problems, not checked here)`` of the ``kind`` section where its job runs. On the host its interpreter is
     asked here (:func:`check_serve`, :func:`slurmft.plan.eval_checks.check_eval`); in an image (its own
     ``container``, or the run's) the login node cannot run the image's Python: its own image's file and HF_HOME are
@@ -80,7 +81,7 @@ def check_model_job(cfg: RunConfig, kind: str, say: Callable[[str], None] | None
     except ConfigError as exc:  # the run's own container's problems are check_container's to report
         return (exc.problems or [str(exc)]) if section.container else [], []
     if container is None or profile is None:
-        problems = check_serve(cfg) if kind == "serve" else check_eval(cfg, say)
+        problems = check_serve(cfg) if kind == "serve" else check_eval(cfg, say, own)
         if section.container is False and profile is not None:
             problems += _host_step_problems(cfg, kind, profile)
         return problems, []

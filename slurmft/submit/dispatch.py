@@ -137,6 +137,15 @@ def run_dir_refusal(cfg: RunConfig) -> str | None:
     return None
 
 
+def free_sibling(root: Path) -> Path:
+    """The first ``ROOT-2``, ``ROOT-3``, ... that does not exist: a new output_dir the refusal can name as it is (it
+    said ``output_dir=runs/NAME-2``, a placeholder to fill in)."""
+    k = 2
+    while (candidate := root.with_name(f"{root.name}-{k}")).exists():
+        k += 1
+    return candidate
+
+
 def check_run_dir_free(paths: RunPaths) -> None:
     """Refuse a run directory that already holds a run (live or finished) or foreign files."""
     if not paths.root.exists():
@@ -150,7 +159,7 @@ def check_run_dir_free(paths: RunPaths) -> None:
         if live:
             raise RunDirError(
                 f"output_dir {paths.root} already holds a live run (jobs {', '.join(live)}); refusing to overwrite "
-                "it. Use another output_dir (e.g. output_dir=runs/NAME-2) or `slurmft cancel` it first."
+                f"it. Use another output_dir (e.g. output_dir={free_sibling(paths.root)}) or `slurmft cancel` it first."
             )
         if not any(j["kind"] == "train" for j in read_manifest(paths).get("jobs", [])):
             raise RunDirError(
@@ -160,7 +169,7 @@ def check_run_dir_free(paths: RunPaths) -> None:
         from slurmft.submit.phase import ended_run_words
 
         raise RunDirError(f"output_dir {paths.root} already holds {ended_run_words(paths)}; refusing to overwrite it. "
-                          "For a new run use another output_dir (e.g. output_dir=runs/NAME-2).")
+                          f"For a new run use another output_dir (e.g. output_dir={free_sibling(paths.root)}).")
     if paths.lock.exists():
         raise RunDirError(f"another `slurmft submit` is writing {paths.root} right now ({paths.lock} exists)")
     # prepared/ (and a staging dir a killed preparation left): `slurmft prepare run.yaml --here`

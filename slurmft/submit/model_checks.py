@@ -61,6 +61,11 @@ def checked_config(paths: RunPaths, kind: str, overrides: list[str],
     check_model_job_overrides(kind, overrides, str(paths.root))
     cfg = read_run_config(paths.config)  # the run's config as it trained (a missing file said as such)
     resolved = resolve_overrides(read_yaml(paths.config), overrides, Path.cwd()) if overrides else []
+    if kind == "eval" and resolved:  # a name of the run's own task files: that file
+        from slurmft.eval_tasks import own_task_files
+
+        own = own_tasks(cfg)
+        resolved = [own_task_files(o, own) for o in resolved]
     if resolved:
         try:
             cfg = read_run_config(paths.config, resolved)
@@ -80,6 +85,13 @@ def checked_config(paths: RunPaths, kind: str, overrides: list[str],
     return cfg, resolved
 
 
+def own_tasks(cfg: RunConfig) -> dict[str, str]:
+    """The tasks of the run's own task files (config.yaml's ``eval.tasks``, before any override): name -> file."""
+    from slurmft.eval_tasks import resolve_tasks
+
+    return resolve_tasks(cfg.eval.tasks).from_files if cfg.eval is not None else {}
+
+
 def check_quiet(paths: RunPaths, kind: str) -> None:
     """Refuse while the model is being written (a consolidation) or another job of ``kind`` may still run."""
     from slurmft.watch.status import run_state
@@ -87,13 +99,15 @@ def check_quiet(paths: RunPaths, kind: str) -> None:
     run_state(paths).check_quiet(("train", "consolidate", kind), f"the {WHAT[kind]} is not started again")
 
 
-def problems_before(cfg: RunConfig, kind: str, say: Say | None = None) -> list[str]:
+def problems_before(cfg: RunConfig, kind: str, say: Say | None = None,
+                    own: dict[str, str] | None = None) -> list[str]:
     """The login-side checks of the section (its Python imports what it needs, the tasks exist); what cannot be
     checked here (an interpreter in an image) is said through ``say``, and so is the one slow step (listing lm-eval's
-    registry for a task name, ~30 s once per interpreter: it was silent)."""
+    registry for a task name, ~30 s once per interpreter: it was silent). ``own``: :func:`own_tasks`, for a
+    did-you-mean of a misspelt task of the run's own."""
     from slurmft.plan.model_job_checks import check_model_job
 
-    problems, skipped = check_model_job(cfg, kind, say)
+    problems, skipped = check_model_job(cfg, kind, say, own)
     for line in skipped:
         if say is not None:
             say(f"not checked: {line}")

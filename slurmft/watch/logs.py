@@ -160,14 +160,35 @@ def ended_words(run_dir: Path, kind: str, job_id: str | None = None) -> Callable
     return check
 
 
+def job_now(run_dir: Path, kind: str, job_id: str | None = None) -> Callable[[], str | None]:
+    """For a log not written yet: a function that says what the job is doing, as ``status`` says it (``train job 11:
+    waiting for the prepare job to finish successfully``); None where the run's state cannot be read. ``logs -f`` on
+    a job queued behind its prepare job said only "the job may still be pending", then nothing while it waited."""
+    from slurmft.watch.status import run_state
+
+    def words_now() -> str | None:
+        paths = RunPaths.of(run_dir)
+        try:
+            job = str(the_job(paths, kind, job_id)["job_id"])
+            row = next((r for r in run_state(paths, adopt=False).rows if str(r["job_id"]) == job), None)
+        except (RunDirError, OSError):
+            return None
+        return f"{row['kind']} job {job}: {row['words']}" if row and row.get("words") else None
+
+    return words_now
+
+
 def tail(files: list[Path], lines: int, follow: bool, echo: Callable[[str], None],
-         ended: Callable[[], str | None] | None = None, poll_s: float = ENDED_POLL_S) -> None:
+         ended: Callable[[], str | None] | None = None, poll_s: float = ENDED_POLL_S,
+         why_no_log: Callable[[], str | None] | None = None) -> None:
     """Print the last ``lines`` lines of each file, then (with ``follow``) what is appended, until ``ended`` (asked
-    every ``poll_s`` seconds) says the job has ended: then the rest of its log and those words."""
+    every ``poll_s`` seconds) says the job has ended: then the rest of its log and those words. ``why_no_log``
+    (:func:`job_now`): what the job does while its log is not there yet."""
     offsets: dict[Path, int] = {}
     for f in files:
         if not f.exists():
-            echo(f"(no log yet: {f} — the job may still be pending)")
+            why = why_no_log() if why_no_log else None
+            echo(f"(no log yet: {f} — {why or 'the job may still be pending'})")
             offsets[f] = 0
             continue
         data = f.read_bytes()

@@ -45,7 +45,8 @@ REQUEUE_REFUSED = "preempted (warning signal), not requeued: preemption.max_requ
 STARTUP_REQUEUED = "stopped during start-up (no save), requeued"
 TIME_LIMIT_REQUEUED = "time limit: saved, requeued"
 SLURM_REQUEUED_SAVED = "saved, then requeued by Slurm (scontrol requeue or preemption)"
-CANCELLED_SAVED = "cancelled (scancel) after saving; `slurmft resume` continues from that step"
+CANCELLED_SAVED = "cancelled (scancel) after saving"
+RESUME_FROM_SAVE = "; `slurmft resume` continues from that step"  # said until a later resume has done so
 RESUMED_BY_HAND = "resumed by hand"
 
 
@@ -397,8 +398,10 @@ def attempts(manifest: dict[str, Any], metrics_records: list[dict[str, Any]], sl
                 state = _final_state(job, row, manifest, jid, later_job)
                 if state in ("", "UNKNOWN") and max_steps is not None and last is not None and last >= max_steps:
                     state = "COMPLETED"
-                reason = _ended_words(state, marker is not None, marker, (cancelled or {}).get(jid))
+                reason = _ended_words(state, marker is not None, marker, (cancelled or {}).get(jid), later_job)
                 live = is_live(state)
+                if parse(state) == State.PENDING and row.get("reason") and row.get("words"):
+                    reason = row["words"]  # why it waits, as its job's line says: on its prepare job, not "the queue"
                 if later_job:
                     reason = f"{reason}, {RESUMED_BY_HAND}" if reason else RESUMED_BY_HAND
             out.append({"job_id": jid, "restart": restart, "how": how, "state": state or "UNKNOWN",
@@ -408,6 +411,22 @@ def attempts(manifest: dict[str, Any], metrics_records: list[dict[str, Any]], sl
                         "nodes": record.get("nodes"), "ranks_per_node": record.get("ranks_per_node"),
                         "server_nodes": record.get("server_nodes")})
     return out
+
+
+def attempt_line(k: int, a: dict[str, Any]) -> str:
+    """One attempt in ``status``'s words. An attempt that has not logged a step leaves out what it does not have: it
+    said ``(submit, from step -): no step on 1 node x 2 ranks, - .. -: waiting in the queue``."""
+    fmt = "%m-%d %H:%M:%S"
+    since = f", from step {a['resumed_from_step']}" if a["resumed_from_step"] is not None else ""
+    if a["first_step"] is not None:
+        steps = f"steps {a['first_step']}-{a['last_step']}"
+    else:
+        steps = "no step yet" if is_live(a["state"]) else "no step"
+    start = time.strftime(fmt, time.localtime(a["start"])) if a["start"] else "-"
+    end = time.strftime(fmt, time.localtime(a["end"])) if a["end"] else "-"
+    when = f", {start} .. {end}" if a["start"] or a["end"] else ""
+    return (f"  {k}. job {a['job_id']} restart {a['restart']} ({a['how']}{since}): {steps}{allocation_words(a)}{when}: "
+            f"{a['reason']}")
 
 
 def _resumed_from(jid: str, restart: int, how: str, record: dict[str, Any],
@@ -447,9 +466,12 @@ def _requeued_words(marker: dict[str, Any] | None) -> str:
 
 
 def _ended_words(state: str, saved_for_requeue: bool, marker: dict[str, Any] | None = None,
-                 cancel: dict[str, Any] | None = None) -> str:
+                 cancel: dict[str, Any] | None = None, resumed: bool = False) -> str:
+    """How an attempt ended. ``resumed``: a later train job continued the run, so an attempt cancelled after its
+    save no longer says to run `slurmft resume` (it said so beside "resumed by hand")."""
     if marker is not None and state == "CANCELLED" and marker.get("ended") == "cancelled" and marker.get("saved"):
-        return CANCELLED_SAVED.replace("cancelled (scancel)", cancels.words(cancel)) if cancel else CANCELLED_SAVED
+        said = CANCELLED_SAVED.replace("cancelled (scancel)", cancels.words(cancel)) if cancel else CANCELLED_SAVED
+        return said if resumed else said + RESUME_FROM_SAVE
     if saved_for_requeue and parse(state) == State.FAILED:
         return REQUEUE_REFUSED
     return words(state)
@@ -595,13 +617,7 @@ def overview_lines(ov: dict[str, Any]) -> list[str]:
     if line := saves_line(ov.get("saves")):
         lines.append(line)
     lines.append("attempts:")
-    for k, a in enumerate(ov["attempts"], start=1):
-        steps = f"steps {a['first_step']}-{a['last_step']}" if a["first_step"] is not None else "no step"
-        start = time.strftime("%m-%d %H:%M:%S", time.localtime(a["start"])) if a["start"] else "-"
-        end = time.strftime("%m-%d %H:%M:%S", time.localtime(a["end"])) if a["end"] else "-"
-        lines.append(f"  {k}. job {a['job_id']} restart {a['restart']} ({a['how']}, from step "
-                     f"{a['resumed_from_step'] if a['resumed_from_step'] is not None else '-'}): {steps}"
-                     f"{allocation_words(a)}, {start} .. {end}: {a['reason']}")
+    lines += [attempt_line(k, a) for k, a in enumerate(ov["attempts"], start=1)]
     lost = ov.get("lost") or {}
     if lost.get("boundaries"):
         lines.append(f"lost to restarts: {lost['recomputed_steps']} step(s) again, "

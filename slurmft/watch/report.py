@@ -214,10 +214,12 @@ def render(s: dict[str, Any], plot_name: str | None) -> str:
         L.append(f"| {k} | {a['job_id']} | {a['restart']} | {a['how']}{allocation_words(a)} | {fmt_time(a['start'])} | "
                  f"{fmt_time(a['end'])} | {steps} | {_dash(a['resumed_from_step'])} | {a['reason']} |")
     lost = s["lost"]
-    L += ["", "## Time lost to preemption", ""]
+    # a cancel or a failure resumed by hand costs as a preemption does, and its gap holds the wait for the resume
+    L += ["", "## Time lost to restarts", ""]
     if lost["boundaries"]:
         L += [f"{lost['recomputed_steps']} step(s) computed again (≈ {fmt_duration(lost['recomputed_s'])}) and "
-              f"{fmt_duration(lost['gap_s'])} between attempts (queue wait plus start-up): "
+              f"{fmt_duration(lost['gap_s'])} between attempts (queue wait and start-up; before a resume by hand, the wait "
+              "for it too): "
               f"{fmt_duration(lost['total_s'])} in all.", ""]
         for b in lost["boundaries"]:
             L.append(f"- before job {b['job_id']} restart {b['restart']}: {b['recomputed_steps']} step(s) again "

@@ -89,7 +89,7 @@ def run_word(jobs: list[dict[str, Any]], has_model: bool) -> str:
         return "evaluating" if live[-1] == "eval" else "serve check"
     failed = [j["kind"] for j in after[-2:] if parse(j["state"]) in PREPARE_FAILED]
     if has_model and failed:
-        return f"done ({'the evaluation' if failed[-1] == 'eval' else 'the serve check'} failed)"
+        return "done (the evaluation failed)" if failed[-1] == "eval" else "done (the serve check failed)"
     if has_model:
         return "done"
     if not jobs:  # a sweep's point the local sweep never reached (killed, or still on an earlier point)

@@ -339,7 +339,7 @@ def explain_dependency_failures(rows: list[dict[str, Any]], jobs: list[dict[str,
         # Slurm 22.05 gives a pending job that scancel cancelled the cancel's time as its Start, and its End (its
         # NodeList "None assigned"): a Start equal to the End is no start (the status after `slurmft cancel` said
         # "redo it with `slurmft consolidate`" of a consolidation that had waited on the cancelled train job)
-        started = row.get("start") not in ("", "None", "Unknown", None, row.get("end"))
+        started = _started(row)
         by = row.get("cancelled_by", "")
         if first and parse(row["state"]) == State.CANCELLED and not started and is_live(first["state"]):
             # `slurmft cancel`/scancel while the job it waits on still ends (COMPLETING): "redo it with `slurmft
@@ -347,6 +347,14 @@ def explain_dependency_failures(rows: list[dict[str, Any]], jobs: list[dict[str,
             row["words"] = (f"{by or 'cancelled'} before it started; {WAITS_ON[job['kind']]} job {first['job_id']} "
                             f"has not ended yet, it is {words(first['state'])}; `slurmft status {run_dir}` says what to "
                             "run once it has")
+        elif (first and job["kind"] in MODEL_JOB_COMMANDS and parse(row["state"]) == State.PENDING
+                and row.get("reason") == NEVER_SATISFIED and not _started(first)
+                and not _trained(jobs[position[first["job_id"]]], by_id)):
+            # until Slurm cancels it: its consolidation never ran (nothing to `slurmft consolidate` but a part-trained
+            # checkpoint), as for the cancelled one below
+            row["words"] = (f"will never start: its consolidation job {first['job_id']} never ran (its train job did "
+                            f"not finish); Slurm cancels this job (--kill-on-invalid-dep); `slurmft resume {run_dir}` "
+                            f"continues training and chains a new consolidation and {job['kind']} job")
         elif (first and parse(row["state"]) == State.CANCELLED and not started
                 and parse(first["state"]) in RESUMABLE_ENDINGS - {State.UNKNOWN}):
             later = next((j["job_id"] for j in jobs[k + 1:] if j["kind"] == job["kind"]), None)
@@ -354,9 +362,31 @@ def explain_dependency_failures(rows: list[dict[str, Any]], jobs: list[dict[str,
             # and once the job it waited on was run again (`slurmft prepare`, `resume`, `consolidate`), its words
             # name the failed one's log by id and no longer say to run it again
             redone = any(j["kind"] == first["kind"] for j in jobs[position[first["job_id"]] + 1:])
-            row["words"] = (f"{_never_started(WAITS_ON[job['kind']], first['job_id'], by)}; {job['kind']} job "
-                            f"{later} took its place" if later
-                            else NEVER_STARTED_WORDS[job["kind"]](first["job_id"], run_dir, by, redone))
+            if later:
+                row["words"] = (f"{_never_started(WAITS_ON[job['kind']], first['job_id'], by)}; {job['kind']} job "
+                                f"{later} took its place")
+            elif job["kind"] in MODEL_JOB_COMMANDS and not redone and not _started(first) and not _trained(
+                    jobs[position[first["job_id"]]], by_id):
+                # its consolidation never ran either (the train job did not finish): `slurmft consolidate` would
+                # export a half-trained checkpoint; the resume chains a new consolidation, serve check and evaluation
+                row["words"] = (f"{_never_started(WAITS_ON[job['kind']], first['job_id'], by)}, which never ran "
+                                f"(its train job did not finish); `slurmft resume {run_dir}` continues training and "
+                                f"chains a new consolidation and {job['kind']} job")
+            else:
+                row["words"] = NEVER_STARTED_WORDS[job["kind"]](first["job_id"], run_dir, by, redone)
+
+
+def _trained(consolidation: dict[str, Any], by_id: dict[str, dict[str, Any]]) -> bool:
+    """Whether the train job a consolidation job waited on (``afterok``) completed: a consolidation cancelled before
+    it started is then redone with `slurmft consolidate`, else by `slurmft resume`."""
+    train = by_id.get(str(consolidation.get("dependency") or "").removeprefix("afterok:"))
+    return train is not None and parse(train["state"]) == State.COMPLETED
+
+
+def _started(row: dict[str, Any]) -> bool:
+    """Whether a job row's job ever started. Slurm 22.05 gives a pending job that scancel cancelled the cancel's time
+    as its Start, and its End: a Start equal to the End is no start."""
+    return row.get("start") not in ("", "None", "Unknown", None, row.get("end"))
 
 
 #: Why a pending job waits on a dependency that can never be satisfied (Slurm cancels slurmft's such jobs: every

@@ -20,6 +20,28 @@ def test_the_trainers_own_checkpointing_is_off_under_the_name_this_transformers_
     assert not getattr(args, "activation_checkpointing", None) and not getattr(args, "gradient_checkpointing", None)
 
 
+def test_the_prepare_jobs_trl_configs_warn_of_no_deprecated_option(tmp_path: Path) -> None:
+    """Every prepare job's log said "`gradient_checkpointing` is deprecated and will be removed in v6" (TRL's default
+    True, under the name transformers 5.23 deprecated), of an option no preparation reads."""
+    import warnings
+
+    import yaml
+
+    from slurmft.config_loading import load_config
+    from slurmft.job.prepare import dpo_prepare_args, prepare_args
+
+    spec = yaml.safe_load((Path(__file__).parents[2] / "examples" / "tiny" / "run.yaml").read_text())
+    spec["output_dir"] = str(tmp_path / "run")
+    source = tmp_path / "run.yaml"
+    source.write_text(yaml.safe_dump(spec))
+    cfg = load_config(source)
+    for make in (prepare_args, dpo_prepare_args):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make(cfg, None, tmp_path)
+        assert [str(w.message) for w in caught if "checkpointing" in str(w.message)] == [], make
+
+
 def test_one_stager_stages_again_into_the_same_cpu_buffer() -> None:
     """torch 2.11's DefaultStager broke on its second stage (KeyError: <class 'type'>; pytorch#183413): a
     checkpoint's optimizer stage after its model stage, so every asynchronous save failed. The stager reuses its
