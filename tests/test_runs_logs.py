@@ -386,3 +386,24 @@ def test_status_of_a_local_prepare_shows_its_progress_from_the_err_file(
     running = json.loads(capsys.readouterr().out)["prepared"]["running"]
     assert running == {"job_id": "77", "progress": "Tokenizing train dataset (num_proc=1): 400/809 rows, "
                                                    "40.10 examples/s, ETA 00:10"}, running
+
+
+def test_a_local_submit_names_every_task_of_its_prepare_array(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A local submit of a prepare array (examples/tiny/text.yaml) closed with ``prepare job: 101``, the last task's
+    id alone, as if task 1 had not run: now every task's, as slurmft/submit/arrays.py recorded them."""
+    from slurmft.cli import _echo_jobs
+    from slurmft.rundir import RunPaths, read_manifest, record_job, write_manifest
+
+    run = local_run(tmp_path)
+    paths = RunPaths.of(run)
+    manifest = read_manifest(paths)
+    manifest["jobs"] = []
+    for k, job_id in enumerate(("100", "101")):  # as run_local_array records them
+        record_job(manifest, "prepare", job_id, task=k, tasks=2, state="COMPLETED")
+    record_job(manifest, "train", "4242", state="COMPLETED", pid=4242)
+    write_manifest(paths, manifest)
+    _echo_jobs(run, "local", {"prepare": "101", "train": "4242"})
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:] == ["prepare job: 100, 101 (the 2 tasks of its array, run here one after another)",
+                       "train job: 4242"], out

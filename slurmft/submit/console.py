@@ -78,6 +78,24 @@ def step_line(rec: dict[str, Any]) -> str:
 PREPARE_PROGRESS_EVERY_S = 30.0
 
 
+def job_ids_words(run_dir: Path, job_id: str) -> str:
+    """What submit's closing lines say of a local job: its id, or all its tasks' ids when it is the last task of a
+    local prepare array (it said only the last one's, as if task 1 had not run)."""
+    from slurmft.errors import RunDirError
+    from slurmft.rundir import array_tasks, read_manifest
+
+    try:
+        manifest = read_manifest(RunPaths.of(run_dir))
+    except RunDirError:
+        return job_id
+    job = next((j for j in reversed(manifest.get("jobs", [])) if str(j["job_id"]) == str(job_id)), None)
+    tasks = array_tasks(manifest, job) if job is not None else []
+    if len(tasks) < 2:
+        return job_id
+    return (f"{', '.join(str(t['job_id']) for t in tasks)} (the {len(tasks)} tasks of its array, run here one after "
+            "another)")
+
+
 def wait_local(job: Any, kind: str, paths: RunPaths, manifest: dict[str, Any], say: Callable[[str], None],
                what: str | None = None) -> None:
     """Wait for a local job, showing progress from metrics.jsonl (a prepare job: its log's progress line, every
