@@ -373,7 +373,8 @@ def logs(run_dir: Path, kind: str, follow: bool, lines: int | None, rank: int | 
         filtered(run_dir, kind, follow, lines, rank, attempt, job_id)
         return
     files = log_files(run_dir, kind, job_id)
-    tail(files, lines, follow, click.echo, ended_words(run_dir, kind, job_id) if follow else None)
+    tail(files, lines, follow, click.echo, ended_words(run_dir, kind, job_id) if follow else None,
+         more=lambda: log_files(run_dir, kind, job_id))
 
 
 @cli.command()
