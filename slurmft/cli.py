@@ -204,16 +204,11 @@ def submit(config: Path, overrides: tuple[str, ...], force: bool, template_dir: 
     _echo_jobs(submitted.run_dir, submitted.executor, submitted.jobs)
 
 
-
-
-
 def _echo_jobs(run_dir: Path, executor: str, jobs: dict[str, str]) -> None:
     """What a submit or resume started, and how to follow it."""
-    from slurmft.submit.console import JOB_NAMES, job_ids_words
+    from slurmft.submit.console import job_lines
 
-    click.echo(f"run dir: {run_dir}")
-    for kind, job_id in jobs.items():
-        click.echo(f"{JOB_NAMES[kind]} job: {job_ids_words(run_dir, job_id) if executor == 'local' else job_id}")
+    click.echo("\n".join([f"run dir: {run_dir}", *job_lines(run_dir, executor, jobs)]))
     if executor == "slurm":
         from slurmft.cli_model import follow_line
 

@@ -78,6 +78,12 @@ def step_line(rec: dict[str, Any]) -> str:
 PREPARE_PROGRESS_EVERY_S = 30.0
 
 
+def job_lines(run_dir: Path, executor: str, jobs: dict[str, str]) -> list[str]:
+    """Submit's and resume's closing lines, one per job they started (``consolidation job: 13``)."""
+    return [f"{JOB_NAMES[kind]} job: {job_ids_words(run_dir, job_id) if executor == 'local' else job_id}"
+            for kind, job_id in jobs.items()]
+
+
 def job_ids_words(run_dir: Path, job_id: str) -> str:
     """What submit's closing lines say of a local job: its id, or all its tasks' ids when it is the last task of a
     local prepare array (it said only the last one's, as if task 1 had not run)."""
