@@ -464,3 +464,24 @@ def test_logs_follow_of_a_local_prepare_array_follows_every_task(tmp_path: Path)
     assert seen[-1].startswith("[slurmft logs] prepare task 2 of 2 (job 101) of the local array has ended: "
                                "completed"), seen
     assert f"==> {logs[1]} <==" in seen, seen
+
+
+@pytest.mark.parametrize("kind", ["consolidate", "eval", "prepare"])
+def test_status_of_a_failed_job_run_with_here_says_where_its_output_went(
+        kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`slurmft status` of a failed `slurmft consolidate RUN_DIR --here` said to see `slurmft logs ... --job
+    consolidate`, which only says such a job keeps no log file: status says where its output went instead."""
+    import json
+
+    from slurmft.rundir import RunPaths, read_manifest, record_job, write_manifest
+
+    run = local_run(tmp_path)
+    paths = RunPaths.of(run)
+    manifest = read_manifest(paths)
+    record_job(manifest, kind, "here-7-8", here=True, pid=7, state="FAILED")
+    write_manifest(paths, manifest)
+    main(["status", str(run), "--json"])
+    words = next(r for r in json.loads(capsys.readouterr().out)["jobs"] if r["job_id"] == "here-7-8")["words"]
+    assert "slurmft logs" not in words, words
+    assert f"it ran in the terminal that started it (`slurmft {kind} --here`), which keeps no log file: what it " \
+           "printed there says why" in words, words

@@ -69,9 +69,10 @@ def job_outputs(paths: RunPaths, job: dict[str, Any]) -> list[Path]:
     ``log``; an adopted job has no record of it and wrote there too). A job run in a terminal (``--here``) wrote to
     that terminal, to no file: the error says so (it was a KeyError)."""
     if job.get("here"):
-        raise RunDirError(f"{job['kind']} job {job['job_id']} of {paths.root} ran in the terminal that started it "
-                          f"(`slurmft {job['kind']} --here`), which keeps no log file: what it printed there is its "
-                          f"log; its result: `slurmft status {paths.root}`")
+        from slurmft.watch.status import here_words
+
+        raise RunDirError(f"{job['kind']} job {job['job_id']} of {paths.root} {here_words(job['kind'])}: what it "
+                          f"printed there is its log; its result: `slurmft status {paths.root}`")
     return [Path(p) for p in job.get("logs", [])] or [Path(job.get("log") or paths.log_file(job["kind"],
                                                                                              str(job["job_id"])))]
 
