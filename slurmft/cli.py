@@ -207,14 +207,11 @@ def submit(config: Path, overrides: tuple[str, ...], force: bool, template_dir: 
     _echo_jobs(submitted.run_dir, submitted.executor, submitted.jobs)
 
 
-
-
-
 def _echo_jobs(run_dir: Path, executor: str, jobs: dict[str, str]) -> None:
     """What a submit or resume started, and how to follow it."""
-    click.echo(f"run dir: {run_dir}")
-    for kind, job_id in jobs.items():
-        click.echo(f"{kind} job: {job_id}")
+    from slurmft.submit.console import job_lines
+
+    click.echo("\n".join([f"run dir: {run_dir}", *job_lines(run_dir, executor, jobs)]))
     if executor == "slurm":
         from slurmft.cli_model import follow_line
 
@@ -375,7 +372,7 @@ def logs(run_dir: Path, kind: str, follow: bool, lines: int | None, rank: int | 
         return
     files = log_files(run_dir, kind, job_id)
     tail(files, lines, follow, click.echo, ended_words(run_dir, kind, job_id) if follow else None,
-         why_no_log=job_now(run_dir, kind, job_id))
+         why_no_log=job_now(run_dir, kind, job_id), more=lambda: log_files(run_dir, kind, job_id))
 
 
 @cli.command()

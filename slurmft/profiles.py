@@ -103,15 +103,21 @@ def machine_memory_gb() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
 
 
-def profile_for_run(cfg: RunConfig) -> ClusterProfile:
-    """``cfg``'s cluster profile. A local run (``executor: local``, or ``auto`` without sbatch) that names no profile
-    runs its ranks on this machine: the default profile's 512 GB node would have ``estimate`` and ``validate`` judge
-    a run that needs more RAM than this machine has as fitting, so its ``node_memory_gb`` is this machine's. A
-    profile the config names is taken as written (a local rehearsal of a cluster's run)."""
+def on_this_machine(cfg: RunConfig) -> bool:
+    """Whether ``cfg`` is a local run (``executor: local``, or ``auto`` without sbatch) that names no profile: its ranks
+    run on this machine, which is what ``estimate`` and ``validate`` describe, not the default profile's node."""
     from slurmft.config import Executor
 
+    return "profile" not in cfg.cluster.model_fields_set and cfg.resolved_executor == Executor.LOCAL
+
+
+def profile_for_run(cfg: RunConfig) -> ClusterProfile:
+    """``cfg``'s cluster profile. A local run that names no profile (:func:`on_this_machine`) runs its ranks on this
+    machine: the default profile's 512 GB node would have ``estimate`` and ``validate`` judge a run that needs more RAM
+    than this machine has as fitting, so its ``node_memory_gb`` is this machine's. A profile the config names is taken
+    as written (a local rehearsal of a cluster's run)."""
     profile = load_profile(cfg.cluster.profile)
-    if "profile" in cfg.cluster.model_fields_set or cfg.resolved_executor != Executor.LOCAL:
+    if not on_this_machine(cfg):
         return profile
     return profile.model_copy(update={"node_memory_gb": round(machine_memory_gb(), 1)})
 

@@ -508,6 +508,23 @@ def record_job(manifest: dict[str, Any], kind: str, job_id: str, **extra: Any) -
     return entry
 
 
+def array_tasks(manifest: dict[str, Any], job: dict[str, Any]) -> list[dict[str, Any]]:
+    """The recorded tasks of the local prepare array ``job`` is a task of, task 0 first (slurmft/submit/arrays.py
+    records each task as a job of its own, ``task=k, tasks=N``, one after another; a later one is recorded once the
+    one before has ended), or ``[job]`` for any other job (a Slurm array is one entry already)."""
+    if "task" not in job:
+        return [job]
+    same = [j for j in manifest.get("jobs", []) if j["kind"] == job["kind"]]
+    at = next(i for i, j in enumerate(same) if j is job or j["job_id"] == job["job_id"])
+    first = at - int(job["task"])
+    tasks = same[first:at + 1]
+    for j in same[at + 1:]:  # tasks recorded after ``job`` (it may be an older task of the array)
+        if j.get("task") != len(tasks) or j.get("tasks") != job.get("tasks"):
+            break
+        tasks.append(j)
+    return tasks
+
+
 def latest_jobs(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The newest job of each kind."""
     out: dict[str, dict[str, Any]] = {}

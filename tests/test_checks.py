@@ -501,6 +501,26 @@ def test_a_local_run_without_a_profile_is_estimated_with_this_machines_ram(
     assert code == 0 and json.loads(out)["cpu_ram_per_node"]["capacity"] == 512 * 10**9 and "note:" not in err
 
 
+def test_a_local_cpu_runs_estimate_says_this_machine_and_sdpa(tmp_path: Path, model_dir: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`slurmft estimate` of a local CPU run without a profile (examples/tiny/text.yaml) said `2 ranks on CPU
+    (ethernet)` and `flash/sdpa attention`: its ranks run on this machine, and flash-attention 2 needs a CUDA device
+    (CPU ranks get SDPA). A Slurm run still names its profile."""
+    path = write_run(tmp_path, model_dir, jsonl(tmp_path / "c.jsonl", [CHAT]), cluster=None)
+    for executor, where in (("local", "this machine"), ("slurm", "ethernet")):
+        code, out, err = cli(["estimate", str(path), f"executor={executor}", "--json"], capsys)
+        assert code == 0, err
+        result = json.loads(out)
+        assert result["setup"]["this_machine"] == (executor == "local") and result["setup"]["attention"] == "sdpa"
+        assert any(a.startswith("SDPA (flash-attention 2 needs a CUDA device)") or
+                   "; SDPA (flash-attention 2 needs a CUDA device): no seq x seq matrix" in a
+                   for a in result["assumptions"]), result["assumptions"]
+        code, out, err = cli(["estimate", str(path), f"executor={executor}"], capsys)
+        said = " ".join(out.split())  # the table's head wraps at the terminal's width
+        assert code == 0 and f"2 ranks on CPU ({where})," in said and "sdpa attention" in said, said
+        assert "flash/sdpa" not in said and "flash-attention/SDPA" not in said, said
+
+
 # ====================================================================== preference data (dpo:)
 PAIR = {"prompt": "What is 2 plus 2?", "chosen": "4.", "rejected": "5."}
 HH = {"chosen": "\n\nHuman: What is 2 plus 2?\n\nAssistant: 4.", "rejected": "\n\nHuman: What is 2 plus 2?\n\nAssistant: 5."}

@@ -72,9 +72,9 @@ def test_a_local_prepare_job_says_its_progress_while_submit_waits(tmp_path: Path
     from submitit.core.utils import JobPaths
 
     from slurmft.rundir import new_manifest, record_job
-    from slurmft.submit import dispatch
+    from slurmft.submit import console
 
-    monkeypatch.setattr(dispatch, "PREPARE_PROGRESS_EVERY_S", 1.0, raising=False)
+    monkeypatch.setattr(console, "PREPARE_PROGRESS_EVERY_S", 1.0, raising=False)
     paths = RunPaths.of(tmp_path / "run")
     (paths.root / "submitit").mkdir(parents=True)
     bar = "Tokenizing train dataset (num_proc=1):  49%|####9     | 400/809 [00:10<00:10, 40.10 examples/s]"
@@ -84,6 +84,32 @@ def test_a_local_prepare_job_says_its_progress_while_submit_waits(tmp_path: Path
     manifest = new_manifest("r", "local")
     record_job(manifest, "prepare", job.job_id, logs=[str(JobPaths(paths.submitit, job.job_id, 0).stdout)])
     said: list[str] = []
-    dispatch._wait_local(job, "prepare", paths, manifest, said.append)
+    console.wait_local(job, "prepare", paths, manifest, said.append)
     assert said[0] == "  Tokenizing train dataset (num_proc=1): 400/809 rows, 40.10 examples/s, ETA 00:10", said
     assert said.count(said[0]) == 1 and said[-1].startswith(f"prepare job {job.job_id} completed in "), said
+
+
+def test_a_local_job_is_called_by_one_name_from_start_to_end(tmp_path: Path) -> None:
+    """A local submit said "consolidation job J started here" then "consolidate job J completed", and "prepare task 1
+    of 2 (job J) started here" then "prepare job J completed": one name per job, from its start to its end. A real
+    submitit local job (``true``) stands in for each."""
+    import subprocess
+
+    from submitit import LocalExecutor
+
+    from slurmft.rundir import new_manifest, record_job
+    from slurmft.submit.console import JOB_NAMES, wait_local
+
+    paths = RunPaths.of(tmp_path / "run")
+    (paths.root / "submitit").mkdir(parents=True)
+    ex = LocalExecutor(folder=paths.submitit)
+    ex.update_parameters(timeout_min=1)
+    manifest = new_manifest("r", "local")
+    said: list[str] = []
+    for kind, what in (("consolidate", None), ("prepare", "prepare task 1 of 2 (job {})")):
+        job = ex.submit(subprocess.run, ["true"], check=True)
+        record_job(manifest, kind, job.job_id)
+        wait_local(job, kind, paths, manifest, said.append, what and what.format(job.job_id))
+        assert said[-1].startswith(f"{what.format(job.job_id) if what else f'consolidation job {job.job_id}'} "
+                                   "completed in "), said
+    assert JOB_NAMES["consolidate"] == "consolidation" and JOB_NAMES["eval"] == "evaluation"

@@ -280,3 +280,18 @@ def test_the_report_names_what_the_run_optimised_and_packs_only_what_is_packed(t
     text = write_report(run, slurm_rows=slurm_rows()).read_text()
     assert f"| objective | {objective} |\n| method | full fine-tuning (every weight trains) |" in text, text
     assert f"max_seq_length 256, packing {packing} |" in text, text
+
+
+def test_the_mean_of_the_last_logged_losses_counts_each_step_once(tmp_path: Path) -> None:
+    """A resume from an older checkpoint trains steps again: the report's "mean of the last 10 logged" counted steps
+    9-12 twice (the first attempt's values and the resumed one's). Each step once, its newest value, as the whole
+    run's loss does (slurmft.watch.run_totals.newest_records)."""
+    from runfixture import T0, record, write_metrics
+
+    run = local_run(tmp_path, steps=12)
+    first = [record(s, T0 + s, "4242", 0, loss=float(s)) for s in range(1, 13)]  # killed after step 12's log
+    again = [record(s, T0 + 100 + s, "4243", 0, loss=1.0) for s in range(9, 13)]  # resumed from checkpoint-8
+    write_metrics(run, first + again)
+    text = write_report(run).read_text()
+    # steps 3-8 at 3.0..8.0, 9-12 at 1.0: 37 / 10 (counted twice: 7.0..12.0 and 1.0 x 4, 61 / 10)
+    assert "mean of the last 10 logged: 3.7000 |" in text, [line for line in text.splitlines() if "mean of" in line]

@@ -62,7 +62,7 @@ def test_killed_local_run_resumes_to_the_same_model(tiny_model: Path, local_tiny
     main(["resume", str(killed), *overrides])
     captured = capsys.readouterr()
     assert "cleared a stale lock" in captured.err
-    assert "resuming" in captured.err and "consolidate job" in captured.out
+    assert "resuming" in captured.err and "consolidation job" in captured.out
     manifest = read_manifest(RunPaths.of(killed))
     resumed = manifest["attempts"][1]
     assert resumed["how"] == "resume" and resumed["resumed_from_step"] >= 6

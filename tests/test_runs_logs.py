@@ -456,3 +456,102 @@ def test_a_result_a_newer_job_replaces_is_kept(tmp_path: Path) -> None:
     # both jobs call it before they write their result (the jobs themselves run lm-eval and vLLM)
     assert "keep_previous(root / \"summary.json\")" in Path(evaluate.__file__).read_text()
     assert "keep_previous(out_dir / \"result.json\")" in Path(serve_check.__file__).read_text()
+
+
+def test_a_local_submit_names_every_task_of_its_prepare_array(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A local submit of a prepare array (examples/tiny/text.yaml) closed with ``prepare job: 101``, the last task's
+    id alone, as if task 1 had not run: now every task's, as slurmft/submit/arrays.py recorded them."""
+    from slurmft.cli import _echo_jobs
+    from slurmft.rundir import RunPaths, read_manifest, record_job, write_manifest
+
+    run = local_run(tmp_path)
+    paths = RunPaths.of(run)
+    manifest = read_manifest(paths)
+    manifest["jobs"] = []
+    for k, job_id in enumerate(("100", "101")):  # as run_local_array records them
+        record_job(manifest, "prepare", job_id, task=k, tasks=2, state="COMPLETED")
+    record_job(manifest, "train", "4242", state="COMPLETED", pid=4242)
+    write_manifest(paths, manifest)
+    _echo_jobs(run, "local", {"prepare": "101", "train": "4242"})
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:] == ["prepare job: 100, 101 (the 2 tasks of its array, run here one after another)",
+                       "train job: 4242"], out
+
+
+def test_logs_follow_of_a_local_prepare_array_follows_every_task(tmp_path: Path) -> None:
+    """`logs --job prepare -f` of a local prepare array (examples/tiny/text.yaml: the local executor runs task 1, then
+    task 2, each a job of its own) followed the task running when it started, then said the array had ended and never
+    showed task 2's log. Now it follows task 2's log once the submit that runs the array records it, and ends with the
+    last task. A `sleep` stands in for task 2's process; this process holds the run's lock as that submit does."""
+    import subprocess
+    import threading
+
+    from slurmft.rundir import (
+        RunPaths,
+        acquire_lock,
+        process_record,
+        read_manifest,
+        record_job,
+        release_lock,
+        write_manifest,
+    )
+    from slurmft.watch.logs import ended_words, tail
+
+    run = local_run(tmp_path)
+    paths = RunPaths.of(run)
+    manifest = read_manifest(paths)
+    manifest["jobs"] = []
+    logs = [run / "submitit" / f"{job_id}_0_log.out" for job_id in ("100", "101")]
+    logs[0].write_text("[slurmft prepare] task 0 of 2: done\n")
+    record_job(manifest, "prepare", "100", task=0, tasks=2, state="COMPLETED", pid=4242, logs=[str(logs[0])])
+    write_manifest(paths, manifest)
+    acquire_lock(paths, "submit")
+    seen: list[str] = []
+    follower = threading.Thread(target=tail, args=(log_files(run, "prepare"), 5, True, seen.append,
+                                                   ended_words(run, "prepare"), 0.2),
+                                kwargs={"more": lambda: log_files(run, "prepare")}, daemon=True)
+    try:
+        follower.start()
+        follower.join(1.0)
+        assert follower.is_alive() and "[slurmft prepare] task 0 of 2: done" in seen, seen  # task 2 is to come
+        with subprocess.Popen(["sleep", "60"]) as task:
+            record_job(manifest, "prepare", "101", task=1, tasks=2, logs=[str(logs[1])], **process_record(task.pid))
+            write_manifest(paths, manifest)
+            logs[1].write_text("[slurmft prepare] task 1 of 2: packing 2 shards\n")
+            for _ in range(100):
+                if "[slurmft prepare] task 1 of 2: packing 2 shards" in seen:
+                    break
+                follower.join(0.1)
+            assert "[slurmft prepare] task 1 of 2: packing 2 shards" in seen and follower.is_alive(), seen
+            task.kill()
+        manifest["jobs"][-1]["state"] = "COMPLETED"
+        write_manifest(paths, manifest)
+    finally:
+        release_lock(paths)
+    follower.join(30)
+    assert not follower.is_alive()
+    assert seen[-1].startswith("[slurmft logs] prepare task 2 of 2 (job 101) of the local array has ended: "
+                               "completed"), seen
+    assert f"==> {logs[1]} <==" in seen, seen
+
+
+@pytest.mark.parametrize("kind", ["consolidate", "eval", "prepare"])
+def test_status_of_a_failed_job_run_with_here_says_where_its_output_went(
+        kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`slurmft status` of a failed `slurmft consolidate RUN_DIR --here` said to see `slurmft logs ... --job
+    consolidate`, which only says such a job keeps no log file: status says where its output went instead."""
+    import json
+
+    from slurmft.rundir import RunPaths, read_manifest, record_job, write_manifest
+
+    run = local_run(tmp_path)
+    paths = RunPaths.of(run)
+    manifest = read_manifest(paths)
+    record_job(manifest, kind, "here-7-8", here=True, pid=7, state="FAILED")
+    write_manifest(paths, manifest)
+    main(["status", str(run), "--json"])
+    words = next(r for r in json.loads(capsys.readouterr().out)["jobs"] if r["job_id"] == "here-7-8")["words"]
+    assert "slurmft logs" not in words, words
+    assert f"it ran in the terminal that started it (`slurmft {kind} --here`), which keeps no log file: what it " \
+           "printed there says why" in words, words

@@ -106,7 +106,7 @@ from slurmft.precision import PRECISIONS, consolidated_dtype
 from slurmft.precision import reduce_dtype as resolve_reduce_dtype
 from slurmft.precision import resolve as resolve_mode
 from slurmft.prepared import counted as prepared_counts
-from slurmft.profiles import runs_on_gpu
+from slurmft.profiles import on_this_machine, runs_on_gpu
 from slurmft.units import GB, GiB, MiB, decimal_gb
 
 if TYPE_CHECKING:  # the login side needs none of these at run time
@@ -494,7 +494,9 @@ def _precision_facts(cfg: RunConfig, k: Settings) -> dict[str, Any]:
     }
 
 
-def _setup_facts(k: Settings, profile: ClusterProfile) -> dict[str, Any]:
+def _setup_facts(k: Settings, profile: ClusterProfile, here: bool) -> dict[str, Any]:
+    """``here``: a local run without a profile (:func:`slurmft.profiles.on_this_machine`): its ranks run on this
+    machine, which is what is said, not the default profile's name (its RAM is this machine's already)."""
     return {
         "nodes": k.nodes,
         "ranks_per_node": k.ranks_per_node,
@@ -502,6 +504,7 @@ def _setup_facts(k: Settings, profile: ClusterProfile) -> dict[str, Any]:
         "device": "gpu" if k.on_gpu else "cpu",
         "gpu_type": profile.gpu.type if k.on_gpu else None,
         "profile": profile.name,
+        "this_machine": here,
         "precision": k.precision,
         "fsdp": k.fsdp,
         "shards": k.shards,
@@ -509,7 +512,8 @@ def _setup_facts(k: Settings, profile: ClusterProfile) -> dict[str, Any]:
         "replicas": k.nodes if (k.hsdp and k.fsdp) else 1,
         "cpu_offload": k.cpu_offload,
         "activation_checkpointing": k.checkpointing,
-        "attention": "eager" if k.eager else "flash/sdpa",
+        # flash-attention 2 needs a CUDA device: CPU ranks run SDPA (slurmft.job.loading.choose_attention)
+        "attention": "eager" if k.eager else "flash/sdpa" if k.on_gpu else "sdpa",
         "seq_len": k.seq_len,
         "micro_batch": k.micro_batch,
         "gradient_accumulation_steps": k.accumulation,
@@ -600,7 +604,7 @@ def estimate(
         "model": _model_facts(cfg, source, shape),
         "parameters": n_params,
         "precision": _precision_facts(cfg, knobs),
-        "setup": _setup_facts(knobs, profile),
+        "setup": _setup_facts(knobs, profile, on_this_machine(cfg)),
         "per_gpu": gpu,
         "activations": activations,
         "cpu_ram_per_node": cpu,

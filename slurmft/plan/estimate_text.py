@@ -199,7 +199,8 @@ def assumptions(k: Settings, counted: Counted, capacity_note: str | None) -> lis
     attn = (
         "eager attention: K/V repeated to all heads, fp32 softmax of heads x seq x seq per layer"
         if k.eager
-        else "flash-attention/SDPA: no seq x seq matrix, only the log-sum-exp is kept"
+        else "flash-attention/SDPA: no seq x seq matrix, only the log-sum-exp is kept" if k.on_gpu
+        else "SDPA (flash-attention 2 needs a CUDA device): no seq x seq matrix, only the log-sum-exp is kept"
     )
     ckpt = (
         "activation checkpointing: each layer's input kept, one layer recomputed in backward"
@@ -361,7 +362,7 @@ def render_table(result: dict[str, Any]) -> RenderableType:
         f"{m['num_hidden_layers']} layers, hidden {m['hidden_size']}, heads {m['num_attention_heads']}"
         f"/{m['num_key_value_heads']} kv, vocab {m['vocab_size']}\n",
         f"{s['nodes']} node(s) x {s['ranks_per_node']} ranks on {s['gpu_type'] or 'CPU'} "
-        f"({s['profile']}), {s['precision']}, "
+        f"({'this machine' if s.get('this_machine') else s['profile']}), {s['precision']}, "
         + ((f"HSDP: sharded over {s['shards']} per node, {s['replicas']} replicas" if s["replicas"] > 1 else
             f"FSDP full shard over {s['shards']}") if s["fsdp"] else "no FSDP (full copy per rank)")
         + (", CPU offload" if s["cpu_offload"] else "")

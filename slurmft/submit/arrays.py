@@ -106,6 +106,7 @@ def run_local_array(cfg: RunConfig, paths: RunPaths, manifest: dict[str, Any], s
         record_job(manifest, "prepare", job_id, **process_record(int(job_id)), **fields, task=k, tasks=tasks,
                    logs=[str(JobPaths(paths.submitit, job_id, 0).stdout)])
         write_manifest(paths, manifest)
-        say(f"prepare task {k + 1} of {tasks} (job {job_id}) started here")
-        wait(job, "prepare", paths, manifest, say)
+        what = f"prepare task {k + 1} of {tasks} (job {job_id})"
+        say(f"{what} started here")
+        wait(job, "prepare", paths, manifest, say, what)
     return job_id

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slurmft import cancels, prepared, slurm
+from slurmft import prepared, slurm
 from slurmft.config import Executor, RunConfig
 from slurmft.config_loading import dump_config
 from slurmft.config_values import time_minutes
@@ -51,7 +50,7 @@ from slurmft.rundir import (
     start_attempt,
     write_manifest,
 )
-from slurmft.submit.console import MetricsFollower
+from slurmft.submit.console import JOB_NAMES, wait_local
 from slurmft.watch.progress import allocation_words
 
 Say = Callable[[str], None]
@@ -410,7 +409,7 @@ def submit_consolidation(
 
 
 #: The jobs after consolidation, in the order they are chained, and what they are called in messages.
-MODEL_JOBS = {"serve": "serve check", "eval": "evaluation"}
+MODEL_JOBS = {kind: JOB_NAMES[kind] for kind in ("serve", "eval")}
 
 
 def _model_job_call(kind: str, overrides: list[str] | None) -> tuple[Callable[..., Any], tuple[Any, ...]]:
@@ -480,7 +479,7 @@ def run_local_model_job(
                logs=[str(JobPaths(paths.submitit, job.job_id, 0).stdout)])
     write_manifest(paths, manifest)
     say(f"{MODEL_JOBS[kind]} job {job.job_id} started here")
-    _wait_local(job, kind, paths, manifest, say)
+    wait_local(job, kind, paths, manifest, say)
     return str(job.job_id)
 
 
@@ -526,7 +525,7 @@ def run_local_prepare(cfg: RunConfig, paths: RunPaths, manifest: dict[str, Any],
     if cfg.prepare.tasks > 1:
         from slurmft.submit.arrays import run_local_array
 
-        return run_local_array(cfg, paths, manifest, say, _prepare_fields(run_attempt), _wait_local)
+        return run_local_array(cfg, paths, manifest, say, _prepare_fields(run_attempt), wait_local)
     ex = LocalExecutor(folder=paths.submitit, python=python_for(cfg))
     ex.update_parameters(tasks_per_node=1, nodes=1, timeout_min=time_minutes(cfg.prepare.resources.time))
     job = ex.submit(run_prepare, str(paths.root))
@@ -534,7 +533,7 @@ def run_local_prepare(cfg: RunConfig, paths: RunPaths, manifest: dict[str, Any],
                logs=[str(JobPaths(paths.submitit, job.job_id, 0).stdout)])
     write_manifest(paths, manifest)
     say(f"prepare job {job.job_id} started here")
-    _wait_local(job, "prepare", paths, manifest, say)
+    wait_local(job, "prepare", paths, manifest, say)
     return str(job.job_id)
 
 
@@ -572,7 +571,7 @@ def _run_local(
                    logs=logs)
         write_manifest(paths, manifest)
         say(f"train job {train.job_id} started here ({cfg.resources.ranks_per_node} processes); logs: {logs[0]}")
-        _wait_local(train, "train", paths, manifest, say)
+        wait_local(train, "train", paths, manifest, say)
         if not cfg.consolidate.enabled:
             return
         cons = run_local_consolidation(cfg, paths, manifest, say, dependency=train.job_id,
@@ -613,75 +612,6 @@ def run_local_consolidation(
                **_consolidation_fields(dependency, run_attempt, checkpoint, out),
                logs=[str(JobPaths(paths.submitit, cons.job_id, 0).stdout)])
     write_manifest(paths, manifest)
-    say(f"consolidation job {cons.job_id} started here")
-    _wait_local(cons, "consolidate", paths, manifest, say)
+    say(f"{JOB_NAMES['consolidate']} job {cons.job_id} started here")
+    wait_local(cons, "consolidate", paths, manifest, say)
     return str(cons.job_id)
-
-
-#: How often a local prepare job's newest progress line (datasets' rows/s and ETA) is said while it runs: a corpus
-#: takes minutes to hours, and its bars go to the job's log, not to the terminal that waits.
-PREPARE_PROGRESS_EVERY_S = 30.0
-
-
-def _wait_local(job: Any, kind: str, paths: RunPaths, manifest: dict[str, Any], say: Say) -> None:
-    """Wait for a local job, showing progress from metrics.jsonl (a prepare job: its log's progress line, every
-    :data:`PREPARE_PROGRESS_EVERY_S`); record its final state."""
-    from slurmft.watch.progress import log_progress
-
-    t0 = shown_at = time.time()
-    steps = MetricsFollower(paths.metrics)
-    logs, shown = manifest["jobs"][-1].get("logs") or [], None
-    try:
-        while not job.done():
-            time.sleep(1.0)
-            if kind == "train":
-                for line in steps.new_lines():
-                    say(f"  {line}")
-            elif kind == "prepare" and logs and time.time() - shown_at >= PREPARE_PROGRESS_EVERY_S:
-                shown_at, line = time.time(), log_progress(Path(logs[0]))
-                if line and line != shown:
-                    say(f"  {line}")
-                    shown = line
-        if kind == "train":
-            for line in steps.new_lines():  # the steps logged in the last second
-                say(f"  {line}")
-    except KeyboardInterrupt:  # the local job would outlive us: stop it, and say where it stood
-        job.cancel(check=False)
-        manifest["jobs"][-1]["state"] = "CANCELLED"
-        write_manifest(paths, manifest)
-        say(f"{kind} job {job.job_id} cancelled (Ctrl-C); complete checkpoints stay in {paths.checkpoints}")
-        raise
-    by = cancels.read(paths).get(str(job.job_id))  # `slurmft cancel` wrote it before its signal
-    if by:  # not job.results(): it waits 15 s for the result a cancelled job never writes
-        manifest["jobs"][-1]["state"] = "CANCELLED"
-        write_manifest(paths, manifest)
-        raise Cancelled(f"{kind} job {job.job_id} {cancels.words(by)}; complete checkpoints stay in "
-                        f"{paths.checkpoints}: `slurmft resume {paths.root}` continues")
-    state = "COMPLETED"
-    try:
-        job.results()
-    except Exception as exc:  # noqa: BLE001 - the job's own log says why; show its end
-        state = "FAILED"
-        manifest["jobs"][-1]["state"] = state
-        write_manifest(paths, manifest)
-        logs = manifest["jobs"][-1].get("logs", [])
-        tail = _log_tail(logs) or str(exc).strip().splitlines()[-1:]  # no log: what submitit reported
-        raise SubmissionError(
-            f"{kind} job {job.job_id} failed after {time.time() - t0:.0f}s; the end of its log:",
-            tail + [f"logs: {', '.join(logs)}"],
-        ) from None
-    manifest["jobs"][-1]["state"] = state
-    manifest["jobs"][-1]["elapsed_s"] = round(time.time() - t0, 1)
-    write_manifest(paths, manifest)
-    say(f"{kind} job {job.job_id} {state.lower()} in {time.time() - t0:.0f}s")
-
-
-def _log_tail(logs: list[str], lines: int = 8) -> list[str]:
-    """Last lines of the first rank's stderr (submitit keeps .err next to .out), else its stdout."""
-    for log in logs:
-        for path in (Path(log).with_suffix(".err"), Path(log)):
-            if path.is_file():
-                text = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-                if text:
-                    return text[-lines:]
-    return []

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slurmft import locks
 from slurmft.errors import RunDirError
-from slurmft.rundir import RunPaths, latest_jobs, read_manifest
+from slurmft.rundir import RunPaths, array_tasks, latest_jobs, read_manifest
 
 #: Why a run may have no job of a kind, and what makes one.
 _NO_JOB_WHY = {
@@ -68,18 +69,30 @@ def job_outputs(paths: RunPaths, job: dict[str, Any]) -> list[Path]:
     ``log``; an adopted job has no record of it and wrote there too). A job run in a terminal (``--here``) wrote to
     that terminal, to no file: the error says so (it was a KeyError)."""
     if job.get("here"):
-        raise RunDirError(f"{job['kind']} job {job['job_id']} of {paths.root} ran in the terminal that started it "
-                          f"(`slurmft {job['kind']} --here`), which keeps no log file: what it printed there is its "
-                          f"log; its result: `slurmft status {paths.root}`")
+        from slurmft.watch.status import here_words
+
+        raise RunDirError(f"{job['kind']} job {job['job_id']} of {paths.root} {here_words(job['kind'])}: what it "
+                          f"printed there is its log; its result: `slurmft status {paths.root}`")
     return [Path(p) for p in job.get("logs", [])] or [Path(job.get("log") or paths.log_file(job["kind"],
                                                                                              str(job["job_id"])))]
 
 
+def followed_jobs(paths: RunPaths, kind: str, job_id: str | None = None) -> list[dict[str, Any]]:
+    """The jobs whose logs ``logs`` shows: the job ``job_id`` alone (one task of a local array too), else the newest
+    job of ``kind``, and when that is a task of a local prepare array (the local executor runs the tasks one after
+    another, each a job of its own), every task of that array recorded so far: ``logs --job prepare`` showed the newest
+    task alone, and ``-f`` never came to task 2."""
+    job = the_job(paths, kind, job_id)
+    return [job] if job_id is not None else array_tasks(read_manifest(paths), job)
+
+
 def log_files(run_dir: Path, kind: str, job_id: str | None = None) -> list[Path]:
-    """Log files of the newest job of ``kind``, or of the job ``job_id`` (one per rank for local runs, one for Slurm;
-    a local run's stderr files beside its stdout files)."""
+    """Log files of the newest job of ``kind`` (every task of a local prepare array: :func:`followed_jobs`), or of
+    the job ``job_id`` (one per rank for local runs, one for Slurm; a local run's stderr files beside its stdout
+    files)."""
     paths = RunPaths.of(run_dir)
-    return [f for out in job_outputs(paths, the_job(paths, kind, job_id)) for f in (out, *_stderr_of(out))]
+    return [f for job in followed_jobs(paths, kind, job_id) for out in job_outputs(paths, job)
+            for f in (out, *_stderr_of(out))]
 
 
 def sweep_log_lines(root: Path, kind: str, lines: int) -> list[str]:
@@ -138,23 +151,31 @@ def ended_words(run_dir: Path, kind: str, job_id: str | None = None) -> Callable
     """For ``logs -f``: a function that says what became of the newest ``kind`` job (or the job ``job_id``) once it
     has ended for good, and None while it may still write to its log (queued, running, requeued, finishing), while we
     cannot see it, and while squeue does not answer (a live job would look ended). Without it ``-f`` waited on a
-    finished job's log for ever."""
+    finished job's log for ever. A local prepare array (:func:`followed_jobs`) ends with its last task, or with a
+    task that did not complete (the submit that runs them stops there), or when that submit is gone."""
     from slurmft.slurm_states import is_live, is_unseen
     from slurmft.watch.status import run_state
 
     paths = RunPaths.of(run_dir)
-    job_id = str(the_job(paths, kind, job_id)["job_id"])
+    followed_jobs(paths, kind, job_id)  # the error now, when the run has no such job
 
     def check() -> str | None:
+        job = followed_jobs(paths, kind, job_id)[-1]  # a local array's newest task: a later task is recorded later
         state = run_state(paths, adopt=False)
-        row = next((r for r in state.rows if str(r["job_id"]) == job_id), None)
+        row = next((r for r in state.rows if str(r["job_id"]) == str(job["job_id"])), None)
         if row is None or not state.squeue_answered or is_live(row["state"]) or is_unseen(row["state"]):
+            return None
+        task = job.get("task")
+        if task is not None and task + 1 < job.get("tasks", 0) and row["state"] == "COMPLETED" and \
+                locks.live_holder(paths.lock) is not None:  # the submit that runs the array starts the next task
             return None
         # a job after it that still runs or waits (the consolidation, the serve check, the evaluation): where to look
         later = next((r for r in state.rows[state.rows.index(row) + 1:] if is_live(r["state"])), None)
         nxt = (f"; next: {later['kind']} job {later['job_id']}, {later['words']}: `slurmft logs {paths.root} --job "
                f"{later['kind']} -f`" if later else "")
-        return (f"[slurmft logs] {kind} job {job_id} has ended: {row['words']}{nxt} (the whole run: `slurmft status "
+        what = (f"{kind} job {job['job_id']}" if task is None else
+                f"{kind} task {task + 1} of {job.get('tasks')} (job {job['job_id']}) of the local array")
+        return (f"[slurmft logs] {what} has ended: {row['words']}{nxt} (the whole run: `slurmft status "
                 f"{paths.root}`)")
 
     return check
@@ -180,10 +201,11 @@ def job_now(run_dir: Path, kind: str, job_id: str | None = None) -> Callable[[],
 
 def tail(files: list[Path], lines: int, follow: bool, echo: Callable[[str], None],
          ended: Callable[[], str | None] | None = None, poll_s: float = ENDED_POLL_S,
-         why_no_log: Callable[[], str | None] | None = None) -> None:
+         why_no_log: Callable[[], str | None] | None = None, more: Callable[[], list[Path]] | None = None) -> None:
     """Print the last ``lines`` lines of each file, then (with ``follow``) what is appended, until ``ended`` (asked
     every ``poll_s`` seconds) says the job has ended: then the rest of its log and those words. ``why_no_log``
-    (:func:`job_now`): what the job does while its log is not there yet."""
+    (:func:`job_now`): what the job does while its log is not there yet. ``more`` (asked as often) gives the files as
+    they are now: a file that joined them (a local array's next task) is shown whole, under its name."""
     offsets: dict[Path, int] = {}
     for f in files:
         if not f.exists():
@@ -200,10 +222,16 @@ def tail(files: list[Path], lines: int, follow: bool, echo: Callable[[str], None
     asked = time.monotonic()
     message = ended() if follow and ended else None
     while follow:
+        fresh = message is not None
         if message is None:
             time.sleep(0.5)
             if ended and time.monotonic() - asked >= poll_s:
-                asked, message = time.monotonic(), ended()
+                asked, message, fresh = time.monotonic(), ended(), True
+        if more and fresh:  # the files now, as often as ``ended`` is asked and once more after it said the end
+            for f in more():
+                if f not in offsets:
+                    echo(f"==> {f} <==")
+                    files, offsets[f] = [*files, f], 0
         for f in files:
             if not f.exists():
                 continue

@@ -39,7 +39,7 @@ from slurmft.watch.progress import (
     rollouts_words,
 )
 from slurmft.watch.results import adapter_info, lora_info, lora_words, model_info, result_info
-from slurmft.watch.run_totals import read_summaries, totals
+from slurmft.watch.run_totals import newest_records, read_summaries, totals
 
 
 def _config(paths: RunPaths) -> dict[str, Any]:
@@ -112,7 +112,8 @@ def summary(paths: RunPaths, slurm_rows: list[dict[str, Any]] | None = None) -> 
     max_steps = max_steps_of(paths)
     rows = attempts(manifest, records, slurm_rows, markers=requeue_markers(paths), max_steps=max_steps,
                     cancelled=cancels.read(paths))
-    losses = [r["loss"] for r in records if isinstance(r.get("loss"), (int, float))]
+    # each step once, with its newest value: a step trained again after a resume from an older checkpoint counted twice
+    losses = [r["loss"] for r in newest_records(records) if isinstance(r.get("loss"), (int, float))]
     rss = [r["peak_rss_mib"] for r in records if isinstance(r.get("peak_rss_mib"), (int, float))]
     gpu = [r["peak_gpu_mem_mib"] for r in records if isinstance(r.get("peak_gpu_mem_mib"), (int, float))]
     last = records[-1] if records else {}

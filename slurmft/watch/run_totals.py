@@ -99,22 +99,38 @@ class RunTotals:
         return out
 
 
-def loss_over_steps(records: Iterable[dict[str, Any]]) -> tuple[float | None, int]:
-    """(step-weighted mean loss, steps covered) over logged step records in file order.
+def _covers(rec: dict[str, Any]) -> tuple[int, bool]:
+    """(start, known) of a logged step record: it covers the steps ``(start, step]``; ``known``: its ``loss_steps``
+    says so (an older slurmft's record is taken to cover its own step, and gives its loss no weight)."""
+    step, n = rec["step"], rec.get("loss_steps")
+    known = isinstance(n, int) and not isinstance(n, bool) and 0 < n <= step
+    return (step - n if known else step - 1), known  # type: ignore[operator]
+
+
+def newest_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The logged step records that stand, in file order: each step once, with its newest value.
 
     A record covers the steps ``(step - loss_steps, step]``. A later record that starts at or below an earlier
     record's end (a resume from an older checkpoint) replaces every earlier record reaching past its start: those
-    steps were trained again, and the newest training is the run's. A record without ``loss_steps`` (an older
-    slurmft) or without a loss still replaces what it overlaps but adds no weight."""
-    kept: list[tuple[int, int, float | None]] = []  # (start, end, loss): covers steps start+1..end
+    steps were trained again, and the newest training is the run's (the one the final model went through)."""
+    kept: list[tuple[int, dict[str, Any]]] = []  # (start, record)
     for rec in records:
-        step, n, loss = rec["step"], rec.get("loss_steps"), _num(rec.get("loss"))
-        known = isinstance(n, int) and not isinstance(n, bool) and 0 < n <= step
-        start = step - n if known else step - 1  # type: ignore[operator]
-        while kept and kept[-1][1] > start:
+        start = _covers(rec)[0]
+        while kept and kept[-1][1]["step"] > start:
             kept.pop()
-        kept.append((start, step, loss if known else None))
-    weighted = [(end - start, loss) for start, end, loss in kept if loss is not None]
+        kept.append((start, rec))
+    return [rec for _, rec in kept]
+
+
+def loss_over_steps(records: Iterable[dict[str, Any]]) -> tuple[float | None, int]:
+    """(step-weighted mean loss, steps covered) over logged step records in file order, each step once
+    (:func:`newest_records`). A record without ``loss_steps`` (an older slurmft) or without a loss still replaces
+    what it overlaps but adds no weight."""
+    weighted = []
+    for rec in newest_records(records):
+        (start, known), loss = _covers(rec), _num(rec.get("loss"))
+        if known and loss is not None:
+            weighted.append((rec["step"] - start, loss))
     steps = sum(n for n, _ in weighted)
     return (sum(n * loss for n, loss in weighted) / steps if steps else None), steps
 

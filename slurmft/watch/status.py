@@ -180,7 +180,8 @@ def job_rows(manifest: dict[str, Any], run_dir: str = "RUN_DIR", view: SlurmView
         if jid in cancelled and parse(state) == State.CANCELLED:  # (a job that completed as cancel came: not so)
             row["cancelled_by"] = cancels.words(cancelled[jid])
         row["words"] = describe(state, row["reason"], run_dir, job["kind"], jid == newest_train, jid, unseen,
-                                row.get("cancelled_by", ""), superseded=jid != newest[job["kind"]])
+                                row.get("cancelled_by", ""), superseded=jid != newest[job["kind"]],
+                                here=bool(job.get("here")))
         rows.append(row)
     explain_dependency_failures(rows, jobs, run_dir)
     return rows
@@ -269,12 +270,13 @@ def consolidation_failed_words(consolidate_job: str, run_dir: str, by: str = "",
 
 
 def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", newest_train: bool = False,
-             job_id: str = "JOB", unseen: str = "", by: str = "", superseded: bool = False) -> str:
+             job_id: str = "JOB", unseen: str = "", by: str = "", superseded: bool = False, here: bool = False) -> str:
     """The state in words a user can act on: :data:`slurmft.slurm_states.WORDS`, plus what to do next. ``unseen``:
     what to say instead of a state we cannot see (:data:`slurmft.slurm_states.UNSEEN`): who submitted the job, or
     where its process runs. ``by``: who cancelled it (:func:`slurmft.cancels.words`), said for "cancelled".
     ``superseded``: a later job of the same kind is in the run (a consolidation, serve check or evaluation run
-    again): an ended one no longer says to run it again."""
+    again): an ended one no longer says to run it again. ``here``: it ran with ``--here`` and has no log file: where
+    its output went is said instead of a ``slurmft logs`` command that would only say so."""
     known = parse(state)
     if known in UNSEEN and unseen:
         return unseen
@@ -285,8 +287,9 @@ def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", 
         return REASON_WORDS[reason].format(run=run_dir, waits_on=WAITS_ON.get(kind, "train"))
     text = by if known == State.CANCELLED and by else words(state)
     log = logs_command(run_dir, kind, job_id, superseded)
+    why = f"it {here_words(kind)}: what it printed there says why" if here else f"see why with `{log}`"
     if known == State.FAILED and (superseded or kind not in MODEL_JOB_COMMANDS and kind != "prepare"):
-        text += f" (see `{log}`)"  # the newest serve, eval and prepare jobs name it below
+        text += f"; {why}" if here else f" (see `{log}`)"  # the newest serve, eval and prepare jobs name it below
     elif known == State.UNKNOWN:
         text += ("; neither squeue nor sacct has it (another cluster or SLURM_CONF? accounting off and the job "
                  "older than MinJobAge?)")
@@ -302,11 +305,17 @@ def describe(state: str, reason: str, run_dir: str = "RUN_DIR", kind: str = "", 
     elif kind == "consolidate" and known in RESUMABLE_ENDINGS - {State.UNKNOWN}:
         text += f"; redo it with `slurmft consolidate {run_dir}`"
     elif kind in MODEL_JOB_COMMANDS and known in RESUMABLE_ENDINGS - {State.UNKNOWN}:
-        text += f"; the model stays; see why with `{log}`, run it again with `{MODEL_JOB_COMMANDS[kind]} {run_dir}`"
+        text += f"; the model stays; {why}; run it again with `{MODEL_JOB_COMMANDS[kind]} {run_dir}`"
     elif kind == "prepare" and known in RESUMABLE_ENDINGS - {State.UNKNOWN}:
-        text += (f"; no train job starts without it: fix what its log says (`{log}`), then `slurmft resume {run_dir}` "
-                 f"(or `slurmft prepare {run_dir}`)")
+        fix = f"{why}; fix that" if here else f"fix what its log says (`{log}`)"
+        text += f"; no train job starts without it: {fix}, then `slurmft resume {run_dir}` (or `slurmft prepare {run_dir}`)"
     return text
+
+
+def here_words(kind: str) -> str:
+    """Where a job run with ``--here`` (``slurmft consolidate/prepare/serve/eval RUN_DIR --here``) printed: the terminal
+    that ran it; it keeps no log file, so neither ``status`` nor ``logs`` may name a ``slurmft logs`` command for it."""
+    return f"ran in the terminal that started it (`slurmft {kind} --here`), which keeps no log file"
 
 
 def logs_command(run_dir: str, kind: str, job_id: str, superseded: bool = False) -> str:

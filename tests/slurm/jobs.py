@@ -94,10 +94,14 @@ def started_here(args: list[str]) -> dict[str, str]:
 
 
 def started_jobs(out: str) -> dict[str, str]:
-    """{kind: job id} from what submit, resume or prepare printed (``train job: 12``; a sweep's array: ``train jobs:
-    array 12 (4 points, 2 at a time)``)."""
+    """{kind: job id} from what submit, resume or prepare printed (``train job: 12``, ``consolidation job: 13``: each
+    kind's name, slurmft.submit.console.JOB_NAMES; a sweep's array: ``train jobs: array 12 (4 points, 2 at a time)``)."""
+    from slurmft.submit.console import JOB_NAMES
+
+    kinds = {name: kind for kind, name in JOB_NAMES.items()}  # ``consolidation job: 13`` is the consolidate job
     arrays = (re.match(r"(\S+) jobs: array (\S+) \(", line) for line in out.splitlines())
-    return {**dict(line.split(" job: ") for line in out.splitlines() if " job: " in line),
+    return {**{kinds.get(name, name): job for name, job in (line.split(" job: ") for line in out.splitlines()
+                                                             if " job: " in line)},
             **{m.group(1): m.group(2) for m in arrays if m}}
 
 
