@@ -534,6 +534,14 @@ start_cluster() {
   for node in "${NODES[@]}"; do mkdir -p "$STATE/$node"; done
   chmod 755 "$DIR" "$MUNGE_DIR"  # munged wants a socket directory nobody else may write to
   for port in $(seq "$CTLD_PORT" "$LAST_PORT"); do
+    # a port in use a moment may be a local run's rendezvous (slurmft's free_port draws from 10000-19999, these
+    # ports among them: CI76 met one at a second cluster's start): wait for it a while before giving up
+    i=0
+    while port_open "$port" && [ $i -lt 60 ]; do
+      [ $i -eq 0 ] && log "port $port on 127.0.0.1 is in use; waiting up to 60 s for it to be released"
+      sleep 1
+      i=$((i + 1))
+    done
     port_open "$port" && die "port $port on 127.0.0.1 is already in use (another cluster? set SLURMFT_CLUSTER_PORT)"
   done
 
