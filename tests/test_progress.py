@@ -318,18 +318,25 @@ def test_a_run_whose_train_job_ended_early_has_no_eta(tmp_path: Path) -> None:
     assert overview(paths, manifest, slurm_rows(state="CANCELLED"), max_steps=36)["progress"]["eta_s"] == 0.0  # done
 
 
-def test_an_attempt_cancelled_by_slurmft_cancel_says_so_not_scancel(tmp_path: Path) -> None:
-    """`slurmft cancel` mid-training: the ranks save and the job ends CANCELLED. The job's line named who
-    (cancels.jsonl) while the attempt's said "cancelled (scancel) after saving": the attempt now says it as the job
-    does; without cancels.jsonl (a plain scancel) it stays "cancelled (scancel)"."""
-    from slurmft import cancels
-
+def _cancelled_after_saving(tmp_path: Path) -> tuple[RunPaths, dict, list[dict]]:
+    """The preempted run with its second attempt cancelled (scancel or `slurmft cancel`) after saving step 24: its
+    paths, manifest and the metrics of its first two attempts."""
     paths = RunPaths.of(preempted_run(tmp_path))
     manifest = json.loads(paths.manifest.read_text())
     records = [r for r in read_metrics(paths.metrics).records if r["restart"] < 2]
     (paths.requeue_marker_dir / "100-2").unlink(missing_ok=True)
     (paths.requeue_marker_dir / "100-1").write_text(json.dumps({"step": 24, "job_id": "100", "restart": 1,
                                                                "saved": True, "ended": "cancelled"}))
+    return paths, manifest, records
+
+
+def test_an_attempt_cancelled_by_slurmft_cancel_says_so_not_scancel(tmp_path: Path) -> None:
+    """`slurmft cancel` mid-training: the ranks save and the job ends CANCELLED. The job's line named who
+    (cancels.jsonl) while the attempt's said "cancelled (scancel) after saving": the attempt now says it as the job
+    does; without cancels.jsonl (a plain scancel) it stays "cancelled (scancel)"."""
+    from slurmft import cancels
+
+    paths, manifest, records = _cancelled_after_saving(tmp_path)
     rows = slurm_rows(state="CANCELLED", restarts=1)
     plain = attempts(manifest, records, rows, markers=requeue_markers(paths))[-1]["reason"]
     assert plain.startswith("cancelled (scancel) after saving")
@@ -343,12 +350,7 @@ def test_an_attempt_cancelled_by_slurmft_cancel_says_so_not_scancel(tmp_path: Pa
 def test_an_attempt_cancelled_after_saving_and_resumed_no_longer_says_to_resume(tmp_path: Path) -> None:
     """`slurmft cancel` mid-training, then `slurmft resume`: the cancelled attempt said "... after saving; `slurmft
     resume` continues from that step, resumed by hand", a command already run. Once resumed it says what happened."""
-    paths = RunPaths.of(preempted_run(tmp_path))
-    manifest = json.loads(paths.manifest.read_text())
-    records = [r for r in read_metrics(paths.metrics).records if r["restart"] < 2]
-    (paths.requeue_marker_dir / "100-2").unlink(missing_ok=True)
-    (paths.requeue_marker_dir / "100-1").write_text(json.dumps({"step": 24, "job_id": "100", "restart": 1,
-                                                               "saved": True, "ended": "cancelled"}))
+    paths, manifest, records = _cancelled_after_saving(tmp_path)
     manifest["jobs"].append({"kind": "train", "job_id": "200", "attempt": 2, "submitted": T0 + 200})
     manifest["attempts"].append({"attempt": 2, "how": "resume", "time": T0 + 200, "train_job": "200",
                                  "resumed_from_step": 24})
