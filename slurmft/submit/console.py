@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from slurmft import cancels
-from slurmft.errors import Cancelled, SubmissionError
-from slurmft.rundir import SAVE_EVENT, RunPaths, write_manifest
+from slurmft.errors import Cancelled, RunDirError, SubmissionError
+from slurmft.rundir import SAVE_EVENT, RunPaths, array_tasks, read_manifest, write_manifest
 from slurmft.units import binary_bytes
 
 #: What a job of each kind is called in what submit, resume and the other commands that start jobs say (one name per
@@ -87,9 +87,6 @@ def job_lines(run_dir: Path, executor: str, jobs: dict[str, str]) -> list[str]:
 def job_ids_words(run_dir: Path, job_id: str) -> str:
     """What submit's closing lines say of a local job: its id, or all its tasks' ids when it is the last task of a
     local prepare array (it said only the last one's, as if task 1 had not run)."""
-    from slurmft.errors import RunDirError
-    from slurmft.rundir import array_tasks, read_manifest
-
     try:
         manifest = read_manifest(RunPaths.of(run_dir))
     except RunDirError:

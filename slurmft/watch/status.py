@@ -345,22 +345,22 @@ def explain_dependency_failures(rows: list[dict[str, Any]], jobs: list[dict[str,
         if job["kind"] not in NEVER_STARTED_WORDS or not dep.startswith("afterok:"):
             continue
         first = by_id.get(dep.removeprefix("afterok:"))
-        # Slurm 22.05 gives a pending job that scancel cancelled the cancel's time as its Start, and its End (its
-        # NodeList "None assigned"): a Start equal to the End is no start (the status after `slurmft cancel` said
-        # "redo it with `slurmft consolidate`" of a consolidation that had waited on the cancelled train job)
+        # a Start equal to the End is no start (_started): the status after `slurmft cancel` said "redo it with
+        # `slurmft consolidate`" of a consolidation that had waited on the cancelled train job
         started = _started(row)
         by = row.get("cancelled_by", "")
+        # a serve check or evaluation whose consolidation never ran, its train job unfinished: `slurmft consolidate`
+        # would export a part-trained checkpoint; the resume chains a new consolidation and this job
+        untrained = (first is not None and job["kind"] in MODEL_JOB_COMMANDS and not _started(first)
+                     and not _trained(jobs[position[first["job_id"]]], by_id))
         if first and parse(row["state"]) == State.CANCELLED and not started and is_live(first["state"]):
             # `slurmft cancel`/scancel while the job it waits on still ends (COMPLETING): "redo it with `slurmft
             # consolidate`" would export a half-trained model; what to run depends on how that job ends
             row["words"] = (f"{by or 'cancelled'} before it started; {WAITS_ON[job['kind']]} job {first['job_id']} "
                             f"has not ended yet, it is {words(first['state'])}; `slurmft status {run_dir}` says what to "
                             "run once it has")
-        elif (first and job["kind"] in MODEL_JOB_COMMANDS and parse(row["state"]) == State.PENDING
-                and row.get("reason") == NEVER_SATISFIED and not _started(first)
-                and not _trained(jobs[position[first["job_id"]]], by_id)):
-            # until Slurm cancels it: its consolidation never ran (nothing to `slurmft consolidate` but a part-trained
-            # checkpoint), as for the cancelled one below
+        elif untrained and parse(row["state"]) == State.PENDING and row.get("reason") == NEVER_SATISFIED:
+            # until Slurm cancels it, as for the cancelled one below
             row["words"] = (f"will never start: its consolidation job {first['job_id']} never ran (its train job did "
                             f"not finish); Slurm cancels this job (--kill-on-invalid-dep); `slurmft resume {run_dir}` "
                             f"continues training and chains a new consolidation and {job['kind']} job")
@@ -374,10 +374,7 @@ def explain_dependency_failures(rows: list[dict[str, Any]], jobs: list[dict[str,
             if later:
                 row["words"] = (f"{_never_started(WAITS_ON[job['kind']], first['job_id'], by)}; {job['kind']} job "
                                 f"{later} took its place")
-            elif job["kind"] in MODEL_JOB_COMMANDS and not redone and not _started(first) and not _trained(
-                    jobs[position[first["job_id"]]], by_id):
-                # its consolidation never ran either (the train job did not finish): `slurmft consolidate` would
-                # export a half-trained checkpoint; the resume chains a new consolidation, serve check and evaluation
+            elif untrained and not redone:
                 row["words"] = (f"{_never_started(WAITS_ON[job['kind']], first['job_id'], by)}, which never ran "
                                 f"(its train job did not finish); `slurmft resume {run_dir}` continues training and "
                                 f"chains a new consolidation and {job['kind']} job")
